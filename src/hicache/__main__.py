@@ -1,0 +1,5 @@
+import sys
+
+from hicache.cli import main
+
+sys.exit(main())

@@ -1,0 +1,57 @@
+"""The ``hicache`` command: subcommands for the demo and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+# Benchmarks are imported lazily: each module exposes add_arguments(parser) and
+# main(args) -> int, and may pull in heavy or optional dependencies.
+_BENCHMARKS: dict[str, tuple[str, str]] = {
+    "transfer": ("hicache.bench.transfer", "L2<->L1 page transfer bandwidth per layout/io backend"),
+    "tree": ("hicache.bench.tree", "radix tree insert / match / evict latency"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
+    parser.add_argument("--log-level", default="warning", help="python logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="fill L1, spill to L2, load back, and show what happened")
+    from hicache.demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(demo)
+
+    bench = sub.add_parser("bench", help="micro-benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module_name, help_text) in _BENCHMARKS.items():
+        bench_parser = bench_sub.add_parser(name, help=help_text)
+        bench_parser.set_defaults(_module=module_name)
+        module = importlib.import_module(module_name)
+        module.add_arguments(bench_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "demo":
+        from hicache.demo import main as demo_main
+
+        return demo_main(args)
+    if args.command == "bench":
+        module = importlib.import_module(args._module)
+        return int(module.main(args))
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

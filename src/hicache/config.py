@@ -1,0 +1,131 @@
+"""Frozen configuration dataclasses, one per component.
+
+Each component receives only its own slice. Command-line parsing lives at the
+edge (``hicache.server.args``); defaults are read from these dataclasses so
+there is exactly one place that states them. Flag names and defaults follow
+SGLang's so that existing launch scripts keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ConfigError(ValueError):
+    """An invalid option or combination of options; the message says what to change."""
+
+
+class WritePolicy(str, Enum):
+    """When a device (L1) node is copied to host memory (L2)."""
+
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+    @property
+    def hit_count_threshold(self) -> int | None:
+        """Hits after which a node is backed up; None means only on eviction."""
+        return _WRITE_THRESHOLDS[self]
+
+
+_WRITE_THRESHOLDS: dict[WritePolicy, int | None] = {
+    WritePolicy.WRITE_THROUGH: 1,
+    WritePolicy.WRITE_THROUGH_SELECTIVE: 2,
+    WritePolicy.WRITE_BACK: None,
+}
+
+
+class IOBackendKind(str, Enum):
+    """How pages move between the host pool and the device pool."""
+
+    KERNEL = "kernel"  # Triton gather/scatter reading pinned host memory from the GPU
+    DIRECT = "direct"  # torch copies, batched per contiguous run
+
+
+class MemLayout(str, Enum):
+    """Host pool memory layout (the device pool is always layer_first)."""
+
+    LAYER_FIRST = "layer_first"  # [layers][k|v][tokens] like the device pool
+    PAGE_FIRST = "page_first"  # [pages][tokens][layers][k|v]: a page is one object
+    PAGE_FIRST_DIRECT = "page_first_direct"  # [pages][layers][k|v][tokens]
+
+
+def _parse_enum(enum_type: type[Enum], value: object, flag: str) -> Enum:
+    if isinstance(value, enum_type):
+        return value
+    try:
+        return enum_type(value)
+    except ValueError:
+        choices = ", ".join(str(member.value) for member in enum_type)
+        raise ConfigError(f"{flag}: unknown value {value!r}; choose one of: {choices}") from None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The hierarchical KV cache: page size, host pool sizing and policies."""
+
+    page_size: int = 1
+    enable_hierarchical_cache: bool = False
+    # Host pool = ratio x device pool, unless hicache_size_gb > 0 (GB per rank, 1 GB = 1e9 B).
+    hicache_ratio: float = 2.0
+    hicache_size_gb: float = 0.0
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    io_backend: IOBackendKind = IOBackendKind.KERNEL
+    mem_layout: MemLayout = MemLayout.LAYER_FIRST
+    # Host hits shorter than this are recomputed instead of loaded: a tiny load costs
+    # more in launch and bookkeeping than recomputing a few tokens.
+    load_back_threshold_tokens: int = 10
+
+    def __post_init__(self) -> None:
+        # Accept plain strings (from argparse or JSON) and normalise them to enums.
+        object.__setattr__(
+            self, "write_policy",
+            _parse_enum(WritePolicy, self.write_policy, "--hicache-write-policy"),
+        )
+        object.__setattr__(
+            self, "io_backend",
+            _parse_enum(IOBackendKind, self.io_backend, "--hicache-io-backend"),
+        )
+        object.__setattr__(
+            self, "mem_layout",
+            _parse_enum(MemLayout, self.mem_layout, "--hicache-mem-layout"),
+        )
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ConfigError(f"--page-size must be a positive integer, got {self.page_size!r}")
+        if self.hicache_size_gb < 0:
+            raise ConfigError(
+                f"--hicache-size must be >= 0 GB (0 means: use --hicache-ratio), "
+                f"got {self.hicache_size_gb}"
+            )
+        if self.hicache_size_gb == 0 and self.hicache_ratio <= 1.0:
+            raise ConfigError(
+                f"--hicache-ratio must be greater than 1 (the host pool must be larger than "
+                f"the device pool), got {self.hicache_ratio}; raise it or set --hicache-size"
+            )
+        if self.load_back_threshold_tokens < 0:
+            raise ConfigError("load_back_threshold_tokens must be >= 0")
+
+    def host_num_pages(self, device_num_pages: int, page_bytes: int) -> int:
+        """Host pool size in pages for a device pool of ``device_num_pages``.
+
+        Raises ConfigError when the host pool would not be larger than the device
+        pool: L2 must be able to hold everything L1 holds, or write-through could
+        not back up a full device pool.
+        """
+        if page_bytes <= 0:
+            raise ConfigError(f"page_bytes must be positive, got {page_bytes}")
+        if self.hicache_size_gb > 0:
+            host_pages = int(self.hicache_size_gb * 1e9) // page_bytes
+            source = f"--hicache-size {self.hicache_size_gb} GB"
+        else:
+            host_pages = int(device_num_pages * self.hicache_ratio)
+            source = f"--hicache-ratio {self.hicache_ratio}"
+        if host_pages <= device_num_pages:
+            need_gb = (device_num_pages + 1) * page_bytes / 1e9
+            raise ConfigError(
+                f"{source} gives a host pool of {host_pages} pages, not larger than the device "
+                f"pool of {device_num_pages} pages ({device_num_pages * page_bytes / 1e9:.3f} GB); "
+                f"set --hicache-size above {need_gb:.3f} or raise --hicache-ratio"
+            )
+        return host_pages

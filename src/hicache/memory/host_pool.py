@@ -1,0 +1,68 @@
+"""Host (L2) KV pool: paged, in one of three layouts, pinned when CUDA is present."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hicache.config import MemLayout
+from hicache.memory.allocator import PageAllocator
+from hicache.memory.geometry import KVGeometry
+from hicache.memory.layout import PageStrides, canonical_view, page_strides
+
+logger = logging.getLogger(__name__)
+
+
+class HostPool:
+    """KV of ``num_pages`` pages in host memory.
+
+    ``pages`` is the canonical view ``[num_pages, layers, 2, page_size, row]``
+    whatever the layout. With page_first layouts ``page_span(p)`` is the page as
+    one contiguous 1-D tensor: the unit handed to L3 storage without a copy.
+    """
+
+    def __init__(
+        self, geometry: KVGeometry, num_pages: int, page_size: int, layout: MemLayout,
+        pin_memory: bool | None = None,
+    ) -> None:
+        self.geometry = geometry
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.layout = MemLayout(layout)
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        numel = num_pages * page_size * geometry.num_layers * 2 * geometry.row_elems
+        # Pinned memory is what lets the GPU DMA (and Triton kernels) read the pool
+        # directly; without CUDA it is plain pageable memory.
+        self.flat = torch.empty(numel, dtype=geometry.dtype, pin_memory=pin_memory)
+        self.pinned = pin_memory
+        self.strides: PageStrides = page_strides(self.layout, geometry, num_pages, page_size)
+        self.pages = canonical_view(self.flat, self.strides, geometry, num_pages, page_size)
+        self.allocator = PageAllocator(num_pages, name="host pool")
+        logger.info(
+            "host pool: %d pages x %d tokens, %s, %.3f GB%s", num_pages, page_size,
+            self.layout.value, self.size_bytes / 1e9, " pinned" if pin_memory else "",
+        )
+
+    @property
+    def page_elems(self) -> int:
+        return self.page_size * self.geometry.num_layers * 2 * self.geometry.row_elems
+
+    @property
+    def page_bytes(self) -> int:
+        return self.geometry.page_bytes(self.page_size)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def page_span(self, page: int) -> torch.Tensor:
+        """Page ``page`` as one contiguous 1-D tensor (page_first layouts only)."""
+        if not self.strides.page_contiguous:
+            raise ValueError(f"layout {self.layout.value} does not store a page contiguously")
+        start = page * self.strides.page
+        return self.flat[start : start + self.page_elems]
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
