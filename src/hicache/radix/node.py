@@ -1,0 +1,96 @@
+"""TreeNode: one run of whole pages and where its KV lives (device, host, or both)."""
+
+from __future__ import annotations
+
+from itertools import count
+
+import numpy as np
+
+from hicache.memory.allocator import PageIds
+from hicache.radix.keys import TOKEN_BYTES
+
+_node_ids = count(1)
+
+
+class TreeNode:
+    """A radix-tree node.
+
+    Invariants (checked by HiRadixTree.check_integrity):
+    - ``tokens`` holds a whole number of pages (int32 little-endian bytes).
+    - ``device_pages`` / ``host_pages`` are None or hold one page id per page.
+    - A node on the device has its parent on the device (device nodes form a
+      subtree hanging from the root); a node on the host has its parent on the
+      host (backups are contiguous from the root).
+    - ``lock_ref`` counts users of the path root..node (requests, in-flight
+      device writes and loads); a locked node is never evicted from either tier.
+    - ``host_ref`` counts in-flight L3 operations on the host copy; a protected
+      host copy is never evicted.
+    """
+
+    __slots__ = (
+        "children",
+        "device_pages",
+        "extra_key",
+        "hit_count",
+        "host_pages",
+        "host_ref",
+        "id",
+        "last_access",
+        "lock_ref",
+        "page_keys",
+        "parent",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        tokens: bytes = b"",
+        parent: TreeNode | None = None,
+        extra_key: str | None = None,
+    ) -> None:
+        self.id = next(_node_ids)
+        self.tokens = tokens
+        self.parent = parent
+        self.extra_key = extra_key
+        self.children: dict[bytes, TreeNode] = {}
+        self.device_pages: PageIds | None = None
+        self.host_pages: PageIds | None = None
+        self.lock_ref = 0
+        self.host_ref = 0
+        self.hit_count = 0
+        self.last_access = 0
+        # Chained page keys (radix.keys), computed lazily: only L3 needs them.
+        self.page_keys: list[bytes] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_pages is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_pages is not None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def has_device_child(self) -> bool:
+        return any(child.device_pages is not None for child in self.children.values())
+
+    def __repr__(self) -> str:
+        where = ("D" if self.on_device else "") + ("H" if self.on_host else "")
+        return (
+            f"TreeNode(id={self.id}, tokens={self.num_tokens}, at={where or '-'}, "
+            f"lock={self.lock_ref}, host_ref={self.host_ref}, hits={self.hit_count})"
+        )
+
+
+def slice_pages(pages: PageIds | None, start: int, stop: int | None = None) -> PageIds | None:
+    """Copying slice, so a split node never aliases its sibling's page array."""
+    if pages is None:
+        return None
+    return np.array(pages[start:stop], dtype=np.int64)

@@ -1,0 +1,567 @@
+"""HiRadixTree: page-granular radix tree recording where each prefix's KV lives.
+
+Pure CPU bookkeeping: no threads, no I/O, no torch. The cache orchestrator
+(hicache.cache) turns its decisions into transfers.
+
+Key structure choices, all for the latency of match and insert:
+- Tokens are stored as packed int32 bytes; comparing a node is one bytes slice
+  and ``==`` (memcmp), and children are found by the bytes of their first page.
+  Children of the root are additionally keyed by the request's extra key
+  (cache salt), so different salts never share a node.
+- LRU eviction uses one min-heap per tier of (last_access, id, node) entries,
+  pushed only when a node *may have become* evictable. Access times only grow,
+  so an entry can be stale but never too new: a popped entry whose time is
+  older than the node's is pushed back with the current time. The first valid,
+  current entry popped is therefore the true least-recently-used candidate,
+  and no operation scans the whole tree.
+- ``lock_ref`` and ``host_ref`` are path counts (root..node), so splitting a
+  node copies them to the new upper half and unlocking the original node
+  still releases both halves.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+
+import numpy as np
+
+from hicache.config import WritePolicy
+from hicache.memory.allocator import PageIds
+from hicache.radix.keys import TOKEN_BYTES, KeyNamespace, TokenIds, chain_page_keys, pack_tokens
+from hicache.radix.node import TreeNode, slice_pages
+from hicache.radix.results import DeviceEviction, InsertResult, MatchResult, no_pages
+
+_HeapEntry = tuple[int, int, TreeNode]
+
+
+class TreeError(RuntimeError):
+    """A call that would break the tree's invariants (a bug in the caller)."""
+
+
+class HiRadixTree:
+    def __init__(
+        self,
+        page_size: int,
+        write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+        namespace: KeyNamespace | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.page_bytes = page_size * TOKEN_BYTES
+        self.write_policy = WritePolicy(write_policy)
+        self.namespace = namespace or KeyNamespace(model="default", kv_layout="", page_size=page_size)
+        self._seeds: dict[str | None, bytes] = {}
+        self.root = TreeNode()
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = 0
+        self._device_heap: list[_HeapEntry] = []
+        self._host_heap: list[_HeapEntry] = []
+        self.num_nodes = 0
+        self.num_device_pages = 0
+        self.num_host_pages = 0
+        self.num_protected_device_pages = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_evictable_device_pages(self) -> int:
+        """Device pages that eviction could free (under write_back, after a copy)."""
+        return self.num_device_pages - self.num_protected_device_pages
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, tokens: TokenIds | bytes, extra_key: str | None = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` in whole pages; splits a node the match ends in."""
+        data = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+        limit = len(data) - len(data) % self.page_bytes
+        self._clock += 1
+        node = self.root
+        last_device = self.root
+        device_parts: list[PageIds] = []
+        host_parts: list[PageIds] = []
+        pos = 0
+        while pos < limit:
+            child = node.children.get(self._child_key(node, data[pos : pos + self.page_bytes], extra_key))
+            if child is None:
+                break
+            size = len(child.tokens)
+            if data[pos : pos + size] != child.tokens:
+                child = self._split(child, self._common_pages(child.tokens, data, pos, limit))
+            child.last_access = self._clock
+            if child.device_pages is not None:
+                device_parts.append(child.device_pages)
+                last_device = child
+            else:
+                assert child.host_pages is not None
+                host_parts.append(child.host_pages)
+            node = child
+            pos += len(child.tokens)
+        return MatchResult(
+            device_pages=np.concatenate(device_parts) if device_parts else no_pages(),
+            host_pages=np.concatenate(host_parts) if host_parts else no_pages(),
+            last_device_node=last_device,
+            last_node=node,
+            page_size=self.page_size,
+        )
+
+    def host_path(self, match: MatchResult) -> list[TreeNode]:
+        """Host-only nodes of a match, root-first: what a load-back moves to the device."""
+        nodes: list[TreeNode] = []
+        node = match.last_node
+        while node is not match.last_device_node:
+            if node.parent is None:
+                raise TreeError("match result is stale: last_device_node is not an ancestor")
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        return nodes
+
+    # ----------------------------------------------------------------- insert
+    def insert(
+        self, tokens: TokenIds | bytes, device_pages: PageIds, extra_key: str | None = None
+    ) -> InsertResult:
+        """Record that ``device_pages`` hold the KV of ``tokens`` (whole pages only).
+
+        Where the tree already has the KV on the device, the caller's page is a
+        duplicate (returned, to be freed) unless it *is* the tree's page. Where
+        the tree has it on the host only, the caller's pages are adopted and
+        the node is back on the device.
+        """
+        data = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+        num_pages = len(data) // self.page_bytes
+        if len(data) % self.page_bytes or len(device_pages) != num_pages:
+            raise TreeError(
+                f"insert needs whole pages: {len(data) // TOKEN_BYTES} tokens, page size "
+                f"{self.page_size}, {len(device_pages)} pages"
+            )
+        device_pages = np.asarray(device_pages, dtype=np.int64)
+        self._clock += 1
+        threshold = self.write_policy.hit_count_threshold
+        node = self.root
+        duplicates: list[PageIds] = []
+        path: list[TreeNode] = []
+        pos = 0
+        num_cached_pages = 0
+        while pos < len(data):
+            page = pos // self.page_bytes
+            key = self._child_key(node, data[pos : pos + self.page_bytes], extra_key)
+            child = node.children.get(key)
+            if child is None:
+                child = self._new_leaf(node, key, data[pos:], device_pages[page:], extra_key)
+                path.append(child)
+                break
+            if data[pos : pos + len(child.tokens)] != child.tokens:
+                child = self._split(child, self._common_pages(child.tokens, data, pos, len(data)))
+            n = len(child.tokens) // self.page_bytes
+            mine = device_pages[page : page + n]
+            if child.device_pages is None:
+                self._adopt_device_pages(child, mine)
+            else:
+                differ = mine != child.device_pages
+                if differ.any():
+                    duplicates.append(mine[differ])
+            num_cached_pages += n
+            child.last_access = self._clock
+            child.hit_count += 1
+            path.append(child)
+            node = child
+            pos += len(child.tokens)
+        candidates: list[TreeNode] = []
+        if threshold is not None:
+            chosen: set[int] = set()
+            for item in path:
+                parent = item.parent
+                assert parent is not None
+                parent_ok = parent.is_root or parent.host_pages is not None or parent.id in chosen
+                if item.host_pages is None and item.hit_count >= threshold and parent_ok:
+                    candidates.append(item)
+                    chosen.add(item.id)
+        return InsertResult(
+            num_cached_tokens=num_cached_pages * self.page_size,
+            duplicate_pages=np.concatenate(duplicates) if duplicates else no_pages(),
+            last_node=path[-1] if path else self.root,
+            backup_candidates=candidates,
+        )
+
+    # ------------------------------------------------------------- locking
+    def lock(self, node: TreeNode) -> None:
+        """Protect the path root..node from eviction in both tiers."""
+        while node.parent is not None:
+            if node.lock_ref == 0 and node.device_pages is not None:
+                self.num_protected_device_pages += len(node.device_pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node.parent is not None:
+            if node.lock_ref <= 0:
+                raise TreeError(f"unlock of an unlocked node {node!r}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                if node.device_pages is not None:
+                    self.num_protected_device_pages -= len(node.device_pages)
+                self._push_candidate(node)
+            node = node.parent
+
+    def protect_host(self, node: TreeNode) -> None:
+        """Keep the host copies of root..node while an L3 operation uses them."""
+        while node.parent is not None:
+            node.host_ref += 1
+            node = node.parent
+
+    def unprotect_host(self, node: TreeNode) -> None:
+        while node.parent is not None:
+            if node.host_ref <= 0:
+                raise TreeError(f"unprotect_host of an unprotected node {node!r}")
+            node.host_ref -= 1
+            if node.host_ref == 0:
+                self._push_candidate(node)
+            node = node.parent
+
+    # ----------------------------------------------------- tier transitions
+    def begin_backup(self, node: TreeNode, host_pages: PageIds) -> None:
+        """A device->host copy of ``node`` into ``host_pages`` is being issued.
+
+        The node is locked until ``finish_backup`` so its device copy stays put.
+        """
+        if node.device_pages is None or node.host_pages is not None:
+            raise TreeError(f"begin_backup needs a device-only node, got {node!r}")
+        parent = node.parent
+        assert parent is not None
+        if not parent.is_root and parent.host_pages is None:
+            raise TreeError("backups must stay contiguous from the root: back up the parent first")
+        if len(host_pages) != len(node.device_pages):
+            raise TreeError("host_pages must have one page per node page")
+        node.host_pages = np.asarray(host_pages, dtype=np.int64)
+        self.num_host_pages += len(host_pages)
+        self.lock(node)
+
+    def finish_backup(self, node: TreeNode) -> None:
+        """The copy issued by ``begin_backup`` has landed."""
+        self.unlock(node)
+
+    def abort_backup(self, node: TreeNode) -> PageIds:
+        """The copy failed: forget the host copy and return its pages to free."""
+        if node.host_pages is None:
+            raise TreeError(f"abort_backup of a node with no host copy {node!r}")
+        if any(child.host_pages is not None for child in node.children.values()):
+            raise TreeError("abort_backup of a node whose children are backed up")
+        pages = node.host_pages
+        node.host_pages = None
+        self.num_host_pages -= len(pages)
+        self.unlock(node)
+        return pages
+
+    def set_device_pages(self, node: TreeNode, device_pages: PageIds) -> None:
+        """A host->device load of a host-only node into ``device_pages`` is being issued."""
+        if node.device_pages is not None or node.host_pages is None:
+            raise TreeError(f"set_device_pages needs a host-only node, got {node!r}")
+        parent = node.parent
+        assert parent is not None
+        if not parent.is_root and parent.device_pages is None:
+            raise TreeError("load parents first: device nodes must hang from the root")
+        if len(device_pages) != len(node.host_pages):
+            raise TreeError("device_pages must have one page per node page")
+        self._adopt_device_pages(node, np.asarray(device_pages, dtype=np.int64))
+
+    # ------------------------------------------------------------ eviction
+    def evict_device(self, num_pages: int) -> DeviceEviction:
+        """Free at least ``num_pages`` device pages if possible, least recently used first.
+
+        A node with a host copy is demoted to host-only; one without is deleted,
+        except under write_back, where it (and any ancestors without a host
+        copy, for contiguity) is returned in ``pending_write_back`` instead.
+        """
+        freed: list[PageIds] = []
+        pending: list[TreeNode] = []
+        pending_ids: set[int] = set()
+        counted = demoted = deleted = 0
+        write_back = self.write_policy is WritePolicy.WRITE_BACK
+        while counted < num_pages and self._device_heap:
+            stamp, _, node = heapq.heappop(self._device_heap)
+            if not self._device_evictable(node) or node.id in pending_ids:
+                continue
+            if stamp < node.last_access:
+                heapq.heappush(self._device_heap, (node.last_access, node.id, node))
+                continue
+            assert node.device_pages is not None
+            counted += len(node.device_pages)
+            if node.host_pages is not None:
+                freed.append(self._demote(node))
+                demoted += 1
+            elif write_back:
+                chain = self._unbacked_chain(node)
+                pending.extend(n for n in chain if n.id not in pending_ids)
+                pending_ids.update(n.id for n in chain)
+            else:
+                freed.append(self._delete(node))
+                deleted += 1
+        # Pending nodes stay candidates: if their backup cannot be issued, a later
+        # call must still find them (once locked for backup they are skipped).
+        for node in pending:
+            if self._device_evictable(node):
+                heapq.heappush(self._device_heap, (node.last_access, node.id, node))
+        return DeviceEviction(
+            freed_pages=np.concatenate(freed) if freed else no_pages(),
+            pending_write_back=pending,
+            num_demoted_nodes=demoted,
+            num_deleted_nodes=deleted,
+        )
+
+    def evict_host(self, num_pages: int) -> PageIds:
+        """Delete host-only leaves, least recently used first; returns the freed host pages."""
+        freed: list[PageIds] = []
+        got = 0
+        while got < num_pages and self._host_heap:
+            stamp, _, node = heapq.heappop(self._host_heap)
+            if not self._host_evictable(node):
+                continue
+            if stamp < node.last_access:
+                heapq.heappush(self._host_heap, (node.last_access, node.id, node))
+                continue
+            pages = self._delete(node)
+            got += len(pages)
+            freed.append(pages)
+        return np.concatenate(freed) if freed else no_pages()
+
+    # ----------------------------------------------------------- page keys
+    def page_keys(self, node: TreeNode) -> list[bytes]:
+        """Chained page keys of ``node`` (radix.keys), computed on first use."""
+        if node.page_keys is not None:
+            return node.page_keys
+        missing: list[TreeNode] = []
+        cursor: TreeNode | None = node
+        while cursor is not None and cursor.parent is not None and cursor.page_keys is None:
+            missing.append(cursor)
+            cursor = cursor.parent
+        for item in reversed(missing):
+            parent = item.parent
+            assert parent is not None
+            if parent.is_root:
+                prev = self.seed(item.extra_key)
+            else:
+                assert parent.page_keys is not None
+                prev = parent.page_keys[-1]
+            item.page_keys = chain_page_keys(item.tokens, self.page_size, prev)
+        assert node.page_keys is not None
+        return node.page_keys
+
+    def seed(self, extra_key: str | None) -> bytes:
+        seed = self._seeds.get(extra_key)
+        if seed is None:
+            seed = self._seeds[extra_key] = self.namespace.seed(extra_key)
+        return seed
+
+    # -------------------------------------------------------------- walking
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node except the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def device_page_ids(self) -> PageIds:
+        parts = [n.device_pages for n in self.iter_nodes() if n.device_pages is not None]
+        return np.concatenate(parts) if parts else no_pages()
+
+    def host_page_ids(self) -> PageIds:
+        parts = [n.host_pages for n in self.iter_nodes() if n.host_pages is not None]
+        return np.concatenate(parts) if parts else no_pages()
+
+    # ------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Assert every structural invariant; raises AssertionError naming the broken one."""
+        num_nodes = dev = host = protected = 0
+        device_heap_ids = {entry[2].id for entry in self._device_heap}
+        host_heap_ids = {entry[2].id for entry in self._host_heap}
+        for node in self.iter_nodes():
+            num_nodes += 1
+            parent = node.parent
+            assert parent is not None
+            pages = len(node.tokens) // self.page_bytes
+            assert pages > 0 and len(node.tokens) % self.page_bytes == 0, f"{node!r}: partial page"
+            key = self._child_key(parent, node.tokens[: self.page_bytes], node.extra_key)
+            assert parent.children.get(key) is node, f"{node!r}: not under its key in its parent"
+            assert node.device_pages is not None or node.host_pages is not None, (
+                f"{node!r}: in no tier"
+            )
+            if node.device_pages is not None:
+                assert len(node.device_pages) == pages, f"{node!r}: device page count"
+                assert parent.is_root or parent.device_pages is not None, (
+                    f"{node!r}: on device under a parent that is not"
+                )
+                dev += pages
+                if node.lock_ref > 0:
+                    protected += pages
+            if node.host_pages is not None:
+                assert len(node.host_pages) == pages, f"{node!r}: host page count"
+                assert parent.is_root or parent.host_pages is not None, (
+                    f"{node!r}: backup not contiguous from the root"
+                )
+                host += pages
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), (
+                f"{node!r}: lock count below its children's"
+            )
+            assert node.host_ref >= sum(c.host_ref for c in node.children.values()), (
+                f"{node!r}: host_ref below its children's"
+            )
+            if node.page_keys is not None:
+                assert len(node.page_keys) == pages, f"{node!r}: page key count"
+            if self._device_evictable(node):
+                assert node.id in device_heap_ids, f"{node!r}: evictable but not an LRU candidate"
+            if self._host_evictable(node):
+                assert node.id in host_heap_ids, f"{node!r}: host-evictable but not a candidate"
+        assert num_nodes == self.num_nodes, f"node count {self.num_nodes} != {num_nodes}"
+        assert dev == self.num_device_pages, f"device pages {self.num_device_pages} != {dev}"
+        assert host == self.num_host_pages, f"host pages {self.num_host_pages} != {host}"
+        assert protected == self.num_protected_device_pages, (
+            f"protected pages {self.num_protected_device_pages} != {protected}"
+        )
+        device_ids = self.device_page_ids()
+        assert len(np.unique(device_ids)) == len(device_ids), "a device page is in two nodes"
+        host_ids = self.host_page_ids()
+        assert len(np.unique(host_ids)) == len(host_ids), "a host page is in two nodes"
+
+    # ------------------------------------------------------------- internals
+    def _child_key(self, parent: TreeNode, first_page: bytes, extra_key: str | None) -> bytes:
+        if parent.parent is not None or extra_key is None:
+            return first_page
+        # Under the root, salt the key so different extra keys never share a node.
+        salt = extra_key.encode()
+        return len(salt).to_bytes(4, "little") + salt + first_page
+
+    def _common_pages(self, node_tokens: bytes, data: bytes, pos: int, limit: int) -> int:
+        """Whole pages shared by ``node_tokens`` and ``data[pos:limit]`` (>= 1 by the child key)."""
+        n = min(len(node_tokens), limit - pos) // TOKEN_BYTES
+        mine = np.frombuffer(node_tokens, dtype="<i4", count=n)
+        theirs = np.frombuffer(data, dtype="<i4", count=n, offset=pos)
+        mismatch = np.flatnonzero(mine != theirs)
+        same = int(mismatch[0]) if len(mismatch) else n
+        return same // self.page_size
+
+    def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
+        """Split ``child`` after ``num_pages`` pages; returns the new upper node."""
+        assert 0 < num_pages < len(child.tokens) // self.page_bytes
+        parent = child.parent
+        assert parent is not None
+        cut = num_pages * self.page_bytes
+        key = self._child_key(parent, child.tokens[: self.page_bytes], child.extra_key)
+        upper = TreeNode(child.tokens[:cut], parent, child.extra_key)
+        upper.device_pages = slice_pages(child.device_pages, 0, num_pages)
+        upper.host_pages = slice_pages(child.host_pages, 0, num_pages)
+        upper.lock_ref = child.lock_ref
+        upper.host_ref = child.host_ref
+        upper.hit_count = child.hit_count
+        upper.last_access = child.last_access
+        if child.page_keys is not None:
+            upper.page_keys = child.page_keys[:num_pages]
+            child.page_keys = child.page_keys[num_pages:]
+        child.tokens = child.tokens[cut:]
+        child.device_pages = slice_pages(child.device_pages, num_pages)
+        child.host_pages = slice_pages(child.host_pages, num_pages)
+        child.parent = upper
+        upper.children[child.tokens[: self.page_bytes]] = child
+        parent.children[key] = upper
+        self.num_nodes += 1
+        return upper
+
+    def _new_leaf(
+        self, parent: TreeNode, key: bytes, tokens: bytes, device_pages: PageIds,
+        extra_key: str | None,
+    ) -> TreeNode:
+        leaf = TreeNode(tokens, parent, extra_key)
+        leaf.device_pages = np.array(device_pages, dtype=np.int64)
+        leaf.last_access = self._clock
+        leaf.hit_count = 1
+        parent.children[key] = leaf
+        self.num_nodes += 1
+        self.num_device_pages += len(device_pages)
+        heapq.heappush(self._device_heap, (leaf.last_access, leaf.id, leaf))
+        return leaf
+
+    def _adopt_device_pages(self, node: TreeNode, device_pages: PageIds) -> None:
+        node.device_pages = np.array(device_pages, dtype=np.int64)
+        self.num_device_pages += len(device_pages)
+        if node.lock_ref > 0:
+            self.num_protected_device_pages += len(device_pages)
+        self._push_candidate(node)
+
+    def _demote(self, node: TreeNode) -> PageIds:
+        """Drop the device copy of a backed-up node; it stays in the tree, host-only."""
+        pages = node.device_pages
+        assert pages is not None and node.host_pages is not None and node.lock_ref == 0
+        node.device_pages = None
+        self.num_device_pages -= len(pages)
+        self._push_candidate(node)
+        assert node.parent is not None
+        self._push_candidate(node.parent)
+        return pages
+
+    def _delete(self, node: TreeNode) -> PageIds:
+        """Remove a childless, unlocked node; returns the pages of the tier it was in."""
+        assert not node.children and node.lock_ref == 0 and node.host_ref == 0
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._child_key(parent, node.tokens[: self.page_bytes], node.extra_key)]
+        node.parent = None
+        self.num_nodes -= 1
+        if node.device_pages is not None:
+            # Only unbacked device leaves are deleted from the device tier.
+            assert node.host_pages is None
+            pages = node.device_pages
+            self.num_device_pages -= len(pages)
+        else:
+            assert node.host_pages is not None
+            pages = node.host_pages
+            self.num_host_pages -= len(pages)
+        node.device_pages = node.host_pages = None
+        self._push_candidate(parent)
+        return pages
+
+    def _unbacked_chain(self, node: TreeNode) -> list[TreeNode]:
+        """``node`` and its ancestors without a host copy, root-first."""
+        chain: list[TreeNode] = []
+        cursor: TreeNode | None = node
+        while cursor is not None and cursor.parent is not None and cursor.host_pages is None:
+            chain.append(cursor)
+            cursor = cursor.parent
+        chain.reverse()
+        return chain
+
+    def _device_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.parent is not None
+            and node.device_pages is not None
+            and node.lock_ref == 0
+            and not node.has_device_child()
+        )
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.parent is not None
+            and node.device_pages is None
+            and node.host_pages is not None
+            and node.lock_ref == 0
+            and node.host_ref == 0
+            and not node.children
+        )
+
+    def _push_candidate(self, node: TreeNode) -> None:
+        if self._device_evictable(node):
+            heapq.heappush(self._device_heap, (node.last_access, node.id, node))
+        elif self._host_evictable(node):
+            heapq.heappush(self._host_heap, (node.last_access, node.id, node))
+        else:
+            return
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Drop stale heap entries once they outnumber live nodes (amortised O(1))."""
+        limit = 2 * self.num_nodes + 1024
+        if len(self._device_heap) > limit:
+            self._device_heap = [e for e in self._device_heap if self._device_evictable(e[2])]
+            heapq.heapify(self._device_heap)
+        if len(self._host_heap) > limit:
+            self._host_heap = [e for e in self._host_heap if self._host_evictable(e[2])]
+            heapq.heapify(self._host_heap)
