@@ -1,0 +1,245 @@
+"""HierarchicalCache: the radix tree, both pools and the controller, driven together.
+
+This is what a scheduler talks to. All methods run on the scheduler thread and
+never block on I/O, except where the caller asks for room that only a
+finished copy can make (write_back eviction, or every evictable page locked by
+an in-flight write): then it waits for those device->host copies, which is the
+price write_back pays by design.
+
+Request protocol:
+    hit = cache.acquire(tokens)         # match, lock, start loading the host part
+    pages = cache.alloc_device(n)       # room for the tokens to compute (evicts)
+    ... compute; before layer l: cache.wait_layer(l) ...
+    cache.insert(tokens, hit.device_pages ++ pages)  # hand the pages to the tree
+    cache.release(hit)
+    cache.poll()                        # once per scheduler tick: acknowledge writes
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hicache.cache.stats import CacheStats
+from hicache.config import CacheConfig
+from hicache.controller.controller import CacheController
+from hicache.memory.allocator import OutOfPagesError, PageIds
+from hicache.memory.device_pool import DevicePool
+from hicache.memory.geometry import KVGeometry
+from hicache.memory.host_pool import HostPool
+from hicache.radix.keys import KeyNamespace, TokenIds, pack_tokens
+from hicache.radix.node import TreeNode
+from hicache.radix.results import InsertResult, no_pages
+from hicache.radix.tree import HiRadixTree
+from hicache.transfer import create_io_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A locked, usable cached prefix of a request.
+
+    ``device_pages`` cover ``num_tokens`` tokens: ``num_device_tokens`` were
+    already on the device, ``num_host_tokens`` are being loaded from the host
+    (compute must call ``wait_layer`` before reading them).
+    """
+
+    device_pages: PageIds
+    num_device_tokens: int
+    num_host_tokens: int
+    node: TreeNode
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_device_tokens + self.num_host_tokens
+
+
+class HierarchicalCache:
+    def __init__(
+        self,
+        config: CacheConfig,
+        geometry: KVGeometry,
+        device_num_pages: int,
+        device: torch.device | str = "cpu",
+        model_name: str = "model",
+    ) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.device_pool = DevicePool(geometry, device_num_pages, config.page_size, device)
+        namespace = KeyNamespace(model_name, geometry.describe(), config.page_size)
+        self.tree = HiRadixTree(config.page_size, config.write_policy, namespace)
+        self.stats = CacheStats()
+        self.host_pool: HostPool | None = None
+        self.controller: CacheController | None = None
+        if config.enable_hierarchical_cache:
+            host_pages = config.host_num_pages(device_num_pages, geometry.page_bytes(self.page_size))
+            self.host_pool = HostPool(geometry, host_pages, config.page_size, config.mem_layout)
+            io = create_io_backend(config.io_backend, self.host_pool, self.device_pool)
+            self.controller = CacheController(io)
+            self.controller.start()
+        self._writing: dict[int, TreeNode] = {}
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.controller is not None
+
+    def close(self) -> None:
+        if self.controller is not None:
+            self.poll(wait=True)
+            self.controller.stop()
+
+    # ------------------------------------------------------------ requests
+    def acquire(self, tokens: TokenIds, extra_key: str | None = None) -> PrefixHit:
+        """Match ``tokens``, lock the hit and start loading its host part to the device."""
+        data = pack_tokens(tokens)
+        match = self.tree.match_prefix(data, extra_key)
+        node = match.last_node
+        self.tree.lock(node)
+        pages = match.device_pages
+        loaded = 0
+        if match.num_host_tokens and self._worth_loading(match.num_host_tokens):
+            new_pages = self._load_back(match.host_pages, self.tree.host_path(match))
+            if new_pages is not None:
+                pages = np.concatenate([pages, new_pages])
+                loaded = match.num_host_tokens
+        if loaded == 0 and node is not match.last_device_node:
+            # Not loading: hold only the device part.
+            self.tree.lock(match.last_device_node)
+            self.tree.unlock(node)
+            node = match.last_device_node
+        self.stats.record_hit(len(data) // 4, match.num_device_tokens, loaded)
+        return PrefixHit(pages, match.num_device_tokens, loaded, node)
+
+    def release(self, hit: PrefixHit) -> None:
+        self.tree.unlock(hit.node)
+
+    def insert(
+        self, tokens: TokenIds, device_pages: PageIds, extra_key: str | None = None
+    ) -> InsertResult:
+        """Give the KV of ``tokens`` (whole pages) to the tree; frees duplicates, backs up."""
+        result = self.tree.insert(tokens, device_pages, extra_key)
+        self.device_pool.allocator.free(result.duplicate_pages)
+        for node in result.backup_candidates:
+            if not self._backup(node):
+                break  # its descendants may not be backed up before it
+        return result
+
+    def alloc_device(self, num_pages: int) -> PageIds:
+        """``num_pages`` free device pages, evicting from the tree as needed."""
+        allocator = self.device_pool.allocator
+        while not allocator.can_allocate(num_pages):
+            short = num_pages - allocator.num_free_pages
+            eviction = self.tree.evict_device(short)
+            if len(eviction.freed_pages):
+                allocator.free(eviction.freed_pages)
+                self.stats.num_device_evicted_pages += len(eviction.freed_pages)
+                continue
+            if eviction.pending_write_back:
+                issued = 0
+                for node in eviction.pending_write_back:
+                    if not self._backup(node):
+                        break
+                    issued += 1
+                if issued == 0:
+                    break
+                self.poll(wait=True)
+                continue
+            if self.controller is not None and self.controller.num_pending_writes:
+                # Everything evictable is locked by in-flight writes: let them land.
+                self.poll(wait=True)
+                continue
+            break
+        if not allocator.can_allocate(num_pages):
+            raise OutOfPagesError(
+                f"device pool: need {num_pages} pages, {allocator.num_free_pages} free and "
+                f"nothing more evictable ({self.tree.num_protected_device_pages} pages locked)"
+            )
+        return allocator.allocate(num_pages)
+
+    def free_device(self, pages: PageIds) -> None:
+        """Return pages a request held but did not insert (e.g. a partial last page)."""
+        self.device_pool.allocator.free(pages)
+
+    def wait_layer(self, layer: int) -> None:
+        if self.controller is not None:
+            self.controller.wait_layer(layer)
+
+    def poll(self, wait: bool = False) -> int:
+        """Acknowledge landed writes (all in-flight ones if ``wait``); returns how many."""
+        if self.controller is None:
+            return 0
+        tokens = self.controller.wait_writes() if wait else self.controller.poll_writes()
+        for token in tokens:
+            self.tree.finish_backup(self._writing.pop(token))
+        if wait:
+            self.controller.wait_loads()
+        return len(tokens)
+
+    # ------------------------------------------------------------ internals
+    def _worth_loading(self, num_host_tokens: int) -> bool:
+        return num_host_tokens >= self.config.load_back_threshold_tokens
+
+    def _load_back(self, host_pages: PageIds, nodes: list[TreeNode]) -> PageIds | None:
+        assert self.controller is not None
+        try:
+            device_pages = self.alloc_device(len(host_pages))
+        except OutOfPagesError:
+            logger.debug("no device room to load %d host pages; recomputing", len(host_pages))
+            return None
+        offset = 0
+        for node in nodes:
+            n = len(node.tokens) // self.tree.page_bytes
+            self.tree.set_device_pages(node, device_pages[offset : offset + n])
+            offset += n
+        self.controller.load(host_pages, device_pages)
+        self.stats.num_loaded_pages += len(device_pages)
+        return device_pages
+
+    def _backup(self, node: TreeNode) -> bool:
+        """Start copying ``node`` to the host; False when the host pool has no room."""
+        if self.controller is None or self.host_pool is None:
+            return False
+        assert node.device_pages is not None
+        need = len(node.device_pages)
+        allocator = self.host_pool.allocator
+        if not allocator.can_allocate(need):
+            freed = self.tree.evict_host(need - allocator.num_free_pages)
+            allocator.free(freed)
+            self.stats.num_host_evicted_pages += len(freed)
+            if not allocator.can_allocate(need):
+                self.stats.num_backup_skipped_pages += need
+                return False
+        host_pages = allocator.allocate(need)
+        self.tree.begin_backup(node, host_pages)
+        self._writing[node.id] = node
+        self.controller.write(node.device_pages, host_pages, node.id)
+        self.stats.num_backed_up_pages += need
+        return True
+
+    # ------------------------------------------------------------ integrity
+    def check_integrity(self, held_device_pages: PageIds | None = None) -> None:
+        """Every page is in exactly one place: the tree, a request (``held``), or a free list."""
+        self.tree.check_integrity()
+        self._check_pool(
+            self.device_pool.allocator, self.tree.device_page_ids(),
+            no_pages() if held_device_pages is None else held_device_pages, "device",
+        )
+        if self.host_pool is not None:
+            self._check_pool(self.host_pool.allocator, self.tree.host_page_ids(), no_pages(), "host")
+
+    @staticmethod
+    def _check_pool(allocator: object, tree_pages: PageIds, held: PageIds, name: str) -> None:
+        from hicache.memory.allocator import PageAllocator
+
+        assert isinstance(allocator, PageAllocator)
+        allocator.check_integrity()
+        owned = np.concatenate([tree_pages, held])
+        assert len(np.unique(owned)) == len(owned), f"{name}: a page has two owners"
+        assert all(allocator.is_allocated(int(p)) for p in owned), f"{name}: owned page is free"
+        assert len(owned) == allocator.num_used_pages, (
+            f"{name}: {allocator.num_used_pages} pages allocated but {len(owned)} owned (leak)"
+        )

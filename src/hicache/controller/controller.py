@@ -1,0 +1,144 @@
+"""CacheController: owns the transfer executors and the queues of in-flight copies.
+
+It knows pages, not trees: the cache orchestrator tells it what to copy and
+learns, by polling, which writes have landed. Writes (L1 -> L2) run on one
+executor and are acknowledged strictly in submission order; loads (L2 -> L1)
+run on another, one submission per layer, so the model can start computing
+layer N while layer N+1 is still in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from hicache.controller.executor import Completion, Executor, create_executor
+from hicache.memory.allocator import PageIds
+from hicache.transfer.base import IOBackend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """A device->host copy in flight, acknowledged by ``token`` once landed."""
+
+    token: int
+    num_pages: int
+    completion: Completion
+
+
+@dataclass(frozen=True)
+class LoadBatch:
+    """A host->device load in flight: one completion per layer."""
+
+    num_pages: int
+    layers: tuple[Completion, ...]
+
+    def done(self) -> bool:
+        return self.layers[-1].query()
+
+
+def _as_tensor(pages: PageIds) -> torch.Tensor:
+    return torch.from_numpy(pages.astype("int64", copy=False))
+
+
+class CacheController:
+    def __init__(self, io: IOBackend) -> None:
+        self.io = io
+        self.num_layers = io.host.geometry.num_layers
+        self._device = io.device.device
+        self._write_executor: Executor | None = None
+        self._load_executor: Executor | None = None
+        self._writes: deque[PendingWrite] = deque()
+        self._last_load: LoadBatch | None = None
+        self.num_written_pages = 0
+        self.num_loaded_pages = 0
+
+    # ------------------------------------------------------------- lifecycle
+    @property
+    def running(self) -> bool:
+        return self._write_executor is not None
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._write_executor = create_executor(self._device, "hicache-write")
+        self._load_executor = create_executor(self._device, "hicache-load")
+
+    def stop(self) -> None:
+        """Let in-flight copies land, then release streams and threads."""
+        for executor in (self._write_executor, self._load_executor):
+            if executor is not None:
+                executor.close()
+        self._write_executor = self._load_executor = None
+
+    def _executors(self) -> tuple[Executor, Executor]:
+        if self._write_executor is None or self._load_executor is None:
+            raise RuntimeError("CacheController is not started")
+        return self._write_executor, self._load_executor
+
+    # ----------------------------------------------------------------- write
+    def write(self, device_pages: PageIds, host_pages: PageIds, token: int) -> None:
+        """Copy device pages to host pages; ``token`` comes back from poll_writes once landed."""
+        write_executor, _ = self._executors()
+        src, dst = _as_tensor(device_pages), _as_tensor(host_pages)
+        completion = write_executor.submit(lambda: self.io.store(src, dst))
+        self._writes.append(PendingWrite(token, len(device_pages), completion))
+
+    def poll_writes(self) -> list[int]:
+        """Tokens of writes that have landed, in submission order; never blocks."""
+        done: list[int] = []
+        while self._writes and self._writes[0].completion.query():
+            done.append(self._finish_write(self._writes.popleft()))
+        return done
+
+    def wait_writes(self) -> list[int]:
+        """Block until every submitted write has landed; returns their tokens."""
+        done: list[int] = []
+        while self._writes:
+            done.append(self._finish_write(self._writes.popleft()))
+        return done
+
+    def _finish_write(self, pending: PendingWrite) -> int:
+        pending.completion.wait()  # re-raises a failed copy instead of acking it
+        self.num_written_pages += pending.num_pages
+        return pending.token
+
+    @property
+    def num_pending_writes(self) -> int:
+        return len(self._writes)
+
+    # ------------------------------------------------------------------ load
+    def load(self, host_pages: PageIds, device_pages: PageIds) -> LoadBatch:
+        """Copy host pages into device pages, layer by layer."""
+        _, load_executor = self._executors()
+        src, dst = _as_tensor(host_pages), _as_tensor(device_pages)
+        io = self.io
+        layers = tuple(
+            load_executor.submit(lambda layer=layer: io.load(src, dst, layer=layer))
+            for layer in range(self.num_layers)
+        )
+        batch = LoadBatch(len(host_pages), layers)
+        self._last_load = batch
+        self.num_loaded_pages += len(host_pages)
+        return batch
+
+    def wait_layer(self, layer: int) -> None:
+        """Before computing ``layer``: order it after every load issued so far.
+
+        Loads run in order on one executor, so the newest load's completion for
+        this layer implies all earlier loads' completions for every layer.
+        """
+        batch = self._last_load
+        if batch is not None:
+            batch.layers[layer].wait_on_stream()
+
+    def wait_loads(self) -> None:
+        batch = self._last_load
+        if batch is not None:
+            batch.layers[-1].wait()
+            self._last_load = None

@@ -1,0 +1,178 @@
+"""HierarchicalCache end to end on real pools: KV served from L1 or L2 equals cold KV.
+
+"Computing" a token writes KV that is a deterministic function of its whole
+prefix. Every request checks that the pages the cache hands back (device hits
+and pages loaded back from the host) hold exactly that KV, under memory
+pressure, for every host layout, page size and write policy.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.config import CacheConfig, ConfigError, IOBackendKind, MemLayout, WritePolicy
+from hicache.memory.allocator import OutOfPagesError
+from hicache.memory.geometry import KVGeometry
+
+GEOMETRY = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+DEVICE_PAGES = 12
+
+
+def expected_kv(tokens: list[int], page_size: int) -> torch.Tensor:
+    """KV a cold prefill writes: [pages, layers, 2, page_size, row], a function of each prefix."""
+    if not tokens:
+        return torch.empty(0, GEOMETRY.num_layers, 2, page_size, GEOMETRY.row_elems)
+    rows = []
+    for i in range(len(tokens)):
+        seed = zlib.crc32(np.asarray(tokens[: i + 1], dtype=np.int32).tobytes())
+        gen = torch.Generator().manual_seed(seed)
+        rows.append(torch.randn(GEOMETRY.num_layers, 2, GEOMETRY.row_elems, generator=gen))
+    kv = torch.stack(rows, dim=2)  # [layers, 2, tokens, row]
+    num_pages = len(tokens) // page_size
+    kv = kv.reshape(GEOMETRY.num_layers, 2, num_pages, page_size, GEOMETRY.row_elems)
+    return kv.permute(2, 0, 1, 3, 4)
+
+
+def serve(cache: HierarchicalCache, tokens: list[int]) -> int:
+    """One request: reuse what is cached, compute the rest, check reused KV; returns hit tokens."""
+    ps = cache.page_size
+    hit = cache.acquire(tokens)
+    for layer in range(GEOMETRY.num_layers):
+        cache.wait_layer(layer)
+    full = len(tokens) // ps * ps
+    want = expected_kv(tokens[:full], ps)
+    cached_pages = len(hit.device_pages)
+    if cached_pages:
+        got = cache.device_pool.pages[torch.from_numpy(hit.device_pages)]
+        assert torch.equal(got, want[:cached_pages]), "cached KV differs from cold KV"
+    new_pages = full // ps - cached_pages
+    try:
+        fresh = cache.alloc_device(new_pages)
+    except OutOfPagesError:
+        cache.release(hit)
+        return hit.num_tokens
+    cache.device_pool.pages[torch.from_numpy(fresh)] = want[cached_pages:]
+    cache.insert(tokens[:full], np.concatenate([hit.device_pages, fresh]))
+    cache.release(hit)
+    cache.poll()
+    cache.check_integrity()
+    return hit.num_tokens
+
+
+# Multi-turn style reuse: a few shared conversation heads, each request extending one.
+HEADS = [[7, 1, 2, 3, 4, 5], [8] * 9, [9, 3] * 7, list(range(20, 36)), [1]]
+prompts = st.lists(
+    st.tuples(st.integers(0, len(HEADS) - 1), st.lists(st.integers(0, 3), max_size=8)).map(
+        lambda pick: HEADS[pick[0]] + pick[1]
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@pytest.mark.parametrize("layout", list(MemLayout))
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("policy", list(WritePolicy))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=prompts)
+def test_cached_kv_equals_cold_kv_under_pressure(
+    layout: MemLayout, page_size: int, policy: WritePolicy, requests: list[list[int]]
+) -> None:
+    config = CacheConfig(
+        page_size=page_size, enable_hierarchical_cache=True, hicache_ratio=2.0,
+        write_policy=policy, io_backend=IOBackendKind.DIRECT, mem_layout=layout,
+        load_back_threshold_tokens=1,
+    )
+    cache = HierarchicalCache(config, GEOMETRY, DEVICE_PAGES // page_size + 2)
+    try:
+        for tokens in requests:
+            serve(cache, tokens)
+        cache.poll(wait=True)
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_l2_hit_after_l1_eviction_is_loaded_back() -> None:
+    config = CacheConfig(page_size=2, enable_hierarchical_cache=True, mem_layout="page_first",
+                         io_backend="direct", load_back_threshold_tokens=1)
+    cache = HierarchicalCache(config, GEOMETRY, device_num_pages=6)
+    try:
+        first = list(range(10))
+        assert serve(cache, first) == 0
+        cache.poll(wait=True)  # write-through copy has landed in L2
+        assert cache.tree.num_host_pages == 5
+        serve(cache, [50 + i for i in range(10)])  # needs the whole device pool: evicts `first`
+        hit = cache.acquire(first)
+        assert (hit.num_device_tokens, hit.num_host_tokens) == (0, 10)
+        cache.release(hit)
+        assert serve(cache, first) == 10  # and the KV checks inside serve() pass
+        assert cache.stats.num_host_hit_tokens >= 10
+    finally:
+        cache.close()
+
+
+def test_small_host_hits_are_recomputed_not_loaded() -> None:
+    config = CacheConfig(page_size=1, enable_hierarchical_cache=True, io_backend="direct",
+                         load_back_threshold_tokens=8)
+    cache = HierarchicalCache(config, GEOMETRY, device_num_pages=8)
+    try:
+        serve(cache, [1, 2, 3])
+        cache.poll(wait=True)
+        serve(cache, list(range(100, 108)))  # evicts [1, 2, 3] to the host
+        hit = cache.acquire([1, 2, 3, 4])
+        assert hit.num_tokens == 0 and hit.node is cache.tree.root
+        cache.release(hit)
+        assert serve(cache, [1, 2, 3, 4]) == 0
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_write_back_copies_only_on_eviction() -> None:
+    config = CacheConfig(page_size=1, enable_hierarchical_cache=True, io_backend="direct",
+                         write_policy="write_back", load_back_threshold_tokens=1)
+    cache = HierarchicalCache(config, GEOMETRY, device_num_pages=6)
+    try:
+        serve(cache, [1, 2, 3, 4])
+        serve(cache, [1, 2, 3, 4])
+        assert cache.tree.num_host_pages == 0  # no copy while it stays on the device
+        serve(cache, [9, 8, 7, 6])  # evicting [1..4] forces its copy to the host first
+        assert cache.tree.num_host_pages >= 2
+        assert serve(cache, [1, 2, 3, 4]) >= 2
+    finally:
+        cache.close()
+
+
+def test_locked_prefix_is_never_evicted_and_pool_exhaustion_is_reported() -> None:
+    config = CacheConfig(page_size=1, enable_hierarchical_cache=True, io_backend="direct")
+    cache = HierarchicalCache(config, GEOMETRY, device_num_pages=4)
+    try:
+        serve(cache, [1, 2, 3, 4])
+        hit = cache.acquire([1, 2, 3, 4])
+        with pytest.raises(OutOfPagesError, match="locked"):
+            cache.alloc_device(1)
+        cache.release(hit)
+        assert len(cache.alloc_device(1)) == 1
+    finally:
+        cache.close()
+
+
+def test_invalid_configurations_say_what_to_change() -> None:
+    with pytest.raises(ConfigError, match="--page-size"):
+        CacheConfig(page_size=0)
+    with pytest.raises(ConfigError, match="--hicache-mem-layout"):
+        CacheConfig(mem_layout="row_major")
+    with pytest.raises(ConfigError, match="greater than 1"):
+        CacheConfig(enable_hierarchical_cache=True, hicache_ratio=1.0)
+    with pytest.raises(ConfigError, match="--hicache-size"):
+        HierarchicalCache(
+            CacheConfig(enable_hierarchical_cache=True, hicache_size_gb=1e-6), GEOMETRY, 64
+        )
