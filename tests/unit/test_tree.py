@@ -185,7 +185,8 @@ def test_page_keys_are_stable_across_processes() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     ns = KeyNamespace("m", "kv", 4)
-    assert out.stdout.strip() == chain_page_keys(pack_tokens(list(range(8))), 4, ns.seed("s"))[-1].hex()
+    expected = chain_page_keys(pack_tokens(list(range(8))), 4, ns.seed("s"))[-1]
+    assert out.stdout.strip() == expected.hex()
 
 
 def test_token_ids_are_validated() -> None:

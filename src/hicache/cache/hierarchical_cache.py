@@ -26,7 +26,7 @@ import torch
 from hicache.cache.stats import CacheStats
 from hicache.config import CacheConfig
 from hicache.controller.controller import CacheController
-from hicache.memory.allocator import OutOfPagesError, PageIds
+from hicache.memory.allocator import OutOfPagesError, PageAllocator, PageIds
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
@@ -76,7 +76,8 @@ class HierarchicalCache:
         self.host_pool: HostPool | None = None
         self.controller: CacheController | None = None
         if config.enable_hierarchical_cache:
-            host_pages = config.host_num_pages(device_num_pages, geometry.page_bytes(self.page_size))
+            page_bytes = geometry.page_bytes(self.page_size)
+            host_pages = config.host_num_pages(device_num_pages, page_bytes)
             self.host_pool = HostPool(geometry, host_pages, config.page_size, config.mem_layout)
             io = create_io_backend(config.io_backend, self.host_pool, self.device_pool)
             self.controller = CacheController(io)
@@ -229,13 +230,13 @@ class HierarchicalCache:
             no_pages() if held_device_pages is None else held_device_pages, "device",
         )
         if self.host_pool is not None:
-            self._check_pool(self.host_pool.allocator, self.tree.host_page_ids(), no_pages(), "host")
+            host_ids = self.tree.host_page_ids()
+            self._check_pool(self.host_pool.allocator, host_ids, no_pages(), "host")
 
     @staticmethod
-    def _check_pool(allocator: object, tree_pages: PageIds, held: PageIds, name: str) -> None:
-        from hicache.memory.allocator import PageAllocator
-
-        assert isinstance(allocator, PageAllocator)
+    def _check_pool(
+        allocator: PageAllocator, tree_pages: PageIds, held: PageIds, name: str
+    ) -> None:
         allocator.check_integrity()
         owned = np.concatenate([tree_pages, held])
         assert len(np.unique(owned)) == len(owned), f"{name}: a page has two owners"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -118,10 +119,11 @@ class CacheController:
         _, load_executor = self._executors()
         src, dst = _as_tensor(host_pages), _as_tensor(device_pages)
         io = self.io
-        layers = tuple(
-            load_executor.submit(lambda layer=layer: io.load(src, dst, layer=layer))
-            for layer in range(self.num_layers)
-        )
+
+        def load_layer(layer: int) -> Callable[[], None]:
+            return lambda: io.load(src, dst, layer=layer)
+
+        layers = tuple(load_executor.submit(load_layer(layer)) for layer in range(self.num_layers))
         batch = LoadBatch(len(host_pages), layers)
         self._last_load = batch
         self.num_loaded_pages += len(host_pages)

@@ -57,7 +57,7 @@ class PageAllocator:
             )
         if num_pages > len(self._free):
             self._merge_released()
-        pages = self._free[:num_pages].copy()
+        pages: PageIds = self._free[:num_pages].copy()
         self._free = self._free[num_pages:]
         self._allocated[pages] = True
         return pages

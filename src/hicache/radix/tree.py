@@ -51,7 +51,7 @@ class HiRadixTree:
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self.write_policy = WritePolicy(write_policy)
-        self.namespace = namespace or KeyNamespace(model="default", kv_layout="", page_size=page_size)
+        self.namespace = namespace or KeyNamespace("default", "", page_size)
         self._seeds: dict[str | None, bytes] = {}
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
@@ -81,7 +81,8 @@ class HiRadixTree:
         host_parts: list[PageIds] = []
         pos = 0
         while pos < limit:
-            child = node.children.get(self._child_key(node, data[pos : pos + self.page_bytes], extra_key))
+            key = self._child_key(node, data[pos : pos + self.page_bytes], extra_key)
+            child = node.children.get(key)
             if child is None:
                 break
             size = len(child.tokens)

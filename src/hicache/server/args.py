@@ -1,0 +1,63 @@
+"""Command-line flags for the cache, with SGLang's names; defaults come from CacheConfig."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from hicache.config import CacheConfig, ConfigError, IOBackendKind, MemLayout, WritePolicy
+
+_DEFAULTS = {f.name: f.default for f in fields(CacheConfig)}
+
+
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("hierarchical cache")
+    group.add_argument(
+        "--page-size", type=int, default=_DEFAULTS["page_size"],
+        help="tokens per KV page (default: %(default)s)",
+    )
+    group.add_argument(
+        "--enable-hierarchical-cache", action="store_true",
+        help="back the device (L1) KV cache with a host memory (L2) pool",
+    )
+    group.add_argument(
+        "--hicache-ratio", type=float, default=_DEFAULTS["hicache_ratio"],
+        help="host pool size as a multiple of the device pool; must be > 1 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--hicache-size", type=float, default=_DEFAULTS["hicache_size_gb"],
+        help="host pool size in GB per rank; overrides --hicache-ratio when > 0",
+    )
+    group.add_argument(
+        "--hicache-write-policy", choices=[p.value for p in WritePolicy],
+        default=_DEFAULTS["write_policy"].value,
+        help="when device pages are copied to the host (default: %(default)s)",
+    )
+    group.add_argument(
+        "--hicache-io-backend", choices=[b.value for b in IOBackendKind],
+        default=_DEFAULTS["io_backend"].value,
+        help="host<->device copy method; kernel falls back to direct without CUDA/Triton",
+    )
+    group.add_argument(
+        "--hicache-mem-layout", choices=[m.value for m in MemLayout],
+        default=_DEFAULTS["mem_layout"].value,
+        help="host pool memory layout (default: %(default)s)",
+    )
+
+
+def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
+    """Build the CacheConfig; ConfigError messages name the flag to change."""
+    try:
+        return CacheConfig(
+            page_size=args.page_size,
+            enable_hierarchical_cache=args.enable_hierarchical_cache,
+            hicache_ratio=args.hicache_ratio,
+            hicache_size_gb=args.hicache_size,
+            write_policy=args.hicache_write_policy,
+            io_backend=args.hicache_io_backend,
+            mem_layout=args.hicache_mem_layout,
+        )
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise ConfigError(str(error)) from error
