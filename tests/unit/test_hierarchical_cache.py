@@ -8,9 +8,6 @@ pressure, for every host layout, page size and write policy.
 
 from __future__ import annotations
 
-import zlib
-
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -20,50 +17,10 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import CacheConfig, ConfigError, IOBackendKind, MemLayout, WritePolicy
 from hicache.memory.allocator import OutOfPagesError
 from hicache.memory.geometry import KVGeometry
+from tests.kv_oracle import serve
 
 GEOMETRY = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 DEVICE_PAGES = 12
-
-
-def expected_kv(tokens: list[int], page_size: int) -> torch.Tensor:
-    """KV a cold prefill writes: [pages, layers, 2, page_size, row], a function of each prefix."""
-    if not tokens:
-        return torch.empty(0, GEOMETRY.num_layers, 2, page_size, GEOMETRY.row_elems)
-    rows = []
-    for i in range(len(tokens)):
-        seed = zlib.crc32(np.asarray(tokens[: i + 1], dtype=np.int32).tobytes())
-        gen = torch.Generator().manual_seed(seed)
-        rows.append(torch.randn(GEOMETRY.num_layers, 2, GEOMETRY.row_elems, generator=gen))
-    kv = torch.stack(rows, dim=2)  # [layers, 2, tokens, row]
-    num_pages = len(tokens) // page_size
-    kv = kv.reshape(GEOMETRY.num_layers, 2, num_pages, page_size, GEOMETRY.row_elems)
-    return kv.permute(2, 0, 1, 3, 4)
-
-
-def serve(cache: HierarchicalCache, tokens: list[int]) -> int:
-    """One request: reuse what is cached, compute the rest, check reused KV; returns hit tokens."""
-    ps = cache.page_size
-    hit = cache.acquire(tokens)
-    for layer in range(GEOMETRY.num_layers):
-        cache.wait_layer(layer)
-    full = len(tokens) // ps * ps
-    want = expected_kv(tokens[:full], ps)
-    cached_pages = len(hit.device_pages)
-    if cached_pages:
-        got = cache.device_pool.pages[torch.from_numpy(hit.device_pages)]
-        assert torch.equal(got, want[:cached_pages]), "cached KV differs from cold KV"
-    new_pages = full // ps - cached_pages
-    try:
-        fresh = cache.alloc_device(new_pages)
-    except OutOfPagesError:
-        cache.release(hit)
-        return hit.num_tokens
-    cache.device_pool.pages[torch.from_numpy(fresh)] = want[cached_pages:]
-    cache.insert(tokens[:full], np.concatenate([hit.device_pages, fresh]))
-    cache.release(hit)
-    cache.poll()
-    cache.check_integrity()
-    return hit.num_tokens
 
 
 # Multi-turn style reuse: a few shared conversation heads, each request extending one.
