@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GPU check: the unit + GPU test suites, then the transfer benchmark; logs and JSON go to $OUT.
+# Run from anywhere on a CUDA machine with torch + triton + pytest installed (no network needed):
+#   OUT=/path/to/out bash scripts/gpu_check.sh
+# Every step runs even if an earlier one fails; the exit status is non-zero if any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to an output folder}"
+mkdir -p "$OUT"
+export PYTHONPATH=src
+PY=${PYTHON:-python3}
+status=0
+
+run() {  # run NAME TIMEOUT_S CMD...: tee output to $OUT/NAME.log, remember a failure
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*" | tee "$OUT/$name.log"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+  if [ "$rc" -ne 0 ]; then status=1; fi
+}
+
+# Fails (and so flags the run) when CUDA is missing: the GPU tests would only skip.
+run env 30 "$PY" -c "import sys, torch, triton; print(sys.version); \
+print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda); \
+assert torch.cuda.is_available(), 'CUDA is not available'; print(torch.cuda.get_device_name(0))"
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+
+# Budget (worst case, each step is killed at its limit): 30 + 240 + 120 + 2 x 40 s < 8 min;
+# expected about 3 min. The benchmarks write their JSON as they go.
+run pytest 240 "$PY" -m pytest -q tests/gpu tests/unit -x
+run bench_transfer 120 "$PY" -m hicache bench transfer --json "$OUT/transfer.json"
+# The direct backend's DMA-vs-CPU-gather threshold for loads, both extremes, to tune its default.
+run bench_direct_dma 40 "$PY" -m hicache bench transfer --backends direct --repeats 3 \
+  --direct-min-dma-bytes 0 --json "$OUT/transfer_direct_dma.json"
+run bench_direct_gather 40 "$PY" -m hicache bench transfer --backends direct --repeats 3 \
+  --direct-min-dma-bytes 1099511627776 --json "$OUT/transfer_direct_gather.json"
+exit $status

@@ -1,0 +1,87 @@
+"""The Triton copy kernel run by Triton's CPU interpreter, against the reference.
+
+``TRITON_INTERPRET=1`` must be set before a kernel is defined and applies to the
+whole process (it would also turn real GPU launches into interpreted ones), so
+the cases run in one child process: this module run with ``python -m``. Each
+parametrized test then checks its own case's outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.config import MemLayout
+from hicache.memory.geometry import KVGeometry
+from tests.transfer_reference import check_round_trip
+
+pytest.importorskip("triton")
+
+_ROOT = Path(__file__).resolve().parents[2]
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (layout, page size, dtype, kv heads, layer); kv heads 3 x head dim 8 = rows of
+# 24 elements: 6 eight-byte units in fp16, not a power of two, so masked.
+_CASES = [
+    (layout, page_size, dtype, heads, layer)
+    for layout in MemLayout
+    for page_size in (1, 16, 64)
+    for dtype, heads in (("fp32", 2), ("bf16", 2), ("fp16", 3))
+    for layer in (None, 1)
+]
+
+
+def _case_id(case: tuple[MemLayout, int, str, int, int | None]) -> str:
+    layout, page_size, dtype, heads, layer = case
+    where = "all" if layer is None else f"layer{layer}"
+    return f"{layout.value}-p{page_size}-{dtype}-h{heads}-{where}"
+
+
+def _run_case(case: tuple[MemLayout, int, str, int, int | None]) -> str | None:
+    from hicache.transfer.kernel import KernelBackend
+
+    layout, page_size, dtype, heads, layer = case
+    geometry = KVGeometry(num_layers=3, num_kv_heads=heads, head_dim=8, dtype=_DTYPES[dtype])
+    try:
+        check_round_trip(
+            geometry, layout, page_size, layer, KernelBackend, seed=page_size,
+            host_pages=12, device_pages=10, moved=6,
+        )
+    except Exception:
+        return traceback.format_exc()
+    return None
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str | None]:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.unit.test_kernel_interpreter"],
+        cwd=_ROOT, env=env, capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert child.returncode == 0, f"interpreter run failed:\n{child.stdout}\n{child.stderr}"
+    results: dict[str, str | None] = json.loads(child.stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.parametrize("case", _CASES, ids=_case_id)
+def test_kernel_matches_reference_in_interpreter(
+    interpreted: dict[str, str | None], case: tuple[MemLayout, int, str, int, int | None]
+) -> None:
+    outcome = interpreted[_case_id(case)]
+    assert outcome is None, outcome
+
+
+if __name__ == "__main__":
+    from hicache.transfer.kernel import triton_interpreting
+
+    if not triton_interpreting():
+        sys.exit("run with TRITON_INTERPRET=1")
+    print(json.dumps({_case_id(case): _run_case(case) for case in _CASES}))
