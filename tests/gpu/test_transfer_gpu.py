@@ -41,6 +41,8 @@ MakeBackend = Callable[[HostPool, DevicePool], IOBackend]
 
 BACKENDS: dict[str, MakeBackend] = {
     "kernel": KernelBackend,
+    "kernel_page_major": lambda host, device: KernelBackend(host, device, token_major=False),
+    "kernel_token_major": lambda host, device: KernelBackend(host, device, token_major=True),
     "direct": DirectBackend,
     "direct_dma": lambda host, device: DirectBackend(host, device, min_dma_bytes=0),
     "direct_gather": lambda host, device: DirectBackend(host, device, min_dma_bytes=1 << 40),

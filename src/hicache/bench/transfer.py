@@ -39,6 +39,8 @@ _GIB = 1 << 30
 _CPU_DEFAULT_PAGES = 8
 _WARMUP = 2
 _OPS = ("load", "load_layerwise", "store")
+# Kernel variants by launch order (plain "kernel" picks one per host layout).
+_KERNEL_ORDERS = {"kernel-page-major": False, "kernel-token-major": True}
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--backends", type=str, default=",".join(k.value for k in IOBackendKind),
-        help="comma-separated io backends (kernel is skipped where it cannot run)",
+        help="comma-separated io backends (kernel is skipped where it cannot run); "
+        f"also {', '.join(_KERNEL_ORDERS)}: the kernel with its launch order forced",
     )
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per measurement")
     parser.add_argument(
@@ -136,14 +139,16 @@ def _make_backend(
     args: argparse.Namespace, name: str, host: HostPool, device: DevicePool
 ) -> IOBackend | str:
     """The backend, or why it cannot run here (no silent fallback in a benchmark)."""
-    if IOBackendKind(name) is IOBackendKind.DIRECT:
+    if name == IOBackendKind.DIRECT.value:
         if args.direct_min_dma_bytes is None:
             return DirectBackend(host, device)
         return DirectBackend(host, device, min_dma_bytes=args.direct_min_dma_bytes)
     from hicache.transfer.kernel import KernelBackend, kernel_unavailable_reason
 
     reason = kernel_unavailable_reason(host, device)
-    return reason if reason is not None else KernelBackend(host, device)
+    if reason is not None:
+        return reason
+    return KernelBackend(host, device, token_major=_KERNEL_ORDERS.get(name))
 
 
 def _measure_backend(
@@ -243,7 +248,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     page_sizes = [int(p) for p in args.page_sizes.split(",") if p]
     layouts = [MemLayout(name) for name in args.layouts.split(",") if name]
-    backends = [IOBackendKind(name).value for name in args.backends.split(",") if name]
+    backends = [
+        name if name in _KERNEL_ORDERS else IOBackendKind(name).value
+        for name in args.backends.split(",")
+        if name
+    ]
     timer = _Timer(device, args.repeats)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     skipped: dict[str, str] = {}

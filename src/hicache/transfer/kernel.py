@@ -72,7 +72,9 @@ class KernelBackend(IOBackend):
 
     name = "kernel"
 
-    def __init__(self, host: HostPool, device: DevicePool) -> None:
+    def __init__(
+        self, host: HostPool, device: DevicePool, *, token_major: bool | None = None
+    ) -> None:
         super().__init__(host, device)
         reason = kernel_unavailable_reason(host, device)
         if reason is not None:
@@ -98,6 +100,11 @@ class KernelBackend(IOBackend):
         self._host_strides = _in_units(host.strides, scale)
         self._device_strides = _in_units(device.strides, scale)
         self._row_units = geometry.row_elems // scale
+        # Walk pages in the host layout's memory order, so every tile is contiguous
+        # host memory: token-major where a token's layers are adjacent (page_first).
+        if token_major is None:
+            token_major = host.strides.token > host.strides.layer
+        self.token_major = token_major
 
     def load(
         self, host_pages: torch.Tensor, device_pages: torch.Tensor, layer: int | None = None
@@ -141,7 +148,7 @@ class KernelBackend(IOBackend):
         first, count = (0, self.host.geometry.num_layers) if layer is None else (layer, 1)
         args = (
             src, src_strides, dst, dst_strides, src_idx, dst_idx, first, count,
-            self.host.page_size, self._row_units,
+            self.host.page_size, self._row_units, self.token_major,
         )
         if target.type == "cuda":
             # Triton launches on the current device's current stream.

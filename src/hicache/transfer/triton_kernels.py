@@ -84,6 +84,54 @@ def _copy_pages_kernel(
             tl.store(dst_ptrs, tl.load(src_ptrs, mask=mask), mask=mask)
 
 
+@triton.jit(do_not_specialize=["first_layer"])
+def _copy_pages_token_major_kernel(
+    src,
+    dst,
+    src_pages,  # int64 [n], on the device
+    dst_pages,  # int64 [n], on the device
+    first_layer,
+    src_page_stride,
+    src_layer_stride,
+    src_kv_stride,
+    src_token_stride,
+    dst_page_stride,
+    dst_layer_stride,
+    dst_kv_stride,
+    dst_token_stride,
+    NUM_LAYER_KV: tl.constexpr,  # 2 x layers copied
+    ROW: tl.constexpr,
+    BLOCK_LAYER_KV: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
+    EVEN: tl.constexpr,  # ROW == BLOCK_ROW and BLOCK_LAYER_KV divides NUM_LAYER_KV: no masks
+):
+    # One program per (page-list entry, token): NUM_LAYER_KV rows of ROW units.
+    # For a token-major layout (page_first: [page][token][layer][k|v][row]) these
+    # rows are one contiguous span of the host buffer, so each tile reads or
+    # writes contiguous host memory over PCIe instead of rows a layer apart.
+    entry = tl.program_id(0)
+    token = tl.program_id(1).to(tl.int64)
+    src_page = tl.load(src_pages + entry)
+    dst_page = tl.load(dst_pages + entry)
+    src_base = src + src_page * src_page_stride + token * src_token_stride
+    dst_base = dst + dst_page * dst_page_stride + token * dst_token_stride
+    lkv = tl.arange(0, BLOCK_LAYER_KV).to(tl.int64)
+    cols = tl.arange(0, BLOCK_ROW)
+    for first in tl.range(0, NUM_LAYER_KV, BLOCK_LAYER_KV):
+        index = first + lkv
+        layer = first_layer + index // 2
+        kv = index % 2
+        src_rows = layer * src_layer_stride + kv * src_kv_stride
+        dst_rows = layer * dst_layer_stride + kv * dst_kv_stride
+        src_ptrs = src_base + src_rows[:, None] + cols[None, :]
+        dst_ptrs = dst_base + dst_rows[:, None] + cols[None, :]
+        if EVEN:
+            tl.store(dst_ptrs, tl.load(src_ptrs))
+        else:
+            mask = (index[:, None] < NUM_LAYER_KV) & (cols[None, :] < ROW)
+            tl.store(dst_ptrs, tl.load(src_ptrs, mask=mask), mask=mask)
+
+
 def copy_pages(
     src: torch.Tensor,
     src_strides: Strides,
@@ -95,15 +143,28 @@ def copy_pages(
     num_layers: int,
     page_size: int,
     row: int,
+    token_major: bool = False,
 ) -> None:
     """Copy layers [first_layer, first_layer + num_layers) of src_pages[i] to dst_pages[i].
 
     ``src``/``dst`` are flat unit buffers; strides, ``row`` in units. Enqueued on
     the current stream of the current device; returns without waiting.
+    ``token_major`` gives each program one token's rows of every copied layer
+    (for page_first host pools) instead of one (layer, k|v)'s rows of every token.
     """
     unit_bytes = src.element_size()
     block_row = triton.next_power_of_2(row)
     tile_units = _TILE_BYTES // unit_bytes
+    if token_major:
+        num_layer_kv = 2 * num_layers
+        block_lkv = min(triton.next_power_of_2(num_layer_kv), max(1, tile_units // block_row))
+        even_lkv = block_row == row and num_layer_kv % block_lkv == 0
+        _copy_pages_token_major_kernel[(src_pages.numel(), page_size)](
+            src, dst, src_pages, dst_pages, first_layer, *src_strides, *dst_strides,
+            NUM_LAYER_KV=num_layer_kv, ROW=row, BLOCK_LAYER_KV=block_lkv, BLOCK_ROW=block_row,
+            EVEN=even_lkv, num_warps=_NUM_WARPS,
+        )
+        return
     block_tokens = min(triton.next_power_of_2(page_size), max(1, tile_units // block_row))
     even = block_row == row and page_size % block_tokens == 0
     grid = (src_pages.numel(), 2 * num_layers)
