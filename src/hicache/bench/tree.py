@@ -6,10 +6,11 @@ conversation is a path of ``turns`` nodes (defaults: 64 x 16 x 2K tokens at page
 64, a tree of ~2M tokens). Measured, each as the median of many runs:
 - insert: a 32K-token prompt sharing all but its last turn with a cached
   conversation (walks 15 nodes, adds one leaf), and the same with the new
-  leaf's page keys computed (what L3 backup needs);
+  leaf's page keys computed (what L3 backup needs; the shared prefix's keys
+  were computed when it was cached);
 - match: a full hit along a 16-node path;
 - evict: 64K tokens from the device tier (LRU), with the tree full;
-- page keys for a whole 32K-token prompt.
+- page keys for a whole 32K-token prompt, from scratch.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def _build(args: argparse.Namespace, rng: np.random.Generator) -> tuple[HiRadixT
             # As a request would: the cached prefix's own pages, then fresh ones.
             cached = tree.match_prefix(prefix).device_pages
             fresh = np.arange(next_page, next_page + pages_per_turn, dtype=np.int64)
-            tree.insert(prefix, np.concatenate([cached, fresh]))
+            inserted = tree.insert(prefix, np.concatenate([cached, fresh]))
+            # Keys of every cached page, as once an L3 backup has seen them: the
+            # insert below then hashes only its new leaf (the steady state).
+            tree.page_keys(inserted.last_node)
             next_page += pages_per_turn
         conversations.append(data)
     return tree, conversations

@@ -85,8 +85,8 @@ class HiRadixTree:
             child = node.children.get(key)
             if child is None:
                 break
-            size = len(child.tokens)
-            if data[pos : pos + size] != child.tokens:
+            # startswith at an offset compares in place (no copy of the slice).
+            if not data.startswith(child.tokens, pos):
                 child = self._split(child, self._common_pages(child.tokens, data, pos, limit))
             child.last_access = self._clock
             if child.device_pages is not None:
@@ -151,16 +151,15 @@ class HiRadixTree:
                 child = self._new_leaf(node, key, data[pos:], device_pages[page:], extra_key)
                 path.append(child)
                 break
-            if data[pos : pos + len(child.tokens)] != child.tokens:
+            if not data.startswith(child.tokens, pos):
                 child = self._split(child, self._common_pages(child.tokens, data, pos, len(data)))
             n = len(child.tokens) // self.page_bytes
             mine = device_pages[page : page + n]
             if child.device_pages is None:
                 self._adopt_device_pages(child, mine)
-            else:
+            elif mine.tobytes() != child.device_pages.tobytes():  # cheap common case first
                 differ = mine != child.device_pages
-                if differ.any():
-                    duplicates.append(mine[differ])
+                duplicates.append(mine[differ])
             num_cached_pages += n
             child.last_access = self._clock
             child.hit_count += 1
