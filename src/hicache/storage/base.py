@@ -1,0 +1,155 @@
+"""The L3 storage backend contract.
+
+An L3 backend stores KV pages under their chained page keys (``radix.keys``:
+16 bytes, namespaced by model, KV geometry, page size and cache salt, so two
+models or salts never share an object). It moves pages directly between its
+store and pages of the host pool (L2); the device pool never talks to L3.
+
+Every operation is batched and answers with a *prefix count*: how many of the
+leading keys succeeded. A page chain is only usable up to its first gap, so a
+backend may stop at the first miss. Backends never raise for a miss, a
+corrupted object or an unreachable store: they count it in their stats and
+return a shorter prefix. They raise ``StorageError`` only for misuse (a call
+before ``attach``, mismatched argument lengths, a bad configuration).
+
+Threading: the storage controller calls one backend from at most two threads at
+once (one querying ``exists``, one moving data with ``get``/``set``);
+implementations must be safe for that. ``attach`` and ``close`` are never called
+concurrently with anything else.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from hicache.memory.allocator import PageIds
+from hicache.memory.host_pool import HostPool
+
+PAGE_KEY_BYTES = 16
+# Largest batch a backend is handed; callers split longer chains.
+MAX_BATCH_PAGES = 128
+
+
+class StorageError(Exception):
+    """Misuse of a storage backend or an invalid configuration (not a miss or an outage)."""
+
+
+@dataclass
+class StorageStats:
+    """Counters every backend keeps (read under its lock; copied out by ``stats()``)."""
+
+    exists_queries: int = 0
+    pages_read: int = 0
+    pages_written: int = 0
+    pages_skipped_existing: int = 0  # set() found them already stored
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    # Misses and failures by reason: "missing", "corrupt", "short_read", "io_error",
+    # "unreachable", "evicted" ... (free-form, counted per page).
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def fail(self, reason: str, pages: int = 1) -> None:
+        self.failures[reason] = self.failures.get(reason, 0) + pages
+
+    def snapshot(self) -> StorageStats:
+        copy = StorageStats(**{k: v for k, v in vars(self).items() if k != "failures"})
+        copy.failures = dict(self.failures)
+        return copy
+
+
+class StorageBackend(ABC):
+    """A store of KV pages keyed by 16-byte page keys. See the module docstring."""
+
+    #: registry name ("file", "mooncake", ...)
+    name: ClassVar[str] = ""
+
+    def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
+        self.extra_config: dict[str, Any] = dict(extra_config or {})
+        self._host: HostPool | None = None
+        self._lock = threading.Lock()
+        self._stats = StorageStats()
+
+    # ------------------------------------------------------------ lifecycle
+    def attach(self, host: HostPool) -> None:
+        """Bind to the host pool pages will move to and from (register it for zero-copy).
+
+        Called once, before any other operation. A backend that cannot reach its
+        store raises ``StorageUnavailableError`` here so start-up can say so.
+        """
+        self._host = host
+
+    @property
+    def host(self) -> HostPool:
+        if self._host is None:
+            raise StorageError(f"storage backend {self.name!r} used before attach()")
+        return self._host
+
+    @property
+    def page_bytes(self) -> int:
+        return self.host.page_bytes
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release connections and registrations; idempotent."""
+
+    # ------------------------------------------------------------ operations
+    @abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are stored (0..len(keys))."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        """Read page ``keys[i]`` into host page ``host_pages[i]``, in order.
+
+        Returns how many leading pages were read *and verified* (key and
+        checksum). Host pages past the returned count may have been written
+        with garbage and must not be used. A corrupted object is dropped from
+        the store and counted as a failure.
+        """
+
+    @abstractmethod
+    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        """Store host page ``host_pages[i]`` under ``keys[i]``, in order.
+
+        Pages already stored are skipped (not rewritten) and count as stored.
+        Returns how many leading pages are now stored. A stored object is
+        complete or invisible: a reader never sees a torn page.
+        """
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every page this backend's store holds (for its namespace/directory)."""
+
+    def stats(self) -> StorageStats:
+        with self._lock:
+            return self._stats.snapshot()
+
+    # ------------------------------------------------------------ helpers
+    def _check_args(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> None:
+        if len(keys) > MAX_BATCH_PAGES:
+            raise StorageError(f"a batch holds at most {MAX_BATCH_PAGES} pages, got {len(keys)}")
+        for key in keys:
+            if not isinstance(key, bytes) or len(key) != PAGE_KEY_BYTES:
+                raise StorageError(f"page keys are {PAGE_KEY_BYTES} bytes, got {key!r}")
+        if host_pages is not None:
+            if len(host_pages) != len(keys):
+                raise StorageError(
+                    f"{len(keys)} keys but {len(host_pages)} host pages"
+                )
+            pages = np.asarray(host_pages)
+            if len(pages) and (pages.min() < 0 or pages.max() >= self.host.num_pages):
+                raise StorageError(
+                    f"host pages must lie in [0, {self.host.num_pages}), "
+                    f"got [{pages.min()}, {pages.max()}]"
+                )
+
+
+class StorageUnavailableError(StorageError):
+    """The store cannot be reached (at attach time); the server starts without L3."""
