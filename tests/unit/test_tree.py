@@ -194,3 +194,57 @@ def test_token_ids_are_validated() -> None:
         pack_tokens([1, -1])
     with pytest.raises(ValueError):
         pack_tokens(np.zeros((2, 2), dtype=np.int64))
+
+
+def test_insert_host_adds_an_l3_continuation_as_host_only_pages() -> None:
+    tree = HiRadixTree(page_size=2)
+    result = tree.insert([1, 2, 3, 4], pages(0, 1))
+    tree.begin_backup(result.last_node, pages(10, 11))
+    tree.finish_backup(result.last_node)
+    # Pages 2.. came from L3 into host pages 20, 21; the prefix is on both tiers.
+    added = tree.insert_host([1, 2, 3, 4, 5, 6, 7, 8], pages(20, 21), start_page=2)
+    assert added.num_new_pages == 2 and len(added.duplicate_pages) == 0
+    match = tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
+    assert match.device_pages.tolist() == [0, 1]
+    assert match.host_pages.tolist() == [20, 21]
+    assert tree.host_path(match) == [added.last_node]
+    # The same continuation fetched again: every page is a duplicate.
+    again = tree.insert_host([1, 2, 3, 4, 5, 6, 7, 8], pages(30, 31), start_page=2)
+    assert again.duplicate_pages.tolist() == [30, 31] and again.num_new_pages == 0
+    tree.check_integrity()
+    # The new leaf is host-evictable like any host-only leaf.
+    assert tree.evict_host(2).tolist() == [20, 21]
+    tree.check_integrity()
+
+
+def test_insert_host_adopts_device_only_nodes_and_splits_at_the_start_page() -> None:
+    tree = HiRadixTree(page_size=1, write_policy=WritePolicy.WRITE_BACK)
+    prefix = tree.insert([1, 2], pages(0, 1)).last_node
+    tree.begin_backup(prefix, pages(10, 11))
+    tree.finish_backup(prefix)
+    # A device-only continuation computed meanwhile by another request.
+    tree.insert([1, 2, 3, 4, 5], pages(0, 1, 2, 3, 4))
+    added = tree.insert_host([1, 2, 3, 4, 5, 6], pages(22, 23, 24, 25), start_page=2)
+    # 3, 4, 5 were device-only: they adopt 22..24 as their host copy; 6 is new.
+    assert added.num_new_pages == 4 and len(added.duplicate_pages) == 0
+    match = tree.match_prefix([1, 2, 3, 4, 5, 6])
+    assert match.device_pages.tolist() == [0, 1, 2, 3, 4]
+    assert match.host_pages.tolist() == [25]
+    tree.check_integrity()
+    # The device copy can now be dropped without losing the KV (demotion).
+    evicted = tree.evict_device(5)
+    assert sorted(evicted.freed_pages.tolist()) == [0, 1, 2, 3, 4]
+    assert tree.match_prefix([1, 2, 3, 4, 5, 6]).host_pages.tolist() == [10, 11, 22, 23, 24, 25]
+    tree.check_integrity()
+
+
+def test_insert_host_refuses_a_prefix_without_host_copy() -> None:
+    tree = HiRadixTree(page_size=1, write_policy=WritePolicy.WRITE_BACK)
+    tree.insert([1, 2], pages(0, 1))
+    with pytest.raises(TreeError, match="no host copy"):
+        tree.insert_host([1, 2, 3], pages(5), start_page=2)
+    with pytest.raises(TreeError, match="not in the tree"):
+        tree.insert_host([9, 9, 3], pages(5), start_page=2)
+    with pytest.raises(TreeError, match="whole pages"):
+        tree.insert_host([1, 2, 3], pages(5, 6), start_page=2)
+    tree.check_integrity()

@@ -71,3 +71,16 @@ class DeviceEviction:
     pending_write_back: list[TreeNode]
     num_demoted_nodes: int
     num_deleted_nodes: int
+
+
+@dataclass(frozen=True)
+class HostInsertResult:
+    """What insert_host did with the caller's host pages.
+
+    ``duplicate_pages`` were already held on the host by the tree: free them.
+    ``num_new_pages`` of the caller's pages are now owned by the tree.
+    """
+
+    duplicate_pages: PageIds
+    last_node: TreeNode
+    num_new_pages: int

@@ -30,7 +30,13 @@ from hicache.config import WritePolicy
 from hicache.memory.allocator import PageIds
 from hicache.radix.keys import TOKEN_BYTES, KeyNamespace, TokenIds, chain_page_keys, pack_tokens
 from hicache.radix.node import TreeNode, slice_pages
-from hicache.radix.results import DeviceEviction, InsertResult, MatchResult, no_pages
+from hicache.radix.results import (
+    DeviceEviction,
+    HostInsertResult,
+    InsertResult,
+    MatchResult,
+    no_pages,
+)
 
 _HeapEntry = tuple[int, int, TreeNode]
 
@@ -181,6 +187,71 @@ class HiRadixTree:
             duplicate_pages=np.concatenate(duplicates) if duplicates else no_pages(),
             last_node=path[-1] if path else self.root,
             backup_candidates=candidates,
+        )
+
+    def insert_host(
+        self, tokens: TokenIds | bytes, host_pages: PageIds, start_page: int,
+        extra_key: str | None = None,
+    ) -> HostInsertResult:
+        """Record that ``host_pages`` hold the KV of pages ``start_page..`` of ``tokens``.
+
+        This is how pages fetched from L3 enter the tree. Pages before
+        ``start_page`` must already be in the tree with host copies (backups
+        stay contiguous from the root); the caller protects them while it waits.
+        Where the tree already has a host copy, the caller's page is a duplicate
+        (returned, to be freed); a device-only node adopts the page as its
+        host copy; the rest becomes a new host-only leaf.
+        """
+        data = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+        num_pages = len(data) // self.page_bytes
+        host_pages = np.asarray(host_pages, dtype=np.int64)
+        if len(data) % self.page_bytes or len(host_pages) != num_pages - start_page:
+            raise TreeError(
+                f"insert_host needs whole pages: {len(data) // TOKEN_BYTES} tokens, page size "
+                f"{self.page_size}, start page {start_page}, {len(host_pages)} pages"
+            )
+        self._clock += 1
+        node = self.root
+        duplicates: list[PageIds] = []
+        pos = 0
+        new_pages = 0
+        while pos < len(data):
+            page = pos // self.page_bytes
+            key = self._child_key(node, data[pos : pos + self.page_bytes], extra_key)
+            child = node.children.get(key)
+            if child is None:
+                if page < start_page:
+                    raise TreeError("insert_host: the pages before start_page are not in the tree")
+                mine = host_pages[page - start_page :]
+                child = self._new_host_leaf(node, key, data[pos:], mine, extra_key)
+                new_pages += len(mine)
+                node = child
+                break
+            if not data.startswith(child.tokens, pos):
+                child = self._split(child, self._common_pages(child.tokens, data, pos, len(data)))
+            n = len(child.tokens) // self.page_bytes
+            if page < start_page < page + n:
+                child = self._split(child, start_page - page)
+                n = start_page - page
+            if page < start_page:
+                if child.host_pages is None:
+                    raise TreeError("insert_host: the pages before start_page have no host copy")
+            else:
+                mine = host_pages[page - start_page : page - start_page + n]
+                if child.host_pages is None:
+                    child.host_pages = np.array(mine, dtype=np.int64)
+                    self.num_host_pages += n
+                    new_pages += n
+                    self._push_candidate(child)
+                else:
+                    duplicates.append(mine)
+            child.last_access = self._clock
+            node = child
+            pos += len(child.tokens)
+        return HostInsertResult(
+            duplicate_pages=np.concatenate(duplicates) if duplicates else no_pages(),
+            last_node=node,
+            num_new_pages=new_pages,
         )
 
     # ------------------------------------------------------------- locking
@@ -478,6 +549,19 @@ class HiRadixTree:
         self.num_nodes += 1
         self.num_device_pages += len(device_pages)
         heapq.heappush(self._device_heap, (leaf.last_access, leaf.id, leaf))
+        return leaf
+
+    def _new_host_leaf(
+        self, parent: TreeNode, key: bytes, tokens: bytes, host_pages: PageIds,
+        extra_key: str | None,
+    ) -> TreeNode:
+        leaf = TreeNode(tokens, parent, extra_key)
+        leaf.host_pages = np.array(host_pages, dtype=np.int64)
+        leaf.last_access = self._clock
+        parent.children[key] = leaf
+        self.num_nodes += 1
+        self.num_host_pages += len(host_pages)
+        self._push_candidate(leaf)
         return leaf
 
     def _adopt_device_pages(self, node: TreeNode, device_pages: PageIds) -> None:
