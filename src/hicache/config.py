@@ -51,7 +51,7 @@ class MemLayout(str, Enum):
     PAGE_FIRST_DIRECT = "page_first_direct"  # [pages][layers][k|v][tokens]
 
 
-def _parse_enum(enum_type: type[Enum], value: object, flag: str) -> Enum:
+def parse_enum(enum_type: type[Enum], value: object, flag: str) -> Enum:
     if isinstance(value, enum_type):
         return value
     try:
@@ -81,15 +81,15 @@ class CacheConfig:
         # Accept plain strings (from argparse or JSON) and normalise them to enums.
         object.__setattr__(
             self, "write_policy",
-            _parse_enum(WritePolicy, self.write_policy, "--hicache-write-policy"),
+            parse_enum(WritePolicy, self.write_policy, "--hicache-write-policy"),
         )
         object.__setattr__(
             self, "io_backend",
-            _parse_enum(IOBackendKind, self.io_backend, "--hicache-io-backend"),
+            parse_enum(IOBackendKind, self.io_backend, "--hicache-io-backend"),
         )
         object.__setattr__(
             self, "mem_layout",
-            _parse_enum(MemLayout, self.mem_layout, "--hicache-mem-layout"),
+            parse_enum(MemLayout, self.mem_layout, "--hicache-mem-layout"),
         )
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ConfigError(f"--page-size must be a positive integer, got {self.page_size!r}")

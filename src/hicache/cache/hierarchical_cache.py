@@ -17,8 +17,10 @@ Request protocol:
 
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,7 +36,12 @@ from hicache.radix.keys import KeyNamespace, TokenIds, pack_tokens
 from hicache.radix.node import TreeNode
 from hicache.radix.results import InsertResult, no_pages
 from hicache.radix.tree import HiRadixTree
+from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.config import StorageConfig
 from hicache.transfer import create_io_backend
+
+if TYPE_CHECKING:
+    from hicache.cache.l3 import PrefetchHandle, StorageTier
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,7 @@ class HierarchicalCache:
         device_num_pages: int,
         device: torch.device | str = "cpu",
         model_name: str = "model",
+        storage: StorageConfig | None = None,
     ) -> None:
         self.config = config
         self.page_size = config.page_size
@@ -83,15 +91,97 @@ class HierarchicalCache:
             self.controller = CacheController(io)
             self.controller.start()
         self._writing: dict[int, TreeNode] = {}
+        self.storage: StorageTier | None = None
+        # Why L3 is not attached although configured (reported by /health and logs).
+        self.storage_error: str | None = None
+        if storage is not None and storage.enabled:
+            try:
+                self.attach_storage(storage)
+            except StorageUnavailableError as error:
+                self.storage_error = str(error)
+                logger.error(
+                    "L3 storage %r is unreachable: %s. STARTING WITHOUT L3; attach it later "
+                    "through the admin API once it is up.", storage.backend, error,
+                )
 
     @property
     def hierarchical(self) -> bool:
         return self.controller is not None
 
     def close(self) -> None:
+        self.detach_storage()
         if self.controller is not None:
             self.poll(wait=True)
             self.controller.stop()
+
+    # ------------------------------------------------------------ L3 tier
+    def attach_storage(
+        self, config: StorageConfig, backend: StorageBackend | None = None
+    ) -> None:
+        """Attach an L3 backend (built from ``config`` unless given).
+
+        Re-attaching the backend already attached only updates the policies.
+        Raises StorageError (StorageUnavailableError when the store cannot be
+        reached), leaving the cache as it was.
+        """
+        if self.host_pool is None:
+            raise StorageError(
+                "L3 storage needs the host pool: add --enable-hierarchical-cache"
+            )
+        if self.storage is not None:
+            if backend is None and self.storage.config.same_backend(config):
+                self.storage.config = config
+                return
+            raise StorageError(
+                f"L3 backend {self.storage.backend.name!r} is attached: detach it first"
+            )
+        if backend is None:
+            # Imported on use: backends pull in optional dependencies.
+            registry = importlib.import_module("hicache.storage.registry")
+            assert config.backend is not None
+            backend = registry.create_storage_backend(config.backend, config.backend_extra)
+            assert isinstance(backend, StorageBackend)
+        try:
+            backend.attach(self.host_pool)
+        except Exception:
+            backend.close()
+            raise
+        from hicache.cache.l3 import StorageTier
+
+        self.storage = StorageTier(self, config, backend)
+        self.storage_error = None
+        logger.info("L3 storage attached: %s", backend.name)
+
+    def detach_storage(self) -> None:
+        """Drain in-flight L3 work and detach; a no-op when nothing is attached."""
+        if self.storage is None:
+            return
+        storage, self.storage = self.storage, None
+        storage.close()
+        logger.info("L3 storage detached: %s", storage.backend.name)
+
+    def prefetch(self, tokens: TokenIds, extra_key: str | None = None) -> PrefetchHandle | None:
+        """Start fetching from L3 what the local tiers miss of ``tokens``; None if not worth it.
+
+        Call before ``acquire``; hold the request until ``prefetch_ready``, then
+        ``finish_prefetch`` and ``acquire`` (which then finds the pages on the host).
+        """
+        if self.storage is None:
+            return None
+        return self.storage.start(pack_tokens(tokens), extra_key)
+
+    def prefetch_ready(self, handle: PrefetchHandle) -> bool:
+        return handle.finished or self.storage is None or self.storage.ready(handle)
+
+    def finish_prefetch(self, handle: PrefetchHandle) -> int:
+        """Insert what has arrived; returns the tokens L3 contributed."""
+        if self.storage is None or handle.finished:
+            return handle.num_inserted_tokens
+        return self.storage.finish(handle)
+
+    def cancel_prefetch(self, handle: PrefetchHandle) -> None:
+        if self.storage is not None and not handle.finished:
+            self.storage.finish(handle, keep=False)
 
     # ------------------------------------------------------------ requests
     def acquire(self, tokens: TokenIds, extra_key: str | None = None) -> PrefixHit:
@@ -175,9 +265,14 @@ class HierarchicalCache:
             return 0
         tokens = self.controller.wait_writes() if wait else self.controller.poll_writes()
         for token in tokens:
-            self.tree.finish_backup(self._writing.pop(token))
+            node = self._writing.pop(token)
+            self.tree.finish_backup(node)
+            if self.storage is not None and node.host_pages is not None:
+                self.storage.backup(node)
         if wait:
             self.controller.wait_loads()
+        if self.storage is not None:
+            self.storage.poll()
         return len(tokens)
 
     # ------------------------------------------------------------ internals
@@ -200,21 +295,31 @@ class HierarchicalCache:
         self.stats.num_loaded_pages += len(device_pages)
         return device_pages
 
+    def alloc_host(self, num_pages: int) -> PageIds:
+        """Up to ``num_pages`` free host pages, evicting host-only LRU leaves for room."""
+        assert self.host_pool is not None
+        allocator = self.host_pool.allocator
+        if not allocator.can_allocate(num_pages):
+            freed = self.tree.evict_host(num_pages - allocator.num_free_pages)
+            allocator.free(freed)
+            self.stats.num_host_evicted_pages += len(freed)
+        return allocator.allocate(min(num_pages, allocator.num_free_pages))
+
+    def backup_node(self, node: TreeNode) -> bool:
+        """Start copying device-only ``node`` to the host; False when there is no room."""
+        return self._backup(node)
+
     def _backup(self, node: TreeNode) -> bool:
         """Start copying ``node`` to the host; False when the host pool has no room."""
         if self.controller is None or self.host_pool is None:
             return False
         assert node.device_pages is not None
         need = len(node.device_pages)
-        allocator = self.host_pool.allocator
-        if not allocator.can_allocate(need):
-            freed = self.tree.evict_host(need - allocator.num_free_pages)
-            allocator.free(freed)
-            self.stats.num_host_evicted_pages += len(freed)
-            if not allocator.can_allocate(need):
-                self.stats.num_backup_skipped_pages += need
-                return False
-        host_pages = allocator.allocate(need)
+        host_pages = self.alloc_host(need)
+        if len(host_pages) < need:
+            self.host_pool.allocator.free(host_pages)
+            self.stats.num_backup_skipped_pages += need
+            return False
         self.tree.begin_backup(node, host_pages)
         self._writing[node.id] = node
         self.controller.write(node.device_pages, host_pages, node.id)
@@ -231,7 +336,8 @@ class HierarchicalCache:
         )
         if self.host_pool is not None:
             host_ids = self.tree.host_page_ids()
-            self._check_pool(self.host_pool.allocator, host_ids, no_pages(), "host")
+            held = self.storage.held_host_pages() if self.storage is not None else no_pages()
+            self._check_pool(self.host_pool.allocator, host_ids, held, "host")
 
     @staticmethod
     def _check_pool(

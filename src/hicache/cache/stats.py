@@ -16,6 +16,9 @@ class CacheStats:
     num_backup_skipped_pages: int = 0
     num_device_evicted_pages: int = 0
     num_host_evicted_pages: int = 0
+    # L3: tokens a prefetch put into the tree, pages written to L3 by backups.
+    num_storage_hit_tokens: int = 0
+    num_storage_backed_up_pages: int = 0
 
     def record_hit(self, num_prompt_tokens: int, device_tokens: int, host_tokens: int) -> None:
         self.num_requests += 1

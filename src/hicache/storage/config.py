@@ -1,0 +1,172 @@
+"""L3 storage configuration: backend choice, prefetch policy, and the extra-config document.
+
+``--hicache-storage-backend-extra-config`` is one JSON object, given inline or
+as ``@path`` to a .json, .toml or .yaml file. The cache consumes the prefetch
+keys below (validated here, with messages naming the key); every other key is
+the backend's (``StorageConfig.backend_extra``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from hicache.config import ConfigError, parse_enum
+
+EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
+
+
+class PrefetchPolicy(str, Enum):
+    """When a request waiting on an L3 prefetch may start (with what has arrived)."""
+
+    BEST_EFFORT = "best_effort"  # never wait: use what has landed when the request is scheduled
+    WAIT_COMPLETE = "wait_complete"  # wait until every page found in L3 has arrived
+    TIMEOUT = "timeout"  # wait up to a deadline that grows with the prefetch size
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """The L3 tier as the cache sees it; ``backend`` None means no L3."""
+
+    backend: str | None = None
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+    # Only prefetch when L3 could add at least this many tokens past the local match.
+    prefetch_threshold: int = 256
+    prefetch_timeout_base: float = 2.0
+    prefetch_timeout_per_ki_token: float = 0.1
+    prefetch_timeout_max: float = 30.0
+    # Host pages that in-flight prefetches may hold, as a fraction of the host pool.
+    prefetch_max_host_fraction: float = 0.5
+    # Circuit breaker: after this many consecutive failed L3 calls stop calling for
+    # a backoff that doubles from base to max while L3 keeps failing.
+    breaker_failures: int = 3
+    breaker_backoff_base: float = 0.5
+    breaker_backoff_max: float = 30.0
+    backend_extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "prefetch_policy",
+            parse_enum(PrefetchPolicy, self.prefetch_policy, "--hicache-storage-prefetch-policy"),
+        )
+        if self.prefetch_threshold < 0:
+            raise ConfigError(f"prefetch_threshold must be >= 0, got {self.prefetch_threshold}")
+        for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                     "prefetch_timeout_max", "breaker_backoff_base", "breaker_backoff_max"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+        fraction = self.prefetch_max_host_fraction
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"prefetch_max_host_fraction must be in (0, 1], got {fraction}")
+        if self.breaker_failures < 1:
+            raise ConfigError(f"breaker_failures must be >= 1, got {self.breaker_failures}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+    def prefetch_timeout(self, num_tokens: int) -> float:
+        """Seconds a timeout-policy request waits for a prefetch of ``num_tokens``."""
+        grown = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * num_tokens / 1024
+        return min(self.prefetch_timeout_max, grown)
+
+    def same_backend(self, other: StorageConfig) -> bool:
+        """Same store (re-attaching it only updates the policies)."""
+        return self.backend == other.backend and dict(self.backend_extra) == dict(
+            other.backend_extra
+        )
+
+
+# Keys of the extra config the cache consumes, with the types they must have.
+_CACHE_KEYS: dict[str, type | tuple[type, ...]] = {
+    "prefetch_threshold": int,
+    "prefetch_timeout_base": (int, float),
+    "prefetch_timeout_per_ki_token": (int, float),
+    "prefetch_timeout_max": (int, float),
+    "prefetch_max_host_fraction": (int, float),
+    "breaker_failures": int,
+    "breaker_backoff_base": (int, float),
+    "breaker_backoff_max": (int, float),
+}
+assert set(_CACHE_KEYS) <= {f.name for f in fields(StorageConfig)}
+
+
+def load_extra_config(text: str | None) -> dict[str, Any]:
+    """Parse the extra-config flag: inline JSON, or ``@path`` to a JSON/TOML/YAML file."""
+    if text is None or not text.strip():
+        return {}
+    text = text.strip()
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        try:
+            body = path.read_text()
+        except OSError as error:
+            raise ConfigError(f"{EXTRA_CONFIG_FLAG}: cannot read {path}: {error}") from None
+        value = _parse_file(path, body)
+    else:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(
+                f"{EXTRA_CONFIG_FLAG}: not valid JSON ({error}); give a JSON object or @path"
+            ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{EXTRA_CONFIG_FLAG}: must be an object, got {type(value).__name__}")
+    return value
+
+
+def _parse_file(path: Path, body: str) -> Any:
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            return json.loads(body)
+        if suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef,unused-ignore]
+            return tomllib.loads(body)
+        if suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ModuleNotFoundError:
+                raise ConfigError(
+                    f"{EXTRA_CONFIG_FLAG}: reading {path.name} needs PyYAML (pip install pyyaml)"
+                ) from None
+            return yaml.safe_load(body)
+    except ConfigError:
+        raise
+    except Exception as error:  # each parser has its own error type
+        raise ConfigError(f"{EXTRA_CONFIG_FLAG}: cannot parse {path}: {error}") from None
+    raise ConfigError(f"{EXTRA_CONFIG_FLAG}: {path.name}: use a .json, .toml or .yaml file")
+
+
+def storage_config(
+    backend: str | None, prefetch_policy: str | PrefetchPolicy, extra: Mapping[str, Any]
+) -> StorageConfig:
+    """Split ``extra`` into the cache's keys (type-checked) and the backend's."""
+    cache_values: dict[str, Any] = {}
+    backend_extra: dict[str, Any] = {}
+    for key, value in extra.items():
+        expected = _CACHE_KEYS.get(key)
+        if expected is None:
+            backend_extra[key] = value
+            continue
+        if isinstance(value, bool) or not isinstance(value, expected):
+            kind = "an integer" if expected is int else "a number"
+            raise ConfigError(
+                f"{EXTRA_CONFIG_FLAG}: {key} must be {kind}, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        cache_values[key] = value
+    policy = parse_enum(PrefetchPolicy, prefetch_policy, "--hicache-storage-prefetch-policy")
+    return StorageConfig(
+        backend=backend or None, prefetch_policy=PrefetchPolicy(policy),
+        backend_extra=backend_extra, **cache_values,
+    )

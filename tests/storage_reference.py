@@ -1,0 +1,116 @@
+"""An in-memory L3 backend for cache-level tests, with faults on demand.
+
+Several instances may share one ``MemoryStore`` (two "servers" on one L3).
+It keeps each page as a clone of the host page's canonical view, so it works
+with every host layout, and verifies nothing: corruption injected here is
+what a backend without checksums would return (used to test that the cache
+itself never mixes up pages), while ``drop`` makes objects vanish.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from hicache.memory.allocator import PageIds
+from hicache.memory.host_pool import HostPool
+from hicache.storage.base import StorageBackend, StorageUnavailableError
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self.pages: dict[bytes, torch.Tensor] = {}
+        self.lock = threading.Lock()
+
+
+class MemoryBackend(StorageBackend):
+    name = "memory"
+
+    def __init__(
+        self, store: MemoryStore | None = None, extra_config: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(extra_config)
+        self.store = store or MemoryStore()
+        self.down = False  # every call fails as "unreachable"
+        self.unreachable_at_attach = False
+        self.raise_errors = False  # calls raise instead of reporting
+        self.delay_per_batch = 0.0  # seconds each get/set call takes
+        self.calls: list[str] = []
+        # Keys that exist but fail verification when read (a corrupted object).
+        self.corrupt_keys: set[bytes] = set()
+        self.closed = 0
+
+    def attach(self, host: HostPool) -> None:
+        if self.unreachable_at_attach:
+            raise StorageUnavailableError("memory store is down")
+        super().attach(host)
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def _fault(self, what: str, pages: int) -> bool:
+        self.calls.append(what)
+        if self.raise_errors:
+            raise ConnectionError(f"{what}: injected")
+        if self.down:
+            with self._lock:
+                self._stats.fail("unreachable", pages)
+            return True
+        return False
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        self._check_args(keys)
+        if self._fault("exists", len(keys)):
+            return 0
+        with self._lock:
+            self._stats.exists_queries += 1
+        with self.store.lock:
+            for i, key in enumerate(keys):
+                if key not in self.store.pages:
+                    return i
+        return len(keys)
+
+    def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        self._check_args(keys, host_pages)
+        if self._fault("get", len(keys)):
+            return 0
+        time.sleep(self.delay_per_batch)
+        for i, (key, page) in enumerate(zip(keys, host_pages, strict=True)):
+            with self.store.lock:
+                value = self.store.pages.get(key)
+            if value is None or key in self.corrupt_keys:
+                with self._lock:
+                    self._stats.fail("missing" if value is None else "corrupt")
+                return i
+            self.host.pages[int(page)] = value
+            with self._lock:
+                self._stats.pages_read += 1
+        return len(keys)
+
+    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        self._check_args(keys, host_pages)
+        if self._fault("set", len(keys)):
+            return 0
+        time.sleep(self.delay_per_batch)
+        for key, page in zip(keys, host_pages, strict=True):
+            with self.store.lock:
+                if key in self.store.pages:
+                    self._stats.pages_skipped_existing += 1
+                    continue
+                self.store.pages[key] = self.host.pages[int(page)].clone()
+            with self._lock:
+                self._stats.pages_written += 1
+        return len(keys)
+
+    def clear(self) -> None:
+        with self.store.lock:
+            self.store.pages.clear()
+
+    # ----------------------------------------------------------- test hooks
+    def drop(self, key: bytes) -> None:
+        with self.store.lock:
+            del self.store.pages[key]

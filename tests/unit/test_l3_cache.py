@@ -1,0 +1,327 @@
+"""The L3 tier driven by the cache: backup L2 -> L3, prefetch L3 -> L2 -> L1, policies, faults.
+
+Every request goes through the KV oracle (``tests.kv_oracle.serve``): KV that
+came back from L3 must equal cold KV bit for bit, and every pool must pass its
+integrity check (no page lost or owned twice) after every step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.memory.geometry import KVGeometry
+from hicache.storage.base import StorageError, StorageUnavailableError
+from hicache.storage.breaker import BreakerState
+from hicache.storage.config import PrefetchPolicy, StorageConfig
+from tests.kv_oracle import serve
+from tests.storage_reference import MemoryBackend, MemoryStore
+
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+WAIT_S = 10.0
+
+
+def make_cache(
+    store: MemoryStore,
+    *,
+    page_size: int = 4,
+    layout: MemLayout = MemLayout.PAGE_FIRST,
+    device_pages: int = 64,
+    policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+    **storage: object,
+) -> tuple[HierarchicalCache, MemoryBackend]:
+    config = CacheConfig(
+        page_size=page_size, enable_hierarchical_cache=True, write_policy=policy,
+        io_backend=IOBackendKind.DIRECT, mem_layout=layout, load_back_threshold_tokens=1,
+    )
+    cache = HierarchicalCache(config, GEOMETRY, device_pages)
+    backend = MemoryBackend(store)
+    defaults: dict[str, object] = {
+        "prefetch_threshold": 1, "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE,
+    }
+    cache.attach_storage(StorageConfig(backend="memory", **{**defaults, **storage}), backend)  # type: ignore[arg-type]
+    return cache, backend
+
+
+def settle(cache: HierarchicalCache) -> None:
+    """Let every device->host copy land and every L3 operation finish."""
+    cache.poll(wait=True)
+    assert cache.storage is not None
+    assert cache.storage.controller.wait_idle(WAIT_S)
+    cache.poll()
+    cache.check_integrity()
+
+
+def serve_with_l3(cache: HierarchicalCache, tokens: list[int]) -> int:
+    """The engine's order: prefetch, hold until ready, finish, then serve as usual."""
+    handle = cache.prefetch(tokens)
+    if handle is not None:
+        deadline = time.monotonic() + WAIT_S
+        while not cache.prefetch_ready(handle):
+            assert time.monotonic() < deadline, "prefetch never became ready"
+            cache.poll()
+            time.sleep(0.001)
+        cache.finish_prefetch(handle)
+    return serve(cache, tokens)
+
+
+def conversation(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 for i in range(n)]
+
+
+@pytest.mark.parametrize("layout", list(MemLayout))
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_second_instance_hits_what_the_first_backed_up(layout: MemLayout, page_size: int) -> None:
+    store = MemoryStore()
+    tokens = conversation(40)
+    first, _ = make_cache(store, page_size=page_size, layout=layout)
+    second, _ = make_cache(store, page_size=page_size, layout=layout)
+    try:
+        assert serve_with_l3(first, tokens) == 0
+        settle(first)
+        assert first.stats.num_storage_backed_up_pages == 40 // page_size
+        assert len(store.pages) == 40 // page_size
+        # The second instance has nothing locally: all 40 tokens come from L3,
+        # and serve() checks they equal cold KV.
+        assert serve_with_l3(second, tokens) == 40
+        assert second.stats.num_storage_hit_tokens == 40
+        settle(second)
+        # Its own backup found every page already in L3 and wrote none.
+        assert second.stats.num_storage_backed_up_pages == 0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_prefetch_continues_a_local_prefix_and_stops_at_a_missing_page() -> None:
+    store = MemoryStore()
+    tokens = conversation(48)
+    first, _ = make_cache(store)
+    second, backend = make_cache(store)
+    try:
+        serve_with_l3(first, tokens)
+        settle(first)
+        serve_with_l3(second, tokens[:16])  # 4 pages, now local
+        settle(second)
+        # Page 8 of the chain vanished from L3: only pages 4..7 can come back.
+        keys = first.tree.page_keys(first.tree.match_prefix(tokens).last_node)
+        backend.drop(keys[8])
+        before = second.stats.num_storage_hit_tokens
+        assert serve_with_l3(second, tokens) == 32  # a continuous prefix only
+        assert second.stats.num_storage_hit_tokens - before == 16
+        settle(second)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_page_failing_verification_at_read_time_ends_the_prefix() -> None:
+    store = MemoryStore()
+    tokens = conversation(48)
+    first, _ = make_cache(store)
+    second, backend = make_cache(store)
+    try:
+        serve_with_l3(first, tokens)
+        settle(first)
+        keys = first.tree.page_keys(first.tree.match_prefix(tokens).last_node)
+        # L3 says all 12 pages exist, but page 5 is corrupt when read: pages 0..4
+        # are used, the rest recomputed, and serve() checks the KV is cold KV.
+        backend.corrupt_keys.add(keys[5])
+        assert serve_with_l3(second, tokens) == 20
+        settle(second)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_below_the_threshold_no_prefetch_starts() -> None:
+    store = MemoryStore()
+    cache, backend = make_cache(store, prefetch_threshold=64)
+    try:
+        assert cache.prefetch(conversation(60)) is None
+        assert "exists" not in backend.calls
+    finally:
+        cache.close()
+
+
+def test_best_effort_never_waits_and_timeout_takes_what_arrived() -> None:
+    store = MemoryStore()
+    tokens = conversation(300)
+    first, _ = make_cache(store, page_size=1, device_pages=400)
+    serve_with_l3(first, tokens)
+    settle(first)
+    first.close()
+
+    eager, _ = make_cache(
+        store, page_size=1, device_pages=400, prefetch_policy=PrefetchPolicy.BEST_EFFORT
+    )
+    try:
+        handle = eager.prefetch(tokens)
+        assert handle is not None and eager.prefetch_ready(handle)
+        eager.finish_prefetch(handle)  # before the lookup answered: nothing to use
+        assert serve(eager, tokens) == 0
+        settle(eager)
+    finally:
+        eager.close()
+
+    # 300 pages = reads of 128 + 128 + 44 pages, 0.3 s each; the deadline lets one land.
+    timed, backend = make_cache(
+        store, page_size=1, device_pages=400, prefetch_policy=PrefetchPolicy.TIMEOUT,
+        prefetch_timeout_base=0.45, prefetch_timeout_per_ki_token=0.0,
+    )
+    backend.delay_per_batch = 0.3
+    try:
+        began = time.monotonic()
+        assert serve_with_l3(timed, tokens) == 128
+        waited = time.monotonic() - began
+        assert 0.4 < waited < 2.0, waited
+        settle(timed)  # the abandoned reads return and their pages are freed
+    finally:
+        timed.close()
+
+
+def test_cancel_and_detach_release_everything_in_flight() -> None:
+    store = MemoryStore()
+    tokens = conversation(300)
+    first, _ = make_cache(store, page_size=1, device_pages=400)
+    serve_with_l3(first, tokens)
+    settle(first)
+    first.close()
+
+    cache, backend = make_cache(store, page_size=1, device_pages=400)
+    backend.delay_per_batch = 0.2
+    try:
+        handle = cache.prefetch(tokens)
+        assert handle is not None
+        while handle.op.host_pages is None:  # the read has started
+            cache.poll()
+            time.sleep(0.005)
+        cache.cancel_prefetch(handle)
+        assert handle.finished and handle.num_inserted_tokens == 0
+        settle(cache)
+        assert cache.tree.num_host_pages == 0  # nothing of the cancelled prefetch kept
+
+        # Detach with a read in flight: it drains, settles, and is idempotent.
+        handle = cache.prefetch(tokens)
+        assert handle is not None
+        while handle.op.host_pages is None:
+            cache.poll()
+            time.sleep(0.005)
+        cache.detach_storage()
+        cache.detach_storage()
+        assert cache.storage is None and backend.closed == 1
+        assert cache.prefetch_ready(handle)
+        cache.finish_prefetch(handle)  # harmless after detach
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_a_dead_store_is_a_miss_then_the_breaker_opens_and_recovers() -> None:
+    store = MemoryStore()
+    tokens = conversation(40)
+    first, _ = make_cache(store)
+    serve_with_l3(first, tokens)
+    settle(first)
+    first.close()
+
+    cache, backend = make_cache(store, breaker_failures=2, breaker_backoff_base=0.2)
+    try:
+        backend.down = True
+        for i in range(4):  # every request still succeeds, recomputing
+            assert serve_with_l3(cache, conversation(40, seed=i + 1)) == 0
+        settle(cache)
+        assert cache.storage is not None
+        assert cache.storage.breaker.state is BreakerState.OPEN
+        calls = len(backend.calls)
+        serve_with_l3(cache, conversation(40, seed=9))
+        settle(cache)
+        assert len(backend.calls) == calls  # refused without calling the store
+        assert cache.storage.metrics().failures.get("breaker_open", 0) > 0
+
+        backend.down = False
+        time.sleep(0.25)  # past the backoff: the next call is the trial
+        assert serve_with_l3(cache, tokens) == 40
+        assert cache.storage.breaker.state is BreakerState.CLOSED
+        settle(cache)
+    finally:
+        cache.close()
+
+
+def test_a_raising_backend_is_a_miss_not_a_failed_request() -> None:
+    store = MemoryStore()
+    cache, backend = make_cache(store)
+    backend.raise_errors = True
+    try:
+        assert serve_with_l3(cache, conversation(40)) == 0
+        settle(cache)
+        assert cache.storage is not None
+        failures = cache.storage.metrics().failures
+        assert failures.get("exists_raised", 0) >= 1
+    finally:
+        cache.close()
+
+
+def test_prefetched_host_pages_respect_the_in_flight_budget() -> None:
+    store = MemoryStore()
+    tokens = conversation(64)
+    first, _ = make_cache(store, page_size=1, device_pages=100)
+    serve_with_l3(first, tokens)
+    settle(first)
+    first.close()
+    # Host pool = 200 pages; at most 10% (20 pages) may be held by prefetches.
+    cache, _ = make_cache(store, page_size=1, device_pages=100, prefetch_max_host_fraction=0.1)
+    try:
+        assert serve_with_l3(cache, tokens) == 20
+        settle(cache)
+    finally:
+        cache.close()
+
+
+def test_attach_rules() -> None:
+    store = MemoryStore()
+    cache, backend = make_cache(store)
+    try:
+        assert cache.storage is not None
+        same = StorageConfig(backend="memory", prefetch_policy=PrefetchPolicy.TIMEOUT)
+        cache.attach_storage(same)  # the attached backend again: only policies change
+        assert cache.storage.config.prefetch_policy is PrefetchPolicy.TIMEOUT
+        assert cache.storage.backend is backend
+        with pytest.raises(StorageError, match="detach it first"):
+            cache.attach_storage(StorageConfig(backend="other"))
+        cache.detach_storage()
+        down = MemoryBackend(store)
+        down.unreachable_at_attach = True
+        with pytest.raises(StorageUnavailableError):
+            cache.attach_storage(StorageConfig(backend="memory"), down)
+        assert cache.storage is None
+        cache.check_integrity()
+    finally:
+        cache.close()
+    plain = HierarchicalCache(CacheConfig(), GEOMETRY, 8)
+    with pytest.raises(StorageError, match="--enable-hierarchical-cache"):
+        plain.attach_storage(StorageConfig(backend="memory"), MemoryBackend(store))
+
+
+@pytest.mark.parametrize("policy", [WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK])
+def test_a_device_only_prefix_is_backed_up_before_its_continuation_is_fetched(
+    policy: WritePolicy,
+) -> None:
+    store = MemoryStore()
+    tokens = conversation(40)
+    first, _ = make_cache(store)
+    serve_with_l3(first, tokens)
+    settle(first)
+    first.close()
+    second, _ = make_cache(store, policy=policy)
+    try:
+        serve_with_l3(second, tokens[:12])  # device-only under these policies
+        settle(second)
+        assert serve_with_l3(second, tokens) == 40
+        settle(second)
+    finally:
+        second.close()
