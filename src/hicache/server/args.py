@@ -6,6 +6,16 @@ import argparse
 from dataclasses import fields
 
 from hicache.config import CacheConfig, ConfigError, IOBackendKind, MemLayout, WritePolicy
+from hicache.storage.config import (
+    EXTRA_CONFIG_FLAG,
+    PrefetchPolicy,
+    StorageConfig,
+    load_extra_config,
+    storage_config,
+)
+
+# Backends the registry knows; "dynamic" loads any class named in the extra config.
+STORAGE_BACKENDS = ("file", "mooncake", "dynamic")
 
 _DEFAULTS = {f.name: f.default for f in fields(CacheConfig)}
 
@@ -42,6 +52,32 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
         "--hicache-mem-layout", choices=[m.value for m in MemLayout],
         default=_DEFAULTS["mem_layout"].value,
         help="host pool memory layout (default: %(default)s)",
+    )
+
+
+def add_storage_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("L3 storage")
+    group.add_argument(
+        "--hicache-storage-backend", choices=STORAGE_BACKENDS, default=None,
+        help="L3 storage backend shared by every instance (default: none)",
+    )
+    group.add_argument(
+        "--hicache-storage-prefetch-policy", choices=[p.value for p in PrefetchPolicy],
+        default=StorageConfig.prefetch_policy.value,
+        help="how long a request waits for its L3 prefetch (default: %(default)s)",
+    )
+    group.add_argument(
+        EXTRA_CONFIG_FLAG, default=None, metavar="JSON|@FILE",
+        help="JSON object, or @path to a .json/.toml/.yaml file: prefetch_threshold, "
+        "prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max for the "
+        "cache; every other key goes to the backend",
+    )
+
+
+def storage_config_from_args(args: argparse.Namespace) -> StorageConfig:
+    extra = load_extra_config(args.hicache_storage_backend_extra_config)
+    return storage_config(
+        args.hicache_storage_backend, args.hicache_storage_prefetch_policy, extra
     )
 
 
