@@ -219,6 +219,41 @@ class HierarchicalCache:
                 break  # its descendants may not be backed up before it
         return result
 
+    def insert_held(
+        self, tokens: TokenIds, device_pages: PageIds, hit: PrefixHit,
+        extra_key: str | None = None,
+    ) -> PrefixHit:
+        """Insert what a running request computed and keep holding it.
+
+        The request's pages the tree already had (computed twice) are freed and
+        replaced by the tree's in the returned hit, which the request holds
+        instead of ``hit``: its whole ``tokens`` are now a locked device prefix.
+        """
+        self.insert(tokens, device_pages, extra_key)
+        match = self.tree.match_prefix(pack_tokens(tokens), extra_key)
+        assert match.num_device_tokens == len(tokens), "inserted tokens are not all on device"
+        self.tree.lock(match.last_node)
+        self.release(hit)
+        return PrefixHit(
+            match.device_pages, hit.num_device_tokens, hit.num_host_tokens, match.last_node
+        )
+
+    def flush(self) -> None:
+        """Forget every cached prefix in L1 and L2 (L3 keeps its pages).
+
+        Only when no request holds anything (the engine checks it is idle).
+        """
+        self.poll(wait=True)
+        if self.storage is not None:
+            self.storage.controller.wait_idle()
+            self.storage.poll()
+        if self.tree.num_protected_device_pages:
+            raise RuntimeError("flush while requests hold cached prefixes")
+        self.device_pool.allocator.free(self.tree.device_page_ids())
+        if self.host_pool is not None:
+            self.host_pool.allocator.free(self.tree.host_page_ids())
+        self.tree = HiRadixTree(self.page_size, self.config.write_policy, self.tree.namespace)
+
     def alloc_device(self, num_pages: int) -> PageIds:
         """``num_pages`` free device pages, evicting from the tree as needed."""
         allocator = self.device_pool.allocator

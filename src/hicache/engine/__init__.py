@@ -1,0 +1,19 @@
+"""The serving engine: scheduler thread, requests, sampling, and the API the server uses."""
+
+from hicache.engine.api import (
+    CachedTokens,
+    EngineProtocol,
+    GenerateOutput,
+    GenerateRequest,
+    RequestError,
+    SamplingParams,
+)
+
+__all__ = [
+    "CachedTokens",
+    "EngineProtocol",
+    "GenerateOutput",
+    "GenerateRequest",
+    "RequestError",
+    "SamplingParams",
+]

@@ -1,0 +1,78 @@
+"""A request's life inside the scheduler: its tokens, its pages, its cache hold.
+
+Owned by the scheduler thread only. ``pages`` lists the device pages of the
+whole context in order; pages ``[:owned_from]`` belong to the radix tree (a
+cached prefix the request holds locked through ``hit``) and the rest to the
+request until it hands them to the tree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import torch
+
+from hicache.cache.hierarchical_cache import PrefixHit
+from hicache.cache.l3 import PrefetchHandle
+from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest
+from hicache.memory.allocator import PageIds
+from hicache.model.detokenizer import IncrementalDetokenizer
+from hicache.radix.results import no_pages
+
+
+class Phase(str, Enum):
+    WAITING = "waiting"  # queued, maybe prefetching from L3
+    PREFILL = "prefill"  # prompt being computed, chunk by chunk
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    request: GenerateRequest
+    rid: str
+    emit: Callable[[GenerateOutput], None]  # thread-safe hand-off to the caller
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    arrived: float = field(default_factory=time.monotonic)
+    phase: Phase = Phase.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # Context in the device pool: tokens[:num_computed] have their KV at slots of ``pages``.
+    pages: PageIds = field(default_factory=no_pages)
+    owned_from: int = 0
+    num_computed: int = 0
+    hit: PrefixHit | None = None
+    prefetch: PrefetchHandle | None = None
+    prefetch_tried: bool = False
+    storage_tokens: int = 0  # tokens the L3 prefetch contributed
+    cached: CachedTokens = field(default_factory=CachedTokens)
+    first_token_at: float | None = None
+    text: str = ""  # output text so far (for stop strings)
+    emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    num_retractions: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.input_ids)
+
+    def tokens(self) -> list[int]:
+        """Prompt then output: the sequence whose KV the context holds."""
+        return [*self.request.input_ids, *self.output_ids]
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    @property
+    def owned_pages(self) -> PageIds:
+        return self.pages[self.owned_from :]
+
+    def add_pages(self, new: PageIds) -> None:
+        self.pages = np.concatenate([self.pages, new]) if len(self.pages) else new

@@ -1,0 +1,458 @@
+"""The scheduler: continuous batching over the hierarchical cache, on one thread.
+
+Each step:
+1. take new requests, aborts and control calls from the inbox;
+2. ``cache.poll()``: acknowledge landed copies, advance L3 prefetches/backups;
+3. admit waiting requests (FIFO) whose L3 prefetch the policy lets start,
+   while the device pool can hold their prompt: match and lock the cached
+   prefix (host hits start loading layer by layer);
+4. one forward over every decoding request (one token each) plus prompt
+   chunks of prefilling requests (at most ``chunked_prefill_size`` tokens);
+5. sample, stream, finish: a finished request gives its KV to the radix tree.
+
+The thread does no blocking I/O: L2 copies run on the cache controller's
+streams/threads and L3 on the storage controller's threads. When the device
+pool runs dry for decodes, the newest request is retracted (its KV goes to the
+tree, so it resumes mostly from cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.engine.api import CachedTokens, GenerateOutput
+from hicache.engine.request import Phase, Req
+from hicache.engine.sampling import sample
+from hicache.memory.allocator import OutOfPagesError, PageIds
+from hicache.model.batch import ForwardBatch
+from hicache.model.model import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 32
+    # Prompt tokens computed per step across all prefilling requests.
+    chunked_prefill_size: int = 2048
+    max_context_len: int = 4096
+    enable_prefix_cache: bool = True
+
+
+@dataclass
+class EngineCounters:
+    num_requests: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_device_tokens: int = 0
+    num_cached_host_tokens: int = 0
+    num_cached_storage_tokens: int = 0
+    num_retractions: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: HierarchicalCache,
+        config: SchedulerConfig,
+        eos_token_ids: Iterable[int],
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.device = cache.device_pool.device
+        self.page_size = cache.page_size
+        self.counters = EngineCounters()
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # prefilling and decoding, in admission order
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._by_rid: dict[str, Req] = {}
+
+    # ------------------------------------------------------- thread-safe API
+    def submit(self, req: Req) -> None:
+        self._inbox.put(("add", req))
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` on the scheduler thread between steps."""
+        future: Future[Any] = Future()
+        self._inbox.put(("call", (fn, future)))
+        return future
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def is_idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    # -------------------------------------------------------------- the loop
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                busy = self.step()
+            except Exception:  # a bug must not hang every client: fail what is in flight
+                logger.exception("scheduler step failed; aborting running requests")
+                self._fail_all("internal error in the scheduler step")
+                busy = False
+            if not busy:
+                self._wait_for_work()
+        self._fail_all("server shutting down")
+
+    def step(self) -> bool:
+        """One scheduling round; False when there was nothing to compute."""
+        self._drain_inbox(block_s=0.0)
+        self.cache.poll()
+        self._admit()
+        if not self.running:
+            return False
+        self._forward_step()
+        return True
+
+    def _wait_for_work(self) -> None:
+        # Requests held for an L3 prefetch need polling; otherwise sleep until
+        # something arrives (the cap keeps background copies acknowledged).
+        block = 0.002 if self.waiting else 0.05
+        self._drain_inbox(block_s=block)
+
+    def _drain_inbox(self, block_s: float) -> None:
+        try:
+            item = self._inbox.get(timeout=block_s) if block_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            req: Req = payload
+            self._by_rid[req.rid] = req
+            self.waiting.append(req)
+            self.counters.num_requests += 1
+        elif kind == "abort":
+            target = self._by_rid.get(payload)
+            if target is not None:
+                self._finish(target, "abort")
+        else:
+            fn, future = payload
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as error:  # handed to the caller
+                    future.set_exception(error)
+
+    # ------------------------------------------------------------- admission
+    def _admit(self) -> None:
+        for req in list(self.waiting):
+            if len(self.running) >= self.config.max_running_requests:
+                return
+            if not self._prefetch_settled(req):
+                continue
+            if not self._start(req):
+                return  # no room: keep FIFO order
+
+    def _prefetch_settled(self, req: Req) -> bool:
+        """Start the request's L3 prefetch once; True when the policy lets it run."""
+        cache = self.cache
+        if not req.prefetch_tried:
+            req.prefetch_tried = True
+            if self.config.enable_prefix_cache and cache.storage is not None:
+                req.prefetch = cache.prefetch(self._match_tokens(req), req.request.extra_key)
+        if req.prefetch is None:
+            return True
+        if not cache.prefetch_ready(req.prefetch):
+            return False
+        req.storage_tokens += cache.finish_prefetch(req.prefetch)
+        req.prefetch = None
+        return True
+
+    def _match_tokens(self, req: Req) -> list[int]:
+        # At least one token is always computed: its logits give the next token.
+        return req.tokens()[: req.seq_len - 1]
+
+    def _start(self, req: Req) -> bool:
+        cache = self.cache
+        if self.config.enable_prefix_cache:
+            hit = cache.acquire(self._match_tokens(req), req.request.extra_key)
+        else:
+            hit = None
+        cached = hit.num_tokens if hit is not None else 0
+        # Room for the rest of the context, beyond what decodes already need.
+        need = -(-(req.seq_len - cached) // self.page_size)
+        reserve = len(self.running)
+        room = cache.device_pool.allocator.num_free_pages + cache.tree.num_evictable_device_pages
+        if need + reserve > room and self.running:
+            if hit is not None:
+                cache.release(hit)
+            return False
+        self.waiting.remove(req)
+        req.hit = hit
+        req.pages = hit.device_pages.copy() if hit is not None else np.empty(0, np.int64)
+        req.owned_from = len(req.pages)
+        req.num_computed = cached
+        req.phase = Phase.PREFILL
+        if req.num_retractions == 0 and hit is not None:
+            storage = min(req.storage_tokens, hit.num_host_tokens)
+            req.cached = CachedTokens(
+                device=hit.num_device_tokens, host=hit.num_host_tokens - storage, storage=storage
+            )
+            self.counters.num_prompt_tokens += req.prompt_len
+            self.counters.num_cached_device_tokens += req.cached.device
+            self.counters.num_cached_host_tokens += req.cached.host
+            self.counters.num_cached_storage_tokens += req.cached.storage
+        elif req.num_retractions == 0:
+            self.counters.num_prompt_tokens += req.prompt_len
+        self.running.append(req)
+        return True
+
+    # ------------------------------------------------------------ one step
+    def _forward_step(self) -> None:
+        plan: list[tuple[Req, int]] = []  # (request, new tokens this step)
+        budget = self.config.chunked_prefill_size
+        for req in list(self.running):
+            if req.phase is Phase.DECODE:
+                if self._ensure_pages(req, req.seq_len):
+                    plan.append((req, 1))
+            elif budget > 0:
+                n = min(req.seq_len - req.num_computed, budget)
+                if self._ensure_pages(req, req.num_computed + n):
+                    plan.append((req, n))
+                    budget -= n
+        # A retraction while planning may have sent an already planned request back.
+        plan = [(req, n) for req, n in plan if req.phase in (Phase.PREFILL, Phase.DECODE)]
+        if not plan:
+            return
+        new_ids: list[list[int]] = []
+        contexts: list[torch.Tensor] = []
+        for req, n in plan:
+            tokens = req.tokens()
+            end = req.num_computed + n
+            new_ids.append(tokens[req.num_computed : end])
+            contexts.append(self._slots(req.pages, end))
+        batch = ForwardBatch.from_sequences(new_ids, contexts, device=self.device)
+        wait_layer = self.cache.wait_layer if self.cache.hierarchical else None
+        with torch.inference_mode():
+            logits = self.model.forward(batch, self.cache.device_pool, wait_layer=wait_layer)
+        self.counters.num_steps += 1
+        done = []
+        for row, (req, n) in enumerate(plan):
+            req.num_computed += n
+            if req.num_computed == req.seq_len:
+                done.append((row, req))
+        if not done:
+            return
+        rows = torch.tensor([row for row, _ in done], device=logits.device)
+        params = [req.request.sampling for _, req in done]
+        tokens = sample(logits[rows].float(), params, [req.generator for _, req in done])
+        now = time.monotonic()
+        for (_, req), token in zip(done, tokens, strict=True):
+            if req.phase is Phase.PREFILL:
+                req.phase = Phase.DECODE
+                self._cache_prefill(req)
+            if req.first_token_at is None:
+                req.first_token_at = now
+            self._append_token(req, token)
+
+    def _slots(self, pages: PageIds, num_tokens: int) -> torch.Tensor:
+        ps = self.page_size
+        used = pages[: -(-num_tokens // ps)]
+        slots = (used[:, None] * ps + np.arange(ps, dtype=np.int64)[None, :]).reshape(-1)
+        return torch.from_numpy(slots[:num_tokens])
+
+    def _ensure_pages(self, req: Req, num_tokens: int) -> bool:
+        """Pages for ``num_tokens`` tokens of context; retract others (or itself) if short."""
+        need = -(-num_tokens // self.page_size) - len(req.pages)
+        while need > 0:
+            try:
+                req.add_pages(self.cache.alloc_device(need))
+                return True
+            except OutOfPagesError:
+                victim = self._retraction_victim(exclude=req)
+                if victim is None:
+                    if req.phase is Phase.DECODE or len(self.running) > 1:
+                        self._retract(req)
+                        return False
+                    self._finish(req, "abort", error="the device KV pool is too small for it")
+                    return False
+                self._retract(victim)
+        return True
+
+    def _retraction_victim(self, exclude: Req) -> Req | None:
+        candidates = [r for r in self.running if r is not exclude]
+        return max(candidates, key=lambda r: r.arrived) if candidates else None
+
+    def _retract(self, req: Req) -> None:
+        """Out of device pages: give the request's KV to the tree and requeue it."""
+        self._release(req, keep_kv=True)
+        req.phase = Phase.WAITING
+        req.num_retractions += 1
+        self.counters.num_retractions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # -------------------------------------------------------- cache handover
+    def _cache_prefill(self, req: Req) -> None:
+        """Write-through after prefill: the prompt's whole pages go to the tree now."""
+        if not self.config.enable_prefix_cache or req.hit is None:
+            return
+        full = req.num_computed // self.page_size
+        if full <= req.owned_from:
+            return
+        tokens = req.tokens()[: full * self.page_size]
+        req.hit = self.cache.insert_held(tokens, req.pages[:full], req.hit, req.request.extra_key)
+        req.pages = np.concatenate([req.hit.device_pages, req.pages[full:]])
+        req.owned_from = full
+
+    def _release(self, req: Req, keep_kv: bool) -> None:
+        """Hand computed whole pages to the tree (if ``keep_kv``), free the rest, unlock."""
+        cache = self.cache
+        pages = req.pages
+        if keep_kv and self.config.enable_prefix_cache and req.hit is not None:
+            full = min(req.num_computed // self.page_size, len(pages))
+            if full > req.owned_from:
+                tokens = req.tokens()[: full * self.page_size]
+                cache.insert(tokens, pages[:full], req.request.extra_key)
+                # The tree owns pages[:full] now (or freed them as duplicates).
+                cache.free_device(pages[full:])
+            else:
+                cache.free_device(pages[req.owned_from :])
+        else:
+            cache.free_device(pages[req.owned_from :])
+        if req.hit is not None:
+            cache.release(req.hit)
+        req.hit = None
+        req.pages = np.empty(0, dtype=np.int64)
+        req.owned_from = 0
+        req.num_computed = 0
+
+    # ----------------------------------------------------------- outputs
+    def _append_token(self, req: Req, token: int) -> None:
+        req.output_ids.append(token)
+        self.counters.num_generated_tokens += 1
+        params = req.request.sampling
+        reason: str | None = None
+        stop_token = stop_string = False
+        if (token in self.eos_token_ids and not params.ignore_eos) or (
+            token in params.stop_token_ids
+        ):
+            reason, stop_token = "stop", True
+        if not stop_token:
+            req.text += req.detokenizer.push(token)
+            if self._cut_at_stop(req):
+                reason, stop_string = "stop", True
+        if reason is None and (
+            len(req.output_ids) >= params.max_new_tokens
+            or req.seq_len >= self.config.max_context_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason, flush_text=not stop_string)
+        else:
+            self._emit(req, final=False)
+
+    @staticmethod
+    def _cut_at_stop(req: Req) -> bool:
+        """Trim the text at the first stop string; True when there was one."""
+        cut = _find_stop(req.text, req.request.sampling.stop, req.emitted_chars)
+        if cut is None:
+            return False
+        req.text = req.text[:cut]
+        return True
+
+    def _emit(self, req: Req, final: bool) -> None:
+        stops = req.request.sampling.stop
+        # Hold back text that may be the start of a stop string.
+        hold = 0 if final or not stops else max(len(s) for s in stops) - 1
+        safe = max(req.emitted_chars, len(req.text) - hold)
+        text = req.text[req.emitted_chars : safe]
+        req.emitted_chars = safe
+        new_ids = tuple(req.output_ids[req.num_emitted_tokens :])
+        req.num_emitted_tokens = len(req.output_ids)
+        now = time.monotonic()
+        ttft = latency = None
+        if final:
+            latency = now - req.arrived
+            if req.first_token_at is not None:
+                ttft = req.first_token_at - req.arrived
+        req.emit(
+            GenerateOutput(
+                rid=req.rid, token_ids=new_ids, text=text, finished=final,
+                finish_reason=req.finish_reason if final else None,
+                prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached, ttft_s=ttft, latency_s=latency, error=req.error,
+            )
+        )
+
+    def _finish(
+        self, req: Req, reason: str, error: str | None = None, flush_text: bool = True
+    ) -> None:
+        if req.phase is Phase.FINISHED:
+            return
+        if req.prefetch is not None:
+            self.cache.cancel_prefetch(req.prefetch)
+            req.prefetch = None
+        if req.phase is not Phase.WAITING:
+            # Keep the KV of a request that finished (or was aborted) mid-way: it
+            # is valid, and the next turn of the conversation will want it.
+            self._release(req, keep_kv=True)
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        if flush_text:
+            # Text held back for an unfinished character is released at the end.
+            req.text += req.detokenizer.flush()
+            if self._cut_at_stop(req):
+                reason = "stop"
+        req.phase = Phase.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        self._by_rid.pop(req.rid, None)
+        if reason == "abort":
+            self.counters.num_aborted += 1
+        else:
+            self.counters.num_finished += 1
+        self._emit(req, final=True)
+
+    def _fail_all(self, message: str) -> None:
+        for req in [*self.running, *self.waiting]:
+            try:
+                self._finish(req, "abort", error=message)
+            except Exception:  # keep failing the others
+                logger.exception("could not finish request %s cleanly", req.rid)
+
+
+def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
+    """Index where the earliest stop string starts in ``text`` (searching new text only)."""
+    best: int | None = None
+    for stop in stops:
+        index = text.find(stop, max(0, emitted - len(stop) + 1))
+        if index >= 0 and (best is None or index < best):
+            best = index
+    return best

@@ -1,0 +1,162 @@
+"""CausalLM: a Llama / Qwen2 / Qwen3 decoder whose KV lives in the paged device pool.
+
+One ``forward`` computes one step of a continuous-batching engine: the new
+tokens of every sequence in a ``ForwardBatch`` (prefills, chunks, decodes,
+mixed), writing their K/V into the pool and returning logits. The model holds
+no per-request state: everything about a sequence's past is in the pool slots
+the batch names, which is what lets the hierarchical cache hand it prefixes
+computed by other requests, or loaded back from host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.memory.device_pool import DevicePool
+from hicache.model.attention import Attention, StepInputs
+from hicache.model.batch import BatchError, ForwardBatch
+from hicache.model.config import ModelConfig, ModelConfigError
+from hicache.model.mlp import SwiGLU
+from hicache.model.norm import RMSNorm
+from hicache.model.paged_attention import AttentionPlan
+from hicache.model.parameter import WeightViews, empty_parameter
+from hicache.model.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
+        self.self_attn = Attention(config, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device, dtype)
+
+    def forward(
+        self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        # Pre-norm residual blocks; the adds reuse the freshly allocated block outputs.
+        h: torch.Tensor = self.self_attn(self.input_layernorm(x), step, k_cache, v_cache).add_(x)
+        out: torch.Tensor = self.mlp(self.post_attention_layernorm(h)).add_(h)
+        return out
+
+    def hf_weights(self, prefix: str) -> WeightViews:
+        return {
+            **self.input_layernorm.hf_weights(f"{prefix}.input_layernorm"),
+            **self.self_attn.hf_weights(f"{prefix}.self_attn"),
+            **self.post_attention_layernorm.hf_weights(f"{prefix}.post_attention_layernorm"),
+            **self.mlp.hf_weights(f"{prefix}.mlp"),
+        }
+
+
+class CausalLM(nn.Module):
+    """Built empty (uninitialized) on ``device``; fill it with ``hicache.model.weights``."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = config.dtype
+        dev, dtype = self.device, self.dtype
+        self.embed_tokens = empty_parameter(
+            config.vocab_size, config.hidden_size, device=dev, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dev, dtype) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dev, dtype)
+        # Tied models (Qwen3-0.6B) project logits with the embedding matrix itself.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else empty_parameter(config.vocab_size, config.hidden_size, device=dev, dtype=dtype)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            dev,
+            dtype,
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv: DevicePool,
+        wait_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Compute one step; returns float32 logits [num_seqs, vocab] (last new token of
+        each sequence) or [num_tokens, vocab] with ``batch.return_all_logits``.
+
+        Per layer l: ``wait_layer(l)`` first (the cache orders this layer after any
+        load of its K/V from host memory), then q/k/v, the new K/V written to the pool
+        at ``batch.out_slots``, and attention over each sequence's context read from
+        the pool at ``batch.context_slots``.
+        """
+        self._check(batch, kv)
+        step = StepInputs(
+            *self.rotary.lookup(batch.positions),
+            out_slots=batch.out_slots,
+            plan=AttentionPlan.build(batch),
+        )
+        h = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
+        for index, layer in enumerate(self.layers):
+            if wait_layer is not None:
+                wait_layer(index)
+            h = layer(h, step, kv.k_buffer(index), kv.v_buffer(index))
+        if not batch.return_all_logits and batch.num_seqs != batch.num_tokens:
+            # Only the last token of each sequence is sampled from: skip the rest's
+            # final norm and vocabulary projection (the largest GEMM of a decode step).
+            last = [end - 1 for end in accumulate(batch.extend_lens)]
+            h = h[torch.tensor(last, device=h.device)]
+        return F.linear(self.norm(h), self.lm_head_weight).float()
+
+    def _check(self, batch: ForwardBatch, kv: DevicePool) -> None:
+        expected = self.config.kv_geometry(self.dtype)
+        if kv.geometry != expected:
+            raise ModelConfigError(
+                f"device pool geometry {kv.geometry.describe()} does not fit the model "
+                f"({expected.describe()}); build it with config.kv_geometry()"
+            )
+        if not _same_device(kv.device, self.device):
+            raise ModelConfigError(f"device pool is on {kv.device}, the model on {self.device}")
+        longest = max(batch.seq_lens)
+        if longest > self.config.max_position_embeddings:
+            raise BatchError(
+                f"a sequence reaches {longest} tokens, past the model's "
+                f"max_position_embeddings ({self.config.max_position_embeddings})"
+            )
+
+    def hf_weights(self) -> WeightViews:
+        """Every parameter (or fused part of one) under its Hugging Face checkpoint name."""
+        views: WeightViews = {"model.embed_tokens.weight": self.embed_tokens}
+        for index, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            views.update(layer.hf_weights(f"model.layers.{index}"))
+        views.update(self.norm.hf_weights("model.norm"))
+        if self.lm_head is not None:
+            views["lm_head.weight"] = self.lm_head
+        return views
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """cuda and cuda:0 name the same device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current
+    )

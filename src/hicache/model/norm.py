@@ -1,0 +1,30 @@
+"""RMSNorm, computed in float32 whatever the model dtype (as the reference models do)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.model.parameter import WeightViews, empty_parameter
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x / rms(x))`` over the last dimension.
+
+    The normalization runs in float32 and is rounded to the model dtype before
+    the weight multiplies it: in bf16, normalizing in bf16 would lose the small
+    differences between hidden states that the checkpoint was trained to see.
+    """
+
+    def __init__(self, dim: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = empty_parameter(dim, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def hf_weights(self, prefix: str) -> WeightViews:
+        return {f"{prefix}.weight": self.weight}

@@ -1,0 +1,84 @@
+"""Named model shapes for ``--load-format dummy`` (tests, benchmarks, demos without weights).
+
+The real presets copy the published config.json shapes, so a dummy model costs
+exactly what the real one does in FLOPs, memory and KV bytes; their KV geometry
+equals ``hicache.memory.geometry``'s preset of the same name. Token ids for
+bos/eos are left out: a dummy model is served with the byte-level tokenizer,
+which brings its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.model.config import Architecture, Llama3RopeScaling, ModelConfig, ModelConfigError
+
+PRESETS: dict[str, ModelConfig] = {
+    # The CPU default: small enough for unit tests, with GQA (4 query heads over 2 KV heads)
+    # and a vocab that holds the byte tokenizer's 256 bytes plus its specials.
+    # KV geometry = memory.geometry.TINY.
+    "tiny": ModelConfig(
+        architecture=Architecture.LLAMA,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        dtype=torch.float32,
+    ),
+    # Qwen/Qwen3-0.6B. KV geometry = memory.geometry.QWEN3_0_6B.
+    "qwen3-0.6b": ModelConfig(
+        architecture=Architecture.QWEN3,
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        dtype=torch.bfloat16,
+    ),
+    # meta-llama/Llama-3.1-8B: Llama-3-8B's shape plus llama3 RoPE scaling, so contexts past
+    # 8K tokens (the prefill benchmark's 16K) are in range. KV geometry = memory.geometry.LLAMA3_8B.
+    "llama3-8b": ModelConfig(
+        architecture=Architecture.LLAMA,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=Llama3RopeScaling(
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        rms_norm_eps=1e-5,
+        dtype=torch.bfloat16,
+    ),
+}
+
+DEFAULT_PRESET = "tiny"
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ModelConfigError(
+            f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}"
+        ) from None

@@ -1,0 +1,249 @@
+"""Tokenizers: a checkpoint's tokenizer.json + chat template, or the byte-level fallback.
+
+``Tokenizer`` is what the server uses: encode / decode, the chat template, and
+the ids that end generation. ``load_tokenizer(path)`` picks ``HFTokenizer``
+when the model dir has a tokenizer.json and ``ByteTokenizer`` otherwise (dummy
+models). Streaming decode lives in ``hicache.model.detokenizer``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hicache.model.chat_template import ChatTemplate, ChatTemplateError, Message
+
+logger = logging.getLogger(__name__)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or used as asked; the message says why."""
+
+
+class Tokenizer(ABC):
+    bos_token_id: int | None
+    # Any of these ends generation (e.g. Llama-3 instruct: <|end_of_text|> and <|eot_id|>).
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Ids this tokenizer can decode: [0, vocab_size). Models may have more (padding)."""
+
+    @abstractmethod
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (BOS)."""
+
+    @abstractmethod
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``; ids outside the vocabulary decode to nothing."""
+
+    @abstractmethod
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """The prompt text for a conversation (with the assistant turn opened)."""
+
+    def encode_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, **variables: Any
+    ) -> list[int]:
+        # The template already writes BOS and the other specials as text.
+        text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+        return self.encode(text, add_special_tokens=False)
+
+
+# ---------------------------------------------------------------------- HF tokenizer.json
+class HFTokenizer(Tokenizer):
+    """A ``tokenizers`` fast tokenizer (tokenizer.json) plus tokenizer_config.json's
+    special tokens and Jinja chat template."""
+
+    def __init__(
+        self,
+        tokenizer: Any,  # tokenizers.Tokenizer
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self._tok = tokenizer
+        self._template = ChatTemplate(chat_template) if chat_template else None
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = self._special_id(bos_token, "bos_token")
+        eos_id = self._special_id(eos_token, "eos_token")
+        ids = ([eos_id] if eos_id is not None else []) + list(extra_eos_token_ids)
+        self.eos_token_ids = tuple(dict.fromkeys(ids))  # de-duplicated, order kept
+
+    def _special_id(self, token: str | None, what: str) -> int | None:
+        if token is None:
+            return None
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(f"{what} {token!r} is not in the tokenizer's vocabulary")
+        return int(token_id)
+
+    @classmethod
+    def from_dir(
+        cls, model_path: str | Path, extra_eos_token_ids: Iterable[int] = ()
+    ) -> HFTokenizer:
+        """tokenizer.json, tokenizer_config.json (and chat_template.jinja) of a model dir."""
+        from tokenizers import Tokenizer as FastTokenizer
+
+        root = Path(model_path)
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{root}: no tokenizer.json")
+        try:
+            tok = FastTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise TokenizerError(f"{path}: cannot be loaded: {e}") from e
+        config: dict[str, Any] = {}
+        config_path = root / "tokenizer_config.json"
+        if config_path.is_file():
+            with config_path.open() as f:
+                config = json.load(f)
+        return cls(
+            tok,
+            chat_template=_chat_template_source(root, config),
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            extra_eos_token_ids=extra_eos_token_ids,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [t for t in token_ids if 0 <= t < self.vocab_size]
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        if self._template is None:
+            raise TokenizerError(
+                "this tokenizer has no chat template (tokenizer_config.json 'chat_template'); "
+                "send a plain prompt instead"
+            )
+        variables.setdefault("bos_token", self.bos_token or "")
+        variables.setdefault("eos_token", self.eos_token or "")
+        try:
+            return self._template.render(messages, add_generation_prompt, **variables)
+        except ChatTemplateError as e:
+            raise TokenizerError(str(e)) from e
+
+
+def _token_text(value: object) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template_source(root: Path, config: Mapping[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    # Newer checkpoints keep the template in its own file.
+    path = root / "chat_template.jinja"
+    return path.read_text() if path.is_file() else None
+
+
+# ---------------------------------------------------------------------- byte-level fallback
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens 0-255, then a few specials; for models without a tokenizer.
+
+    Chat format: ``<|bos|>`` then each message as ``<|role|>content<|end|>``, and
+    ``<|assistant|>`` to open the reply. ``<|end|>`` and ``<|eos|>`` end generation.
+    """
+
+    SPECIALS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+    _ROLES = ("system", "user", "assistant")
+
+    def __init__(self) -> None:
+        self._special_ids = {text: 256 + i for i, text in enumerate(self.SPECIALS)}
+        self._special_text = {i: text for text, i in self._special_ids.items()}
+        self.bos_token_id = self._special_ids["<|bos|>"]
+        self.eos_token_ids = (self._special_ids["<|eos|>"], self._special_ids["<|end|>"])
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.SPECIALS)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
+        rest = text
+        while rest:
+            # Earliest special token in what is left, if any; bytes before it.
+            hits = [(rest.find(s), s) for s in self.SPECIALS if s in rest]
+            at, special = min(hits) if hits else (len(rest), "")
+            ids += rest[:at].encode("utf-8")
+            if special:
+                ids.append(self._special_ids[special])
+            rest = rest[at + len(special) :]
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        parts: list[str] = []
+        run = bytearray()
+        for token in token_ids:
+            if 0 <= token < 256:
+                run.append(token)
+                continue
+            if token in self._special_text and not skip_special_tokens:
+                parts.append(run.decode("utf-8", errors="replace"))
+                run.clear()
+                parts.append(self._special_text[token])
+        parts.append(run.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        parts = ["<|bos|>"]
+        for message in messages:
+            role = message.get("role")
+            if role not in self._ROLES:
+                raise TokenizerError(f"role {role!r} is not supported; use one of {self._ROLES}")
+            parts.append(f"<|{role}|>{_text_content(message.get('content'))}<|end|>")
+        if add_generation_prompt:
+            parts.append("<|assistant|>")
+        return "".join(parts)
+
+
+def _text_content(content: object) -> str:
+    """A message's content: a string, or OpenAI-style parts of which text ones are kept."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, Mapping) and part.get("type") == "text"):
+                raise TokenizerError("only text content parts are supported")
+            texts.append(str(part.get("text", "")))
+        return "".join(texts)
+    raise TokenizerError(f"message content must be a string or a list of parts, got {content!r}")
+
+
+def load_tokenizer(
+    model_path: str | Path | None, extra_eos_token_ids: Iterable[int] = ()
+) -> Tokenizer:
+    """The model dir's tokenizer.json, or the byte-level fallback when there is none."""
+    if model_path is not None and (Path(model_path) / "tokenizer.json").is_file():
+        return HFTokenizer.from_dir(model_path, extra_eos_token_ids)
+    if model_path is not None:
+        logger.warning("%s has no tokenizer.json: using the byte-level tokenizer", model_path)
+    return ByteTokenizer()
