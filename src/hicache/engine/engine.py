@@ -155,6 +155,17 @@ class Engine:
 
         return bool(self._on_scheduler(flush))
 
+    def check_integrity(self) -> None:
+        """Assert the tree and every pool are consistent and nothing leaked (when idle)."""
+
+        def check() -> None:
+            if not self.scheduler.is_idle():
+                raise RuntimeError("check_integrity needs an idle engine")
+            self.cache.poll(wait=True)
+            self.cache.check_integrity()
+
+        self._on_scheduler(check)
+
     def attach_storage(self, backend: str, extra_config: dict[str, Any], policy: str) -> None:
         config = storage_config(backend, policy, extra_config)
 
