@@ -84,6 +84,8 @@ class Scheduler:
         self.running: list[Req] = []  # prefilling and decoding, in admission order
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._by_rid: dict[str, Req] = {}
+        # Sees the logits each sampled token came from (tests compare cold and cached runs).
+        self.logits_observer: Callable[[str, torch.Tensor], None] | None = None
 
     # ------------------------------------------------------- thread-safe API
     def submit(self, req: Req) -> None:
@@ -204,9 +206,10 @@ class Scheduler:
         else:
             hit = None
         cached = hit.num_tokens if hit is not None else 0
-        # Room for the rest of the context, beyond what decodes already need.
+        # Room for the rest of its context, beyond what admitted requests will still
+        # allocate (the rest of their prompts, and a page each to keep decoding).
         need = -(-(req.seq_len - cached) // self.page_size)
-        reserve = len(self.running)
+        reserve = sum(self._pages_to_come(r) + 1 for r in self.running)
         room = cache.device_pool.allocator.num_free_pages + cache.tree.num_evictable_device_pages
         if need + reserve > room and self.running:
             if hit is not None:
@@ -232,11 +235,16 @@ class Scheduler:
         self.running.append(req)
         return True
 
+    def _pages_to_come(self, req: Req) -> int:
+        return max(0, -(-req.seq_len // self.page_size) - len(req.pages))
+
     # ------------------------------------------------------------ one step
     def _forward_step(self) -> None:
         plan: list[tuple[Req, int]] = []  # (request, new tokens this step)
         budget = self.config.chunked_prefill_size
         for req in list(self.running):
+            if req.phase is Phase.WAITING:
+                continue  # retracted to make room for a request planned before it
             if req.phase is Phase.DECODE:
                 if self._ensure_pages(req, req.seq_len):
                     plan.append((req, 1))
@@ -270,7 +278,11 @@ class Scheduler:
             return
         rows = torch.tensor([row for row, _ in done], device=logits.device)
         params = [req.request.sampling for _, req in done]
-        tokens = sample(logits[rows].float(), params, [req.generator for _, req in done])
+        chosen = logits[rows].float()
+        tokens = sample(chosen, params, [req.generator for _, req in done])
+        if self.logits_observer is not None:
+            for index, (_, req) in enumerate(done):
+                self.logits_observer(req.rid, chosen[index].cpu())
         now = time.monotonic()
         for (_, req), token in zip(done, tokens, strict=True):
             if req.phase is Phase.PREFILL:
