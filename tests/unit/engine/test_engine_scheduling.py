@@ -11,7 +11,7 @@ import torch
 
 from hicache.engine.api import GenerateRequest, RequestError, SamplingParams
 from hicache.engine.engine import Engine
-from tests.unit.engine.conftest import run, run_many
+from tests.engine_helpers import run, run_many
 
 
 def prompt(seed: int, length: int) -> list[int]:

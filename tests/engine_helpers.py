@@ -1,0 +1,83 @@
+"""Engines over the tiny dummy model for tests: build, run requests, always shut down."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
+from hicache.engine.engine import Engine, add_engine_args, build_engine
+
+
+def engine_args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser.parse_args(["--device", "cpu", *flags])
+
+
+@dataclass
+class Run:
+    """Everything one request streamed back, plus the logits of its tokens."""
+
+    outputs: list[GenerateOutput]
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for out in self.outputs for t in out.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(out.text for out in self.outputs)
+
+    @property
+    def last(self) -> GenerateOutput:
+        return self.outputs[-1]
+
+
+async def collect(engine: Engine, request: GenerateRequest) -> Run:
+    return Run([out async for out in engine.generate(request)])
+
+
+def run(engine: Engine, ids: list[int], logits: bool = False, **sampling: object) -> Run:
+    """One request to completion; with ``logits`` also the logits of every sampled token."""
+    params = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 8, **sampling})  # type: ignore[arg-type]
+    seen: list[torch.Tensor] = []
+    if logits:
+        engine.scheduler.logits_observer = lambda rid, row: seen.append(row)
+    try:
+        result = asyncio.run(collect(engine, GenerateRequest(tuple(ids), params)))
+    finally:
+        engine.scheduler.logits_observer = None
+    result.logits = seen
+    return result
+
+
+def run_many(engine: Engine, requests: list[GenerateRequest]) -> list[Run]:
+    async def all_of() -> list[Run]:
+        return list(await asyncio.gather(*(collect(engine, r) for r in requests)))
+
+    return asyncio.run(all_of())
+
+
+def on_scheduler(engine: Engine, fn: Callable[[], object]) -> object:
+    return engine.scheduler.call(fn).result(timeout=60)
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Engine]]:
+    engines: list[Engine] = []
+
+    def make(*flags: str) -> Engine:
+        engine = build_engine(engine_args(*flags))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
