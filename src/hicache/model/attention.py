@@ -61,14 +61,19 @@ class Attention(nn.Module):
         """x: [T, hidden] -> [T, hidden]; writes the new tokens' K/V into k_cache / v_cache."""
         num_tokens = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # Rows of qkv are [q heads | k heads | v heads]: viewed as heads, q and k are
+        # neighbours and RoPE treats every head alike.
+        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = heads.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, before RoPE (Qwen3)
-        q = apply_rotary(q, step.cos, step.sin)
-        k = apply_rotary(k, step.cos, step.sin)
+            q = apply_rotary(q, step.cos, step.sin)
+            k = apply_rotary(k, step.cos, step.sin)
+        else:
+            # One rotation for q and k together: half the kernel launches of two, which
+            # is what a decode step of small tensors pays for. Same values either way.
+            qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], step.cos, step.sin)
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         # The pool holds post-RoPE keys: a cached prefix is reused without re-rotating.
         k_cache.index_copy_(0, step.out_slots, k)
         v_cache.index_copy_(0, step.out_slots, v)

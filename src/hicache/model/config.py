@@ -183,8 +183,13 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{model_path}: no config.json (expected a Hugging Face model dir)"
             )
-        with path.open() as f:
-            raw = json.load(f)
+        try:
+            with path.open() as f:
+                raw = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelConfigError(f"{path}: cannot be read as JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         try:
             return cls.from_hf_dict(raw)
         except ModelConfigError as e:

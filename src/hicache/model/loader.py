@@ -20,7 +20,7 @@ from hicache.config import ConfigError
 from hicache.model.config import ModelConfig, ModelConfigError, parse_dtype
 from hicache.model.model import CausalLM
 from hicache.model.presets import DEFAULT_PRESET, get_preset
-from hicache.model.tokenizer import Tokenizer, load_tokenizer
+from hicache.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hicache.model.weights import init_dummy_weights, load_safetensors
 
 
@@ -72,8 +72,13 @@ def load_model(
     extra_eos = config.eos_token_ids + _generation_eos_ids(model_path)
     tokenizer = load_tokenizer(model_path, extra_eos_token_ids=extra_eos)
     if tokenizer.vocab_size > config.vocab_size:
+        why = (
+            " (the byte-level fallback: the model dir has no tokenizer.json)"
+            if isinstance(tokenizer, ByteTokenizer)
+            else ""
+        )
         raise ModelConfigError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+            f"the tokenizer has {tokenizer.vocab_size} tokens{why} but the model only "
             f"{config.vocab_size}: they do not belong together"
         )
     return LoadedModel(model, config, tokenizer)

@@ -91,18 +91,21 @@ def _context_mask(extend: int, total: int, device: torch.device) -> torch.Tensor
 def _decode_group(batch: ForwardBatch, seqs: list[int]) -> _DecodeGroup:
     device = batch.context_slots.device
     token_starts, context_starts = batch.token_starts, batch.context_starts
-    lens = torch.tensor([batch.seq_lens[i] for i in seqs])
-    starts = torch.tensor([context_starts[i] for i in seqs])
-    keys = torch.arange(int(lens.max()))
+    lens_list = [batch.seq_lens[i] for i in seqs]
+    # Only the B lengths and starts cross from the host; the [B, L] index and mask are
+    # built on the device, so a big decode batch costs the host O(B), not O(B * L).
+    lens = torch.tensor(lens_list, device=device)
+    starts = torch.tensor([context_starts[i] for i in seqs], device=device)
+    keys = torch.arange(max(lens_list), device=device)
     # Padding repeats each context's last slot: a real, finite K/V row, masked out anyway.
     index = starts[:, None] + torch.minimum(keys[None, :], lens[:, None] - 1)  # [B, L]
     key_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     everything = len(seqs) == batch.num_seqs  # then token b is sequence b's only token
-    token_index = None if everything else torch.tensor([token_starts[i] for i in seqs])
+    token_index = (
+        None if everything else torch.tensor([token_starts[i] for i in seqs], device=device)
+    )
     return _DecodeGroup(
-        token_index=None if token_index is None else token_index.to(device),
-        slots=batch.context_slots[index.to(device)],
-        key_mask=key_mask.to(device),
+        token_index=token_index, slots=batch.context_slots[index], key_mask=key_mask
     )
 
 
@@ -159,12 +162,20 @@ def _with_context(
     mask: torch.Tensor | CausalBias,
 ) -> torch.Tensor:
     groups = q.shape[1] // k_cache.shape[1]
-    # Context K/V [L, kv_heads, D] -> [1, heads, L, D]. Heads are repeated rather than
-    # left to enable_gqa: the lower-right causal kernels take equal head counts.
-    k_ctx = k_cache[slots].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
-    v_ctx = v_cache[slots].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+    # Context K/V, gathered once: [L, kv_heads, D] -> [1, heads, L, D]. Heads are repeated
+    # rather than left to enable_gqa: the lower-right causal kernels take equal head counts.
+    k_ctx = _heads_first(k_cache[slots], groups)
+    v_ctx = _heads_first(v_cache[slots], groups)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_ctx, v_ctx, attn_mask=mask)
     return out[0].transpose(0, 1)
+
+
+def _heads_first(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """[L, kv_heads, D] -> [1, kv_heads * groups, L, D], each KV head repeated for its group."""
+    heads_first = kv.transpose(0, 1)
+    if groups > 1:
+        heads_first = heads_first.repeat_interleave(groups, dim=0)  # also makes it contiguous
+    return heads_first[None]
 
 
 def _decode(

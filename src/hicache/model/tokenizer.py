@@ -70,7 +70,11 @@ class HFTokenizer(Tokenizer):
         extra_eos_token_ids: Iterable[int] = (),
     ) -> None:
         self._tok = tokenizer
-        self._template = ChatTemplate(chat_template) if chat_template else None
+        try:
+            self._template = ChatTemplate(chat_template) if chat_template else None
+        except ChatTemplateError as e:
+            # A checkpoint's broken template is a tokenizer problem for whoever loads it.
+            raise TokenizerError(str(e)) from e
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = self._special_id(bos_token, "bos_token")

@@ -61,10 +61,13 @@ def load_safetensors(model: CausalLM, model_path: str | Path) -> None:
     shapes: dict[str, tuple[int, ...]] = {}
     located: dict[str, Path] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-                located[name] = path
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                    located[name] = path
+        except Exception as e:  # SafetensorError, OSError: a truncated or foreign file
+            raise WeightLoadError(f"{path}: not a readable safetensors file ({e})") from e
     _check_names_and_shapes(model, targets, shapes)
     with torch.no_grad():
         for path in files:
