@@ -1,4 +1,4 @@
-"""The ``hicache`` command: subcommands for the demo and the benchmarks."""
+"""The ``hicache`` command: the server, the demo and the benchmarks."""
 
 from __future__ import annotations
 
@@ -13,13 +13,25 @@ from collections.abc import Sequence
 _BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("hicache.bench.transfer", "L2<->L1 page transfer bandwidth per layout/io backend"),
     "tree": ("hicache.bench.tree", "radix tree insert / match / evict latency"),
+    "prefill": ("hicache.bench.prefill", "cold prefill throughput against HF transformers"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
-    parser.add_argument("--log-level", default="warning", help="python logging level")
+    parser.add_argument(
+        "--log-level", default=None, help="python logging level (default: info for serve, "
+        "warning otherwise)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with the L1/L2/L3 KV cache",
+        description="Serve a model over HTTP (OpenAI and SGLang-style APIs).",
+    )
+    from hicache.server.serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(serve)
 
     demo = sub.add_parser("demo", help="fill L1, spill to L2, load back, and show what happened")
     from hicache.demo import add_arguments as add_demo_arguments
@@ -39,9 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    level = args.log_level or ("info" if args.command == "serve" else "warning")
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.command == "serve":
+        from hicache.server.serve import main as serve_main
+
+        return serve_main(args)
     if args.command == "demo":
         from hicache.demo import main as demo_main
 

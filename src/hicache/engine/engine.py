@@ -208,8 +208,9 @@ class Engine:
         prompt = sched.counters.num_prompt_tokens
         cached = (sched.counters.num_cached_device_tokens + sched.counters.num_cached_host_tokens
                   + sched.counters.num_cached_storage_tokens)
-        out["cache_hit_rate"] = cached / prompt if prompt else 0.0
         out.update({f"cache_{k}": float(v) for k, v in cache.stats.as_dict().items()})
+        # After the cache's own counters: its hit rate leaves out tokens prefetched from L3.
+        out["cache_hit_rate"] = cached / prompt if prompt else 0.0
         device = cache.device_pool.allocator
         out["device_pool_pages"] = float(device.num_pages)
         out["device_pool_used_pages"] = float(device.num_used_pages)
@@ -314,11 +315,15 @@ def build_engine(args: argparse.Namespace) -> Engine:
             f"{config.max_position_embeddings} positions"
         )
     context = min(context, (device_pages - 1) * page_size)
-    model_name = args.served_model_name if getattr(args, "served_model_name", None) else (
+    weights_name = (
         Path(args.model_path).name if args.model_path else f"dummy-{preset or DEFAULT_PRESET}"
     )
+    model_name = getattr(args, "served_model_name", None) or weights_name
+    # The L3 namespace names the weights, not the served name: servers of the same
+    # weights share pages whatever they are called.
     cache = HierarchicalCache(
-        cache_config, geometry, device_pages, device, model_name=_model_identity(args, model_name),
+        cache_config, geometry, device_pages, device,
+        model_name=_model_identity(args, weights_name),
         storage=storage if storage.enabled and not args.disable_radix_cache else None,
     )
     sched = SchedulerConfig(

@@ -16,6 +16,8 @@ from hicache.storage.config import (
 
 # Backends the registry knows; "dynamic" loads any class named in the extra config.
 STORAGE_BACKENDS = ("file", "mooncake", "dynamic")
+# Accepted by --hicache-storage-backend to turn L3 off where a default turns it on (serve).
+NO_STORAGE_BACKEND = "none"
 
 _DEFAULTS = {f.name: f.default for f in fields(CacheConfig)}
 
@@ -58,8 +60,9 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 def add_storage_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("L3 storage")
     group.add_argument(
-        "--hicache-storage-backend", choices=STORAGE_BACKENDS, default=None,
-        help="L3 storage backend shared by every instance (default: none)",
+        "--hicache-storage-backend", choices=(*STORAGE_BACKENDS, NO_STORAGE_BACKEND),
+        default=None,
+        help="L3 storage backend shared by every instance; none: no L3 (default: %(default)s)",
     )
     group.add_argument(
         "--hicache-storage-prefetch-policy", choices=[p.value for p in PrefetchPolicy],
@@ -76,9 +79,10 @@ def add_storage_args(parser: argparse.ArgumentParser) -> None:
 
 def storage_config_from_args(args: argparse.Namespace) -> StorageConfig:
     extra = load_extra_config(args.hicache_storage_backend_extra_config)
-    return storage_config(
-        args.hicache_storage_backend, args.hicache_storage_prefetch_policy, extra
-    )
+    backend = args.hicache_storage_backend
+    if backend == NO_STORAGE_BACKEND:
+        backend = None
+    return storage_config(backend, args.hicache_storage_prefetch_policy, extra)
 
 
 def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:

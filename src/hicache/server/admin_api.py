@@ -1,0 +1,83 @@
+"""Admin routes: attach, re-configure, inspect and detach the L3 storage backend at runtime.
+
+``PUT /hicache/storage-backend`` with ``{"backend", "extra_config",
+"prefetch_policy"}`` attaches a backend, or, when the same backend is already
+attached, updates its policies. ``DELETE`` detaches (a no-op when nothing is
+attached); ``GET`` shows the engine's storage status. Every call needs
+``Authorization: Bearer <--admin-api-key>``: without a configured key the
+admin API is off (400), a wrong or missing key is a 401. Attaching and
+detaching only happen while no request runs (409 otherwise), so no request
+ever sees L3 change under it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from hicache.config import ConfigError
+from hicache.server.errors import APIError, parse_body
+from hicache.server.protocol import StorageBackendRequest
+from hicache.server.state import ServerState, get_state
+from hicache.storage.base import StorageError
+
+router = APIRouter()
+
+ROUTE = "/hicache/storage-backend"
+_BUSY = "requests are running: change L3 only while the server is idle, then retry"
+
+
+def authorize(state: ServerState, request: Request) -> None:
+    if state.admin_api_key is None:
+        raise APIError(400, "the admin API is disabled: start the server with --admin-api-key")
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    expected = state.admin_api_key.encode()
+    # Constant-time comparison: the key must not leak through response timing.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        raise APIError(
+            401, "missing or wrong admin key: send 'Authorization: Bearer <admin key>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+async def _change_storage(state: ServerState, change: Any, *args: Any) -> None:
+    """Run an attach/detach on a worker thread (it waits for the scheduler thread)."""
+    if not state.engine.is_idle():
+        raise APIError(409, _BUSY)
+    try:
+        await run_in_threadpool(change, *args)
+    except (StorageError, ConfigError) as error:
+        # The engine refuses with a StorageError too when a request slipped in meanwhile.
+        status = 400 if state.engine.is_idle() else 409
+        raise APIError(status, str(error)) from None
+
+
+@router.get(ROUTE)
+async def storage_status(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    authorize(state, request)
+    return state.engine.storage_status()
+
+
+@router.put(ROUTE)
+async def attach_storage(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    authorize(state, request)
+    body = await parse_body(request, StorageBackendRequest)
+    if body.backend.lower() == "none":
+        raise APIError(400, "to turn L3 off, DELETE this resource", param="backend")
+    await _change_storage(
+        state, state.engine.attach_storage, body.backend, body.extra_config, body.prefetch_policy
+    )
+    return state.engine.storage_status()
+
+
+@router.delete(ROUTE)
+async def detach_storage(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    authorize(state, request)
+    await _change_storage(state, state.engine.detach_storage)
+    return state.engine.storage_status()

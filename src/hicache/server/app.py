@@ -1,0 +1,89 @@
+"""The FastAPI application: OpenAI and SGLang-style generation, cache control, metrics, admin.
+
+``create_app(engine)`` wires the routes to a running engine; the caller owns
+the engine and starts it before serving. ``on_shutdown`` (``hicache serve``
+passes the engine's shutdown) runs when the server shuts down, after the last
+connection closed: uvicorn re-raises a caught SIGTERM once it has stopped, so
+code after ``uvicorn.run`` may never run. Routes:
+
+    POST /v1/completions, /v1/chat/completions   GET /v1/models     (openai_api)
+    POST /generate                                                   (generate_api)
+    PUT/GET/DELETE /hicache/storage-backend                          (admin_api)
+    POST /flush_cache   GET /health   GET /metrics   GET /get_model_info
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from hicache.engine.api import EngineProtocol
+from hicache.server import admin_api, generate_api, openai_api
+from hicache.server.errors import APIError, install_error_handlers
+from hicache.server.metrics import ServerMetrics
+from hicache.server.state import ServerState, get_state
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def create_app(
+    engine: EngineProtocol, *, admin_api_key: str | None = None,
+    served_model_name: str | None = None, on_shutdown: Callable[[], None] | None = None,
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                await run_in_threadpool(on_shutdown)  # it joins threads: off the event loop
+
+    app = FastAPI(
+        title="hicache", summary="LLM serving with a hierarchical KV cache", lifespan=lifespan
+    )
+    app.state.hicache = ServerState(
+        engine=engine,
+        served_model_name=served_model_name or engine.model_name,
+        admin_api_key=admin_api_key or None,  # an empty key would let anyone in
+        metrics=ServerMetrics(engine),
+    )
+    install_error_handlers(app)
+    app.include_router(openai_api.router)
+    app.include_router(generate_api.router)
+    app.include_router(admin_api.router)
+
+    @app.get("/health")
+    async def health(request: Request) -> dict[str, Any]:
+        state = get_state(request)
+        status = state.engine.storage_status()
+        l3 = {key: status[key] for key in ("attached", "backend", "error") if key in status}
+        return {"status": "ok", "model": state.served_model_name, "l3": l3}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(get_state(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    @app.api_route("/flush_cache", methods=["POST", "GET"])
+    async def flush_cache(request: Request) -> dict[str, Any]:
+        """Drop every cached prefix in L1 and L2 (L3 keeps its pages); only when idle."""
+        state = get_state(request)
+        # The engine runs the flush on its scheduler thread; wait for it off the event loop.
+        if not await run_in_threadpool(state.engine.flush_cache):
+            raise APIError(409, "requests are running: flush the cache when the server is idle")
+        return {"flushed": True, "message": "device and host caches flushed (L3 kept)"}
+
+    @app.get("/get_model_info")
+    async def model_info(request: Request) -> dict[str, Any]:
+        state = get_state(request)
+        engine = state.engine
+        return {
+            "model": state.served_model_name, "engine_model_name": engine.model_name,
+            "max_context_len": engine.max_context_len, "vocab_size": engine.vocab_size,
+        }
+
+    return app

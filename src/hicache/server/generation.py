@@ -1,0 +1,100 @@
+"""One engine request as a route handler consumes it.
+
+``start_generation`` waits for the engine's first output before the route
+answers: the engine validates a request when its stream is first read, so a
+refused request (``RequestError``) is still a plain 400 rather than an error
+inside an already-started 200 stream. ``Generation`` then yields the outputs,
+records the finished request's latencies, and closes the engine's stream in
+every case — closing it early is what aborts the request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError
+from hicache.server.errors import APIError
+from hicache.server.state import ServerState
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A whole request: its text, its tokens and the engine's last output (usage, reason)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    last: GenerateOutput
+
+
+class Generation:
+    def __init__(
+        self, state: ServerState, stream: AsyncIterator[GenerateOutput], first: GenerateOutput,
+        started: float,
+    ) -> None:
+        self._state = state
+        self._stream = stream
+        self._first: GenerateOutput | None = first
+        self.started = started  # time.monotonic() at arrival
+
+    async def __aiter__(self) -> AsyncIterator[GenerateOutput]:
+        try:
+            if self._first is not None:
+                output, self._first = self._first, None
+                self._finish(output)
+                yield output
+                if output.finished:
+                    return
+            async for output in self._stream:
+                self._finish(output)
+                yield output
+                if output.finished:
+                    return
+        finally:
+            await self.aclose()
+
+    def _finish(self, output: GenerateOutput) -> None:
+        if output.finished:
+            self._state.metrics.observe(output)
+
+    async def aclose(self) -> None:
+        """Stop reading; the engine aborts the request if it has not finished."""
+        close = getattr(self._stream, "aclose", None)
+        if close is not None:
+            await close()
+
+    async def collect(self) -> Completed:
+        """Read to the end; a request the engine failed is an APIError(500)."""
+        texts: list[str] = []
+        tokens: list[int] = []
+        last: GenerateOutput | None = None
+        async for output in self:
+            texts.append(output.text)
+            tokens.extend(output.token_ids)
+            last = output
+        if last is None or not last.finished:
+            raise APIError(500, "the engine ended the request without a final output")
+        if last.error is not None:
+            raise APIError(500, f"the engine failed the request: {last.error}")
+        return Completed("".join(texts), tuple(tokens), last)
+
+
+async def start_generation(state: ServerState, request: GenerateRequest) -> Generation:
+    """Submit ``request`` and wait for its first output; RequestError becomes a 400."""
+    started = time.monotonic()
+    stream = state.engine.generate(request)
+    try:
+        first = await anext(stream)
+    except RequestError as error:
+        raise APIError(400, str(error)) from None
+    except StopAsyncIteration:
+        raise APIError(500, "the engine returned no output") from None
+    except RuntimeError as error:  # the engine is not running (shutting down)
+        raise APIError(503, str(error)) from None
+    except BaseException:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
+        raise
+    return Generation(state, stream, first, started)

@@ -1,0 +1,183 @@
+"""GET /metrics: the engine's counters and gauges, plus latency histograms, as Prometheus text.
+
+The engine keeps plain numbers (``EngineProtocol.metrics()``); they are read at
+scrape time by a collector and named here. Keys the table below does not know
+are still exported (``hicache_<key>``, a counter when the key counts
+something, ``num_``, else a gauge), so a new engine number shows up without a
+server change. Time to first token and end-to-end latency are observed by the
+server from each finished request (``GenerateOutput.ttft_s`` / ``latency_s``).
+
+Each server owns its registry: several apps in one process (tests) never
+share or clash on series.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hicache.engine.api import EngineProtocol, GenerateOutput
+
+PREFIX = "hicache_"
+
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str  # without the prefix; counters without "_total" (the client adds it)
+    counter: bool
+    help: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+def _counter(name: str, text: str, *labels: tuple[str, str]) -> Series:
+    return Series(name, True, text, labels)
+
+
+def _gauge(name: str, text: str) -> Series:
+    return Series(name, False, text)
+
+
+_CACHED = "prompt tokens whose KV was reused, by the tier it came from"
+_EVICTED = "pages evicted from the cache, by tier"
+
+# engine.metrics() key -> series.
+SERIES: dict[str, Series] = {
+    "engine_num_requests": _counter("requests", "requests the engine accepted"),
+    "engine_num_finished": _counter("requests_finished", "requests that ran to the end"),
+    "engine_num_aborted": _counter("requests_aborted", "requests aborted (client gone, failure)"),
+    "engine_num_prompt_tokens": _counter("prompt_tokens", "prompt tokens of accepted requests"),
+    "engine_num_generated_tokens": _counter("generation_tokens", "tokens generated"),
+    "engine_num_cached_device_tokens": _counter("cached_tokens", _CACHED, ("source", "device")),
+    "engine_num_cached_host_tokens": _counter("cached_tokens", _CACHED, ("source", "host")),
+    "engine_num_cached_storage_tokens": _counter("cached_tokens", _CACHED, ("source", "storage")),
+    "engine_num_retractions": _counter("retractions", "running requests sent back to wait"),
+    "engine_num_steps": _counter("scheduler_steps", "model forward steps"),
+    "engine_running_requests": _gauge("running_requests", "requests prefilling or decoding"),
+    "engine_waiting_requests": _gauge("waiting_requests", "requests waiting for admission"),
+    "cache_num_loaded_pages": _counter("l2_loaded_pages", "host (L2) pages loaded to the device"),
+    "cache_num_backed_up_pages": _counter("l2_backup_pages", "device pages copied to host (L2)"),
+    "cache_num_backup_skipped_pages": _counter(
+        "l2_backup_skipped_pages", "device pages not copied to host: no room in L2"
+    ),
+    "cache_num_device_evicted_pages": _counter("evicted_pages", _EVICTED, ("tier", "device")),
+    "cache_num_host_evicted_pages": _counter("evicted_pages", _EVICTED, ("tier", "host")),
+    "device_pool_pages": _gauge("device_pool_pages", "pages of the device (L1) KV pool"),
+    "device_pool_used_pages": _gauge("device_pool_used_pages", "device pages in use or cached"),
+    "host_pool_pages": _gauge("host_pool_pages", "pages of the host (L2) KV pool"),
+    "host_pool_used_pages": _gauge("host_pool_used_pages", "host pages in use or cached"),
+    "host_pool_usage": _gauge("host_pool_usage", "fraction of the host (L2) pool in use"),
+    "storage_attached": _gauge("l3_attached", "1 when an L3 storage backend is attached"),
+    "storage_prefetch_queries": _counter("l3_prefetch_queries", "L3 prefetch lookups"),
+    "storage_prefetch_pages_found": _counter("l3_prefetch_pages_found", "pages found in L3"),
+    "storage_prefetch_pages_loaded": _counter(
+        "l3_prefetch_pages_loaded", "pages read from L3 into host memory"
+    ),
+    "storage_prefetch_seconds": _counter("l3_prefetch_seconds", "time spent reading L3 pages"),
+    "storage_backup_pages_stored": _counter("l3_backup_pages_stored", "pages written to L3"),
+    "storage_backup_pages_existing": _counter(
+        "l3_backup_pages_existing", "pages L3 already had when backed up"
+    ),
+    "storage_backup_pages_failed": _counter("l3_backup_pages_failed", "L3 page writes that failed"),
+    "storage_backup_seconds": _counter("l3_backup_seconds", "time spent writing L3 pages"),
+    "storage_prefetch_gbps": _gauge("l3_prefetch_gbps", "mean L3 read bandwidth, GB/s"),
+    "storage_backup_gbps": _gauge("l3_backup_gbps", "mean L3 write bandwidth, GB/s"),
+}
+# Engine numbers replaced by a series computed here (the hit rate over every tier).
+_SKIPPED = frozenset({"cache_hit_rate"})
+_FAILURES_PREFIX = "storage_failures_"
+_CACHED_KEYS = {
+    "device": "engine_num_cached_device_tokens",
+    "host": "engine_num_cached_host_tokens",
+    "storage": "engine_num_cached_storage_tokens",
+}
+
+
+def _fallback(key: str) -> Series:
+    name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    if "num_" in name:
+        return _counter(name.replace("num_", ""), f"engine metric {key}")
+    return _gauge(name, f"engine metric {key}")
+
+
+class EngineCollector(Collector):
+    """Reads ``engine.metrics()`` at each scrape and names the numbers."""
+
+    def __init__(self, engine: EngineProtocol) -> None:
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []  # series appear and disappear with L2/L3; nothing fixed to announce
+
+    def collect(self) -> Iterator[Metric]:
+        values = self.engine.metrics()
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+
+        def add(series: Series, value: float) -> None:
+            family = families.get(series.name)
+            if family is None:
+                labels = [name for name, _ in series.labels]
+                full = PREFIX + series.name
+                family = (CounterMetricFamily(full, series.help, labels=labels) if series.counter
+                          else GaugeMetricFamily(full, series.help, labels=labels))
+                families[series.name] = family
+            family.add_metric([value for _, value in series.labels], value)
+
+        for key, value in values.items():
+            if key in _SKIPPED:
+                continue
+            if key.startswith(_FAILURES_PREFIX):
+                reason = key.removeprefix(_FAILURES_PREFIX)
+                add(_counter("l3_failures", "failed L3 calls, by reason", ("reason", reason)),
+                    value)
+                continue
+            add(SERIES.get(key) or _fallback(key), value)
+
+        prompt = values.get("engine_num_prompt_tokens", 0.0)
+        cached = sum(values.get(key, 0.0) for key in _CACHED_KEYS.values())
+        add(_gauge("cache_hit_rate", "cached prompt tokens / prompt tokens, every tier"),
+            cached / prompt if prompt else 0.0)
+        pages = values.get("device_pool_pages", 0.0)
+        if pages:
+            add(_gauge("device_pool_usage", "fraction of the device (L1) pool in use"),
+                values.get("device_pool_used_pages", 0.0) / pages)
+        yield from families.values()
+
+
+class ServerMetrics:
+    """The server's Prometheus registry: engine numbers and request latency histograms."""
+
+    def __init__(self, engine: EngineProtocol) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "time from arrival to the first token",
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        )
+        self.latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "time from arrival to the last token",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(EngineCollector(engine))
+
+    def observe(self, output: GenerateOutput) -> None:
+        """Record a finished request's latencies (aborted ones are left out)."""
+        if not output.finished or output.finish_reason == "abort":
+            return
+        if output.ttft_s is not None:
+            self.ttft.observe(output.ttft_s)
+        if output.latency_s is not None:
+            self.latency.observe(output.latency_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,155 @@
+"""``hicache serve``: the HTTP server over an engine, with the whole cache hierarchy by default.
+
+With no arguments it serves dummy weights of the default preset with L1 (device)
++ L2 (host) + L3 (the file backend, under ``$HICACHE_CACHE_DIR/l3`` or
+``~/.cache/hicache/l3``), 16-token pages, on 127.0.0.1:30000. Tiers come off
+one at a time::
+
+    hicache serve --hicache-storage-backend none          # L1 + L2
+    hicache serve --disable-hierarchical-cache --hicache-storage-backend none   # L1
+    hicache serve --disable-radix-cache --disable-hierarchical-cache \\
+        --hicache-storage-backend none                    # no prefix cache at all
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from hicache.engine.engine import Engine, add_engine_args, build_engine
+from hicache.server.app import create_app
+from hicache.server.args import NO_STORAGE_BACKEND
+from hicache.storage.base import StorageError
+
+logger = logging.getLogger("hicache.serve")
+
+DEFAULT_PORT = 30000
+DEFAULT_PAGE_SIZE = 16
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    group.add_argument("--port", type=int, default=DEFAULT_PORT, help="default: %(default)s")
+    group.add_argument(
+        "--served-model-name", default=None,
+        help="the model name clients send and /v1/models lists (default: from the model)",
+    )
+    group.add_argument(
+        "--admin-api-key", default=None,
+        help="key for the admin API (PUT/GET/DELETE /hicache/storage-backend); "
+        "without it the admin API is off",
+    )
+    # SUPPRESS: when not given here, ``hicache --log-level`` (before the subcommand) stands.
+    group.add_argument(
+        "--log-level", default=argparse.SUPPRESS,
+        help="python logging level (default: info; debug also logs every HTTP request)",
+    )
+    add_engine_args(parser)
+    tiers = parser.add_argument_group(
+        "serve defaults",
+        "serve runs L1 + L2 + the file L3 with 16-token pages unless told otherwise; "
+        "--hicache-storage-backend none turns L3 off",
+    )
+    tiers.add_argument(
+        "--disable-hierarchical-cache", dest="enable_hierarchical_cache", action="store_false",
+        help="no host memory (L2) tier; L3 needs L2, so add --hicache-storage-backend none",
+    )
+    # The embedded defaults: every tier on. After --disable-hierarchical-cache, so that
+    # both flags writing enable_hierarchical_cache start from True.
+    parser.set_defaults(
+        enable_hierarchical_cache=True, hicache_storage_backend="file", page_size=DEFAULT_PAGE_SIZE
+    )
+
+
+def _check_tiers(args: argparse.Namespace) -> str | None:
+    """Flag combinations serve's defaults make easy to get wrong, with the fix."""
+    l3 = args.hicache_storage_backend not in (None, NO_STORAGE_BACKEND)
+    if args.disable_radix_cache and (args.enable_hierarchical_cache or l3):
+        return ("--disable-radix-cache turns every cache tier off: add "
+                "--disable-hierarchical-cache --hicache-storage-backend none")
+    if not args.enable_hierarchical_cache and l3:
+        return ("L3 storage needs the host (L2) tier: with --disable-hierarchical-cache add "
+                "--hicache-storage-backend none")
+    return None
+
+
+def log_tiers(engine: Engine, prefix_cache: bool) -> None:
+    """One line per cache tier, so the log says what this server is running with."""
+    cache = engine.cache
+    device = cache.device_pool
+    tokens = device.num_pages * device.page_size
+    logger.info(
+        "L1 device KV pool: %d pages x %d tokens = %d tokens, %.3f GB on %s; prefix cache %s",
+        device.num_pages, device.page_size, tokens, device.size_bytes / 1e9, device.device,
+        "on" if prefix_cache else "OFF (--disable-radix-cache)",
+    )
+    host = cache.host_pool
+    if host is None or cache.controller is None:
+        logger.info("L2 host KV pool: off")
+    else:
+        logger.info(
+            "L2 host KV pool: %d pages, %.3f GB, layout %s, write policy %s, io backend %s",
+            host.num_pages, host.size_bytes / 1e9, host.layout.value,
+            cache.config.write_policy.value, cache.controller.io.name,
+        )
+    storage = cache.storage
+    if storage is not None:
+        where = getattr(storage.backend, "root", None)
+        logger.info(
+            "L3 storage: %s%s, prefetch policy %s", storage.backend.name,
+            f" at {where}" if where is not None else "", storage.config.prefetch_policy.value,
+        )
+    elif cache.storage_error is not None:
+        logger.error(
+            "L3 storage NOT ATTACHED: %s. Serving WITHOUT L3; attach it later with "
+            "PUT /hicache/storage-backend (needs --admin-api-key).", cache.storage_error,
+        )
+    else:
+        logger.info("L3 storage: off")
+
+
+def main(args: argparse.Namespace) -> int:
+    problem = _check_tiers(args)
+    if problem is not None:
+        logger.error("%s", problem)
+        return 2
+    try:
+        engine = build_engine(args)
+    except (ValueError, StorageError, OSError) as error:  # ConfigError is a ValueError
+        logger.error("cannot start the engine: %s", error)
+        return 2
+    stopped = False
+
+    def stop_engine() -> None:
+        # Once: from the app's shutdown, or below when uvicorn never got that far.
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            engine.shutdown()
+            logger.info("engine stopped")
+
+    try:
+        log_tiers(engine, prefix_cache=not args.disable_radix_cache)
+        app = create_app(
+            engine, admin_api_key=args.admin_api_key, served_model_name=args.served_model_name,
+            on_shutdown=stop_engine,
+        )
+        level = logging.getLogger().getEffectiveLevel()
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port,
+            log_config=None,  # keep the logging the CLI set up
+            log_level=level,
+            access_log=level <= logging.DEBUG,  # a line per request drowns a benchmark's log
+            # Streams still open this long after a stop signal are cut (which aborts them).
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled
+        return 130
+    finally:
+        stop_engine()
+    return 0

@@ -1,0 +1,132 @@
+"""A real HTTP server for tests: a tiny engine behind uvicorn on a free 127.0.0.1 port.
+
+``serve_in_thread`` builds the engine (dummy weights of the tiny preset on CPU,
+a 2048-token device pool of 16-token pages unless the caller's flags say
+otherwise), serves ``create_app`` from a background thread, and on exit stops
+uvicorn and shuts the engine down. Tests talk to it over loopback like any
+client would, and reach the engine directly for integrity checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from hicache.engine.engine import Engine, add_engine_args, build_engine
+from hicache.server.app import create_app
+
+# On CPU even where a GPU is present: the same numbers, hence the same greedy outputs,
+# on every machine.
+TINY_ENGINE_ARGS = ("--device", "cpu", "--max-total-tokens", "2048", "--page-size", "16")
+START_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 15.0
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: Engine
+
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+        """Poll ``condition`` until it holds; False if it never did within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        return self.wait_until(self.engine.is_idle, timeout_s)
+
+
+def build_test_engine(engine_args: Sequence[str] = ()) -> Engine:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return build_engine(parser.parse_args([*TINY_ENGINE_ARGS, *engine_args]))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def serve_app_in_thread(app: FastAPI) -> Iterator[str]:
+    """Serve ``app`` with uvicorn from a background thread; yields its base URL."""
+    # Bound here, handed to uvicorn: the port is known before the thread starts
+    # and no other process can take it in between.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off",
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(STOP_TIMEOUT_S)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError("the test server did not stop")
+
+
+@contextmanager
+def serve_in_thread(
+    engine_args: Sequence[str] = (), *, admin_api_key: str | None = None,
+    served_model_name: str | None = None,
+) -> Iterator[RunningServer]:
+    engine = build_test_engine(engine_args)
+    try:
+        app = create_app(
+            engine, admin_api_key=admin_api_key, served_model_name=served_model_name
+        )
+        with serve_app_in_thread(app) as url:
+            yield RunningServer(url, engine)
+    finally:
+        engine.shutdown()
+
+
+@contextmanager
+def long_stream(server: RunningServer) -> Iterator[None]:
+    """Inside: a streaming /generate request that runs far longer than any test, already
+    producing tokens (the engine is busy). Leaving closes the connection mid-stream."""
+    payload = {
+        "text": "a long answer, please", "stream": True,
+        "sampling_params": {"max_new_tokens": server.engine.max_context_len - 64,
+                            "ignore_eos": True},
+    }
+    with httpx.Client(timeout=30.0) as client, client.stream(
+        "POST", f"{server.url}/generate", json=payload
+    ) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"long stream refused: {response.status_code}")
+        # Held until the end: dropping a half-read line iterator closes the connection.
+        lines = response.iter_lines()
+        first = next(line for line in lines if line)
+        if not first.startswith("data: {"):
+            raise RuntimeError(f"long stream: unexpected first event {first!r}")
+        yield

@@ -1,0 +1,147 @@
+"""The admin API: PUT/GET/DELETE /hicache/storage-backend with a bearer key, and the
+/flush_cache control: keys, attach / re-attach / detach, refusals, and 409 while busy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_fixtures import RunningServer, long_stream, serve_in_thread
+
+KEY = "test-admin-key"
+ROUTE = "/hicache/storage-backend"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    with serve_in_thread(["--enable-hierarchical-cache"], admin_api_key=KEY) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30.0) as http:
+        yield http
+
+
+def file_backend(path: Path, **fields: Any) -> dict[str, Any]:
+    return {"backend": "file", "extra_config": {"path": str(path), "prefetch_threshold": 16},
+            **fields}
+
+
+def message(response: httpx.Response) -> str:
+    text: str = response.json()["error"]["message"]
+    return text
+
+
+def test_without_a_configured_key_the_admin_api_is_off() -> None:
+    with serve_in_thread() as bare, httpx.Client(base_url=bare.url, timeout=30.0) as http:
+        for method in ("GET", "PUT", "DELETE"):
+            response = http.request(method, ROUTE, headers=AUTH, json={"backend": "file"})
+            assert response.status_code == 400
+            assert "--admin-api-key" in message(response)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+     {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}],
+)
+def test_a_missing_or_wrong_key_is_401(client: httpx.Client, headers: dict[str, str]) -> None:
+    for method in ("GET", "PUT", "DELETE"):
+        response = client.request(method, ROUTE, headers=headers, json={"backend": "file"})
+        assert response.status_code == 401, response.text
+        assert response.headers["www-authenticate"] == "Bearer"
+    assert client.get(ROUTE, headers=AUTH).json()["attached"] is False  # nothing changed
+
+
+def test_attach_update_detach(
+    client: httpx.Client, server: RunningServer, tmp_path: Path
+) -> None:
+    assert client.get(ROUTE, headers=AUTH).json() == {"attached": False, "error": None}
+
+    attached = client.put(ROUTE, headers=AUTH, json=file_backend(tmp_path))
+    assert attached.status_code == 200, attached.text
+    status = attached.json()
+    assert status["attached"] is True and status["backend"] == "file"
+    assert status["prefetch_policy"] == "best_effort" and status["prefetch_threshold"] == 16
+
+    # The same backend again: only the policy changes.
+    updated = client.put(
+        ROUTE, headers=AUTH, json=file_backend(tmp_path, prefetch_policy="wait_complete")
+    )
+    assert updated.status_code == 200, updated.text
+    assert updated.json()["prefetch_policy"] == "wait_complete"
+    assert client.get(ROUTE, headers=AUTH).json()["prefetch_policy"] == "wait_complete"
+
+    # Served requests now back their pages up to the attached directory.
+    generated = client.post("/generate", json={
+        "input_ids": list(range(1, 50)),
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+    })
+    assert generated.status_code == 200
+    assert server.wait_until(
+        lambda: server.engine.storage_status()["metrics"]["backup_pages_stored"] >= 3
+    )
+    assert any(p.is_file() for p in tmp_path.rglob("*"))
+
+    # Another store while one is attached: detach first.
+    other = client.put(ROUTE, headers=AUTH, json=file_backend(tmp_path / "other"))
+    assert other.status_code == 400 and "detach it first" in message(other)
+
+    detached = client.delete(ROUTE, headers=AUTH)
+    assert detached.status_code == 200 and detached.json()["attached"] is False
+    again = client.delete(ROUTE, headers=AUTH)  # detaching twice is fine
+    assert again.status_code == 200 and again.json()["attached"] is False
+    assert client.get("/health").json()["l3"] == {"attached": False, "error": None}
+    server.engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"backend": "no-such-store"}, "unknown L3 storage backend"),
+        ({"backend": "none"}, "DELETE"),
+        ({"backend": "file", "prefetch_policy": "sometimes"}, "prefetch-policy"),
+        ({"backend": "file", "extra_config": {"prefetch_threshold": "many"}},
+         "prefetch_threshold must be an integer"),
+        ({"backend": "file", "extra_config": "path=/x"}, "extra_config"),
+        ({"extra_config": {}}, "backend: this field is required"),
+    ],
+)
+def test_bad_attach_is_400(client: httpx.Client, body: dict[str, Any], words: str) -> None:
+    response = client.put(ROUTE, headers=AUTH, json=body)
+    assert response.status_code == 400, response.text
+    assert words in message(response)
+    assert client.get(ROUTE, headers=AUTH).json()["attached"] is False
+
+
+def test_busy_server_refuses_l3_changes_and_flush(
+    client: httpx.Client, server: RunningServer, tmp_path: Path
+) -> None:
+    with long_stream(server):
+        for response in (
+            client.put(ROUTE, headers=AUTH, json=file_backend(tmp_path)),
+            client.delete(ROUTE, headers=AUTH),
+            client.post("/flush_cache"),
+        ):
+            assert response.status_code == 409, response.text
+            assert "running" in message(response)
+        assert client.get(ROUTE, headers=AUTH).status_code == 200  # reading is always fine
+    assert server.wait_idle()
+    assert client.post("/flush_cache").status_code == 200
+    assert client.get(ROUTE, headers=AUTH).json()["attached"] is False
+
+
+def test_l3_without_the_host_tier_is_refused(tmp_path: Path) -> None:
+    with serve_in_thread(admin_api_key=KEY) as no_l2, httpx.Client(
+        base_url=no_l2.url, timeout=30.0
+    ) as http:
+        response = http.put(ROUTE, headers=AUTH, json=file_backend(tmp_path))
+        assert response.status_code == 400
+        assert "host pool" in message(response)

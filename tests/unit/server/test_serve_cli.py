@@ -1,0 +1,167 @@
+"""``hicache serve``: help, the embedded defaults, the tier switches the benchmarks use, the
+startup log, and a real server process started, used and stopped."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hicache.cli import build_parser
+from hicache.cli import main as cli_main
+from hicache.engine.engine import build_engine
+from hicache.server.args import storage_config_from_args
+from hicache.server.serve import log_tiers
+from hicache.server.serve import main as serve_main
+from tests.server_fixtures import free_port
+
+SMALL = ["--device", "cpu", "--max-total-tokens", "1024"]
+START_TIMEOUT_S = 90.0  # a cold interpreter imports torch first
+
+
+def test_serve_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["serve", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--port", "--host", "--served-model-name", "--admin-api-key",
+                 "--disable-hierarchical-cache", "--hicache-storage-backend", "none"):
+        assert flag in out
+
+
+def test_defaults_turn_every_tier_on() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.page_size) == ("127.0.0.1", 30000, 16)
+    assert args.enable_hierarchical_cache is True
+    assert args.hicache_storage_backend == "file"
+    assert storage_config_from_args(args).backend == "file"
+    assert args.log_level is None  # main picks info for serve
+    # --log-level works before the subcommand and after it.
+    assert build_parser().parse_args(["--log-level", "debug", "serve"]).log_level == "debug"
+    assert build_parser().parse_args(["serve", "--log-level", "error"]).log_level == "error"
+
+
+@pytest.mark.parametrize(
+    ("flags", "l2", "l3", "prefix_cache"),
+    [
+        ([], True, "file", True),
+        (["--hicache-storage-backend", "none"], True, None, True),
+        (["--disable-hierarchical-cache", "--hicache-storage-backend", "none"], False, None,
+         True),
+        (["--disable-radix-cache", "--disable-hierarchical-cache",
+          "--hicache-storage-backend", "none"], False, None, False),
+    ],
+)
+def test_benchmark_tier_configurations(
+    flags: list[str], l2: bool, l3: str | None, prefix_cache: bool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HICACHE_CACHE_DIR", str(tmp_path))
+    args = build_parser().parse_args(["serve", *SMALL, *flags])
+    engine = build_engine(args)
+    try:
+        assert engine.cache.hierarchical is l2
+        storage = engine.cache.storage
+        assert (storage.backend.name if storage is not None else None) == l3
+        assert engine.scheduler.config.enable_prefix_cache is prefix_cache
+        if l3 == "file":
+            assert storage is not None
+            assert getattr(storage.backend, "root", None) == tmp_path / "l3"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--disable-radix-cache"], "--disable-hierarchical-cache --hicache-storage-backend none"),
+        (["--disable-hierarchical-cache"], "--hicache-storage-backend none"),
+        (["--hicache-storage-backend-extra-config", "{nope"], "not valid JSON"),
+    ],
+)
+def test_inconsistent_flags_fail_with_the_fix(
+    flags: list[str], words: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    args = build_parser().parse_args(["serve", *SMALL, *flags])
+    with caplog.at_level(logging.ERROR):
+        assert serve_main(args) == 2
+    assert words in caplog.text
+
+
+def test_startup_log_names_each_tier_and_is_loud_without_l3(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    args = build_parser().parse_args(["serve", *SMALL, "--hicache-storage-backend", "none"])
+    engine = build_engine(args)
+    try:
+        with caplog.at_level(logging.INFO, logger="hicache.serve"):
+            log_tiers(engine, prefix_cache=True)
+        lines = [r.getMessage() for r in caplog.records if r.name == "hicache.serve"]
+        assert [line.split(":")[0] for line in lines] == [
+            "L1 device KV pool", "L2 host KV pool", "L3 storage"
+        ]
+        assert lines[2] == "L3 storage: off"
+        caplog.clear()
+        # Configured but unreachable at start: the cache records why; the log shouts it.
+        engine.cache.storage_error = "store at 10.0.0.1:50051 refused the connection"
+        with caplog.at_level(logging.INFO, logger="hicache.serve"):
+            log_tiers(engine, prefix_cache=True)
+        errors = [r for r in caplog.records
+                  if r.name == "hicache.serve" and r.levelno == logging.ERROR]
+        assert len(errors) == 1
+        assert "NOT ATTACHED" in errors[0].getMessage()
+        assert "refused the connection" in errors[0].getMessage()
+    finally:
+        engine.shutdown()
+
+
+def test_serve_subprocess_answers_then_stops(tmp_path: Path) -> None:
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    env = {**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")}
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hicache", "serve", "--port", str(port), *SMALL],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert process.poll() is None, f"serve exited early:\n{log_path.read_text()}"
+            try:
+                health = httpx.get(f"{url}/health", timeout=2.0)
+                if health.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"serve did not come up:\n{log_path.read_text()}"
+            time.sleep(0.2)
+        assert health.json()["l3"] == {"attached": True, "backend": "file"}
+        response = httpx.post(
+            f"{url}/v1/completions", timeout=30.0,
+            json={"model": "dummy-tiny", "prompt": "hello", "max_tokens": 3, "ignore_eos": True},
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 3
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+            raise
+    log = log_path.read_text()
+    # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught.
+    assert code in (0, -signal.SIGTERM), log
+    assert "engine stopped" in log
+    assert "L1 device KV pool" in log and "L2 host KV pool" in log
+    assert f"L3 storage: file at {tmp_path / 'cache' / 'l3'}" in log
