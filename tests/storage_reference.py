@@ -18,7 +18,7 @@ import torch
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageBackend, StorageUnavailableError
+from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 
 
 class MemoryStore:
@@ -53,6 +53,7 @@ class MemoryBackend(StorageBackend):
         self.closed += 1
 
     def _fault(self, what: str, pages: int) -> bool:
+        self._check_open()
         self.calls.append(what)
         if self.raise_errors:
             raise ConnectionError(f"{what}: injected")
@@ -89,6 +90,7 @@ class MemoryBackend(StorageBackend):
             self.host.pages[int(page)] = value
             with self._lock:
                 self._stats.pages_read += 1
+                self._stats.bytes_read += self.page_bytes
         return len(keys)
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -104,11 +106,17 @@ class MemoryBackend(StorageBackend):
                 self.store.pages[key] = self.host.pages[int(page)].clone()
             with self._lock:
                 self._stats.pages_written += 1
+                self._stats.bytes_written += self.page_bytes
         return len(keys)
 
     def clear(self) -> None:
+        self._check_open()
         with self.store.lock:
             self.store.pages.clear()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StorageError("memory backend used after close()")
 
     # ----------------------------------------------------------- test hooks
     def drop(self, key: bytes) -> None:

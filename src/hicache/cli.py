@@ -13,6 +13,7 @@ from collections.abc import Sequence
 _BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("hicache.bench.transfer", "L2<->L1 page transfer bandwidth per layout/io backend"),
     "tree": ("hicache.bench.tree", "radix tree insert / match / evict latency"),
+    "storage": ("hicache.bench.storage", "L3 backend batch put/get throughput vs plain baseline"),
     "prefill": ("hicache.bench.prefill", "cold prefill throughput against HF transformers"),
 }
 

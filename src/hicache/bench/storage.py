@@ -1,0 +1,443 @@
+"""``hicache bench storage``: batch put/get throughput of L3 backends, next to a plain baseline.
+
+Pages have the KV geometry of a model preset (default llama3-8b: 32 layers,
+8 KV heads, head dim 128, bf16) and ``--page-size`` tokens (default 64, so
+8 MiB a page). ``--num-pages`` pages of a host pool in ``--layout`` are stored
+(put) and read back (get) in batches of ``--batch-pages``, through the
+backend's own ``set``/``get``, exactly as the storage controller calls them.
+Each round starts from an empty store (``clear``, not timed), so every put
+really writes; one warm-up round, then the median of ``--repeats``. The
+bytes read back are compared with the bytes stored once per backend.
+
+Next to each backend, in the same run, a baseline moves the same bytes
+without the backend (``BASELINES``). For the file backend: one plain file
+per page in the same file system, written with ``os.write`` and read with
+``os.readv`` from/into contiguous buffers, fsynced when the backend is
+(``--fsync``); no header, checksum, rename or index. Reads of both are
+served from the OS page cache when it holds the pages (nothing here drops
+it), so get numbers are memory-bound rather than disk-bound unless the
+pages exceed free memory.
+
+Throughput is GB/s (1 GB = 1e9 B) of KV payload (headers not counted) and
+pages/s; "x" is the backend's throughput over the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.config import MemLayout
+from hicache.memory.allocator import PageIds
+from hicache.memory.geometry import KVGeometry
+from hicache.memory.host_pool import HostPool
+from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
+from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend, StorageError
+from hicache.storage.registry import BACKENDS, create_storage_backend, unavailable_reason
+
+_WARMUP = 1
+_OPS = ("put", "get")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every backend and baseline of one run moves."""
+
+    geometry: KVGeometry
+    host: HostPool
+    keys: list[bytes]
+    source: PageIds  # host pages stored by put
+    target: PageIds  # host pages get reads into
+    batch_pages: int
+    repeats: int
+    work_dir: Path  # a fresh directory of this run, removed at the end
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.host.page_bytes
+
+    def batches(self) -> list[slice]:
+        return [
+            slice(start, min(start + self.batch_pages, self.num_pages))
+            for start in range(0, self.num_pages, self.batch_pages)
+        ]
+
+
+@dataclass(frozen=True)
+class BaselineRun:
+    """A baseline's timings: ``label`` says what it did."""
+
+    label: str
+    put_s: list[float]
+    get_s: list[float]
+
+
+@dataclass(frozen=True)
+class Result:
+    backend: str  # a backend name, or "<name> baseline"
+    op: str
+    pages: int
+    bytes: int
+    median_s: float
+    gbps: float
+    pages_per_s: float
+    samples_s: list[float]
+
+
+# A backend's extra config for this run, or why it cannot run here. May start
+# helpers (a local Mooncake master) whose cleanup goes on the exit stack.
+BackendSetup = Callable[[argparse.Namespace, Workload, contextlib.ExitStack], dict[str, Any] | str]
+# The plain baseline measured next to a backend: given the workload and the
+# attached backend (for its settings, or to borrow its client), time put and get.
+Baseline = Callable[[Workload, StorageBackend], BaselineRun]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backends", type=str, default="file",
+        help=f"comma-separated L3 backends (of {', '.join(SETUPS)}); one that cannot run "
+        "here is reported as skipped",
+    )
+    parser.add_argument(
+        "--preset", type=str, default="llama3-8b",
+        help="model preset whose KV geometry gives the page shape (hicache.model.presets)",
+    )
+    parser.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    parser.add_argument("--num-pages", type=int, default=32, help="pages stored and read back")
+    parser.add_argument(
+        "--batch-pages", type=int, default=32,
+        help=f"pages per backend call (at most {MAX_BATCH_PAGES})",
+    )
+    parser.add_argument(
+        "--layout", type=str, default=MemLayout.PAGE_FIRST.value,
+        choices=[m.value for m in MemLayout], help="host pool layout",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    parser.add_argument(
+        "--dir", type=str, default=None,
+        help="where the file backend and its baseline write (a fresh subdirectory, removed "
+        "after; default: the system temporary directory)",
+    )
+    parser.add_argument(
+        "--fsync", action="store_true",
+        help="file backend: fsync every page (and the baseline fsyncs its files too)",
+    )
+    parser.add_argument(
+        "--mooncake-master", type=str, default=None,
+        help="host:port of a running mooncake_master; without it a local one is started "
+        "when the binary is installed",
+    )
+    parser.add_argument("--json", type=str, default=None, help="write raw results here")
+
+
+# ------------------------------------------------------------------ backends
+def _file_setup(
+    args: argparse.Namespace, workload: Workload, stack: contextlib.ExitStack
+) -> dict[str, Any] | str:
+    return {
+        "path": str(workload.work_dir / "file-l3"),
+        "fsync": bool(args.fsync),
+        # Room for every page (with headers) so that nothing is evicted mid-run.
+        "max_bytes": 2 * workload.nbytes + (64 << 20),
+    }
+
+
+def _mooncake_setup(
+    args: argparse.Namespace, workload: Workload, stack: contextlib.ExitStack
+) -> dict[str, Any] | str:
+    reason = unavailable_reason("mooncake")
+    if reason is not None:
+        return reason
+    # This process lends the pool its memory: enough for every page, with headers.
+    extra: dict[str, Any] = {"global_segment_size": 2 * workload.nbytes + (64 << 20)}
+    if args.mooncake_master:
+        extra["master_server_address"] = args.mooncake_master
+        return extra
+    try:
+        from hicache.storage.mooncake_master import start_master
+
+        master = stack.enter_context(start_master())
+    except Exception as error:  # no binary, or it did not come up
+        return f"no --mooncake-master given and no local master could be started: {error}"
+    extra["master_server_address"] = master.address
+    return extra
+
+
+SETUPS: dict[str, BackendSetup] = {"file": _file_setup, "mooncake": _mooncake_setup}
+
+
+# ------------------------------------------------------------------ baselines
+def _file_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
+    """One plain file per page beside the backend's directory: write, (fsync,) read."""
+    fsync = bool(getattr(backend, "fsync", False))
+    directory = workload.work_dir / "file-baseline"
+    directory.mkdir()
+    page_bytes = workload.host.page_bytes
+    # The same bytes, staged contiguously outside the timing (a plain store has no
+    # scatter/gather: it writes what it is handed).
+    staged = [_page_bytes(workload.host, int(page)) for page in workload.source]
+    landing = [bytearray(page_bytes) for _ in range(workload.num_pages)]
+    paths = [directory / f"{i:06d}.page" for i in range(workload.num_pages)]
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+    def put() -> None:
+        for path, data in zip(paths, staged, strict=True):
+            fd = os.open(path, flags, 0o644)
+            try:
+                os.write(fd, data)
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def get() -> None:
+        for path, buffer in zip(paths, landing, strict=True):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.readv(fd, [buffer])
+            finally:
+                os.close(fd)
+
+    def reset() -> None:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    put_s, get_s = _rounds(workload.repeats, reset, put, get)
+    if any(bytes(got) != want for got, want in zip(landing, staged, strict=True)):
+        raise RuntimeError("file baseline read back different bytes")
+    shutil.rmtree(directory, ignore_errors=True)
+    label = "one plain file per page, os.write / os.readv" + (" + fsync" if fsync else "")
+    return BaselineRun(label, put_s, get_s)
+
+
+def _mooncake_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
+    """The raw Mooncake client on the same bytes (``hicache.bench.mooncake_baseline``)."""
+    from hicache.bench.mooncake_baseline import mooncake_baseline
+
+    return mooncake_baseline(workload, backend)
+
+
+# Hook: backend name -> the baseline measured next to it in the same run (a
+# ``Baseline``). A backend without an entry is reported without a ratio; a
+# baseline that fails is reported as skipped, the backend's numbers still stand.
+BASELINES: dict[str, Baseline] = {"file": _file_baseline, "mooncake": _mooncake_baseline}
+
+
+# ------------------------------------------------------------------ measuring
+def _page_bytes(host: HostPool, page: int) -> bytes:
+    return host.pages[page].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _rounds(
+    repeats: int, reset: Callable[[], None], put: Callable[[], None], get: Callable[[], None]
+) -> tuple[list[float], list[float]]:
+    """Warm-up, then ``repeats`` rounds of reset (untimed), put, get."""
+    put_s: list[float] = []
+    get_s: list[float] = []
+    for round_index in range(_WARMUP + repeats):
+        reset()
+        began = time.perf_counter()
+        put()
+        middle = time.perf_counter()
+        get()
+        ended = time.perf_counter()
+        if round_index >= _WARMUP:
+            put_s.append(middle - began)
+            get_s.append(ended - middle)
+    return put_s, get_s
+
+
+def _measure_backend(
+    workload: Workload, backend: StorageBackend
+) -> tuple[list[float], list[float]]:
+    keys, source, target = workload.keys, workload.source, workload.target
+    batches = workload.batches()
+
+    def put() -> None:
+        for batch in batches:
+            stored = backend.set(keys[batch], source[batch])
+            if stored != batch.stop - batch.start:
+                raise RuntimeError(
+                    f"{backend.name}: set stored {stored} of {batch.stop - batch.start} pages "
+                    f"(failures: {backend.stats().failures})"
+                )
+
+    def get() -> None:
+        for batch in batches:
+            read = backend.get(keys[batch], target[batch])
+            if read != batch.stop - batch.start:
+                raise RuntimeError(
+                    f"{backend.name}: get read {read} of {batch.stop - batch.start} pages "
+                    f"(failures: {backend.stats().failures})"
+                )
+
+    host = workload.host
+    host.pages[torch.from_numpy(target)] = 0
+    put_s, get_s = _rounds(workload.repeats, backend.clear, put, get)
+    stored = host.pages[torch.from_numpy(source)].contiguous().view(torch.uint8)
+    read = host.pages[torch.from_numpy(target)].contiguous().view(torch.uint8)
+    if not torch.equal(stored, read):
+        raise RuntimeError(f"{backend.name}: pages read back differ from the pages stored")
+    backend.clear()
+    return put_s, get_s
+
+
+def _result(name: str, op: str, workload: Workload, samples: list[float]) -> Result:
+    median = statistics.median(samples)
+    return Result(
+        name, op, workload.num_pages, workload.nbytes, median,
+        workload.nbytes / median / 1e9, workload.num_pages / median, samples,
+    )
+
+
+def _make_workload(args: argparse.Namespace, geometry: KVGeometry, work_dir: Path) -> Workload:
+    layout = MemLayout(args.layout)
+    host = HostPool(geometry, 2 * args.num_pages, args.page_size, layout, pin_memory=False)
+    # Random bytes in the stored pages (their values do not matter, their size does).
+    source = np.arange(args.num_pages, dtype=np.int64)
+    target = np.arange(args.num_pages, 2 * args.num_pages, dtype=np.int64)
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randint(
+        0, 256, (args.num_pages * host.page_bytes,), dtype=torch.uint8, generator=generator
+    )
+    shape = (args.num_pages, geometry.num_layers, 2, args.page_size, geometry.row_elems)
+    host.pages[torch.from_numpy(source)] = noise.view(geometry.dtype).view(shape)
+    # Keys of a namespace of this run only: a shared store never holds them already.
+    namespace = KeyNamespace(f"bench-{uuid.uuid4().hex}", geometry.describe(), args.page_size)
+    tokens = np.random.default_rng(0).integers(0, 100_000, args.num_pages * args.page_size)
+    keys = chain_page_keys(pack_tokens(tokens), args.page_size, namespace.seed())
+    return Workload(
+        geometry, host, keys, source, target, args.batch_pages, args.repeats, work_dir
+    )
+
+
+def _run_backend(
+    args: argparse.Namespace, name: str, workload: Workload, skipped: dict[str, str]
+) -> list[Result]:
+    with contextlib.ExitStack() as stack:
+        extra = SETUPS[name](args, workload, stack)
+        if isinstance(extra, str):
+            skipped[name] = extra
+            return []
+        try:
+            backend = create_storage_backend(name, extra)
+            backend.attach(workload.host)
+        except StorageError as error:
+            skipped[name] = str(error)
+            return []
+        stack.callback(backend.close)
+        put_s, get_s = _measure_backend(workload, backend)
+        results = [
+            _result(name, "put", workload, put_s), _result(name, "get", workload, get_s)
+        ]
+        baseline = BASELINES.get(name)
+        label = f"{name} baseline"
+        run: BaselineRun | None = None
+        if baseline is not None:
+            try:
+                run = baseline(workload, backend)
+            except Exception as error:  # e.g. its client library lacks a call
+                skipped[label] = f"{type(error).__name__}: {error}"
+        if run is not None:
+            results += [
+                _result(label, "put", workload, run.put_s),
+                _result(label, "get", workload, run.get_s),
+            ]
+            print(f"{label}: {run.label}", file=sys.stderr, flush=True)
+        summary = ", ".join(f"{r.backend} {r.op} {r.gbps:.2f} GB/s" for r in results)
+        print(summary, file=sys.stderr, flush=True)
+        return results
+
+
+def _print_table(args: argparse.Namespace, workload: Workload, results: list[Result]) -> None:
+    geometry = workload.geometry
+    page_mib = workload.host.page_bytes / 2**20
+    print(
+        f"hicache bench storage: {args.preset} KV ({geometry.describe()}), page {args.page_size} "
+        f"tokens = {page_mib:.2f} MiB, {workload.num_pages} pages ({workload.nbytes / 1e9:.3f} GB) "
+        f"in batches of {workload.batch_pages}, host layout {args.layout}"
+        f"{', fsync' if args.fsync else ''}; median of {workload.repeats}"
+    )
+    print()
+    print("| backend | op | GB/s | pages/s | baseline GB/s | x baseline |")
+    print("|---|---|---:|---:|---:|---:|")
+    by_key = {(r.backend, r.op): r for r in results}
+    for r in results:
+        if r.backend.endswith(" baseline"):
+            continue
+        base = by_key.get((f"{r.backend} baseline", r.op))
+        base_text = f"{base.gbps:.2f}" if base else "-"
+        ratio = f"{r.gbps / base.gbps:.2f}" if base else "-"
+        print(
+            f"| {r.backend} | {r.op} | {r.gbps:.2f} | {r.pages_per_s:.0f} | {base_text} | {ratio} |"
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    names = [name.strip() for name in args.backends.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SETUPS]
+    if unknown or not names:
+        known = ", ".join(SETUPS)
+        print(f"--backends: unknown {', '.join(unknown) or '(none given)'}; choose from {known}")
+        return 2
+    if not 1 <= args.batch_pages <= MAX_BATCH_PAGES:
+        print(f"--batch-pages must be in [1, {MAX_BATCH_PAGES}], got {args.batch_pages}")
+        return 2
+    if args.num_pages < 1 or args.repeats < 1 or args.page_size < 1:
+        print("--num-pages, --repeats and --page-size must be >= 1")
+        return 2
+    from hicache.model.presets import PRESETS
+
+    if args.preset not in PRESETS:
+        print(f"--preset: unknown {args.preset!r}; choose from {', '.join(PRESETS)}")
+        return 2
+    geometry = PRESETS[args.preset].kv_geometry()
+    parent = Path(args.dir).expanduser() if args.dir else None
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix="hicache-bench-storage-", dir=parent))
+    skipped: dict[str, str] = {}
+    results: list[Result] = []
+    try:
+        workload = _make_workload(args, geometry, work_dir)
+        for name in names:
+            results += _run_backend(args, name, workload, skipped)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    _print_table(args, workload, results)
+    for name, reason in skipped.items():
+        print(f"\nskipped {name}: {reason}")
+    if args.json:
+        payload = {
+            "preset": args.preset, "geometry": geometry.describe(), "page_size": args.page_size,
+            "page_bytes": workload.host.page_bytes, "layout": args.layout,
+            "batch_pages": args.batch_pages, "fsync": bool(args.fsync),
+            "repeats": args.repeats, "warmup": _WARMUP, "skipped": skipped,
+            "results": [asdict(r) for r in results],
+        }
+        with open(args.json, "w") as handle:
+            json.dump(payload, handle, indent=1)
+    return 0
+
+
+assert set(SETUPS) <= set(BACKENDS), "every benchmarked backend is a registered one"

@@ -1,0 +1,138 @@
+"""The on-store object format: a 48-byte header in front of every stored page.
+
+Every L3 object is ``header || payload`` (the file backend stores
+``payload || header`` instead, to keep the payload page-aligned in its file;
+see ``storage.file``) where the payload is the page's KV bytes as the host
+pool holds them and the header (little-endian) is::
+
+    offset  bytes  field
+         0      4  magic b"HCKV"
+         4      1  format version (1)
+         5      1  payload order (PayloadOrder: how the page's rows are laid out)
+         6      2  header bytes (48; lets a later version grow the header)
+         8      8  payload bytes
+        16     16  the page key (radix.keys)
+        32     16  xxh3_128 of the payload
+
+A reader checks every field against what it asked for (``check_header``) and
+the checksum against the bytes it received (``check_payload``). Any mismatch
+is a ``Fault``: the page is a miss, counted under the fault's name, and the
+object is dropped from the store. The key in the header catches objects
+stored under the wrong name (a bug or a hash-prefix collision in a shared
+store); the length catches truncation; the checksum catches corruption.
+
+Two host layouts store a page's rows in different orders (page_first is
+token-major, layer_first and page_first_direct are layer-major). The order is
+part of both the header and the object name, so instances that use different
+layouts never read each other's pages as garbage; they simply do not share.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from enum import Enum, IntEnum
+
+import xxhash
+
+from hicache.config import MemLayout
+from hicache.storage.base import PAGE_KEY_BYTES
+
+MAGIC = b"HCKV"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sBBHQ16s16s")
+HEADER_BYTES = _HEADER.size
+CHECKSUM_BYTES = 16
+assert HEADER_BYTES == 48
+
+# Anything that exposes the buffer protocol (bytes, bytearray, memoryview of a page).
+Buffer = bytes | bytearray | memoryview
+
+
+class PayloadOrder(IntEnum):
+    """How the rows of one page follow each other in the payload."""
+
+    LAYER_MAJOR = 1  # [layers][k|v][page_size][row]: layer_first, page_first_direct
+    TOKEN_MAJOR = 2  # [page_size][layers][k|v][row]: page_first
+
+    @classmethod
+    def of_layout(cls, layout: MemLayout) -> PayloadOrder:
+        return cls.TOKEN_MAJOR if layout is MemLayout.PAGE_FIRST else cls.LAYER_MAJOR
+
+    @property
+    def tag(self) -> str:
+        """Suffix of object names ("lm" / "tm")."""
+        return "lm" if self is PayloadOrder.LAYER_MAJOR else "tm"
+
+
+class Fault(str, Enum):
+    """Why a stored object was rejected on read (the failure reason in stats)."""
+
+    SHORT_READ = "short_read"  # fewer bytes than header + payload
+    BAD_MAGIC = "bad_magic"  # not one of our objects, or its first bytes are damaged
+    BAD_VERSION = "bad_version"  # written by an incompatible format version
+    WRONG_ORDER = "wrong_order"  # written from a host layout with another row order
+    WRONG_KEY = "wrong_key"  # the header names another page
+    WRONG_LENGTH = "wrong_length"  # payload length differs from this pool's page size
+    CORRUPT = "corrupt"  # payload checksum mismatch
+
+
+def object_name(key: bytes, order: PayloadOrder) -> str:
+    """Store name of a page: hex key plus row-order tag, e.g. ``0f1e...9a.tm``."""
+    return f"{key.hex()}.{order.tag}"
+
+
+def checksum(fragments: Iterable[Buffer]) -> bytes:
+    """xxh3_128 of the concatenated fragments (a page's payload, in payload order)."""
+    hasher = xxhash.xxh3_128()
+    for fragment in fragments:
+        hasher.update(fragment)
+    return hasher.digest()
+
+
+def encode_header(key: bytes, order: PayloadOrder, payload_bytes: int, digest: bytes) -> bytes:
+    return _HEADER.pack(
+        MAGIC, FORMAT_VERSION, int(order), HEADER_BYTES, payload_bytes, key, digest
+    )
+
+
+def pack_header_into(
+    buffer: memoryview, offset: int, key: bytes, order: PayloadOrder, payload_bytes: int,
+    digest: bytes,
+) -> None:
+    """Write a header straight into a (registered) buffer: no temporary bytes object."""
+    _HEADER.pack_into(
+        buffer, offset, MAGIC, FORMAT_VERSION, int(order), HEADER_BYTES, payload_bytes, key,
+        digest,
+    )
+
+
+def check_header(
+    header: Buffer, key: bytes, order: PayloadOrder, payload_bytes: int
+) -> Fault | None:
+    """The fault in ``header`` for page ``key`` of ``payload_bytes`` bytes, or None."""
+    if len(header) < HEADER_BYTES:
+        return Fault.SHORT_READ
+    magic, version, got_order, header_bytes, got_bytes, got_key, _ = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        return Fault.BAD_MAGIC
+    if version != FORMAT_VERSION or header_bytes != HEADER_BYTES:
+        return Fault.BAD_VERSION
+    if got_order != order:
+        return Fault.WRONG_ORDER
+    if len(got_key) != PAGE_KEY_BYTES or got_key != key:
+        return Fault.WRONG_KEY
+    if got_bytes != payload_bytes:
+        return Fault.WRONG_LENGTH
+    return None
+
+
+def header_checksum(header: Buffer) -> bytes:
+    """The payload checksum a (checked) header carries."""
+    digest: bytes = _HEADER.unpack_from(header)[6]
+    return digest
+
+
+def check_payload(header: Buffer, fragments: Iterable[Buffer]) -> Fault | None:
+    """CORRUPT when the payload does not hash to the header's checksum."""
+    return None if checksum(fragments) == header_checksum(header) else Fault.CORRUPT

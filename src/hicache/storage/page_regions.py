@@ -1,0 +1,74 @@
+"""Where each host page's bytes live in the pool's flat buffer, for zero-copy L3 I/O.
+
+A page is never copied to move it to or from L3: backends hand the store the
+page's own memory. With page_first layouts a page is one contiguous region.
+With layer_first it is ``2 * layers`` regions, one per (layer, k|v), each the
+page's ``page_size`` consecutive rows (contiguous because a row follows the
+previous token's row in every layout). Backends pass these regions as one
+scatter/gather list (``readv``/``writev`` for files, multi-buffer batch calls
+for Mooncake) instead of staging the page in a bounce buffer: that saves one
+memory copy of every page moved, and needs no extra memory.
+
+Regions are listed in payload order (``frame.PayloadOrder``): the concatenation
+of a page's regions is its payload.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.memory.host_pool import HostPool
+from hicache.storage.base import StorageError
+from hicache.storage.frame import PayloadOrder
+
+
+class PageRegions:
+    """Byte regions of every page of one host pool (offsets into ``host.flat``)."""
+
+    def __init__(self, host: HostPool) -> None:
+        geometry = host.geometry
+        strides = host.strides
+        element_bytes = geometry.element_bytes
+        if not host.flat.is_contiguous() or host.flat.device.type != "cpu":
+            raise StorageError("L3 backends need the host pool's flat buffer in CPU memory")
+        self.order = PayloadOrder.of_layout(host.layout)
+        self.page_bytes = host.page_bytes
+        self.page_stride_bytes = strides.page * element_bytes
+        if strides.page_contiguous:
+            self.region_offsets = [0]
+            self.region_bytes = self.page_bytes
+        elif strides.token == geometry.row_elems:
+            # layer_first: one region per (layer, k|v), in layer-major order.
+            self.region_offsets = [
+                (layer * strides.layer + kv * strides.kv) * element_bytes
+                for layer in range(geometry.num_layers)
+                for kv in range(2)
+            ]
+            self.region_bytes = host.page_size * geometry.row_elems * element_bytes
+        else:
+            raise StorageError(f"host layout {host.layout.value}: a page's rows are not contiguous")
+        assert self.region_bytes * len(self.region_offsets) == self.page_bytes
+        # [pool bytes] uint8 view of the pool; memoryview slices of it are the
+        # page regions themselves (writable: reads land in the pool).
+        self._pool: memoryview = host.flat.view(torch.uint8).numpy().data
+        self.base_address = host.flat.data_ptr()
+        self.pool_bytes = host.size_bytes
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.region_offsets)
+
+    def offsets(self, page: int) -> list[int]:
+        """Byte offsets of page ``page``'s regions in the pool, in payload order."""
+        start = page * self.page_stride_bytes
+        return [start + offset for offset in self.region_offsets]
+
+    def views(self, page: int) -> list[memoryview]:
+        """The page's regions as writable memoryviews of the pool (no copy)."""
+        size = self.region_bytes
+        return [self._pool[offset : offset + size] for offset in self.offsets(page)]
+
+    def addresses(self, page: int) -> list[int]:
+        """The page's regions as absolute addresses (for stores that take pointers)."""
+        base = self.base_address
+        return [base + offset for offset in self.offsets(page)]

@@ -1,0 +1,87 @@
+"""Backends by name, imported lazily so that an optional dependency is only needed when used.
+
+``create_storage_backend("mooncake", extra)`` imports ``hicache.storage.mooncake``
+only then; if its client library is missing the error says how to install it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.storage.base import StorageBackend, StorageError
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    module: str
+    class_name: str
+    summary: str
+    # What to install when the module's third-party import fails: {missing module: hint}.
+    install_hints: Mapping[str, str]
+
+
+MOONCAKE_INSTALL_HINT = (
+    "pip install 'hicache[mooncake]' (that is mooncake-transfer-engine-non-cuda, for CPU "
+    "machines; with CUDA install mooncake-transfer-engine instead), and the system "
+    "libraries it links against: on Debian/Ubuntu apt-get install libibverbs1 librdmacm1 libnuma1"
+)
+
+BACKENDS: dict[str, BackendEntry] = {
+    "file": BackendEntry(
+        "hicache.storage.file", "FileBackend", "one file per page in a local directory", {}
+    ),
+    "mooncake": BackendEntry(
+        "hicache.storage.mooncake", "MooncakeBackend", "Mooncake Store (distributed memory pool)",
+        {"mooncake": MOONCAKE_INSTALL_HINT},
+    ),
+    "dynamic": BackendEntry(
+        "hicache.storage.dynamic", "DynamicBackend",
+        "your own class: extra config module_path + class_name", {},
+    ),
+}
+
+
+def create_storage_backend(name: str, extra_config: Mapping[str, Any] | None) -> StorageBackend:
+    """A new, unattached backend called ``name``, configured by ``extra_config``.
+
+    Raises StorageError for an unknown name, a backend whose dependencies are
+    missing (with an install hint) or a bad configuration.
+    """
+    entry = BACKENDS.get(name)
+    if entry is None:
+        choices = ", ".join(sorted(BACKENDS))
+        raise StorageError(f"unknown L3 storage backend {name!r}; choose one of: {choices}")
+    try:
+        module = importlib.import_module(entry.module)
+    except ImportError as error:
+        raise StorageError(_import_failure(name, entry, error)) from error
+    backend_class = getattr(module, entry.class_name)
+    backend: StorageBackend = backend_class(extra_config or {})
+    return backend
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot be created here (a missing dependency), or None."""
+    entry = BACKENDS.get(name)
+    if entry is None:
+        return f"unknown L3 storage backend {name!r}"
+    try:
+        importlib.import_module(entry.module)
+    except ImportError as error:
+        return _import_failure(name, entry, error)
+    return None
+
+
+def _import_failure(name: str, entry: BackendEntry, error: ImportError) -> str:
+    missing = error.name or ""
+    for module, hint in entry.install_hints.items():
+        if missing == module or missing.startswith(module + "."):
+            return f"L3 storage backend {name!r} needs the {module!r} package: {hint}"
+    # A shared library the extension links against (libibverbs.so.1 ...) is missing.
+    if ".so" in str(error) and entry.install_hints:
+        hints = "; ".join(entry.install_hints.values())
+        return f"L3 storage backend {name!r} cannot load its client library ({error}): {hints}"
+    return f"L3 storage backend {name!r} cannot be imported: {error}"

@@ -1,0 +1,82 @@
+"""``hicache bench storage`` runs end to end at tiny sizes and reports against its baseline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from hicache.bench import storage as bench
+from hicache.cli import _BENCHMARKS
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+TINY = ("--preset", "tiny", "--page-size", "4", "--num-pages", "6", "--batch-pages", "4",
+        "--repeats", "1")
+
+
+def test_a_tiny_run_prints_the_backend_next_to_its_baseline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "results.json"
+    assert bench.main(parse(*TINY, "--dir", str(tmp_path / "work"), "--json", str(out))) == 0
+    printed = capsys.readouterr().out
+    assert "| backend | op | GB/s | pages/s | baseline GB/s | x baseline |" in printed
+    results = json.loads(out.read_text())
+    assert results["skipped"] == {}
+    measured = {(r["backend"], r["op"]): r for r in results["results"]}
+    assert set(measured) == {
+        ("file", "put"), ("file", "get"), ("file baseline", "put"), ("file baseline", "get"),
+    }
+    assert all(r["pages"] == 6 and r["gbps"] > 0 for r in measured.values())
+    rows = [line for line in printed.splitlines() if line.startswith("| file |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["put", "get"]
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        ratio = float(cells[5])
+        ours, base = measured[("file", cells[1])], measured[("file baseline", cells[1])]
+        assert float(cells[3]) == pytest.approx(ours["pages_per_s"], abs=0.5)
+        assert ratio == pytest.approx(ours["gbps"] / base["gbps"], abs=0.006)
+    # Nothing is left behind in the directory it was given.
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_a_backend_that_cannot_run_is_reported_as_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "unavailable_reason", lambda name: f"{name}: not installed here")
+    monkeypatch.delitem(bench.BASELINES, "file")  # no baseline: no ratio
+    args = parse(*TINY, "--backends", "file,mooncake", "--dir", str(tmp_path), "--fsync")
+    assert bench.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "skipped mooncake: mooncake: not installed here" in printed
+    rows = [line for line in printed.splitlines() if line.startswith("| file |")]
+    assert len(rows) == 2 and all(row.endswith("| - | - |") for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--batch-pages", "129"), "--batch-pages must be in [1, 128]"),
+        (("--backends", "nfs"), "--backends: unknown nfs"),
+        (("--preset", "gpt5"), "--preset: unknown 'gpt5'"),
+        (("--num-pages", "0"), "must be >= 1"),
+    ],
+)
+def test_bad_arguments_are_refused(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.main(parse(*argv)) == 2
+    assert message in capsys.readouterr().out
+
+
+def test_it_is_a_hicache_bench_subcommand() -> None:
+    module, help_text = _BENCHMARKS["storage"]
+    assert module == bench.__name__ and help_text

@@ -1,0 +1,21 @@
+"""The contract suite against the file backend (a fresh directory per test)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hicache.storage.base import StorageBackend
+from hicache.storage.file import FileBackend
+from tests.storage_contract import StorageContract
+
+
+class TestFileContract(StorageContract):
+    def make_backend(self, store: Any) -> StorageBackend:
+        return FileBackend({"path": str(store)})
+
+
+class TestFileContractWithFsync(StorageContract):
+    """The same contract with every page and directory synced before it is visible."""
+
+    def make_backend(self, store: Any) -> StorageBackend:
+        return FileBackend({"path": str(store), "fsync": True})

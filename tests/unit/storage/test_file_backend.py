@@ -1,0 +1,470 @@
+"""The file backend beyond the shared contract: options, atomic writes, crash leftovers,
+the size cap and its LRU order, restarts, shared directories, and integrity checks.
+
+Every test works on real files in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.config import MemLayout
+from hicache.memory.allocator import PageIds
+from hicache.memory.geometry import KVGeometry
+from hicache.memory.host_pool import HostPool
+from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
+from hicache.storage.base import StorageError, StorageUnavailableError
+from hicache.storage.file import STALE_TEMP_AGE_S, FileBackend, temp_name
+from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
+from tests.storage_contract import as_bytes, fill_random, page_bytes_of
+
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+PAGE_SIZE = 4
+PAGE_BYTES = GEOMETRY.page_bytes(PAGE_SIZE)
+FILE_BYTES = HEADER_BYTES + PAGE_BYTES
+HEADER_AT = PAGE_BYTES  # a page file is payload || header
+NAMESPACE = KeyNamespace("file-tests", GEOMETRY.describe(), PAGE_SIZE)
+
+
+def make_host(layout: MemLayout = MemLayout.PAGE_FIRST, num_pages: int = 32) -> HostPool:
+    return HostPool(GEOMETRY, num_pages, PAGE_SIZE, layout, pin_memory=False)
+
+
+def chain(count: int, seed: int = 0) -> list[bytes]:
+    tokens = np.random.default_rng(seed).integers(0, 32000, count * PAGE_SIZE)
+    return chain_page_keys(pack_tokens(tokens), PAGE_SIZE, NAMESPACE.seed())
+
+
+def ids(start: int, stop: int) -> PageIds:
+    return np.arange(start, stop, dtype=np.int64)
+
+
+class Opener:
+    """Opens attached file backends over one directory and closes them all at the end."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.opened: list[FileBackend] = []
+
+    def __call__(
+        self, layout: MemLayout = MemLayout.PAGE_FIRST, **options: Any
+    ) -> tuple[FileBackend, HostPool]:
+        backend = FileBackend({"path": str(self.root), **options})
+        host = make_host(layout)
+        backend.attach(host)
+        self.opened.append(backend)
+        return backend, host
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "l3"
+
+
+@pytest.fixture
+def open_file(root: Path) -> Iterator[Opener]:
+    opener = Opener(root)
+    yield opener
+    for backend in opener.opened:
+        backend.close()
+
+
+def page_path(root: Path, key: bytes, order: PayloadOrder = PayloadOrder.TOKEN_MAJOR) -> Path:
+    name = object_name(key, order)
+    return root / name[:2] / name
+
+
+def page_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("??/*") if not p.name.startswith("."))
+
+
+def temp_files(root: Path) -> list[Path]:
+    return sorted(root.glob("??/.*"))
+
+
+# ----------------------------------------------------------------- options
+def test_the_directory_comes_from_the_config_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert FileBackend({"path": str(tmp_path / "x")}).root == tmp_path / "x"
+    monkeypatch.setenv("HICACHE_CACHE_DIR", str(tmp_path / "cache"))
+    assert FileBackend({}).root == tmp_path / "cache" / "l3"
+    backend = FileBackend({"max_bytes": "2GiB", "fsync": "true", "verify_checksum": False})
+    assert (backend.max_bytes, backend.fsync, backend.verify_checksum) == (2 * 2**30, True, False)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_bytes": "lots"}, "max_bytes must be a size"),
+        ({"max_bytes": -1}, "max_bytes must be >= 0"),
+        ({"fsync": "sometimes"}, "fsync must be true or false"),
+        ({"path": 3}, "path must be a string"),
+        ({"dir": "/tmp"}, "unknown extra-config key"),
+    ],
+)
+def test_bad_options_are_refused_by_name(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(StorageError, match=message):
+        FileBackend(options)
+
+
+def test_an_unusable_directory_is_reported_at_attach(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the directory should be")
+    backend = FileBackend({"path": str(blocker / "l3")})
+    with pytest.raises(StorageUnavailableError, match="cannot use directory"):
+        backend.attach(make_host())
+
+
+def test_pages_are_files_of_the_payload_then_its_header(root: Path, open_file: Opener) -> None:
+    backend, host = open_file()
+    keys = chain(2)
+    fill_random(host, ids(0, 2), seed=1)
+    assert backend.set(keys, ids(0, 2)) == 2
+    assert page_files(root) == sorted(page_path(root, key) for key in keys)
+    data = page_path(root, keys[1]).read_bytes()
+    assert len(data) == FILE_BYTES
+    assert data[HEADER_AT : HEADER_AT + 4] == b"HCKV"
+    assert data[HEADER_AT + 16 : HEADER_AT + 32] == keys[1]
+    # page_first pools hold a page contiguously: the payload is those bytes as they are.
+    assert data[:HEADER_AT] == host.page_span(1).view(torch.uint8).numpy().tobytes()
+    assert backend.total_bytes == 2 * FILE_BYTES and len(backend) == 2
+    assert temp_files(root) == []
+
+
+# ----------------------------------------------------------- atomic writes
+def test_a_write_that_dies_before_the_rename_leaves_no_page(
+    root: Path, open_file: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, host = open_file()
+    keys = chain(3)
+    fill_random(host, ids(0, 3), seed=2)
+    assert backend.set(keys[:1], ids(0, 1)) == 1
+
+    def fail_replace(src: Any, dst: Any) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "replace", fail_replace)
+    assert backend.set(keys, ids(0, 3)) == 1  # page 0 was there; page 1 failed
+    monkeypatch.undo()
+    assert backend.stats().failures == {"io_error": 1}
+    assert page_files(root) == [page_path(root, keys[0])]
+    assert temp_files(root) == []  # the failed writer removed its temporary
+    assert backend.exists(keys) == 1
+    assert backend.set(keys, ids(0, 3)) == 3  # and a later write succeeds
+
+
+def test_a_full_disk_is_counted_as_such(
+    root: Path, open_file: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, _ = open_file()
+
+    def no_space(fd: int, buffers: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", no_space)
+    assert backend.set(chain(2), ids(0, 2)) == 0
+    assert backend.stats().failures == {"no_space": 1}
+    assert page_files(root) == [] and temp_files(root) == []
+
+
+def test_readers_never_see_a_torn_page_while_pages_are_rewritten(root: Path) -> None:
+    # Bigger pages so that each write takes a while; a reader in another instance
+    # reads the same pages while the writer clears and rewrites them over and over.
+    geometry = KVGeometry(num_layers=8, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
+    writer_host = HostPool(geometry, 8, 16, MemLayout.PAGE_FIRST, pin_memory=False)
+    reader_host = HostPool(geometry, 8, 16, MemLayout.PAGE_FIRST, pin_memory=False)
+    writer = FileBackend({"path": str(root)})
+    reader = FileBackend({"path": str(root)})
+    writer.attach(writer_host)
+    reader.attach(reader_host)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    values = fill_random(writer_host, ids(0, 4), seed=3)
+    stop = threading.Event()
+    reads: list[int] = []
+
+    def read_loop() -> None:
+        while not stop.is_set():
+            reads.append(reader.get(keys, ids(4, 8)))
+
+    thread = threading.Thread(target=read_loop, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 0.5
+        rounds = 0
+        while time.monotonic() < deadline or rounds < 5:
+            writer.clear()
+            assert writer.set(keys, ids(0, 4)) == 4
+            rounds += 1
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        writer.close()
+    assert not thread.is_alive()
+    failures = reader.stats().failures
+    # Only ever a whole page or no page: a torn one would be a short read or corrupt.
+    assert set(failures) <= {"missing"}, failures
+    assert reads and reader.stats().pages_read == sum(reads)
+    assert reader.get(keys, ids(4, 8)) == 4
+    assert page_bytes_of(reader_host, ids(4, 8)) == as_bytes(values)
+    reader.close()
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, timeout=30, check=True)
+    return int(child.stdout)
+
+
+def test_temporaries_of_crashed_writers_are_removed_at_start_up(
+    root: Path, open_file: Opener
+) -> None:
+    backend, host = open_file()
+    keys = chain(5)
+    fill_random(host, ids(0, 5), seed=4)
+    assert backend.set(keys[:1], ids(0, 1)) == 1
+    backend.close()
+    sub = page_path(root, keys[0]).parent
+    name = object_name(keys[1], PayloadOrder.TOKEN_MAJOR)
+
+    def leftover(file_name: str, age_s: float = 0.0) -> Path:
+        path = root / name[:2] / file_name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"HCKV half a page")
+        if age_s:
+            stamp = time.time() - age_s
+            os.utime(path, (stamp, stamp))
+        return path
+
+    crashed = leftover(temp_name(name, _dead_pid(), 1))
+    running = leftover(temp_name(name, os.getpid(), 2))  # a live writer: ours
+    old_running = leftover(temp_name(name, os.getpid(), 3), age_s=STALE_TEMP_AGE_S + 60)
+    elsewhere = leftover(temp_name(name, 1, 4, host_tag="0badc0de"))  # another machine's
+    old_elsewhere = leftover(
+        temp_name(name, 1, 5, host_tag="0badc0de"), age_s=STALE_TEMP_AGE_S + 60
+    )
+    foreign = leftover(".unrelated.tmp")
+    assert sub.exists()
+
+    restarted, _ = open_file()
+    assert not crashed.exists() and not old_running.exists() and not old_elsewhere.exists()
+    assert not foreign.exists()
+    assert running.exists() and elsewhere.exists()
+    # Temporaries are never taken for pages.
+    assert len(restarted) == 1 and restarted.exists(keys) == 1
+
+
+# ------------------------------------------------------- size cap and LRU
+def test_the_cap_evicts_the_least_recently_used_pages(root: Path, open_file: Opener) -> None:
+    backend, host = open_file(max_bytes=3 * FILE_BYTES)
+    keys = chain(5)
+    fill_random(host, ids(0, 5), seed=5)
+    assert backend.set(keys[:3], ids(0, 3)) == 3
+    assert backend.get(keys[:1], ids(10, 11)) == 1  # page 0 is now the most recent
+    assert backend.set(keys[3:4], ids(3, 4)) == 1  # evicts page 1
+    assert [backend.exists([key]) for key in keys[:4]] == [1, 0, 1, 1]
+    assert not page_path(root, keys[1]).exists()
+    assert backend.set(keys[4:5], ids(4, 5)) == 1  # evicts page 2
+    assert [backend.exists([key]) for key in keys] == [1, 0, 0, 1, 1]
+    assert len(page_files(root)) == 3 and backend.total_bytes == 3 * FILE_BYTES
+    assert backend.stats().failures == {"evicted": 2}
+    backend.check_integrity()
+
+
+def test_a_page_larger_than_the_cap_is_refused(open_file: Opener) -> None:
+    backend, _ = open_file(max_bytes=FILE_BYTES - 1)
+    assert backend.set(chain(1), ids(0, 1)) == 0
+    assert backend.stats().failures == {"over_capacity": 1}
+
+
+def test_a_restart_finds_the_pages_and_keeps_their_lru_order(
+    root: Path, open_file: Opener
+) -> None:
+    first, host = open_file(max_bytes=3 * FILE_BYTES)
+    keys = chain(4)
+    values = fill_random(host, ids(0, 4), seed=6)
+    assert first.set(keys[:3], ids(0, 3)) == 3
+    assert first.get(keys[:1], ids(10, 11)) == 1  # page 0 becomes the most recent
+    first.close()
+
+    second, second_host = open_file(max_bytes=3 * FILE_BYTES)
+    assert len(second) == 3 and second.total_bytes == 3 * FILE_BYTES
+    # The read before the restart counts: page 1, not page 0, is the oldest now.
+    second_host.pages[3] = host.pages[3]
+    assert second.set(keys[3:4], ids(3, 4)) == 1
+    assert [second.exists([key]) for key in keys] == [1, 0, 1, 1]
+    assert second.get(keys[2:4], ids(12, 14)) == 2
+    assert page_bytes_of(second_host, ids(12, 14)) == as_bytes(values[2:4])
+    assert second.get(keys[:1], ids(10, 11)) == 1
+    assert page_bytes_of(second_host, ids(10, 11)) == as_bytes(values[:1])
+    second.close()
+    # Reads in this order left page 2 the oldest, then 3, then 0.
+    third, third_host = open_file(max_bytes=3 * FILE_BYTES)
+    third_host.pages[1] = host.pages[1]
+    assert third.set(keys[1:2], ids(1, 2)) == 1
+    assert [third.exists([key]) for key in keys] == [1, 1, 0, 1]
+
+
+def test_a_restart_under_a_smaller_cap_keeps_the_most_recent_pages(
+    root: Path, open_file: Opener
+) -> None:
+    first, host = open_file()
+    keys = chain(4)
+    fill_random(host, ids(0, 4), seed=7)
+    for i in (2, 0, 3, 1):  # written in this order: 2 oldest, 1 newest
+        assert first.set(keys[i : i + 1], ids(i, i + 1)) == 1
+    first.close()
+    smaller, _ = open_file(max_bytes=2 * FILE_BYTES)
+    assert sorted(p.name[:32] for p in page_files(root)) == sorted(
+        keys[i].hex() for i in (3, 1)
+    )
+    assert len(smaller) == 2
+    smaller.check_integrity()
+
+
+# ------------------------------------------------------ shared directories
+def test_two_instances_on_one_directory_hit_each_others_pages(
+    root: Path, open_file: Opener
+) -> None:
+    first, first_host = open_file()
+    second, second_host = open_file()
+    keys = chain(4)
+    values = fill_random(first_host, ids(0, 2), seed=8)
+    more = fill_random(second_host, ids(2, 4), seed=9)
+    assert first.set(keys[:2], ids(0, 2)) == 2
+    assert second.set(keys[2:], ids(2, 4)) == 2
+    # Each finds the other's pages without a restart, and adopts them.
+    assert first.exists(keys) == 4 and second.exists(keys) == 4
+    assert first.get(keys, ids(10, 14)) == 4
+    assert page_bytes_of(first_host, ids(10, 12)) == as_bytes(values)
+    assert page_bytes_of(first_host, ids(12, 14)) == as_bytes(more)
+    assert len(first) == 4 and first.total_bytes == 4 * FILE_BYTES
+
+
+def test_a_page_another_instance_removed_is_written_again(root: Path, open_file: Opener) -> None:
+    first, host = open_file()
+    second, _ = open_file()
+    keys = chain(2)
+    fill_random(host, ids(0, 2), seed=10)
+    assert first.set(keys, ids(0, 2)) == 2
+    assert second.exists(keys) == 2
+    second.clear()  # the other instance removes every file (as its eviction would)
+    assert first.set(keys, ids(0, 2)) == 2
+    assert first.stats().pages_written == 4, "a vanished page was skipped as stored"
+    assert len(page_files(root)) == 2
+
+
+def test_layouts_with_the_same_row_order_share_pages_and_the_others_do_not(
+    open_file: Opener,
+) -> None:
+    layer_first, lf_host = open_file(MemLayout.LAYER_FIRST)
+    direct, direct_host = open_file(MemLayout.PAGE_FIRST_DIRECT)
+    page_first, _ = open_file(MemLayout.PAGE_FIRST)
+    keys = chain(3)
+    values = fill_random(lf_host, ids(0, 3), seed=11)
+    assert layer_first.set(keys, ids(0, 3)) == 3
+    # page_first_direct stores a page layer-major too: the same objects serve both.
+    assert direct.get(keys, ids(5, 8)) == 3
+    assert page_bytes_of(direct_host, ids(5, 8)) == as_bytes(values)
+    # page_first is token-major: different objects, so a miss rather than garbage.
+    assert page_first.exists(keys) == 0
+
+
+# ----------------------------------------------------------------- integrity
+def _stored(open_file: Opener, count: int = 3) -> tuple[FileBackend, HostPool, list[bytes]]:
+    backend, host = open_file()
+    keys = chain(count)
+    fill_random(host, ids(0, count), seed=12)
+    assert backend.set(keys, ids(0, count)) == count
+    return backend, host, keys
+
+
+def _rewrite(path: Path, edit: Any) -> None:
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(edit(data)))
+
+
+def _flip_payload_byte(data: bytearray) -> bytearray:
+    data[100] ^= 0x01
+    return data
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (_flip_payload_byte, "corrupt"),
+        (lambda data: data[: PAGE_BYTES // 2], "short_read"),
+        (lambda data: data[:-20], "short_read"),
+        (lambda data: data + b"\0", "wrong_length"),
+        (lambda data: data[:HEADER_AT] + b"XXXX" + data[HEADER_AT + 4 :], "bad_magic"),
+        (lambda data: data[: HEADER_AT + 4] + b"\x09" + data[HEADER_AT + 5 :], "bad_version"),
+    ],
+    ids=["corrupt", "truncated", "truncated-header", "trailing", "magic", "version"],
+)
+def test_a_damaged_page_is_a_counted_miss_and_is_dropped(
+    root: Path, open_file: Opener, edit: Any, reason: str
+) -> None:
+    backend, host, keys = _stored(open_file)
+    damaged = page_path(root, keys[1])
+    _rewrite(damaged, edit)
+    assert backend.exists(keys) == 3  # not known to be bad until read
+    assert backend.get(keys, ids(10, 13)) == 1  # the prefix before the damaged page
+    assert page_bytes_of(host, ids(10, 11)) == page_bytes_of(host, ids(0, 1))
+    assert backend.stats().failures == {reason: 1}
+    assert not damaged.exists()
+    assert backend.exists(keys) == 1
+    backend.check_integrity()
+    # Dropped, so it can be stored again (not skipped as present).
+    assert backend.set(keys, ids(0, 3)) == 3
+    assert backend.get(keys, ids(10, 13)) == 3
+    assert page_bytes_of(host, ids(10, 13)) == page_bytes_of(host, ids(0, 3))
+
+
+def test_a_file_holding_another_page_is_a_wrong_key_miss(root: Path, open_file: Opener) -> None:
+    backend, _, keys = _stored(open_file)
+    # Page 0's object under page 2's name (a misplaced or colliding object).
+    page_path(root, keys[2]).write_bytes(page_path(root, keys[0]).read_bytes())
+    assert backend.get(keys, ids(10, 13)) == 2
+    assert backend.stats().failures == {"wrong_key": 1}
+    assert not page_path(root, keys[2]).exists()
+
+
+def test_a_page_removed_between_exists_and_get_is_a_missing_miss(
+    root: Path, open_file: Opener
+) -> None:
+    backend, _, keys = _stored(open_file)
+    assert backend.exists(keys) == 3
+    page_path(root, keys[0]).unlink()
+    assert backend.get(keys, ids(10, 13)) == 0
+    assert backend.stats().failures == {"missing": 1}
+    assert backend.exists(keys) == 0 and len(backend) == 2
+    backend.check_integrity()
+
+
+def test_without_checksum_verification_the_header_is_still_checked(
+    root: Path, open_file: Opener
+) -> None:
+    backend, host = open_file(verify_checksum=False)
+    keys = chain(2)
+    fill_random(host, ids(0, 2), seed=13)
+    assert backend.set(keys, ids(0, 2)) == 2
+    _rewrite(page_path(root, keys[0]), _flip_payload_byte)
+    page_path(root, keys[1]).write_bytes(page_path(root, keys[0]).read_bytes())
+    # The flipped byte goes unnoticed (that is what turning the check off means) ...
+    assert backend.get(keys, ids(10, 12)) == 1
+    assert page_bytes_of(host, ids(10, 11)) != page_bytes_of(host, ids(0, 1))
+    # ... but an object under the wrong name is still refused.
+    assert backend.stats().failures == {"wrong_key": 1}

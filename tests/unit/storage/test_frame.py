@@ -1,0 +1,130 @@
+"""The stored-object format (frame), the page regions it is filled from, and option parsing."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from hicache.config import MemLayout
+from hicache.memory.geometry import KVGeometry
+from hicache.memory.host_pool import HostPool
+from hicache.storage.base import StorageError
+from hicache.storage.frame import (
+    HEADER_BYTES,
+    Fault,
+    PayloadOrder,
+    check_header,
+    check_payload,
+    checksum,
+    encode_header,
+    object_name,
+    pack_header_into,
+)
+from hicache.storage.options import Options, parse_size
+from hicache.storage.page_regions import PageRegions
+from tests.storage_contract import fill_random, page_range
+
+KEY = bytes(range(16))
+OTHER_KEY = bytes(range(1, 17))
+ORDER = PayloadOrder.LAYER_MAJOR
+GEOMETRY = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float16)
+
+
+def test_a_header_checks_out_against_what_was_asked_for() -> None:
+    payload: list[bytes | memoryview] = [b"abc", memoryview(b"defgh")]
+    digest = checksum(payload)
+    assert digest == checksum([b"abcdefgh"]) and len(digest) == 16
+    header = encode_header(KEY, ORDER, 8, digest)
+    assert len(header) == HEADER_BYTES == 48
+    assert header[:4] == b"HCKV" and header[16:32] == KEY and header[32:] == digest
+    assert check_header(header, KEY, ORDER, 8) is None
+    assert check_payload(header, payload) is None
+    # Written in place into a larger buffer, the same bytes.
+    buffer = bytearray(HEADER_BYTES + 8)
+    pack_header_into(memoryview(buffer), 8, KEY, ORDER, 8, digest)
+    assert bytes(buffer[8:]) == header
+
+
+@pytest.mark.parametrize(
+    ("header_edit", "key", "order", "length", "fault"),
+    [
+        (lambda h: h[:47], KEY, ORDER, 8, Fault.SHORT_READ),
+        (lambda h: b"hckv" + h[4:], KEY, ORDER, 8, Fault.BAD_MAGIC),
+        (lambda h: h[:4] + b"\x02" + h[5:], KEY, ORDER, 8, Fault.BAD_VERSION),
+        (lambda h: h[:6] + struct.pack("<H", 64) + h[8:], KEY, ORDER, 8, Fault.BAD_VERSION),
+        (lambda h: h, KEY, PayloadOrder.TOKEN_MAJOR, 8, Fault.WRONG_ORDER),
+        (lambda h: h, OTHER_KEY, ORDER, 8, Fault.WRONG_KEY),
+        (lambda h: h, KEY, ORDER, 9, Fault.WRONG_LENGTH),
+    ],
+)
+def test_each_header_mismatch_is_its_own_fault(
+    header_edit: object, key: bytes, order: PayloadOrder, length: int, fault: Fault
+) -> None:
+    header = encode_header(KEY, ORDER, 8, checksum([b"abcdefgh"]))
+    assert callable(header_edit)
+    assert check_header(header_edit(header), key, order, length) is fault
+
+
+def test_a_changed_payload_fails_its_checksum() -> None:
+    header = encode_header(KEY, ORDER, 8, checksum([b"abcdefgh"]))
+    assert check_payload(header, [b"abcdefgH"]) is Fault.CORRUPT
+    assert check_payload(header, [b"abcd", memoryview(b"efgh")]) is None
+
+
+def test_object_names_carry_the_key_and_the_row_order() -> None:
+    assert object_name(KEY, PayloadOrder.LAYER_MAJOR) == KEY.hex() + ".lm"
+    assert object_name(KEY, PayloadOrder.TOKEN_MAJOR) == KEY.hex() + ".tm"
+    assert PayloadOrder.of_layout(MemLayout.PAGE_FIRST) is PayloadOrder.TOKEN_MAJOR
+    assert PayloadOrder.of_layout(MemLayout.LAYER_FIRST) is PayloadOrder.LAYER_MAJOR
+    assert PayloadOrder.of_layout(MemLayout.PAGE_FIRST_DIRECT) is PayloadOrder.LAYER_MAJOR
+
+
+def _payload(host: HostPool, page: int) -> bytes:
+    """What the payload of ``page`` must be, from the canonical view and the layout's order."""
+    canonical = host.pages[page]  # [layers, 2, page_size, row]
+    if PayloadOrder.of_layout(host.layout) is PayloadOrder.TOKEN_MAJOR:
+        canonical = canonical.permute(2, 0, 1, 3)  # [page_size, layers, 2, row]
+    return canonical.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_page_regions_are_the_page_in_payload_order(layout: MemLayout) -> None:
+    host = HostPool(GEOMETRY, 5, 4, layout, pin_memory=False)
+    fill_random(host, page_range(0, 5), seed=1)
+    regions = PageRegions(host)
+    expected_regions = 1 if layout is not MemLayout.LAYER_FIRST else 2 * GEOMETRY.num_layers
+    assert regions.num_regions == expected_regions
+    assert regions.page_bytes == host.page_bytes
+    for page in range(5):
+        views = regions.views(page)
+        assert b"".join(bytes(v) for v in views) == _payload(host, page)
+        assert [a - host.flat.data_ptr() for a in regions.addresses(page)] == regions.offsets(
+            page
+        )
+    # The views are the pool's memory: writing through them changes the page.
+    before = host.pages[2].clone()
+    for view in regions.views(2):
+        view[:] = bytes(len(view))
+    assert torch.count_nonzero(host.pages[2]) == 0
+    assert torch.count_nonzero(before) > 0
+    assert torch.count_nonzero(host.pages[1]) > 0 and torch.count_nonzero(host.pages[3]) > 0
+
+
+def test_sizes_and_options_are_read_with_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_size(123, "x") == 123
+    assert parse_size("16GB", "x") == 16 * 10**9
+    assert parse_size("512 MiB", "x") == 512 * 2**20
+    assert parse_size("1.5k", "x") == 1500
+    for bad in ("16 parsecs", -1, True, 1.5, "GB"):
+        with pytest.raises(StorageError, match="x"):
+            parse_size(bad, "x")
+    options = Options({"a": "yes", "n": -1.0}, "test store")
+    with pytest.raises(StorageError, match="test store: a must be true or false"):
+        options.boolean("a", False)
+    with pytest.raises(StorageError, match="n must be a number >= 0"):
+        options.number("n", 1.0)
+    monkeypatch.setenv("HICACHE_TEST_SIZE", "2KiB")
+    assert options.size_bytes("missing", 7, env=("HICACHE_TEST_SIZE",)) == 2048
+    assert options.string("missing", "d") == "d"

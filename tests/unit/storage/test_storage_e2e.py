@@ -1,0 +1,142 @@
+"""The file L3 under the whole cache: KV written by one instance is reused, bit for bit, by
+the next one over the same directory, and a damaged page only shortens what is reused.
+
+Requests go through the KV oracle (``tests.kv_oracle.serve``): every reused page
+must equal what a cold prefill computes, and every pool must pass its
+integrity check after each step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.memory.geometry import KVGeometry
+from hicache.storage.config import PrefetchPolicy, StorageConfig
+from hicache.storage.file import FileBackend
+from hicache.storage.frame import PayloadOrder, object_name
+from tests.unit.test_l3_cache import conversation, serve_with_l3, settle
+
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
+PAGE_SIZE = 4
+
+
+def make_cache(root: Path, layout: MemLayout = MemLayout.PAGE_FIRST) -> HierarchicalCache:
+    config = CacheConfig(
+        page_size=PAGE_SIZE, enable_hierarchical_cache=True,
+        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
+        mem_layout=layout, load_back_threshold_tokens=1,
+    )
+    storage = StorageConfig(
+        backend="file", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=1,
+        backend_extra={"path": str(root)},
+    )
+    # Built by name through the registry, as the server does.
+    cache = HierarchicalCache(config, GEOMETRY, 64, storage=storage)
+    assert cache.storage is not None and isinstance(cache.storage.backend, FileBackend)
+    return cache
+
+
+def backend_of(cache: HierarchicalCache) -> FileBackend:
+    assert cache.storage is not None
+    backend = cache.storage.backend
+    assert isinstance(backend, FileBackend)
+    return backend
+
+
+def page_file(cache: HierarchicalCache, root: Path, tokens: list[int], page: int) -> Path:
+    keys = cache.tree.page_keys(cache.tree.match_prefix(tokens).last_node)
+    order = PayloadOrder.of_layout(cache.config.mem_layout)
+    name = object_name(keys[page], order)
+    return root / name[:2] / name
+
+
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_a_new_instance_reuses_the_kv_the_last_one_stored(
+    tmp_path: Path, layout: MemLayout
+) -> None:
+    tokens = conversation(40)
+    first = make_cache(tmp_path, layout)
+    try:
+        assert serve_with_l3(first, tokens) == 0  # cold: computed, then backed up
+        settle(first)
+        assert backend_of(first).stats().pages_written == 10
+        assert first.stats.num_storage_backed_up_pages == 10
+    finally:
+        first.close()
+
+    second = make_cache(tmp_path, layout)
+    try:
+        # Nothing local: all 40 tokens come back from the files, equal to cold KV.
+        assert serve_with_l3(second, tokens) == 40
+        assert second.stats.num_storage_hit_tokens == 40
+        settle(second)
+        assert backend_of(second).stats().pages_written == 0  # found, not rewritten
+        # Forget L1 and L2: the same instance gets everything back from L3 again.
+        second.flush()
+        assert second.tree.num_host_pages == 0
+        assert serve_with_l3(second, tokens) == 40
+        assert second.stats.num_storage_hit_tokens == 80
+        settle(second)
+        assert backend_of(second).stats().failures == {}
+    finally:
+        second.close()
+
+
+def test_a_corrupted_page_file_ends_the_reused_prefix(tmp_path: Path) -> None:
+    tokens = conversation(40)
+    first = make_cache(tmp_path)
+    try:
+        serve_with_l3(first, tokens)
+        settle(first)
+        damaged = page_file(first, tmp_path, tokens, 5)
+    finally:
+        first.close()
+    data = bytearray(damaged.read_bytes())
+    data[7] ^= 0x40  # one bit of the payload
+    damaged.write_bytes(bytes(data))
+
+    second = make_cache(tmp_path)
+    try:
+        # Pages 0..4 are reused; page 5 fails its checksum, so it and everything
+        # after it are recomputed. serve() checks the KV equals cold KV.
+        assert serve_with_l3(second, tokens) == 20
+        assert backend_of(second).stats().failures == {"corrupt": 1}
+        settle(second)
+        # The bad file was dropped and the recomputed pages were backed up again.
+        assert damaged.exists()
+        assert backend_of(second).stats().pages_written == 1
+    finally:
+        second.close()
+
+    third = make_cache(tmp_path)
+    try:
+        assert serve_with_l3(third, tokens) == 40
+        settle(third)
+    finally:
+        third.close()
+
+
+def test_a_page_file_removed_after_the_lookup_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    tokens = conversation(48)
+    first = make_cache(tmp_path)
+    try:
+        serve_with_l3(first, tokens)
+        settle(first)
+        gone = page_file(first, tmp_path, tokens, 3)
+    finally:
+        first.close()
+    second = make_cache(tmp_path)
+    try:
+        # The new instance indexed every file at start-up; one disappears before the read.
+        assert backend_of(second).exists([bytes.fromhex(gone.name[:32])]) == 1
+        gone.unlink()
+        assert serve_with_l3(second, tokens) == 12
+        assert backend_of(second).stats().failures == {"missing": 1}
+        settle(second)
+    finally:
+        second.close()
