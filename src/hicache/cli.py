@@ -15,6 +15,10 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "tree": ("hicache.bench.tree", "radix tree insert / match / evict latency"),
     "storage": ("hicache.bench.storage", "L3 backend batch put/get throughput vs plain baseline"),
     "prefill": ("hicache.bench.prefill", "cold prefill throughput against HF transformers"),
+    "multiturn": ("hicache.bench.multiturn", "multi-round conversations against a server"),
+    "long-context": ("hicache.bench.long_context", "questions over long shared contexts"),
+    "compare": ("hicache.bench.compare", "the same workload against each cache configuration"),
+    "plot": ("hicache.bench.plots", "plot run summaries (PNG) side by side"),
 }
 
 
