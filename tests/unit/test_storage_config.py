@@ -19,10 +19,10 @@ def parse(*argv: str) -> StorageConfig:
     return storage_config_from_args(parser.parse_args(list(argv)))
 
 
-def test_defaults_follow_sglang_and_mean_no_l3() -> None:
+def test_defaults_mean_no_l3_and_a_bounded_prefetch_wait() -> None:
     config = parse()
     assert not config.enabled
-    assert config.prefetch_policy is PrefetchPolicy.BEST_EFFORT
+    assert config.prefetch_policy is PrefetchPolicy.TIMEOUT
     assert (config.prefetch_threshold, config.prefetch_timeout_base) == (256, 2.0)
     assert (config.prefetch_timeout_per_ki_token, config.prefetch_timeout_max) == (0.1, 30.0)
 

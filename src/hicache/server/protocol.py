@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hicache.engine.api import SamplingParams
+from hicache.storage.config import StorageConfig
 
 
 class StrictModel(BaseModel):
@@ -296,4 +297,4 @@ class GenerateResponse(BaseModel):
 class StorageBackendRequest(StrictModel):
     backend: str
     extra_config: dict[str, Any] = Field(default_factory=dict)
-    prefetch_policy: str = "best_effort"
+    prefetch_policy: str = StorageConfig.prefetch_policy.value

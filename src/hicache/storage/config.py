@@ -34,7 +34,10 @@ class StorageConfig:
     """The L3 tier as the cache sees it; ``backend`` None means no L3."""
 
     backend: str | None = None
-    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+    # Not best_effort: on a lightly loaded server a request is scheduled before its
+    # prefetch lands, so best_effort would recompute what L3 holds. The timeout
+    # bounds the wait when L3 is slow; a failing L3 trips the breaker instead.
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
     # Only prefetch when L3 could add at least this many tokens past the local match.
     prefetch_threshold: int = 256
     prefetch_timeout_base: float = 2.0
