@@ -69,7 +69,7 @@ def test_attach_update_detach(
     assert attached.status_code == 200, attached.text
     status = attached.json()
     assert status["attached"] is True and status["backend"] == "file"
-    assert status["prefetch_policy"] == "best_effort" and status["prefetch_threshold"] == 16
+    assert status["prefetch_policy"] == "timeout" and status["prefetch_threshold"] == 16
 
     # The same backend again: only the policy changes.
     updated = client.put(
