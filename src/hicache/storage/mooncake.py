@@ -1,0 +1,850 @@
+"""The "mooncake" backend: pages in a Mooncake Store, a memory pool spread over many machines.
+
+Every instance that attaches contributes ``global_segment_size`` bytes of its
+memory to the pool; a ``mooncake_master`` keeps the index of which object lives
+in which segment. Pages one instance stores, every instance using the same
+master reads (over TCP, or RDMA with ``protocol: rdma``).
+
+Extra config (each key falls back to an environment variable; the extra config wins):
+
+    master_server_address  host:port of the master (MOONCAKE_MASTER_SERVER_ADDRESS or
+                           MOONCAKE_MASTER); required
+    metadata_server        where transfer engines find each other: "P2PHANDSHAKE" (the
+                           default: no extra server), "http://host:port/metadata", an etcd
+                           "host:port" or "etcd://host:port", or "redis://host:port"
+                           (MOONCAKE_METADATA_SERVER or MOONCAKE_TE_META_DATA_SERVER)
+    protocol               "tcp" (default) or "rdma" (MOONCAKE_PROTOCOL)
+    local_hostname         the address other instances reach this one at; default
+                           127.0.0.1, which only works when every instance and the master
+                           share one machine (MOONCAKE_LOCAL_HOSTNAME)
+    global_segment_size    bytes this instance lends to the pool, e.g. "4GiB" (the default);
+                           0 lends nothing (MOONCAKE_GLOBAL_SEGMENT_SIZE)
+    local_buffer_size      the client's bounce buffer for copies it cannot do in place,
+                           default "16MiB" (MOONCAKE_LOCAL_BUFFER_SIZE)
+    device_name            RDMA device(s), e.g. "mlx5_0,mlx5_1"; empty lets Mooncake pick
+                           (MOONCAKE_DEVICE_NAME or MOONCAKE_DEVICE)
+    verify_checksum        hash every page read against its header (default true)
+
+Object format and zero copy. Each page is one object named like the file
+backend's files (``frame.object_name``: the namespaced key in hex and the
+payload-order tag) holding the payload followed by the ``frame`` header
+(``payload || header``, as in the file backend's files), so a reader checks
+key, length and checksum exactly as the file backend does. The header goes
+last because Mooncake copies an object fastest when the payload starts where
+the object does: with the 48-byte header in front, reads of layer_first pages
+(64 regions of 128 KiB) ran at a third of the speed. The payload never
+passes through a bounce buffer: the whole host pool is registered with the
+Mooncake client at attach, and every batch (at most ``MAX_BATCH_PAGES``) moves with
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` whose
+per-object buffer list is ``[page region, ..., header slot]``; the page
+regions are the page's own memory in the pool (``PageRegions``: one region for
+page_first layouts, one per layer and K/V for layer_first). The 48-byte
+headers live in a small staging area, registered too, with one slot per page
+of a batch. We chose this over a separate header object (two objects per
+page: twice the index entries and lookups, and a reader could pair a header
+with a payload from another write) and over ``put_parts`` (it takes Python
+bytes and copies them into the client's local buffer first).
+
+Checksums cost a pass over every page. Batches of many megabytes are moved in
+a few chunks, one Mooncake call each, and a helper thread hashes the next
+chunk to put (or checks the chunk just read) while Mooncake copies another;
+both release the GIL. That hides the hashing where a spare core is free; on a
+machine without one (two vCPUs sharing a core) it does not, and a put or a
+verified get costs the copy plus the hash.
+
+Failures. A page that is missing, fails its header or checksum, or has the
+wrong size is a miss counted under its reason (``frame.Fault`` values,
+"missing", ...), and a bad object is removed (forced past Mooncake's read
+lease) so a later backup can store it again. A dead master is the case that
+needs care: the client library retries it inside each call, blocking the
+caller for seconds. So each client has a watcher thread that checks every
+``WATCH_INTERVAL_S`` that the master accepts TCP connections (refused at once
+when it is down); while it does not, and from the moment a call reports an
+RPC failure, calls fail at once as "unreachable" without entering the library.
+Those failures feed the storage controller's circuit breaker. When the master
+is back the watcher notices, calls go through again, and the client registers
+its memory segment with the new master on its own (a restarted master starts
+with an empty store). A call made in the short window between a master's
+death and the watcher's next check may still block once. A master that cannot
+be reached at attach is a ``StorageUnavailableError``, raised at once.
+Closing a client (or exiting) while its master is down takes the library
+several seconds of retries.
+
+One client per process. A Mooncake client owns a memory segment, a transfer
+engine and its listeners, and takes a second or two to close; backends with the
+same connection settings in one process share one client (reference
+counted), so two caches in one process lend their memory once. Each backend
+registers its own host pool with the shared client and unregisters it at
+close.
+
+Note: Mooncake's transfer engine listens for its peers (handshake and data
+ports) on all interfaces whatever ``local_hostname`` says; ``local_hostname``
+only decides the address it advertises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mooncake.store import MooncakeDistributedStore
+
+from hicache.memory.allocator import PageIds
+from hicache.memory.host_pool import HostPool
+from hicache.storage.base import (
+    MAX_BATCH_PAGES,
+    StorageBackend,
+    StorageError,
+    StorageUnavailableError,
+)
+from hicache.storage.frame import (
+    HEADER_BYTES,
+    Fault,
+    check_header,
+    check_payload,
+    checksum,
+    object_name,
+    pack_header_into,
+)
+from hicache.storage.options import Options
+from hicache.storage.page_regions import PageRegions
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_METADATA_SERVER = "P2PHANDSHAKE"
+DEFAULT_LOCAL_HOSTNAME = "127.0.0.1"
+DEFAULT_GLOBAL_SEGMENT_SIZE = 4 * 2**30
+DEFAULT_LOCAL_BUFFER_SIZE = 16 * 2**20
+PROTOCOLS = ("tcp", "rdma")
+_METADATA_SCHEMES = ("http", "https", "etcd", "redis")
+# Seconds a TCP connect to the master may take before it counts as unreachable.
+PROBE_TIMEOUT_S = 0.25
+# How often each client checks that its master accepts connections.
+WATCH_INTERVAL_S = 0.5
+# Batches are moved in chunks of at least this many bytes (at most
+# PIPELINE_MAX_CHUNKS of them), hashing one chunk on a helper thread while
+# Mooncake moves another (see the module docstring). Each chunk is one Mooncake
+# batch call (a few master RPCs), hence chunks of megabytes, not single pages.
+PIPELINE_CHUNK_BYTES = 16 * 2**20
+PIPELINE_MAX_CHUNKS = 8
+# Header staging slots: one batch each. The controller runs at most one get or
+# set at a time; the spare slots serve other callers (a benchmark) without waiting.
+_STAGING_SLOTS = 4
+# Every object name this backend writes (what clear() removes): hex key + order tag.
+_NAME_PATTERN = r"^[0-9a-f]{32}\.(lm|tm)$"
+# The multi-buffer batch calls (Mooncake Store >= 0.3.6).
+_REQUIRED_METHODS = (
+    "batch_put_from_multi_buffers", "batch_get_into_multi_buffers", "batch_is_exist",
+    "register_buffer", "unregister_buffer", "remove", "remove_by_regex", "get_size",
+)
+
+_ENV = {
+    "master_server_address": ("MOONCAKE_MASTER_SERVER_ADDRESS", "MOONCAKE_MASTER"),
+    "metadata_server": ("MOONCAKE_METADATA_SERVER", "MOONCAKE_TE_META_DATA_SERVER"),
+    "protocol": ("MOONCAKE_PROTOCOL",),
+    "local_hostname": ("MOONCAKE_LOCAL_HOSTNAME",),
+    "global_segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE",),
+    "local_buffer_size": ("MOONCAKE_LOCAL_BUFFER_SIZE",),
+    "device_name": ("MOONCAKE_DEVICE_NAME", "MOONCAKE_DEVICE"),
+}
+_KNOWN_KEYS = {*_ENV, "verify_checksum"}
+
+# Mooncake Store error codes (its ErrorCode enum) this backend tells apart.
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+RPC_FAIL = -900
+_REASONS = {
+    -10: "no_space",  # BUFFER_OVERFLOW
+    -101: "no_space",  # SEGMENT_NOT_FOUND: no segment mounted (yet) to put into
+    -103: "unreachable",  # CLIENT_NOT_FOUND: a restarted master does not know us yet
+    -200: "no_space",  # NO_AVAILABLE_HANDLE: the pool is full
+    -500: "io_error",  # WRITE_FAIL
+    -701: "io_error",  # INVALID_READ
+    -703: "not_ready",  # REPLICA_IS_NOT_READY: another instance is still writing it
+    OBJECT_NOT_FOUND: "missing",
+    -707: "io_error",  # LEASE_EXPIRED during the transfer
+    -710: "missing",  # REPLICA_NOT_FOUND
+    -712: "missing",  # REPLICA_IS_GONE
+    -800: "io_error",  # TRANSFER_FAIL
+    RPC_FAIL: "unreachable",
+    -1010: "unreachable",  # UNAVAILABLE_IN_CURRENT_STATUS (master not serving)
+}
+
+
+def failure_reason(code: int) -> str:
+    """The stats reason for a Mooncake error code."""
+    return _REASONS.get(code, f"mooncake_error_{-code}")
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """How to reach the store: what a Mooncake client is set up with (one client per value)."""
+
+    master_server_address: str
+    metadata_server: str = DEFAULT_METADATA_SERVER
+    protocol: str = "tcp"
+    local_hostname: str = DEFAULT_LOCAL_HOSTNAME
+    global_segment_size: int = DEFAULT_GLOBAL_SEGMENT_SIZE
+    local_buffer_size: int = DEFAULT_LOCAL_BUFFER_SIZE
+    device_name: str = ""
+
+    @classmethod
+    def from_options(cls, options: Options) -> MooncakeSettings:
+        """Read and check the settings (extra config first, then the environment)."""
+        source = options.source
+        master = options.string("master_server_address", None, _ENV["master_server_address"])
+        if master is None:
+            raise StorageError(
+                f"{source}: master_server_address is required (host:port of the "
+                "mooncake_master), in the extra config or MOONCAKE_MASTER_SERVER_ADDRESS"
+            )
+        master = master.strip()
+        split_host_port(master, _where(options, "master_server_address"))
+        metadata = (
+            options.string("metadata_server", DEFAULT_METADATA_SERVER, _ENV["metadata_server"])
+            or DEFAULT_METADATA_SERVER
+        ).strip()
+        metadata = _check_metadata_server(metadata, _where(options, "metadata_server"))
+        protocol = (options.string("protocol", "tcp", _ENV["protocol"]) or "tcp").strip().lower()
+        if protocol not in PROTOCOLS:
+            raise StorageError(
+                f"{_where(options, 'protocol')} must be one of {', '.join(PROTOCOLS)}, "
+                f"got {protocol!r}"
+            )
+        hostname = (
+            options.string("local_hostname", DEFAULT_LOCAL_HOSTNAME, _ENV["local_hostname"])
+            or DEFAULT_LOCAL_HOSTNAME
+        ).strip()
+        if not hostname or any(c.isspace() for c in hostname):
+            raise StorageError(
+                f"{_where(options, 'local_hostname')} must be a host name or address, "
+                f"got {hostname!r}"
+            )
+        segment = options.size_bytes(
+            "global_segment_size", DEFAULT_GLOBAL_SEGMENT_SIZE, _ENV["global_segment_size"]
+        )
+        buffer = options.size_bytes(
+            "local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE, _ENV["local_buffer_size"]
+        )
+        device = (options.string("device_name", "", _ENV["device_name"]) or "").strip()
+        return cls(master, metadata, protocol, hostname, segment, buffer, device)
+
+    @property
+    def master_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.master_server_address, "master_server_address")
+
+
+def _where(options: Options, key: str) -> str:
+    """Where ``key``'s value came from, for error messages (the key or its variable)."""
+    if options.extra.get(key) is not None:
+        return f"{options.source}: {key}"
+    for name in _ENV.get(key, ()):
+        if os.environ.get(name):
+            return f"{options.source}: environment variable {name}"
+    return f"{options.source}: {key}"
+
+
+def split_host_port(address: str, where: str) -> tuple[str, int]:
+    """("host", port) from "host:port" or "[v6]:port"; StorageError naming ``where`` otherwise."""
+    host, sep, port_text = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    port = int(port_text) if port_text.isdigit() else -1
+    if not sep or not host or any(c.isspace() for c in host) or not 0 < port < 65536:
+        raise StorageError(f"{where} must be host:port (e.g. 10.0.0.5:50051), got {address!r}")
+    return host, port
+
+
+def _check_metadata_server(value: str, where: str) -> str:
+    if value.upper() == DEFAULT_METADATA_SERVER:
+        return DEFAULT_METADATA_SERVER
+    scheme, sep, rest = value.partition("://")
+    if sep:
+        if scheme.lower() not in _METADATA_SCHEMES or not rest:
+            raise StorageError(
+                f"{where} must be P2PHANDSHAKE or a URL with scheme "
+                f"{', '.join(_METADATA_SCHEMES)}, got {value!r}"
+            )
+        return value
+    try:  # a bare host:port is an etcd endpoint
+        split_host_port(value, where)
+    except StorageError:
+        raise StorageError(
+            f"{where} must be P2PHANDSHAKE, an http(s):// URL, etcd host:port or "
+            f"redis://host:port, got {value!r}"
+        ) from None
+    return value
+
+
+def master_reachable(settings: MooncakeSettings, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Does the master accept TCP connections? (Instant "no" when nothing listens.)"""
+    host, port = settings.master_host_port
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class _Client:
+    """One set-up Mooncake client, shared by the backends of a process with equal settings."""
+
+    def __init__(self, settings: MooncakeSettings, store: Any) -> None:
+        self.settings = settings
+        self.store = store
+        self.refs = 0
+        self._lock = threading.Lock()
+        # Buffer address -> (size, registrations): a pool registered by two backends
+        # (one re-attached before the other closed) is unregistered by the last.
+        self._buffers: dict[int, tuple[int, int]] = {}
+        # True while the master is known unreachable: set by the watcher's probe or
+        # by a call that failed its RPC; cleared by the watcher's next good probe.
+        self._down = False
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(
+            target=self._watch, name="hicache-mooncake-watch", daemon=True
+        )
+        self._watcher.start()
+
+    def register(self, address: int, size: int) -> None:
+        with self._lock:
+            known = self._buffers.get(address)
+            if known is not None and known[0] == size:
+                self._buffers[address] = (size, known[1] + 1)
+                return
+            code = int(self.store.register_buffer(address, size))
+            if code != 0:
+                raise StorageError(
+                    f"mooncake storage: registering {size} bytes of memory failed (code {code})"
+                )
+            self._buffers[address] = (size, 1)
+
+    def unregister(self, address: int) -> None:
+        with self._lock:
+            known = self._buffers.get(address)
+            if known is None:
+                return
+            size, count = known
+            if count > 1:
+                self._buffers[address] = (size, count - 1)
+                return
+            del self._buffers[address]
+            code = int(self.store.unregister_buffer(address))
+        if code != 0:
+            logger.warning("mooncake storage: unregistering a buffer failed (code %d)", code)
+
+    def usable(self) -> bool:
+        """False while the master is known unreachable: calls then fail without the library."""
+        with self._lock:
+            return not self._down
+
+    def saw_codes(self, codes: Sequence[int]) -> None:
+        """Note a call's answers: an RPC failure means the master may be gone."""
+        if RPC_FAIL in codes or -1010 in codes:
+            self._set_down(True)
+
+    def _set_down(self, down: bool) -> None:
+        with self._lock:
+            changed, self._down = self._down != down, down
+        if changed and down:
+            logger.warning(
+                "mooncake master %s is not answering: L3 calls fail at once until it is back",
+                self.settings.master_server_address,
+            )
+        elif changed:
+            logger.warning(
+                "mooncake master %s accepts connections again",
+                self.settings.master_server_address,
+            )
+
+    def _watch(self) -> None:
+        """Probe the master every WATCH_INTERVAL_S (a TCP connect: refused at once when down)."""
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            self._set_down(not master_reachable(self.settings))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watcher.join()
+        with self._lock:
+            addresses = list(self._buffers)
+            self._buffers.clear()
+        for address in addresses:
+            with contextlib.suppress(Exception):
+                self.store.unregister_buffer(address)
+        with contextlib.suppress(Exception):
+            self.store.close()
+
+
+_clients: dict[MooncakeSettings, _Client] = {}
+_clients_lock = threading.Lock()
+
+
+def _acquire_client(settings: MooncakeSettings) -> _Client:
+    """The process's client for ``settings``, set up on first use (StorageUnavailableError)."""
+    with _clients_lock:
+        client = _clients.get(settings)
+        if client is None:
+            client = _Client(settings, _setup_store(settings))
+            _clients[settings] = client
+        client.refs += 1
+        return client
+
+
+def _release_client(client: _Client) -> None:
+    with _clients_lock:
+        client.refs -= 1
+        if client.refs > 0:
+            return
+        if _clients.get(client.settings) is client:
+            del _clients[client.settings]
+    client.close()
+
+
+def _setup_store(settings: MooncakeSettings) -> Any:
+    address = settings.master_server_address
+    # The library retries an unreachable master for over a minute; a TCP connect
+    # answers at once, so an unreachable store is reported right away.
+    if not master_reachable(settings):
+        raise StorageUnavailableError(
+            f"mooncake storage: the master at {address} is unreachable (nothing accepts "
+            "connections there); start mooncake_master or fix master_server_address"
+        )
+    store = MooncakeDistributedStore()
+    missing = [name for name in _REQUIRED_METHODS if not hasattr(store, name)]
+    if missing:
+        raise StorageError(
+            f"mooncake storage: this mooncake client lacks {', '.join(missing)}; "
+            "upgrade mooncake-transfer-engine to 0.3.6 or later"
+        )
+    code = int(
+        store.setup(
+            settings.local_hostname, settings.metadata_server, settings.global_segment_size,
+            settings.local_buffer_size, settings.protocol, settings.device_name, address,
+        )
+    )
+    if code != 0:
+        with contextlib.suppress(Exception):
+            store.close()
+        raise StorageUnavailableError(
+            f"mooncake storage: setting up the client failed (code {code}) with master {address}, "
+            f"metadata server {settings.metadata_server}, protocol {settings.protocol}, "
+            f"local hostname {settings.local_hostname}; the client's log says why"
+        )
+    logger.info(
+        "mooncake client up: master %s, %s, lending %.2f GB", address, settings.protocol,
+        settings.global_segment_size / 1e9,
+    )
+    return store
+
+
+class MooncakeBackend(StorageBackend):
+    """See the module docstring."""
+
+    name = "mooncake"
+
+    def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(extra_config)
+        options = Options(self.extra_config, "mooncake storage")
+        options.reject_unknown(_KNOWN_KEYS)
+        self.settings = MooncakeSettings.from_options(options)
+        self.verify_checksum = options.boolean("verify_checksum", True)
+        self._client: _Client | None = None
+        self._regions: PageRegions | None = None
+        self._pool_address = 0
+        # [slot, page, header bytes]: where batch headers are packed and read.
+        self._staging = np.zeros((_STAGING_SLOTS, MAX_BATCH_PAGES, HEADER_BYTES), dtype=np.uint8)
+        self._staging_view = self._staging.reshape(-1).data
+        self._staging_address = int(self._staging.ctypes.data)
+        self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(_STAGING_SLOTS):
+            self._free_slots.put(slot)
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+    def attach(self, host: HostPool) -> None:
+        if self._closed:
+            raise StorageError("mooncake storage used after close()")
+        if self._client is not None:
+            raise StorageError("mooncake storage is already attached")
+        regions = PageRegions(host)
+        client = _acquire_client(self.settings)
+        try:
+            client.register(regions.base_address, regions.pool_bytes)
+            try:
+                client.register(self._staging_address, self._staging.nbytes)
+            except BaseException:
+                client.unregister(regions.base_address)
+                raise
+        except BaseException:
+            _release_client(client)
+            raise
+        super().attach(host)
+        self._client = client
+        self._regions = regions
+        self._pool_address = regions.base_address
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        client, self._client = self._client, None
+        if client is not None:
+            client.unregister(self._pool_address)
+            client.unregister(self._staging_address)
+            _release_client(client)
+
+    @property
+    def reachable(self) -> bool:
+        """False while the master is known unreachable (L3 calls then fail at once)."""
+        client, _ = self._ready([])
+        return client.usable()
+
+    @property
+    def raw_store(self) -> Any:
+        """The underlying ``MooncakeDistributedStore`` (shared; for tools, benchmarks, tests)."""
+        client, _ = self._ready([])
+        return client.store
+
+    # ----------------------------------------------------------- operations
+    def exists(self, keys: Sequence[bytes]) -> int:
+        client, regions = self._ready(keys)
+        with self._lock:
+            self._stats.exists_queries += 1
+        if not keys:
+            return 0
+        names = [object_name(key, regions.order) for key in keys]
+        codes = self._call(client, len(keys), lambda store: store.batch_is_exist(names))
+        if codes is None:
+            return 0
+        for i, code in enumerate(codes):
+            if code != 1:
+                if code < 0:
+                    self._fail(failure_reason(code))
+                return i
+        return len(keys)
+
+    def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        client, regions = self._ready(keys, host_pages)
+        if not keys:
+            return 0
+        began = time.perf_counter()
+        pages = np.asarray(host_pages).tolist()
+        names = [object_name(key, regions.order) for key in keys]
+        expected = regions.page_bytes + HEADER_BYTES
+        num_read = 0
+        with self._staging_slot() as slot:
+            base = self._slot_offset(slot)
+
+            def read(part: range) -> list[int] | None:
+                buffers, sizes = self._buffer_lists(
+                    regions, pages[part.start : part.stop], base, part
+                )
+                part_names = names[part.start : part.stop]
+                return self._call(
+                    client, len(part),
+                    lambda store: store.batch_get_into_multi_buffers(part_names, buffers, sizes),
+                )
+
+            def verify(part: range, codes: list[int]) -> int:
+                """How many leading pages of ``part`` are good (the first bad one is counted)."""
+                for i, code in zip(part, codes, strict=True):
+                    reason = self._check_read(
+                        client, regions, names[i], keys[i], pages[i], code, expected,
+                        base + i * HEADER_BYTES,
+                    )
+                    if reason is not None:
+                        self._fail(reason)
+                        return i - part.start
+                return len(part)
+
+            num_read = self._read_ahead(self._parts(len(keys), regions.page_bytes), read, verify)
+        with self._lock:
+            self._stats.pages_read += num_read
+            self._stats.bytes_read += num_read * regions.page_bytes
+            self._stats.read_seconds += time.perf_counter() - began
+        return num_read
+
+    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        client, regions = self._ready(keys, host_pages)
+        if not keys:
+            return 0
+        began = time.perf_counter()
+        pages = np.asarray(host_pages).tolist()
+        names = [object_name(key, regions.order) for key in keys]
+        present = self._call(client, len(keys), lambda store: store.batch_is_exist(names))
+        if present is None:
+            return 0
+        stored = [code == 1 for code in present]
+        todo = [i for i, done in enumerate(stored) if not done]
+        codes: dict[int, int] = {}
+        if todo:
+            with self._staging_slot() as slot:
+                base = self._slot_offset(slot)
+
+                def pack(part: range) -> None:
+                    for j in part:
+                        i = todo[j]
+                        digest = checksum(regions.views(pages[i]))
+                        pack_header_into(
+                            self._staging_view, base + j * HEADER_BYTES, keys[i], regions.order,
+                            regions.page_bytes, digest,
+                        )
+
+                def put(part: range) -> bool:
+                    chosen = todo[part.start : part.stop]
+                    buffers, sizes = self._buffer_lists(
+                        regions, [pages[i] for i in chosen], base, part
+                    )
+                    chosen_names = [names[i] for i in chosen]
+                    results = self._call(
+                        client, len(chosen),
+                        lambda store: store.batch_put_from_multi_buffers(
+                            chosen_names, buffers, sizes
+                        ),
+                    )
+                    for i, code in zip(chosen, results or (), strict=False):
+                        codes[i] = code
+                    return results is not None and all(
+                        code in (0, OBJECT_ALREADY_EXISTS) for code in results
+                    )
+
+                self._write_behind(self._parts(len(todo), regions.page_bytes), pack, put)
+        num_written = 0
+        for i, code in codes.items():
+            if code == 0:
+                num_written += 1
+            if code in (0, OBJECT_ALREADY_EXISTS):  # or another instance stored it meanwhile
+                stored[i] = True
+        num_stored = 0
+        for i, done in enumerate(stored):
+            if not done:
+                if i in codes:  # a call that could not be made was counted by _call
+                    self._fail(failure_reason(codes[i]))
+                break
+            num_stored += 1
+        with self._lock:
+            self._stats.pages_skipped_existing += len(keys) - len(todo)
+            self._stats.pages_written += num_written
+            self._stats.bytes_written += num_written * regions.page_bytes
+            self._stats.write_seconds += time.perf_counter() - began
+        return num_stored
+
+    def clear(self) -> None:
+        """Remove every page object from the store (any instance's), whatever its lease."""
+        client, _ = self._ready([])
+        if not client.usable():
+            self._fail("unreachable")
+            return
+        try:
+            removed = int(client.store.remove_by_regex(_NAME_PATTERN, True))
+        except Exception as error:  # the binding raised: count it, never propagate
+            logger.warning("mooncake clear failed: %s: %s", type(error).__name__, error)
+            self._fail("io_error")
+            return
+        if removed < 0:
+            client.saw_codes([removed])
+            self._fail(failure_reason(removed))
+
+    # ------------------------------------------------------------ internals
+    def _ready(
+        self, keys: Sequence[bytes], host_pages: PageIds | None = None
+    ) -> tuple[_Client, PageRegions]:
+        if self._closed:
+            raise StorageError("mooncake storage used after close()")
+        self._check_args(keys, host_pages)
+        if self._client is None or self._regions is None:
+            raise StorageError("storage backend 'mooncake' used before attach()")
+        return self._client, self._regions
+
+    def _fail(self, reason: str, pages: int = 1) -> None:
+        with self._lock:
+            self._stats.fail(reason, pages)
+
+    def _call(
+        self, client: _Client, pages: int, fn: Callable[[Any], Sequence[int]]
+    ) -> list[int] | None:
+        """One batch call; per-key codes, or None when it could not be made (counted)."""
+        if not client.usable():
+            self._fail("unreachable", pages)
+            return None
+        try:
+            codes = [int(code) for code in fn(client.store)]
+        except Exception as error:  # the binding raised: count it, never propagate
+            logger.warning("mooncake call failed: %s: %s", type(error).__name__, error)
+            self._fail("io_error", pages)
+            return None
+        if len(codes) != pages:
+            self._fail("io_error", pages)
+            return None
+        client.saw_codes(codes)
+        if codes and all(code == RPC_FAIL for code in codes):
+            self._fail("unreachable", pages)
+            return None
+        return codes
+
+    @contextlib.contextmanager
+    def _staging_slot(self) -> Iterator[int]:
+        slot = self._free_slots.get()
+        try:
+            yield slot
+        finally:
+            self._free_slots.put(slot)
+
+    @staticmethod
+    def _slot_offset(slot: int) -> int:
+        return slot * MAX_BATCH_PAGES * HEADER_BYTES
+
+    def _buffer_lists(
+        self, regions: PageRegions, pages: list[int], slot_offset: int, part: range
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Per object: [page regions..., its header slot] addresses and sizes.
+
+        ``part`` gives the header slots: page ``pages[j]`` uses slot ``part[j]``.
+        """
+        header = self._staging_address + slot_offset
+        object_sizes = [regions.region_bytes] * regions.num_regions + [HEADER_BYTES]
+        buffers = [
+            [*regions.addresses(page), header + slot * HEADER_BYTES]
+            for page, slot in zip(pages, part, strict=True)
+        ]
+        return buffers, [object_sizes] * len(pages)
+
+    @staticmethod
+    def _parts(count: int, page_bytes: int) -> list[range]:
+        """Split a batch of ``count`` pages into the chunks it is moved in (see _read_ahead)."""
+        chunks = min(PIPELINE_MAX_CHUNKS, count, count * page_bytes // PIPELINE_CHUNK_BYTES)
+        chunks = max(1, chunks)
+        bounds = [round(k * count / chunks) for k in range(chunks + 1)]
+        return [range(bounds[k], bounds[k + 1]) for k in range(chunks)]
+
+    def _hasher(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-mooncake-hash")
+            return self._executor
+
+    def _read_ahead(
+        self, parts: list[range], read: Callable[[range], list[int] | None],
+        verify: Callable[[range, list[int]], int],
+    ) -> int:
+        """Read the parts in order, verifying part k on the hash thread while part k+1 moves.
+
+        Returns the verified leading pages; stops at the first bad page or failed read.
+        """
+        if len(parts) == 1:
+            codes = read(parts[0])
+            return 0 if codes is None else verify(parts[0], codes)
+        hasher = self._hasher()
+        checked: Future[int] | None = None
+        good = 0
+        try:
+            for part in parts:
+                codes = read(part)
+                if checked is not None:
+                    previous, checked = checked, None
+                    ok = previous.result()
+                    good += ok
+                    if good < part.start:
+                        return good
+                if codes is None:
+                    return good
+                checked = hasher.submit(verify, part, codes)
+            if checked is not None:
+                previous, checked = checked, None
+                good += previous.result()
+            return good
+        finally:
+            if checked is not None:  # never leave the hash thread inside our staging slot
+                checked.result()
+
+    def _write_behind(
+        self, parts: list[range], pack: Callable[[range], None], put: Callable[[range], bool],
+    ) -> None:
+        """Put the parts in order, hashing part k+1 on the hash thread while part k moves.
+
+        Stops after the first part that did not store completely.
+        """
+        if len(parts) == 1:
+            pack(parts[0])
+            put(parts[0])
+            return
+        hasher = self._hasher()
+        packed: Future[None] | None = hasher.submit(pack, parts[0])
+        try:
+            for k, part in enumerate(parts):
+                assert packed is not None
+                previous, packed = packed, None
+                previous.result()
+                if k + 1 < len(parts):
+                    packed = hasher.submit(pack, parts[k + 1])
+                if not put(part):
+                    return
+        finally:
+            if packed is not None:  # never leave the hash thread inside our staging slot
+                packed.result()
+
+    def _check_read(
+        self, client: _Client, regions: PageRegions, name: str, key: bytes, page: int,
+        code: int, expected: int, header_offset: int,
+    ) -> str | None:
+        """The failure reason for one object of a batch read, or None if it is good."""
+        if code < 0:
+            if code in (OBJECT_NOT_FOUND, RPC_FAIL) or failure_reason(code) == "unreachable":
+                return failure_reason(code)
+            # A size that does not fit our buffers is refused by the library with a
+            # generic code; the object's size tells a damaged object from an I/O error.
+            size = self._size_of(client, name)
+            if size is None:
+                return failure_reason(code)
+            if size < 0:
+                return failure_reason(size)
+            if size == expected:
+                return failure_reason(code)
+            fault = Fault.SHORT_READ if size < expected else Fault.WRONG_LENGTH
+        elif code < expected:
+            fault = Fault.SHORT_READ
+        elif code > expected:
+            fault = Fault.WRONG_LENGTH
+        else:
+            header = self._staging_view[header_offset : header_offset + HEADER_BYTES]
+            found = check_header(header, key, regions.order, regions.page_bytes)
+            if found is None and self.verify_checksum:
+                found = check_payload(header, regions.views(page))
+            if found is None:
+                return None
+            fault = found
+        self._remove(client, name)
+        return fault.value
+
+    def _size_of(self, client: _Client, name: str) -> int | None:
+        try:
+            return int(client.store.get_size(name))
+        except Exception:
+            return None
+
+    def _remove(self, client: _Client, name: str) -> None:
+        """Drop a bad object, even while leased to readers (it must not be read again)."""
+        try:
+            code = int(client.store.remove(name, True))
+        except Exception as error:
+            logger.warning("mooncake: removing bad object %s failed: %s", name, error)
+            return
+        if code not in (0, OBJECT_NOT_FOUND):
+            logger.warning("mooncake: removing bad object %s failed (code %d)", name, code)
+
+
+__all__ = ["MooncakeBackend", "MooncakeSettings", "failure_reason", "master_reachable"]

@@ -1,0 +1,150 @@
+"""A real Mooncake Store for tests: a mooncake_master per test module, on loopback, free ports.
+
+Test modules import the fixtures they use; each is registered under the
+name a test asks for (``mooncake_master``, ``mooncake_extra``, ``mooncake_anchor``)::
+
+    from tests.mooncake_fixtures import extra_fixture, master_fixture  # noqa: F401
+
+Importing this module skips the importing test module (with the reason) when
+the ``mooncake`` client cannot be imported here: the package is missing, or a
+system library it links against is (libibverbs, librdmacm, libnuma).
+
+Backends with equal settings share one Mooncake client per process, and
+closing a client takes the library a second or two; ``mooncake_anchor`` keeps
+one backend attached for a whole module so the tests in it do not each pay
+for a new client.
+
+``peer_main`` is a second process for cross-process tests: a cache attached to
+the same master, driven by commands on stdin (see its docstring).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "mooncake.store",
+    reason="the mooncake client (mooncake-transfer-engine-non-cuda and libibverbs1, "
+    "librdmacm1, libnuma1) cannot be imported here",
+)
+
+import torch
+
+from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.memory.geometry import KVGeometry
+from hicache.memory.host_pool import HostPool
+from hicache.storage.config import PrefetchPolicy, StorageConfig
+from hicache.storage.mooncake import MooncakeBackend
+from hicache.storage.mooncake_master import MasterProcess, start_master
+from tests.kv_oracle import serve
+
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+WAIT_S = 10.0
+# Small client memory: test pages are a few hundred bytes.
+CLIENT_SIZES = {"global_segment_size": "32MiB", "local_buffer_size": "4MiB"}
+
+
+@pytest.fixture(scope="module", name="mooncake_master")
+def master_fixture() -> Iterator[MasterProcess]:
+    """A master on 127.0.0.1 (RPC and metrics ports free ones), stopped after the module."""
+    with start_master() as master:
+        yield master
+
+
+@pytest.fixture(scope="module", name="mooncake_extra")
+def extra_fixture(mooncake_master: MasterProcess) -> dict[str, Any]:
+    """The backend extra config that reaches the module's master."""
+    return {"master_server_address": mooncake_master.address, **CLIENT_SIZES}
+
+
+@pytest.fixture(scope="module", name="mooncake_anchor")
+def anchor_fixture(mooncake_extra: dict[str, Any]) -> Iterator[MooncakeBackend]:
+    """A backend attached for the whole module: holds the shared client (and gives raw access)."""
+    host = HostPool(GEOMETRY, 4, 1, MemLayout.PAGE_FIRST, pin_memory=False)
+    backend = MooncakeBackend(mooncake_extra)
+    backend.attach(host)
+    yield backend
+    backend.close()
+
+
+# ------------------------------------------------------------------ caches
+def make_cache(
+    extra: dict[str, Any], *, page_size: int = 4, layout: MemLayout = MemLayout.PAGE_FIRST,
+    device_pages: int = 64, **storage: Any,
+) -> HierarchicalCache:
+    """A write-through cache with L3 on Mooncake (through the registry, as a server does)."""
+    config = CacheConfig(
+        page_size=page_size, enable_hierarchical_cache=True,
+        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
+        mem_layout=layout, load_back_threshold_tokens=1,
+    )
+    settings: dict[str, Any] = {
+        "prefetch_threshold": 1, "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE, **storage,
+    }
+    return HierarchicalCache(
+        config, GEOMETRY, device_pages,
+        storage=StorageConfig(backend="mooncake", backend_extra=extra, **settings),
+    )
+
+
+def settle(cache: HierarchicalCache) -> None:
+    """Let every device->host copy land and every L3 operation finish."""
+    cache.poll(wait=True)
+    if cache.storage is not None:
+        assert cache.storage.controller.wait_idle(WAIT_S)
+    cache.poll()
+    cache.check_integrity()
+
+
+def serve_with_l3(cache: HierarchicalCache, tokens: list[int]) -> int:
+    """One request in the engine's order: prefetch, wait, finish, then serve and check KV."""
+    handle = cache.prefetch(tokens)
+    if handle is not None:
+        deadline = time.monotonic() + WAIT_S
+        while not cache.prefetch_ready(handle):
+            assert time.monotonic() < deadline, "prefetch never became ready"
+            cache.poll()
+            time.sleep(0.001)
+        cache.finish_prefetch(handle)
+    return serve(cache, tokens)
+
+
+def conversation(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 for i in range(n)]
+
+
+# ------------------------------------------------------------------ a peer process
+def peer_main() -> None:
+    """A cache in its own process on the master given as argv[1]; commands on stdin.
+
+    ``serve SEED N``: serve ``conversation(N, SEED)``, settle, answer
+    ``{"hit": tokens reused, "storage_hit": tokens from L3, "backed_up": pages}``;
+    ``quit``: close and exit. Every answer is one JSON line on stdout; the first
+    one, ``{"ready": true}``, says the cache is attached.
+    """
+    extra = {"master_server_address": sys.argv[1], **CLIENT_SIZES}
+    cache = make_cache(extra)
+    assert cache.storage is not None, cache.storage_error
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        for line in sys.stdin:
+            command = line.split()
+            if not command or command[0] == "quit":
+                break
+            assert command[0] == "serve", command
+            hit = serve_with_l3(cache, conversation(int(command[2]), int(command[1])))
+            settle(cache)
+            answer = {
+                "hit": hit, "storage_hit": cache.stats.num_storage_hit_tokens,
+                "backed_up": cache.stats.num_storage_backed_up_pages,
+            }
+            print(json.dumps(answer), flush=True)
+    finally:
+        cache.close()
