@@ -69,8 +69,8 @@ def on_scheduler(engine: Engine, fn: Callable[[], object]) -> object:
     return engine.scheduler.call(fn).result(timeout=60)
 
 
-@pytest.fixture
-def make_engine() -> Iterator[Callable[..., Engine]]:
+@pytest.fixture(name="make_engine")
+def make_engine_fixture() -> Iterator[Callable[..., Engine]]:
     engines: list[Engine] = []
 
     def make(*flags: str) -> Engine:

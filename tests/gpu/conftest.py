@@ -1,5 +1,5 @@
 """Fixtures shared by the GPU tests."""
 
-from tests.engine_helpers import make_engine
+from tests.engine_helpers import make_engine_fixture
 
-__all__ = ["make_engine"]
+__all__ = ["make_engine_fixture"]
