@@ -6,6 +6,7 @@ prefix, so KV served from any tier can be compared bit-for-bit with cold KV.
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import numpy as np
@@ -58,3 +59,34 @@ def serve(cache: HierarchicalCache, tokens: list[int]) -> int:
     cache.poll()
     cache.check_integrity()
     return hit.num_tokens
+
+
+# ------------------------------------------------------------- with an L3 tier
+L3_WAIT_S = 10.0
+
+
+def settle(cache: HierarchicalCache) -> None:
+    """Let every device->host copy land and every L3 operation finish, then check integrity."""
+    cache.poll(wait=True)
+    if cache.storage is not None:
+        assert cache.storage.controller.wait_idle(L3_WAIT_S)
+    cache.poll()
+    cache.check_integrity()
+
+
+def serve_with_l3(cache: HierarchicalCache, tokens: list[int]) -> int:
+    """The engine's order: prefetch, hold until ready, finish, then ``serve`` as usual."""
+    handle = cache.prefetch(tokens)
+    if handle is not None:
+        deadline = time.monotonic() + L3_WAIT_S
+        while not cache.prefetch_ready(handle):
+            assert time.monotonic() < deadline, "prefetch never became ready"
+            cache.poll()
+            time.sleep(0.001)
+        cache.finish_prefetch(handle)
+    return serve(cache, tokens)
+
+
+def conversation(n: int, seed: int = 0) -> list[int]:
+    """Deterministic token ids of a conversation of ``n`` tokens."""
+    return [(seed * 7919 + i * 31) % 1000 for i in range(n)]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,7 +42,7 @@ from hicache.memory.host_pool import HostPool
 from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.mooncake import MooncakeBackend
 from hicache.storage.mooncake_master import MasterProcess, start_master
-from tests.kv_oracle import serve
+from tests.kv_oracle import conversation, serve_with_l3, settle
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 WAIT_S = 10.0
@@ -94,30 +93,7 @@ def make_cache(
     )
 
 
-def settle(cache: HierarchicalCache) -> None:
-    """Let every device->host copy land and every L3 operation finish."""
-    cache.poll(wait=True)
-    if cache.storage is not None:
-        assert cache.storage.controller.wait_idle(WAIT_S)
-    cache.poll()
-    cache.check_integrity()
 
-
-def serve_with_l3(cache: HierarchicalCache, tokens: list[int]) -> int:
-    """One request in the engine's order: prefetch, wait, finish, then serve and check KV."""
-    handle = cache.prefetch(tokens)
-    if handle is not None:
-        deadline = time.monotonic() + WAIT_S
-        while not cache.prefetch_ready(handle):
-            assert time.monotonic() < deadline, "prefetch never became ready"
-            cache.poll()
-            time.sleep(0.001)
-        cache.finish_prefetch(handle)
-    return serve(cache, tokens)
-
-
-def conversation(n: int, seed: int = 0) -> list[int]:
-    return [(seed * 7919 + i * 31) % 1000 for i in range(n)]
 
 
 # ------------------------------------------------------------------ a peer process

@@ -18,7 +18,7 @@ from hicache.memory.geometry import KVGeometry
 from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.breaker import BreakerState
 from hicache.storage.config import PrefetchPolicy, StorageConfig
-from tests.kv_oracle import serve
+from tests.kv_oracle import conversation, serve, serve_with_l3, settle
 from tests.storage_reference import MemoryBackend, MemoryStore
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -47,30 +47,7 @@ def make_cache(
     return cache, backend
 
 
-def settle(cache: HierarchicalCache) -> None:
-    """Let every device->host copy land and every L3 operation finish."""
-    cache.poll(wait=True)
-    assert cache.storage is not None
-    assert cache.storage.controller.wait_idle(WAIT_S)
-    cache.poll()
-    cache.check_integrity()
 
-
-def serve_with_l3(cache: HierarchicalCache, tokens: list[int]) -> int:
-    """The engine's order: prefetch, hold until ready, finish, then serve as usual."""
-    handle = cache.prefetch(tokens)
-    if handle is not None:
-        deadline = time.monotonic() + WAIT_S
-        while not cache.prefetch_ready(handle):
-            assert time.monotonic() < deadline, "prefetch never became ready"
-            cache.poll()
-            time.sleep(0.001)
-        cache.finish_prefetch(handle)
-    return serve(cache, tokens)
-
-
-def conversation(n: int, seed: int = 0) -> list[int]:
-    return [(seed * 7919 + i * 31) % 1000 for i in range(n)]
 
 
 @pytest.mark.parametrize("layout", list(MemLayout))
