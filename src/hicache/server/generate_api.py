@@ -66,7 +66,7 @@ async def generate(request: Request) -> Response:
     )
     if body.stream:
         return EventStreamResponse(_events(generation, rid))
-    done = await generation.collect()
+    done = await generation.collect(request.is_disconnected)
     response = GenerateResponse(
         text=done.text, output_ids=list(done.token_ids),
         meta_info=meta_info(rid, done.last, generation.started),

@@ -10,13 +10,17 @@ every case — closing it early is what aborts the request and frees its pages.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError
 from hicache.server.errors import APIError
 from hicache.server.state import ServerState
+
+# How often a non-streaming request checks that its client is still there.
+DISCONNECT_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,31 @@ class Generation:
         if close is not None:
             await close()
 
-    async def collect(self) -> Completed:
-        """Read to the end; a request the engine failed is an APIError(500)."""
+    async def collect(
+        self, disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> Completed:
+        """Read to the end; a request the engine failed is an APIError(500).
+
+        With ``disconnected`` (the HTTP request's ``is_disconnected``), a client
+        that goes away before the answer is ready aborts the request: its pages
+        are freed instead of computing tokens nobody will read.
+        """
+        if disconnected is None:
+            return await self._read_all()
+        reading = asyncio.ensure_future(self._read_all())
+        try:
+            while True:
+                done, _ = await asyncio.wait({reading}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return reading.result()
+                if await disconnected():
+                    raise APIError(499, "the client closed the connection")
+        finally:
+            if not reading.done():
+                reading.cancel()  # closes the engine stream: the engine aborts the request
+                await asyncio.gather(reading, return_exceptions=True)
+
+    async def _read_all(self) -> Completed:
         texts: list[str] = []
         tokens: list[int] = []
         last: GenerateOutput | None = None

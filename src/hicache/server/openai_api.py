@@ -91,7 +91,7 @@ async def create_completion(request: Request) -> Response:
             "model": state.served_model_name}
     if body.stream:
         return EventStreamResponse(_completion_events(generation, head, body.include_usage))
-    done = await generation.collect()
+    done = await generation.collect(request.is_disconnected)
     response = CompletionResponse(
         id=rid, created=created, model=state.served_model_name,
         choices=[CompletionChoice(text=done.text, finish_reason=done.last.finish_reason)],
@@ -142,7 +142,7 @@ async def create_chat_completion(request: Request) -> Response:
             "model": state.served_model_name}
     if body.stream:
         return EventStreamResponse(_chat_events(generation, head, body.include_usage))
-    done = await generation.collect()
+    done = await generation.collect(request.is_disconnected)
     response = ChatCompletionResponse(
         id=rid, created=created, model=state.served_model_name,
         choices=[ChatChoice(message=ChatMessageOut(content=done.text),

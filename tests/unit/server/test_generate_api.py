@@ -201,3 +201,28 @@ def test_health_and_metrics(server: RunningServer) -> None:
     assert samples["hicache_time_to_first_token_seconds_count"] >= 1
     assert 0 <= samples["hicache_cache_hit_rate"] <= 1
     assert samples["hicache_l3_attached"] == 1
+
+
+@pytest.mark.parametrize(
+    ("route", "payload"),
+    [
+        ("/generate", {"text": "a long answer, please"}),
+        ("/v1/completions", {"prompt": "a long answer, please"}),
+    ],
+)
+def test_client_disconnect_aborts_a_non_streaming_request(
+    server: RunningServer, route: str, payload: dict[str, Any]
+) -> None:
+    engine = server.engine
+    aborted = engine.metrics()["engine_num_aborted"]
+    length = engine.max_context_len - 64
+    if route == "/generate":
+        body = {**payload, "sampling_params": {"max_new_tokens": length, "ignore_eos": True}}
+    else:
+        body = {**payload, "max_tokens": length, "ignore_eos": True}
+    # The client gives up long before the answer could be ready, and closes the connection.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}{route}", json=body, timeout=httpx.Timeout(30.0, read=0.5))
+    assert server.wait_until(lambda: engine.metrics()["engine_num_aborted"] == aborted + 1)
+    assert server.wait_idle()
+    engine.check_integrity()
