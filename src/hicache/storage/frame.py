@@ -1,9 +1,9 @@
-"""The on-store object format: a 48-byte header in front of every stored page.
+"""The on-store object format: a 48-byte header stored with every page.
 
-Every L3 object is ``header || payload`` (the file backend stores
-``payload || header`` instead, to keep the payload page-aligned in its file;
-see ``storage.file``) where the payload is the page's KV bytes as the host
-pool holds them and the header (little-endian) is::
+Every L3 object is ``payload || header``: the payload first keeps it aligned
+where it is stored (a file's first byte, a Mooncake object's start), which
+copies measurably faster than a payload at offset 48. The payload is the
+page's KV bytes as the host pool holds them and the header (little-endian) is::
 
     offset  bytes  field
          0      4  magic b"HCKV"
