@@ -19,6 +19,7 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "long-context": ("hicache.bench.long_context", "questions over long shared contexts"),
     "compare": ("hicache.bench.compare", "the same workload against each cache configuration"),
     "plot": ("hicache.bench.plots", "plot run summaries (PNG) side by side"),
+    "l2-ttft": ("hicache.bench.l2_ttft", "TTFT of a full L2 prefix hit next to its physical bound"),
 }
 
 

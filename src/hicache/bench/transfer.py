@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-class _Timer:
+class Timer:
     """Times a callable: CUDA events on a CUDA device, perf_counter on CPU."""
 
     def __init__(self, device: torch.device, repeats: int) -> None:
@@ -122,7 +122,7 @@ def _result(
     return Result(page_size, layout, backend, op, nbytes, median, nbytes / median / 1e9, samples)
 
 
-def _baseline(device: torch.device, nbytes: int, page_size: int, timer: _Timer) -> list[Result]:
+def _baseline(device: torch.device, nbytes: int, page_size: int, timer: Timer) -> list[Result]:
     """One contiguous copy of ``nbytes`` each way between pinned host memory and the device."""
     pinned = device.type == "cuda"
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
@@ -152,7 +152,7 @@ def _make_backend(
 
 
 def _measure_backend(
-    io: IOBackend, host_ids: torch.Tensor, device_ids: torch.Tensor, timer: _Timer
+    io: IOBackend, host_ids: torch.Tensor, device_ids: torch.Tensor, timer: Timer
 ) -> dict[str, list[float]]:
     layers = io.host.geometry.num_layers
 
@@ -172,7 +172,7 @@ def _scattered(rng: np.random.Generator, pool_pages: int, count: int) -> torch.T
 
 
 def _run_page_size(
-    args: argparse.Namespace, device: torch.device, page_size: int, timer: _Timer,
+    args: argparse.Namespace, device: torch.device, page_size: int, timer: Timer,
     layouts: list[MemLayout], backends: list[str], skipped: dict[str, str],
 ) -> list[Result]:
     geometry = LLAMA3_8B
@@ -253,7 +253,7 @@ def main(args: argparse.Namespace) -> int:
         for name in args.backends.split(",")
         if name
     ]
-    timer = _Timer(device, args.repeats)
+    timer = Timer(device, args.repeats)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     skipped: dict[str, str] = {}
     results: list[Result] = []

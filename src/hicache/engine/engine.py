@@ -166,6 +166,24 @@ class Engine:
 
         self._on_scheduler(check)
 
+    def evict_device_cache(self) -> int:
+        """Push every cached page no request holds out of L1 (host copies stay in L2).
+
+        For benchmarks and tests that need a prefix to sit in L2 only; returns
+        the number of device pages freed.
+        """
+
+        def evict() -> int:
+            cache = self.cache
+            cache.poll(wait=True)  # copies in flight keep their pages locked
+            allocator = cache.device_pool.allocator
+            before = allocator.num_free_pages
+            pages = cache.alloc_device(before + cache.tree.num_evictable_device_pages)
+            cache.free_device(pages)
+            return allocator.num_free_pages - before
+
+        return int(self._on_scheduler(evict))
+
     def attach_storage(self, backend: str, extra_config: dict[str, Any], policy: str) -> None:
         config = storage_config(backend, policy, extra_config)
 

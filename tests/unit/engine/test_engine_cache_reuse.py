@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hicache.engine.engine import Engine
-from tests.engine_helpers import Run, on_scheduler, run
+from tests.engine_helpers import Run, run
 
 PAGE = 16
 PROMPT_LEN = 300  # past the prefetch threshold below, and not a whole number of pages
@@ -31,15 +31,7 @@ def prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
 
 def evict_device(engine: Engine) -> None:
     """Push every unlocked page out of L1 (its L2 copy stays)."""
-
-    def evict() -> None:
-        cache = engine.cache
-        cache.poll(wait=True)
-        allocator = cache.device_pool.allocator
-        pages = cache.alloc_device(allocator.num_free_pages + cache.tree.num_evictable_device_pages)
-        cache.free_device(pages)
-
-    on_scheduler(engine, evict)
+    assert engine.evict_device_cache() > 0
 
 
 def assert_same(cold: Run, cached: Run, tolerance: float = 1e-5) -> None:
