@@ -1,0 +1,118 @@
+"""The engine over a misbehaving L3 (the in-memory reference store with injected faults).
+
+A slow store is bounded by the timeout policy, a failing one costs a
+recomputation, and a request aborted while its prefetch is in flight frees
+every host page the prefetch held. Outputs never change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import torch
+
+from hicache.engine.api import GenerateRequest, SamplingParams
+from hicache.engine.engine import Engine
+from hicache.storage.config import PrefetchPolicy, StorageConfig
+from tests.engine_helpers import on_scheduler, run
+from tests.storage_reference import MemoryBackend
+
+PAGE = 16
+PROMPT = 200
+REUSED = (PROMPT - 1) // PAGE * PAGE
+
+
+def prompt(seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (PROMPT,), generator=generator).tolist()
+
+
+def engine_with_store(
+    make_engine: Callable[..., Engine], policy: PrefetchPolicy, **config: float
+) -> tuple[Engine, MemoryBackend]:
+    engine = make_engine(
+        "--page-size", str(PAGE), "--max-total-tokens", "2048", "--enable-hierarchical-cache"
+    )
+    backend = MemoryBackend()
+    storage = StorageConfig(
+        backend="memory", prefetch_policy=policy, prefetch_threshold=PAGE, **config  # type: ignore[arg-type]
+    )
+    on_scheduler(engine, lambda: engine.cache.attach_storage(storage, backend=backend))
+    return engine, backend
+
+
+def test_slow_store_is_bounded_by_the_timeout_policy(make_engine: Callable[..., Engine]) -> None:
+    engine, backend = engine_with_store(
+        make_engine, PrefetchPolicy.TIMEOUT,
+        prefetch_timeout_base=0.2, prefetch_timeout_per_ki_token=0.0,
+    )
+    ids = prompt(1)
+    cold = run(engine, ids, ignore_eos=True)
+    assert engine.flush_cache()
+    assert backend.store.pages  # backed up
+    backend.delay_per_batch = 3.0  # far past the 0.2 s deadline
+    began = time.monotonic()
+    slow = run(engine, ids, ignore_eos=True)
+    assert time.monotonic() - began < 2.0
+    assert slow.last.cached_tokens.storage == 0
+    assert slow.token_ids == cold.token_ids
+    backend.delay_per_batch = 0.0
+
+
+def test_failing_store_costs_a_recomputation_only(make_engine: Callable[..., Engine]) -> None:
+    engine, backend = engine_with_store(make_engine, PrefetchPolicy.WAIT_COMPLETE)
+    ids = prompt(2)
+    cold = run(engine, ids, ignore_eos=True)
+    assert engine.flush_cache()
+    backend.raise_errors = True
+    failed = run(engine, ids, ignore_eos=True)
+    assert failed.last.cached_tokens.total == 0
+    assert failed.token_ids == cold.token_ids
+    backend.raise_errors = False
+    # The failures opened the circuit breaker: L3 is skipped until its backoff ends.
+    deadline = time.monotonic() + 5
+    while True:
+        assert engine.flush_cache()
+        back = run(engine, ids, ignore_eos=True)
+        assert back.token_ids == cold.token_ids
+        if back.last.cached_tokens.storage == REUSED:
+            break
+        assert time.monotonic() < deadline, engine.storage_status()
+        time.sleep(0.05)
+    engine.check_integrity()
+
+
+def test_abort_during_prefetch_frees_the_prefetched_host_pages(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, backend = engine_with_store(make_engine, PrefetchPolicy.WAIT_COMPLETE)
+    ids = prompt(3)
+    run(engine, ids, ignore_eos=True)
+    assert engine.flush_cache()
+    host = engine.cache.host_pool
+    assert host is not None
+    backend.delay_per_batch = 0.5
+
+    async def leave_while_prefetching() -> None:
+        params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        stream = engine.generate(GenerateRequest(tuple(ids), params))
+        reader = asyncio.ensure_future(anext(stream))
+        deadline = time.monotonic() + 5
+        while not (engine.scheduler.num_waiting == 1 and host.allocator.num_used_pages > 0):
+            assert time.monotonic() < deadline, "the prefetch never started"
+            await asyncio.sleep(0.01)
+        reader.cancel()  # the client goes away while the request waits for L3
+        await asyncio.gather(reader, return_exceptions=True)
+        await stream.aclose()
+
+    asyncio.run(leave_while_prefetching())
+    backend.delay_per_batch = 0.0
+    deadline = time.monotonic() + 10
+    while not engine.is_idle() or host.allocator.num_used_pages:
+        assert time.monotonic() < deadline, (engine.is_idle(), host.allocator.num_used_pages)
+        on_scheduler(engine, engine.cache.poll)
+        time.sleep(0.05)
+    assert engine.scheduler.counters.num_aborted == 1
+    engine.check_integrity()
