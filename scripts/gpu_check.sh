@@ -47,4 +47,8 @@ run bench_prefill 240 "$PY" -m hicache bench prefill --json "$OUT/prefill.json"
 # TTFT of a whole-prefix L2 hit next to KV bytes / pinned H2D bandwidth + suffix compute.
 run bench_l2_ttft 240 "$PY" -m hicache bench l2-ttft --model-preset llama3-8b \
   --hicache-mem-layout page_first --json "$OUT/l2_ttft.json"
+# L3 backends next to their plain baselines on a host with cores and memory bandwidth to spare
+# (mooncake is reported as skipped when its client is not installed there).
+run bench_storage 120 "$PY" -m hicache bench storage --backends file,mooncake \
+  --json "$OUT/storage.json"
 exit $status
