@@ -91,6 +91,14 @@ def test_l1_l2_l3_hits_equal_cold(
     check_tiers_equal_cold(make_engine(*l3_flags(tmp_path / "l3", layout, io)))
 
 
+@pytest.mark.parametrize("policy", ["write_back", "write_through_selective"])
+def test_every_write_policy_reaches_l2_and_l3(
+    make_engine: Callable[..., Engine], tmp_path: Path, policy: str
+) -> None:
+    flags = l3_flags(tmp_path / "l3", "page_first", "direct", "--hicache-write-policy", policy)
+    check_tiers_equal_cold(make_engine(*flags))
+
+
 def test_restarted_engine_hits_l3_pages_of_the_previous_one(
     make_engine: Callable[..., Engine], tmp_path: Path
 ) -> None:
