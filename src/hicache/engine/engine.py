@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import logging
 import threading
@@ -116,7 +117,10 @@ class Engine:
         rid = request.rid or uuid.uuid4().hex
 
         def emit(output: GenerateOutput) -> None:  # called on the scheduler thread
-            loop.call_soon_threadsafe(outputs.put_nowait, output)
+            # The caller's event loop may be gone already (asyncio.run returned right after
+            # it abandoned the stream): nobody is left to read, so the output is dropped.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(outputs.put_nowait, output)
 
         req = Req(
             request=request, rid=rid, emit=emit,

@@ -115,13 +115,11 @@ class Scheduler:
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                busy = self.step()
+                if not self.step():
+                    self._wait_for_work()
             except Exception:  # a bug must not hang every client: fail what is in flight
                 logger.exception("scheduler step failed; aborting running requests")
                 self._fail_all("internal error in the scheduler step")
-                busy = False
-            if not busy:
-                self._wait_for_work()
         self._fail_all("server shutting down")
 
     def step(self) -> bool:

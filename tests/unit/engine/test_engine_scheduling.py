@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ import torch
 
 from hicache.engine.api import GenerateRequest, RequestError, SamplingParams
 from hicache.engine.engine import Engine
-from tests.engine_helpers import run, run_many
+from tests.engine_helpers import Run, run, run_many
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -103,6 +104,53 @@ def test_aborted_request_frees_everything(make_engine: Callable[..., Engine]) ->
     engine.check_integrity()
     # Only the tree holds pages now, and all of them can be evicted.
     assert pool.num_used_pages == engine.cache.tree.num_evictable_device_pages
+
+
+
+def test_a_caller_whose_event_loop_is_gone_costs_nobody_else_anything(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """The abort of a stream abandoned just before its loop closed meets a closed loop.
+
+    The scheduler is held between steps until ``asyncio.run`` has returned, so the
+    abort (and its final output) is handled only once the caller's loop is closed.
+    Another client, on its own loop, must not notice.
+    """
+    engine = make_engine("--page-size", "4")
+    release, other_started = threading.Event(), threading.Event()
+    ids, other_ids = prompt(6, 64), prompt(7, 48)
+    other: list[Run] = []
+
+    async def other_client() -> Run:
+        outputs = []
+        async for output in engine.generate(greedy(other_ids, n=300)):
+            outputs.append(output)
+            other_started.set()
+        return Run(outputs)
+
+    worker = threading.Thread(target=lambda: other.append(asyncio.run(other_client())))
+    worker.start()
+    assert other_started.wait(10)
+
+    async def start_then_leave() -> None:
+        stream = engine.generate(greedy(ids, n=500))
+        await anext(stream)
+        engine.scheduler.call(lambda: release.wait(10))
+        await stream.aclose()  # the abort queues behind the held call
+
+    asyncio.run(start_then_leave())
+    release.set()
+    worker.join(60)
+    assert not worker.is_alive()
+    assert other[0].last.error is None
+    assert other[0].last.finish_reason == "length"
+    assert len(other[0].token_ids) == 300
+    assert engine.scheduler.counters.num_aborted == 1
+    # Still serving: a new request on a new loop is answered in full.
+    again = run(engine, ids, ignore_eos=True)
+    assert len(again.token_ids) == 8
+    assert again.last.cached_tokens.total > 0  # the aborted request's KV was kept
+    engine.check_integrity()
 
 
 def test_stop_strings_tokens_and_lengths(make_engine: Callable[..., Engine]) -> None:
