@@ -3,6 +3,8 @@
 # prefill vs transformers, full-L2-hit TTFT vs its bound); logs and JSON go to $OUT.
 # Run from anywhere on a CUDA machine with torch + triton + pytest installed (no network needed):
 #   OUT=/path/to/out bash scripts/gpu_check.sh
+# What the machine lacks (the HTTP server's packages, Mooncake) comes from .whl/ when
+# scripts/wheelhouse.sh filled it: installed into a private folder, put first on PYTHONPATH.
 # Every step runs even if an earlier one fails; the exit status is non-zero if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +13,18 @@ mkdir -p "$OUT"
 export PYTHONPATH=src
 PY=${PYTHON:-python3}
 status=0
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  SITE=${SITE:-/tmp/hicache-site}
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .whl/*.whl || exit 1
+  export PYTHONPATH="src:$SITE" PATH="$SITE/bin:$PATH"
+fi
+if compgen -G ".whl/deb/*.deb" > /dev/null; then
+  SYSROOT=${SYSROOT:-/tmp/hicache-sysroot}
+  for deb in .whl/deb/*.deb; do dpkg -x "$deb" "$SYSROOT"; done
+  export LD_LIBRARY_PATH="$SYSROOT/usr/lib/x86_64-linux-gnu:$SYSROOT/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 
 STEPS=${STEPS:-}
 
@@ -32,9 +46,12 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.ve
 assert torch.cuda.is_available(), 'CUDA is not available'; print(torch.cuda.get_device_name(0))"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
-# Budget (worst case, each step is killed at its limit): 30 + 240 + 120 + 2 x 40 + 2 x 240 s;
-# one device call allows 10 min, so split it with STEPS, e.g. STEPS="env pytest bench_transfer"
-# then STEPS="env bench_prefill bench_l2_ttft" (default: every step). The benchmarks write their JSON as they go.
+# Budget (worst case, each step is killed at its limit): 30 + 240 + 120 + 2 x 40 + 2 x 240
+# + 120 + 2 x 570 s; one device call allows 10 min, so split it with STEPS:
+#   STEPS="env pytest bench_transfer bench_direct_dma bench_direct_gather"
+#   STEPS="env bench_prefill bench_l2_ttft"     STEPS="env bench_storage compare_qwen"
+#   STEPS="env compare_llama"
+# (default: every step). The benchmarks write their JSON as they go.
 run pytest 240 "$PY" -m pytest -q tests/gpu tests/unit -x
 run bench_transfer 120 "$PY" -m hicache bench transfer --json "$OUT/transfer.json"
 # The direct backend's DMA-vs-CPU-gather threshold for loads, both extremes, to tune its default.
@@ -51,4 +68,29 @@ run bench_l2_ttft 240 "$PY" -m hicache bench l2-ttft --model-preset llama3-8b \
 # (mooncake is reported as skipped when its client is not installed there).
 run bench_storage 120 "$PY" -m hicache bench storage --backends file,mooncake \
   --json "$OUT/storage.json"
+
+# The comparison driver (no cache, L1, L1+L2, L1+L2+L3 file and Mooncake), one device call each.
+# Its many files (summaries, request logs, server logs, table, plot) come back as one archive.
+compare() {  # compare NAME ARGS...: run `hicache bench compare`, archive its folder in $OUT
+  local name=$1
+  shift
+  if [ -n "$STEPS" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
+  local dir=${WORK:-/tmp/hicache-gpu-check}/$name
+  rm -rf "$dir"
+  run "$name" 570 "$PY" -m hicache bench compare --out-dir "$dir" --no-progress "$@"
+  tar czf "$OUT/$name.tgz" -C "$(dirname "$dir")" "$name" 2>/dev/null || true
+}
+# The seeds' multi-turn shape on one GPU: 2K-token turns, one output token (to isolate prefill),
+# contexts growing to 18K tokens; the device pool holds a quarter of the working set, the host
+# pool all of it.
+compare compare_llama --server-args "--model-preset llama3-8b --device cuda --hicache-ratio 5" \
+  --working-set-ratio 4 --num-clients 8 --num-rounds 9 --request-length 2048 \
+  --sub-question-length 2048 --output-length 1 --max-inflight 4
+# A small model (transfers weigh more next to its compute), and a host pool of half the working
+# set, so that turns come back from L3.
+compare compare_qwen --server-args "--model-preset qwen3-0.6b --device cuda --hicache-ratio 2" \
+  --working-set-ratio 4 --num-clients 16 --num-rounds 9 --request-length 2048 \
+  --sub-question-length 2048 --output-length 1 --max-inflight 8 \
+  --file-extra-config '{"max_bytes": "60GB"}' \
+  --mooncake-extra-config '{"global_segment_size": "40GiB"}'
 exit $status
