@@ -116,7 +116,9 @@ class Peer:
     """A cache in another process on the same master (``tests.mooncake_fixtures.peer_main``)."""
 
     def __init__(self, master: MasterProcess) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+        # The repo first; whatever the parent's PYTHONPATH holds (a private site folder) after.
+        path = [str(ROOT), str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from tests.mooncake_fixtures import peer_main; peer_main()",
              master.address],
