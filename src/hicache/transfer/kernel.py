@@ -105,6 +105,28 @@ class KernelBackend(IOBackend):
         if token_major is None:
             token_major = host.strides.token > host.strides.layer
         self.token_major = token_major
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile every kernel variant this backend launches, now rather than mid-request.
+
+        Triton compiles a variant on its first launch; left to then, the first
+        write-back or L2 hit of a server would stall for a second or more. Empty page
+        lists select the same variants as real ones (the page count is only the grid)
+        and launch nothing (Triton skips an empty grid), so no page is touched.
+        A variant that fails to compile makes the backend unavailable here and now.
+        """
+        empty = torch.empty(0, dtype=torch.int64, device=self.device.device)
+        host = (self._host_units, self._host_strides)
+        device = (self._device_units, self._device_strides)
+        try:
+            for (src, src_strides), (dst, dst_strides) in ((host, device), (device, host)):
+                for first, count in ((0, self.host.geometry.num_layers), (0, 1)):
+                    self._copy(src, src_strides, dst, dst_strides, empty, empty, first, count)
+        except Exception as error:  # Triton's compile errors have no common base class
+            raise KernelUnavailableError(
+                f"io backend 'kernel' cannot run: compiling its copy kernel failed: {error}"
+            ) from error
 
     def load(
         self, host_pages: torch.Tensor, device_pages: torch.Tensor, layer: int | None = None
@@ -146,6 +168,20 @@ class KernelBackend(IOBackend):
         src_idx = src_pages.to(target, non_blocking=True)
         dst_idx = dst_pages.to(target, non_blocking=True)
         first, count = (0, self.host.geometry.num_layers) if layer is None else (layer, 1)
+        self._copy(src, src_strides, dst, dst_strides, src_idx, dst_idx, first, count)
+
+    def _copy(
+        self,
+        src: torch.Tensor,
+        src_strides: tuple[int, int, int, int],
+        dst: torch.Tensor,
+        dst_strides: tuple[int, int, int, int],
+        src_idx: torch.Tensor,
+        dst_idx: torch.Tensor,
+        first: int,
+        count: int,
+    ) -> None:
+        target = self.device.device
         args = (
             src, src_strides, dst, dst_strides, src_idx, dst_idx, first, count,
             self.host.page_size, self._row_units, self.token_major,
