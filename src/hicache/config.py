@@ -106,12 +106,16 @@ class CacheConfig:
         if self.load_back_threshold_tokens < 0:
             raise ConfigError("load_back_threshold_tokens must be >= 0")
 
-    def host_num_pages(self, device_num_pages: int, page_bytes: int) -> int:
+    def host_num_pages(
+        self, device_num_pages: int, page_bytes: int, available_bytes: int | None = None
+    ) -> int:
         """Host pool size in pages for a device pool of ``device_num_pages``.
 
         Raises ConfigError when the host pool would not be larger than the device
-        pool: L2 must be able to hold everything L1 holds, or write-through could
-        not back up a full device pool.
+        pool (L2 must be able to hold everything L1 holds, or write-through could
+        not back up a full device pool), or when it is larger than
+        ``available_bytes``, the memory the machine can still give (pinning more
+        would fail, or drive the machine into swap and the OOM killer).
         """
         if page_bytes <= 0:
             raise ConfigError(f"page_bytes must be positive, got {page_bytes}")
@@ -127,5 +131,12 @@ class CacheConfig:
                 f"{source} gives a host pool of {host_pages} pages, not larger than the device "
                 f"pool of {device_num_pages} pages ({device_num_pages * page_bytes / 1e9:.3f} GB); "
                 f"set --hicache-size above {need_gb:.3f} or raise --hicache-ratio"
+            )
+        if available_bytes is not None and host_pages * page_bytes > available_bytes:
+            raise ConfigError(
+                f"{source} gives a host pool of {host_pages * page_bytes / 1e9:.3f} GB, more than "
+                f"the {available_bytes / 1e9:.3f} GB of memory this machine has available; "
+                f"set --hicache-size below that, lower --hicache-ratio, or shrink the device "
+                f"pool (--max-total-tokens, --mem-fraction-static)"
             )
         return host_pages

@@ -17,6 +17,7 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import CacheConfig, ConfigError, IOBackendKind, MemLayout, WritePolicy
 from hicache.memory.allocator import OutOfPagesError
 from hicache.memory.geometry import KVGeometry
+from hicache.memory.host_memory import available_host_memory, empty_host
 from tests.kv_oracle import serve
 
 GEOMETRY = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -133,3 +134,23 @@ def test_invalid_configurations_say_what_to_change() -> None:
         HierarchicalCache(
             CacheConfig(enable_hierarchical_cache=True, hicache_size_gb=1e-6), GEOMETRY, 64
         )
+
+
+def test_a_host_pool_larger_than_the_machines_memory_is_refused_up_front() -> None:
+    config = CacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0)
+    page_bytes = GEOMETRY.page_bytes(config.page_size)
+    assert config.host_num_pages(64, page_bytes, available_bytes=256 * page_bytes) == 256
+    with pytest.raises(ConfigError, match=r"more than the .* GB of memory .* --hicache-ratio"):
+        config.host_num_pages(64, page_bytes, available_bytes=255 * page_bytes)
+    # What the cache asks for is checked against what this machine has right now.
+    available = available_host_memory()
+    assert available is not None and available > 0
+    huge = CacheConfig(enable_hierarchical_cache=True, hicache_size_gb=2 * available / 1e9)
+    with pytest.raises(ConfigError, match="--hicache-size below that"):
+        HierarchicalCache(huge, GEOMETRY, 64)
+
+
+def test_host_buffers_are_plain_memory_unless_pinned() -> None:
+    flat = empty_host(1000, torch.bfloat16, pin=False)
+    assert flat.shape == (1000,) and flat.dtype == torch.bfloat16 and not flat.is_pinned()
+    assert empty_host(0, torch.float32, pin=True).numel() == 0

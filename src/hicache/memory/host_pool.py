@@ -9,6 +9,7 @@ import torch
 from hicache.config import MemLayout
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.geometry import KVGeometry
+from hicache.memory.host_memory import empty_host
 from hicache.memory.layout import PageStrides, canonical_view, page_strides
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class HostPool:
         numel = num_pages * page_size * geometry.num_layers * 2 * geometry.row_elems
         # Pinned memory is what lets the GPU DMA (and Triton kernels) read the pool
         # directly; without CUDA it is plain pageable memory.
-        self.flat = torch.empty(numel, dtype=geometry.dtype, pin_memory=pin_memory)
+        self.flat = empty_host(numel, geometry.dtype, pin_memory)
         self.pinned = pin_memory
         self.strides: PageStrides = page_strides(self.layout, geometry, num_pages, page_size)
         self.pages = canonical_view(self.flat, self.strides, geometry, num_pages, page_size)

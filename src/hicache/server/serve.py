@@ -119,7 +119,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = build_engine(args)
-    except (ValueError, StorageError, OSError) as error:  # ConfigError is a ValueError
+    # ConfigError is a ValueError; MemoryError: the host pool could not be pinned.
+    except (ValueError, StorageError, OSError, MemoryError) as error:
         logger.error("cannot start the engine: %s", error)
         return 2
     stopped = False

@@ -1,0 +1,82 @@
+"""Host memory for the L2 pool: pinned to exactly its size, and how much the machine has.
+
+``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host
+allocator, which rounds every request up to a power of two: a 40 GB pool pins
+64 GiB, and a 70 GB one asks for 128 GiB and fails on a 128 GiB machine. So a
+pinned pool is pageable memory that we register with the CUDA driver
+(``cudaHostRegister``), byte for byte: portable (every device may copy from it)
+and mapped (kernels read it through its address, as the Triton io backend does).
+It is unregistered just before the memory is freed: the owner is a numpy array,
+which runs its weak-reference callbacks before it releases its data, and every
+tensor viewing the pool keeps that array alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Registration covers whole pages anyway; a page-aligned start wastes nothing.
+_ALIGN = 4096
+_CUDA_HOST_REGISTER_PORTABLE = 1
+_CUDA_HOST_REGISTER_MAPPED = 2
+
+
+class HostMemoryError(MemoryError):
+    """Host memory could not be allocated or pinned."""
+
+
+def available_host_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable); None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def empty_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised 1-D host tensor; with ``pin``, page-locked to exactly its bytes."""
+    if not pin or numel == 0:
+        return torch.empty(numel, dtype=dtype)
+    nbytes = numel * dtype.itemsize
+    owner = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = -owner.ctypes.data % _ALIGN
+    window = owner[start : start + nbytes]
+    address = int(window.ctypes.data)
+    cudart = torch.cuda.cudart()
+    flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
+    code = int(cudart.cudaHostRegister(address, nbytes, flags))
+    if code != 0:
+        try:
+            reason = str(cudart.cudaGetErrorString(cudart.cudaError(code)))
+        except Exception:  # only the message is lost
+            reason = "unknown"
+        raise HostMemoryError(
+            f"pinning {nbytes / 1e9:.3f} GB of host memory failed (CUDA error {code}: {reason})"
+        )
+    # Unpinning gigabytes takes time; at interpreter exit the process goes anyway.
+    weakref.finalize(owner, _unregister, address).atexit = False
+    return torch.from_numpy(window).view(dtype)
+
+
+def _unregister(address: int) -> None:
+    try:
+        code = int(torch.cuda.cudart().cudaHostUnregister(address))
+    except Exception as error:  # never raise from a finalizer
+        logger.warning("unpinning host memory failed: %s", error)
+        return
+    if code != 0:
+        logger.warning("unpinning host memory failed: CUDA error %d", code)
