@@ -5,7 +5,8 @@ answers one prompt cold, then again from each tier in turn (L1; L2 after
 evicting L1; L3 after flushing L1 and L2), and compares greedy tokens and the
 logits they came from. The cached runs compute the same suffix over the same
 reused KV, so their logits are bit-identical to each other; against the cold
-run (one long prefill) they agree to float rounding and pick the same tokens.
+run (one long prefill) they agree to float rounding and pick the same tokens
+(short of an exact tie at the dtype's precision; see ``assert_same``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,24 @@ def evict_device(engine: Engine) -> None:
 
 
 def assert_same(cold: Run, cached: Run, tolerance: float = 1e-5) -> None:
-    assert cached.token_ids == cold.token_ids
+    """Same greedy tokens, from logits equal within ``tolerance``.
+
+    A token may differ only where the cold run's two best logits are within twice
+    the tolerance of each other: a tie at this precision (bf16 on a GPU, where the
+    long cold prefill and the short cached one use different kernels), which either
+    run may break either way. The two answers diverge there, so comparing stops.
+    """
     assert len(cached.logits) == len(cold.logits) == len(cold.token_ids)
-    for a, b in zip(cold.logits, cached.logits, strict=True):
+    assert len(cached.token_ids) == len(cold.token_ids)
+    for i, (a, b) in enumerate(zip(cold.logits, cached.logits, strict=True)):
         torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance)
+        if cached.token_ids[i] != cold.token_ids[i]:
+            best, second = a.float().topk(2).values.tolist()
+            assert best - second <= 2 * tolerance, (
+                f"token {i}: cached {cached.token_ids[i]} != cold {cold.token_ids[i]}, "
+                f"though cold preferred it by {best - second:.3g}"
+            )
+            return
 
 
 def l3_flags(path: Path, layout: str, io: str, *extra: str) -> tuple[str, ...]:
