@@ -345,7 +345,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     # weights share pages whatever they are called.
     cache = HierarchicalCache(
         cache_config, geometry, device_pages, device,
-        model_name=_model_identity(args, weights_name),
+        model_name=_model_identity(args, weights_name, device),
         storage=storage if storage.enabled and not args.disable_radix_cache else None,
     )
     sched = SchedulerConfig(
@@ -374,10 +374,12 @@ def _kv_pool_tokens(args: argparse.Namespace, device: torch.device, bytes_per_to
     return int(free * args.mem_fraction_static) // bytes_per_token
 
 
-def _model_identity(args: argparse.Namespace, name: str) -> str:
+def _model_identity(args: argparse.Namespace, name: str, device: torch.device) -> str:
     """Namespace of the L3 page keys: different weights must never share pages."""
     if args.model_path is None:
-        return f"{name}:seed0"  # dummy weights are seeded: same preset = same weights
+        # Dummy weights are seeded, but drawn on the model's device: the same seed gives
+        # other weights on a GPU than on the CPU.
+        return f"{name}:seed0:{device.type}"
     digest = hashlib.sha256()
     root = Path(args.model_path)
     for path in sorted(root.glob("*.json")) + sorted(root.glob("*.safetensors")):
