@@ -69,7 +69,12 @@ def empty_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         )
     # Unpinning gigabytes takes time; at interpreter exit the process goes anyway.
     weakref.finalize(owner, _unregister, address).atexit = False
-    return torch.from_numpy(window).view(dtype)
+    flat = torch.from_numpy(window).view(dtype)
+    if not flat.is_pinned():  # never seen; PyTorch's own allocator is the safe way out
+        logger.warning("registered host memory is not seen as pinned; using torch's allocator")
+        del flat, window, owner
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    return flat
 
 
 def _unregister(address: int) -> None:
