@@ -20,6 +20,7 @@ from hicache.engine.engine import build_engine
 from hicache.server.args import storage_config_from_args
 from hicache.server.serve import log_tiers
 from hicache.server.serve import main as serve_main
+from tests.listeners import listening_sockets
 from tests.server_fixtures import free_port
 
 SMALL = ["--device", "cpu", "--max-total-tokens", "1024"]
@@ -145,6 +146,8 @@ def test_serve_subprocess_answers_then_stops(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, f"serve did not come up:\n{log_path.read_text()}"
             time.sleep(0.2)
         assert health.json()["l3"] == {"attached": True, "backend": "file"}
+        # The server is reachable from this machine only.
+        assert listening_sockets(process.pid) == [("127.0.0.1", port)]
         response = httpx.post(
             f"{url}/v1/completions", timeout=30.0,
             json={"model": "dummy-tiny", "prompt": "hello", "max_tokens": 3, "ignore_eos": True},

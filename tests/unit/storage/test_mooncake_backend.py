@@ -6,12 +6,8 @@ backend uses), the way a buggy or foreign writer sharing the store would.
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
-import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +24,7 @@ from hicache.storage.mooncake import MooncakeBackend, MooncakeSettings, failure_
 from hicache.storage.mooncake_master import MasterProcess, free_port
 from hicache.storage.options import Options
 from hicache.storage.registry import create_storage_backend
+from tests.listeners import listening_sockets
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     CLIENT_SIZES,
     anchor_fixture,
@@ -293,30 +290,6 @@ def test_two_backends_in_one_process_share_one_client(
     assert mooncake_anchor.set(keys, np.arange(2)) == 2
     assert mooncake_anchor.get(keys, np.arange(2, 4)) == 2
     mooncake_anchor.clear()
-
-
-def listening_sockets(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket process ``pid`` listens on (Linux /proc)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = os.readlink(fd)
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:[") : -1])
-    found = []
-    for table in ("tcp", "tcp6"):
-        lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        for line in lines:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            address_hex, port_hex = local.split(":")
-            raw = bytes.fromhex(address_hex)
-            # /proc prints each 32-bit word of the address in host (little-endian) order.
-            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            found.append((str(ipaddress.ip_address(words)), int(port_hex, 16)))
-    return found
 
 
 def test_the_master_listens_on_loopback_only(mooncake_master: MasterProcess) -> None:
