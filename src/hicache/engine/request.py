@@ -57,6 +57,8 @@ class Req:
     finish_reason: str | None = None
     error: str | None = None
     num_retractions: int = 0
+    # Since when it has been short of device pages while running alone (see the scheduler).
+    short_since: float | None = None
 
     @property
     def prompt_len(self) -> int:

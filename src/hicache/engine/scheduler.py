@@ -41,6 +41,10 @@ from hicache.model.model import CausalLM
 
 logger = logging.getLogger(__name__)
 
+# A request running alone that cannot get device pages for this long is failed: the
+# pages it waits for (held by copies in flight) should come back within milliseconds.
+SHORT_OF_PAGES_ABORT_S = 30.0
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -170,6 +174,13 @@ class Scheduler:
 
     # ------------------------------------------------------------- admission
     def _admit(self) -> None:
+        # A prefetch protects the host prefix it extends until it is settled. Settle every
+        # one that is ready, not only those ahead of the first request that does not fit:
+        # otherwise requests queued behind a starved one pin host memory that it needs
+        # (under write_back, evicting device pages takes host pages), and neither moves.
+        for req in self.waiting:
+            if req.prefetch is not None and self.cache.prefetch_ready(req.prefetch):
+                self._settle_prefetch(req)
         for req in list(self.waiting):
             if len(self.running) >= self.config.max_running_requests:
                 return
@@ -189,9 +200,14 @@ class Scheduler:
             return True
         if not cache.prefetch_ready(req.prefetch):
             return False
-        req.storage_tokens += cache.finish_prefetch(req.prefetch)
-        req.prefetch = None
+        self._settle_prefetch(req)
         return True
+
+    def _settle_prefetch(self, req: Req) -> None:
+        """End the ready prefetch: what landed joins the tree as host pages."""
+        assert req.prefetch is not None
+        req.storage_tokens += self.cache.finish_prefetch(req.prefetch)
+        req.prefetch = None
 
     def _match_tokens(self, req: Req) -> list[int]:
         # At least one token is always computed: its logits give the next token.
@@ -302,6 +318,7 @@ class Scheduler:
         while need > 0:
             try:
                 req.add_pages(self.cache.alloc_device(need))
+                req.short_since = None
                 return True
             except OutOfPagesError:
                 victim = self._retraction_victim(exclude=req)
@@ -309,7 +326,17 @@ class Scheduler:
                     if req.phase is Phase.DECODE or len(self.running) > 1:
                         self._retract(req)
                         return False
-                    self._finish(req, "abort", error="the device KV pool is too small for it")
+                    # Alone and still short. Every validated request fits the empty pool,
+                    # so the missing pages are held by copies still in flight (write-through
+                    # to L2), which a coming poll releases: wait for them, requeued. Only a
+                    # shortage that never ends (a leak) fails the request.
+                    now = time.monotonic()
+                    if req.short_since is None:
+                        req.short_since = now
+                    if now - req.short_since < SHORT_OF_PAGES_ABORT_S:
+                        self._retract(req)
+                        return False
+                    self._finish(req, "abort", error="the device KV pool stayed too full for it")
                     return False
                 self._retract(victim)
         return True

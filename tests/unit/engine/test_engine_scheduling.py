@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,3 +222,46 @@ def test_without_prefix_cache_nothing_is_reused(make_engine: Callable[..., Engin
     assert second.token_ids == first.token_ids
     engine.check_integrity()
     assert engine.cache.device_pool.allocator.num_used_pages == 0
+
+
+def test_a_lone_request_short_of_pages_held_by_l3_backups_waits_instead_of_failing(
+    make_engine: Callable[..., Engine], tmp_path: Path,
+) -> None:
+    """Write-back needs host pages to evict device pages; L3 backups in flight hold them.
+
+    That shortage ends when the backups finish: a request that fits the empty pool
+    waits for it (requeued) rather than being failed as too large.
+    """
+    extra = json.dumps({"path": str(tmp_path / "l3")})
+    engine = make_engine(
+        "--page-size", "4", "--max-total-tokens", "64", "--enable-hierarchical-cache",
+        "--hicache-write-policy", "write_back", "--hicache-ratio", "2",
+        "--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", extra,
+    )
+    storage = engine.cache.storage
+    assert storage is not None
+    gate = threading.Event()
+    backend_set = storage.backend.set
+
+    def held_set(*args: object) -> int:
+        assert gate.wait(30)
+        return backend_set(*args)  # type: ignore[arg-type]
+
+    storage.backend.set = held_set  # type: ignore[method-assign]
+    timer = threading.Timer(1.0, gate.set)
+    try:
+        answers = [run(engine, prompt(20 + i, 40), ignore_eos=True) for i in range(3)]
+        timer.start()
+        answers += [run(engine, prompt(20 + i, 40), ignore_eos=True) for i in range(3, 6)]
+    finally:
+        gate.set()
+        if timer.is_alive():
+            timer.join()
+    storage.backend.set = backend_set  # type: ignore[method-assign]
+    for answer in answers:
+        assert answer.last.error is None, answer.last.error
+        assert answer.last.finish_reason == "length" and len(answer.token_ids) == 8
+    cold_engine = make_engine("--page-size", "4", "--disable-radix-cache")
+    for i, answer in enumerate(answers):
+        assert answer.token_ids == run(cold_engine, prompt(20 + i, 40), ignore_eos=True).token_ids
+    engine.check_integrity()

@@ -1,0 +1,139 @@
+"""A soak through every tier: conversations at once, clients leaving, eviction down to L3.
+
+Eight conversations on two shared system prompts take turns in rounds, all of a
+round's requests at once, while about one client in five leaves after its first
+token. The conversations' KV outgrows the host pool (about twice the device
+pool), so prefixes keep moving L1 -> L2 -> L3 and back. Every answer
+that completed must equal the same prompt answered cold by an engine without a
+prefix cache; afterwards every pool is consistent and nothing is leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.engine.api import GenerateRequest, SamplingParams
+from hicache.engine.engine import Engine
+from tests.engine_helpers import Run, on_scheduler, run
+from tests.kv_oracle import settle
+from tests.unit.engine.test_engine_cache_reuse import assert_same
+
+ROUNDS = 5
+CONVERSATIONS = 8
+ANSWER_TOKENS = 6
+LEAVE_PROBABILITY = 0.2
+
+
+def tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(256) for _ in range(count)]
+
+
+def cached_engine_flags(l3: Path, policy: str, layout: str) -> tuple[str, ...]:
+    extra = {"path": str(l3), "prefetch_threshold": 8}
+    return (
+        "--hicache-write-policy", policy, "--hicache-mem-layout", layout,
+        "--page-size", "4", "--max-total-tokens", "320", "--enable-hierarchical-cache",
+        "--hicache-ratio", "2", "--hicache-storage-backend", "file",
+        "--hicache-storage-prefetch-policy", "wait_complete",
+        "--hicache-storage-backend-extra-config", json.dumps(extra),
+        "--max-running-requests", "4", "--chunked-prefill-size", "48",
+    )
+
+
+def wait_idle(engine: Engine) -> None:
+    deadline = time.monotonic() + 10
+    while not engine.is_idle():
+        assert time.monotonic() < deadline, "requests are still running"
+        time.sleep(0.01)
+
+
+async def one_turn(engine: Engine, request: GenerateRequest, leave: bool) -> Run:
+    """What the client read: the whole answer, or the first output of one that went away."""
+    outputs = []
+    stream = engine.generate(request)
+    async for output in stream:
+        outputs.append(output)
+        if leave:
+            await stream.aclose()  # what the server does when the client disconnects
+            break
+    return Run(outputs)
+
+
+async def one_round(
+    engine: Engine, requests: list[GenerateRequest], leaving: set[int]
+) -> list[Run]:
+    return list(
+        await asyncio.gather(
+            *(one_turn(engine, r, i in leaving) for i, r in enumerate(requests))
+        )
+    )
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_conversations_with_clients_leaving_answer_as_cold_through_every_tier(
+    make_engine: Callable[..., Engine], tmp_path: Path, policy: str, layout: str,
+) -> None:
+    engine = make_engine(*cached_engine_flags(tmp_path / "l3", policy, layout))
+    rng = random.Random(11)
+    systems = [tokens(rng, 32) for _ in range(2)]
+    histories = [systems[c % 2] + tokens(rng, rng.randint(40, 80)) for c in range(CONVERSATIONS)]
+    logits: dict[str, list[torch.Tensor]] = defaultdict(list)
+    engine.scheduler.logits_observer = lambda rid, row: logits[rid].append(row)
+    completed: list[tuple[list[int], Run]] = []
+    num_left = 0
+    for round_index in range(ROUNDS):
+        prompts = [history + tokens(rng, rng.randint(8, 20)) for history in histories]
+        leaving = {c for c in range(CONVERSATIONS) if rng.random() < LEAVE_PROBABILITY}
+        params = SamplingParams(max_new_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
+        requests = [
+            GenerateRequest(tuple(p), params, rid=f"r{round_index}c{c}")
+            for c, p in enumerate(prompts)
+        ]
+        answers = asyncio.run(one_round(engine, requests, leaving))
+        for c, answer in enumerate(answers):
+            # Nobody is failed: not for a full pool, not for lack of pages, not for anything.
+            assert all(output.error is None for output in answer.outputs), answer.last
+            if c in leaving:
+                num_left += 1
+                continue
+            answer.logits = logits[requests[c].rid]
+            completed.append((prompts[c], answer))
+            histories[c] = prompts[c] + answer.token_ids
+        # Between rounds (as between a user's turns) copies and backups finish, so that
+        # which tier serves the next round does not depend on this machine's speed.
+        wait_idle(engine)
+        on_scheduler(engine, lambda: settle(engine.cache))
+    engine.scheduler.logits_observer = None
+    assert num_left > 0 and len(completed) > ROUNDS * CONVERSATIONS // 2
+
+    # Hits came from every tier (the workload is sized for it). Under the other policies a
+    # prefix reaches L2 (and so L3) later (at its second hit, or when L1 evicts it), and
+    # whether one then falls out of both local tiers before its next turn depends on the
+    # order a round's requests ran in.
+    by_tier = [answer.last.cached_tokens for _, answer in completed]
+    assert sum(c.device for c in by_tier) > 0
+    assert sum(c.host for c in by_tier) > 0
+    if policy == "write_through":
+        assert sum(c.storage for c in by_tier) > 0, engine.storage_status()
+
+    cold_engine = make_engine("--page-size", "4", "--disable-radix-cache")
+    for prompt, answer in completed:
+        cold = run(cold_engine, prompt, logits=True, max_new_tokens=ANSWER_TOKENS, ignore_eos=True)
+        assert cold.last.cached_tokens.total == 0
+        assert_same(cold, answer, tolerance=1e-4)
+
+    wait_idle(engine)
+    assert engine.scheduler.counters.num_aborted == num_left
+    engine.check_integrity()
+    device = engine.cache.device_pool.allocator
+    assert device.num_used_pages == engine.cache.tree.num_evictable_device_pages
