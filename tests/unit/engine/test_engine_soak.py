@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,13 +38,16 @@ def tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(256) for _ in range(count)]
 
 
-def cached_engine_flags(l3: Path, policy: str, layout: str, prefetch: str) -> tuple[str, ...]:
-    extra = {"path": str(l3), "prefetch_threshold": 8, "prefetch_timeout_base": 0.05}
+def soak_engine_flags(
+    backend: str, extra: dict[str, Any], policy: str, layout: str, prefetch: str
+) -> tuple[str, ...]:
+    """An engine whose pools the soak's conversations outgrow, over the L3 ``backend``."""
+    extra = {**extra, "prefetch_threshold": 8, "prefetch_timeout_base": 0.05}
     return (
         "--hicache-write-policy", policy, "--hicache-mem-layout", layout,
         "--hicache-storage-prefetch-policy", prefetch,
         "--page-size", "4", "--max-total-tokens", "320", "--enable-hierarchical-cache",
-        "--hicache-ratio", "2", "--hicache-storage-backend", "file",
+        "--hicache-ratio", "2", "--hicache-storage-backend", backend,
         "--hicache-storage-backend-extra-config", json.dumps(extra),
         "--max-running-requests", "4", "--chunked-prefill-size", "48",
     )
@@ -94,7 +98,16 @@ async def one_round(
 def test_conversations_with_clients_leaving_answer_as_cold_through_every_tier(
     make_engine: Callable[..., Engine], tmp_path: Path, policy: str, layout: str, prefetch: str,
 ) -> None:
-    engine = make_engine(*cached_engine_flags(tmp_path / "l3", policy, layout, prefetch))
+    flags = soak_engine_flags("file", {"path": str(tmp_path / "l3")}, policy, layout, prefetch)
+    every_tier = policy == "write_through" and prefetch == "wait_complete"
+    soak(make_engine, flags, expect_storage_hits=every_tier)
+
+
+def soak(
+    make_engine: Callable[..., Engine], flags: tuple[str, ...], expect_storage_hits: bool
+) -> None:
+    """Run the conversations on an engine built with ``flags``; check them against cold."""
+    engine = make_engine(*flags)
     rng = random.Random(11)
     systems = [tokens(rng, 32) for _ in range(2)]
     histories = [systems[c % 2] + tokens(rng, rng.randint(40, 80)) for c in range(CONVERSATIONS)]
@@ -134,7 +147,7 @@ def test_conversations_with_clients_leaving_answer_as_cold_through_every_tier(
     by_tier = [answer.last.cached_tokens for _, answer in completed]
     assert sum(c.device for c in by_tier) > 0
     assert sum(c.host for c in by_tier) > 0
-    if policy == "write_through" and prefetch == "wait_complete":
+    if expect_storage_hits:
         assert sum(c.storage for c in by_tier) > 0, engine.storage_status()
 
     cold_engine = make_engine("--page-size", "4", "--disable-radix-cache")

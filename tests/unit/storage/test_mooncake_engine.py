@@ -18,6 +18,7 @@ from hicache.storage.mooncake_master import MasterProcess
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.mooncake_fixtures import extra_fixture, master_fixture  # noqa: F401 - fixtures
 from tests.unit.engine.test_engine_cache_reuse import PAGE, PROMPT_LEN, prompt
+from tests.unit.engine.test_engine_soak import soak, soak_engine_flags
 
 REUSED = (PROMPT_LEN - 1) // PAGE * PAGE
 RECOVERY_S = 20.0
@@ -79,3 +80,13 @@ def test_engine_outputs_stay_identical_while_the_master_dies_and_returns(
         assert time.monotonic() < deadline, engine.storage_status()
         time.sleep(0.1)
     engine.check_integrity()
+
+
+def test_conversations_with_clients_leaving_answer_as_cold_over_mooncake(
+    make_engine: Callable[..., Engine], mooncake_extra: dict[str, Any],
+) -> None:
+    """The engine soak (tests/unit/engine/test_engine_soak.py) with Mooncake as L3."""
+    flags = soak_engine_flags(
+        "mooncake", mooncake_extra, "write_through", "page_first", "wait_complete"
+    )
+    soak(make_engine, flags, expect_storage_hits=True)
