@@ -42,7 +42,7 @@ from hicache.model.model import CausalLM
 logger = logging.getLogger(__name__)
 
 # A request running alone that cannot get device pages for this long is failed: the
-# pages it waits for (held by copies in flight) should come back within milliseconds.
+# pages it waits for (held by copies and L3 backups in flight) come back far sooner.
 SHORT_OF_PAGES_ABORT_S = 30.0
 
 
@@ -327,9 +327,10 @@ class Scheduler:
                         self._retract(req)
                         return False
                     # Alone and still short. Every validated request fits the empty pool,
-                    # so the missing pages are held by copies still in flight (write-through
-                    # to L2), which a coming poll releases: wait for them, requeued. Only a
-                    # shortage that never ends (a leak) fails the request.
+                    # so what holds the pages is in flight: copies to L2, or L3 backups
+                    # pinning the host pages that write_back needs to evict into. A coming
+                    # poll releases them: wait, requeued. Only a shortage that never ends
+                    # (a leak) fails the request.
                     now = time.monotonic()
                     if req.short_since is None:
                         req.short_since = now
