@@ -103,10 +103,25 @@ def test_conversations_with_clients_leaving_answer_as_cold_through_every_tier(
     soak(make_engine, flags, expect_storage_hits=every_tier)
 
 
-def soak(
-    make_engine: Callable[..., Engine], flags: tuple[str, ...], expect_storage_hits: bool
+def test_salted_conversations_answer_as_cold_through_every_tier(
+    make_engine: Callable[..., Engine], tmp_path: Path,
 ) -> None:
-    """Run the conversations on an engine built with ``flags``; check them against cold."""
+    """Three cache salts over the same system prompts, through every tier: answers stay cold's."""
+    flags = soak_engine_flags(
+        "file", {"path": str(tmp_path / "l3")}, "write_through", "page_first", "wait_complete"
+    )
+    soak(make_engine, flags, expect_storage_hits=True, salts=3)
+
+
+def soak(
+    make_engine: Callable[..., Engine], flags: tuple[str, ...], expect_storage_hits: bool,
+    salts: int = 0,
+) -> None:
+    """Run the conversations on an engine built with ``flags``; check them against cold.
+
+    With ``salts``, conversation c sends cache salt c % salts (requests with different
+    salts never share KV, so the answers must still be the cold ones).
+    """
     engine = make_engine(*flags)
     rng = random.Random(11)
     systems = [tokens(rng, 32) for _ in range(2)]
@@ -120,7 +135,10 @@ def soak(
         leaving = {c for c in range(CONVERSATIONS) if rng.random() < LEAVE_PROBABILITY}
         params = SamplingParams(max_new_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
         requests = [
-            GenerateRequest(tuple(p), params, rid=f"r{round_index}c{c}")
+            GenerateRequest(
+                tuple(p), params, rid=f"r{round_index}c{c}",
+                extra_key=f"salt{c % salts}" if salts else None,
+            )
             for c, p in enumerate(prompts)
         ]
         answers = asyncio.run(one_round(engine, requests, leaving))
