@@ -11,6 +11,7 @@ run (one long prefill) they agree to float rounding and pick the same tokens
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.engine.api import GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
-from tests.engine_helpers import Run, engine_args, run
+from tests.engine_helpers import Run, collect, engine_args, run
 
 PAGE = 16
 PROMPT_LEN = 300  # past the prefetch threshold below, and not a whole number of pages
@@ -159,3 +161,30 @@ def test_dummy_weights_drawn_on_other_devices_never_share_l3_pages() -> None:
     cuda = _model_identity(args, "dummy-tiny", torch.device("cuda"))
     assert cpu != cuda
     assert cpu == _model_identity(args, "dummy-tiny", torch.device("cpu"))
+
+
+def test_cache_salts_never_share_kv_in_any_tier(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    engine = make_engine(*l3_flags(tmp_path / "l3", "page_first", "direct"))
+    ids = prompt(3)
+    reused = (PROMPT_LEN - 1) // PAGE * PAGE
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def salted(salt: str | None) -> Run:
+        request = GenerateRequest(tuple(ids), params, extra_key=salt)
+        return asyncio.run(collect(engine, request))
+
+    first = salted("a")
+    assert first.last.cached_tokens.total == 0
+    # The same prompt under another salt, or none, shares nothing with it.
+    assert salted("b").last.cached_tokens.total == 0
+    assert salted(None).last.cached_tokens.total == 0
+    assert salted("a").last.cached_tokens.device == reused
+    assert engine.flush_cache()  # L1 and L2 forget; L3 keeps each salt's pages apart
+    from_l3 = salted("b")
+    assert from_l3.last.cached_tokens.storage == reused
+    never_stored = salted("c")
+    assert never_stored.last.cached_tokens.total == 0
+    assert from_l3.token_ids == never_stored.token_ids == first.token_ids
+    engine.check_integrity()
