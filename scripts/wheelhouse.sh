@@ -38,7 +38,10 @@ download "fastapi>=0.110" "uvicorn>=0.29" "pydantic>=2.6" "openai>=1.30"
 if [ "$WITH_MOONCAKE" = 1 ]; then
   download "mooncake-transfer-engine-non-cuda>=0.3.6"
   mkdir -p .whl/deb
-  (cd .whl/deb && apt-get download libibverbs1 librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200)
+  debs=(libibverbs1 librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200)
+  # A fresh machine may have no package lists yet.
+  (cd .whl/deb && { apt-get download "${debs[@]}" 2>/dev/null \
+    || { apt-get update -qq && apt-get download "${debs[@]}"; }; })
 fi
 du -sh .whl
 ls .whl
