@@ -30,6 +30,7 @@ def test_a_pinned_host_buffer_is_exactly_its_size_and_copies_both_ways() -> None
     assert _caching_host_allocator_bytes() == stats_before
     source = torch.randn(numel, device="cuda").to(torch.bfloat16)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # ``source`` was made on the default stream
     with torch.cuda.stream(stream):
         flat.copy_(source, non_blocking=True)
         back = flat.to("cuda", non_blocking=True)
