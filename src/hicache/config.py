@@ -114,7 +114,7 @@ class CacheConfig:
         Raises ConfigError when the host pool would not be larger than the device
         pool (L2 must be able to hold everything L1 holds, or write-through could
         not back up a full device pool), or when it is larger than
-        ``available_bytes``, the memory the machine can still give (pinning more
+        ``available_bytes``, the memory the machine can spare for it (pinning more
         would fail, or drive the machine into swap and the OOM killer).
         """
         if page_bytes <= 0:
@@ -135,7 +135,8 @@ class CacheConfig:
         if available_bytes is not None and host_pages * page_bytes > available_bytes:
             raise ConfigError(
                 f"{source} gives a host pool of {host_pages * page_bytes / 1e9:.3f} GB, more than "
-                f"the {available_bytes / 1e9:.3f} GB of memory this machine has available; "
+                f"the {available_bytes / 1e9:.3f} GB of memory this machine can spare for it "
+                f"(what is available, less a reserve for the rest of the process); "
                 f"set --hicache-size below that, lower --hicache-ratio, or shrink the device "
                 f"pool (--max-total-tokens, --mem-fraction-static)"
             )

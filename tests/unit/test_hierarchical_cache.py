@@ -17,7 +17,7 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import CacheConfig, ConfigError, IOBackendKind, MemLayout, WritePolicy
 from hicache.memory.allocator import OutOfPagesError
 from hicache.memory.geometry import KVGeometry
-from hicache.memory.host_memory import available_host_memory, empty_host
+from hicache.memory.host_memory import available_host_memory, empty_host, host_memory_for_pools
 from tests.kv_oracle import serve
 
 GEOMETRY = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -140,12 +140,16 @@ def test_a_host_pool_larger_than_the_machines_memory_is_refused_up_front() -> No
     config = CacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0)
     page_bytes = GEOMETRY.page_bytes(config.page_size)
     assert config.host_num_pages(64, page_bytes, available_bytes=256 * page_bytes) == 256
-    with pytest.raises(ConfigError, match=r"more than the .* GB of memory .* --hicache-ratio"):
+    refused = r"more than the .* GB of memory this machine can spare .* --hicache-ratio"
+    with pytest.raises(ConfigError, match=refused):
         config.host_num_pages(64, page_bytes, available_bytes=255 * page_bytes)
-    # What the cache asks for is checked against what this machine has right now.
+    # What the cache asks for is checked against what this machine has right now, less a
+    # reserve for the rest of the process.
     available = available_host_memory()
-    assert available is not None and available > 0
-    huge = CacheConfig(enable_hierarchical_cache=True, hicache_size_gb=2 * available / 1e9)
+    spare = host_memory_for_pools()
+    assert available is not None and spare is not None and 0 < spare < available
+    assert available - spare == min(10 * 2**30, available // 4)
+    huge = CacheConfig(enable_hierarchical_cache=True, hicache_size_gb=1.01 * spare / 1e9)
     with pytest.raises(ConfigError, match="--hicache-size below that"):
         HierarchicalCache(huge, GEOMETRY, 64)
 

@@ -31,7 +31,7 @@ from hicache.controller.controller import CacheController
 from hicache.memory.allocator import OutOfPagesError, PageAllocator, PageIds
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
-from hicache.memory.host_memory import available_host_memory
+from hicache.memory.host_memory import host_memory_for_pools
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, TokenIds, pack_tokens
 from hicache.radix.node import TreeNode
@@ -87,7 +87,7 @@ class HierarchicalCache:
         if config.enable_hierarchical_cache:
             page_bytes = geometry.page_bytes(self.page_size)
             host_pages = config.host_num_pages(
-                device_num_pages, page_bytes, available_host_memory()
+                device_num_pages, page_bytes, host_memory_for_pools()
             )
             self.host_pool = HostPool(geometry, host_pages, config.page_size, config.mem_layout)
             io = create_io_backend(config.io_backend, self.host_pool, self.device_pool)

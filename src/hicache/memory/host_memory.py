@@ -47,6 +47,20 @@ def available_host_memory() -> int | None:
         return None
 
 
+# What a host pool must leave to the rest of the process and the machine (weights on their
+# way to the device, an L3 client's memory segment, Python itself): this much, or a quarter
+# of what is available when that is less.
+HOST_MEMORY_RESERVE_BYTES = 10 * 2**30
+
+
+def host_memory_for_pools() -> int | None:
+    """Bytes a host KV pool may take: what is available, less a reserve; None if unknown."""
+    available = available_host_memory()
+    if available is None:
+        return None
+    return available - min(HOST_MEMORY_RESERVE_BYTES, available // 4)
+
+
 def empty_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """An uninitialised 1-D host tensor; with ``pin``, page-locked to exactly its bytes."""
     if not pin or numel == 0:
