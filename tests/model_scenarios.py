@@ -9,6 +9,7 @@ on shuffled pages, as after cache churn.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -17,7 +18,30 @@ from hicache.memory.device_pool import DevicePool
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.model import CausalLM
+from hicache.model.presets import get_preset
 from hicache.model.weights import init_dummy_weights
+
+
+def small_qwen3_style(num_layers: int = 2) -> ModelConfig:
+    """Qwen3 with everything that changes the weight mapping, at test size.
+
+    q/k norm, biases on all four attention projections, tied embeddings,
+    head_dim != hidden / heads, 3 query heads per KV head; float32.
+    """
+    return dataclasses.replace(
+        get_preset("qwen3-0.6b"),
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        qkv_bias=True,
+        o_bias=True,
+        dtype=torch.float32,
+    )
 
 
 def dummy_model(config: ModelConfig, device: str = "cpu", seed: int = 0) -> CausalLM:

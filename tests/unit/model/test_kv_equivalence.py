@@ -24,24 +24,11 @@ from tests.model_scenarios import (
     new_pool,
     random_tokens,
     run_in_steps,
+    small_qwen3_style,
 )
 
 TINY = get_preset("tiny")
-# Qwen3-style: q/k norm, biases everywhere, head_dim != hidden / heads, 3 query heads per KV head.
-QWEN3_STYLE = dataclasses.replace(
-    get_preset("qwen3-0.6b"),
-    vocab_size=300,
-    hidden_size=48,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    qkv_bias=True,
-    o_bias=True,
-    dtype=torch.float32,
-)
+QWEN3_STYLE = small_qwen3_style(num_layers=3)
 CONFIGS = {"tiny-llama": TINY, "qwen3-style": QWEN3_STYLE}
 # fp32; different step shapes change GEMM blocking and attention kernels, so not bitwise.
 TOL = {"atol": 5e-6, "rtol": 1e-6}

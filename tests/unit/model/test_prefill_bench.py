@@ -16,24 +16,16 @@ import torch
 from hicache.bench.prefill import transformers_twin
 from hicache.cli import main
 from hicache.model import CausalLM, ModelConfig, get_preset
-from tests.model_scenarios import SlotAllocator, dummy_model, new_pool, random_tokens, run_in_steps
-
-# Qwen3 with everything that changes the weight mapping: q/k norm, biases on all four
-# attention projections, tied embeddings, head_dim != hidden / heads, 3 query heads per KV head.
-QWEN3_STYLE = dataclasses.replace(
-    get_preset("qwen3-0.6b"),
-    vocab_size=300,
-    hidden_size=48,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    qkv_bias=True,
-    o_bias=True,
-    dtype=torch.float32,
+from tests.model_scenarios import (
+    SlotAllocator,
+    dummy_model,
+    new_pool,
+    random_tokens,
+    run_in_steps,
+    small_qwen3_style,
 )
+
+QWEN3_STYLE = small_qwen3_style(num_layers=2)
 LLAMA3_STYLE = dataclasses.replace(
     get_preset("llama3-8b"),
     vocab_size=300,
