@@ -86,18 +86,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from mooncake.store import MooncakeDistributedStore
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
@@ -105,7 +100,6 @@ from hicache.storage.base import (
     MAX_BATCH_PAGES,
     StorageBackend,
     StorageError,
-    StorageUnavailableError,
 )
 from hicache.storage.frame import (
     HEADER_BYTES,
@@ -116,21 +110,21 @@ from hicache.storage.frame import (
     object_name,
     pack_header_into,
 )
+from hicache.storage.mooncake_client import (
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_NOT_FOUND,
+    RPC_FAIL,
+    MooncakeClient,
+    acquire_client,
+    failure_reason,
+    release_client,
+)
+from hicache.storage.mooncake_settings import ENV, MooncakeSettings
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_METADATA_SERVER = "P2PHANDSHAKE"
-DEFAULT_LOCAL_HOSTNAME = "127.0.0.1"
-DEFAULT_GLOBAL_SEGMENT_SIZE = 4 * 2**30
-DEFAULT_LOCAL_BUFFER_SIZE = 16 * 2**20
-PROTOCOLS = ("tcp", "rdma")
-_METADATA_SCHEMES = ("http", "https", "etcd", "redis")
-# Seconds a TCP connect to the master may take before it counts as unreachable.
-PROBE_TIMEOUT_S = 0.25
-# How often each client checks that its master accepts connections.
-WATCH_INTERVAL_S = 0.5
 # Batches are moved in chunks of at least this many bytes (at most
 # PIPELINE_MAX_CHUNKS of them), hashing one chunk on a helper thread while
 # Mooncake moves another (see the module docstring). Each chunk is one Mooncake
@@ -143,307 +137,7 @@ _STAGING_SLOTS = 4
 # Every object name this backend writes (what clear() removes): hex key + order tag.
 _NAME_PATTERN = r"^[0-9a-f]{32}\.(lm|tm)$"
 # The multi-buffer batch calls (Mooncake Store >= 0.3.6).
-_REQUIRED_METHODS = (
-    "batch_put_from_multi_buffers", "batch_get_into_multi_buffers", "batch_is_exist",
-    "register_buffer", "unregister_buffer", "remove", "remove_by_regex", "get_size",
-)
-
-_ENV = {
-    "master_server_address": ("MOONCAKE_MASTER_SERVER_ADDRESS", "MOONCAKE_MASTER"),
-    "metadata_server": ("MOONCAKE_METADATA_SERVER", "MOONCAKE_TE_META_DATA_SERVER"),
-    "protocol": ("MOONCAKE_PROTOCOL",),
-    "local_hostname": ("MOONCAKE_LOCAL_HOSTNAME",),
-    "global_segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE",),
-    "local_buffer_size": ("MOONCAKE_LOCAL_BUFFER_SIZE",),
-    "device_name": ("MOONCAKE_DEVICE_NAME", "MOONCAKE_DEVICE"),
-}
-_KNOWN_KEYS = {*_ENV, "verify_checksum"}
-
-# Mooncake Store error codes (its ErrorCode enum) this backend tells apart.
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-RPC_FAIL = -900
-_REASONS = {
-    -10: "no_space",  # BUFFER_OVERFLOW
-    -101: "no_space",  # SEGMENT_NOT_FOUND: no segment mounted (yet) to put into
-    -103: "unreachable",  # CLIENT_NOT_FOUND: a restarted master does not know us yet
-    -200: "no_space",  # NO_AVAILABLE_HANDLE: the pool is full
-    -500: "io_error",  # WRITE_FAIL
-    -701: "io_error",  # INVALID_READ
-    -703: "not_ready",  # REPLICA_IS_NOT_READY: another instance is still writing it
-    OBJECT_NOT_FOUND: "missing",
-    -707: "io_error",  # LEASE_EXPIRED during the transfer
-    -710: "missing",  # REPLICA_NOT_FOUND
-    -712: "missing",  # REPLICA_IS_GONE
-    -800: "io_error",  # TRANSFER_FAIL
-    RPC_FAIL: "unreachable",
-    -1010: "unreachable",  # UNAVAILABLE_IN_CURRENT_STATUS (master not serving)
-}
-
-
-def failure_reason(code: int) -> str:
-    """The stats reason for a Mooncake error code."""
-    return _REASONS.get(code, f"mooncake_error_{-code}")
-
-
-@dataclass(frozen=True)
-class MooncakeSettings:
-    """How to reach the store: what a Mooncake client is set up with (one client per value)."""
-
-    master_server_address: str
-    metadata_server: str = DEFAULT_METADATA_SERVER
-    protocol: str = "tcp"
-    local_hostname: str = DEFAULT_LOCAL_HOSTNAME
-    global_segment_size: int = DEFAULT_GLOBAL_SEGMENT_SIZE
-    local_buffer_size: int = DEFAULT_LOCAL_BUFFER_SIZE
-    device_name: str = ""
-
-    @classmethod
-    def from_options(cls, options: Options) -> MooncakeSettings:
-        """Read and check the settings (extra config first, then the environment)."""
-        source = options.source
-        master = options.string("master_server_address", None, _ENV["master_server_address"])
-        if master is None:
-            raise StorageError(
-                f"{source}: master_server_address is required (host:port of the "
-                "mooncake_master), in the extra config or MOONCAKE_MASTER_SERVER_ADDRESS"
-            )
-        master = master.strip()
-        split_host_port(master, _where(options, "master_server_address"))
-        metadata = (
-            options.string("metadata_server", DEFAULT_METADATA_SERVER, _ENV["metadata_server"])
-            or DEFAULT_METADATA_SERVER
-        ).strip()
-        metadata = _check_metadata_server(metadata, _where(options, "metadata_server"))
-        protocol = (options.string("protocol", "tcp", _ENV["protocol"]) or "tcp").strip().lower()
-        if protocol not in PROTOCOLS:
-            raise StorageError(
-                f"{_where(options, 'protocol')} must be one of {', '.join(PROTOCOLS)}, "
-                f"got {protocol!r}"
-            )
-        hostname = (
-            options.string("local_hostname", DEFAULT_LOCAL_HOSTNAME, _ENV["local_hostname"])
-            or DEFAULT_LOCAL_HOSTNAME
-        ).strip()
-        if not hostname or any(c.isspace() for c in hostname):
-            raise StorageError(
-                f"{_where(options, 'local_hostname')} must be a host name or address, "
-                f"got {hostname!r}"
-            )
-        segment = options.size_bytes(
-            "global_segment_size", DEFAULT_GLOBAL_SEGMENT_SIZE, _ENV["global_segment_size"]
-        )
-        buffer = options.size_bytes(
-            "local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE, _ENV["local_buffer_size"]
-        )
-        device = (options.string("device_name", "", _ENV["device_name"]) or "").strip()
-        return cls(master, metadata, protocol, hostname, segment, buffer, device)
-
-    @property
-    def master_host_port(self) -> tuple[str, int]:
-        return split_host_port(self.master_server_address, "master_server_address")
-
-
-def _where(options: Options, key: str) -> str:
-    """Where ``key``'s value came from, for error messages (the key or its variable)."""
-    if options.extra.get(key) is not None:
-        return f"{options.source}: {key}"
-    for name in _ENV.get(key, ()):
-        if os.environ.get(name):
-            return f"{options.source}: environment variable {name}"
-    return f"{options.source}: {key}"
-
-
-def split_host_port(address: str, where: str) -> tuple[str, int]:
-    """("host", port) from "host:port" or "[v6]:port"; StorageError naming ``where`` otherwise."""
-    host, sep, port_text = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    port = int(port_text) if port_text.isdigit() else -1
-    if not sep or not host or any(c.isspace() for c in host) or not 0 < port < 65536:
-        raise StorageError(f"{where} must be host:port (e.g. 10.0.0.5:50051), got {address!r}")
-    return host, port
-
-
-def _check_metadata_server(value: str, where: str) -> str:
-    if value.upper() == DEFAULT_METADATA_SERVER:
-        return DEFAULT_METADATA_SERVER
-    scheme, sep, rest = value.partition("://")
-    if sep:
-        if scheme.lower() not in _METADATA_SCHEMES or not rest:
-            raise StorageError(
-                f"{where} must be P2PHANDSHAKE or a URL with scheme "
-                f"{', '.join(_METADATA_SCHEMES)}, got {value!r}"
-            )
-        return value
-    try:  # a bare host:port is an etcd endpoint
-        split_host_port(value, where)
-    except StorageError:
-        raise StorageError(
-            f"{where} must be P2PHANDSHAKE, an http(s):// URL, etcd host:port or "
-            f"redis://host:port, got {value!r}"
-        ) from None
-    return value
-
-
-def master_reachable(settings: MooncakeSettings, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Does the master accept TCP connections? (Instant "no" when nothing listens.)"""
-    host, port = settings.master_host_port
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-class _Client:
-    """One set-up Mooncake client, shared by the backends of a process with equal settings."""
-
-    def __init__(self, settings: MooncakeSettings, store: Any) -> None:
-        self.settings = settings
-        self.store = store
-        self.refs = 0
-        self._lock = threading.Lock()
-        # Buffer address -> (size, registrations): a pool registered by two backends
-        # (one re-attached before the other closed) is unregistered by the last.
-        self._buffers: dict[int, tuple[int, int]] = {}
-        # True while the master is known unreachable: set by the watcher's probe or
-        # by a call that failed its RPC; cleared by the watcher's next good probe.
-        self._down = False
-        self._stop = threading.Event()
-        self._watcher = threading.Thread(
-            target=self._watch, name="hicache-mooncake-watch", daemon=True
-        )
-        self._watcher.start()
-
-    def register(self, address: int, size: int) -> None:
-        with self._lock:
-            known = self._buffers.get(address)
-            if known is not None and known[0] == size:
-                self._buffers[address] = (size, known[1] + 1)
-                return
-            code = int(self.store.register_buffer(address, size))
-            if code != 0:
-                raise StorageError(
-                    f"mooncake storage: registering {size} bytes of memory failed (code {code})"
-                )
-            self._buffers[address] = (size, 1)
-
-    def unregister(self, address: int) -> None:
-        with self._lock:
-            known = self._buffers.get(address)
-            if known is None:
-                return
-            size, count = known
-            if count > 1:
-                self._buffers[address] = (size, count - 1)
-                return
-            del self._buffers[address]
-            code = int(self.store.unregister_buffer(address))
-        if code != 0:
-            logger.warning("mooncake storage: unregistering a buffer failed (code %d)", code)
-
-    def usable(self) -> bool:
-        """False while the master is known unreachable: calls then fail without the library."""
-        with self._lock:
-            return not self._down
-
-    def saw_codes(self, codes: Sequence[int]) -> None:
-        """Note a call's answers: an RPC failure means the master may be gone."""
-        if RPC_FAIL in codes or -1010 in codes:
-            self._set_down(True)
-
-    def _set_down(self, down: bool) -> None:
-        with self._lock:
-            changed, self._down = self._down != down, down
-        if changed and down:
-            logger.warning(
-                "mooncake master %s is not answering: L3 calls fail at once until it is back",
-                self.settings.master_server_address,
-            )
-        elif changed:
-            logger.warning(
-                "mooncake master %s accepts connections again",
-                self.settings.master_server_address,
-            )
-
-    def _watch(self) -> None:
-        """Probe the master every WATCH_INTERVAL_S (a TCP connect: refused at once when down)."""
-        while not self._stop.wait(WATCH_INTERVAL_S):
-            self._set_down(not master_reachable(self.settings))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._watcher.join()
-        with self._lock:
-            addresses = list(self._buffers)
-            self._buffers.clear()
-        for address in addresses:
-            with contextlib.suppress(Exception):
-                self.store.unregister_buffer(address)
-        with contextlib.suppress(Exception):
-            self.store.close()
-
-
-_clients: dict[MooncakeSettings, _Client] = {}
-_clients_lock = threading.Lock()
-
-
-def _acquire_client(settings: MooncakeSettings) -> _Client:
-    """The process's client for ``settings``, set up on first use (StorageUnavailableError)."""
-    with _clients_lock:
-        client = _clients.get(settings)
-        if client is None:
-            client = _Client(settings, _setup_store(settings))
-            _clients[settings] = client
-        client.refs += 1
-        return client
-
-
-def _release_client(client: _Client) -> None:
-    with _clients_lock:
-        client.refs -= 1
-        if client.refs > 0:
-            return
-        if _clients.get(client.settings) is client:
-            del _clients[client.settings]
-    client.close()
-
-
-def _setup_store(settings: MooncakeSettings) -> Any:
-    address = settings.master_server_address
-    # The library retries an unreachable master for over a minute; a TCP connect
-    # answers at once, so an unreachable store is reported right away.
-    if not master_reachable(settings):
-        raise StorageUnavailableError(
-            f"mooncake storage: the master at {address} is unreachable (nothing accepts "
-            "connections there); start mooncake_master or fix master_server_address"
-        )
-    store = MooncakeDistributedStore()
-    missing = [name for name in _REQUIRED_METHODS if not hasattr(store, name)]
-    if missing:
-        raise StorageError(
-            f"mooncake storage: this mooncake client lacks {', '.join(missing)}; "
-            "upgrade mooncake-transfer-engine to 0.3.6 or later"
-        )
-    code = int(
-        store.setup(
-            settings.local_hostname, settings.metadata_server, settings.global_segment_size,
-            settings.local_buffer_size, settings.protocol, settings.device_name, address,
-        )
-    )
-    if code != 0:
-        with contextlib.suppress(Exception):
-            store.close()
-        raise StorageUnavailableError(
-            f"mooncake storage: setting up the client failed (code {code}) with master {address}, "
-            f"metadata server {settings.metadata_server}, protocol {settings.protocol}, "
-            f"local hostname {settings.local_hostname}; the client's log says why"
-        )
-    logger.info(
-        "mooncake client up: master %s, %s, lending %.2f GB", address, settings.protocol,
-        settings.global_segment_size / 1e9,
-    )
-    return store
+_KNOWN_KEYS = {*ENV, "verify_checksum"}
 
 
 class MooncakeBackend(StorageBackend):
@@ -457,7 +151,7 @@ class MooncakeBackend(StorageBackend):
         options.reject_unknown(_KNOWN_KEYS)
         self.settings = MooncakeSettings.from_options(options)
         self.verify_checksum = options.boolean("verify_checksum", True)
-        self._client: _Client | None = None
+        self._client: MooncakeClient | None = None
         self._regions: PageRegions | None = None
         self._pool_address = 0
         # [slot, page, header bytes]: where batch headers are packed and read.
@@ -477,7 +171,7 @@ class MooncakeBackend(StorageBackend):
         if self._client is not None:
             raise StorageError("mooncake storage is already attached")
         regions = PageRegions(host)
-        client = _acquire_client(self.settings)
+        client = acquire_client(self.settings)
         try:
             client.register(regions.base_address, regions.pool_bytes)
             try:
@@ -486,7 +180,7 @@ class MooncakeBackend(StorageBackend):
                 client.unregister(regions.base_address)
                 raise
         except BaseException:
-            _release_client(client)
+            release_client(client)
             raise
         super().attach(host)
         self._client = client
@@ -505,7 +199,7 @@ class MooncakeBackend(StorageBackend):
         if client is not None:
             client.unregister(self._pool_address)
             client.unregister(self._staging_address)
-            _release_client(client)
+            release_client(client)
 
     @property
     def reachable(self) -> bool:
@@ -662,7 +356,7 @@ class MooncakeBackend(StorageBackend):
     # ------------------------------------------------------------ internals
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
-    ) -> tuple[_Client, PageRegions]:
+    ) -> tuple[MooncakeClient, PageRegions]:
         if self._closed:
             raise StorageError("mooncake storage used after close()")
         self._check_args(keys, host_pages)
@@ -675,7 +369,7 @@ class MooncakeBackend(StorageBackend):
             self._stats.fail(reason, pages)
 
     def _call(
-        self, client: _Client, pages: int, fn: Callable[[Any], Sequence[int]]
+        self, client: MooncakeClient, pages: int, fn: Callable[[Any], Sequence[int]]
     ) -> list[int] | None:
         """One batch call; per-key codes, or None when it could not be made (counted)."""
         if not client.usable():
@@ -798,7 +492,7 @@ class MooncakeBackend(StorageBackend):
                 packed.result()
 
     def _check_read(
-        self, client: _Client, regions: PageRegions, name: str, key: bytes, page: int,
+        self, client: MooncakeClient, regions: PageRegions, name: str, key: bytes, page: int,
         code: int, expected: int, header_offset: int,
     ) -> str | None:
         """The failure reason for one object of a batch read, or None if it is good."""
@@ -830,13 +524,13 @@ class MooncakeBackend(StorageBackend):
         self._remove(client, name)
         return fault.value
 
-    def _size_of(self, client: _Client, name: str) -> int | None:
+    def _size_of(self, client: MooncakeClient, name: str) -> int | None:
         try:
             return int(client.store.get_size(name))
         except Exception:
             return None
 
-    def _remove(self, client: _Client, name: str) -> None:
+    def _remove(self, client: MooncakeClient, name: str) -> None:
         """Drop a bad object, even while leased to readers (it must not be read again)."""
         try:
             code = int(client.store.remove(name, True))
@@ -845,6 +539,3 @@ class MooncakeBackend(StorageBackend):
             return
         if code not in (0, OBJECT_NOT_FOUND):
             logger.warning("mooncake: removing bad object %s failed (code %d)", name, code)
-
-
-__all__ = ["MooncakeBackend", "MooncakeSettings", "failure_reason", "master_reachable"]

@@ -20,8 +20,10 @@ from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
-from hicache.storage.mooncake import MooncakeBackend, MooncakeSettings, failure_reason
+from hicache.storage.mooncake import MooncakeBackend
+from hicache.storage.mooncake_client import failure_reason
 from hicache.storage.mooncake_master import MasterProcess, free_port
+from hicache.storage.mooncake_settings import MooncakeSettings
 from hicache.storage.options import Options
 from hicache.storage.registry import create_storage_backend
 from tests.listeners import listening_sockets

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hicache.engine.engine import Engine
-from hicache.storage.mooncake import WATCH_INTERVAL_S, MooncakeBackend
+from hicache.storage.mooncake import MooncakeBackend
+from hicache.storage.mooncake_client import WATCH_INTERVAL_S
 from hicache.storage.mooncake_master import MasterProcess
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.mooncake_fixtures import extra_fixture, master_fixture  # noqa: F401 - fixtures

@@ -12,7 +12,8 @@ import time
 from typing import Any
 
 from hicache.storage.breaker import BreakerState
-from hicache.storage.mooncake import WATCH_INTERVAL_S, MooncakeBackend
+from hicache.storage.mooncake import MooncakeBackend
+from hicache.storage.mooncake_client import WATCH_INTERVAL_S
 from hicache.storage.mooncake_master import MasterProcess
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     anchor_fixture,
