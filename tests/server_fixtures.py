@@ -55,13 +55,6 @@ def build_test_engine(engine_args: Sequence[str] = ()) -> Engine:
     return build_engine(parser.parse_args([*TINY_ENGINE_ARGS, *engine_args]))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextmanager
 def serve_app_in_thread(app: FastAPI) -> Iterator[str]:
     """Serve ``app`` with uvicorn from a background thread; yields its base URL."""

@@ -34,17 +34,11 @@ import json
 import logging
 import os
 import shlex
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from hicache.bench.long_context import add_long_context_arguments, long_context_workload
@@ -60,6 +54,7 @@ from hicache.bench.multiturn import (
 )
 from hicache.bench.plots import plot_runs
 from hicache.bench.report import RunSummary, comparison_table, markdown_table, rounds_table
+from hicache.bench.server_process import ServerProcess, ServerStartError
 from hicache.bench.workload import Session, WorkloadError
 
 logger = logging.getLogger(__name__)
@@ -126,107 +121,6 @@ def mooncake_available() -> str | None:
         if not found:
             return f"module {module} is not available"
     return None
-
-
-# ------------------------------------------------------------------------ servers
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class ServerProcess:
-    """``hicache serve`` in a child process on a free loopback port.
-
-    ``with ServerProcess(args, log) as server:`` starts it and waits for
-    /health; leaving the block always stops it (SIGTERM, then SIGKILL if it
-    has not exited within ``stop_timeout_s``).
-    """
-
-    def __init__(
-        self, args: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None,
-        startup_timeout_s: float = 300.0, stop_timeout_s: float = 20.0,
-        launcher: Sequence[str] | None = None,
-    ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        # ``launcher`` replaces the program (tests run a stand-in server); the flags stay.
-        program = launcher or [sys.executable, "-m", "hicache", "--log-level", "info", "serve"]
-        self.command = [*program, "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.log_path = log_path
-        self.env = env
-        self.startup_timeout_s = startup_timeout_s
-        self.stop_timeout_s = stop_timeout_s
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> ServerProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env,
-            )
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def _wait_healthy(self) -> None:
-        assert self.process is not None
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            code = self.process.poll()
-            if code is not None:
-                raise CompareError(
-                    f"the server exited with status {code} before it was ready:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise CompareError(
-                    f"the server was not ready after {self.startup_timeout_s:.0f} s:\n"
-                    f"{self.log_tail()}"
-                )
-            time.sleep(0.2)
-
-    def stop(self) -> int | None:
-        """Stop the server (idempotent); its exit status."""
-        process = self.process
-        if process is None:
-            return None
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        return process.returncode
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return "(no server log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
 
 
 @contextlib.contextmanager
@@ -454,7 +348,7 @@ def run_config(
             code = server.process.returncode if server.process is not None else None
             if code not in (0, None, -15):
                 run.notes.append(f"server exited with status {code} (see {log_path.name})")
-    except (CompareError, BenchmarkError, OSError) as error:
+    except (CompareError, ServerStartError, BenchmarkError, OSError) as error:
         run.error = str(error)
     except Exception as error:  # an unexpected failure of one config must not stop the rest
         logger.exception("configuration %s failed", config.name)

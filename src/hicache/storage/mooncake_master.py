@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from hicache.net import free_port
+
 MASTER_BINARY = "mooncake_master"
 DEFAULT_READY_TIMEOUT_S = 15.0
 # Attempts at finding free ports: another process may take a port between our
@@ -73,14 +75,6 @@ def find_master_binary() -> Path:
         f"{MASTER_BINARY} not found: it comes with pip install mooncake-transfer-engine-non-cuda "
         "(or mooncake-transfer-engine), inside the mooncake package"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:

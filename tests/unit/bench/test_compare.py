@@ -21,13 +21,13 @@ from hicache.bench import compare
 from hicache.bench.compare import (
     CONFIGS,
     CompareError,
-    ServerProcess,
     mooncake_available,
     resolve_sizes,
     run_config,
     write_report,
 )
 from hicache.bench.report import RunSummary
+from hicache.bench.server_process import ServerProcess, ServerStartError
 from hicache.cli import build_parser
 
 FAKE_SERVER = [sys.executable, str(Path(__file__).with_name("fake_server.py"))]
@@ -62,7 +62,7 @@ def test_server_process_is_stopped_when_the_block_fails(tmp_path: Path) -> None:
 def test_server_that_exits_at_startup_is_reported(tmp_path: Path) -> None:
     launcher = [sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"]
     server = ServerProcess([], tmp_path / "s.log", launcher=launcher)
-    with pytest.raises(CompareError, match=r"status 3(.|\n)*no such model"), server:
+    with pytest.raises(ServerStartError, match=r"status 3(.|\n)*no such model"), server:
         pass
 
 
@@ -71,7 +71,7 @@ def test_server_that_never_gets_ready_is_killed(tmp_path: Path) -> None:
     server = ServerProcess(
         [], tmp_path / "s.log", launcher=launcher, startup_timeout_s=0.5, stop_timeout_s=5
     )
-    with pytest.raises(CompareError, match="not ready"), server:
+    with pytest.raises(ServerStartError, match="not ready"), server:
         pass
     assert server.process is not None and server.process.poll() is not None
 

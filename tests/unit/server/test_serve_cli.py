@@ -17,11 +17,11 @@ import pytest
 from hicache.cli import build_parser
 from hicache.cli import main as cli_main
 from hicache.engine.engine import build_engine
+from hicache.net import free_port
 from hicache.server.args import storage_config_from_args
 from hicache.server.serve import log_tiers
 from hicache.server.serve import main as serve_main
 from tests.listeners import listening_sockets
-from tests.server_fixtures import free_port
 
 SMALL = ["--device", "cpu", "--max-total-tokens", "1024"]
 START_TIMEOUT_S = 90.0  # a cold interpreter imports torch first

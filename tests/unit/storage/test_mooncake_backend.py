@@ -17,12 +17,13 @@ import torch
 import hicache.storage.mooncake as mooncake_module
 from hicache.config import MemLayout
 from hicache.memory.host_pool import HostPool
+from hicache.net import free_port
 from hicache.radix.keys import KeyNamespace
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
 from hicache.storage.mooncake import MooncakeBackend
 from hicache.storage.mooncake_client import failure_reason
-from hicache.storage.mooncake_master import MasterProcess, free_port
+from hicache.storage.mooncake_master import MasterProcess
 from hicache.storage.mooncake_settings import MooncakeSettings
 from hicache.storage.options import Options
 from hicache.storage.registry import create_storage_backend

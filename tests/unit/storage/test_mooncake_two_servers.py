@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from hicache.bench.compare import ServerProcess
+from hicache.bench.server_process import ServerProcess
 from hicache.storage.mooncake_master import MasterProcess
 from tests.mooncake_fixtures import extra_fixture, master_fixture  # noqa: F401 - fixtures
 
