@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -63,6 +64,14 @@ def run_many(engine: Engine, requests: list[GenerateRequest]) -> list[Run]:
         return list(await asyncio.gather(*(collect(engine, r) for r in requests)))
 
     return asyncio.run(all_of())
+
+
+def wait_idle(engine: Engine, timeout_s: float = 10.0) -> None:
+    """Until nothing runs or waits (an aborted request finishes on the scheduler's time)."""
+    deadline = time.monotonic() + timeout_s
+    while not engine.is_idle():
+        assert time.monotonic() < deadline, "requests are still running"
+        time.sleep(0.01)
 
 
 def on_scheduler(engine: Engine, fn: Callable[[], object]) -> object:

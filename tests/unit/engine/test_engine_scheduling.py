@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 
 from hicache.engine.api import GenerateRequest, RequestError, SamplingParams
 from hicache.engine.engine import Engine
-from tests.engine_helpers import Run, run, run_many
+from tests.engine_helpers import Run, run, run_many, wait_idle
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -98,10 +97,7 @@ def test_aborted_request_frees_everything(make_engine: Callable[..., Engine]) ->
         return seen
 
     assert asyncio.run(start_then_leave()) == 3
-    deadline = time.monotonic() + 10
-    while not engine.is_idle():
-        assert time.monotonic() < deadline, "the aborted request is still running"
-        time.sleep(0.01)
+    wait_idle(engine)  # the aborted request is gone
     assert engine.scheduler.counters.num_aborted == 1
     engine.check_integrity()
     # Only the tree holds pages now, and all of them can be evicted.

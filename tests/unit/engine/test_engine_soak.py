@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 from hicache.engine.api import GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
-from tests.engine_helpers import Run, on_scheduler, run
+from tests.engine_helpers import Run, on_scheduler, run, wait_idle
 from tests.kv_oracle import settle
 from tests.unit.engine.test_engine_cache_reuse import assert_same
 
@@ -51,13 +50,6 @@ def soak_engine_flags(
         "--hicache-storage-backend-extra-config", json.dumps(extra),
         "--max-running-requests", "4", "--chunked-prefill-size", "48",
     )
-
-
-def wait_idle(engine: Engine) -> None:
-    deadline = time.monotonic() + 10
-    while not engine.is_idle():
-        assert time.monotonic() < deadline, "requests are still running"
-        time.sleep(0.01)
 
 
 async def one_turn(engine: Engine, request: GenerateRequest, leave: bool) -> Run:
