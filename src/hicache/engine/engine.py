@@ -216,6 +216,8 @@ class Engine:
             "backend": storage.backend.name,
             "prefetch_policy": storage.config.prefetch_policy.value,
             "prefetch_threshold": storage.config.prefetch_threshold,
+            "prefetch_timeout_per_ki_token": storage.config.prefetch_timeout_per_ki_token,
+            "prefetch_timeout_per_ki_token_in_force_s": storage.prefetch_timeout_per_ki_token_s,
             "breaker": storage.breaker.state.value,
             "metrics": asdict(metrics),
             "backend_stats": asdict(storage.backend.stats()),
@@ -248,8 +250,13 @@ class Engine:
             for key, value in asdict(metrics).items():
                 if key != "failures":
                     out[f"storage_{key}"] = float(value)
+            # The controller's reasons (per call) and the backend's (per page): /metrics
+            # exports both as one family, told apart by a source label.
             for reason, count in metrics.failures.items():
                 out[f"storage_failures_{reason}"] = float(count)
+            for reason, count in storage.controller.backend_failures().items():
+                out[f"storage_backend_failures_{reason}"] = float(count)
+            out["storage_prefetch_timeout_per_ki_token_s"] = storage.prefetch_timeout_per_ki_token_s
             page_bytes = cache.host_pool.page_bytes if cache.host_pool is not None else 0
             if metrics.prefetch_seconds > 0:
                 out["storage_prefetch_gbps"] = (
