@@ -185,6 +185,16 @@ class HierarchicalCache:
         """
         return handle.finished or self.storage is None or self.storage.done(handle)
 
+    def prefetch_wanted_pages(self, tokens: TokenIds, extra_key: str | None = None) -> int:
+        """Pages a prefetch of ``tokens`` would ask L3 for now (0: it would not start)."""
+        if self.storage is None:
+            return 0
+        peek = self.peek(tokens, extra_key)
+        missing = len(tokens) // self.page_size - peek.num_device_pages - peek.num_host_pages
+        if missing * self.page_size < max(1, self.storage.config.prefetch_threshold):
+            return 0
+        return missing
+
     def prefetch_pages(self, handle: PrefetchHandle) -> int:
         """Host pages the prefetch may take: what L3 found, or what it asked for until then."""
         if handle.finished:

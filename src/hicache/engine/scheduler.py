@@ -207,12 +207,21 @@ class Scheduler:
             return
         budget_pages = cache.prefetch_budget_pages
         used_pages = sum(self._prefetch_footprint_pages(req) for req in self.waiting)
+        may_start = True  # FIFO: once one does not fit the budget, later ones wait too
         for req in self.waiting:
             if req.prefetch is not None and cache.prefetch_done(req.prefetch):
                 used_pages -= self._prefetch_footprint_pages(req)
                 self._settle_prefetch(req)
                 used_pages += self._prefetch_footprint_pages(req)
-            elif not req.prefetch_tried and used_pages < budget_pages:
+            elif may_start and not req.prefetch_tried:
+                # Only whole: one started past the budget would get the pages left (the
+                # tier caps them), a short prefix of what it could have had later.
+                wanted = cache.prefetch_wanted_pages(
+                    self._match_tokens(req), req.request.extra_key
+                )
+                if used_pages and used_pages + wanted > budget_pages:
+                    may_start = False
+                    continue
                 self._start_prefetch(req)
                 used_pages += self._prefetch_footprint_pages(req)
 
