@@ -37,6 +37,7 @@ import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.api import CachedTokens, GenerateOutput
+from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
 from hicache.engine.sampling import greedy_tokens, sample_row
 from hicache.memory.allocator import OutOfPagesError, PageIds
@@ -92,6 +93,7 @@ class Scheduler:
         self.running: list[Req] = []  # prefilling and decoding, in admission order
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._by_rid: dict[str, Req] = {}
+        self.prefetcher = Prefetcher(cache, enabled=config.enable_prefix_cache)
         # Sees the logits each sampled token came from (tests compare cold and cached runs).
         self.logits_observer: Callable[[str, torch.Tensor], None] | None = None
 
@@ -178,90 +180,14 @@ class Scheduler:
 
     # ------------------------------------------------------------- admission
     def _admit(self) -> None:
-        self._prefetch_waiting()
+        self.prefetcher.advance(self.waiting)
         for req in list(self.waiting):
             if len(self.running) >= self.config.max_running_requests:
                 return
-            if not self._prefetch_settled(req):
+            if not self.prefetcher.settled(req):
                 continue
             if not self._start(req):
                 return  # no room: keep FIFO order
-
-    def _prefetch_waiting(self) -> None:
-        """Start waiting requests' L3 prefetches on arrival; settle the ones that are done.
-
-        Queueing time then hides the fetch (SGLang starts it on arrival too). The
-        requests that wait get host pages for their prefetches only up to the L3
-        tier's budget (``prefetch_max_host_fraction`` of the host pool), counting
-        what their settled prefetches brought: a long queue neither takes the whole
-        host pool (write_back evicts device pages into it) nor evicts its own
-        prefetched pages before they are used; the rest start as room frees.
-
-        A prefetch protects the host prefix it extends until it is settled, so every
-        one that is done is settled now, not only those ahead of the first request
-        that does not fit: otherwise requests queued behind a starved one would pin
-        host memory that it needs, and neither would move.
-        """
-        cache = self.cache
-        if not self.config.enable_prefix_cache or cache.storage is None:
-            return
-        budget_pages = cache.prefetch_budget_pages
-        used_pages = sum(self._prefetch_footprint_pages(req) for req in self.waiting)
-        may_start = True  # FIFO: once one does not fit the budget, later ones wait too
-        for req in self.waiting:
-            if req.prefetch is not None and cache.prefetch_done(req.prefetch):
-                used_pages -= self._prefetch_footprint_pages(req)
-                self._settle_prefetch(req)
-                used_pages += self._prefetch_footprint_pages(req)
-            elif may_start and not req.prefetch_tried:
-                # Only whole: one started past the budget would get the pages left (the
-                # tier caps them), a short prefix of what it could have had later.
-                wanted = cache.prefetch_wanted_pages(
-                    self._match_tokens(req), req.request.extra_key
-                )
-                if used_pages and used_pages + wanted > budget_pages:
-                    may_start = False
-                    continue
-                self._start_prefetch(req)
-                used_pages += self._prefetch_footprint_pages(req)
-
-    def _prefetch_footprint_pages(self, req: Req) -> int:
-        """Host pages a waiting request's prefetch holds or may take (0 once admitted)."""
-        if req.prefetch is not None:
-            return self.cache.prefetch_pages(req.prefetch)
-        if req.num_retractions:
-            return 0  # its prefetched pages were used when it was admitted
-        return req.storage_tokens // self.page_size
-
-    def _start_prefetch(self, req: Req) -> None:
-        req.prefetch_tried = True
-        if self.config.enable_prefix_cache and self.cache.storage is not None:
-            req.prefetch = self.cache.prefetch(self._match_tokens(req), req.request.extra_key)
-
-    def _prefetch_settled(self, req: Req) -> bool:
-        """Start the request's L3 prefetch if it has not; True when the policy lets it run.
-
-        A request considered for admission always may prefetch, whatever the budget
-        of the waiting ones: the L3 tier still caps the host pages it gets.
-        """
-        if not req.prefetch_tried:
-            self._start_prefetch(req)
-        if req.prefetch is None:
-            return True
-        if not self.cache.prefetch_ready(req.prefetch):
-            return False
-        self._settle_prefetch(req)
-        return True
-
-    def _settle_prefetch(self, req: Req) -> None:
-        """End the ready prefetch: what landed joins the tree as host pages."""
-        assert req.prefetch is not None
-        req.storage_tokens += self.cache.finish_prefetch(req.prefetch)
-        req.prefetch = None
-
-    def _match_tokens(self, req: Req) -> list[int]:
-        # At least one token is always computed: its logits give the next token.
-        return req.tokens()[: req.seq_len - 1]
 
     def _start(self, req: Req) -> bool:
         """Admit ``req`` if the device pool has room for it; False (and no side effect) if not.
@@ -271,9 +197,10 @@ class Scheduler:
         cache hit, as it would again on every step while it waits.
         """
         cache = self.cache
-        match_tokens = self._match_tokens(req)
-        prefix = cache.peek(match_tokens, req.request.extra_key) if (
-            self.config.enable_prefix_cache) else None
+        match_tokens = req.match_tokens()
+        prefix = None
+        if self.config.enable_prefix_cache:
+            prefix = cache.peek(match_tokens, req.request.extra_key)
         # Pages it takes: every page of its context but the cached device prefix (a host
         # prefix takes device pages to load into, as recomputing it would); locking that
         # prefix makes its unlocked pages unevictable. Room for that beyond what admitted
@@ -540,9 +467,7 @@ class Scheduler:
             req.text += req.detokenizer.flush()
             if self._cut_at_stop(req):
                 reason = "stop"
-        if req.prefetch is not None:
-            self.cache.cancel_prefetch(req.prefetch)
-            req.prefetch = None
+        self.prefetcher.cancel(req)
         if req.phase is not Phase.WAITING:
             # Keep the KV of a request that finished (or was aborted) mid-way: it
             # is valid, and the next turn of the conversation will want it.
