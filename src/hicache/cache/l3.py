@@ -93,6 +93,10 @@ class StorageTier:
     def num_in_flight_prefetch_pages(self) -> int:
         return self._in_flight_pages
 
+    @property
+    def prefetch_budget_pages(self) -> int:
+        return self._budget
+
     # ------------------------------------------------------------ prefetch
     def start(self, data: bytes, extra_key: str | None) -> PrefetchHandle | None:
         cache, tree = self.cache, self.cache.tree
@@ -136,6 +140,16 @@ class StorageTier:
             assert handle.deadline is not None
             return time.monotonic() >= handle.deadline
         return False
+
+    def done(self, handle: PrefetchHandle) -> bool:
+        """Nothing more will land in time: complete, or past the timeout policy's deadline.
+
+        The same as ``ready`` but under best_effort, where a request may start
+        before its pages land but one that queues anyway should keep fetching.
+        """
+        if self.config.prefetch_policy is not PrefetchPolicy.BEST_EFFORT:
+            return self.ready(handle)
+        return handle.finished or (handle.op.num_existing >= 0 and not handle.in_controller)
 
     def finish(self, handle: PrefetchHandle, keep: bool = True) -> int:
         """End the prefetch; with ``keep``, insert the continuous prefix that has landed.
