@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import xxhash
 
+from hicache.config import ConfigError
 from hicache.local_cache import local_cache_dir
 from hicache.model.loader import LoadFormat
 from hicache.model.presets import DEFAULT_PRESET
@@ -168,7 +169,7 @@ def model_identity(
             shape = file_digest(Path(model_path) / "config.json")
         return f"dummy-{shape}:seed{seed}:{device.type}"
     if model_path is None:
-        raise ValueError("real weights need a model directory")
+        raise ConfigError("--load-format auto needs --model-path (the weights to name)")
     return f"weights-{weights_digest(Path(model_path), digests)}"
 
 
