@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.local_cache import local_cache_dir
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
@@ -81,9 +82,7 @@ except (AttributeError, ValueError, OSError):
 
 
 def default_path() -> Path:
-    base = os.environ.get("HICACHE_CACHE_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "hicache"
-    return root / "l3"
+    return local_cache_dir() / "l3"
 
 
 class FileBackend(StorageBackend):
