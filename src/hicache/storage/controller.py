@@ -435,7 +435,7 @@ class StorageController:
             num_stalled = self.metrics.stalled_calls
         logger.warning(
             "L3 (%s) %s stalled: no answer in %.1f s; treating L3 as down and moving on. "
-            "Its %d host pages stay reserved until it returns (%d calls stalled now)",
+            "Its %d host pages stay reserved until it returns (stalled calls now: %d)",
             self.backend.name, what, time.monotonic() - call.began_s, len(pages), num_stalled,
         )
         self._done.put(("stalled", stalled))

@@ -32,10 +32,11 @@ def prompt(seed: int) -> list[int]:
 
 def engine_with_store(
     make_engine: Callable[..., Engine], policy: PrefetchPolicy, page: int = PAGE,
-    **config: float,
+    flags: tuple[str, ...] = (), **config: float,
 ) -> tuple[Engine, MemoryBackend]:
     engine = make_engine(
-        "--page-size", str(page), "--max-total-tokens", "2048", "--enable-hierarchical-cache"
+        "--page-size", str(page), "--max-total-tokens", "2048", "--enable-hierarchical-cache",
+        *flags,  # later flags win
     )
     backend = MemoryBackend()
     storage = StorageConfig(

@@ -98,8 +98,11 @@ def test_a_hung_get_is_left_behind_and_only_its_pages_wait_for_it(
     caplog.set_level(logging.INFO, logger="hicache.storage")
     # Page size 1: the prompt's 199 pages are read in two batches (128 + 71). Under
     # the timeout policy the request moves on (0.2 s) before the call's deadline.
+    # A host pool of 588 pages: two prompts and the reserved pages fit, and pages
+    # freed too early would be handed to the second prompt's host copy.
     engine, backend = engine_with_store(
-        make_engine, policy, page=1, io_timeout_s=IO_TIMEOUT_S, breaker_backoff_base=BACKOFF_S,
+        make_engine, policy, page=1, flags=("--max-total-tokens", "420", "--hicache-ratio", "1.4"),
+        io_timeout_s=IO_TIMEOUT_S, breaker_backoff_base=BACKOFF_S,
         prefetch_timeout_base=0.2, prefetch_timeout_per_ki_token=0.0,
     )
     ids, fresh_ids = prompt(11), prompt(12)
@@ -139,11 +142,13 @@ def test_a_hung_get_is_left_behind_and_only_its_pages_wait_for_it(
     assert logged(caplog, logging.INFO, "(memory) answered again", "128 host pages")
     assert tier(engine).num_in_flight_prefetch_pages == 0
     engine.check_integrity()
-    # The garbage landed in no one's KV: the fresh prompt, back from L2, is unchanged.
+    # The garbage landed in no one's KV: both prompts, back from L2, are unchanged
+    # (the recomputed one's host copy was allocated while the get hung).
     assert engine.evict_device_cache() > 0
-    again = run_bounded(engine, fresh_ids)
-    assert again.last.cached_tokens.host > 0
-    assert again.token_ids == fresh.token_ids
+    for prompt_ids, first in ((ids, cold), (fresh_ids, fresh)):
+        again = run_bounded(engine, prompt_ids)
+        assert again.last.cached_tokens.host > 0
+        assert again.token_ids == first.token_ids
     serves_from_l3_again(engine, ids, cold, PROMPT - 1)
     engine.check_integrity()
 
