@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.cache_dir import cache_dir
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
@@ -79,9 +80,7 @@ except (AttributeError, ValueError, OSError):
 
 
 def default_path() -> Path:
-    base = os.environ.get("HICACHE_CACHE_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "hicache"
-    return root / "l3"
+    return cache_dir() / "l3"
 
 
 class FileBackend(StorageBackend):
