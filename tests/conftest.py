@@ -1,0 +1,18 @@
+"""Fixtures shared across test packages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.model.default_model import default_model_path
+from hicache.model.gguf_cache import ConvertedModel, prepare_gguf
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> ConvertedModel:
+    """The default model (SmolLM2-135M-Instruct GGUF) converted to float32 once per session,
+    into a cache dir of its own: point ``HICACHE_CACHE_DIR`` at ``path.parent.parent`` and
+    anything loading the GGUF in float32 on CPU finds the conversion there."""
+    root = tmp_path_factory.mktemp("hicache-cache")
+    return prepare_gguf(default_model_path(), torch.float32, root)
