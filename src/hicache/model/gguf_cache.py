@@ -105,10 +105,14 @@ def prepare_gguf(
         try:
             temporary.rename(target)
         except OSError:
-            if not (target / SOURCE_FILE).is_file():
-                raise
-            # Another process finished the same conversion first; theirs is as good.
-            shutil.rmtree(temporary, ignore_errors=True)
+            if (target / SOURCE_FILE).is_file():
+                # Another process finished the same conversion first; theirs is as good.
+                shutil.rmtree(temporary, ignore_errors=True)
+            else:
+                # A dir of that name without the file written last is not a conversion
+                # of ours (emptied by hand, say): ours replaces it.
+                shutil.rmtree(target)
+                temporary.rename(target)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise

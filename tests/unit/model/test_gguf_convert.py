@@ -207,3 +207,13 @@ def test_leftovers_of_dead_conversions_are_removed(
 )
 def test_model_name_drops_the_quantization_tag(file_name: str, model_name: str) -> None:
     assert gguf_model_name(file_name) == model_name
+
+
+def test_a_dir_without_the_final_file_is_converted_again(llama: Any, tmp_path: Path) -> None:
+    path = write_gguf(llama, tmp_path / "m.gguf")
+    first = prepare_gguf(path, torch.float32)
+    (first.path / SOURCE_FILE).unlink()  # as if emptied by hand, or never finished
+    (first.path / "model.safetensors").write_bytes(b"junk")
+    again = prepare_gguf(path, torch.float32)
+    assert again.converted and again.path == first.path
+    assert load_model(path, "auto", None, "float32", "cpu").config.num_layers == 2
