@@ -18,7 +18,6 @@ token sequences it has never seen.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,8 +83,7 @@ class GGUFTokenizerFiles:
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> GGUFTokenizerFiles:
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-        from tokenizers.processors import TemplateProcessing
+        from tokenizers import AddedToken, Tokenizer, decoders, models
 
         kind = metadata.get("tokenizer.ggml.model")
         if kind != SUPPORTED_TOKENIZER_MODEL:
@@ -104,17 +102,12 @@ class GGUFTokenizerFiles:
         merges: list[str] = list(_required(metadata, "tokenizer.ggml.merges"))
         types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [])
 
-        vocab = {token: index for index, token in enumerate(tokens)}
-        pairs = [_merge_pair(merge) for merge in merges]
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-        how = PRE_TOKENIZERS[pre]
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=how.gpt2_regex)
-        if how.split is None:
-            tok.pre_tokenizer = byte_level
-        else:
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(how.split), behavior="isolated"), byte_level]
-            )
+        tok = Tokenizer(models.BPE(
+            vocab={token: index for index, token in enumerate(tokens)},
+            merges=[_merge_pair(merge) for merge in merges],
+            fuse_unk=False,
+        ))
+        tok.pre_tokenizer = _pre_tokenizer(PRE_TOKENIZERS[pre])
         tok.decoder = decoders.ByteLevel()
         # Added tokens are already in the vocabulary: adding them keeps their ids and makes
         # the tokenizer match them whole in text.
@@ -126,25 +119,17 @@ class GGUFTokenizerFiles:
             AddedToken(tokens[i], special=False, normalized=False)
             for i, kind_id in enumerate(types) if kind_id == _USER_DEFINED
         ])
-
         bos_id = _token_id(metadata, "bos", len(tokens))
         eos_id = _token_id(metadata, "eos", len(tokens))
         add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
         add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-        # tokenizers' template syntax: "<s>:0 $A:0" puts <s> before every text.
-        template = ["$A:0"]
-        added_ids: list[int] = []
-        for on, token_id, at in ((add_bos, bos_id, 0), (add_eos, eos_id, 1)):
-            if not on:
-                continue
-            if token_id is None:
-                raise GGUFError("the GGUF asks to add a BOS or EOS token but names none")
-            template.insert(at if at == 0 else len(template), f"{tokens[token_id]}:0")
-            added_ids.append(token_id)
-        if added_ids:
-            tok.post_processor = TemplateProcessing(
-                single=" ".join(template), special_tokens=[(tokens[i], i) for i in added_ids]
-            )
+        if (add_bos and bos_id is None) or (add_eos and eos_id is None):
+            raise GGUFError("the GGUF asks to add a BOS or EOS token but names none")
+        around = _bos_eos_template(
+            tokens, bos_id if add_bos else None, eos_id if add_eos else None
+        )
+        if around is not None:
+            tok.post_processor = around
 
         config: dict[str, Any] = {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -166,8 +151,32 @@ class GGUFTokenizerFiles:
         generation = {"bos_token_id": bos_id, "eos_token_id": list(dict.fromkeys(stop_ids))}
         return cls(tok.to_str(), config, generation)
 
-    def dumps_tokenizer_config(self) -> str:
-        return json.dumps(self.tokenizer_config, indent=2, ensure_ascii=False)
+
+def _pre_tokenizer(how: _PreTokenizer) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=how.gpt2_regex)
+    if how.split is None:
+        return byte_level
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(how.split), behavior="isolated"), byte_level]
+    )
+
+
+def _bos_eos_template(tokens: list[str], bos_id: int | None, eos_id: int | None) -> Any:
+    """The post-processor adding BOS before / EOS after every text, or None for neither."""
+    from tokenizers.processors import TemplateProcessing
+
+    if bos_id is None and eos_id is None:
+        return None
+    # tokenizers' template syntax: "<s>:0 $A:0" puts <s> before the text (sequence 0).
+    pieces = [
+        *([f"{tokens[bos_id]}:0"] if bos_id is not None else []),
+        "$A:0",
+        *([f"{tokens[eos_id]}:0"] if eos_id is not None else []),
+    ]
+    ids = [i for i in (bos_id, eos_id) if i is not None]
+    return TemplateProcessing(single=" ".join(pieces), special_tokens=[(tokens[i], i) for i in ids])
 
 
 def _merge_pair(merge: str) -> tuple[str, str]:

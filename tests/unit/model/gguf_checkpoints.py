@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from tests.unit.model.hf_checkpoints import VOCAB
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+BOS_ID = VOCAB - 4  # <|endoftext|>
 EOS_ID = VOCAB - 3  # <|im_end|>
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -82,7 +83,7 @@ def write_gguf(
     quant: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
     edit: Callable[[gguf.GGUFWriter], None] | None = None,
     tokenizer_model: str = "gpt2", arch: str | None = None,
-    raw_types: dict[str, type[np.floating[Any]]] | None = None,
+    raw_types: dict[str, type[np.floating[Any]]] | None = None, add_bos: bool = False,
 ) -> Path:
     """Write ``model`` as a GGUF file at ``path``; ``edit`` may add or change metadata;
     ``raw_types`` writes the named tensors unquantized in the given numpy float type."""
@@ -108,9 +109,9 @@ def write_gguf(
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(VOCAB - 4)
+    writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(TEMPLATE)
     if edit is not None:
         edit(writer)

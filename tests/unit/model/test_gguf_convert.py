@@ -29,7 +29,7 @@ from hicache.model.config import Architecture
 from hicache.model.gguf_cache import SOURCE_FILE, gguf_model_name, prepare_gguf
 from hicache.model.safetensors_writer import SafetensorsWriter
 from tests.model_scenarios import SlotAllocator, new_pool, random_tokens, run_in_steps
-from tests.unit.model.gguf_checkpoints import EOS_ID, write_gguf
+from tests.unit.model.gguf_checkpoints import BOS_ID, EOS_ID, write_gguf
 from tests.unit.model.hf_checkpoints import _COMMON, VOCAB, build_hf_model, hf_logits, variants
 
 Q = gguf.GGMLQuantizationType
@@ -93,11 +93,17 @@ def test_logits_equal_transformers_reading_the_same_file(case: str, tmp_path: Pa
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt2"])
-def test_tokenizer_splits_text_as_transformers(pre: str, llama: Any, tmp_path: Path) -> None:
-    path = write_gguf(llama, tmp_path / "m.gguf", pre=pre)
+@pytest.mark.parametrize(
+    ("pre", "add_bos"), [("qwen2", False), ("llama-bpe", True), ("gpt2", False)]
+)
+def test_tokenizer_splits_text_as_transformers(
+    pre: str, add_bos: bool, llama: Any, tmp_path: Path
+) -> None:
+    path = write_gguf(llama, tmp_path / "m.gguf", pre=pre, add_bos=add_bos)
     expected = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     ours = load_model(path, "auto", None, "float32", "cpu").tokenizer
+    assert (ours.encode("hi")[0] == BOS_ID) is add_bos
+    assert ours.encode("hi", add_special_tokens=False)[0] != BOS_ID
     for text in TEXTS:
         ids = ours.encode(text)
         assert ids == expected(text)["input_ids"], text
