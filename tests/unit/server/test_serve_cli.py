@@ -23,7 +23,8 @@ from hicache.server.serve import log_tiers
 from hicache.server.serve import main as serve_main
 from tests.listeners import listening_sockets
 
-SMALL = ["--device", "cpu", "--max-total-tokens", "1024"]
+# Dummy weights of the tiny preset: serve's own default model (SmolLM2) is tested elsewhere.
+SMALL = ["--device", "cpu", "--max-total-tokens", "1024", "--model-preset", "tiny"]
 START_TIMEOUT_S = 90.0  # a cold interpreter imports torch first
 
 

@@ -26,6 +26,7 @@ REUSED = (len(PROMPT) - 1) // PAGE * PAGE
 def server_args(extra: dict[str, Any]) -> list[str]:
     config = {**extra, "prefetch_threshold": PAGE}
     return [
+        "--model-preset", "tiny",
         "--device", "cpu", "--max-total-tokens", "2048", "--page-size", str(PAGE),
         "--hicache-storage-backend", "mooncake",
         "--hicache-storage-prefetch-policy", "wait_complete",
