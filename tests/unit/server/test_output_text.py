@@ -44,7 +44,7 @@ def ids(text: str) -> list[int]:
 
 
 def test_engine_text_passes_through_and_the_stop_token_is_matched() -> None:
-    steps = [(ids("ab"), "ab"), ([SYSTEM], ""), (ids("c") + [EOS], "c")]
+    steps = [(ids("ab"), "ab"), ([SYSTEM], ""), ([*ids("c"), EOS], "c")]
     deltas, text = run(steps, "stop", SamplingParams(), TextOptions())
     assert deltas == ["ab", "", "c"] and text.text == "abc"
     assert text.matched == EOS
@@ -52,7 +52,7 @@ def test_engine_text_passes_through_and_the_stop_token_is_matched() -> None:
 
 
 def test_special_tokens_kept_when_asked_but_not_the_stop_token() -> None:
-    steps = [(ids("ab"), "ab"), ([SYSTEM], ""), (ids("c") + [EOS], "c")]
+    steps = [(ids("ab"), "ab"), ([SYSTEM], ""), ([*ids("c"), EOS], "c")]
     _, kept = run(steps, "stop", SamplingParams(), TextOptions(skip_special_tokens=False))
     assert kept.text == "ab<|system|>c"
     assert kept.matched == EOS

@@ -16,7 +16,7 @@ from hicache.server.generate_protocol import GenerateReqInput, GenerateSamplingP
 from hicache.server.protocol import CompletionRequest, Neutral, StrictModel
 from tests.server_fixtures import RunningServer, serve_in_thread
 
-SGLANG_GENERATE_FIELDS = """
+_GENERATE_FIELDS = """
 rid session_id text input_ids input_embeds image_data video_data audio_data mm_hashes
 mm_content_hashes use_audio_in_video video_config sampling_params return_logprob
 logprob_start_len top_logprobs_num token_ids_logprob return_sampling_mask
@@ -30,13 +30,15 @@ priority extra_key no_logs custom_labels return_bytes return_entropy return_prom
 external_trace_header received_time need_wait_for_mm_inputs num_items_assigned encoder_urls
 max_dynamic_patch min_dynamic_patch image_max_dynamic_patch video_max_dynamic_patch
 images_config multi_item_delimiter_indices cache_salt
-""".split()
-SGLANG_SAMPLING_FIELDS = """
+"""
+_SAMPLING_FIELDS = """
 max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty
 presence_penalty repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag
 ignore_eos skip_special_tokens spaces_between_special_tokens no_stop_trim custom_params
 stream_interval logit_bias sampling_seed
-""".split()
+"""
+SGLANG_GENERATE_FIELDS = _GENERATE_FIELDS.split()
+SGLANG_SAMPLING_FIELDS = _SAMPLING_FIELDS.split()
 # What SGLang's router adds to the requests it forwards.
 ROUTER_GENERATE = {"model": None, "return_text_in_logprobs": False, "log_metrics": True,
                    "return_hidden_states": False, "background": False, "no_logs": False,
