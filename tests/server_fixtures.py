@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from hicache.engine.engine import Engine, add_engine_args, build_engine
 from hicache.server.app import create_app
+from hicache.server.server_info import server_info_from_args
 
 # On CPU even where a GPU is present: the same numbers, hence the same greedy outputs,
 # on every machine.
@@ -49,10 +50,14 @@ class RunningServer:
         return self.wait_until(self.engine.is_idle, timeout_s)
 
 
-def build_test_engine(engine_args: Sequence[str] = ()) -> Engine:
+def parse_test_args(engine_args: Sequence[str] = ()) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    return build_engine(parser.parse_args([*TINY_ENGINE_ARGS, *engine_args]))
+    return parser.parse_args([*TINY_ENGINE_ARGS, *engine_args])
+
+
+def build_test_engine(engine_args: Sequence[str] = ()) -> Engine:
+    return build_engine(parse_test_args(engine_args))
 
 
 @contextmanager
@@ -92,10 +97,12 @@ def serve_in_thread(
     engine_args: Sequence[str] = (), *, admin_api_key: str | None = None,
     served_model_name: str | None = None,
 ) -> Iterator[RunningServer]:
-    engine = build_test_engine(engine_args)
+    args = parse_test_args(engine_args)
+    engine = build_engine(args)
     try:
         app = create_app(
-            engine, admin_api_key=admin_api_key, served_model_name=served_model_name
+            engine, admin_api_key=admin_api_key, served_model_name=served_model_name,
+            info=server_info_from_args(args),
         )
         with serve_app_in_thread(app) as url:
             yield RunningServer(url, engine)

@@ -97,8 +97,6 @@ class EngineProtocol(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
-
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Validate (raising RequestError before anything is queued), then stream outputs.
 

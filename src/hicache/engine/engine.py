@@ -83,12 +83,6 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        try:
-            return self.tokenizer.encode_chat(messages)
-        except ValueError as error:
-            raise RequestError(f"messages: {error}") from None
-
     def validate(self, request: GenerateRequest) -> None:
         request.sampling.validate(self.vocab_size)
         ids = request.input_ids

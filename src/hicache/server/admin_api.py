@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from hicache.config import ConfigError
 from hicache.server.errors import APIError, parse_body
 from hicache.server.protocol import StorageBackendRequest
+from hicache.server.server_info import public_config
 from hicache.server.state import ServerState, get_state
 from hicache.storage.base import StorageError
 
@@ -72,6 +73,7 @@ async def attach_storage(request: Request) -> dict[str, Any]:
     await _change_storage(
         state, state.engine.attach_storage, body.backend, body.extra_config, body.prefetch_policy
     )
+    state.storage_config = public_config(body.extra_config)  # for /get_server_info
     return state.engine.storage_status()
 
 

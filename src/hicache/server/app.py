@@ -9,7 +9,11 @@ code after ``uvicorn.run`` may never run. Routes:
     POST /v1/completions, /v1/chat/completions   GET /v1/models     (openai_api)
     POST /generate                                                   (generate_api)
     PUT/GET/DELETE /hicache/storage-backend                          (admin_api)
-    POST /flush_cache   GET /health   GET /metrics   GET /get_model_info
+    POST /flush_cache   GET /health   GET /metrics
+    GET /get_model_info, /model_info, /get_server_info, /server_info  (server_info)
+
+The served model name defaults to the engine's; ``hicache serve`` passes
+``--served-model-name``, else ``--model-path`` as given (as SGLang does).
 """
 
 from __future__ import annotations
@@ -22,18 +26,20 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from hicache.engine.api import EngineProtocol
+from hicache import __version__
 from hicache.server import admin_api, generate_api, openai_api
 from hicache.server.errors import APIError, install_error_handlers
 from hicache.server.metrics import ServerMetrics
-from hicache.server.state import ServerState, get_state
+from hicache.server.server_info import ServerInfo, l3_description, model_info, server_info
+from hicache.server.state import ServedEngine, ServerState, get_state
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def create_app(
-    engine: EngineProtocol, *, admin_api_key: str | None = None,
-    served_model_name: str | None = None, on_shutdown: Callable[[], None] | None = None,
+    engine: ServedEngine, *, admin_api_key: str | None = None,
+    served_model_name: str | None = None, info: ServerInfo | None = None,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -46,11 +52,14 @@ def create_app(
     app = FastAPI(
         title="hicache", summary="LLM serving with a hierarchical KV cache", lifespan=lifespan
     )
+    info = info or ServerInfo()
     app.state.hicache = ServerState(
         engine=engine,
         served_model_name=served_model_name or engine.model_name,
         admin_api_key=admin_api_key or None,  # an empty key would let anyone in
         metrics=ServerMetrics(engine),
+        info=info,
+        storage_config=dict(info.storage_config),
     )
     install_error_handlers(app)
     app.include_router(openai_api.router)
@@ -77,13 +86,32 @@ def create_app(
             raise APIError(409, "requests are running: flush the cache when the server is idle")
         return {"flushed": True, "message": "device and host caches flushed (L3 kept)"}
 
+    # SGLang's router probes /model_info then /get_model_info (and the same for the
+    # server info): both names answer.
     @app.get("/get_model_info")
-    async def model_info(request: Request) -> dict[str, Any]:
+    @app.get("/model_info")
+    async def get_model_info(request: Request) -> dict[str, Any]:
         state = get_state(request)
         engine = state.engine
         return {
-            "model": state.served_model_name, "engine_model_name": engine.model_name,
+            **model_info(state.info, state.served_model_name, engine.model_name),
             "max_context_len": engine.max_context_len, "vocab_size": engine.vocab_size,
         }
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info(request: Request) -> dict[str, Any]:
+        state = get_state(request)
+        engine = state.engine
+        l3 = l3_description(engine.storage_status(), state.storage_config)
+        counters = engine.metrics()
+        pages, page_size = counters.get("device_pool_pages"), state.info.server_args.get(
+            "page_size")
+        limits = {
+            "max_total_num_tokens": int(pages * page_size) if pages and page_size else None,
+            "max_req_input_len": engine.max_context_len,
+            "context_length": engine.max_context_len,
+        }
+        return server_info(state.info, state.served_model_name, l3, limits, counters, __version__)
 
     return app

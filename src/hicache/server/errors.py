@@ -68,7 +68,10 @@ def describe_validation_error(
     problems: list[str] = []
     first_param: str | None = None
     for item in error.errors():
-        loc = [str(part) for part in item.get("loc", ()) if part != "body"]
+        # Union branch tags ("~one", "~batch": a field that is one item or a list) are
+        # not part of the field's path.
+        loc = [str(part) for part in item.get("loc", ())
+               if part != "body" and not str(part).startswith("~")]
         path = ".".join(loc)
         kind = item.get("type", "")
         if kind == "json_invalid":

@@ -4,14 +4,21 @@
 tier they came from (device, host, storage) — the route to watch when
 checking the hierarchical cache. As in SGLang, each streamed chunk carries
 the whole text and token ids so far (not a delta) and its meta_info;
-``finish_reason`` is null until the last chunk.
+``finish_reason`` is null until the last chunk, then SGLang's dict
+(``{"type": "length", "length": N}``, ``{"type": "stop", "matched": ...}``),
+and ``ttft`` is there from the first chunk with a token. A batch (a list of
+prompts) runs concurrently and answers a JSON list, one result per prompt.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -20,76 +27,132 @@ from starlette.responses import Response
 from hicache.engine.api import GenerateOutput, GenerateRequest
 from hicache.server import tokenization
 from hicache.server.errors import APIError, error_payload, parse_body
-from hicache.server.generation import Generation, start_generation
-from hicache.server.protocol import (
-    CachedTokensDetails,
+from hicache.server.generate_protocol import (
     GenerateMetaInfo,
     GenerateReqInput,
     GenerateResponse,
 )
+from hicache.server.generation import Generation, start_generation
+from hicache.server.output_text import OutputText, TextOptions, finish_reason
+from hicache.server.protocol import CachedTokensDetails
 from hicache.server.sse import DONE, EventStreamResponse, event
-from hicache.server.state import get_state
+from hicache.server.state import ServerState, get_state
 
 router = APIRouter()
 
 
-def meta_info(rid: str, output: GenerateOutput, started: float) -> GenerateMetaInfo:
-    cached = output.cached_tokens
-    latency = output.latency_s if output.latency_s is not None else time.monotonic() - started
-    return GenerateMetaInfo(
-        id=rid,
-        prompt_tokens=output.prompt_tokens,
-        completion_tokens=output.completion_tokens,
-        cached_tokens=cached.total,
-        cached_tokens_details=CachedTokensDetails(
-            device=cached.device, host=cached.host, storage=cached.storage
-        ),
-        finish_reason=output.finish_reason if output.finished else None,
-        e2e_latency=latency,
-        ttft=output.ttft_s,
-    )
+@dataclass
+class _Running:
+    """One prompt of the request, submitted: its id, its stream, its text as asked."""
+
+    rid: str
+    generation: Generation
+    text: OutputText
+
+    def response(self, output: GenerateOutput) -> GenerateResponse:
+        cached = output.cached_tokens
+        generation = self.generation
+        latency = (output.latency_s if output.latency_s is not None
+                   else time.monotonic() - generation.started)
+        meta = GenerateMetaInfo(
+            id=self.rid,
+            prompt_tokens=output.prompt_tokens,
+            completion_tokens=output.completion_tokens,
+            cached_tokens=cached.total,
+            cached_tokens_details=CachedTokensDetails(
+                device=cached.device, host=cached.host, storage=cached.storage
+            ),
+            finish_reason=finish_reason(output, self.text.matched),
+            e2e_latency=latency,
+            ttft=generation.first_token_s,
+        )
+        return GenerateResponse(text=self.text.text, output_ids=list(self.text.token_ids),
+                                meta_info=meta)
 
 
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, GenerateReqInput)
-    if body.text is not None:
-        if not body.text:
+    state.check_model(body.model)
+    if not body.is_batch:
+        running = await _start(state, body, 0)
+        if body.stream:
+            return EventStreamResponse(_events(running))
+        result = await _complete(running, request.is_disconnected)
+        return JSONResponse(result.model_dump())
+    batch = await _start_batch(state, body)
+    try:
+        results = await asyncio.gather(
+            *(_complete(item, request.is_disconnected) for item in batch)
+        )
+    finally:  # a failed item: the others stop too (they hold pages nobody will read)
+        for item in batch:
+            await item.generation.aclose()
+    return JSONResponse([result.model_dump() for result in results])
+
+
+async def _start(state: ServerState, body: GenerateReqInput, index: int) -> _Running:
+    prompt = body.item_prompt(index)
+    if isinstance(prompt, str):
+        if not prompt:
             raise APIError(400, "the prompt is empty", param="text")
-        input_ids = await tokenization.tokenize(state.engine, body.text)
+        input_ids = await tokenization.tokenize(state.engine, prompt)
     else:
-        assert body.input_ids is not None  # the model checks exactly one is given
-        input_ids = body.input_ids
-    rid = uuid.uuid4().hex
-    generation = await start_generation(
-        state, GenerateRequest(tuple(input_ids), body.sampling_params.to_engine(), rid=rid)
+        input_ids = prompt
+    params = body.item_sampling(index)
+    max_new_tokens = params.max_new_tokens
+    if max_new_tokens is None:  # the rest of the context (at least 1: see chat)
+        max_new_tokens = max(1, state.engine.max_context_len - len(input_ids))
+    sampling = params.to_engine(max_new_tokens)
+    rid = body.item_rid(index) or uuid.uuid4().hex
+    engine_request = GenerateRequest(
+        tuple(input_ids), sampling, rid=rid, extra_key=body.item_cache_key(index)
     )
-    if body.stream:
-        return EventStreamResponse(_events(generation, rid))
-    done = await generation.collect(request.is_disconnected)
-    response = GenerateResponse(
-        text=done.text, output_ids=list(done.token_ids),
-        meta_info=meta_info(rid, done.last, generation.started),
-    )
-    return JSONResponse(response.model_dump())
+    generation = await start_generation(state, engine_request, log_metrics=body.log_metrics)
+    tokenizer = state.engine.tokenizer
+    options = TextOptions(params.skip_special_tokens, params.no_stop_trim)
+    text = OutputText(tokenizer, input_ids, sampling, options, tokenizer.eos_token_ids)
+    return _Running(rid, generation, text)
 
 
-async def _events(generation: Generation, rid: str) -> AsyncGenerator[str, None]:
-    text = ""
-    token_ids: list[int] = []
+async def _start_batch(state: ServerState, body: GenerateReqInput) -> list[_Running]:
+    """Submit every prompt at once (each waits for its first token); if one is refused,
+    the others are stopped and the error names the refused prompt."""
+    outcomes = await asyncio.gather(
+        *(_start(state, body, i) for i in range(body.batch_size)), return_exceptions=True
+    )
+    started = [o for o in outcomes if isinstance(o, _Running)]
+    for index, outcome in enumerate(outcomes):
+        if isinstance(outcome, BaseException):
+            for item in started:
+                await item.generation.aclose()
+            if isinstance(outcome, APIError):
+                outcome.message = f"prompt {index} of the batch: {outcome.message}"
+            raise outcome
+    return started
+
+
+async def _complete(
+    running: _Running, disconnected: Callable[[], Awaitable[bool]]
+) -> GenerateResponse:
+    done = await running.generation.collect(disconnected)
+    # The whole output at once: the text is decoded (or taken) in one go.
+    whole = dataclasses.replace(done.last, token_ids=done.token_ids, text=done.text)
+    running.text.push(whole)
+    return running.response(whole)
+
+
+async def _events(running: _Running) -> AsyncGenerator[str, None]:
+    generation = running.generation
     try:
         async for output in generation:
             if output.error is not None:
                 yield event(error_payload(500, f"the engine failed the request: {output.error}"))
                 break
-            text += output.text
-            token_ids.extend(output.token_ids)
-            body = GenerateResponse(
-                text=text, output_ids=token_ids,
-                meta_info=meta_info(rid, output, generation.started),
-            )
-            yield event(body.model_dump())
+            running.text.push(output)
+            payload: dict[str, Any] = running.response(output).model_dump()
+            yield event(payload)
         yield DONE
     finally:
         await generation.aclose()

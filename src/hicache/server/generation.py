@@ -6,6 +6,10 @@ refused request (``RequestError``) is still a plain 400 rather than an error
 inside an already-started 200 stream. ``Generation`` then yields the outputs,
 records the finished request's latencies, and closes the engine's stream in
 every case — closing it early is what aborts the request and frees its pages.
+The request's id is held (``ServerState.claim_rid``) from submission until the
+stream is closed. ``first_token_s`` is when the first generated token reached
+the server, in seconds after arrival (SGLang's ``ttft``, known from the first
+streamed chunk on).
 """
 
 from __future__ import annotations
@@ -35,12 +39,15 @@ class Completed:
 class Generation:
     def __init__(
         self, state: ServerState, stream: AsyncIterator[GenerateOutput], first: GenerateOutput,
-        started: float,
+        started: float, rid: str, log_metrics: bool = True,
     ) -> None:
         self._state = state
         self._stream = stream
         self._first: GenerateOutput | None = first
+        self._rid: str | None = rid
+        self._log_metrics = log_metrics
         self.started = started  # time.monotonic() at arrival
+        self.first_token_s: float | None = None
 
     async def __aiter__(self) -> AsyncIterator[GenerateOutput]:
         try:
@@ -59,14 +66,21 @@ class Generation:
             await self.aclose()
 
     def _finish(self, output: GenerateOutput) -> None:
-        if output.finished:
+        if self.first_token_s is None and output.token_ids:
+            self.first_token_s = time.monotonic() - self.started
+        if output.finished and self._log_metrics:
             self._state.metrics.observe(output)
 
     async def aclose(self) -> None:
         """Stop reading; the engine aborts the request if it has not finished."""
-        close = getattr(self._stream, "aclose", None)
-        if close is not None:
-            await close()
+        try:
+            close = getattr(self._stream, "aclose", None)
+            if close is not None:
+                await close()
+        finally:
+            if self._rid is not None:
+                self._state.release_rid(self._rid)
+                self._rid = None
 
     async def collect(
         self, disconnected: Callable[[], Awaitable[bool]] | None = None
@@ -107,21 +121,28 @@ class Generation:
         return Completed("".join(texts), tuple(tokens), last)
 
 
-async def start_generation(state: ServerState, request: GenerateRequest) -> Generation:
-    """Submit ``request`` and wait for its first output; RequestError becomes a 400."""
+async def start_generation(
+    state: ServerState, request: GenerateRequest, log_metrics: bool = True
+) -> Generation:
+    """Submit ``request`` (its rid set) and wait for its first output; RequestError
+    becomes a 400, a rid already in flight too."""
     started = time.monotonic()
+    state.claim_rid(request.rid)
     stream = state.engine.generate(request)
     try:
         first = await anext(stream)
-    except RequestError as error:
-        raise APIError(400, str(error)) from None
-    except StopAsyncIteration:
-        raise APIError(500, "the engine returned no output") from None
-    except RuntimeError as error:  # the engine is not running (shutting down)
-        raise APIError(503, str(error)) from None
-    except BaseException:
-        close = getattr(stream, "aclose", None)
-        if close is not None:
-            await close()
+    except BaseException as error:
+        try:
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+        finally:
+            state.release_rid(request.rid)
+        if isinstance(error, RequestError):
+            raise APIError(400, str(error)) from None
+        if isinstance(error, StopAsyncIteration):
+            raise APIError(500, "the engine returned no output") from None
+        if isinstance(error, RuntimeError):  # the engine is not running (shutting down)
+            raise APIError(503, str(error)) from None
         raise
-    return Generation(state, stream, first, started)
+    return Generation(state, stream, first, started, request.rid, log_metrics)

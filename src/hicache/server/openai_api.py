@@ -3,11 +3,17 @@
 Streaming follows OpenAI: ``data:`` chunks, then ``data: [DONE]``; with
 ``stream_options.include_usage`` one more chunk before [DONE] carries the
 usage and an empty ``choices``. Usage reports the prompt tokens served from
-the cache as ``prompt_tokens_details.cached_tokens`` (every tier together).
+the cache as ``prompt_tokens_details.cached_tokens`` (every tier together);
+``return_cached_tokens_details`` adds SGLang's ``sglext.cached_tokens_details``
+(by tier). Choices carry SGLang's ``matched_stop``. A chat request with tools
+gets the model's ``<tool_call>`` blocks back as ``tool_calls`` (finish reason
+"tool_calls"); streamed, content streams up to the first call and the calls
+come in one delta at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -17,25 +23,33 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from hicache.engine.api import GenerateOutput, GenerateRequest
+from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
 from hicache.server import tokenization
-from hicache.server.errors import APIError, error_payload, parse_body
-from hicache.server.generation import Generation, start_generation
-from hicache.server.protocol import (
+from hicache.server.chat_protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessageOut,
+    FunctionCallOut,
+    ToolCallOut,
+)
+from hicache.server.errors import APIError, error_payload, parse_body
+from hicache.server.generation import Completed, Generation, start_generation
+from hicache.server.output_text import OutputText, TextOptions
+from hicache.server.protocol import (
+    CachedTokensDetails,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    SglExt,
     Usage,
 )
 from hicache.server.sse import DONE, EventStreamResponse, event
-from hicache.server.state import ServerState, get_state
+from hicache.server.state import ServerState, get_state, last_path_component
+from hicache.server.tool_parser import ParsedToolCall, ToolCallStream, parse_tool_calls
 
 router = APIRouter()
 
@@ -52,11 +66,31 @@ def usage_of(output: GenerateOutput) -> Usage:
     )
 
 
+def sglext_of(output: GenerateOutput) -> SglExt:
+    cached = output.cached_tokens
+    return SglExt(cached_tokens_details=CachedTokensDetails(
+        device=cached.device, host=cached.host, storage=cached.storage
+    ))
+
+
 def _model_card(state: ServerState) -> ModelCard:
     return ModelCard(
         id=state.served_model_name, created=state.created,
+        root=last_path_component(state.served_model_name),
         max_model_len=state.engine.max_context_len,
     )
+
+
+def _output_text(
+    state: ServerState, input_ids: list[int], sampling: SamplingParams, options: TextOptions
+) -> OutputText:
+    tokenizer = state.engine.tokenizer
+    return OutputText(tokenizer, input_ids, sampling, options, tokenizer.eos_token_ids)
+
+
+def _whole(done: Completed) -> GenerateOutput:
+    """The request's outputs as one (its text decoded in one go)."""
+    return dataclasses.replace(done.last, token_ids=done.token_ids, text=done.text)
 
 
 @router.get("/v1/models")
@@ -83,36 +117,49 @@ async def create_completion(request: Request) -> Response:
     else:
         input_ids = body.prompt
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid = body.rid or f"cmpl-{uuid.uuid4().hex}"
+    sampling = body.sampling_params(max_tokens)
     generation = await start_generation(
-        state, GenerateRequest(tuple(input_ids), body.sampling_params(max_tokens), rid=rid)
+        state, GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key)
     )
+    text = _output_text(state, input_ids, sampling,
+                        TextOptions(body.skip_special_tokens, body.no_stop_trim))
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created,
             "model": state.served_model_name}
     if body.stream:
-        return EventStreamResponse(_completion_events(generation, head, body.include_usage))
+        return EventStreamResponse(_completion_events(generation, text, head, body.include_usage))
     done = await generation.collect(request.is_disconnected)
+    whole = _whole(done)
+    text.push(whole)
     response = CompletionResponse(
         id=rid, created=created, model=state.served_model_name,
-        choices=[CompletionChoice(text=done.text, finish_reason=done.last.finish_reason)],
-        usage=usage_of(done.last),
+        choices=[CompletionChoice(text=text.text, finish_reason=whole.finish_reason,
+                                  matched_stop=text.matched)],
+        usage=usage_of(whole),
+        sglext=sglext_of(whole) if body.return_cached_tokens_details else None,
     )
-    return JSONResponse(response.model_dump())
+    return JSONResponse(_dump(response))
+
+
+def _dump(response: CompletionResponse | ChatCompletionResponse) -> dict[str, Any]:
+    # sglext is left out when not asked for (the other nulls are OpenAI's).
+    return response.model_dump(exclude={"sglext"} if response.sglext is None else None)
 
 
 async def _completion_events(
-    generation: Generation, head: dict[str, Any], include_usage: bool
+    generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool
 ) -> AsyncGenerator[str, None]:
     try:
         async for output in generation:
             if output.error is not None:
                 yield event(error_payload(500, f"the engine failed the request: {output.error}"))
                 break
-            if output.text or output.finished:
+            delta = text.push(output)
+            if delta or output.finished:
                 reason = output.finish_reason if output.finished else None
-                choice = {"index": 0, "text": output.text, "logprobs": None,
-                          "finish_reason": reason}
+                choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason,
+                          "matched_stop": text.matched}
                 yield event({**head, "choices": [choice]})
             if output.finished and include_usage:
                 yield event({**head, "choices": [], "usage": usage_of(output).model_dump()})
@@ -126,50 +173,92 @@ async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, ChatCompletionRequest)
     state.check_model(body.model)
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    input_ids = await tokenization.apply_chat_template(state.engine, messages)
+    input_ids = await tokenization.chat_prompt(state.engine.tokenizer, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     if max_tokens is None:
         # Whatever room the context leaves (at least 1, so that a prompt filling the
         # context is refused by the engine with its message about the context).
         max_tokens = max(1, state.engine.max_context_len - len(input_ids))
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
+    sampling = body.sampling_params(max_tokens)
     generation = await start_generation(
-        state, GenerateRequest(tuple(input_ids), body.sampling_params(max_tokens), rid=rid)
+        state, GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key)
     )
+    tools = body.tools_enabled
+    # Tool-call tags may be special tokens: kept in the text to be parsed (as SGLang does).
+    options = TextOptions(body.skip_special_tokens and not tools, body.no_stop_trim)
+    text = _output_text(state, input_ids, sampling, options)
     created = int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk", "created": created,
             "model": state.served_model_name}
     if body.stream:
-        return EventStreamResponse(_chat_events(generation, head, body.include_usage))
+        return EventStreamResponse(
+            _chat_events(generation, text, head, body.include_usage, tools)
+        )
     done = await generation.collect(request.is_disconnected)
+    whole = _whole(done)
+    text.push(whole)
+    content: str | None = text.text
+    calls: tuple[ParsedToolCall, ...] = ()
+    if tools:
+        parsed = parse_tool_calls(text.text)
+        content, calls = parsed.content, parsed.tool_calls
+    message = ChatMessageOut(content=content, tool_calls=_tool_calls_out(calls) or None)
     response = ChatCompletionResponse(
         id=rid, created=created, model=state.served_model_name,
-        choices=[ChatChoice(message=ChatMessageOut(content=done.text),
-                            finish_reason=done.last.finish_reason)],
-        usage=usage_of(done.last),
+        choices=[ChatChoice(message=message, finish_reason=_chat_reason(whole, calls),
+                            matched_stop=text.matched)],
+        usage=usage_of(whole),
+        sglext=sglext_of(whole) if body.return_cached_tokens_details else None,
     )
-    return JSONResponse(response.model_dump())
+    return JSONResponse(_dump(response))
+
+
+def _tool_calls_out(calls: tuple[ParsedToolCall, ...]) -> list[ToolCallOut]:
+    return [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in calls]
+
+
+def _chat_reason(output: GenerateOutput, calls: tuple[ParsedToolCall, ...]) -> str | None:
+    if calls and output.finish_reason == "stop":
+        return "tool_calls"
+    return output.finish_reason
 
 
 async def _chat_events(
-    generation: Generation, head: dict[str, Any], include_usage: bool
+    generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool,
+    tools: bool,
 ) -> AsyncGenerator[str, None]:
-    def chunk(delta: dict[str, str], reason: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def chunk(delta: dict[str, Any], reason: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
+                  "matched_stop": text.matched if reason is not None else None}
         return event({**head, "choices": [choice]})
 
+    calls_stream = ToolCallStream() if tools else None
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for output in generation:
             if output.error is not None:
                 yield event(error_payload(500, f"the engine failed the request: {output.error}"))
                 break
-            if output.text:
-                yield chunk({"content": output.text})
+            delta = text.push(output)
+            if calls_stream is not None:
+                delta = calls_stream.push(delta)
+            if delta:
+                yield chunk({"content": delta})
             if output.finished:
-                yield chunk({}, output.finish_reason)
+                calls: tuple[ParsedToolCall, ...] = ()
+                if calls_stream is not None:
+                    rest, calls = calls_stream.finish()
+                    if rest:
+                        yield chunk({"content": rest})
+                    if calls:
+                        yield chunk({"tool_calls": [
+                            {"index": i, **call.model_dump()}
+                            for i, call in enumerate(_tool_calls_out(calls))
+                        ]})
+                yield chunk({}, _chat_reason(output, calls))
                 if include_usage:
                     yield event({**head, "choices": [], "usage": usage_of(output).model_dump()})
         yield DONE

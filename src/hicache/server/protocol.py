@@ -1,30 +1,100 @@
-"""Request and response bodies of the HTTP API (OpenAI-compatible and SGLang-style).
+"""Request and response bodies shared by the HTTP API, and the OpenAI /v1/completions ones.
 
 Requests are validated strictly: a wrong type is an error, not a coercion
 ("16" is not an integer), and an unknown field is refused, so a misspelt
-parameter never goes silently unused. Fields that clients commonly send but
-the engine does not implement (n, logprobs, penalties ...) are declared and
-accept only their neutral value; anything else is refused with a message
-that says so. Fields whose JSON type varies (a prompt that is text or token
-ids, stop as a string or a list) are checked by validators that name the
-accepted forms in their error.
+parameter never goes silently unused.
+
+Clients and SGLang's router send many fields this server does not implement
+(LoRA, logprobs, hidden states, disaggregation ...). Each is declared with the
+value(s) that mean "off" (``Neutral``): the neutral value is accepted, any
+other is refused with a 400 whose message names the field and says it is not
+supported yet. Fields that only label or route a request (``routing_key``,
+``no_logs`` ...) are accepted with any value of their type: on one worker they
+change nothing. The chat request lives in ``chat_protocol``, SGLang's
+/generate in ``generate_protocol``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from hicache.engine.api import SamplingParams
 from hicache.storage.config import StorageConfig
 
 
+@dataclass(frozen=True)
+class Neutral:
+    """Field metadata: the values accepted for a feature this server does not implement."""
+
+    values: tuple[Any, ...]
+
+    def accepts(self, value: Any) -> bool:
+        # A batch may give a per-item list: neutral when every item is.
+        if isinstance(value, list) and value and not any(_same(value, v) for v in self.values):
+            return all(self.accepts(item) for item in value)
+        return any(_same(value, v) for v in self.values)
+
+    def describe(self) -> str:
+        return " or ".join("null" if v is None else repr(v).lower() if isinstance(v, bool)
+                           else repr(v) for v in self.values)
+
+
+def _same(a: Any, b: Any) -> bool:
+    # Type-aware: True == 1 and 0 == False in Python, not in JSON.
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return bool(a == b)
+
+
+OFF = Neutral((None,))
+OFF_FALSE = Neutral((False, None))
+
+
+def neutral(*values: Any) -> Neutral:
+    return Neutral(values)
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        if name is None:
+            return value
+        for meta in cls.model_fields[name].metadata:
+            if isinstance(meta, Neutral) and not meta.accepts(value):
+                raise ValueError(
+                    f"{name}={_short(value)} is not supported yet by this server "
+                    f"(accepted: {meta.describe()})"
+                )
+        return value
 
-def _stop_strings(value: Any) -> Any:
+    @classmethod
+    def unsupported_fields(cls) -> list[str]:
+        """The declared fields accepted only at their neutral values (for docs and tests)."""
+        return [name for name, field in cls.model_fields.items()
+                if any(isinstance(m, Neutral) for m in field.metadata)]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def stop_strings(value: Any) -> Any:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
@@ -32,18 +102,28 @@ def _stop_strings(value: Any) -> Any:
     raise ValueError("stop must be a string or a list of strings")
 
 
-def _unsupported(name: str, value: Any, neutral: tuple[Any, ...]) -> None:
-    if value not in neutral:
-        raise ValueError(f"{name}={value!r} is not supported by this server")
+def as_tuple(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def cache_key(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """SGLang's two cache namespaces as one engine key: requests differing in either
+    never share cached KV."""
+    if cache_salt is None:
+        return extra_key or None
+    return f"{extra_key or ''}\x00{cache_salt}"
 
 
 # ------------------------------------------------------------------ OpenAI requests
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: Annotated[bool, OFF_FALSE] = False
 
 
 class _OpenAISampling(StrictModel):
-    """The sampling fields /v1/completions and /v1/chat/completions share."""
+    """The fields /v1/completions and /v1/chat/completions share, SGLang's extensions included."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -54,24 +134,58 @@ class _OpenAISampling(StrictModel):
     stop_token_ids: list[int] | None = None  # extension
     seed: int | None = None
     ignore_eos: bool = False  # extension
+    skip_special_tokens: bool = True  # extension
+    no_stop_trim: bool = False  # extension: keep the stop string / token in the text
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Declared so that clients sending their neutral values work; see _check_unsupported.
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    rid: str | None = None  # extension: the request id (the response's id)
+    extra_key: str | None = None  # extension: cache namespace
+    cache_salt: str | None = None  # extension: cache namespace
+    return_cached_tokens_details: bool = False  # extension: sglext.cached_tokens_details
+    # Labels and hints with no effect on one worker.
+    session_id: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Accepted only at their neutral values (see Neutral).
+    n: Annotated[int, neutral(1)] = 1
+    presence_penalty: Annotated[float | None, neutral(None, 0, 0.0)] = None
+    frequency_penalty: Annotated[float | None, neutral(None, 0, 0.0)] = None
+    repetition_penalty: Annotated[float | None, neutral(None, 1, 1.0)] = None
+    min_p: Annotated[float | None, neutral(None, 0, 0.0)] = None
+    min_tokens: Annotated[int | None, neutral(None, 0)] = None
+    logit_bias: Annotated[dict[str, float] | None, neutral(None, {})] = None
+    regex: Annotated[Any, OFF] = None
+    ebnf: Annotated[Any, OFF] = None
+    json_schema: Annotated[Any, OFF] = None
+    stop_regex: Annotated[Any, neutral(None, "", [])] = None
+    lora_path: Annotated[Any, neutral(None, "")] = None
+    session_params: Annotated[Any, OFF] = None
+    custom_logit_processor: Annotated[Any, OFF] = None
+    custom_params: Annotated[Any, neutral(None, {})] = None
+    custom_labels: Annotated[Any, neutral(None, {})] = None
+    images_config: Annotated[Any, OFF] = None
+    return_hidden_states: Annotated[Any, OFF_FALSE] = False
+    return_routed_experts: Annotated[Any, OFF_FALSE] = False
+    routed_experts_start_len: Annotated[Any, neutral(0, None)] = 0
+    return_token_ids: Annotated[Any, OFF_FALSE] = False
+    return_prompt_token_ids: Annotated[Any, OFF_FALSE] = False
+    priority: Annotated[Any, neutral(None, 0)] = None
+    ngram_corpus_id: Annotated[Any, OFF] = None
+    bootstrap_host: Annotated[Any, OFF] = None
+    bootstrap_port: Annotated[Any, OFF] = None
+    bootstrap_room: Annotated[Any, OFF] = None
+    routed_dp_rank: Annotated[Any, neutral(None, 0)] = None
+    data_parallel_rank: Annotated[Any, neutral(None, 0)] = None
+    disagg_prefill_dp_rank: Annotated[Any, OFF] = None
+    store: Annotated[Any, OFF_FALSE] = None
+    service_tier: Annotated[Any, neutral(None, "auto", "default")] = None
 
-    _check_stop = field_validator("stop", mode="before")(_stop_strings)
+    _check_stop = field_validator("stop", mode="before")(stop_strings)
 
     @model_validator(mode="after")
-    def _check_unsupported(self) -> _OpenAISampling:
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported: this server returns one choice (n=1)")
-        _unsupported("presence_penalty", self.presence_penalty, (None, 0))
-        _unsupported("frequency_penalty", self.frequency_penalty, (None, 0))
-        _unsupported("logit_bias", self.logit_bias, (None, {}))
+    def _check_stream_options(self) -> _OpenAISampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -80,15 +194,18 @@ class _OpenAISampling(StrictModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def cache_key(self) -> str | None:
+        return cache_key(self.extra_key, self.cache_salt)
+
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         defaults = SamplingParams()
-        stop = self.stop if isinstance(self.stop, list) else [self.stop] if self.stop else []
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=defaults.temperature if self.temperature is None else self.temperature,
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=defaults.top_k if self.top_k is None else self.top_k,
-            stop=tuple(stop),
+            stop=as_tuple(self.stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             seed=self.seed,
             ignore_eos=self.ignore_eos,
@@ -99,10 +216,11 @@ class CompletionRequest(_OpenAISampling):
     # A string or token ids; a list holding one of either is accepted too (the
     # OpenAI batch form with a single prompt).
     prompt: str | list[int]
-    best_of: int | None = None
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    best_of: Annotated[int | None, neutral(None, 1)] = None
+    echo: Annotated[bool, neutral(False)] = False
+    logprobs: Annotated[int | None, neutral(None, 0)] = None
+    suffix: Annotated[str | None, neutral(None, "")] = None
+    response_format: Annotated[Any, neutral(None, {"type": "text"})] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -118,57 +236,6 @@ class CompletionRequest(_OpenAISampling):
                 raise ValueError("send one prompt per request (batched prompts are not supported)")
         raise ValueError("prompt must be a string or a list of token ids")
 
-    @model_validator(mode="after")
-    def _check_completion_only(self) -> CompletionRequest:
-        _unsupported("best_of", self.best_of, (None, 1))
-        _unsupported("echo", self.echo, (False,))
-        _unsupported("logprobs", self.logprobs, (None, 0))
-        _unsupported("suffix", self.suffix, (None, ""))
-        return self
-
-
-class ContentPart(BaseModel):
-    # Other part types (images ...) pass validation here and are refused by the
-    # chat template with a message naming what is supported.
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(StrictModel):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _content_form(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str | list):
-            return value
-        raise ValueError("content must be a string or a list of content parts")
-
-
-class ChatCompletionRequest(_OpenAISampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-
-    @model_validator(mode="after")
-    def _check_chat_only(self) -> ChatCompletionRequest:
-        _unsupported("logprobs", self.logprobs, (False,))
-        _unsupported("top_logprobs", self.top_logprobs, (None, 0))
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format: only {'type': 'text'} is supported")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        _unsupported("tool_choice", self.tool_choice, (None, "none"))
-        return self
-
 
 # ------------------------------------------------------------------ OpenAI responses
 class PromptTokensDetails(BaseModel):
@@ -182,11 +249,24 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CachedTokensDetails(BaseModel):
+    device: int
+    host: int
+    storage: int
+
+
+class SglExt(BaseModel):
+    """SGLang's extension object on OpenAI responses (``return_cached_tokens_details``)."""
+
+    cached_tokens_details: CachedTokensDetails
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: None = None
     finish_reason: str | None
+    matched_stop: int | str | None = None  # as SGLang: the stop token id or string
 
 
 class CompletionResponse(BaseModel):
@@ -196,27 +276,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: None = None
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
+    sglext: SglExt | None = None
 
 
 class ModelCard(BaseModel):
@@ -224,73 +284,13 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "hicache"
+    root: str | None = None
     max_model_len: int
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-# ------------------------------------------------------------------ SGLang-style /generate
-class GenerateSamplingParams(StrictModel):
-    max_new_tokens: int = SamplingParams.max_new_tokens
-    temperature: float = SamplingParams.temperature
-    top_p: float = SamplingParams.top_p
-    top_k: int = SamplingParams.top_k
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    _check_stop = field_validator("stop", mode="before")(_stop_strings)
-
-    def to_engine(self) -> SamplingParams:
-        stop = self.stop if isinstance(self.stop, list) else [self.stop] if self.stop else []
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed,
-            ignore_eos=self.ignore_eos,
-        )
-
-
-class GenerateReqInput(StrictModel):
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
-    stream: bool = False
-    return_logprob: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self) -> GenerateReqInput:
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of text and input_ids")
-        _unsupported("return_logprob", self.return_logprob, (False,))
-        return self
-
-
-class CachedTokensDetails(BaseModel):
-    device: int
-    host: int
-    storage: int
-
-
-class GenerateMetaInfo(BaseModel):
-    id: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    cached_tokens_details: CachedTokensDetails
-    finish_reason: str | None
-    e2e_latency: float
-    ttft: float | None = None
-
-
-class GenerateResponse(BaseModel):
-    text: str
-    output_ids: list[int]
-    meta_info: GenerateMetaInfo
 
 
 # ------------------------------------------------------------------ admin

@@ -25,6 +25,7 @@ from hicache.model.default_model import default_model_path
 from hicache.model.loader import LoadFormat
 from hicache.server.app import create_app
 from hicache.server.args import NO_STORAGE_BACKEND
+from hicache.server.server_info import server_info_from_args
 from hicache.storage.base import StorageError
 
 logger = logging.getLogger("hicache.serve")
@@ -40,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=DEFAULT_PORT, help="default: %(default)s")
     group.add_argument(
         "--served-model-name", default=None,
-        help="the model name clients send and /v1/models lists (default: from the model)",
+        help="the model name clients send and /v1/models lists; requests may also use its "
+        "last path component (default: --model-path as given, as SGLang does)",
     )
     group.add_argument(
         "--admin-api-key", default=None,
@@ -153,8 +155,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         log_tiers(engine, prefix_cache=not args.disable_radix_cache)
         app = create_app(
-            engine, admin_api_key=args.admin_api_key, served_model_name=args.served_model_name,
-            on_shutdown=stop_engine,
+            engine, admin_api_key=args.admin_api_key,
+            served_model_name=args.served_model_name or args.model_path,
+            info=server_info_from_args(args), on_shutdown=stop_engine,
         )
         level = logging.getLogger().getEffectiveLevel()
         config = uvicorn.Config(

@@ -1,32 +1,66 @@
-"""What every route needs: the engine, the model's public name, the admin key, the metrics."""
+"""What every route needs: the engine and its tokenizer, the model's public names, the
+server's description, the admin key, the metrics, and the request ids in flight."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from fastapi import Request
 
 from hicache.engine.api import EngineProtocol
+from hicache.model.tokenizer import Tokenizer
 from hicache.server.errors import APIError
 from hicache.server.metrics import ServerMetrics
+from hicache.server.server_info import ServerInfo
+
+
+class ServedEngine(EngineProtocol, Protocol):
+    """The engine as the server uses it: the engine API plus its tokenizer, which the
+    server uses for what the engine API does not cover (chat templates with tools and
+    template variables, text with special tokens or untrimmed stops)."""
+
+    tokenizer: Tokenizer
+
+
+def last_path_component(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1]
 
 
 @dataclass
 class ServerState:
-    engine: EngineProtocol
+    engine: ServedEngine
     served_model_name: str
     admin_api_key: str | None
     metrics: ServerMetrics
+    info: ServerInfo
+    # The attached L3 backend's extra config, secrets removed (the admin API updates it).
+    storage_config: dict[str, Any] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    rids_in_flight: set[str] = field(default_factory=set)
 
     def check_model(self, model: str | None) -> None:
-        """OpenAI requests name the model; a name this server does not serve is a 404."""
-        if model is not None and model != self.served_model_name:
+        """Requests may name the served model, or (as SGLang) its last path component;
+        another name is a 404."""
+        accepted = (self.served_model_name, last_path_component(self.served_model_name))
+        if model is not None and model not in accepted:
             raise APIError(
                 404, f"the model {model!r} does not exist; this server serves "
                 f"{self.served_model_name!r}", param="model",
             )
+
+    def claim_rid(self, rid: str) -> None:
+        """Hold ``rid`` while its request runs (``release_rid`` after): the engine tells
+        requests apart by id, so a client-chosen id already in flight is refused, as
+        SGLang does."""
+        if rid in self.rids_in_flight:
+            raise APIError(400, f"rid {rid!r} is already in flight: request ids must be unique",
+                           param="rid")
+        self.rids_in_flight.add(rid)
+
+    def release_rid(self, rid: str) -> None:
+        self.rids_in_flight.discard(rid)
 
 
 def get_state(request: Request) -> ServerState:

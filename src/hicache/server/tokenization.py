@@ -9,11 +9,12 @@ these instead; exceptions come back unchanged, so a ``RequestError`` is still a
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.concurrency import run_in_threadpool
 
 from hicache.engine.api import EngineProtocol
+from hicache.model.tokenizer import Tokenizer
+from hicache.server.chat_prompt import chat_prompt_ids
+from hicache.server.chat_protocol import ChatCompletionRequest
 
 
 async def tokenize(engine: EngineProtocol, text: str) -> list[int]:
@@ -21,6 +22,6 @@ async def tokenize(engine: EngineProtocol, text: str) -> list[int]:
     return await run_in_threadpool(engine.tokenize, text)
 
 
-async def apply_chat_template(engine: EngineProtocol, messages: list[dict[str, Any]]) -> list[int]:
-    """``engine.apply_chat_template(messages)`` off the event loop."""
-    return await run_in_threadpool(engine.apply_chat_template, messages)
+async def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """A chat request's prompt ids (``chat_prompt_ids``) off the event loop."""
+    return await run_in_threadpool(chat_prompt_ids, tokenizer, body)

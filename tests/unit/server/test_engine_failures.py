@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest, RequestError
+from hicache.model.tokenizer import ByteTokenizer
 from hicache.server.app import create_app
 from tests.server_fixtures import serve_app_in_thread
 
@@ -21,6 +22,7 @@ class FailingEngine:
     model_name = "failing"
     vocab_size = 256
     max_context_len = 64
+    tokenizer = ByteTokenizer()
 
     def __init__(self) -> None:
         self.running = True

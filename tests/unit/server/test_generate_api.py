@@ -65,7 +65,8 @@ def test_generate_non_stream_and_stream_agree(server: RunningServer) -> None:
     plain = generate(server, payload)
     assert len(plain["output_ids"]) == 10
     meta = plain["meta_info"]
-    assert meta["completion_tokens"] == 10 and meta["finish_reason"] == "length"
+    assert meta["completion_tokens"] == 10
+    assert meta["finish_reason"] == {"type": "length", "length": 10}
     assert meta["prompt_tokens"] == len(server.engine.tokenize(payload["text"]))
     assert meta["e2e_latency"] > 0 and meta["ttft"] is not None
 
@@ -79,7 +80,10 @@ def test_generate_non_stream_and_stream_agree(server: RunningServer) -> None:
         assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
         assert after["text"].startswith(before["text"])
     assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
-    assert chunks[-1]["meta_info"]["finish_reason"] == "length"
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+    # The time to the first token is there from the first chunk with a token on.
+    assert all(c["meta_info"]["ttft"] is not None for c in chunks if c["output_ids"])
+    assert len({c["meta_info"]["ttft"] for c in chunks}) == 1
     assert chunks[-1]["output_ids"] == plain["output_ids"]
     assert chunks[-1]["text"] == plain["text"]
 

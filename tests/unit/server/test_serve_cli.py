@@ -3,6 +3,7 @@ startup log, and a real server process started, used and stopped."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import pytest
 from hicache.cli import build_parser
 from hicache.cli import main as cli_main
 from hicache.engine.engine import build_engine
+from hicache.model import get_preset
 from hicache.net import free_port
 from hicache.server.args import storage_config_from_args
 from hicache.server.serve import log_tiers
@@ -169,3 +171,54 @@ def test_serve_subprocess_answers_then_stops(tmp_path: Path) -> None:
     assert "engine stopped" in log
     assert "L1 device KV pool" in log and "L2 host KV pool" in log
     assert f"L3 storage: file at {tmp_path / 'cache' / 'l3'}" in log
+
+
+def test_serve_names_the_model_after_model_path_as_given(tmp_path: Path) -> None:
+    """As SGLang: /v1/models and /get_model_info name the model by --model-path, exactly
+    as given; requests may name it so or by its last path component."""
+    model_dir = tmp_path / "weights" / "Tiny-Dummy"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text(json.dumps(get_preset("tiny").to_hf_dict()))
+    given = f"{model_dir}/"  # a trailing slash stays in the name
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hicache", "serve", "--port", str(port), *SMALL,
+             "--model-path", given, "--load-format", "dummy",
+             "--hicache-storage-backend", "none"],
+            stdout=log_file, stderr=subprocess.STDOUT,
+            env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert process.poll() is None, f"serve exited early:\n{log_path.read_text()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"serve did not come up:\n{log_path.read_text()}"
+            time.sleep(0.2)
+        models = httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"]
+        assert [m["id"] for m in models] == [given]
+        info = httpx.get(f"{url}/model_info", timeout=10.0).json()
+        assert info["model_path"] == given and info["tokenizer_path"] == given
+        server = httpx.get(f"{url}/server_info", timeout=10.0).json()
+        assert server["model_path"] == given and server["page_size"] == 16
+        assert server["hicache_storage_backend"] is None
+        for name in (given, "Tiny-Dummy"):
+            response = httpx.post(f"{url}/v1/completions", timeout=30.0, json={
+                "model": name, "prompt": "hello", "max_tokens": 2, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            assert response.json()["model"] == given
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+            raise

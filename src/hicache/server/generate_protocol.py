@@ -1,0 +1,251 @@
+"""SGLang's POST /generate bodies: ``GenerateReqInput`` with its ``SamplingParams``, and
+the response with ``meta_info``.
+
+Every field of SGLang's request is declared (so that SGLang's clients, benchmarks
+and router work unchanged); what this server does not implement is accepted at
+its neutral value only (``Neutral``, see ``protocol``). A request is one prompt
+(``text`` a string, ``input_ids`` a list of ids) or a batch (a list of strings,
+a list of id lists); per-item fields (``rid``, ``sampling_params``,
+``extra_key``) may then be lists of the batch's length.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
+
+from hicache.engine.api import SamplingParams
+from hicache.server.protocol import (
+    OFF,
+    OFF_FALSE,
+    CachedTokensDetails,
+    StrictModel,
+    as_tuple,
+    cache_key,
+    neutral,
+    stop_strings,
+)
+
+
+class GenerateSamplingParams(StrictModel):
+    # None: the rest of the context (SGLang's meaning).
+    max_new_tokens: int | None = SamplingParams.max_new_tokens
+    temperature: float = SamplingParams.temperature
+    top_p: float = SamplingParams.top_p
+    top_k: int = SamplingParams.top_k  # -1, 0 or anything past the vocabulary: all tokens
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    sampling_seed: int | None = None  # SGLang's name for seed
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # Accepted only at their neutral values (see Neutral).
+    n: Annotated[int | None, neutral(1, None)] = 1
+    min_new_tokens: Annotated[int | None, neutral(0, None)] = 0
+    min_p: Annotated[float | None, neutral(0, 0.0, None)] = 0.0
+    frequency_penalty: Annotated[float | None, neutral(0, 0.0, None)] = 0.0
+    presence_penalty: Annotated[float | None, neutral(0, 0.0, None)] = 0.0
+    repetition_penalty: Annotated[float | None, neutral(1, 1.0, None)] = 1.0
+    stop_regex: Annotated[Any, neutral(None, "", [])] = None
+    json_schema: Annotated[Any, OFF] = None
+    regex: Annotated[Any, OFF] = None
+    ebnf: Annotated[Any, OFF] = None
+    structural_tag: Annotated[Any, OFF] = None
+    spaces_between_special_tokens: Annotated[Any, neutral(True, None)] = True
+    custom_params: Annotated[Any, neutral(None, {})] = None
+    stream_interval: Annotated[Any, neutral(None, 1)] = None
+    logit_bias: Annotated[Any, neutral(None, {})] = None
+
+    _check_stop = field_validator("stop", mode="before")(stop_strings)
+
+    @model_validator(mode="after")
+    def _one_seed(self) -> GenerateSamplingParams:
+        if self.seed is not None and self.sampling_seed not in (None, self.seed):
+            raise ValueError("seed and sampling_seed disagree: give one of them")
+        return self
+
+    def to_engine(self, max_new_tokens: int) -> SamplingParams:
+        """The engine's parameters; ``max_new_tokens`` is the resolved limit."""
+        return SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, stop=as_tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            seed=self.seed if self.seed is not None else self.sampling_seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def _batch_kind(value: Any) -> str:
+    """Which form a one-or-many field has: a list of items (strings, objects, id
+    lists) is a batch; anything else, a list of ids included, is one item."""
+    many = isinstance(value, list) and bool(value) and isinstance(value[0], str | dict | list)
+    return BATCH_TAG if many else ONE_TAG
+
+
+# Union branch tags; errors.describe_validation_error leaves "~" tags out of field paths.
+ONE_TAG, BATCH_TAG = "~one", "~batch"
+_FORM = Discriminator(_batch_kind)
+OneText = Annotated[Annotated[str, Tag(ONE_TAG)] | Annotated[list[str], Tag(BATCH_TAG)], _FORM]
+OneIds = Annotated[
+    Annotated[list[int], Tag(ONE_TAG)] | Annotated[list[list[int]], Tag(BATCH_TAG)], _FORM
+]
+OneSampling = Annotated[
+    Annotated[GenerateSamplingParams, Tag(ONE_TAG)]
+    | Annotated[list[GenerateSamplingParams], Tag(BATCH_TAG)],
+    _FORM,
+]
+
+
+def _per_item(value: Any, index: int) -> Any:
+    return value[index] if isinstance(value, list) else value
+
+
+class GenerateReqInput(StrictModel):
+    text: OneText | None = None
+    input_ids: OneIds | None = None
+    sampling_params: OneSampling = Field(default_factory=GenerateSamplingParams)
+    # The request id(s): echoed as meta_info.id. One string for a batch is a prefix
+    # (``<rid>_<i>``), as in SGLang.
+    rid: OneText | None = None
+    stream: bool = False
+    extra_key: OneText | None = None
+    cache_salt: OneText | None = None
+    log_metrics: bool = True  # False: left out of the server's latency histograms
+    model: str | None = None  # SGLang's router adds it (null); checked like OpenAI's
+    # Labels, hints and switches with no effect on one worker.
+    return_text_in_logprobs: bool = False
+    no_logs: bool = False
+    session_id: str | None = None
+    routing_key: str | None = None
+    conversation_id: str | None = None
+    kv_router_hint: dict[str, Any] | None = None
+    external_trace_header: dict[str, Any] | None = None
+    received_time: float | None = None
+    stream_options: dict[str, Any] | None = None
+    # Accepted only at their neutral values (see Neutral).
+    return_logprob: Annotated[Any, OFF_FALSE] = None
+    logprob_start_len: Annotated[Any, neutral(None, -1)] = None
+    top_logprobs_num: Annotated[Any, neutral(None, 0)] = None
+    token_ids_logprob: Annotated[Any, neutral(None, [])] = None
+    return_sampling_mask: Annotated[Any, OFF_FALSE] = None
+    return_flat_raw_top_logprobs: Annotated[Any, OFF_FALSE] = False
+    return_flat_raw_top_logprobs_b64: Annotated[Any, OFF_FALSE] = False
+    return_hidden_states: Annotated[Any, OFF_FALSE] = False
+    return_routed_experts: Annotated[Any, OFF_FALSE] = False
+    routed_experts_start_len: Annotated[Any, neutral(0, None)] = 0
+    return_indexer_topk: Annotated[Any, OFF_FALSE] = False
+    return_bytes: Annotated[Any, OFF_FALSE] = False
+    return_entropy: Annotated[Any, OFF_FALSE] = False
+    return_prompt_token_ids: Annotated[Any, OFF_FALSE] = False
+    input_embeds: Annotated[Any, OFF] = None
+    image_data: Annotated[Any, neutral(None, [])] = None
+    video_data: Annotated[Any, neutral(None, [])] = None
+    audio_data: Annotated[Any, neutral(None, [])] = None
+    mm_hashes: Annotated[Any, OFF] = None
+    mm_content_hashes: Annotated[Any, OFF] = None
+    use_audio_in_video: Annotated[Any, OFF_FALSE] = False
+    video_config: Annotated[Any, OFF] = None
+    modalities: Annotated[Any, neutral(None, [])] = None
+    session_params: Annotated[Any, OFF] = None
+    lora_path: Annotated[Any, neutral(None, "")] = None
+    lora_id: Annotated[Any, neutral(None, "")] = None
+    custom_logit_processor: Annotated[Any, OFF] = None
+    positional_embed_overrides: Annotated[Any, OFF] = None
+    bootstrap_host: Annotated[Any, OFF] = None
+    bootstrap_port: Annotated[Any, OFF] = None
+    bootstrap_room: Annotated[Any, OFF] = None
+    bootstrap_pair_key: Annotated[Any, OFF] = None
+    decode_tp_size: Annotated[Any, OFF] = None
+    routed_dp_rank: Annotated[Any, neutral(None, 0)] = None
+    data_parallel_rank: Annotated[Any, neutral(None, 0)] = None
+    disagg_prefill_dp_rank: Annotated[Any, OFF] = None
+    http_worker_ipc: Annotated[Any, OFF] = None
+    background: Annotated[Any, OFF_FALSE] = False
+    require_reasoning: Annotated[Any, OFF_FALSE] = False
+    max_thinking_tokens: Annotated[Any, OFF] = None
+    priority: Annotated[Any, neutral(None, 0)] = None
+    custom_labels: Annotated[Any, neutral(None, {})] = None
+    need_wait_for_mm_inputs: Annotated[Any, OFF_FALSE] = None
+    num_items_assigned: Annotated[Any, OFF] = None
+    encoder_urls: Annotated[Any, OFF] = None
+    max_dynamic_patch: Annotated[Any, OFF] = None
+    min_dynamic_patch: Annotated[Any, OFF] = None
+    image_max_dynamic_patch: Annotated[Any, OFF] = None
+    video_max_dynamic_patch: Annotated[Any, OFF] = None
+    images_config: Annotated[Any, OFF] = None
+    multi_item_delimiter_indices: Annotated[Any, OFF] = None
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> GenerateReqInput:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text and input_ids")
+        if not self.is_batch:
+            for name in ("rid", "extra_key", "cache_salt"):
+                if isinstance(getattr(self, name), list):
+                    raise ValueError(f"{name} is a list: that needs a batch of prompts")
+            if isinstance(self.sampling_params, list):
+                raise ValueError("sampling_params is a list: that needs a batch of prompts")
+            return self
+        size = self.batch_size
+        if size == 0:
+            raise ValueError("the batch is empty: give at least one prompt")
+        if self.stream:
+            raise ValueError("stream with a batch of prompts is not supported yet by this server")
+        for name in ("rid", "extra_key", "cache_salt", "sampling_params"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != size:
+                raise ValueError(f"{name} has {len(value)} items for a batch of {size} prompts")
+        if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
+            raise ValueError("rid: the request ids of a batch must be different")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        # A list of id lists (an empty list is one empty prompt, refused later).
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+
+    @property
+    def batch_size(self) -> int:
+        prompts = self.text if self.text is not None else self.input_ids
+        return len(prompts) if self.is_batch and prompts is not None else 1
+
+    def item_rid(self, index: int) -> str | None:
+        if isinstance(self.rid, str) and self.is_batch:
+            return f"{self.rid}_{index}"
+        return _per_item(self.rid, index)  # type: ignore[no-any-return]
+
+    def item_sampling(self, index: int) -> GenerateSamplingParams:
+        return _per_item(self.sampling_params, index)  # type: ignore[no-any-return]
+
+    def item_cache_key(self, index: int) -> str | None:
+        return cache_key(_per_item(self.extra_key, index), _per_item(self.cache_salt, index))
+
+    def item_prompt(self, index: int) -> str | list[int]:
+        if self.text is not None:
+            return self.text[index] if isinstance(self.text, list) else self.text
+        assert self.input_ids is not None
+        return self.input_ids[index] if self.is_batch else self.input_ids  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------ responses
+class GenerateMetaInfo(BaseModel):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_tokens_details: CachedTokensDetails
+    # SGLang's dict: {"type": "length", "length": N}, {"type": "stop", "matched": id or
+    # string}, {"type": "abort", "message": ...}; null until the request ends.
+    finish_reason: dict[str, Any] | None
+    e2e_latency: float
+    ttft: float | None = None
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo

@@ -1,0 +1,153 @@
+"""What /get_model_info and /get_server_info say about this server, in SGLang's names.
+
+SGLang's router reads ``model_path`` (then ``tokenizer_path``, ``is_generation``)
+from the model info; tools read the server info as SGLang's server arguments
+(``page_size``, ``enable_hierarchical_cache``, ``hicache_*`` ...) plus
+``internal_states``. ``ServerInfo`` is fixed when the server starts
+(``server_info_from_args``); what changes at run time (the attached L3 backend,
+counters) is read when asked. The backend's extra config is shown without its
+secrets: keys that name a password, token, key or credential, and passwords
+inside URLs, are replaced by ``REDACTED``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from hicache.storage.config import load_extra_config
+
+REDACTED = "<redacted>"
+_SECRET_KEY = re.compile(r"pass|secret|token|credential|auth|api_?key|access_?key|private",
+                         re.IGNORECASE)
+
+# Server arguments reported under SGLang's names, with this server's flag attribute.
+_ARGS = {
+    "model_path": "model_path",
+    "load_format": "load_format",
+    "dtype": "dtype",
+    "device": "device",
+    "context_length": "context_length",
+    "page_size": "page_size",
+    "max_running_requests": "max_running_requests",
+    "chunked_prefill_size": "chunked_prefill_size",
+    "max_total_tokens": "max_total_tokens",
+    "mem_fraction_static": "mem_fraction_static",
+    "disable_radix_cache": "disable_radix_cache",
+    "enable_hierarchical_cache": "enable_hierarchical_cache",
+    "hicache_ratio": "hicache_ratio",
+    "hicache_size": "hicache_size",
+    "hicache_write_policy": "hicache_write_policy",
+    "hicache_io_backend": "hicache_io_backend",
+    "hicache_mem_layout": "hicache_mem_layout",
+    "hicache_storage_prefetch_policy": "hicache_storage_prefetch_policy",
+}
+
+
+def public_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with secrets replaced by REDACTED (nested objects too)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if _SECRET_KEY.search(str(key)):
+            out[key] = REDACTED
+        elif isinstance(value, Mapping):
+            out[key] = public_config(value)
+        elif isinstance(value, str):
+            out[key] = _url_without_password(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _url_without_password(text: str) -> str:
+    if "@" not in text or "://" not in text:
+        return text
+    parts = urlsplit(text)
+    if parts.password is None:
+        return text
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port is not None else ""
+    netloc = f"{parts.username}:{REDACTED}@{host}{port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """The server as started: names, and the flags that shaped it (SGLang's names)."""
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    server_args: Mapping[str, Any] = field(default_factory=dict)
+    # The L3 backend's extra config as started (secrets removed); the admin API replaces it.
+    storage_config: Mapping[str, Any] = field(default_factory=dict)
+    # Where KV cache events are published (SGLang's --kv-events-config); none yet.
+    kv_events_endpoint: str | None = None
+
+
+def server_info_from_args(args: argparse.Namespace) -> ServerInfo:
+    model_path = getattr(args, "model_path", None)
+    server_args = {name: getattr(args, attr) for name, attr in _ARGS.items()
+                   if hasattr(args, attr)}
+    extra = getattr(args, "hicache_storage_backend_extra_config", None)
+    storage = public_config(load_extra_config(extra)) if extra else {}
+    return ServerInfo(
+        model_path=model_path, tokenizer_path=model_path, server_args=server_args,
+        storage_config=storage,
+    )
+
+
+def model_info(info: ServerInfo, served_model_name: str, weights_name: str) -> dict[str, Any]:
+    """/get_model_info: what SGLang's router reads to name the worker's model."""
+    return {
+        "model_path": info.model_path if info.model_path is not None else weights_name,
+        "tokenizer_path": info.tokenizer_path,
+        "is_generation": True,
+        "served_model_name": served_model_name,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
+
+
+def l3_description(
+    status: Mapping[str, Any], storage_config: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The L3 tier now: attached or not, which backend, its policy and public config."""
+    attached = bool(status.get("attached"))
+    return {
+        "attached": attached,
+        "backend": status.get("backend") if attached else None,
+        "prefetch_policy": status.get("prefetch_policy"),
+        "prefetch_threshold": status.get("prefetch_threshold"),
+        "config": dict(storage_config) if attached else {},
+        "error": status.get("error"),
+    }
+
+
+def server_info(
+    info: ServerInfo, served_model_name: str, l3: Mapping[str, Any],
+    limits: Mapping[str, Any], counters: Mapping[str, float], version: str,
+) -> dict[str, Any]:
+    """/get_server_info: SGLang's flat server arguments, then the live state."""
+    extra = l3["config"]
+    return {
+        **info.server_args,
+        "model_path": info.model_path,
+        "tokenizer_path": info.tokenizer_path,
+        "served_model_name": served_model_name,
+        **limits,
+        "hicache_storage_backend": l3["backend"],
+        # A JSON string, as SGLang's flag is.
+        "hicache_storage_backend_extra_config": json.dumps(extra) if extra else None,
+        "kv_events_config": None,
+        "kv_events_endpoint": info.kv_events_endpoint,
+        "l3": dict(l3),
+        "internal_states": [dict(counters)],
+        "version": version,
+    }
