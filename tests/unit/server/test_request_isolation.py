@@ -57,6 +57,6 @@ def test_a_failing_request_is_a_500_for_it_alone(monkeypatch: pytest.MonkeyPatch
         last = json.loads(events[-2])
         assert "error" not in last, last
         assert len(last["output_ids"]) == STREAM_TOKENS
-        assert last["meta_info"]["finish_reason"] == "length"
+        assert last["meta_info"]["finish_reason"] == {"type": "length", "length": STREAM_TOKENS}
         assert server.wait_idle()
         server.engine.check_integrity()

@@ -26,7 +26,8 @@ from hicache.server.serve import main as serve_main
 from tests.listeners import listening_sockets
 
 # Dummy weights of the tiny preset: serve's own default model (SmolLM2) is tested elsewhere.
-SMALL = ["--device", "cpu", "--max-total-tokens", "1024", "--model-preset", "tiny"]
+POOL = ["--device", "cpu", "--max-total-tokens", "1024"]
+SMALL = [*POOL, "--model-preset", "tiny"]
 START_TIMEOUT_S = 90.0  # a cold interpreter imports torch first
 
 
@@ -184,7 +185,7 @@ def test_serve_names_the_model_after_model_path_as_given(tmp_path: Path) -> None
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "hicache", "serve", "--port", str(port), *SMALL,
+            [sys.executable, "-m", "hicache", "serve", "--port", str(port), *POOL,
              "--model-path", given, "--load-format", "dummy",
              "--hicache-storage-backend", "none"],
             stdout=log_file, stderr=subprocess.STDOUT,
