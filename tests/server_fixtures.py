@@ -90,12 +90,14 @@ def serve_app_in_thread(app: FastAPI) -> Iterator[str]:
 @contextmanager
 def serve_in_thread(
     engine_args: Sequence[str] = (), *, admin_api_key: str | None = None,
-    served_model_name: str | None = None,
+    admin_allow_dynamic_backend: bool = False, served_model_name: str | None = None,
 ) -> Iterator[RunningServer]:
     engine = build_test_engine(engine_args)
     try:
         app = create_app(
-            engine, admin_api_key=admin_api_key, served_model_name=served_model_name
+            engine, admin_api_key=admin_api_key,
+            admin_allow_dynamic_backend=admin_allow_dynamic_backend,
+            served_model_name=served_model_name,
         )
         with serve_app_in_thread(app) as url:
             yield RunningServer(url, engine)

@@ -33,7 +33,8 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 def create_app(
     engine: EngineProtocol, *, admin_api_key: str | None = None,
-    served_model_name: str | None = None, on_shutdown: Callable[[], None] | None = None,
+    admin_allow_dynamic_backend: bool = False, served_model_name: str | None = None,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,6 +52,7 @@ def create_app(
         served_model_name=served_model_name or engine.model_name,
         admin_api_key=admin_api_key or None,  # an empty key would let anyone in
         metrics=ServerMetrics(engine),
+        admin_allow_dynamic_backend=admin_allow_dynamic_backend,
     )
     install_error_handlers(app)
     app.include_router(openai_api.router)

@@ -19,6 +19,7 @@ import logging
 import uvicorn
 
 from hicache.engine.engine import Engine, add_engine_args, build_engine
+from hicache.server.admin_api import ADMIN_ALLOW_DYNAMIC_FLAG
 from hicache.server.app import create_app
 from hicache.server.args import NO_STORAGE_BACKEND
 from hicache.storage.base import StorageError
@@ -42,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--admin-api-key", default=None,
         help="key for the admin API (PUT/GET/DELETE /hicache/storage-backend); "
         "without it the admin API is off",
+    )
+    group.add_argument(
+        ADMIN_ALLOW_DYNAMIC_FLAG, action="store_true",
+        help="let the admin API attach the 'dynamic' L3 backend, which imports and runs the "
+        "Python module named in its extra config: whoever holds the admin key can then run "
+        "any code as this server's user. Off by default (a 403); "
+        "--hicache-storage-backend dynamic at start-up needs no such flag",
     )
     # SUPPRESS: when not given here, ``hicache --log-level`` (before the subcommand) stands.
     group.add_argument(
@@ -136,8 +144,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         log_tiers(engine, prefix_cache=not args.disable_radix_cache)
         app = create_app(
-            engine, admin_api_key=args.admin_api_key, served_model_name=args.served_model_name,
-            on_shutdown=stop_engine,
+            engine, admin_api_key=args.admin_api_key,
+            admin_allow_dynamic_backend=args.admin_allow_dynamic_backend,
+            served_model_name=args.served_model_name, on_shutdown=stop_engine,
         )
         level = logging.getLogger().getEffectiveLevel()
         config = uvicorn.Config(

@@ -1,4 +1,4 @@
-"""What every route needs: the engine, the model's public name, the admin key, the metrics."""
+"""What every route needs: the engine, the model's public name, the admin settings, the metrics."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ class ServerState:
     served_model_name: str
     admin_api_key: str | None
     metrics: ServerMetrics
+    # Whether the admin API may attach the "dynamic" backend, which imports and runs
+    # any Python module it is given (--admin-allow-dynamic-backend).
+    admin_allow_dynamic_backend: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, model: str | None) -> None:
