@@ -39,6 +39,7 @@ class MemoryBackend(StorageBackend):
         self.unreachable_at_attach = False
         self.raise_errors = False  # calls raise instead of reporting
         self.delay_per_batch = 0.0  # seconds each get/set call takes
+        self.delay_per_page = 0.0  # seconds each get takes more per page it reads
         self.calls: list[str] = []
         # Keys that exist but fail verification when read (a corrupted object).
         self.corrupt_keys: set[bytes] = set()
@@ -79,7 +80,7 @@ class MemoryBackend(StorageBackend):
         self._check_args(keys, host_pages)
         if self._fault("get", len(keys)):
             return 0
-        time.sleep(self.delay_per_batch)
+        time.sleep(self.delay_per_batch + self.delay_per_page * len(keys))
         for i, (key, page) in enumerate(zip(keys, host_pages, strict=True)):
             with self.store.lock:
                 value = self.store.pages.get(key)

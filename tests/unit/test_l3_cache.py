@@ -161,6 +161,49 @@ def test_best_effort_never_waits_and_timeout_takes_what_arrived() -> None:
         timed.close()
 
 
+def test_an_auto_prefetch_deadline_follows_the_observed_read_time() -> None:
+    store = MemoryStore()
+    chats = [conversation(32, seed) for seed in range(4)]  # 8 pages of 4 tokens each
+    first, _ = make_cache(store)
+    for tokens in chats:
+        serve_with_l3(first, tokens)
+    settle(first)
+    first.close()
+
+    def allowance_after_reads(delay_per_page_s: float) -> float:
+        """Seconds per 1024 tokens an auto deadline grants once 3 reads were timed."""
+        cache, backend = make_cache(
+            store, prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_base=1.0,
+            prefetch_timeout_per_ki_token="auto", prefetch_timeout_max=300.0,
+        )
+        backend.delay_per_page = delay_per_page_s
+        try:
+            storage = cache.storage
+            assert storage is not None
+            assert storage.prefetch_timeout_per_ki_token_s == 0.1  # nothing observed yet
+            for tokens in chats[:3]:
+                assert serve_with_l3(cache, tokens) == 32
+            allowance = storage.prefetch_timeout_per_ki_token_s
+            # The next request's deadline is base + that allowance for its 32 tokens.
+            began = time.monotonic()
+            handle = cache.prefetch(chats[3])
+            assert handle is not None and handle.deadline is not None
+            assert handle.deadline - began == pytest.approx(1.0 + allowance * 32 / 1024,
+                                                            abs=0.05)
+            cache.cancel_prefetch(handle)
+            settle(cache)
+            return allowance
+        finally:
+            cache.close()
+
+    # 256 pages of 4 tokens per 1024 tokens, three times the time observed per page.
+    slow = allowance_after_reads(0.04)
+    assert 3 * 0.04 * 256 <= slow < 3 * 0.06 * 256, slow
+    fast = allowance_after_reads(0.01)
+    assert 3 * 0.01 * 256 <= fast < 3 * 0.03 * 256, fast
+    assert slow > 2 * fast
+
+
 def test_cancel_and_detach_release_everything_in_flight() -> None:
     store = MemoryStore()
     tokens = conversation(300)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,26 @@ def test_extra_config_splits_cache_keys_from_backend_keys() -> None:
     # base + per-KiB x tokens, capped
     assert config.prefetch_timeout(2048) == pytest.approx(1.2)
     assert StorageConfig(prefetch_timeout_max=0.5).prefetch_timeout(10**6) == 0.5
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ('"auto"', "auto"), ('" Auto "', "auto"), ("0", 0.0), ("0.25", 0.25), ("3", 3.0),
+])
+def test_the_per_ki_token_allowance_is_auto_or_a_number(value: str, expected: object) -> None:
+    config = parse("--hicache-storage-backend-extra-config",
+                   f'{{"prefetch_timeout_per_ki_token": {value}}}')
+    assert config.prefetch_timeout_per_ki_token == expected
+    assert config.auto_prefetch_timeout == (expected == "auto")
+    assert "prefetch_timeout_per_ki_token" not in config.backend_extra
+
+
+@pytest.mark.parametrize("value", ['"fast"', '""', "-0.5", "NaN", "Infinity", "true", "[1]"])
+def test_a_bad_per_ki_token_allowance_names_the_choices(value: str) -> None:
+    with pytest.raises(ConfigError, match=r'prefetch_timeout_per_ki_token must be "auto" or'):
+        parse("--hicache-storage-backend-extra-config",
+              f'{{"prefetch_timeout_per_ki_token": {value}}}')
+    with pytest.raises(ConfigError, match=r'prefetch_timeout_per_ki_token must be "auto" or'):
+        StorageConfig(prefetch_timeout_per_ki_token=json.loads(value))
 
 
 @pytest.mark.parametrize(

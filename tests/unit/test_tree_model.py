@@ -149,6 +149,23 @@ class TreeModel(RuleBasedStateMachine):
             present |= {self.host_content[p] for p in self.tree.host_page_ids()}
             assert prefixes[len(got)] not in present, "match stopped short of a cached page"
 
+    @rule(seq=sequences)
+    def peek_measures_the_match_and_changes_nothing(self, seq: Prefix) -> None:
+        def state() -> list[tuple[int, int, int]]:
+            return [(n.id, n.last_access, len(n.tokens)) for n in self.tree.iter_nodes()]
+
+        before = state()
+        peek = self.tree.peek_prefix(list(seq))
+        assert state() == before, "peek split a node or touched the LRU order"
+        match = self.tree.match_prefix(list(seq))
+        assert peek.num_device_tokens == match.num_device_tokens
+        assert peek.num_host_tokens == match.num_host_tokens
+        # Locking the device part protects exactly the pages peek called unlocked.
+        protected = self.tree.num_protected_device_pages
+        self.tree.lock(match.last_device_node)
+        assert self.tree.num_protected_device_pages - protected == peek.num_unlocked_device_pages
+        self.tree.unlock(match.last_device_node)
+
     @rule(k=st.integers(1, DEVICE_PAGES))
     def evict_device(self, k: int) -> None:
         locked = {p for _, s in self.locks for p in self.page_prefixes(s)}

@@ -35,7 +35,7 @@ from hicache.memory.host_memory import host_memory_for_pools
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, TokenIds, pack_tokens
 from hicache.radix.node import TreeNode
-from hicache.radix.results import InsertResult, no_pages
+from hicache.radix.results import InsertResult, PrefixPeek, no_pages
 from hicache.radix.tree import HiRadixTree
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.config import StorageConfig
@@ -174,7 +174,38 @@ class HierarchicalCache:
         return self.storage.start(pack_tokens(tokens), extra_key)
 
     def prefetch_ready(self, handle: PrefetchHandle) -> bool:
+        """May the request start now, under the prefetch policy?"""
         return handle.finished or self.storage is None or self.storage.ready(handle)
+
+    def prefetch_done(self, handle: PrefetchHandle) -> bool:
+        """Will nothing more of it land in time? Then settle it even if its request waits.
+
+        Unlike ``prefetch_ready`` this does not hold under best_effort while pages
+        are still coming: a request that must queue anyway keeps fetching.
+        """
+        return handle.finished or self.storage is None or self.storage.done(handle)
+
+    def prefetch_wanted_pages(self, tokens: TokenIds, extra_key: str | None = None) -> int:
+        """Pages a prefetch of ``tokens`` would ask L3 for now (0: it would not start)."""
+        if self.storage is None:
+            return 0
+        peek = self.peek(tokens, extra_key)
+        missing = len(tokens) // self.page_size - peek.num_device_pages - peek.num_host_pages
+        if missing * self.page_size < max(1, self.storage.config.prefetch_threshold):
+            return 0
+        return missing
+
+    def prefetch_pages(self, handle: PrefetchHandle) -> int:
+        """Host pages the prefetch may take: what L3 found, or what it asked for until then."""
+        if handle.finished:
+            return handle.num_inserted_tokens // self.page_size
+        found = handle.num_found_tokens
+        return (found if found >= 0 else handle.num_requested_tokens) // self.page_size
+
+    @property
+    def prefetch_budget_pages(self) -> int:
+        """Host pages L3 prefetches may hold at once (``prefetch_max_host_fraction``)."""
+        return 0 if self.storage is None else self.storage.prefetch_budget_pages
 
     def finish_prefetch(self, handle: PrefetchHandle) -> int:
         """Insert what has arrived; returns the tokens L3 contributed."""
@@ -187,8 +218,18 @@ class HierarchicalCache:
             self.storage.finish(handle, keep=False)
 
     # ------------------------------------------------------------ requests
-    def acquire(self, tokens: TokenIds, extra_key: str | None = None) -> PrefixHit:
-        """Match ``tokens``, lock the hit and start loading its host part to the device."""
+    def peek(self, tokens: TokenIds, extra_key: str | None = None) -> PrefixPeek:
+        """The cached prefix ``acquire`` would find, with no lock, load, or statistics."""
+        return self.tree.peek_prefix(pack_tokens(tokens), extra_key)
+
+    def acquire(
+        self, tokens: TokenIds, extra_key: str | None = None, record_hit: bool = True
+    ) -> PrefixHit:
+        """Match ``tokens``, lock the hit and start loading its host part to the device.
+
+        ``record_hit=False`` leaves the hit statistics alone: for a request
+        acquiring again (after a retraction), whose hit was counted already.
+        """
         data = pack_tokens(tokens)
         match = self.tree.match_prefix(data, extra_key)
         node = match.last_node
@@ -205,7 +246,8 @@ class HierarchicalCache:
             self.tree.lock(match.last_device_node)
             self.tree.unlock(node)
             node = match.last_device_node
-        self.stats.record_hit(len(data) // 4, match.num_device_tokens, loaded)
+        if record_hit:
+            self.stats.record_hit(len(data) // 4, match.num_device_tokens, loaded)
         return PrefixHit(pages, match.num_device_tokens, loaded, node)
 
     def release(self, hit: PrefixHit) -> None:

@@ -32,6 +32,7 @@ from hicache.memory.allocator import PageIds
 from hicache.radix.keys import chain_page_keys
 from hicache.radix.node import TreeNode
 from hicache.radix.results import no_pages
+from hicache.storage.bandwidth import ReadTimeEstimate
 from hicache.storage.base import StorageBackend
 from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.config import PrefetchPolicy, StorageConfig
@@ -81,6 +82,8 @@ class StorageTier:
         )
         self.controller = StorageController(backend, self.breaker)
         self.controller.start()
+        # Feeds the "auto" prefetch deadline; kept when a re-attach only updates policies.
+        self.read_time = ReadTimeEstimate(cache.page_size)
         self._budget = max(1, int(cache.host_pool.num_pages * config.prefetch_max_host_fraction))
         self._in_flight_pages = 0
         self._handles: set[PrefetchHandle] = set()
@@ -89,6 +92,10 @@ class StorageTier:
     @property
     def num_in_flight_prefetch_pages(self) -> int:
         return self._in_flight_pages
+
+    @property
+    def prefetch_budget_pages(self) -> int:
+        return self._budget
 
     # ------------------------------------------------------------ prefetch
     def start(self, data: bytes, extra_key: str | None) -> PrefetchHandle | None:
@@ -110,7 +117,9 @@ class StorageTier:
         tree.protect_host(anchor)
         deadline = None
         if self.config.prefetch_policy is PrefetchPolicy.TIMEOUT:
-            deadline = time.monotonic() + self.config.prefetch_timeout(missing_tokens)
+            deadline = time.monotonic() + self.config.prefetch_timeout(
+                missing_tokens, self.read_time.allowance_per_ki_token_s()
+            )
         handle = PrefetchHandle(
             op=PrefetchOp(keys), data=data[: whole * page_bytes], extra_key=extra_key,
             start_page=start_page, anchor=anchor, deadline=deadline,
@@ -131,6 +140,16 @@ class StorageTier:
             assert handle.deadline is not None
             return time.monotonic() >= handle.deadline
         return False
+
+    def done(self, handle: PrefetchHandle) -> bool:
+        """Nothing more will land in time: complete, or past the timeout policy's deadline.
+
+        The same as ``ready`` but under best_effort, where a request may start
+        before its pages land but one that queues anyway should keep fetching.
+        """
+        if self.config.prefetch_policy is not PrefetchPolicy.BEST_EFFORT:
+            return self.ready(handle)
+        return handle.finished or (handle.op.num_existing >= 0 and not handle.in_controller)
 
     def finish(self, handle: PrefetchHandle, keep: bool = True) -> int:
         """End the prefetch; with ``keep``, insert the continuous prefix that has landed.
@@ -187,7 +206,9 @@ class StorageTier:
             handle.in_controller = False
             if kind == "queried":
                 self._on_queried(handle)
-            elif handle.finished:  # a read whose request already moved on
+                continue
+            self.read_time.observe(op.num_landed, op.read_seconds)
+            if handle.finished:  # a read whose request already moved on
                 self._release_prefetch_pages(handle.abandoned)
                 handle.abandoned = no_pages()
                 self._handles.discard(handle)
@@ -243,6 +264,11 @@ class StorageTier:
 
     def metrics(self) -> StorageMetrics:
         return self.controller.snapshot()
+
+    @property
+    def prefetch_timeout_per_ki_token_s(self) -> float:
+        """The timeout policy's seconds per 1024 tokens in force (configured or observed)."""
+        return self.config.per_ki_token_s(self.read_time.allowance_per_ki_token_s())
 
     def held_host_pages(self) -> PageIds:
         """Host pages owned by prefetches (not yet in the tree): for integrity checks."""

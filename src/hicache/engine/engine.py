@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import logging
 import threading
 import uuid
@@ -27,6 +26,7 @@ from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.model.detokenizer import IncrementalDetokenizer
+from hicache.model.identity import model_identity
 from hicache.model.loader import LoadedModel, load_model
 from hicache.model.presets import DEFAULT_PRESET, PRESETS
 from hicache.server.args import (
@@ -216,6 +216,8 @@ class Engine:
             "backend": storage.backend.name,
             "prefetch_policy": storage.config.prefetch_policy.value,
             "prefetch_threshold": storage.config.prefetch_threshold,
+            "prefetch_timeout_per_ki_token": storage.config.prefetch_timeout_per_ki_token,
+            "prefetch_timeout_per_ki_token_in_force_s": storage.prefetch_timeout_per_ki_token_s,
             "breaker": storage.breaker.state.value,
             "metrics": asdict(metrics),
             "backend_stats": asdict(storage.backend.stats()),
@@ -248,8 +250,13 @@ class Engine:
             for key, value in asdict(metrics).items():
                 if key != "failures":
                     out[f"storage_{key}"] = float(value)
+            # The controller's reasons (per call) and the backend's (per page): /metrics
+            # exports both as one family, told apart by a source label.
             for reason, count in metrics.failures.items():
                 out[f"storage_failures_{reason}"] = float(count)
+            for reason, count in storage.controller.backend_failures().items():
+                out[f"storage_backend_failures_{reason}"] = float(count)
+            out["storage_prefetch_timeout_per_ki_token_s"] = storage.prefetch_timeout_per_ki_token_s
             page_bytes = cache.host_pool.page_bytes if cache.host_pool is not None else 0
             if metrics.prefetch_seconds > 0:
                 out["storage_prefetch_gbps"] = (
@@ -341,11 +348,11 @@ def build_engine(args: argparse.Namespace) -> Engine:
         Path(args.model_path).name if args.model_path else f"dummy-{preset or DEFAULT_PRESET}"
     )
     model_name = getattr(args, "served_model_name", None) or weights_name
-    # The L3 namespace names the weights, not the served name: servers of the same
-    # weights share pages whatever they are called.
+    # The L3 namespace names the weights (their bytes), not the served name: servers of
+    # the same weights share pages whatever they are called, other weights never do.
     cache = HierarchicalCache(
         cache_config, geometry, device_pages, device,
-        model_name=_model_identity(args, weights_name, device),
+        model_name=model_identity(args.model_path, load_format, preset, device),
         storage=storage if storage.enabled and not args.disable_radix_cache else None,
     )
     sched = SchedulerConfig(
@@ -372,22 +379,6 @@ def _kv_pool_tokens(args: argparse.Namespace, device: torch.device, bytes_per_to
         return 65536
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * args.mem_fraction_static) // bytes_per_token
-
-
-def _model_identity(args: argparse.Namespace, name: str, device: torch.device) -> str:
-    """Namespace of the L3 page keys: different weights must never share pages."""
-    if args.model_path is None:
-        # Dummy weights are seeded, but drawn on the model's device: the same seed gives
-        # other weights on a GPU than on the CPU.
-        return f"{name}:seed0:{device.type}"
-    digest = hashlib.sha256()
-    root = Path(args.model_path)
-    for path in sorted(root.glob("*.json")) + sorted(root.glob("*.safetensors")):
-        stat = path.stat()
-        digest.update(f"{path.name}:{stat.st_size}".encode())
-        if path.suffix == ".json":
-            digest.update(path.read_bytes())
-    return f"{name}:{digest.hexdigest()[:16]}"
 
 
 def load_storage_extra(text: str | None) -> dict[str, Any]:

@@ -68,6 +68,11 @@ class Req:
         """Prompt then output: the sequence whose KV the context holds."""
         return [*self.request.input_ids, *self.output_ids]
 
+    def match_tokens(self) -> list[int]:
+        """The tokens whose cached KV it may reuse: all but the last, which is always
+        computed (its logits give the next token)."""
+        return self.tokens()[: self.seq_len - 1]
+
     @property
     def seq_len(self) -> int:
         return self.prompt_len + len(self.output_ids)

@@ -1,23 +1,31 @@
 """Choosing the next token of each sequence from its logits.
 
-Greedy rows (temperature 0) are one argmax for the whole batch. Sampled rows
-apply temperature, top-k and top-p, then draw with the request's own
-generator, so a request with a seed gets the same tokens whatever else is in
-the batch.
+Greedy rows (temperature 0, or below ``GREEDY_BELOW_TEMPERATURE``) are one
+argmax for the whole batch. Sampled rows apply temperature, top-k and top-p,
+then draw with the request's own generator, so a request with a seed gets the
+same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
 from hicache.engine.api import SamplingParams
 
+# Temperatures below this sample greedily. At 1e-5 two logits 1e-3 apart already differ by
+# e^-100 in probability, far below what float32 sampling can tell from zero, so the draw is
+# the argmax (short of an exact tie); far below it, ``logits / temperature`` overflows to
+# inf (any temperature under ~1e-38 for logits of order 1) and softmax gives NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_BELOW_TEMPERATURE
+
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """A per-request generator (seeded when the request asks) or None for greedy."""
-    if params.temperature == 0:
+    if is_greedy(params):
         return None
     generator = torch.Generator(device=device)
     if params.seed is not None:
@@ -27,18 +35,20 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
-def sample(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """One token per row of ``logits`` [num_seqs, vocab] (float32)."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if p.temperature == 0 or generator is None:
-            continue
-        tokens[row] = _draw(logits[row], p, generator)
-    return [int(t) for t in tokens]
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of every row of ``logits`` [num_seqs, vocab]."""
+    return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+
+def sample_row(
+    logits: torch.Tensor, greedy_token: int, params: SamplingParams,
+    generator: torch.Generator | None,
+) -> int:
+    """The token of one sequence: ``greedy_token`` (the argmax of its ``logits`` [vocab],
+    float32) when greedy, else a draw with its own generator."""
+    if is_greedy(params) or generator is None:
+        return greedy_token
+    return _draw(logits, params, generator)
 
 
 def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

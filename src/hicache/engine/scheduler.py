@@ -3,12 +3,16 @@
 Each step:
 1. take new requests, aborts and control calls from the inbox;
 2. ``cache.poll()``: acknowledge landed copies, advance L3 prefetches/backups;
-3. admit waiting requests (FIFO) whose L3 prefetch the policy lets start,
-   while the device pool can hold their prompt: match and lock the cached
-   prefix (host hits start loading layer by layer);
+3. start the L3 prefetch of every request that arrived (within a host-page
+   budget), so that queueing hides it; admit waiting requests (FIFO) whose
+   prefetch the policy lets start, while the device pool can hold their
+   context: only then match and lock the cached prefix (host hits start
+   loading layer by layer) and count the hit, once per request;
 4. one forward over every decoding request (one token each) plus prompt
    chunks of prefilling requests (at most ``chunked_prefill_size`` tokens);
-5. sample, stream, finish: a finished request gives its KV to the radix tree.
+   a failure of the forward fails the running requests;
+5. sample, stream, finish, each request on its own (a failure there fails
+   that request alone): a finished request gives its KV to the radix tree.
 
 The thread does no blocking I/O: L2 copies run on the cache controller's
 streams/threads and L3 on the storage controller's threads. When the device
@@ -33,8 +37,9 @@ import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.api import CachedTokens, GenerateOutput
+from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
-from hicache.engine.sampling import sample
+from hicache.engine.sampling import greedy_tokens, sample_row
 from hicache.memory.allocator import OutOfPagesError, PageIds
 from hicache.model.batch import ForwardBatch
 from hicache.model.model import CausalLM
@@ -88,6 +93,7 @@ class Scheduler:
         self.running: list[Req] = []  # prefilling and decoding, in admission order
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._by_rid: dict[str, Req] = {}
+        self.prefetcher = Prefetcher(cache, enabled=config.enable_prefix_cache)
         # Sees the logits each sampled token came from (tests compare cold and cached runs).
         self.logits_observer: Callable[[str, torch.Tensor], None] | None = None
 
@@ -174,78 +180,62 @@ class Scheduler:
 
     # ------------------------------------------------------------- admission
     def _admit(self) -> None:
-        # A prefetch protects the host prefix it extends until it is settled. Settle every
-        # one that is ready, not only those ahead of the first request that does not fit:
-        # otherwise requests queued behind a starved one pin host memory that it needs
-        # (under write_back, evicting device pages takes host pages), and neither moves.
-        for req in self.waiting:
-            if req.prefetch is not None and self.cache.prefetch_ready(req.prefetch):
-                self._settle_prefetch(req)
+        self.prefetcher.advance(self.waiting)
         for req in list(self.waiting):
             if len(self.running) >= self.config.max_running_requests:
                 return
-            if not self._prefetch_settled(req):
+            if not self.prefetcher.settled(req):
                 continue
             if not self._start(req):
                 return  # no room: keep FIFO order
 
-    def _prefetch_settled(self, req: Req) -> bool:
-        """Start the request's L3 prefetch once; True when the policy lets it run."""
-        cache = self.cache
-        if not req.prefetch_tried:
-            req.prefetch_tried = True
-            if self.config.enable_prefix_cache and cache.storage is not None:
-                req.prefetch = cache.prefetch(self._match_tokens(req), req.request.extra_key)
-        if req.prefetch is None:
-            return True
-        if not cache.prefetch_ready(req.prefetch):
-            return False
-        self._settle_prefetch(req)
-        return True
-
-    def _settle_prefetch(self, req: Req) -> None:
-        """End the ready prefetch: what landed joins the tree as host pages."""
-        assert req.prefetch is not None
-        req.storage_tokens += self.cache.finish_prefetch(req.prefetch)
-        req.prefetch = None
-
-    def _match_tokens(self, req: Req) -> list[int]:
-        # At least one token is always computed: its logits give the next token.
-        return req.tokens()[: req.seq_len - 1]
-
     def _start(self, req: Req) -> bool:
+        """Admit ``req`` if the device pool has room for it; False (and no side effect) if not.
+
+        Room is checked before anything is locked or loaded: a request refused here
+        must not load its host prefix (evicting other pages for it) or count as a
+        cache hit, as it would again on every step while it waits.
+        """
         cache = self.cache
+        match_tokens = req.match_tokens()
+        prefix = None
         if self.config.enable_prefix_cache:
-            hit = cache.acquire(self._match_tokens(req), req.request.extra_key)
-        else:
-            hit = None
-        cached = hit.num_tokens if hit is not None else 0
-        # Room for the rest of its context, beyond what admitted requests will still
-        # allocate (the rest of their prompts, and a page each to keep decoding).
-        need = -(-(req.seq_len - cached) // self.page_size)
-        reserve = sum(self._pages_to_come(r) + 1 for r in self.running)
+            prefix = cache.peek(match_tokens, req.request.extra_key)
+        # Pages it takes: every page of its context but the cached device prefix (a host
+        # prefix takes device pages to load into, as recomputing it would); locking that
+        # prefix makes its unlocked pages unevictable. Room for that beyond what admitted
+        # requests will still allocate (the rest of their prompts, and a page each to
+        # keep decoding).
+        need = -(-req.seq_len // self.page_size)
         room = cache.device_pool.allocator.num_free_pages + cache.tree.num_evictable_device_pages
+        if prefix is not None:
+            need -= prefix.num_device_pages
+            room -= prefix.num_unlocked_device_pages
+        reserve = sum(self._pages_to_come(r) + 1 for r in self.running)
         if need + reserve > room and self.running:
-            if hit is not None:
-                cache.release(hit)
             return False
+        first_admission = req.num_retractions == 0
+        hit = None
+        if self.config.enable_prefix_cache:
+            hit = cache.acquire(match_tokens, req.request.extra_key, record_hit=first_admission)
         self.waiting.remove(req)
         req.hit = hit
         req.pages = hit.device_pages.copy() if hit is not None else np.empty(0, np.int64)
         req.owned_from = len(req.pages)
-        req.num_computed = cached
+        req.num_computed = hit.num_tokens if hit is not None else 0
         req.phase = Phase.PREFILL
-        if req.num_retractions == 0 and hit is not None:
-            storage = min(req.storage_tokens, hit.num_host_tokens)
-            req.cached = CachedTokens(
-                device=hit.num_device_tokens, host=hit.num_host_tokens - storage, storage=storage
-            )
+        if first_admission:
+            # Counted once per request: a retracted one resumes mostly from its own KV.
+            if hit is not None:
+                storage = min(req.storage_tokens, hit.num_host_tokens)
+                req.cached = CachedTokens(
+                    device=hit.num_device_tokens, host=hit.num_host_tokens - storage,
+                    storage=storage,
+                )
             self.counters.num_prompt_tokens += req.prompt_len
             self.counters.num_cached_device_tokens += req.cached.device
             self.counters.num_cached_host_tokens += req.cached.host
             self.counters.num_cached_storage_tokens += req.cached.storage
-        elif req.num_retractions == 0:
-            self.counters.num_prompt_tokens += req.prompt_len
         self.running.append(req)
         return True
 
@@ -291,20 +281,37 @@ class Scheduler:
         if not done:
             return
         rows = torch.tensor([row for row, _ in done], device=logits.device)
-        params = [req.request.sampling for _, req in done]
-        chosen = logits[rows].float()
-        tokens = sample(chosen, params, [req.generator for _, req in done])
-        if self.logits_observer is not None:
-            for index, (_, req) in enumerate(done):
-                self.logits_observer(req.rid, chosen[index].cpu())
+        chosen = logits[rows].float()  # [num_done, vocab]
+        greedy = greedy_tokens(chosen)
         now = time.monotonic()
-        for (_, req), token in zip(done, tokens, strict=True):
+        for index, (_, req) in enumerate(done):
             if req.phase is Phase.PREFILL:
                 req.phase = Phase.DECODE
                 self._cache_prefill(req)
             if req.first_token_at is None:
                 req.first_token_at = now
+            self._next_token(req, chosen[index], greedy[index])
+
+    def _next_token(self, req: Req, logits: torch.Tensor, greedy_token: int) -> None:
+        """Sample, append, detokenize, stop and stream one request's token.
+
+        All of it concerns this request alone, so a failure here (a sampler or
+        detokenizer error on its parameters or tokens) fails this request alone: its
+        KV is valid and goes to the tree as on any finish, and the batch goes on.
+        """
+        try:
+            token = sample_row(logits, greedy_token, req.request.sampling, req.generator)
+            if self.logits_observer is not None:
+                self.logits_observer(req.rid, logits.cpu())
             self._append_token(req, token)
+        except Exception as error:  # one request's fault must not fail the others
+            logger.exception("request %s failed while producing its next token", req.rid)
+            if req.phase is not Phase.FINISHED:
+                self._finish(
+                    req, "abort", flush_text=False,
+                    error=f"internal error producing the next token: {type(error).__name__}: "
+                    f"{error}",
+                )
 
     def _slots(self, pages: PageIds, num_tokens: int) -> torch.Tensor:
         ps = self.page_size
@@ -453,9 +460,14 @@ class Scheduler:
     ) -> None:
         if req.phase is Phase.FINISHED:
             return
-        if req.prefetch is not None:
-            self.cache.cancel_prefetch(req.prefetch)
-            req.prefetch = None
+        if flush_text:
+            # Text held back for an unfinished character is released at the end. First,
+            # before anything is freed: a detokenizer failing here leaves the request
+            # whole, for the caller to finish without it.
+            req.text += req.detokenizer.flush()
+            if self._cut_at_stop(req):
+                reason = "stop"
+        self.prefetcher.cancel(req)
         if req.phase is not Phase.WAITING:
             # Keep the KV of a request that finished (or was aborted) mid-way: it
             # is valid, and the next turn of the conversation will want it.
@@ -463,11 +475,6 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        if flush_text:
-            # Text held back for an unfinished character is released at the end.
-            req.text += req.detokenizer.flush()
-            if self._cut_at_stop(req):
-                reason = "stop"
         req.phase = Phase.FINISHED
         req.finish_reason = reason
         req.error = error

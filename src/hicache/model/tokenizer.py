@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -169,17 +170,31 @@ class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens 0-255, then a few specials; for models without a tokenizer.
 
     Chat format: ``<|bos|>`` then each message as ``<|role|>content<|end|>``, and
-    ``<|assistant|>`` to open the reply. ``<|end|>`` and ``<|eos|>`` end generation.
+    ``<|assistant|>`` to open the reply.
+
+    Generation ends on the model's own end-of-sequence ids when it names any
+    (``eos_token_ids``: config.json's and generation_config.json's), as it would
+    with its real tokenizer: the specials' ids (256-261) are ordinary tokens of
+    such a model. A model that names none (dummy weights) ends on ``<|eos|>`` and
+    ``<|end|>``.
     """
 
     SPECIALS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
     _ROLES = ("system", "user", "assistant")
 
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self._special_ids = {text: 256 + i for i, text in enumerate(self.SPECIALS)}
         self._special_text = {i: text for text, i in self._special_ids.items()}
+        # One pass over the UTF-8 bytes finds every special (ASCII: no multi-byte character
+        # contains one). Alternatives in sorted order: where two specials would match at
+        # one place (one a prefix of the other) the shorter wins, as it always has.
+        self._special_bytes_ids = {text.encode(): i for text, i in self._special_ids.items()}
+        alternatives = b"|".join(re.escape(s) for s in sorted(self._special_bytes_ids))
+        self._special_split = re.compile(b"(" + alternatives + b")").split
         self.bos_token_id = self._special_ids["<|bos|>"]
-        self.eos_token_ids = (self._special_ids["<|eos|>"], self._special_ids["<|end|>"])
+        own_eos = (self._special_ids["<|eos|>"], self._special_ids["<|end|>"])
+        model_eos = tuple(dict.fromkeys(eos_token_ids))  # de-duplicated, order kept
+        self.eos_token_ids = model_eos or own_eos
 
     @property
     def vocab_size(self) -> int:
@@ -187,15 +202,12 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
-        rest = text
-        while rest:
-            # Earliest special token in what is left, if any; bytes before it.
-            hits = [(rest.find(s), s) for s in self.SPECIALS if s in rest]
-            at, special = min(hits) if hits else (len(rest), "")
-            ids += rest[:at].encode("utf-8")
-            if special:
-                ids.append(self._special_ids[special])
-            rest = rest[at + len(special) :]
+        # Linear in the text: bytes, special, bytes, special, ..., bytes.
+        parts = self._special_split(text.encode("utf-8"))
+        ids += parts[0]
+        for special, data in zip(parts[1::2], parts[2::2], strict=True):
+            ids.append(self._special_bytes_ids[special])
+            ids += data
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -250,4 +262,4 @@ def load_tokenizer(
         return HFTokenizer.from_dir(model_path, extra_eos_token_ids)
     if model_path is not None:
         logger.warning("%s has no tokenizer.json: using the byte-level tokenizer", model_path)
-    return ByteTokenizer()
+    return ByteTokenizer(eos_token_ids=extra_eos_token_ids)

@@ -43,6 +43,28 @@ class MatchResult:
 
 
 @dataclass(frozen=True)
+class PrefixPeek:
+    """What ``match_prefix`` would find, measured without changing the tree.
+
+    ``num_unlocked_device_pages`` of the device part are evictable now and
+    stop being so once the match is locked.
+    """
+
+    num_device_pages: int
+    num_host_pages: int
+    num_unlocked_device_pages: int
+    page_size: int
+
+    @property
+    def num_device_tokens(self) -> int:
+        return self.num_device_pages * self.page_size
+
+    @property
+    def num_host_tokens(self) -> int:
+        return self.num_host_pages * self.page_size
+
+
+@dataclass(frozen=True)
 class InsertResult:
     """What an insert did with the caller's pages.
 

@@ -35,6 +35,7 @@ from hicache.radix.results import (
     HostInsertResult,
     InsertResult,
     MatchResult,
+    PrefixPeek,
     no_pages,
 )
 
@@ -110,6 +111,41 @@ class HiRadixTree:
             last_node=node,
             page_size=self.page_size,
         )
+
+    def peek_prefix(
+        self, tokens: TokenIds | bytes, extra_key: str | None = None
+    ) -> PrefixPeek:
+        """How much ``match_prefix`` would find, without splitting a node or touching LRU.
+
+        For deciding whether a request fits before committing to it: a request
+        that is then refused leaves the tree exactly as it was.
+        """
+        data = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+        limit = len(data) - len(data) % self.page_bytes
+        node = self.root
+        num_device = num_host = num_unlocked = 0
+        pos = 0
+        while pos < limit:
+            child = node.children.get(self._child_key(node, data[pos : pos + self.page_bytes],
+                                                      extra_key))
+            if child is None:
+                break
+            node_pages = len(child.tokens) // self.page_bytes
+            if data.startswith(child.tokens, pos):
+                num_pages = node_pages
+            else:
+                num_pages = self._common_pages(child.tokens, data, pos, limit)
+            if child.device_pages is not None:
+                num_device += num_pages
+                if child.lock_ref == 0:
+                    num_unlocked += num_pages
+            else:
+                num_host += num_pages
+            if num_pages < node_pages:
+                break  # the match ends inside this node
+            node = child
+            pos += len(child.tokens)
+        return PrefixPeek(num_device, num_host, num_unlocked, self.page_size)
 
     def host_path(self, match: MatchResult) -> list[TreeNode]:
         """Host-only nodes of a match, root-first: what a load-back moves to the device."""

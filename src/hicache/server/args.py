@@ -72,8 +72,9 @@ def add_storage_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         EXTRA_CONFIG_FLAG, default=None, metavar="JSON|@FILE",
         help="JSON object, or @path to a .json/.toml/.yaml file: prefetch_threshold, "
-        "prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max for the "
-        "cache; every other key goes to the backend",
+        "prefetch_timeout_base, prefetch_timeout_per_ki_token (seconds, or \"auto\": follow "
+        "the observed L3 read time), prefetch_timeout_max for the cache; every other key "
+        "goes to the backend",
     )
 
 

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from hicache.engine.api import GenerateOutput, GenerateRequest
+from hicache.server import tokenization
 from hicache.server.errors import APIError, error_payload, parse_body
 from hicache.server.generation import Generation, start_generation
 from hicache.server.protocol import (
@@ -56,7 +57,7 @@ async def generate(request: Request) -> Response:
     if body.text is not None:
         if not body.text:
             raise APIError(400, "the prompt is empty", param="text")
-        input_ids = state.engine.tokenize(body.text)
+        input_ids = await tokenization.tokenize(state.engine, body.text)
     else:
         assert body.input_ids is not None  # the model checks exactly one is given
         input_ids = body.input_ids

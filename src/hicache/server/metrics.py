@@ -7,6 +7,13 @@ something, ``num_``, else a gauge), so a new engine number shows up without a
 server change. Time to first token and end-to-end latency are observed by the
 server from each finished request (``GenerateOutput.ttft_s`` / ``latency_s``).
 
+L3 failures form one family, ``hicache_l3_failures_total``, labelled by
+``reason`` and ``source``: ``backend`` for what the store detected, counted per
+page (``corrupt``, ``missing``, ``no_space`` ...: ``StorageStats.failures``),
+``controller`` for the L3 calls the cache gave up on, counted per call
+(``breaker_open``, ``get_raised``, ``timeout`` ...: ``StorageMetrics.failures``).
+The same reason may come from both (a store's own timeout, a call's deadline).
+
 Each server owns its registry: several apps in one process (tests) never
 share or clash on series.
 """
@@ -93,10 +100,20 @@ SERIES: dict[str, Series] = {
     "storage_backup_seconds": _counter("l3_backup_seconds", "time spent writing L3 pages"),
     "storage_prefetch_gbps": _gauge("l3_prefetch_gbps", "mean L3 read bandwidth, GB/s"),
     "storage_backup_gbps": _gauge("l3_backup_gbps", "mean L3 write bandwidth, GB/s"),
+    "storage_prefetch_timeout_per_ki_token_s": _gauge(
+        "l3_prefetch_timeout_per_ki_token_seconds",
+        "seconds a timeout-policy prefetch may wait per 1024 tokens, as in force "
+        "(the configured number, or under auto what the observed L3 reads call for)",
+    ),
 }
 # Engine numbers replaced by a series computed here (the hit rate over every tier).
 _SKIPPED = frozenset({"cache_hit_rate"})
-_FAILURES_PREFIX = "storage_failures_"
+# engine.metrics() key prefix -> the source label of the L3 failure family.
+_FAILURE_SOURCES = {"storage_failures_": "controller", "storage_backend_failures_": "backend"}
+_FAILURES_HELP = (
+    "L3 failures and misses by reason; source=backend: pages the store failed or dropped, "
+    "source=controller: L3 calls the cache gave up on"
+)
 _CACHED_KEYS = {
     "device": "engine_num_cached_device_tokens",
     "host": "engine_num_cached_host_tokens",
@@ -109,6 +126,15 @@ def _fallback(key: str) -> Series:
     if "num_" in name:
         return _counter(name.replace("num_", ""), f"engine metric {key}")
     return _gauge(name, f"engine metric {key}")
+
+
+def _failure_series(key: str) -> Series | None:
+    """The L3 failure family's series for an engine key, or None for other keys."""
+    for prefix, source in _FAILURE_SOURCES.items():
+        if key.startswith(prefix):
+            reason = key.removeprefix(prefix)
+            return _counter("l3_failures", _FAILURES_HELP, ("reason", reason), ("source", source))
+    return None
 
 
 class EngineCollector(Collector):
@@ -137,12 +163,7 @@ class EngineCollector(Collector):
         for key, value in values.items():
             if key in _SKIPPED:
                 continue
-            if key.startswith(_FAILURES_PREFIX):
-                reason = key.removeprefix(_FAILURES_PREFIX)
-                add(_counter("l3_failures", "failed L3 calls, by reason", ("reason", reason)),
-                    value)
-                continue
-            add(SERIES.get(key) or _fallback(key), value)
+            add(_failure_series(key) or SERIES.get(key) or _fallback(key), value)
 
         prompt = values.get("engine_num_prompt_tokens", 0.0)
         cached = sum(values.get(key, 0.0) for key in _CACHED_KEYS.values())

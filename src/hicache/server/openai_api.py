@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from hicache.engine.api import GenerateOutput, GenerateRequest
+from hicache.server import tokenization
 from hicache.server.errors import APIError, error_payload, parse_body
 from hicache.server.generation import Generation, start_generation
 from hicache.server.protocol import (
@@ -78,7 +79,7 @@ async def create_completion(request: Request) -> Response:
     if isinstance(body.prompt, str):
         if not body.prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
-        input_ids = state.engine.tokenize(body.prompt)
+        input_ids = await tokenization.tokenize(state.engine, body.prompt)
     else:
         input_ids = body.prompt
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -126,7 +127,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     state.check_model(body.model)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    input_ids = state.engine.apply_chat_template(messages)
+    input_ids = await tokenization.apply_chat_template(state.engine, messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     if max_tokens is None:

@@ -4,6 +4,10 @@
 as ``@path`` to a .json, .toml or .yaml file. The cache consumes the prefetch
 keys below (validated here, with messages naming the key); every other key is
 the backend's (``StorageConfig.backend_extra``).
+
+``prefetch_timeout_per_ki_token`` may be ``"auto"``: the allowance then follows
+the L3 read time observed over recent prefetches (``storage/bandwidth.py``),
+and ``DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN_S`` applies until there is one.
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal
 
 from hicache.config import ConfigError, parse_enum
 
 EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
+# prefetch_timeout_per_ki_token: follow the observed L3 read time.
+AUTO: Final = "auto"
+DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 0.1
 
 
 class PrefetchPolicy(str, Enum):
@@ -41,7 +48,10 @@ class StorageConfig:
     # Only prefetch when L3 could add at least this many tokens past the local match.
     prefetch_threshold: int = 256
     prefetch_timeout_base: float = 2.0
-    prefetch_timeout_per_ki_token: float = 0.1
+    # Seconds per 1024 tokens, or "auto" (see the module docstring).
+    prefetch_timeout_per_ki_token: float | Literal["auto"] = (
+        DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN_S
+    )
     prefetch_timeout_max: float = 30.0
     # Host pages that in-flight prefetches may hold, as a fraction of the host pool.
     prefetch_max_host_fraction: float = 0.5
@@ -59,8 +69,12 @@ class StorageConfig:
         )
         if self.prefetch_threshold < 0:
             raise ConfigError(f"prefetch_threshold must be >= 0, got {self.prefetch_threshold}")
-        for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-                     "prefetch_timeout_max", "breaker_backoff_base", "breaker_backoff_max"):
+        object.__setattr__(
+            self, "prefetch_timeout_per_ki_token",
+            _per_ki_token(self.prefetch_timeout_per_ki_token),
+        )
+        for name in ("prefetch_timeout_base", "prefetch_timeout_max", "breaker_backoff_base",
+                     "breaker_backoff_max"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -74,9 +88,26 @@ class StorageConfig:
     def enabled(self) -> bool:
         return self.backend is not None
 
-    def prefetch_timeout(self, num_tokens: int) -> float:
-        """Seconds a timeout-policy request waits for a prefetch of ``num_tokens``."""
-        grown = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * num_tokens / 1024
+    @property
+    def auto_prefetch_timeout(self) -> bool:
+        return self.prefetch_timeout_per_ki_token == AUTO
+
+    def per_ki_token_s(self, observed_s: float | None = None) -> float:
+        """Seconds per 1024 tokens in force: the configured number, or under ``auto`` the
+        allowance ``observed_s`` that L3's read time calls for (None: not known yet)."""
+        value = self.prefetch_timeout_per_ki_token
+        if value != AUTO:
+            return float(value)
+        return DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN_S if observed_s is None else observed_s
+
+    def prefetch_timeout(self, num_tokens: int, observed_per_ki_token_s: float | None = None
+                         ) -> float:
+        """Seconds a timeout-policy request waits for a prefetch of ``num_tokens``.
+
+        ``observed_per_ki_token_s`` is used only under ``auto`` (``ReadTimeEstimate``).
+        """
+        per_ki_token_s = self.per_ki_token_s(observed_per_ki_token_s)
+        grown = self.prefetch_timeout_base + per_ki_token_s * num_tokens / 1024
         return min(self.prefetch_timeout_max, grown)
 
     def same_backend(self, other: StorageConfig) -> bool:
@@ -90,7 +121,7 @@ class StorageConfig:
 _CACHE_KEYS: dict[str, type | tuple[type, ...]] = {
     "prefetch_threshold": int,
     "prefetch_timeout_base": (int, float),
-    "prefetch_timeout_per_ki_token": (int, float),
+    "prefetch_timeout_per_ki_token": (int, float, str),  # a number or "auto"
     "prefetch_timeout_max": (int, float),
     "prefetch_max_host_fraction": (int, float),
     "breaker_failures": int,
@@ -98,6 +129,19 @@ _CACHE_KEYS: dict[str, type | tuple[type, ...]] = {
     "breaker_backoff_max": (int, float),
 }
 assert set(_CACHE_KEYS) <= {f.name for f in fields(StorageConfig)}
+
+
+def _per_ki_token(value: object) -> float | Literal["auto"]:
+    """Validate ``prefetch_timeout_per_ki_token``: "auto" or a finite number >= 0."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0):
+        return float(value)
+    raise ConfigError(
+        f'prefetch_timeout_per_ki_token must be "{AUTO}" or a finite number >= 0 '
+        f"(seconds per 1024 tokens), got {value!r}"
+    )
 
 
 def load_extra_config(text: str | None) -> dict[str, Any]:
@@ -163,6 +207,8 @@ def storage_config(
             continue
         if isinstance(value, bool) or not isinstance(value, expected):
             kind = "an integer" if expected is int else "a number"
+            if key == "prefetch_timeout_per_ki_token":
+                kind = f'"{AUTO}" or a number'
             raise ConfigError(
                 f"{EXTRA_CONFIG_FLAG}: {key} must be {kind}, got {value!r} "
                 f"({type(value).__name__})"

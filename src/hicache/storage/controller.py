@@ -25,6 +25,7 @@ from typing import Any
 from hicache.memory.allocator import PageIds
 from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend
 from hicache.storage.breaker import CircuitBreaker
+from hicache.storage.failure_log import FailureLog
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ class PrefetchOp:
 
     Written by the threads: ``num_existing`` (query thread, before posting),
     ``num_landed`` (io thread; only grows, one whole batch at a time, so any
-    value read is a verified prefix of ``host_pages``) and ``io_done``.
+    value read is a verified prefix of ``host_pages``), ``read_seconds`` (io
+    thread: the time the read of the landed pages took) and ``io_done``.
     """
 
     keys: list[bytes]
@@ -47,6 +49,7 @@ class PrefetchOp:
     num_existing: int = -1
     host_pages: PageIds | None = None
     num_landed: int = 0
+    read_seconds: float = 0.0
     io_done: bool = False
     owner: Any = None  # the scheduler's handle
 
@@ -88,6 +91,7 @@ class StorageController:
         self.breaker = breaker
         self.metrics = StorageMetrics()
         self._metrics_lock = threading.Lock()
+        self.failure_log = FailureLog(backend.name)
         self._query_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Prefetch reads (priority 0) go before backups (priority 1).
         self._io_q: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
@@ -122,6 +126,7 @@ class StorageController:
         for thread in self._threads:
             thread.join()
         self._threads = []
+        self.failure_log.flush()
 
     @property
     def running(self) -> bool:
@@ -240,9 +245,10 @@ class StorageController:
             op.num_landed = start + n
             if n < stop - start:
                 break
+        op.read_seconds = time.perf_counter() - began
         with self._metrics_lock:
             self.metrics.prefetch_pages_loaded += op.num_landed
-            self.metrics.prefetch_seconds += time.perf_counter() - began
+            self.metrics.prefetch_seconds += op.read_seconds
 
     def _write(self, op: BackupOp) -> None:
         began = time.perf_counter()
@@ -297,11 +303,15 @@ class StorageController:
         return max(0, min(result, len(args[0])))
 
     def _outages(self) -> int:
-        try:
-            failures = self.backend.stats().failures
-        except Exception:  # a backend whose stats fail is judged by its calls alone
-            return 0
+        failures = self.backend_failures()
         return sum(failures.get(reason, 0) for reason in OUTAGE_REASONS)
+
+    def backend_failures(self) -> dict[str, int]:
+        """The backend's failure counts by reason (its ``stats().failures``)."""
+        try:
+            return self.backend.stats().failures
+        except Exception:  # a backend whose stats fail is judged by its calls alone
+            return {}
 
     # ---------------------------------------------------------- bookkeeping
     def _begin(self) -> None:
@@ -309,6 +319,11 @@ class StorageController:
             self._outstanding += 1
 
     def _finish(self, event: _Event) -> None:
+        # Every backend call belongs to an operation: what it counted is final here.
+        self.failure_log.observe("backend", self.backend_failures())
+        with self._metrics_lock:
+            failures = dict(self.metrics.failures)
+        self.failure_log.observe("controller", failures)
         self._done.put(event)
         with self._idle:
             self._outstanding -= 1

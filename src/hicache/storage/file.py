@@ -3,7 +3,9 @@
 Extra config:
     path             directory (default ``$HICACHE_CACHE_DIR/l3``, else ``~/.cache/hicache/l3``)
     max_bytes        size cap (int or "16GB"; default 16 GB); least recently used pages are
-                     evicted, whole files, to stay under it
+                     evicted, whole files, to stay under it. When the file system fills up
+                     before the cap is reached (ENOSPC), pages are evicted the same way to
+                     make room for the rest of the batch and the write is retried once.
     fsync            fsync each page and its directory before it becomes visible (default false:
                      a crash may lose recent pages, never expose a torn one)
     verify_checksum  hash every page read against its header (default true)
@@ -45,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.local_cache import local_cache_dir
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
@@ -79,9 +82,7 @@ except (AttributeError, ValueError, OSError):
 
 
 def default_path() -> Path:
-    base = os.environ.get("HICACHE_CACHE_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "hicache"
-    return root / "l3"
+    return local_cache_dir() / "l3"
 
 
 class FileBackend(StorageBackend):
@@ -168,14 +169,22 @@ class FileBackend(StorageBackend):
         regions = self._ready(keys, host_pages)
         began = time.perf_counter()
         num_stored = num_written = 0
-        for key, page in zip(keys, np.asarray(host_pages).tolist(), strict=True):
-            name = object_name(key, regions.order)
+        names = [object_name(key, regions.order) for key in keys]
+        made_room = False  # one eviction round per batch when the file system is full
+        pages = np.asarray(host_pages).tolist()
+        for index, (name, key, page) in enumerate(zip(names, keys, pages, strict=True)):
             if self._known(name, on_disk=True):
                 with self._lock:
                     self._stats.pages_skipped_existing += 1
                 num_stored += 1
                 continue
             reason = self._write_page(regions, name, key, page)
+            if reason == "no_space" and not made_room:
+                made_room = True
+                needed_bytes = (len(keys) - index) * (HEADER_BYTES + regions.page_bytes)
+                # The batch's own pages stay: the answer is a prefix of stored pages.
+                if self._evict_for_space(needed_bytes, keep=frozenset(names)):
+                    reason = self._write_page(regions, name, key, page)
             if reason is not None:
                 with self._lock:
                     self._stats.fail(reason)
@@ -347,6 +356,25 @@ class FileBackend(StorageBackend):
             self._total_bytes -= size
             self._stats.fail("evicted")
             self._unlink(self._path(name))
+
+    def _evict_for_space(self, needed_bytes: int, keep: frozenset[str]) -> int:
+        """The file system is full: drop least recently used pages (except ``keep``) until
+        ``needed_bytes`` are freed. Returns how many pages were dropped."""
+        with self._lock:
+            victims: list[str] = []
+            freed_bytes = 0
+            for name, size in self._index.items():  # least recently used first
+                if freed_bytes >= needed_bytes:
+                    break
+                if name not in keep:
+                    victims.append(name)
+                    freed_bytes += size
+            for name in victims:
+                self._forget_locked(name)
+                self._unlink(self._path(name))
+            if victims:
+                self._stats.fail("evicted_no_space", len(victims))
+        return len(victims)
 
     def _scan(self) -> list[tuple[int, str, int]]:
         """(mtime ns, name, bytes) of every page file; removes stale temporaries."""

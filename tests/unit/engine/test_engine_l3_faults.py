@@ -30,10 +30,12 @@ def prompt(seed: int) -> list[int]:
 
 
 def engine_with_store(
-    make_engine: Callable[..., Engine], policy: PrefetchPolicy, **config: float
+    make_engine: Callable[..., Engine], policy: PrefetchPolicy, *flags: str, **config: float
 ) -> tuple[Engine, MemoryBackend]:
+    """An engine (more ``flags`` for it) over an in-memory L3 with the prefetch ``policy``."""
     engine = make_engine(
-        "--page-size", str(PAGE), "--max-total-tokens", "2048", "--enable-hierarchical-cache"
+        "--page-size", str(PAGE), "--max-total-tokens", "2048", "--enable-hierarchical-cache",
+        *flags,
     )
     backend = MemoryBackend()
     storage = StorageConfig(

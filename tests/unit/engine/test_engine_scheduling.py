@@ -60,6 +60,11 @@ def test_concurrent_requests_match_their_solo_runs_under_pool_pressure(
     assert all(r.last.finish_reason == "length" for r in results)
     assert sum(r.last.cached_tokens.total for r in results) > 0  # the shared prefixes hit
     assert engine.scheduler.counters.num_finished == 32
+    # Each request's hit is counted once, however many steps it waited for room.
+    assert engine.cache.stats.num_requests == 32
+    counters = engine.scheduler.counters
+    assert counters.num_cached_device_tokens == sum(r.last.cached_tokens.device for r in results)
+    assert counters.num_cached_host_tokens == sum(r.last.cached_tokens.host for r in results)
     engine.check_integrity()
 
 
@@ -79,6 +84,7 @@ def test_decodes_outgrowing_the_pool_are_retracted_and_resume_correctly(
     results = run_many(engine, requests)
     assert engine.scheduler.counters.num_retractions > 0
     assert [r.token_ids for r in results] == solo
+    assert engine.cache.stats.num_requests == 4  # once each, not again on resuming
     engine.check_integrity()
 
 

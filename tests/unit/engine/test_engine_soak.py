@@ -167,7 +167,11 @@ def soak(
         assert_same(cold, answer, tolerance=1e-4)
 
     wait_idle(engine)
-    assert engine.scheduler.counters.num_aborted == num_left
+    # A client that left may have been answered in full before its abort reached the
+    # scheduler (six tokens are quickly made): that request finished instead of aborting.
+    counters = engine.scheduler.counters
+    assert 0 < counters.num_aborted <= num_left
+    assert counters.num_aborted + counters.num_finished == counters.num_requests
     engine.check_integrity()
     device = engine.cache.device_pool.allocator
     assert device.num_used_pages == engine.cache.tree.num_evictable_device_pages

@@ -80,6 +80,13 @@ def test_attach_update_detach(
     assert updated.status_code == 200, updated.text
     assert updated.json()["prefetch_policy"] == "wait_complete"
     assert client.get(ROUTE, headers=AUTH).json()["prefetch_policy"] == "wait_complete"
+    # The per-1K-token allowance may follow the observed L3 read time: 0.1 s until known.
+    auto = file_backend(tmp_path, prefetch_policy="wait_complete")
+    auto["extra_config"]["prefetch_timeout_per_ki_token"] = "auto"
+    updated = client.put(ROUTE, headers=AUTH, json=auto)
+    assert updated.status_code == 200, updated.text
+    assert updated.json()["prefetch_timeout_per_ki_token"] == "auto"
+    assert updated.json()["prefetch_timeout_per_ki_token_in_force_s"] == 0.1
 
     # Served requests now back their pages up to the attached directory.
     generated = client.post("/generate", json={
@@ -113,6 +120,8 @@ def test_attach_update_detach(
         ({"backend": "file", "extra_config": {"prefetch_threshold": "many"}},
          "prefetch_threshold must be an integer"),
         ({"backend": "file", "extra_config": "path=/x"}, "extra_config"),
+        ({"backend": "file", "extra_config": {"prefetch_timeout_per_ki_token": "fast"}},
+         'prefetch_timeout_per_ki_token must be "auto" or a finite number >= 0'),
         ({"extra_config": {}}, "backend: this field is required"),
     ],
 )

@@ -56,7 +56,8 @@ class FailingEngine:
 
     def metrics(self) -> dict[str, float]:
         return {"engine_num_prompt_tokens": 3.0, "brand_new_gauge": 7.0,
-                "engine_num_brand_new_things": 2.0, "storage_failures_timeout": 4.0}
+                "engine_num_brand_new_things": 2.0, "storage_failures_timeout": 4.0,
+                "storage_backend_failures_corrupt": 5.0}
 
     def attach_storage(self, backend: str, extra_config: dict[str, Any], policy: str) -> None:
         pass
@@ -138,5 +139,8 @@ def test_unknown_engine_numbers_are_still_exported(client: httpx.Client) -> None
     text = client.get("/metrics").text
     assert "hicache_brand_new_gauge 7.0" in text
     assert "hicache_engine_brand_new_things_total 2.0" in text
-    assert 'hicache_l3_failures_total{reason="timeout"} 4.0' in text
+    # One family for the controller's reasons and the backend's, told apart by source.
+    assert 'hicache_l3_failures_total{reason="timeout",source="controller"} 4.0' in text
+    assert 'hicache_l3_failures_total{reason="corrupt",source="backend"} 5.0' in text
+    assert text.count("# TYPE hicache_l3_failures_total counter") == 1
     assert "hicache_prompt_tokens_total 3.0" in text

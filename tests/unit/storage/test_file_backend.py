@@ -7,6 +7,7 @@ Every test works on real files in a temporary directory.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.file import STALE_TEMP_AGE_S, FileBackend, temp_name
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
+from tests.full_disk import run_on_tmpfs, tmpfs_unavailable_reason
 from tests.storage_contract import as_bytes, fill_random, page_bytes_of
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
@@ -178,6 +180,82 @@ def test_a_full_disk_is_counted_as_such(
     assert backend.set(chain(2), ids(0, 2)) == 0
     assert backend.stats().failures == {"no_space": 1}
     assert page_files(root) == [] and temp_files(root) == []
+
+
+def test_a_really_full_file_system_evicts_the_oldest_pages_and_keeps_writing(
+    tmp_path: Path,
+) -> None:
+    reason = tmpfs_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    # A 1 MiB tmpfs holds about 50 pages of 16 KiB; 12 batches of 8 pages overflow it
+    # although the backend's cap (1 TB) is never near.
+    child = run_on_tmpfs(1 << 20, mount, [
+        sys.executable, "-m", "tests.full_disk", str(mount / "l3"), "12", "8",
+    ])
+    assert child.returncode == 0, child.stderr
+    result = json.loads(child.stdout)
+    # Every batch was stored whole and read back bit for bit: the kernel's ENOSPC made
+    # the backend evict least recently used pages and write again.
+    assert all(batch == {"stored": 8, "read": 8, "equal": True} for batch in result["batches"])
+    failures = result["failures"]
+    assert failures["evicted_no_space"] > 0 and "no_space" not in failures, failures
+    still = result["still_stored"]
+    assert still[-8:] == [1] * 8 and still[:8] == [0] * 8  # the newest kept, the oldest gone
+    assert sum(still) == result["files"] < 12 * 8
+
+
+def test_enospc_on_rename_evicts_older_pages_never_the_batch_and_retries_once(
+    root: Path, open_file: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, host = open_file()
+    old, new = chain(1, seed=1), chain(3, seed=2)
+    fill_random(host, ids(0, 1), seed=3)
+    assert backend.set(old, ids(0, 1)) == 1
+    values = fill_random(host, ids(0, 3), seed=4)
+    real_replace = os.replace
+    calls: list[str] = []
+
+    def full_once(src: Any, dst: Any) -> None:
+        calls.append(str(dst))
+        if len(calls) == 2:  # the second page of the batch meets a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_once)
+    # Room for two pages was wanted; only the old page could go (the batch's first stays).
+    assert backend.set(new, ids(0, 3)) == 3
+    monkeypatch.undo()
+    assert backend.stats().failures == {"evicted_no_space": 1}
+    assert backend.exists(old) == 0 and not page_path(root, old[0]).exists()
+    assert page_files(root) == sorted(page_path(root, key) for key in new)
+    assert temp_files(root) == []
+    assert backend.get(new, ids(8, 11)) == 3
+    assert page_bytes_of(host, ids(8, 11)) == as_bytes(values)
+    backend.check_integrity()
+
+
+def test_enospc_that_eviction_does_not_cure_is_counted_after_one_retry(
+    root: Path, open_file: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, host = open_file()
+    fill_random(host, ids(0, 4), seed=5)
+    assert backend.set(chain(4, seed=1), ids(0, 4)) == 4
+    attempts: list[int] = []
+
+    def no_space(fd: int, buffers: Any) -> int:
+        attempts.append(fd)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", no_space)
+    assert backend.set(chain(2, seed=2), ids(0, 2)) == 0
+    monkeypatch.undo()
+    assert len(attempts) == 2  # the write, and one retry after making room
+    assert backend.stats().failures == {"evicted_no_space": 2, "no_space": 1}
+    assert len(page_files(root)) == 2 and temp_files(root) == []
+    backend.check_integrity()
 
 
 def test_readers_never_see_a_torn_page_while_pages_are_rewritten(root: Path) -> None:

@@ -1,0 +1,97 @@
+"""The L3 prefetches of waiting requests: started on arrival, within a host budget.
+
+A request's prefetch starts when it arrives (each admission round, every
+waiting request whose prefetch has not been tried), so that its time in the
+queue hides the fetch, as SGLang does. What has landed joins the radix tree as
+host pages when the prefetch is settled: when it is done, or when the request
+is considered for admission and the prefetch policy lets it start.
+
+Waiting requests take host pages for their prefetches only up to the L3
+tier's budget (``prefetch_max_host_fraction`` of the host pool), counting what
+their settled prefetches brought: a long queue neither takes the whole host
+pool (write_back evicts device pages into it, backups copy into it) nor evicts
+its own prefetched pages before they are used. Runs on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.engine.request import Req
+
+
+class Prefetcher:
+    def __init__(self, cache: HierarchicalCache, enabled: bool) -> None:
+        self.cache = cache
+        self.enabled = enabled  # prefix caching on (L3 may still be detached)
+
+    def advance(self, waiting: Iterable[Req]) -> None:
+        """Start the prefetches of waiting requests as the budget allows; settle the done ones.
+
+        Every done prefetch is settled, not only those ahead of the first request
+        that does not fit: a prefetch protects the host prefix it extends until it
+        is settled, and requests queued behind a starved one must not pin host
+        memory that it needs (neither would move).
+        """
+        cache = self.cache
+        if not self.enabled or cache.storage is None:
+            return
+        queue = list(waiting)
+        budget_pages = cache.prefetch_budget_pages
+        used_pages = sum(self._footprint_pages(req) for req in queue)
+        may_start = True  # FIFO: once one does not fit the budget, later ones wait too
+        for req in queue:
+            if req.prefetch is not None and cache.prefetch_done(req.prefetch):
+                used_pages -= self._footprint_pages(req)
+                self._settle(req)
+                used_pages += self._footprint_pages(req)
+            elif may_start and not req.prefetch_tried:
+                # Only whole: one started past the budget would get the pages left (the
+                # tier caps them), a short prefix of what it could have had later.
+                wanted = cache.prefetch_wanted_pages(req.match_tokens(), req.request.extra_key)
+                if used_pages and used_pages + wanted > budget_pages:
+                    may_start = False
+                    continue
+                self._start(req)
+                used_pages += self._footprint_pages(req)
+
+    def settled(self, req: Req) -> bool:
+        """For a request considered for admission: True when its prefetch policy lets it run.
+
+        Its prefetch starts now if it has not, whatever the budget of the waiting
+        ones: the L3 tier still caps the host pages it gets.
+        """
+        if not req.prefetch_tried:
+            self._start(req)
+        if req.prefetch is None:
+            return True
+        if not self.cache.prefetch_ready(req.prefetch):
+            return False
+        self._settle(req)
+        return True
+
+    def cancel(self, req: Req) -> None:
+        """The request ends before its prefetch settled: drop what it fetched."""
+        if req.prefetch is not None:
+            self.cache.cancel_prefetch(req.prefetch)
+            req.prefetch = None
+
+    def _start(self, req: Req) -> None:
+        req.prefetch_tried = True
+        if self.enabled and self.cache.storage is not None:
+            req.prefetch = self.cache.prefetch(req.match_tokens(), req.request.extra_key)
+
+    def _settle(self, req: Req) -> None:
+        """End the prefetch: what landed joins the tree as host pages."""
+        assert req.prefetch is not None
+        req.storage_tokens += self.cache.finish_prefetch(req.prefetch)
+        req.prefetch = None
+
+    def _footprint_pages(self, req: Req) -> int:
+        """Host pages a waiting request's prefetch holds or may take (0 once admitted)."""
+        if req.prefetch is not None:
+            return self.cache.prefetch_pages(req.prefetch)
+        if req.num_retractions:
+            return 0  # its prefetched pages were used when it was admitted
+        return req.storage_tokens // self.cache.page_size
