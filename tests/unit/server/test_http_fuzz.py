@@ -37,8 +37,9 @@ from tests.http_fuzz import FuzzCase, fuzz_cases
 SEED = 1729
 NUM_CASES = 600
 NUM_CLIENTS = 4
-# A small pool and a short context: every accepted case is cheap to serve.
-SERVE_FLAGS = ["--device", "cpu", "--max-total-tokens", "1024", "--context-length", "256"]
+# The tiny dummy model, a small pool and a short context: every accepted case is cheap.
+SERVE_FLAGS = ["--model-preset", "tiny", "--device", "cpu", "--max-total-tokens", "1024",
+               "--context-length", "256"]
 START_TIMEOUT_S = 90.0  # a cold interpreter imports torch first
 REQUEST_TIMEOUT_S = 30.0
 FUZZ_DEADLINE_S = 60.0  # no case starts later than this after the first (about 10 s needed)
