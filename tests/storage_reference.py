@@ -4,7 +4,8 @@ Several instances may share one ``MemoryStore`` (two "servers" on one L3).
 It keeps each page as a clone of the host page's canonical view, so it works
 with every host layout, and verifies nothing: corruption injected here is
 what a backend without checksums would return (used to test that the cache
-itself never mixes up pages), while ``drop`` makes objects vanish.
+itself never mixes up pages), while ``drop`` makes objects vanish and ``stall``
+makes calls hang (a hung NFS mount, a stalled remote store) until released.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicache.memory.allocator import PageIds
@@ -44,6 +46,10 @@ class MemoryBackend(StorageBackend):
         # Keys that exist but fail verification when read (a corrupted object).
         self.corrupt_keys: set[bytes] = set()
         self.closed = 0
+        # Operation -> gate: its calls block until the gate is set (see ``stall``).
+        self.gates: dict[str, threading.Event] = {}
+        # (operation, host pages) of every call that blocked on a gate.
+        self.stalled: list[tuple[str, PageIds]] = []
 
     def attach(self, host: HostPool) -> None:
         if self.unreachable_at_attach:
@@ -80,6 +86,12 @@ class MemoryBackend(StorageBackend):
         self._check_args(keys, host_pages)
         if self._fault("get", len(keys)):
             return 0
+        if self._hold("get", host_pages):
+            # A read that returns this late lands garbage: had its pages been handed
+            # to anyone meanwhile, their KV would now be wrong.
+            for page in np.asarray(host_pages).tolist():
+                self.host.pages[page].fill_(float("nan"))
+            return 0
         time.sleep(self.delay_per_batch + self.delay_per_page * len(keys))
         for i, (key, page) in enumerate(zip(keys, host_pages, strict=True)):
             with self.store.lock:
@@ -98,6 +110,7 @@ class MemoryBackend(StorageBackend):
         self._check_args(keys, host_pages)
         if self._fault("set", len(keys)):
             return 0
+        self._hold("set", host_pages)  # then stores what its host pages hold by now
         time.sleep(self.delay_per_batch)
         for key, page in zip(keys, host_pages, strict=True):
             with self.store.lock:
@@ -120,6 +133,26 @@ class MemoryBackend(StorageBackend):
             raise StorageError("memory backend used after close()")
 
     # ----------------------------------------------------------- test hooks
+    def stall(self, what: str) -> threading.Event:
+        """From now on calls of ``what`` ("get" or "set") hang until the event is set."""
+        gate = threading.Event()
+        self.gates[what] = gate
+        return gate
+
+    def stalled_pages(self, what: str) -> list[PageIds]:
+        """Host pages handed to each call of ``what`` that hung."""
+        with self._lock:
+            return [pages for op, pages in self.stalled if op == what]
+
+    def _hold(self, what: str, host_pages: PageIds) -> bool:
+        gate = self.gates.get(what)
+        if gate is None or gate.is_set():
+            return False
+        with self._lock:
+            self.stalled.append((what, np.asarray(host_pages).copy()))
+        gate.wait()
+        return True
+
     def drop(self, key: bytes) -> None:
         with self.store.lock:
             del self.store.pages[key]

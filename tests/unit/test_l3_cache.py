@@ -18,6 +18,7 @@ from hicache.memory.geometry import KVGeometry
 from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.breaker import BreakerState
 from hicache.storage.config import PrefetchPolicy, StorageConfig
+from hicache.storage.controller import MAX_STALLED_CALLS
 from tests.kv_oracle import conversation, serve, serve_with_l3, settle
 from tests.storage_reference import MemoryBackend, MemoryStore
 
@@ -345,3 +346,61 @@ def test_a_device_only_prefix_is_backed_up_before_its_continuation_is_fetched(
         settle(second)
     finally:
         second.close()
+
+
+def test_a_backup_is_one_set_per_batch_and_no_exists() -> None:
+    store = MemoryStore()
+    cache, backend = make_cache(store, page_size=1, device_pages=400)
+    try:
+        serve_with_l3(cache, conversation(300))  # its lookup is one exists (L3 is empty)
+        settle(cache)
+        # 300 pages: sets of 128 + 128 + 44; set itself skips what L3 already has.
+        assert backend.calls == ["exists", "set", "set", "set"]
+        assert len(store.pages) == 300
+        assert cache.storage is not None
+        assert cache.storage.metrics().backup_pages_stored == 300
+    finally:
+        cache.close()
+
+
+def test_stalled_calls_are_capped_and_outlive_a_detach() -> None:
+    store = MemoryStore()
+    tokens = conversation(40)
+    first, _ = make_cache(store)
+    serve_with_l3(first, tokens)
+    settle(first)
+    first.close()
+    # No backoff: every prefetch tries the store again, and every get hangs.
+    cache, backend = make_cache(
+        store, device_pages=400, io_timeout_s=0.05, breaker_backoff_base=0.0,
+        breaker_backoff_max=0.0,
+    )
+    gate = backend.stall("get")
+    try:
+        for _ in range(MAX_STALLED_CALLS + 3):
+            assert serve_with_l3(cache, tokens) == 0
+            settle(cache)
+            cache.flush()  # so that the next request asks L3 again
+        assert cache.storage is not None
+        metrics = cache.storage.metrics()
+        assert len(backend.stalled_pages("get")) == MAX_STALLED_CALLS
+        assert metrics.stalled_calls == MAX_STALLED_CALLS
+        assert metrics.failures.get("stalled_limit", 0) >= 1
+        assert cache.storage.num_quarantined_pages == MAX_STALLED_CALLS * 10
+
+        # Detach with the calls still hung: their pages stay reserved, the backend open.
+        cache.detach_storage()
+        assert cache.storage is None and backend.closed == 0
+        cache.check_integrity()
+        host = cache.host_pool
+        assert host is not None and host.allocator.num_used_pages == MAX_STALLED_CALLS * 10
+    finally:
+        gate.set()
+    deadline = time.monotonic() + WAIT_S
+    while backend.closed == 0:  # once every call returned, the backend is closed
+        assert time.monotonic() < deadline
+        cache.poll()
+        time.sleep(0.01)
+    assert host.allocator.num_used_pages == 0
+    cache.check_integrity()
+    cache.close()

@@ -87,6 +87,8 @@ def test_extra_config_from_a_file(tmp_path: Path, suffix: str, body: str) -> Non
         ('{"prefetch_timeout_max": "soon"}', "prefetch_timeout_max must be a number"),
         ('{"prefetch_threshold": -1}', "prefetch_threshold must be >= 0"),
         ('{"prefetch_max_host_fraction": 2}', "prefetch_max_host_fraction"),
+        ('{"io_timeout_s": 0}', "io_timeout_s must be a finite number > 0"),
+        ('{"io_timeout_s": "10s"}', "io_timeout_s must be a number"),
         ("@/nonexistent/l3.json", "cannot read"),
     ],
 )
@@ -141,3 +143,19 @@ def test_breaker_opens_after_consecutive_failures_and_backs_off() -> None:
     breaker.record_success()
     assert breaker.state is BreakerState.CLOSED and breaker.allow()
     assert breaker.num_opened == 3 and breaker.num_refused == 3
+
+
+def test_a_hung_call_trips_the_breaker_at_once() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failures=3, backoff_base=1.0, backoff_max=8.0, clock=clock)
+    breaker.trip("get gave no answer")  # no need for three failures: a hang is an outage
+    assert breaker.state is BreakerState.OPEN and not breaker.allow()
+    clock.now += 1.0
+    assert breaker.allow()  # the trial
+    breaker.trip("still hung")  # a hung trial doubles the backoff, as a failed one does
+    clock.now += 1.5
+    assert not breaker.allow()
+    clock.now += 0.5
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.state is BreakerState.CLOSED

@@ -95,6 +95,9 @@ class HierarchicalCache:
             self.controller.start()
         self._writing: dict[int, TreeNode] = {}
         self.storage: StorageTier | None = None
+        # Detached tiers whose stalled L3 calls have not returned: polled until they
+        # do, since the host pages those calls may touch are reserved until then.
+        self._retired_storage: list[StorageTier] = []
         # Why L3 is not attached although configured (reported by /health and logs).
         self.storage_error: str | None = None
         if storage is not None and storage.enabled:
@@ -161,6 +164,8 @@ class HierarchicalCache:
             return
         storage, self.storage = self.storage, None
         storage.close()
+        if not storage.closed:
+            self._retired_storage.append(storage)
         logger.info("L3 storage detached: %s", storage.backend.name)
 
     def prefetch(self, tokens: TokenIds, extra_key: str | None = None) -> PrefetchHandle | None:
@@ -296,7 +301,10 @@ class HierarchicalCache:
             raise RuntimeError("flush while requests hold cached prefixes")
         self.device_pool.allocator.free(self.tree.device_page_ids())
         if self.host_pool is not None:
-            self.host_pool.allocator.free(self.tree.host_page_ids())
+            host_pages = self.tree.host_page_ids()
+            for tier in self._storage_tiers():
+                host_pages = tier.retain_stalled_host_pages(host_pages)
+            self.host_pool.allocator.free(host_pages)
         self.tree = HiRadixTree(self.page_size, self.config.write_policy, self.tree.namespace)
 
     def alloc_device(self, num_pages: int) -> PageIds:
@@ -353,9 +361,18 @@ class HierarchicalCache:
             self.controller.wait_loads()
         if self.storage is not None:
             self.storage.poll()
+        if self._retired_storage:
+            for tier in self._retired_storage:
+                tier.poll()
+            self._retired_storage = [t for t in self._retired_storage if not t.closed]
         return len(tokens)
 
     # ------------------------------------------------------------ internals
+    def _storage_tiers(self) -> list[StorageTier]:
+        """The attached L3 tier and detached ones still waiting on stalled calls."""
+        attached = [self.storage] if self.storage is not None else []
+        return [*attached, *self._retired_storage]
+
     def _worth_loading(self, num_host_tokens: int) -> bool:
         return num_host_tokens >= self.config.load_back_threshold_tokens
 
@@ -416,8 +433,11 @@ class HierarchicalCache:
         )
         if self.host_pool is not None:
             host_ids = self.tree.host_page_ids()
-            held = self.storage.held_host_pages() if self.storage is not None else no_pages()
-            self._check_pool(self.host_pool.allocator, host_ids, held, "host")
+            held = [tier.held_host_pages() for tier in self._storage_tiers()]
+            self._check_pool(
+                self.host_pool.allocator, host_ids,
+                np.concatenate(held) if held else no_pages(), "host",
+            )
 
     @staticmethod
     def _check_pool(

@@ -10,13 +10,23 @@ Prefetch of a request:
    the continuation can hang from it), protected, and a lookup is queued.
 2. lookup answered (poll): host pages are allocated for the pages found,
    within the in-flight budget, and a read is queued.
-3. ``ready``/``finish`` (by the prefetch policy): the verified, continuous
-   prefix that has landed goes into the tree as host pages (``insert_host``);
-   pages not landed are freed once the io thread is done with them.
+3. ``ready``/``finish`` (by the prefetch policy; ``wait_complete`` waits at
+   most ``prefetch_timeout_max``): the verified, continuous prefix that has
+   landed goes into the tree as host pages (``insert_host``); pages no ``get``
+   can touch any more are freed at once, those of the batch being read when
+   the read thread is done with it.
 
 Backup: when a device->host copy lands, the node's pages are queued for L3
 (keys = chained page keys; pages L3 already has are skipped); the host copy is
 protected until the write finishes.
+
+Stalled calls (past the controller's deadline, still running): a stalled
+``get`` may write its host pages whenever it returns, so they are quarantined
+(neither freed nor given to the tree) until it does; a stalled ``set`` reads
+its node's host pages, so the node stays protected until it returns (and if
+the tree is flushed meanwhile, the pages stay reserved). Handing such a page
+out earlier would let a late write corrupt another prefix's KV, or let the
+store save another prefix's bytes under this key with a matching checksum.
 """
 
 from __future__ import annotations
@@ -36,7 +46,13 @@ from hicache.storage.bandwidth import ReadTimeEstimate
 from hicache.storage.base import StorageBackend
 from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.config import PrefetchPolicy, StorageConfig
-from hicache.storage.controller import BackupOp, PrefetchOp, StorageController, StorageMetrics
+from hicache.storage.controller import (
+    BackupOp,
+    PrefetchOp,
+    StalledCall,
+    StorageController,
+    StorageMetrics,
+)
 
 if TYPE_CHECKING:
     from hicache.cache.hierarchical_cache import HierarchicalCache
@@ -53,13 +69,27 @@ class PrefetchHandle:
     extra_key: str | None
     start_page: int  # pages matched locally when the prefetch started
     anchor: TreeNode  # host-protected end of the local match
-    deadline: float | None  # timeout policy only
+    deadline: float  # the request starts by then (timeout and wait_complete policies)
     num_requested_tokens: int  # tokens past the local match the prefetch asked L3 for
     in_controller: bool = True  # a lookup or read of this op is queued or running
     no_room: bool = False  # L3 had pages but no host pages could be given to them
     finished: bool = False
     num_inserted_tokens: int = 0
-    abandoned: PageIds = field(default_factory=no_pages)  # freed when the read returns
+    # Pages of op.host_pages the handle no longer owns: [0, num_kept_pages) went to
+    # the tree, [num_released_from:] were freed, ``quarantined`` belong to stalled gets.
+    num_kept_pages: int = 0
+    num_released_from: int | None = None
+    quarantined: PageIds = field(default_factory=no_pages)
+
+    def owned_pages(self) -> PageIds:
+        """Host pages this prefetch holds and must free (or give to the tree)."""
+        pages = self.op.host_pages
+        if pages is None:
+            return no_pages()
+        owned = pages[self.num_kept_pages : self.num_released_from]
+        if len(self.quarantined):
+            owned = owned[~np.isin(owned, self.quarantined)]
+        return owned
 
     @property
     def num_found_tokens(self) -> int:
@@ -74,20 +104,38 @@ class StorageTier:
     ) -> None:
         assert cache.host_pool is not None
         self.cache = cache
-        self.config = config
         self.backend = backend
         self.breaker = CircuitBreaker(
             config.breaker_failures, config.breaker_backoff_base, config.breaker_backoff_max,
             name=f"L3 ({backend.name})",
         )
-        self.controller = StorageController(backend, self.breaker)
+        self.controller = StorageController(backend, self.breaker, config.io_timeout_s)
+        self._config = config
         self.controller.start()
         # Feeds the "auto" prefetch deadline; kept when a re-attach only updates policies.
         self.read_time = ReadTimeEstimate(cache.page_size)
         self._budget = max(1, int(cache.host_pool.num_pages * config.prefetch_max_host_fraction))
+        # Prefetch pages, quarantined ones included: host memory held for L3 reads.
         self._in_flight_pages = 0
         self._handles: set[PrefetchHandle] = set()
         self._backups: dict[int, TreeNode] = {}
+        # Stalled calls and what they keep: prefetch pages under a get (counted in
+        # flight), nodes under a set, and pages under a set whose tree was flushed.
+        self._quarantine: dict[StalledCall, PageIds] = {}
+        self._stalled_backups: dict[StalledCall, TreeNode] = {}
+        self._orphaned: dict[StalledCall, PageIds] = {}
+        self._closing = False
+        self._backend_closed = False
+
+    @property
+    def config(self) -> StorageConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: StorageConfig) -> None:
+        """Re-attaching the same store updates the policies and the call deadline."""
+        self._config = config
+        self.controller.io_timeout_s = config.io_timeout_s
 
     @property
     def num_in_flight_prefetch_pages(self) -> int:
@@ -96,6 +144,11 @@ class StorageTier:
     @property
     def prefetch_budget_pages(self) -> int:
         return self._budget
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        """Host pages reserved for stalled calls (not in the tree, not free)."""
+        return sum(len(p) for p in (*self._quarantine.values(), *self._orphaned.values()))
 
     # ------------------------------------------------------------ prefetch
     def start(self, data: bytes, extra_key: str | None) -> PrefetchHandle | None:
@@ -115,11 +168,14 @@ class StorageTier:
             data[start_page * page_bytes : whole * page_bytes], cache.page_size, prev
         )
         tree.protect_host(anchor)
-        deadline = None
+        # wait_complete is bounded too: a store that never completes must not hold the request.
         if self.config.prefetch_policy is PrefetchPolicy.TIMEOUT:
-            deadline = time.monotonic() + self.config.prefetch_timeout(
+            wait_s = self.config.prefetch_timeout(
                 missing_tokens, self.read_time.allowance_per_ki_token_s()
             )
+        else:
+            wait_s = self.config.prefetch_timeout_max
+        deadline = time.monotonic() + wait_s
         handle = PrefetchHandle(
             op=PrefetchOp(keys), data=data[: whole * page_bytes], extra_key=extra_key,
             start_page=start_page, anchor=anchor, deadline=deadline,
@@ -136,10 +192,14 @@ class StorageTier:
             return True
         if handle.op.num_existing >= 0 and not handle.in_controller:
             return True  # complete: every page found has arrived (or could not be placed)
-        if self.config.prefetch_policy is PrefetchPolicy.TIMEOUT:
-            assert handle.deadline is not None
-            return time.monotonic() >= handle.deadline
-        return False
+        if time.monotonic() < handle.deadline:
+            return False
+        if self.config.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
+            logger.debug(
+                "L3 prefetch incomplete after prefetch_timeout_max=%.1f s: the request goes on",
+                self.config.prefetch_timeout_max,
+            )
+        return True
 
     def done(self, handle: PrefetchHandle) -> bool:
         """Nothing more will land in time: complete, or past the timeout policy's deadline.
@@ -160,9 +220,11 @@ class StorageTier:
             return handle.num_inserted_tokens
         handle.finished = True
         op = handle.op
-        op.cancelled.set()  # the io thread stops after its current batch
+        # The read thread stops before its next batch; a get may still write pages
+        # below ``claimed``, never those past it.
+        claimed = op.cancel()
         pages = op.host_pages if op.host_pages is not None else no_pages()
-        # Pages below num_landed are final: the io thread only writes later ones.
+        # Pages below num_landed are final: the read thread only writes later ones.
         landed = op.num_landed if keep else 0
         if landed:
             tree = self.cache.tree
@@ -172,12 +234,16 @@ class StorageTier:
             )
             self._free_host(result.duplicate_pages)
             self._in_flight_pages -= landed
+            handle.num_kept_pages = landed
             handle.num_inserted_tokens = landed * self.cache.page_size
             self.cache.stats.num_storage_hit_tokens += handle.num_inserted_tokens
         if handle.in_controller:
-            handle.abandoned = pages[landed:]
+            # Free now what no get can touch; the batch in flight when its read ends.
+            release_from = max(claimed, landed)
+            self._release_prefetch_pages(pages[release_from:])
+            handle.num_released_from = release_from
         else:
-            self._release_prefetch_pages(pages[landed:])
+            self._release_owned(handle)
             self._handles.discard(handle)
         self.cache.tree.unprotect_host(handle.anchor)
         return handle.num_inserted_tokens
@@ -194,6 +260,12 @@ class StorageTier:
     # ---------------------------------------------------------------- poll
     def poll(self) -> None:
         for kind, op in self.controller.poll():
+            if isinstance(op, StalledCall):
+                if kind == "stalled":
+                    self._on_stalled(op)
+                else:
+                    self._on_returned(op)
+                continue
             if isinstance(op, BackupOp):
                 node = op.owner
                 assert isinstance(node, TreeNode)
@@ -207,11 +279,39 @@ class StorageTier:
             if kind == "queried":
                 self._on_queried(handle)
                 continue
-            self.read_time.observe(op.num_landed, op.read_seconds)
+            if op.host_pages is not None and op.num_landed == len(op.host_pages):
+                # Whole reads only: a cut-short one (stalled, cancelled) says nothing of speed.
+                self.read_time.observe(op.num_landed, op.read_seconds)
             if handle.finished:  # a read whose request already moved on
-                self._release_prefetch_pages(handle.abandoned)
-                handle.abandoned = no_pages()
+                self._release_owned(handle)
                 self._handles.discard(handle)
+        if self._closing:
+            self._close_backend_when_idle()
+
+    def _on_stalled(self, call: StalledCall) -> None:
+        """Keep what the stalled call may still touch until it returns."""
+        op = call.op
+        if isinstance(op, BackupOp):
+            node = op.owner
+            assert isinstance(node, TreeNode)
+            self.cache.tree.protect_host(node)  # on top of the backup's own protection
+            self._stalled_backups[call] = node
+        elif isinstance(op, PrefetchOp) and len(call.host_pages):
+            handle = op.owner
+            assert isinstance(handle, PrefetchHandle)
+            handle.quarantined = np.concatenate([handle.quarantined, call.host_pages])
+            self._quarantine[call] = call.host_pages
+
+    def _on_returned(self, call: StalledCall) -> None:
+        node = self._stalled_backups.pop(call, None)
+        if node is not None:
+            self.cache.tree.unprotect_host(node)
+        pages = self._quarantine.pop(call, None)
+        if pages is not None:
+            self._release_prefetch_pages(pages)
+        pages = self._orphaned.pop(call, None)
+        if pages is not None:
+            self._free_host(pages)
 
     def _on_queried(self, handle: PrefetchHandle) -> None:
         op = handle.op
@@ -240,6 +340,10 @@ class StorageTier:
             node = node.parent
         return all(self.cache.backup_node(item) for item in reversed(chain))
 
+    def _release_owned(self, handle: PrefetchHandle) -> None:
+        self._release_prefetch_pages(handle.owned_pages())
+        handle.num_released_from = handle.num_kept_pages
+
     def _release_prefetch_pages(self, pages: PageIds) -> None:
         self._in_flight_pages -= len(pages)
         self._free_host(pages)
@@ -252,15 +356,59 @@ class StorageTier:
 
     # -------------------------------------------------------------- detach
     def close(self) -> None:
-        """Drain: finish in-flight calls, cancel queued ones, settle every page and node."""
+        """Drain: finish in-flight calls (by their deadline), cancel queued ones, settle.
+
+        Calls that stalled keep their pages (and nodes) until they return: then
+        ``closed`` is still False, and ``poll`` goes on settling them and closes
+        the backend once no call is inside it.
+        """
         for handle in self._handles:
-            handle.op.cancelled.set()
+            handle.op.cancel()
         self.controller.stop()
         self.poll()
         for handle in list(self._handles):
             self.finish(handle)
         assert not self._handles and not self._backups, "L3 operations left unsettled"
-        self.backend.close()
+        self._closing = True
+        if not self._close_backend_when_idle():
+            logger.warning(
+                "L3 (%s) detached with %d stalled calls still inside it: their %d host pages "
+                "stay reserved until they return, and then the backend is closed",
+                self.backend.name, self.controller.num_stalled_calls,
+                self.num_quarantined_pages + self._num_stalled_backup_pages(),
+            )
+
+    @property
+    def closed(self) -> bool:
+        """Closed and its backend released (no stalled call left inside it)."""
+        return self._backend_closed
+
+    def _close_backend_when_idle(self) -> bool:
+        if not self._backend_closed:
+            if self.controller.num_stalled_calls or self._quarantine or self._orphaned or (
+                self._stalled_backups
+            ):
+                return False
+            self.backend.close()
+            self._backend_closed = True
+        return True
+
+    def _num_stalled_backup_pages(self) -> int:
+        return sum(len(call.host_pages) for call in self._stalled_backups)
+
+    def retain_stalled_host_pages(self, host_pages: PageIds) -> PageIds:
+        """The tree is being dropped (flush) and ``host_pages`` freed: which may be.
+
+        Pages a stalled ``set`` may still read stay reserved until it returns;
+        the others are returned for the caller to free.
+        """
+        for call in self._stalled_backups:
+            self._orphaned[call] = call.host_pages
+        self._stalled_backups.clear()
+        if not self._orphaned:
+            return host_pages
+        reserved = np.concatenate(list(self._orphaned.values()))
+        return host_pages[~np.isin(host_pages, reserved)]
 
     def metrics(self) -> StorageMetrics:
         return self.controller.snapshot()
@@ -271,12 +419,11 @@ class StorageTier:
         return self.config.per_ki_token_s(self.read_time.allowance_per_ki_token_s())
 
     def held_host_pages(self) -> PageIds:
-        """Host pages owned by prefetches (not yet in the tree): for integrity checks."""
-        parts = []
-        for handle in self._handles:
-            pages = handle.op.host_pages
-            if handle.finished:
-                parts.append(handle.abandoned)
-            elif pages is not None:
-                parts.append(pages)
+        """Host pages held for L3 outside the tree: for integrity checks.
+
+        Those of prefetches (not yet in the tree) and those reserved for
+        stalled calls.
+        """
+        parts = [handle.owned_pages() for handle in self._handles]
+        parts += [*self._quarantine.values(), *self._orphaned.values()]
         return np.concatenate(parts) if parts else no_pages()

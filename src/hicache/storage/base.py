@@ -12,10 +12,13 @@ corrupted object or an unreachable store: they count it in their stats and
 return a shorter prefix. They raise ``StorageError`` only for misuse (a call
 before ``attach``, mismatched argument lengths, a bad configuration).
 
-Threading: the storage controller calls one backend from at most two threads at
-once (one querying ``exists``, one moving data with ``get``/``set``);
-implementations must be safe for that. ``attach`` and ``close`` are never called
-concurrently with anything else.
+Threading: the storage controller calls one backend from several threads at
+once (one querying ``exists``, one reading with ``get``, one writing with
+``set``, plus any call that outlived its deadline and is still running on its
+abandoned thread); implementations must be safe for that. ``attach`` is never
+called concurrently with anything else, nor ``close`` with a call the
+controller still waits for (a detached tier closes its backend once every
+stalled call has returned).
 """
 
 from __future__ import annotations

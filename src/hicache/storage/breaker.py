@@ -4,7 +4,9 @@ Without it a dead L3 costs every request a failed call (often a timeout). After
 ``failures`` consecutive failed calls the breaker opens: calls are refused at
 once (a cache miss) for a backoff period; then one trial call is let through
 (half-open). Success closes the breaker; another failure re-opens it with the
-backoff doubled, up to ``backoff_max``.
+backoff doubled, up to ``backoff_max``. A call that hangs past its deadline
+``trip``s the breaker open at once, without waiting for more failures: a store
+that stops answering is down, and each further call would cost a deadline.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class CircuitBreaker:
     def record_success(self) -> None:
         with self._lock:
             if self._state is not BreakerState.CLOSED:
-                logger.warning("%s is answering again: circuit closed", self._name)
+                logger.info("%s is answering again: circuit closed", self._name)
             self._state = BreakerState.CLOSED
             self._consecutive = 0
             self._backoff = self._base
@@ -85,6 +87,18 @@ class CircuitBreaker:
                 self._open(reason)
             elif self._state is BreakerState.CLOSED and self._consecutive >= self._threshold:
                 self._open(reason)
+
+    def trip(self, reason: str) -> None:
+        """Open now, whatever the count (a call hung past its deadline).
+
+        A trial call that hangs doubles the backoff, as any failed trial does;
+        tripping an open breaker restarts its backoff from now.
+        """
+        with self._lock:
+            self._consecutive += 1
+            if self._state is BreakerState.HALF_OPEN:
+                self._backoff = min(self._max, self._backoff * 2)
+            self._open(reason)
 
     def _open(self, reason: str) -> None:
         self._state = BreakerState.OPEN

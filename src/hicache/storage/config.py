@@ -60,6 +60,11 @@ class StorageConfig:
     breaker_failures: int = 3
     breaker_backoff_base: float = 0.5
     breaker_backoff_max: float = 30.0
+    # Deadline of one L3 call (a batch of up to 128 pages): a call that has not
+    # returned by then counts as failed ("timeout"), opens the breaker and is left
+    # behind, its host pages reserved until it returns. Raise it for stores where
+    # moving one batch can legitimately take longer.
+    io_timeout_s: float = 10.0
     backend_extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -83,6 +88,9 @@ class StorageConfig:
             raise ConfigError(f"prefetch_max_host_fraction must be in (0, 1], got {fraction}")
         if self.breaker_failures < 1:
             raise ConfigError(f"breaker_failures must be >= 1, got {self.breaker_failures}")
+        timeout_s = self.io_timeout_s
+        if not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ConfigError(f"io_timeout_s must be a finite number > 0, got {timeout_s!r}")
 
     @property
     def enabled(self) -> bool:
@@ -127,6 +135,7 @@ _CACHE_KEYS: dict[str, type | tuple[type, ...]] = {
     "breaker_failures": int,
     "breaker_backoff_base": (int, float),
     "breaker_backoff_max": (int, float),
+    "io_timeout_s": (int, float),
 }
 assert set(_CACHE_KEYS) <= {f.name for f in fields(StorageConfig)}
 

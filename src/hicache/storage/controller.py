@@ -1,19 +1,31 @@
 """StorageController: the threads that talk to L3, so the scheduler thread never does.
 
-Two threads per attached backend:
+Three threads per attached backend, so that one kind of traffic never waits
+behind another:
 - the *query* thread answers prefetch lookups (how far a request's page chain
   continues in L3: batched ``exists``);
-- the *io* thread moves data: prefetch reads (L3 -> freshly allocated host
-  pages) before backups (host pages -> L3, skipping pages L3 already has).
+- the *read* thread runs prefetch reads (L3 -> freshly allocated host pages);
+- the *write* thread runs backups (host pages -> L3; ``set`` skips the pages
+  L3 already has, so no ``exists`` pass precedes it).
 
-The scheduler thread submits operations and collects finished ones with
-``poll()``; it alone touches the tree and the allocators. Every backend call
-goes through a circuit breaker, and any exception from a backend is a miss.
+Every backend call has a deadline (``io_timeout_s``). Each thread hands its
+calls to a runner thread (``DeadlineCaller``) and waits at most that long; a
+call that has not returned by then is *stalled*: it counts as failed (reason
+"timeout"), opens the circuit breaker at once (a store that hangs is down),
+and the thread moves on. The stalled call may still write into (``get``) or
+read from (``set``) its host pages whenever it returns, so those pages are
+reported (``("stalled", call)``) and must not be reused until it returns
+(``("returned", call)``). At most ``MAX_STALLED_CALLS`` calls may be stalled
+at once; past that, calls are refused until one returns.
+
+The scheduler thread submits operations and collects finished ones and stall
+reports with ``poll()``; it alone touches the tree and the allocators. Every
+backend call goes through the circuit breaker, and any exception from a
+backend is a miss.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -22,9 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from hicache.memory.allocator import PageIds
-from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend
+from hicache.radix.results import no_pages
+from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend, StorageStats
 from hicache.storage.breaker import CircuitBreaker
+from hicache.storage.deadline import Call, DeadlineCaller
 from hicache.storage.failure_log import FailureLog
 
 logger = logging.getLogger(__name__)
@@ -32,6 +48,10 @@ logger = logging.getLogger(__name__)
 # Failure reasons in backend stats that mean "the store is not answering" (as
 # opposed to a miss or one bad object): they feed the circuit breaker.
 OUTAGE_REASONS = ("unreachable", "io_error", "timeout")
+# Calls that may be stalled (past their deadline, still running) at once. The
+# breaker already spaces calls to a stalled store (one trial per backoff); this
+# hard cap bounds the threads and host pages a store that never answers can hold.
+MAX_STALLED_CALLS = 8
 
 
 @dataclass(eq=False)
@@ -39,9 +59,11 @@ class PrefetchOp:
     """One request's lookup and read of its page chain from L3.
 
     Written by the threads: ``num_existing`` (query thread, before posting),
-    ``num_landed`` (io thread; only grows, one whole batch at a time, so any
-    value read is a verified prefix of ``host_pages``), ``read_seconds`` (io
-    thread: the time the read of the landed pages took) and ``io_done``.
+    ``num_landed`` (read thread; only grows, one whole batch at a time, so any
+    value read is a verified prefix of ``host_pages``), ``num_claimed`` (read
+    thread, under the op's lock: pages it has handed to a ``get``),
+    ``read_seconds`` (read thread: the time the read of the landed pages took)
+    and ``io_done``.
     """
 
     keys: list[bytes]
@@ -50,19 +72,53 @@ class PrefetchOp:
     host_pages: PageIds | None = None
     num_landed: int = 0
     read_seconds: float = 0.0
+    num_claimed: int = 0
     io_done: bool = False
     owner: Any = None  # the scheduler's handle
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def claim(self, stop: int) -> bool:
+        """Read thread: may pages [.., stop) go to a ``get``? False once cancelled."""
+        with self._lock:
+            if self.cancelled.is_set():
+                return False
+            self.num_claimed = stop
+            return True
+
+    def cancel(self) -> int:
+        """Stop the op; returns how many leading host pages a ``get`` may still touch.
+
+        Pages past the returned count are never handed to the backend from now
+        on: the caller may free them at once.
+        """
+        with self._lock:
+            self.cancelled.set()
+            return self.num_claimed
 
 
 @dataclass(eq=False)
 class BackupOp:
-    """Copy host pages to L3 under their page keys (skipping what L3 has)."""
+    """Copy host pages to L3 under their page keys (``set`` skips what L3 has)."""
 
     keys: list[bytes]
     host_pages: PageIds
     owner: Any = None  # the scheduler's tree node
     num_stored: int = 0
     num_existing: int = 0
+
+
+@dataclass(eq=False)
+class StalledCall:
+    """A backend call that missed its deadline and still runs (a thread cannot be stopped).
+
+    Until ``poll`` reports it "returned", it may still write (``get``) or read
+    (``set``) ``host_pages``: nobody else may be given them.
+    """
+
+    what: str  # "exists" | "get" | "set"
+    host_pages: PageIds
+    op: PrefetchOp | BackupOp | None
+    began_s: float
 
 
 @dataclass
@@ -75,28 +131,46 @@ class StorageMetrics:
     backup_pages_existing: int = 0
     backup_pages_failed: int = 0
     backup_seconds: float = 0.0
+    # Gauges: calls past their deadline that have not returned, and the host pages they hold.
+    stalled_calls: int = 0
+    stalled_host_pages: int = 0
     failures: dict[str, int] = field(default_factory=dict)
 
     def fail(self, reason: str, count: int = 1) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + count
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """What one backend call gave: a prefix count, and pages ``set`` found already stored."""
+
+    count: int = 0
+    num_skipped_existing: int = 0
+
+
 _STOP = object()
-_Event = tuple[str, "PrefetchOp | BackupOp"]
+_Event = tuple[str, "PrefetchOp | BackupOp | StalledCall"]
 
 
 class StorageController:
-    def __init__(self, backend: StorageBackend, breaker: CircuitBreaker) -> None:
+    def __init__(
+        self, backend: StorageBackend, breaker: CircuitBreaker, io_timeout_s: float = 10.0
+    ) -> None:
         self.backend = backend
         self.breaker = breaker
+        self.io_timeout_s = io_timeout_s  # read at each call: re-attaching may change it
         self.metrics = StorageMetrics()
         self._metrics_lock = threading.Lock()
         self.failure_log = FailureLog(backend.name)
+        self._backend_failures: dict[str, int] = {}
         self._query_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        # Prefetch reads (priority 0) go before backups (priority 1).
-        self._io_q: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
-        self._seq = itertools.count()
+        self._read_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._write_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[_Event] = queue.SimpleQueue()
+        self._callers = {
+            name: DeadlineCaller(f"hicache-l3-{name}", self._on_late_return)
+            for name in ("query", "read", "write")
+        }
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._idle = threading.Condition()
@@ -107,7 +181,10 @@ class StorageController:
         if self._threads:
             return
         self._stopping.clear()
-        for name, target in (("query", self._query_loop), ("io", self._io_loop)):
+        loops = (
+            ("query", self._query_loop), ("read", self._read_loop), ("write", self._write_loop)
+        )
+        for name, target in loops:
             thread = threading.Thread(target=target, name=f"hicache-l3-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -115,18 +192,22 @@ class StorageController:
     def stop(self) -> None:
         """Finish the operation each thread is in, cancel the queued ones, join.
 
-        Cancelled operations are still reported by ``poll`` (with nothing
-        landed), so the scheduler can free what they held.
+        A call in flight ends by its deadline at the latest. Cancelled
+        operations are still reported by ``poll`` (with nothing landed), so the
+        scheduler can free what they held; stalled calls are reported
+        "returned" by ``poll`` whenever they return, after ``stop`` too.
         """
         if not self._threads:
             return
         self._stopping.set()
-        self._query_q.put(_STOP)
-        self._io_q.put((-1, next(self._seq), _STOP))
+        for q in (self._query_q, self._read_q, self._write_q):
+            q.put(_STOP)
         for thread in self._threads:
             thread.join()
         self._threads = []
         self.failure_log.flush()
+        for caller in self._callers.values():
+            caller.close()
 
     @property
     def running(self) -> bool:
@@ -140,14 +221,18 @@ class StorageController:
     def submit_load(self, op: PrefetchOp) -> None:
         assert op.host_pages is not None and len(op.host_pages) <= op.num_existing
         self._begin()
-        self._io_q.put((0, next(self._seq), op))
+        self._read_q.put(op)
 
     def submit_backup(self, op: BackupOp) -> None:
         self._begin()
-        self._io_q.put((1, next(self._seq), op))
+        self._write_q.put(op)
 
     def poll(self) -> list[_Event]:
-        """Finished operations: ("queried" | "loaded", PrefetchOp) or ("backed_up", BackupOp)."""
+        """Finished operations: ("queried" | "loaded", PrefetchOp), ("backed_up", BackupOp);
+        and stall reports: ("stalled" | "returned", StalledCall).
+
+        A call's "stalled" comes before its "returned" and before its op's event.
+        """
         events: list[_Event] = []
         while True:
             try:
@@ -156,7 +241,10 @@ class StorageController:
                 return events
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until every submitted operation has finished (tests, detach, shutdown)."""
+        """Block until every submitted operation has finished (tests, detach, shutdown).
+
+        Stalled calls do not count: their operations finished at the deadline.
+        """
         with self._idle:
             return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
 
@@ -165,57 +253,64 @@ class StorageController:
         with self._idle:
             return self._outstanding
 
+    @property
+    def num_stalled_calls(self) -> int:
+        with self._metrics_lock:
+            return self.metrics.stalled_calls
+
     # -------------------------------------------------------------- threads
     def _query_loop(self) -> None:
         while True:
             op = self._query_q.get()
             if op is _STOP:
-                self._drain_query_queue()
+                self._drain(self._query_q)
                 return
             assert isinstance(op, PrefetchOp)
             op.num_existing = 0 if self._stopping.is_set() else self._lookup(op)
             self._finish(("queried", op))
 
-    def _drain_query_queue(self) -> None:
+    def _read_loop(self) -> None:
         while True:
-            try:
-                op = self._query_q.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(op, PrefetchOp):
-                op.num_existing = 0
-                self._finish(("queried", op))
-
-    def _io_loop(self) -> None:
-        while True:
-            _, _, op = self._io_q.get()
+            op = self._read_q.get()
             if op is _STOP:
-                self._drain_io_queue()
+                self._drain(self._read_q)
                 return
-            if isinstance(op, PrefetchOp):
-                if not self._stopping.is_set():
-                    self._read(op)
-                op.io_done = True
-                self._finish(("loaded", op))
-            else:
-                if not self._stopping.is_set():
-                    self._write(op)
-                else:
-                    self._note_backup_failed(op, "detached")
-                self._finish(("backed_up", op))
+            assert isinstance(op, PrefetchOp)
+            if not self._stopping.is_set():
+                self._read(op)
+            op.io_done = True
+            self._finish(("loaded", op))
 
-    def _drain_io_queue(self) -> None:
+    def _write_loop(self) -> None:
+        while True:
+            op = self._write_q.get()
+            if op is _STOP:
+                self._drain(self._write_q)
+                return
+            assert isinstance(op, BackupOp)
+            if not self._stopping.is_set():
+                self._write(op)
+            else:
+                self._note_backup_failed(op, "detached")
+            self._finish(("backed_up", op))
+
+    def _drain(self, q: queue.SimpleQueue[Any]) -> None:
+        """Report every queued operation as finished with nothing done (stopping)."""
         while True:
             try:
-                _, _, op = self._io_q.get_nowait()
+                op = q.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(op, PrefetchOp):
-                op.io_done = True
-                self._finish(("loaded", op))
-            elif isinstance(op, BackupOp):
+            if isinstance(op, BackupOp):
                 self._note_backup_failed(op, "detached")
                 self._finish(("backed_up", op))
+            elif isinstance(op, PrefetchOp):
+                if q is self._query_q:
+                    op.num_existing = 0
+                    self._finish(("queried", op))
+                else:
+                    op.io_done = True
+                    self._finish(("loaded", op))
 
     # ----------------------------------------------------------- operations
     def _lookup(self, op: PrefetchOp) -> int:
@@ -224,7 +319,7 @@ class StorageController:
             if op.cancelled.is_set():
                 break
             batch = op.keys[start : start + MAX_BATCH_PAGES]
-            n = self._call("exists", self.backend.exists, batch)
+            n = self._call("query", "exists", self.backend.exists, batch).count
             found += n
             if n < len(batch):
                 break
@@ -237,10 +332,12 @@ class StorageController:
         assert op.host_pages is not None
         began = time.perf_counter()
         for start in range(0, len(op.host_pages), MAX_BATCH_PAGES):
-            if op.cancelled.is_set():
-                break
             stop = min(len(op.host_pages), start + MAX_BATCH_PAGES)
-            n = self._call("get", self.backend.get, op.keys[start:stop], op.host_pages[start:stop])
+            if not op.claim(stop):  # cancelled: pages past here may already be freed
+                break
+            n = self._call(
+                "read", "get", self.backend.get, op.keys[start:stop], op.host_pages[start:stop], op
+            ).count
             # Published only after the whole call returned: these pages are final.
             op.num_landed = start + n
             if n < stop - start:
@@ -253,23 +350,19 @@ class StorageController:
     def _write(self, op: BackupOp) -> None:
         began = time.perf_counter()
         keys, pages = op.keys, op.host_pages
-        # Pages L3 already has (another instance wrote them) are not sent again.
-        existing = 0
+        # One set per batch: set skips pages L3 already has (another instance wrote
+        # them) and counts them as stored; its stats say how many it skipped.
+        stored = existing = 0
         for start in range(0, len(keys), MAX_BATCH_PAGES):
-            batch = keys[start : start + MAX_BATCH_PAGES]
-            n = self._call("exists", self.backend.exists, batch)
-            existing += n
-            if n < len(batch):
-                break
-        op.num_existing = existing
-        stored = existing
-        for start in range(existing, len(keys), MAX_BATCH_PAGES):
             stop = min(len(keys), start + MAX_BATCH_PAGES)
-            n = self._call("set", self.backend.set, keys[start:stop], pages[start:stop])
-            stored += n
-            if n < stop - start:
+            answer = self._call("write", "set", self.backend.set, keys[start:stop],
+                                pages[start:stop], op)
+            stored += answer.count
+            existing += min(answer.count, answer.num_skipped_existing)
+            if answer.count < stop - start:
                 break
         op.num_stored = stored
+        op.num_existing = existing
         with self._metrics_lock:
             self.metrics.backup_pages_existing += existing
             self.metrics.backup_pages_stored += stored - existing
@@ -281,37 +374,106 @@ class StorageController:
             self.metrics.backup_pages_failed += len(op.keys)
             self.metrics.fail(reason, len(op.keys))
 
-    def _call(self, what: str, fn: Callable[..., int], *args: Any) -> int:
-        """One backend call through the breaker; any failure is 0 pages."""
+    # ------------------------------------------------------- backend calls
+    def _call(
+        self, thread: str, what: str, fn: Callable[..., int], keys: list[bytes],
+        host_pages: PageIds | None = None, op: PrefetchOp | BackupOp | None = None,
+    ) -> _Answer:
+        """One backend call through the breaker, within the deadline; any failure is 0 pages."""
+        with self._metrics_lock:
+            if self.metrics.stalled_calls >= MAX_STALLED_CALLS:
+                self.metrics.fail("stalled_limit")
+                return _Answer()
         if not self.breaker.allow():
             with self._metrics_lock:
                 self.metrics.fail("breaker_open")
-            return 0
-        before = self._outages()
-        try:
-            result = int(fn(*args))
-        except Exception as error:
+            return _Answer()
+        args: tuple[Any, ...] = (keys,) if host_pages is None else (keys, host_pages)
+        pages = no_pages() if host_pages is None else np.asarray(host_pages).copy()
+        call = self._callers[thread].run(
+            lambda: self._measured(fn, args), self.io_timeout_s,
+            lambda late: self._on_stall(late, what, pages, op),
+        )
+        if call.abandoned:
+            self.breaker.trip(f"{what} gave no answer in {self.io_timeout_s:g} s")
+            return _Answer()
+        if call.error is not None:
+            error = call.error
             logger.warning("L3 %s failed: %s: %s", what, type(error).__name__, error)
             with self._metrics_lock:
                 self.metrics.fail(f"{what}_raised")
             self.breaker.record_failure(f"{what} raised {type(error).__name__}")
-            return 0
-        if self._outages() > before:
+            return _Answer()
+        answer, outage = call.value
+        if outage:
             self.breaker.record_failure(f"{what} reported the store unreachable")
         else:
             self.breaker.record_success()
-        return max(0, min(result, len(args[0])))
+        return _Answer(max(0, min(answer.count, len(keys))), answer.num_skipped_existing)
 
-    def _outages(self) -> int:
-        failures = self.backend_failures()
-        return sum(failures.get(reason, 0) for reason in OUTAGE_REASONS)
+    def _measured(self, fn: Callable[..., int], args: tuple[Any, ...]) -> tuple[_Answer, bool]:
+        """Runs on the runner: the call, and whether the backend counted an outage meanwhile.
+
+        The stats are read here, not on the waiting thread: a backend whose call
+        hangs may hold the lock its ``stats()`` takes.
+        """
+        before = self._stats()
+        count = int(fn(*args))
+        after = self._stats()
+        if before is None or after is None:
+            return _Answer(count), False
+        with self._metrics_lock:
+            self._backend_failures = dict(after.failures)
+        self.failure_log.observe("backend", after.failures)
+        skipped = after.pages_skipped_existing - before.pages_skipped_existing
+        return _Answer(count, max(0, skipped)), _outages(after) > _outages(before)
+
+    def _stats(self) -> StorageStats | None:
+        try:
+            return self.backend.stats()
+        except Exception:  # a backend whose stats fail is judged by its calls alone
+            return None
+
+    def _on_stall(
+        self, call: Call, what: str, pages: PageIds, op: PrefetchOp | BackupOp | None
+    ) -> StalledCall:
+        """The call missed its deadline (waiting thread, under the caller's lock)."""
+        stalled = StalledCall(what, pages, op, call.began_s)
+        with self._metrics_lock:
+            self.metrics.fail("timeout")
+            self.metrics.stalled_calls += 1
+            self.metrics.stalled_host_pages += len(pages)
+            num_stalled = self.metrics.stalled_calls
+        logger.warning(
+            "L3 (%s) %s stalled: no answer in %.1f s; treating L3 as down and moving on. "
+            "Its %d host pages stay reserved until it returns (stalled calls now: %d)",
+            self.backend.name, what, time.monotonic() - call.began_s, len(pages), num_stalled,
+        )
+        self._done.put(("stalled", stalled))
+        return stalled
+
+    def _on_late_return(self, call: Call) -> None:
+        """A stalled call returned (its runner thread, under the caller's lock)."""
+        stalled = call.context
+        assert isinstance(stalled, StalledCall)
+        with self._metrics_lock:
+            self.metrics.stalled_calls -= 1
+            self.metrics.stalled_host_pages -= len(stalled.host_pages)
+        logger.info(
+            "L3 (%s) answered again: a %s stalled for %.1f s returned; its %d host pages "
+            "are released", self.backend.name, stalled.what,
+            time.monotonic() - stalled.began_s, len(stalled.host_pages),
+        )
+        self._done.put(("returned", stalled))
 
     def backend_failures(self) -> dict[str, int]:
-        """The backend's failure counts by reason (its ``stats().failures``)."""
-        try:
-            return self.backend.stats().failures
-        except Exception:  # a backend whose stats fail is judged by its calls alone
-            return {}
+        """The backend's failure counts by reason, as of its last call that returned.
+
+        Read from the copy the runner threads keep, never from the backend: a
+        backend whose call hangs may hold the lock its ``stats()`` takes.
+        """
+        with self._metrics_lock:
+            return dict(self._backend_failures)
 
     # ---------------------------------------------------------- bookkeeping
     def _begin(self) -> None:
@@ -319,8 +481,7 @@ class StorageController:
             self._outstanding += 1
 
     def _finish(self, event: _Event) -> None:
-        # Every backend call belongs to an operation: what it counted is final here.
-        self.failure_log.observe("backend", self.backend_failures())
+        # The backend's own reasons reach the log from the runner threads (``_measured``).
         with self._metrics_lock:
             failures = dict(self.metrics.failures)
         self.failure_log.observe("controller", failures)
@@ -334,3 +495,7 @@ class StorageController:
             copy = StorageMetrics(**{k: v for k, v in vars(self.metrics).items()})
             copy.failures = dict(self.metrics.failures)
             return copy
+
+
+def _outages(stats: StorageStats) -> int:
+    return sum(stats.failures.get(reason, 0) for reason in OUTAGE_REASONS)

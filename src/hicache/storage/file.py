@@ -43,6 +43,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 import numpy as np
@@ -238,10 +239,14 @@ class FileBackend(StorageBackend):
             if name in self._index and not on_disk:
                 return True
             try:
-                size = os.stat(self._path(name)).st_size
+                info = os.stat(self._path(name))
             except OSError:
                 self._forget_locked(name)
                 return False
+            if not S_ISREG(info.st_mode):  # a FIFO, device or directory is no page
+                self._forget_locked(name)
+                return False
+            size = info.st_size
             if name not in self._index:
                 self._index[name] = size
                 self._total_bytes += size
@@ -260,8 +265,11 @@ class FileBackend(StorageBackend):
         expected = HEADER_BYTES + regions.page_bytes
         header = bytearray(HEADER_BYTES)
         views = regions.views(page)
+        # O_NONBLOCK: opening a FIFO (or a device) put in place of a page file must not
+        # wait for a writer; it changes nothing for a regular file, the only kind read.
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, flags)
         except FileNotFoundError:
             with self._lock:
                 self._forget_locked(name)
@@ -269,7 +277,12 @@ class FileBackend(StorageBackend):
         except OSError:
             return "io_error"
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not S_ISREG(info.st_mode):
+                with self._lock:
+                    self._forget_locked(name)
+                return "not_regular_file"
+            size = info.st_size
             got = _readv_full(fd, [*views, memoryview(header)])
         except OSError:
             return "io_error"
@@ -392,7 +405,7 @@ class FileBackend(StorageBackend):
                     if entry.name.endswith(_TEMP_SUFFIX):
                         if _is_stale_temp(entry.name, now - stat.st_mtime):
                             self._unlink(entry.path)
-                    elif _is_page_name(entry.name):
+                    elif _is_page_name(entry.name) and S_ISREG(stat.st_mode):
                         found.append((stat.st_mtime_ns, entry.name, stat.st_size))
         return found
 

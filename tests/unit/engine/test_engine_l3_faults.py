@@ -1,8 +1,9 @@
 """The engine over a misbehaving L3 (the in-memory reference store with injected faults).
 
-A slow store is bounded by the timeout policy, a failing one costs a
-recomputation, and a request aborted while its prefetch is in flight frees
-every host page the prefetch held. Outputs never change.
+A slow store is bounded by the timeout policy (and wait_complete by
+prefetch_timeout_max), a failing one costs a recomputation, and a request
+aborted while its prefetch is in flight frees every host page the prefetch
+held. Outputs never change. (A store that hangs: test_engine_l3_stall.py.)
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ def prompt(seed: int) -> list[int]:
 
 
 def engine_with_store(
-    make_engine: Callable[..., Engine], policy: PrefetchPolicy, *flags: str, **config: float
+    make_engine: Callable[..., Engine], policy: PrefetchPolicy, page: int = PAGE,
+    flags: tuple[str, ...] = (), **config: float,
 ) -> tuple[Engine, MemoryBackend]:
     """An engine (more ``flags`` for it) over an in-memory L3 with the prefetch ``policy``."""
     engine = make_engine(
-        "--page-size", str(PAGE), "--max-total-tokens", "2048", "--enable-hierarchical-cache",
-        *flags,
+        "--page-size", str(page), "--max-total-tokens", "2048", "--enable-hierarchical-cache",
+        *flags,  # later flags win
     )
     backend = MemoryBackend()
     storage = StorageConfig(
-        backend="memory", prefetch_policy=policy, prefetch_threshold=PAGE, **config  # type: ignore[arg-type]
+        backend="memory", prefetch_policy=policy, prefetch_threshold=page, **config  # type: ignore[arg-type]
     )
     on_scheduler(engine, lambda: engine.cache.attach_storage(storage, backend=backend))
     return engine, backend
@@ -61,6 +63,30 @@ def test_slow_store_is_bounded_by_the_timeout_policy(make_engine: Callable[..., 
     assert slow.last.cached_tokens.storage == 0
     assert slow.token_ids == cold.token_ids
     backend.delay_per_batch = 0.0
+
+
+def test_wait_complete_gives_up_at_prefetch_timeout_max(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, backend = engine_with_store(
+        make_engine, PrefetchPolicy.WAIT_COMPLETE, prefetch_timeout_max=0.3
+    )
+    ids = prompt(4)
+    cold = run(engine, ids, ignore_eos=True)
+    assert engine.flush_cache()
+    backend.delay_per_batch = 3.0  # slow, not hung: within the call deadline
+    began = time.monotonic()
+    slow = run(engine, ids, ignore_eos=True)
+    assert time.monotonic() - began < 2.0
+    assert slow.last.cached_tokens.storage == 0
+    assert slow.token_ids == cold.token_ids
+    backend.delay_per_batch = 0.0
+    # The read it gave up on returns later; its pages are freed then.
+    deadline = time.monotonic() + 10
+    while on_scheduler(engine, lambda: engine.cache.storage.num_in_flight_prefetch_pages):  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    engine.check_integrity()
 
 
 def test_failing_store_costs_a_recomputation_only(make_engine: Callable[..., Engine]) -> None:

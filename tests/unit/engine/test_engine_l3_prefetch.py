@@ -88,7 +88,7 @@ def test_a_queued_request_prefetches_while_another_runs(
     make_engine: Callable[..., Engine],
 ) -> None:
     engine, backend = engine_with_store(
-        make_engine, PrefetchPolicy.WAIT_COMPLETE, "--max-running-requests", "1"
+        make_engine, PrefetchPolicy.WAIT_COMPLETE, flags=("--max-running-requests", "1")
     )
     ids = prompt(4)
     [cold] = in_l3_only(engine, backend, [ids])
@@ -109,7 +109,7 @@ def test_a_long_queue_prefetches_within_the_host_budget(
     # A budget of 25 host pages, 12 pages a prefix: two queued prefetches start, the
     # other four once room frees (whole: a third now would get only the page left).
     engine, backend = engine_with_store(
-        make_engine, PrefetchPolicy.WAIT_COMPLETE, "--max-running-requests", "1",
+        make_engine, PrefetchPolicy.WAIT_COMPLETE, flags=("--max-running-requests", "1"),
         prefetch_max_host_fraction=25.5 / 256,
     )
     assert engine.cache.host_pool is not None and engine.cache.host_pool.num_pages == 256

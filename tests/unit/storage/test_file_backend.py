@@ -546,3 +546,45 @@ def test_without_checksum_verification_the_header_is_still_checked(
     assert page_bytes_of(host, ids(10, 11)) != page_bytes_of(host, ids(0, 1))
     # ... but an object under the wrong name is still refused.
     assert backend.stats().failures == {"wrong_key": 1}
+
+
+# ------------------------------------------------- not a regular file
+def _read_with_a_bound(backend: FileBackend, keys: list[bytes], pages: PageIds) -> int | None:
+    """``backend.get`` on a helper thread: its answer, or None if it had none in 5 s."""
+    answers: list[int] = []
+    reader = threading.Thread(target=lambda: answers.append(backend.get(keys, pages)), daemon=True)
+    reader.start()
+    reader.join(5.0)
+    return answers[0] if answers else None
+
+
+def test_a_fifo_in_place_of_a_page_file_is_a_quick_miss(root: Path, open_file: Opener) -> None:
+    backend, _, keys = _stored(open_file)
+    fifo = page_path(root, keys[1])
+    fifo.unlink()
+    os.mkfifo(fifo)  # what a hung NFS read looks like from here: a read that never returns
+    began = time.monotonic()
+    answer = _read_with_a_bound(backend, keys, ids(10, 13))
+    if answer is None:  # blocked in open() waiting for a writer: let it go, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("reading a FIFO page file blocked")
+    assert answer == 1 and time.monotonic() - began < 1.0
+    # Its own reason: not an outage (which would open the circuit breaker).
+    assert backend.stats().failures == {"not_regular_file": 1}
+    assert backend.exists(keys) == 1  # no longer taken for a stored page
+    assert fifo.exists()  # not ours to remove; a later set replaces it with a page
+    assert backend.set(keys, ids(0, 3)) == 3
+    assert backend.get(keys, ids(10, 13)) == 3
+    backend.check_integrity()
+
+
+def test_a_directory_in_place_of_a_page_file_is_a_miss_not_an_io_error(
+    root: Path, open_file: Opener
+) -> None:
+    backend, _, keys = _stored(open_file)
+    page_path(root, keys[0]).unlink()
+    page_path(root, keys[0]).mkdir()
+    assert _read_with_a_bound(backend, keys, ids(10, 13)) == 0
+    assert backend.stats().failures == {"not_regular_file": 1}
+    assert backend.exists(keys) == 0
+    backend.check_integrity()
