@@ -9,6 +9,10 @@ Importing this module skips the importing test module (with the reason) when
 the ``mooncake`` client cannot be imported here: the package is missing, or a
 system library it links against is (libibverbs, librdmacm, libnuma).
 
+The Mooncake client listens on every interface (ports 15000-17000); the
+session's private network namespace (tests/network_namespace.py) leaves it only
+loopback. Where the session could not get one, the master fixture warns.
+
 Backends with equal settings share one Mooncake client per process, and
 closing a client takes the library a second or two; ``mooncake_anchor`` keeps
 one backend attached for a whole module so the tests in it do not each pay
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +48,7 @@ from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.mooncake import MooncakeBackend
 from hicache.storage.mooncake_master import MasterProcess, start_master
 from tests.kv_oracle import conversation, serve_with_l3, settle
+from tests.network_namespace import enter_private_network
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 WAIT_S = 10.0
@@ -53,6 +59,9 @@ CLIENT_SIZES = {"global_segment_size": "32MiB", "local_buffer_size": "4MiB"}
 @pytest.fixture(scope="module", name="mooncake_master")
 def master_fixture() -> Iterator[MasterProcess]:
     """A master on 127.0.0.1 (RPC and metrics ports free ones), stopped after the module."""
+    isolation = enter_private_network()  # the session's, entered by tests/conftest.py
+    if not isolation.private:
+        warnings.warn(f"Mooncake tests run on {isolation.note}", UserWarning, stacklevel=1)
     with start_master() as master:
         yield master
 

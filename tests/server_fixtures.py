@@ -95,14 +95,15 @@ def serve_app_in_thread(app: FastAPI) -> Iterator[str]:
 @contextmanager
 def serve_in_thread(
     engine_args: Sequence[str] = (), *, admin_api_key: str | None = None,
-    served_model_name: str | None = None,
+    admin_allow_dynamic_backend: bool = False, served_model_name: str | None = None,
 ) -> Iterator[RunningServer]:
     args = parse_test_args(engine_args)
     engine = build_engine(args)
     try:
         app = create_app(
-            engine, admin_api_key=admin_api_key, served_model_name=served_model_name,
-            info=server_info_from_args(args),
+            engine, admin_api_key=admin_api_key,
+            admin_allow_dynamic_backend=admin_allow_dynamic_backend,
+            served_model_name=served_model_name, info=server_info_from_args(args),
         )
         with serve_app_in_thread(app) as url:
             yield RunningServer(url, engine)

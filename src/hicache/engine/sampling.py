@@ -60,8 +60,11 @@ def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -
     if p.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest set whose mass reaches top_p (always at least the top token).
+        # Keep the smallest set whose mass reaches top_p, and always the top token: the
+        # comparison is in float32, where a top_p below ~7e-46 (1e-300 ...) is 0 and would
+        # otherwise drop every token, leaving nothing to draw from.
         drop = cumulative - sorted_probs >= p.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -8,6 +8,13 @@ attached); ``GET`` shows the engine's storage status. Every call needs
 admin API is off (400), a wrong or missing key is a 401. Attaching and
 detaching only happen while no request runs (409 otherwise), so no request
 ever sees L3 change under it.
+
+The ``dynamic`` backend imports the Python module its extra config names and
+runs it: through this API that would turn the admin key into a key to run any
+code as the server's user. So ``PUT`` refuses it (403) unless the server was
+started with ``--admin-allow-dynamic-backend``. An operator who names it at
+start-up (``--hicache-storage-backend dynamic``) chose the module themselves
+and needs no flag.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from hicache.storage.base import StorageError
 router = APIRouter()
 
 ROUTE = "/hicache/storage-backend"
+ADMIN_ALLOW_DYNAMIC_FLAG = "--admin-allow-dynamic-backend"
+# Backends that load code named in the request: attached here only behind that flag.
+CODE_LOADING_BACKENDS = frozenset({"dynamic"})
 _BUSY = "requests are running: change L3 only while the server is idle, then retry"
 
 
@@ -68,8 +78,16 @@ async def attach_storage(request: Request) -> dict[str, Any]:
     state = get_state(request)
     authorize(state, request)
     body = await parse_body(request, StorageBackendRequest)
-    if body.backend.lower() == "none":
+    name = body.backend.strip().lower()
+    if name == "none":
         raise APIError(400, "to turn L3 off, DELETE this resource", param="backend")
+    # Checked before anything is created, so the named module is never even imported.
+    if name in CODE_LOADING_BACKENDS and not state.admin_allow_dynamic_backend:
+        raise APIError(
+            403, f"the {name!r} backend imports and runs the Python module its extra config "
+            f"names, so the admin API attaches it only on a server started with "
+            f"{ADMIN_ALLOW_DYNAMIC_FLAG}", param="backend",
+        )
     await _change_storage(
         state, state.engine.attach_storage, body.backend, body.extra_config, body.prefetch_policy
     )

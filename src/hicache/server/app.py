@@ -38,7 +38,8 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 def create_app(
     engine: ServedEngine, *, admin_api_key: str | None = None,
-    served_model_name: str | None = None, info: ServerInfo | None = None,
+    admin_allow_dynamic_backend: bool = False, served_model_name: str | None = None,
+    info: ServerInfo | None = None,
     on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     @asynccontextmanager
@@ -60,6 +61,7 @@ def create_app(
         metrics=ServerMetrics(engine),
         info=info,
         storage_config=dict(info.storage_config),
+        admin_allow_dynamic_backend=admin_allow_dynamic_backend,
     )
     install_error_handlers(app)
     app.include_router(openai_api.router)

@@ -22,6 +22,7 @@ from hicache.engine.api import RequestError
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     409: "conflict_error",

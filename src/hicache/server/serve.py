@@ -23,6 +23,7 @@ import uvicorn
 from hicache.engine.engine import Engine, add_engine_args, build_engine
 from hicache.model.default_model import default_model_path
 from hicache.model.loader import LoadFormat
+from hicache.server.admin_api import ADMIN_ALLOW_DYNAMIC_FLAG
 from hicache.server.app import create_app
 from hicache.server.args import NO_STORAGE_BACKEND
 from hicache.server.server_info import server_info_from_args
@@ -48,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--admin-api-key", default=None,
         help="key for the admin API (PUT/GET/DELETE /hicache/storage-backend); "
         "without it the admin API is off",
+    )
+    group.add_argument(
+        ADMIN_ALLOW_DYNAMIC_FLAG, action="store_true",
+        help="let the admin API attach the 'dynamic' L3 backend, which imports and runs the "
+        "Python module named in its extra config: whoever holds the admin key can then run "
+        "any code as this server's user. Off by default (a 403); "
+        "--hicache-storage-backend dynamic at start-up needs no such flag",
     )
     # SUPPRESS: when not given here, ``hicache --log-level`` (before the subcommand) stands.
     group.add_argument(
@@ -156,6 +164,7 @@ def main(args: argparse.Namespace) -> int:
         log_tiers(engine, prefix_cache=not args.disable_radix_cache)
         app = create_app(
             engine, admin_api_key=args.admin_api_key,
+            admin_allow_dynamic_backend=args.admin_allow_dynamic_backend,
             served_model_name=args.served_model_name or args.model_path,
             info=server_info_from_args(args), on_shutdown=stop_engine,
         )

@@ -1,5 +1,5 @@
 """What every route needs: the engine and its tokenizer, the model's public names, the
-server's description, the admin key, the metrics, and the request ids in flight."""
+server's description, the admin settings, the metrics, and the request ids in flight."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ class ServerState:
     info: ServerInfo
     # The attached L3 backend's extra config, secrets removed (the admin API updates it).
     storage_config: dict[str, Any] = field(default_factory=dict)
+    # Whether the admin API may attach the "dynamic" backend, which imports and runs
+    # any Python module it is given (--admin-allow-dynamic-backend).
+    admin_allow_dynamic_backend: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     rids_in_flight: set[str] = field(default_factory=set)
 

@@ -1,8 +1,10 @@
 """The admin API: PUT/GET/DELETE /hicache/storage-backend with a bearer key, and the
-/flush_cache control: keys, attach / re-attach / detach, refusals, and 409 while busy."""
+/flush_cache control: keys, attach / re-attach / detach, refusals, 409 while busy, and the
+"dynamic" backend (it runs code) only behind --admin-allow-dynamic-backend."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -154,3 +156,68 @@ def test_l3_without_the_host_tier_is_refused(tmp_path: Path) -> None:
         response = http.put(ROUTE, headers=AUTH, json=file_backend(tmp_path))
         assert response.status_code == 400
         assert "host pool" in message(response)
+
+
+# ------------------------------------------------------------------ the dynamic backend
+def code_loading_backend(tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """A "dynamic" attach body naming a .py file that leaves a marker file when imported
+    (the marker says the file's code ran), and the marker's path."""
+    marker = tmp_path / "plugin-ran"
+    plugin = tmp_path / "plugin_store.py"
+    plugin.write_text(
+        "from pathlib import Path\n"
+        f"Path({str(marker)!r}).write_text('imported')\n"
+        "from tests.unit.storage.test_dynamic_backend import DictStore as Store\n"
+    )
+    extra = {"module_path": str(plugin), "class_name": "Store", "store": str(tmp_path),
+             "prefetch_threshold": 16}
+    return {"backend": "dynamic", "extra_config": extra}, marker
+
+
+@pytest.mark.parametrize("name", ["dynamic", " Dynamic"])
+def test_the_dynamic_backend_is_refused_without_the_flag(
+    client: httpx.Client, tmp_path: Path, name: str
+) -> None:
+    body, marker = code_loading_backend(tmp_path)
+    response = client.put(ROUTE, headers=AUTH, json={**body, "backend": name})
+    assert response.status_code == 403, response.text
+    assert "--admin-allow-dynamic-backend" in message(response)
+    assert response.json()["error"]["param"] == "backend"
+    assert not marker.exists()  # the named file was never imported
+    assert client.get(ROUTE, headers=AUTH).json()["attached"] is False
+
+
+def test_with_the_flag_the_dynamic_backend_attaches(tmp_path: Path) -> None:
+    body, marker = code_loading_backend(tmp_path)
+    with serve_in_thread(
+        ["--enable-hierarchical-cache"], admin_api_key=KEY, admin_allow_dynamic_backend=True
+    ) as running, httpx.Client(base_url=running.url, timeout=30.0) as http:
+        attached = http.put(ROUTE, headers=AUTH, json=body)
+        assert attached.status_code == 200, attached.text
+        assert attached.json()["backend"] == "dynamic"
+        assert marker.read_text() == "imported"
+        generated = http.post("/generate", json={
+            "input_ids": list(range(1, 50)),
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        })
+        assert generated.status_code == 200, generated.text
+        assert running.wait_until(
+            lambda: running.engine.storage_status()["metrics"]["backup_pages_stored"] >= 3
+        )
+        assert http.delete(ROUTE, headers=AUTH).json()["attached"] is False
+
+
+def test_dynamic_chosen_at_start_up_needs_no_flag(tmp_path: Path) -> None:
+    body, marker = code_loading_backend(tmp_path)
+    flags = ["--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
+             "--hicache-storage-backend-extra-config", json.dumps(body["extra_config"])]
+    with serve_in_thread(flags, admin_api_key=KEY) as running, httpx.Client(
+        base_url=running.url, timeout=30.0
+    ) as http:
+        assert marker.read_text() == "imported"  # the operator's own choice: loaded
+        status = http.get(ROUTE, headers=AUTH).json()
+        assert status["attached"] is True and status["backend"] == "dynamic"
+        # The admin API still may not name it (not even to re-attach the same one).
+        response = http.put(ROUTE, headers=AUTH, json=body)
+        assert response.status_code == 403, response.text
+        assert http.get(ROUTE, headers=AUTH).json()["backend"] == "dynamic"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI
 
 from hicache.cli import build_parser
 from hicache.cli import main as cli_main
@@ -37,7 +39,8 @@ def test_serve_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert exited.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--port", "--host", "--served-model-name", "--admin-api-key",
-                 "--disable-hierarchical-cache", "--hicache-storage-backend", "none"):
+                 "--admin-allow-dynamic-backend", "--disable-hierarchical-cache",
+                 "--hicache-storage-backend", "none"):
         assert flag in out
 
 
@@ -98,6 +101,26 @@ def test_inconsistent_flags_fail_with_the_fix(
     with caplog.at_level(logging.ERROR):
         assert serve_main(args) == 2
     assert words in caplog.text
+
+
+@pytest.mark.parametrize(("flags", "allowed"), [([], False),
+                                               (["--admin-allow-dynamic-backend"], True)])
+def test_serve_hands_the_dynamic_backend_permission_to_the_app(
+    flags: list[str], allowed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served: list[bool] = []
+
+    def run(server: uvicorn.Server) -> None:  # instead of serving: look at the app
+        app = server.config.app
+        assert isinstance(app, FastAPI)
+        served.append(app.state.hicache.admin_allow_dynamic_backend)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    args = build_parser().parse_args(
+        ["serve", *SMALL, "--hicache-storage-backend", "none", *flags]
+    )
+    assert serve_main(args) == 0
+    assert served == [allowed]
 
 
 def test_startup_log_names_each_tier_and_is_loud_without_l3(
