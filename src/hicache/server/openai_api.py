@@ -5,10 +5,13 @@ Streaming follows OpenAI: ``data:`` chunks, then ``data: [DONE]``; with
 usage and an empty ``choices``. Usage reports the prompt tokens served from
 the cache as ``prompt_tokens_details.cached_tokens`` (every tier together);
 ``return_cached_tokens_details`` adds SGLang's ``sglext.cached_tokens_details``
-(by tier). Choices carry SGLang's ``matched_stop``. A chat request with tools
-gets the model's ``<tool_call>`` blocks back as ``tool_calls`` (finish reason
-"tool_calls"); streamed, content streams up to the first call and the calls
-come in one delta at the end.
+(by tier); streamed, on the chunk that carries the finish reason, with the
+usage when no usage chunk follows (SGLang's ``bench_serving --cache-report``
+reads both from any chunk, and its completions client needs every chunk to
+have a choice). Choices carry SGLang's
+``matched_stop``. A chat request with tools gets the model's ``<tool_call>``
+blocks back as ``tool_calls`` (finish reason "tool_calls"); streamed, content
+streams up to the first call and the calls come in one delta at the end.
 """
 
 from __future__ import annotations
@@ -128,7 +131,9 @@ async def create_completion(request: Request) -> Response:
     head = {"id": rid, "object": "text_completion", "created": created,
             "model": state.served_model_name}
     if body.stream:
-        return EventStreamResponse(_completion_events(generation, text, head, body.include_usage))
+        return EventStreamResponse(_completion_events(
+            generation, text, head, body.include_usage, body.return_cached_tokens_details
+        ))
     done = await generation.collect(request.is_disconnected)
     whole = _whole(done)
     text.push(whole)
@@ -147,8 +152,23 @@ def _dump(response: CompletionResponse | ChatCompletionResponse) -> dict[str, An
     return response.model_dump(exclude={"sglext"} if response.sglext is None else None)
 
 
+def _finish_extras(
+    output: GenerateOutput, with_sglext: bool, include_usage: bool
+) -> dict[str, Any]:
+    """What the finishing chunk of a stream adds: sglext when asked for, with the usage
+    (unless a usage chunk follows) so that a cache report divides the cached tokens by
+    the prompt tokens the server counted (a chat template adds some to the client's)."""
+    if not with_sglext:
+        return {}
+    extras: dict[str, Any] = {"sglext": sglext_of(output).model_dump()}
+    if not include_usage:
+        extras["usage"] = usage_of(output).model_dump()
+    return extras
+
+
 async def _completion_events(
-    generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool
+    generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool,
+    with_sglext: bool,
 ) -> AsyncGenerator[str, None]:
     try:
         async for output in generation:
@@ -160,7 +180,10 @@ async def _completion_events(
                 reason = output.finish_reason if output.finished else None
                 choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason,
                           "matched_stop": text.matched}
-                yield event({**head, "choices": [choice]})
+                extras = (
+                    _finish_extras(output, with_sglext, include_usage) if output.finished else {}
+                )
+                yield event({**head, "choices": [choice], **extras})
             if output.finished and include_usage:
                 yield event({**head, "choices": [], "usage": usage_of(output).model_dump()})
         yield DONE
@@ -194,7 +217,8 @@ async def create_chat_completion(request: Request) -> Response:
             "model": state.served_model_name}
     if body.stream:
         return EventStreamResponse(
-            _chat_events(generation, text, head, body.include_usage, tools)
+            _chat_events(generation, text, head, body.include_usage, tools,
+                         body.return_cached_tokens_details)
         )
     done = await generation.collect(request.is_disconnected)
     whole = _whole(done)
@@ -228,12 +252,14 @@ def _chat_reason(output: GenerateOutput, calls: tuple[ParsedToolCall, ...]) -> s
 
 async def _chat_events(
     generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool,
-    tools: bool,
+    tools: bool, with_sglext: bool,
 ) -> AsyncGenerator[str, None]:
-    def chunk(delta: dict[str, Any], reason: str | None = None) -> str:
+    def chunk(
+        delta: dict[str, Any], reason: str | None = None, extras: dict[str, Any] | None = None
+    ) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
                   "matched_stop": text.matched if reason is not None else None}
-        return event({**head, "choices": [choice]})
+        return event({**head, "choices": [choice], **(extras or {})})
 
     calls_stream = ToolCallStream() if tools else None
     try:
@@ -258,7 +284,8 @@ async def _chat_events(
                             {"index": i, **call.model_dump()}
                             for i, call in enumerate(_tool_calls_out(calls))
                         ]})
-                yield chunk({}, _chat_reason(output, calls))
+                yield chunk({}, _chat_reason(output, calls), _finish_extras(
+                    output, with_sglext, include_usage))
                 if include_usage:
                     yield event({**head, "choices": [], "usage": usage_of(output).model_dump()})
         yield DONE

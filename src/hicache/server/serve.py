@@ -26,7 +26,7 @@ from hicache.model.loader import LoadFormat
 from hicache.server.admin_api import ADMIN_ALLOW_DYNAMIC_FLAG
 from hicache.server.app import create_app
 from hicache.server.args import NO_STORAGE_BACKEND
-from hicache.server.server_info import server_info_from_args
+from hicache.server.server_info import client_tokenizer_path, server_info_from_args
 from hicache.storage.base import StorageError
 
 logger = logging.getLogger("hicache.serve")
@@ -139,13 +139,19 @@ def log_tiers(engine: Engine, prefix_cache: bool) -> None:
         logger.info("L3 storage: off")
 
 
+def _tokenizer_path(args: argparse.Namespace, engine: Engine) -> str | None:
+    device = str(engine.cache.device_pool.device)
+    return client_tokenizer_path(args.model_path, engine.tokenizer, args.dtype, device)
+
+
 def main(args: argparse.Namespace) -> int:
     problem = _check_tiers(args)
     if problem is not None:
         logger.error("%s", problem)
         return 2
     try:
-        engine = build_engine(with_default_model(args))
+        resolved = with_default_model(args)
+        engine = build_engine(resolved)
     # ConfigError is a ValueError; MemoryError: the host pool could not be pinned.
     except (ValueError, StorageError, OSError, MemoryError) as error:
         logger.error("cannot start the engine: %s", error)
@@ -166,7 +172,8 @@ def main(args: argparse.Namespace) -> int:
             engine, admin_api_key=args.admin_api_key,
             admin_allow_dynamic_backend=args.admin_allow_dynamic_backend,
             served_model_name=args.served_model_name or args.model_path,
-            info=server_info_from_args(args), on_shutdown=stop_engine,
+            info=server_info_from_args(args, _tokenizer_path(resolved, engine)),
+            on_shutdown=stop_engine,
         )
         level = logging.getLogger().getEffectiveLevel()
         config = uvicorn.Config(

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from hicache.model.byte_tokenizer_dir import byte_tokenizer_dir
+from hicache.model.loader import resolve_model_dir
+from hicache.model.tokenizer import ByteTokenizer, Tokenizer
 from hicache.storage.config import load_extra_config
+
+logger = logging.getLogger(__name__)
 
 REDACTED = "<redacted>"
 _SECRET_KEY = re.compile(r"pass|secret|token|credential|auth|api_?key|access_?key|private",
@@ -89,16 +95,42 @@ class ServerInfo:
     kv_events_endpoint: str | None = None
 
 
-def server_info_from_args(args: argparse.Namespace) -> ServerInfo:
+def server_info_from_args(
+    args: argparse.Namespace, tokenizer_path: str | None = None
+) -> ServerInfo:
+    """``tokenizer_path``: what ``client_tokenizer_path`` found (default: --model-path)."""
     model_path = getattr(args, "model_path", None)
     server_args = {name: getattr(args, attr) for name, attr in _ARGS.items()
                    if hasattr(args, attr)}
     extra = getattr(args, "hicache_storage_backend_extra_config", None)
     storage = public_config(load_extra_config(extra)) if extra else {}
     return ServerInfo(
-        model_path=model_path, tokenizer_path=model_path, server_args=server_args,
-        storage_config=storage,
+        model_path=model_path, tokenizer_path=tokenizer_path or model_path,
+        server_args=server_args, storage_config=storage,
     )
+
+
+def client_tokenizer_path(
+    model_path: str | None, tokenizer: Tokenizer, dtype: str | None, device: str
+) -> str | None:
+    """A dir from which transformers' ``AutoTokenizer`` loads the served model's tokenizer.
+
+    SGLang's clients (``bench_serving`` without ``--tokenizer``, the router) load it
+    from ``/model_info``'s ``tokenizer_path``. A model dir is its own; a GGUF file
+    (which AutoTokenizer cannot open by path) has its converted dir in the local
+    cache; a model served with the byte-level tokenizer (dummy weights) gets that
+    tokenizer written out as files. None when no such dir can be had.
+    """
+    try:
+        if isinstance(tokenizer, ByteTokenizer):
+            return str(byte_tokenizer_dir())
+        if model_path is None:
+            return None
+        # The conversion of a GGUF file exists by now (the engine loaded it): found, not redone.
+        return str(resolve_model_dir(model_path, dtype, device).path)
+    except OSError as error:
+        logger.warning("no tokenizer dir for clients (/model_info tokenizer_path): %s", error)
+        return None
 
 
 def model_info(info: ServerInfo, served_model_name: str, weights_name: str) -> dict[str, Any]:

@@ -44,9 +44,15 @@ class ServerState:
     rids_in_flight: set[str] = field(default_factory=set)
 
     def check_model(self, model: str | None) -> None:
-        """Requests may name the served model, or (as SGLang) its last path component;
-        another name is a 404."""
-        accepted = (self.served_model_name, last_path_component(self.served_model_name))
+        """Requests may name the served model, or (as SGLang) its last path component,
+        or the tokenizer dir /model_info advertises; another name is a 404.
+
+        The tokenizer dir: SGLang's clients name the model by the path they load the
+        tokenizer from (bench_multiturn.py's ``--model-path``), which for a GGUF file
+        or dummy weights is that dir rather than the served name.
+        """
+        accepted = (self.served_model_name, last_path_component(self.served_model_name),
+                    self.info.tokenizer_path)
         if model is not None and model not in accepted:
             raise APIError(
                 404, f"the model {model!r} does not exist; this server serves "
