@@ -23,7 +23,7 @@ from fastapi import FastAPI
 
 from hicache.engine.engine import Engine, add_engine_args, build_engine
 from hicache.server.app import create_app
-from hicache.server.server_info import server_info_from_args
+from hicache.server.server_info import client_tokenizer_path, server_info_from_args
 
 # On CPU even where a GPU is present: the same numbers, hence the same greedy outputs,
 # on every machine.
@@ -103,7 +103,9 @@ def serve_in_thread(
         app = create_app(
             engine, admin_api_key=admin_api_key,
             admin_allow_dynamic_backend=admin_allow_dynamic_backend,
-            served_model_name=served_model_name, info=server_info_from_args(args),
+            served_model_name=served_model_name,
+            info=server_info_from_args(args, client_tokenizer_path(
+                args.model_path, engine.tokenizer, args.dtype, args.device)),
         )
         with serve_app_in_thread(app) as url:
             yield RunningServer(url, engine)

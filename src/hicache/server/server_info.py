@@ -98,8 +98,14 @@ class ServerInfo:
 def server_info_from_args(
     args: argparse.Namespace, tokenizer_path: str | None = None
 ) -> ServerInfo:
-    """``tokenizer_path``: what ``client_tokenizer_path`` found (default: --model-path)."""
-    model_path = getattr(args, "model_path", None)
+    """``tokenizer_path``: what ``client_tokenizer_path`` found (default: --model-path).
+
+    Without --model-path (dummy weights of a preset, serve's default model) the
+    model path reported is the tokenizer dir: SGLang's router takes the tokenizer
+    from /server_info's ``model_path`` alone, and would otherwise look the served
+    name up on the Hugging Face hub.
+    """
+    model_path = getattr(args, "model_path", None) or tokenizer_path
     server_args = {name: getattr(args, attr) for name, attr in _ARGS.items()
                    if hasattr(args, attr)}
     extra = getattr(args, "hicache_storage_backend_extra_config", None)
