@@ -42,7 +42,10 @@ def get(server: RunningServer, route: str) -> dict[str, Any]:
 def test_model_info_under_both_names(server: RunningServer) -> None:
     info = get(server, "/get_model_info")
     assert info == get(server, "/model_info")
-    assert info["model_path"] == "dummy-tiny"  # no --model-path: the weights' name
+    # No --model-path: the byte-level tokenizer's dir, which SGLang's router and clients
+    # load their tokenizer from (a name would send them to the Hugging Face hub).
+    assert info["model_path"] == info["tokenizer_path"]
+    assert Path(info["tokenizer_path"], "tokenizer.json").is_file()
     assert info["is_generation"] is True
     assert info["served_model_name"] == SERVED
     assert info["max_context_len"] == server.engine.max_context_len
