@@ -13,17 +13,22 @@ come in one delta at the end.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
+from hicache.engine.api import (
+    GenerateOutput,
+    GenerateRequest,
+    LogprobParams,
+    SamplingParams,
+    TokenLogprob,
+)
 from hicache.server import tokenization
 from hicache.server.chat_protocol import (
     ChatChoice,
@@ -34,7 +39,8 @@ from hicache.server.chat_protocol import (
     ToolCallOut,
 )
 from hicache.server.errors import APIError, error_payload, parse_body
-from hicache.server.generation import Completed, Generation, start_generation
+from hicache.server.generation import Generation, start_generation
+from hicache.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from hicache.server.output_text import OutputText, TextOptions
 from hicache.server.protocol import (
     CachedTokensDetails,
@@ -88,11 +94,6 @@ def _output_text(
     return OutputText(tokenizer, input_ids, sampling, options, tokenizer.eos_token_ids)
 
 
-def _whole(done: Completed) -> GenerateOutput:
-    """The request's outputs as one (its text decoded in one go)."""
-    return dataclasses.replace(done.last, token_ids=done.token_ids, text=done.text)
-
-
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     return ModelList(data=[_model_card(get_state(request))]).model_dump()
@@ -119,23 +120,36 @@ async def create_completion(request: Request) -> Response:
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     rid = body.rid or f"cmpl-{uuid.uuid4().hex}"
     sampling = body.sampling_params(max_tokens)
+    logprobs = None
+    if body.logprobs is not None:
+        # Echoed, the prompt's tokens come with their logprobs too (the first has none).
+        logprobs = LogprobParams(top_n=body.logprobs, input_from=0 if body.echo else -1)
     generation = await start_generation(
-        state, GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key)
+        state, GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
+                               logprobs=logprobs)
     )
     text = _output_text(state, input_ids, sampling,
                         TextOptions(body.skip_special_tokens, body.no_stop_trim))
+    echo = ""
+    if body.echo:
+        echo = body.prompt if isinstance(body.prompt, str) else \
+            state.engine.tokenizer.decode(input_ids)
+    shaper = _CompletionLogprobs(state, logprobs is not None, len(echo))
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created,
             "model": state.served_model_name}
     if body.stream:
-        return EventStreamResponse(_completion_events(generation, text, head, body.include_usage))
+        return EventStreamResponse(
+            _completion_events(generation, text, head, body.include_usage, echo, shaper)
+        )
     done = await generation.collect(request.is_disconnected)
-    whole = _whole(done)
+    whole = done.whole()
     text.push(whole)
     response = CompletionResponse(
         id=rid, created=created, model=state.served_model_name,
-        choices=[CompletionChoice(text=text.text, finish_reason=whole.finish_reason,
-                                  matched_stop=text.matched)],
+        choices=[CompletionChoice(text=echo + text.text, finish_reason=whole.finish_reason,
+                                  matched_stop=text.matched,
+                                  logprobs=shaper.whole(whole) if shaper.enabled else None)],
         usage=usage_of(whole),
         sglext=sglext_of(whole) if body.return_cached_tokens_details else None,
     )
@@ -147,20 +161,58 @@ def _dump(response: CompletionResponse | ChatCompletionResponse) -> dict[str, An
     return response.model_dump(exclude={"sglext"} if response.sglext is None else None)
 
 
+class _CompletionLogprobs:
+    """A completion's logprobs objects, chunk after chunk: text offsets run on from the
+    echoed prompt through every chunk."""
+
+    def __init__(self, state: ServerState, enabled: bool, echo_chars: int) -> None:
+        self.enabled = enabled
+        self._texts = TokenTexts(state.engine.tokenizer)
+        self._echo_chars = echo_chars
+        self._offset = 0
+
+    def of(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        shaped = completion_logprobs(entries, self._texts, self._offset)
+        if entries:
+            self._offset = shaped["text_offset"][-1] + len(shaped["tokens"][-1])
+        return shaped
+
+    def prompt(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """The echoed prompt's; the output's offsets then start after the echoed text."""
+        shaped = self.of(entries)
+        self._offset = self._echo_chars
+        return shaped
+
+    def whole(self, output: GenerateOutput) -> dict[str, Any]:
+        prompt = self.prompt(output.input_logprobs)
+        completion = self.of(output.output_logprobs)
+        return {key: prompt[key] + completion[key] for key in prompt}
+
+
 async def _completion_events(
-    generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool
+    generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool,
+    echo: str, shaper: _CompletionLogprobs,
 ) -> AsyncGenerator[str, None]:
+    def chunk(delta: str, logprobs: dict[str, Any] | None, reason: str | None) -> str:
+        choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason,
+                  "matched_stop": text.matched}
+        return event({**head, "choices": [choice]})
+
     try:
+        echoed = False
         async for output in generation:
             if output.error is not None:
                 yield event(error_payload(500, f"the engine failed the request: {output.error}"))
                 break
+            if echo and not echoed:
+                echoed = True
+                prompt = shaper.prompt(output.input_logprobs) if shaper.enabled else None
+                yield chunk(echo, prompt, None)
             delta = text.push(output)
-            if delta or output.finished:
+            if delta or output.finished or (shaper.enabled and output.output_logprobs):
                 reason = output.finish_reason if output.finished else None
-                choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason,
-                          "matched_stop": text.matched}
-                yield event({**head, "choices": [choice]})
+                logprobs = shaper.of(output.output_logprobs) if shaper.enabled else None
+                yield chunk(delta, logprobs, reason)
             if output.finished and include_usage:
                 yield event({**head, "choices": [], "usage": usage_of(output).model_dump()})
         yield DONE
@@ -182,9 +234,12 @@ async def create_chat_completion(request: Request) -> Response:
         max_tokens = max(1, state.engine.max_context_len - len(input_ids))
     rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
     sampling = body.sampling_params(max_tokens)
+    logprobs = LogprobParams(top_n=body.top_logprobs or 0) if body.logprobs else None
     generation = await start_generation(
-        state, GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key)
+        state, GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
+                               logprobs=logprobs)
     )
+    texts = TokenTexts(state.engine.tokenizer) if body.logprobs else None
     tools = body.tools_enabled
     # Tool-call tags may be special tokens: kept in the text to be parsed (as SGLang does).
     options = TextOptions(body.skip_special_tokens and not tools, body.no_stop_trim)
@@ -194,10 +249,10 @@ async def create_chat_completion(request: Request) -> Response:
             "model": state.served_model_name}
     if body.stream:
         return EventStreamResponse(
-            _chat_events(generation, text, head, body.include_usage, tools)
+            _chat_events(generation, text, head, body.include_usage, tools, texts)
         )
     done = await generation.collect(request.is_disconnected)
-    whole = _whole(done)
+    whole = done.whole()
     text.push(whole)
     content: str | None = text.text
     calls: tuple[ParsedToolCall, ...] = ()
@@ -208,7 +263,9 @@ async def create_chat_completion(request: Request) -> Response:
     response = ChatCompletionResponse(
         id=rid, created=created, model=state.served_model_name,
         choices=[ChatChoice(message=message, finish_reason=_chat_reason(whole, calls),
-                            matched_stop=text.matched)],
+                            matched_stop=text.matched,
+                            logprobs=chat_logprobs(whole.output_logprobs, texts)
+                            if texts is not None else None)],
         usage=usage_of(whole),
         sglext=sglext_of(whole) if body.return_cached_tokens_details else None,
     )
@@ -228,10 +285,11 @@ def _chat_reason(output: GenerateOutput, calls: tuple[ParsedToolCall, ...]) -> s
 
 async def _chat_events(
     generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool,
-    tools: bool,
+    tools: bool, texts: TokenTexts | None,
 ) -> AsyncGenerator[str, None]:
-    def chunk(delta: dict[str, Any], reason: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
+    def chunk(delta: dict[str, Any], reason: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
                   "matched_stop": text.matched if reason is not None else None}
         return event({**head, "choices": [choice]})
 
@@ -245,8 +303,11 @@ async def _chat_events(
             delta = text.push(output)
             if calls_stream is not None:
                 delta = calls_stream.push(delta)
-            if delta:
-                yield chunk({"content": delta})
+            logprobs = None
+            if texts is not None and output.output_logprobs:
+                logprobs = chat_logprobs(output.output_logprobs, texts)
+            if delta or logprobs is not None:
+                yield chunk({"content": delta}, logprobs=logprobs)
             if output.finished:
                 calls: tuple[ParsedToolCall, ...] = ()
                 if calls_stream is not None:

@@ -77,7 +77,14 @@ CASES: list[tuple[str, Any, int, str]] = [
     ("/generate", {"text": "a", "input_ids": [1]}, 400, "exactly one of text and input_ids"),
     # Lengths: negative, zero, huge, longer than the context.
     ("/v1/completions", completion(max_tokens=-1), 400, "max_tokens"),
-    ("/v1/completions", completion(max_tokens=0), 400, "max_tokens"),
+    # Sampling and logprob options out of range.
+    ("/v1/completions", completion(max_tokens=2, min_tokens=3), 400, "min_new_tokens"),
+    ("/v1/completions", completion(repetition_penalty=0), 400, "repetition_penalty"),
+    ("/v1/completions", completion(presence_penalty=2.5), 400, "presence_penalty"),
+    ("/v1/completions", completion(logprobs=50), 400, "logprobs"),
+    ("/v1/chat/completions", chat(top_logprobs=2), 400, "top_logprobs needs logprobs"),
+    ("/generate", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 3}, 400,
+     "logprob_start_len"),
     ("/v1/completions", completion(max_tokens=10**12), 400, "context"),
     ("/v1/chat/completions", chat(max_completion_tokens=10**6), 400, "context"),
     ("/v1/completions", completion(prompt=[65] * 5000), 400, "context"),
