@@ -25,16 +25,17 @@ from starlette.responses import Response
 
 from hicache.engine.api import GenerateOutput, GenerateRequest, LogprobParams, TokenLogprob
 from hicache.server import tokenization
+from hicache.server.choices import sample_requests, start_samples
 from hicache.server.errors import APIError, error_payload, parse_body
 from hicache.server.generate_protocol import (
     GenerateMetaInfo,
     GenerateReqInput,
     GenerateResponse,
 )
-from hicache.server.generation import Generation, start_generation
+from hicache.server.generation import Generation
 from hicache.server.logprobs_format import TokenTexts, sglang_fields
 from hicache.server.output_text import OutputText, TextOptions, finish_reason
-from hicache.server.protocol import CachedTokensDetails
+from hicache.server.protocol import MAX_CHOICES, CachedTokensDetails
 from hicache.server.sse import DONE, EventStreamResponse, event
 from hicache.server.state import ServerState, get_state
 
@@ -89,12 +90,18 @@ async def generate(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, GenerateReqInput)
     state.check_model(body.model)
-    if not body.is_batch:
-        running = await _start(state, body, 0)
+    samples = [body.item_sampling(i).n or 1 for i in range(body.batch_size)]
+    if not body.is_batch and samples[0] == 1:
+        running = (await _start(state, body, 0))[0]
         if body.stream:
             return EventStreamResponse(_events(running))
         result = await _complete(running, request.is_disconnected)
         return JSONResponse(result.dump())
+    if body.stream:
+        raise APIError(400, "stream with n > 1 is not supported yet by this server",
+                       param="sampling_params.n")
+    # A batch, or n samples of one prompt: a list of results, prompt by prompt and each
+    # prompt's samples in order (as SGLang answers).
     batch = await _start_batch(state, body)
     try:
         results = await asyncio.gather(
@@ -106,7 +113,8 @@ async def generate(request: Request) -> Response:
     return JSONResponse([result.dump() for result in results])
 
 
-async def _start(state: ServerState, body: GenerateReqInput, index: int) -> _Running:
+async def _start(state: ServerState, body: GenerateReqInput, index: int) -> list[_Running]:
+    """The prompt's samples (one unless ``n``), started (see choices.start_samples)."""
     prompt = body.item_prompt(index)
     if isinstance(prompt, str):
         if not prompt:
@@ -125,12 +133,20 @@ async def _start(state: ServerState, body: GenerateReqInput, index: int) -> _Run
         tuple(input_ids), sampling, rid=rid, extra_key=body.item_cache_key(index),
         logprobs=logprobs,
     )
-    generation = await start_generation(state, engine_request, log_metrics=body.log_metrics)
+    if not 1 <= (params.n or 1) <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {params.n}",
+                       param="sampling_params.n")
+    requests = sample_requests(engine_request, params.n or 1)
+    generations = await start_samples(state, requests, log_metrics=body.log_metrics)
     tokenizer = state.engine.tokenizer
     options = TextOptions(params.skip_special_tokens, params.no_stop_trim)
-    text = OutputText(tokenizer, input_ids, sampling, options, tokenizer.eos_token_ids)
     texts = TokenTexts(tokenizer) if body.return_text_in_logprobs else None
-    return _Running(rid, generation, text, logprobs, texts)
+    return [
+        _Running(r.rid, generation,
+                 OutputText(tokenizer, input_ids, sampling, options, tokenizer.eos_token_ids),
+                 logprobs, texts)
+        for r, generation in zip(requests, generations, strict=True)
+    ]
 
 
 async def _start_batch(state: ServerState, body: GenerateReqInput) -> list[_Running]:
@@ -139,7 +155,7 @@ async def _start_batch(state: ServerState, body: GenerateReqInput) -> list[_Runn
     outcomes = await asyncio.gather(
         *(_start(state, body, i) for i in range(body.batch_size)), return_exceptions=True
     )
-    started = [o for o in outcomes if isinstance(o, _Running)]
+    started = [r for o in outcomes if isinstance(o, list) for r in o]
     for index, outcome in enumerate(outcomes):
         if isinstance(outcome, BaseException):
             for item in started:

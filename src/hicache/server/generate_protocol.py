@@ -45,8 +45,8 @@ class GenerateSamplingParams(StrictModel):
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0
+    n: int | None = 1  # samples of the prompt (a list of n results)
     # Accepted only at their neutral values (see Neutral).
-    n: Annotated[int | None, neutral(1, None)] = 1
     min_p: Annotated[float | None, neutral(0, 0.0, None)] = 0.0
     stop_regex: Annotated[Any, neutral(None, "", [])] = None
     json_schema: Annotated[Any, OFF] = None

@@ -13,9 +13,11 @@ come in one delta at the end.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -38,8 +40,9 @@ from hicache.server.chat_protocol import (
     FunctionCallOut,
     ToolCallOut,
 )
+from hicache.server.choices import merged, sample_requests, start_samples, usage_of_samples
 from hicache.server.errors import APIError, error_payload, parse_body
-from hicache.server.generation import Generation, start_generation
+from hicache.server.generation import Generation
 from hicache.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from hicache.server.output_text import OutputText, TextOptions
 from hicache.server.protocol import (
@@ -124,36 +127,55 @@ async def create_completion(request: Request) -> Response:
     if body.logprobs is not None:
         # Echoed, the prompt's tokens come with their logprobs too (the first has none).
         logprobs = LogprobParams(top_n=body.logprobs, input_from=0 if body.echo else -1)
-    generation = await start_generation(
-        state, GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
-                               logprobs=logprobs)
-    )
-    text = _output_text(state, input_ids, sampling,
-                        TextOptions(body.skip_special_tokens, body.no_stop_trim))
+    generations = await start_samples(state, sample_requests(
+        GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
+                        logprobs=logprobs), body.n,
+    ))
     echo = ""
     if body.echo:
         echo = body.prompt if isinstance(body.prompt, str) else \
             state.engine.tokenizer.decode(input_ids)
-    shaper = _CompletionLogprobs(state, logprobs is not None, len(echo))
+    choices = [
+        _CompletionChoiceState(
+            i, generation, _output_text(state, input_ids, sampling,
+                                        TextOptions(body.skip_special_tokens, body.no_stop_trim)),
+            _CompletionLogprobs(state, logprobs is not None, len(echo)),
+        )
+        for i, generation in enumerate(generations)
+    ]
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created,
             "model": state.served_model_name}
     if body.stream:
-        return EventStreamResponse(
-            _completion_events(generation, text, head, body.include_usage, echo, shaper)
-        )
-    done = await generation.collect(request.is_disconnected)
-    whole = done.whole()
-    text.push(whole)
+        return EventStreamResponse(_completion_events(choices, head, body.include_usage, echo))
+    wholes = await _collect_all(generations, request.is_disconnected)
+    out = []
+    for choice, whole in zip(choices, wholes, strict=True):
+        choice.text.push(whole)
+        shaper = choice.shaper
+        out.append(CompletionChoice(
+            index=choice.index, text=echo + choice.text.text, finish_reason=whole.finish_reason,
+            matched_stop=choice.text.matched,
+            logprobs=shaper.whole(whole) if shaper.enabled else None,
+        ))
     response = CompletionResponse(
-        id=rid, created=created, model=state.served_model_name,
-        choices=[CompletionChoice(text=echo + text.text, finish_reason=whole.finish_reason,
-                                  matched_stop=text.matched,
-                                  logprobs=shaper.whole(whole) if shaper.enabled else None)],
-        usage=usage_of(whole),
-        sglext=sglext_of(whole) if body.return_cached_tokens_details else None,
+        id=rid, created=created, model=state.served_model_name, choices=out,
+        usage=usage_of_samples(wholes),
+        sglext=sglext_of(wholes[0]) if body.return_cached_tokens_details else None,
     )
     return JSONResponse(_dump(response))
+
+
+async def _collect_all(
+    generations: list[Generation], disconnected: Callable[[], Awaitable[bool]]
+) -> list[GenerateOutput]:
+    """Every sample to its end, as one output each; a failure stops the others too."""
+    try:
+        done = await asyncio.gather(*(g.collect(disconnected) for g in generations))
+    finally:
+        for generation in generations:
+            await generation.aclose()
+    return [d.whole() for d in done]
 
 
 def _dump(response: CompletionResponse | ChatCompletionResponse) -> dict[str, Any]:
@@ -189,35 +211,51 @@ class _CompletionLogprobs:
         return {key: prompt[key] + completion[key] for key in prompt}
 
 
-async def _completion_events(
-    generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool,
-    echo: str, shaper: _CompletionLogprobs,
-) -> AsyncGenerator[str, None]:
-    def chunk(delta: str, logprobs: dict[str, Any] | None, reason: str | None) -> str:
-        choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": reason,
-                  "matched_stop": text.matched}
-        return event({**head, "choices": [choice]})
+@dataclass
+class _CompletionChoiceState:
+    index: int
+    generation: Generation
+    text: OutputText
+    shaper: _CompletionLogprobs
+    echoed: bool = False
 
+
+async def _completion_events(
+    choices: list[_CompletionChoiceState], head: dict[str, Any], include_usage: bool,
+    echo: str,
+) -> AsyncGenerator[str, None]:
+    def chunk(choice: _CompletionChoiceState, delta: str, logprobs: dict[str, Any] | None,
+              reason: str | None) -> str:
+        body = {"index": choice.index, "text": delta, "logprobs": logprobs,
+                "finish_reason": reason, "matched_stop": choice.text.matched}
+        return event({**head, "choices": [body]})
+
+    finals: dict[int, GenerateOutput] = {}
     try:
-        echoed = False
-        async for output in generation:
+        async for index, output in merged([c.generation for c in choices]):
+            choice = choices[index]
             if output.error is not None:
                 yield event(error_payload(500, f"the engine failed the request: {output.error}"))
                 break
-            if echo and not echoed:
-                echoed = True
+            shaper = choice.shaper
+            if echo and not choice.echoed:
+                choice.echoed = True
                 prompt = shaper.prompt(output.input_logprobs) if shaper.enabled else None
-                yield chunk(echo, prompt, None)
-            delta = text.push(output)
+                yield chunk(choice, echo, prompt, None)
+            delta = choice.text.push(output)
             if delta or output.finished or (shaper.enabled and output.output_logprobs):
                 reason = output.finish_reason if output.finished else None
                 logprobs = shaper.of(output.output_logprobs) if shaper.enabled else None
-                yield chunk(delta, logprobs, reason)
-            if output.finished and include_usage:
-                yield event({**head, "choices": [], "usage": usage_of(output).model_dump()})
+                yield chunk(choice, delta, logprobs, reason)
+            if output.finished:
+                finals[index] = output
+        if include_usage and len(finals) == len(choices):
+            usage = usage_of_samples([finals[i] for i in range(len(choices))])
+            yield event({**head, "choices": [], "usage": usage.model_dump()})
         yield DONE
     finally:
-        await generation.aclose()
+        for choice in choices:
+            await choice.generation.aclose()
 
 
 @router.post("/v1/chat/completions")
@@ -235,41 +273,54 @@ async def create_chat_completion(request: Request) -> Response:
     rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
     sampling = body.sampling_params(max_tokens)
     logprobs = LogprobParams(top_n=body.top_logprobs or 0) if body.logprobs else None
-    generation = await start_generation(
-        state, GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
-                               logprobs=logprobs)
-    )
+    generations = await start_samples(state, sample_requests(
+        GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
+                        logprobs=logprobs), body.n,
+    ))
     texts = TokenTexts(state.engine.tokenizer) if body.logprobs else None
     tools = body.tools_enabled
     # Tool-call tags may be special tokens: kept in the text to be parsed (as SGLang does).
     options = TextOptions(body.skip_special_tokens and not tools, body.no_stop_trim)
-    text = _output_text(state, input_ids, sampling, options)
+    choices = [
+        _ChatChoiceState(i, generation, _output_text(state, input_ids, sampling, options),
+                         ToolCallStream() if tools else None)
+        for i, generation in enumerate(generations)
+    ]
     created = int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk", "created": created,
             "model": state.served_model_name}
     if body.stream:
-        return EventStreamResponse(
-            _chat_events(generation, text, head, body.include_usage, tools, texts)
-        )
-    done = await generation.collect(request.is_disconnected)
-    whole = done.whole()
-    text.push(whole)
-    content: str | None = text.text
-    calls: tuple[ParsedToolCall, ...] = ()
-    if tools:
-        parsed = parse_tool_calls(text.text)
-        content, calls = parsed.content, parsed.tool_calls
-    message = ChatMessageOut(content=content, tool_calls=_tool_calls_out(calls) or None)
+        return EventStreamResponse(_chat_events(choices, head, body.include_usage, texts))
+    wholes = await _collect_all(generations, request.is_disconnected)
+    out = []
+    for choice, whole in zip(choices, wholes, strict=True):
+        text = choice.text
+        text.push(whole)
+        content: str | None = text.text
+        calls: tuple[ParsedToolCall, ...] = ()
+        if tools:
+            parsed = parse_tool_calls(text.text)
+            content, calls = parsed.content, parsed.tool_calls
+        message = ChatMessageOut(content=content, tool_calls=_tool_calls_out(calls) or None)
+        out.append(ChatChoice(
+            index=choice.index, message=message, finish_reason=_chat_reason(whole, calls),
+            matched_stop=text.matched,
+            logprobs=chat_logprobs(whole.output_logprobs, texts) if texts is not None else None,
+        ))
     response = ChatCompletionResponse(
-        id=rid, created=created, model=state.served_model_name,
-        choices=[ChatChoice(message=message, finish_reason=_chat_reason(whole, calls),
-                            matched_stop=text.matched,
-                            logprobs=chat_logprobs(whole.output_logprobs, texts)
-                            if texts is not None else None)],
-        usage=usage_of(whole),
-        sglext=sglext_of(whole) if body.return_cached_tokens_details else None,
+        id=rid, created=created, model=state.served_model_name, choices=out,
+        usage=usage_of_samples(wholes),
+        sglext=sglext_of(wholes[0]) if body.return_cached_tokens_details else None,
     )
     return JSONResponse(_dump(response))
+
+
+@dataclass
+class _ChatChoiceState:
+    index: int
+    generation: Generation
+    text: OutputText
+    calls_stream: ToolCallStream | None  # with tools
 
 
 def _tool_calls_out(calls: tuple[ParsedToolCall, ...]) -> list[ToolCallOut]:
@@ -284,44 +335,51 @@ def _chat_reason(output: GenerateOutput, calls: tuple[ParsedToolCall, ...]) -> s
 
 
 async def _chat_events(
-    generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool,
-    tools: bool, texts: TokenTexts | None,
+    choices: list[_ChatChoiceState], head: dict[str, Any], include_usage: bool,
+    texts: TokenTexts | None,
 ) -> AsyncGenerator[str, None]:
-    def chunk(delta: dict[str, Any], reason: str | None = None,
+    def chunk(choice: _ChatChoiceState, delta: dict[str, Any], reason: str | None = None,
               logprobs: dict[str, Any] | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
-                  "matched_stop": text.matched if reason is not None else None}
-        return event({**head, "choices": [choice]})
+        body = {"index": choice.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": reason,
+                "matched_stop": choice.text.matched if reason is not None else None}
+        return event({**head, "choices": [body]})
 
-    calls_stream = ToolCallStream() if tools else None
+    finals: dict[int, GenerateOutput] = {}
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for output in generation:
+        for choice in choices:
+            yield chunk(choice, {"role": "assistant", "content": ""})
+        async for index, output in merged([c.generation for c in choices]):
+            choice = choices[index]
             if output.error is not None:
                 yield event(error_payload(500, f"the engine failed the request: {output.error}"))
                 break
-            delta = text.push(output)
+            delta = choice.text.push(output)
+            calls_stream = choice.calls_stream
             if calls_stream is not None:
                 delta = calls_stream.push(delta)
             logprobs = None
             if texts is not None and output.output_logprobs:
                 logprobs = chat_logprobs(output.output_logprobs, texts)
             if delta or logprobs is not None:
-                yield chunk({"content": delta}, logprobs=logprobs)
+                yield chunk(choice, {"content": delta}, logprobs=logprobs)
             if output.finished:
+                finals[index] = output
                 calls: tuple[ParsedToolCall, ...] = ()
                 if calls_stream is not None:
                     rest, calls = calls_stream.finish()
                     if rest:
-                        yield chunk({"content": rest})
+                        yield chunk(choice, {"content": rest})
                     if calls:
-                        yield chunk({"tool_calls": [
+                        yield chunk(choice, {"tool_calls": [
                             {"index": i, **call.model_dump()}
                             for i, call in enumerate(_tool_calls_out(calls))
                         ]})
-                yield chunk({}, _chat_reason(output, calls))
-                if include_usage:
-                    yield event({**head, "choices": [], "usage": usage_of(output).model_dump()})
+                yield chunk(choice, {}, _chat_reason(output, calls))
+        if include_usage and len(finals) == len(choices):
+            usage = usage_of_samples([finals[i] for i in range(len(choices))])
+            yield event({**head, "choices": [], "usage": usage.model_dump()})
         yield DONE
     finally:
-        await generation.aclose()
+        for choice in choices:
+            await choice.generation.aclose()

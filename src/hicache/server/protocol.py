@@ -116,6 +116,10 @@ def cache_key(extra_key: str | None, cache_salt: str | None) -> str | None:
     return f"{extra_key or ''}\x00{cache_salt}"
 
 
+# The most samples of one prompt a request may ask (``n``; each is an engine request).
+MAX_CHOICES = 64
+
+
 # ------------------------------------------------------------------ OpenAI requests
 class StreamOptions(StrictModel):
     include_usage: bool = False
@@ -152,8 +156,8 @@ class _OpenAISampling(StrictModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (SGLang)
     min_tokens: int | None = None  # extension (SGLang): eos and stop tokens masked until
+    n: int = 1  # samples of the prompt (choices 0 .. n-1)
     # Accepted only at their neutral values (see Neutral).
-    n: Annotated[int, neutral(1)] = 1
     min_p: Annotated[float | None, neutral(None, 0, 0.0)] = None
     logit_bias: Annotated[dict[str, float] | None, neutral(None, {})] = None
     regex: Annotated[Any, OFF] = None
@@ -188,6 +192,8 @@ class _OpenAISampling(StrictModel):
     def _check_stream_options(self) -> _OpenAISampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         return self
 
     @property
