@@ -5,8 +5,10 @@ from hicache.engine.api import (
     EngineProtocol,
     GenerateOutput,
     GenerateRequest,
+    LogprobParams,
     RequestError,
     SamplingParams,
+    TokenLogprob,
 )
 
 __all__ = [
@@ -14,6 +16,8 @@ __all__ = [
     "EngineProtocol",
     "GenerateOutput",
     "GenerateRequest",
+    "LogprobParams",
     "RequestError",
     "SamplingParams",
+    "TokenLogprob",
 ]

@@ -21,7 +21,7 @@ class RequestError(ValueError):
 class SamplingParams:
     """Per-request sampling; defaults follow the OpenAI API (temperature 1, top_p 1)."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # 0: prefill only (the prompt is computed and cached)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = all tokens
@@ -29,10 +29,27 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    # Until this many tokens are out, eos and stop tokens cannot be drawn and stop
+    # strings do not end the request (SGLang's min_new_tokens, OpenAI's min_tokens).
+    min_new_tokens: int = 0
+    # SGLang/HF: logits of tokens seen in prompt or output divided by it when positive,
+    # multiplied when negative (1 = off).
+    repetition_penalty: float = 1.0
+    # OpenAI: subtracted from the logits per occurrence / once for any occurrence of a
+    # token in the output so far (0 = off).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
     def validate(self, vocab_size: int) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {self.max_new_tokens}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise RequestError(
+                f"max_tokens must be a non-negative integer, got {self.max_new_tokens}"
+            )
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -46,6 +63,70 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids out of vocabulary [0, {vocab_size}): {bad}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise RequestError(
+                f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens}"
+            )
+        if self.min_new_tokens > self.max_new_tokens:
+            raise RequestError(
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        # Bounds as SGLang's: a repetition penalty of 0 would divide by zero.
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise RequestError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise RequestError(f"{name} must be in [-2, 2], got {value}")
+
+
+# Most top logprobs a request may ask per position (OpenAI's chat allows 20).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class LogprobParams:
+    """Which log probabilities a request wants back.
+
+    They are of the model's own distribution: ``log_softmax`` of its raw logits,
+    before penalties, temperature and top-k/top-p (SGLang's default).
+    """
+
+    top_n: int = 0  # the N most likely tokens at each position, with theirs
+    token_ids: tuple[int, ...] = ()  # these tokens' logprobs at each position
+    # Prompt position from which input logprobs are returned (SGLang's
+    # logprob_start_len); -1 (or the prompt's length): none, output logprobs only.
+    input_from: int = -1
+
+    def validate(self, vocab_size: int, prompt_len: int) -> None:
+        if not isinstance(self.top_n, int) or not 0 <= self.top_n <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_n}"
+            )
+        bad = [t for t in self.token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"token_ids_logprob out of vocabulary [0, {vocab_size}): {bad}")
+        if not -1 <= self.input_from <= prompt_len:
+            raise RequestError(
+                f"logprob_start_len must be -1 or within the prompt's {prompt_len} tokens, "
+                f"got {self.input_from}"
+            )
+
+    def wants_input(self, prompt_len: int) -> bool:
+        return 0 <= self.input_from < prompt_len
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log probabilities: of its token, of the top ones, of asked ones."""
+
+    token_id: int
+    logprob: float | None  # None for the prompt's first token: nothing predicts it
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    asked: tuple[float, ...] = ()  # of LogprobParams.token_ids, in their order
 
 
 @dataclass(frozen=True)
@@ -55,6 +136,7 @@ class GenerateRequest:
     rid: str = ""  # the engine assigns one when empty
     # Cache salt: requests with different keys never share cached KV.
     extra_key: str | None = None
+    logprobs: LogprobParams | None = None  # None: no log probabilities
 
 
 @dataclass(frozen=True)
@@ -86,6 +168,10 @@ class GenerateOutput:
     ttft_s: float | None = None
     latency_s: float | None = None
     error: str | None = None  # set with finish_reason "abort" when the engine failed it
+    # With GenerateRequest.logprobs: one per token of ``token_ids``, and the prompt's
+    # (from LogprobParams.input_from) once, in the output that ends its prefill.
+    output_logprobs: tuple[TokenLogprob, ...] = ()
+    input_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class EngineProtocol(Protocol):

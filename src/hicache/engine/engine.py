@@ -93,6 +93,8 @@ class Engine:
             raise RequestError(
                 f"input_ids out of the vocabulary [0, {self.vocab_size}): {bad[:8]}"
             )
+        if request.logprobs is not None:
+            request.logprobs.validate(self.vocab_size, len(ids))
         total = len(ids) + request.sampling.max_new_tokens
         if total > self.max_context_len:
             raise RequestError(

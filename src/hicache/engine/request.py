@@ -18,7 +18,9 @@ import torch
 
 from hicache.cache.hierarchical_cache import PrefixHit
 from hicache.cache.l3 import PrefetchHandle
-from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest
+from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest, TokenLogprob
+from hicache.engine.logprobs import first_prompt_token
+from hicache.engine.penalties import PenaltyState
 from hicache.memory.allocator import PageIds
 from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.radix.results import no_pages
@@ -59,6 +61,22 @@ class Req:
     num_retractions: int = 0
     # Since when it has been short of device pages while running alone (see the scheduler).
     short_since: float | None = None
+    # Log probabilities (GenerateRequest.logprobs): the prompt's computed so far, the next
+    # prompt position still wanted (prompt_len: none), and the output's, one per token.
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprob_next: int = -1  # set in __post_init__
+    input_logprobs_sent: bool = False
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    penalties: PenaltyState | None = None  # made on the scheduler thread when first needed
+
+    def __post_init__(self) -> None:
+        params = self.request.logprobs
+        self.logprob_next = self.prompt_len
+        if params is not None and params.wants_input(self.prompt_len):
+            self.logprob_next = params.input_from
+            if self.logprob_next == 0:
+                self.input_logprobs.append(first_prompt_token(self.request.input_ids[0]))
+                self.logprob_next = 1
 
     @property
     def prompt_len(self) -> int:
@@ -70,8 +88,21 @@ class Req:
 
     def match_tokens(self) -> list[int]:
         """The tokens whose cached KV it may reuse: all but the last, which is always
-        computed (its logits give the next token)."""
-        return self.tokens()[: self.seq_len - 1]
+        computed (its logits give the next token).
+
+        A request that wants the prompt's logprobs from position p needs the logits of
+        positions p - 1 on, and a cached prefix is not recomputed (no logits): it
+        reuses at most p - 1 tokens, so its logprobs are those of a cold run.
+        """
+        limit = self.seq_len - 1
+        if self.wants_input_logprobs:
+            limit = min(limit, self.logprob_next - 1)
+        return self.tokens()[:limit]
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Whether prompt logprobs are still to be computed."""
+        return self.logprob_next < self.prompt_len
 
     @property
     def seq_len(self) -> int:

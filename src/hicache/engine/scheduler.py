@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.engine.api import CachedTokens, GenerateOutput
+from hicache.engine.api import CachedTokens, GenerateOutput, TokenLogprob
+from hicache.engine.logprobs import position_logprobs
+from hicache.engine.penalties import PenaltyState, RowAdjustment, adjust_logits, ending_tokens
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
 from hicache.engine.sampling import greedy_tokens, sample_row
@@ -263,55 +265,150 @@ class Scheduler:
             return
         new_ids: list[list[int]] = []
         contexts: list[torch.Tensor] = []
+        logits_from: list[int] = []
         for req, n in plan:
             tokens = req.tokens()
             end = req.num_computed + n
             new_ids.append(tokens[req.num_computed : end])
             contexts.append(self._slots(req.pages, end))
-        batch = ForwardBatch.from_sequences(new_ids, contexts, device=self.device)
+            logits_from.append(self._logits_from(req, n))
+        batch = ForwardBatch.from_sequences(
+            new_ids, contexts, device=self.device, logits_from=logits_from
+        )
         wait_layer = self.cache.wait_layer if self.cache.hierarchical else None
         with torch.inference_mode():
+            # [sum of (n - logits_from) over the plan, vocab]: each sequence's last row last
             logits = self.model.forward(batch, self.cache.device_pool, wait_layer=wait_layer)
         self.counters.num_steps += 1
-        done = []
-        for row, (req, n) in enumerate(plan):
+        done: list[tuple[int, Req]] = []  # (row of its last logits, request)
+        failed: list[tuple[Req, str]] = []
+        offset = 0
+        for (req, n), first in zip(plan, logits_from, strict=True):
+            num_rows = n - first
+            if req.wants_input_logprobs:
+                error = self._record_input_logprobs(req, logits[offset : offset + num_rows],
+                                                    req.num_computed + first)
+                if error is not None:
+                    failed.append((req, error))
             req.num_computed += n
             if req.num_computed == req.seq_len:
-                done.append((row, req))
+                done.append((offset + num_rows - 1, req))
+            offset += num_rows
+        for req, error in failed:
+            self._fail(req, error)
+        done = [(row, req) for row, req in done if req.phase is not Phase.FINISHED]
         if not done:
             return
         rows = torch.tensor([row for row, _ in done], device=logits.device)
-        chosen = logits[rows].float()  # [num_done, vocab]
-        greedy = greedy_tokens(chosen)
+        chosen = logits[rows].float()  # [num_done, vocab], as the model gave them
+        adjusted = self._adjusted(chosen, [req for _, req in done])
+        greedy = greedy_tokens(adjusted if adjusted is not None else chosen)
         now = time.monotonic()
         for index, (_, req) in enumerate(done):
             if req.phase is Phase.PREFILL:
                 req.phase = Phase.DECODE
                 self._cache_prefill(req)
+            if req.request.sampling.max_new_tokens == 0:
+                # Prefill only (clients warm the cache this way): the prompt is computed
+                # and cached, no token is produced.
+                self._finish(req, "length")
+                continue
             if req.first_token_at is None:
                 req.first_token_at = now
-            self._next_token(req, chosen[index], greedy[index])
+            row = adjusted[index] if adjusted is not None else None
+            self._next_token(req, chosen[index], row, greedy[index])
 
-    def _next_token(self, req: Req, logits: torch.Tensor, greedy_token: int) -> None:
+    @staticmethod
+    def _logits_from(req: Req, n: int) -> int:
+        """The first of the ``n`` tokens it computes this step whose logits it needs: the
+        last (it samples from it), or earlier ones for the prompt's logprobs."""
+        if not req.wants_input_logprobs:
+            return n - 1
+        # The row at position j gives the logprob of the token at j + 1.
+        return min(max(req.logprob_next - 1 - req.num_computed, 0), n - 1)
+
+    def _record_input_logprobs(
+        self, req: Req, logits: torch.Tensor, first_position: int
+    ) -> str | None:
+        """Keep the prompt logprobs that ``logits`` [rows, vocab] (positions from
+        ``first_position``) give; the error's text if that failed (for this request alone)."""
+        params = req.request.logprobs
+        assert params is not None
+        if first_position + 1 != req.logprob_next:  # match_tokens() makes this impossible
+            return f"prompt logprobs from {req.logprob_next} missed: computed from " \
+                f"{first_position + 1}"
+        count = min(len(logits), req.prompt_len - req.logprob_next)
+        next_ids = req.request.input_ids[req.logprob_next : req.logprob_next + count]
+        try:
+            req.input_logprobs.extend(position_logprobs(logits[:count], next_ids, params))
+        except Exception as error:  # one request's fault must not fail the others
+            logger.exception("request %s failed computing its prompt logprobs", req.rid)
+            return f"internal error computing prompt logprobs: {type(error).__name__}: {error}"
+        req.logprob_next += count
+        return None
+
+    def _adjustment(self, req: Req, vocab_size: int) -> RowAdjustment:
+        params = req.request.sampling
+        if params.has_penalties and req.penalties is None:
+            req.penalties = PenaltyState(
+                req.request.input_ids if params.repetition_penalty != 1.0 else (),
+                vocab_size, self.device,
+            )
+        banned: tuple[int, ...] = ()
+        if len(req.output_ids) < params.min_new_tokens:
+            banned = ending_tokens(params, self.eos_token_ids)
+        return RowAdjustment(params, req.penalties, banned)
+
+    def _adjusted(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor | None:
+        """The rows with penalties and min_new_tokens applied, for the whole batch at once;
+        None when none needs it, or when that failed (each request then adjusts its own
+        row in ``_next_token``, so that a faulty one fails alone)."""
+        try:
+            rows = [self._adjustment(req, logits.shape[-1]) for req in reqs]
+            if all(row.is_noop for row in rows):
+                return None
+            return adjust_logits(logits, rows)
+        except Exception:
+            logger.exception("adjusting the batch's logits failed; adjusting row by row")
+            return None
+
+    def _next_token(
+        self, req: Req, logits: torch.Tensor, adjusted: torch.Tensor | None, greedy_token: int
+    ) -> None:
         """Sample, append, detokenize, stop and stream one request's token.
+
+        ``logits`` [vocab] are the model's (its logprobs come from them), ``adjusted`` the
+        same with the request's penalties and masks applied (None: not done yet, or
+        nothing to apply), ``greedy_token`` the argmax of what is sampled from.
 
         All of it concerns this request alone, so a failure here (a sampler or
         detokenizer error on its parameters or tokens) fails this request alone: its
         KV is valid and goes to the tree as on any finish, and the batch goes on.
         """
         try:
-            token = sample_row(logits, greedy_token, req.request.sampling, req.generator)
+            if adjusted is None:
+                row = self._adjustment(req, logits.shape[-1])
+                if not row.is_noop:
+                    adjusted = adjust_logits(logits[None], [row])[0]
+                    greedy_token = int(adjusted.argmax())
+            sampled_from = adjusted if adjusted is not None else logits
+            token = sample_row(sampled_from, greedy_token, req.request.sampling, req.generator)
             if self.logits_observer is not None:
-                self.logits_observer(req.rid, logits.cpu())
+                self.logits_observer(req.rid, sampled_from.cpu())
+            if req.request.logprobs is not None:
+                req.output_logprobs.extend(
+                    position_logprobs(logits[None], [token], req.request.logprobs)
+                )
             self._append_token(req, token)
         except Exception as error:  # one request's fault must not fail the others
             logger.exception("request %s failed while producing its next token", req.rid)
-            if req.phase is not Phase.FINISHED:
-                self._finish(
-                    req, "abort", flush_text=False,
-                    error=f"internal error producing the next token: {type(error).__name__}: "
-                    f"{error}",
-                )
+            self._fail(
+                req, f"internal error producing the next token: {type(error).__name__}: {error}"
+            )
+
+    def _fail(self, req: Req, error: str) -> None:
+        if req.phase is not Phase.FINISHED:
+            self._finish(req, "abort", flush_text=False, error=error)
 
     def _slots(self, pages: PageIds, num_tokens: int) -> torch.Tensor:
         ps = self.page_size
@@ -400,17 +497,22 @@ class Scheduler:
     # ----------------------------------------------------------- outputs
     def _append_token(self, req: Req, token: int) -> None:
         req.output_ids.append(token)
+        if req.penalties is not None:
+            req.penalties.add(token)
         self.counters.num_generated_tokens += 1
         params = req.request.sampling
         reason: str | None = None
         stop_token = stop_string = False
-        if (token in self.eos_token_ids and not params.ignore_eos) or (
+        # Under min_new_tokens nothing stops it (SGLang's rule); its ending tokens were
+        # masked, but one may still be forced (every other logit -inf).
+        may_stop = len(req.output_ids) >= params.min_new_tokens
+        if may_stop and ((token in self.eos_token_ids and not params.ignore_eos) or (
             token in params.stop_token_ids
-        ):
+        )):
             reason, stop_token = "stop", True
         if not stop_token:
             req.text += req.detokenizer.push(token)
-            if self._cut_at_stop(req):
+            if may_stop and self._cut_at_stop(req):
                 reason, stop_string = "stop", True
         if reason is None and (
             len(req.output_ids) >= params.max_new_tokens
@@ -439,7 +541,14 @@ class Scheduler:
         text = req.text[req.emitted_chars : safe]
         req.emitted_chars = safe
         new_ids = tuple(req.output_ids[req.num_emitted_tokens :])
+        new_logprobs = tuple(req.output_logprobs[req.num_emitted_tokens :])
         req.num_emitted_tokens = len(req.output_ids)
+        input_logprobs: tuple[TokenLogprob, ...] = ()
+        if req.request.logprobs is not None and not req.input_logprobs_sent and (
+            final or not req.wants_input_logprobs
+        ):
+            input_logprobs = tuple(req.input_logprobs)
+            req.input_logprobs_sent = True
         now = time.monotonic()
         ttft = latency = None
         if final:
@@ -452,6 +561,7 @@ class Scheduler:
                 finish_reason=req.finish_reason if final else None,
                 prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
                 cached_tokens=req.cached, ttft_s=ttft, latency_s=latency, error=req.error,
+                output_logprobs=new_logprobs, input_logprobs=input_logprobs,
             )
         )
 

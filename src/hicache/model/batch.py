@@ -41,6 +41,11 @@ class ForwardBatch:
     context_slots: torch.Tensor
     # Logits for every new token (scoring, tests) instead of only each sequence's last one.
     return_all_logits: bool = False
+    # Per sequence, the first of its new tokens whose logits are returned (through its
+    # last); None: the last one only. Prompt logprobs need the logits of a run of prompt
+    # positions, and only those: projecting a whole chunk onto the vocabulary is the
+    # step's largest tensor ([T, vocab]).
+    logits_from: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self.check()
@@ -53,6 +58,7 @@ class ForwardBatch:
         context_slots: Sequence[torch.Tensor | Sequence[int]],
         device: torch.device | str = "cpu",
         return_all_logits: bool = False,
+        logits_from: Sequence[int] | None = None,
     ) -> ForwardBatch:
         """A batch from each sequence's new tokens and its whole context's slots.
 
@@ -82,6 +88,7 @@ class ForwardBatch:
             seq_lens=seq_lens,
             context_slots=context.to(device),
             return_all_logits=return_all_logits,
+            logits_from=tuple(logits_from) if logits_from is not None else None,
         )
 
     def to(self, device: torch.device | str) -> ForwardBatch:
@@ -117,6 +124,18 @@ class ForwardBatch:
         """Index of each sequence's first context slot in ``context_slots``."""
         return (0, *accumulate(self.seq_lens))[:-1]
 
+    def logit_rows(self) -> list[int]:
+        """Token rows whose logits the model returns, in order (see ``logits_from``)."""
+        if self.return_all_logits:
+            return list(range(self.num_tokens))
+        starts = self.token_starts
+        if self.logits_from is None:
+            return [t0 + extend - 1 for t0, extend in zip(starts, self.extend_lens, strict=True)]
+        rows: list[int] = []
+        for t0, extend, first in zip(starts, self.extend_lens, self.logits_from, strict=True):
+            rows.extend(range(t0 + first, t0 + extend))
+        return rows
+
     # ------------------------------------------------------------ checks
     def check(self) -> None:
         """Shapes and host-side lengths agree (cheap: no device reads)."""
@@ -129,6 +148,17 @@ class ForwardBatch:
                 raise BatchError(
                     f"sequence {i}: need 1 <= extend_len <= seq_len, got {extend} and {total}"
                 )
+        if self.logits_from is not None:
+            if len(self.logits_from) != self.num_seqs:
+                raise BatchError("logits_from needs one entry per sequence")
+            for i, (first, extend) in enumerate(
+                zip(self.logits_from, self.extend_lens, strict=True)
+            ):
+                if not 0 <= first < extend:
+                    raise BatchError(
+                        f"sequence {i}: need 0 <= logits_from < extend_len, got {first} "
+                        f"and {extend}"
+                    )
         num_tokens = sum(self.extend_lens)
         for name in ("input_ids", "positions", "out_slots"):
             tensor: torch.Tensor = getattr(self, name)

@@ -11,7 +11,6 @@ computed by other requests, or loaded back from host memory.
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +95,9 @@ class CausalLM(nn.Module):
         kv: DevicePool,
         wait_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Compute one step; returns float32 logits [num_seqs, vocab] (last new token of
-        each sequence) or [num_tokens, vocab] with ``batch.return_all_logits``.
+        """Compute one step; returns float32 logits [len(batch.logit_rows()), vocab]: the
+        last new token of each sequence, every new token with ``batch.return_all_logits``,
+        or each sequence's tokens from ``batch.logits_from``.
 
         Per layer l: ``wait_layer(l)`` first (the cache orders this layer after any
         load of its K/V from host memory), then q/k/v, the new K/V written to the pool
@@ -115,11 +115,11 @@ class CausalLM(nn.Module):
             if wait_layer is not None:
                 wait_layer(index)
             h = layer(h, step, kv.k_buffer(index), kv.v_buffer(index))
-        if not batch.return_all_logits and batch.num_seqs != batch.num_tokens:
-            # Only the last token of each sequence is sampled from: skip the rest's
+        rows = batch.logit_rows()
+        if len(rows) != batch.num_tokens:
+            # Mostly only the last token of each sequence is sampled from: skip the rest's
             # final norm and vocabulary projection (the largest GEMM of a decode step).
-            last = [end - 1 for end in accumulate(batch.extend_lens)]
-            h = h[torch.tensor(last, device=h.device)]
+            h = h[torch.tensor(rows, device=h.device)]
         return F.linear(self.norm(h), self.lm_head_weight).float()
 
     def _check(self, batch: ForwardBatch, kv: DevicePool) -> None:

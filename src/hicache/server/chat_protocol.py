@@ -108,9 +108,10 @@ class ChatCompletionRequest(_OpenAISampling):
     # SGLang's router sends these; without a reasoning parser they change nothing.
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # The chosen tokens' logprobs, and (top_logprobs) the N most likely at each position.
+    logprobs: bool = False
+    top_logprobs: int | None = None
     # Accepted only at their neutral values (see Neutral).
-    logprobs: Annotated[bool, neutral(False)] = False
-    top_logprobs: Annotated[int | None, neutral(None, 0)] = None
     response_format: Annotated[Any, neutral(None, {"type": "text"})] = None
     reasoning_effort: Annotated[Any, OFF] = None
     task: Annotated[Any, OFF] = None
@@ -126,6 +127,8 @@ class ChatCompletionRequest(_OpenAISampling):
             raise ValueError(
                 f"chat_template_kwargs may not set {reserved}: use the request's own fields"
             )
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs an assistant message last")
         return self
@@ -164,7 +167,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # see logprobs_format.chat_logprobs
     finish_reason: str | None
     matched_stop: int | str | None = None  # as SGLang: the stop token id or string
 

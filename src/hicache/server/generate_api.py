@@ -13,28 +13,29 @@ prompts) runs concurrently and answers a JSON list, one result per prompt.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from hicache.engine.api import GenerateOutput, GenerateRequest
+from hicache.engine.api import GenerateOutput, GenerateRequest, LogprobParams, TokenLogprob
 from hicache.server import tokenization
+from hicache.server.choices import sample_requests, start_samples
 from hicache.server.errors import APIError, error_payload, parse_body
 from hicache.server.generate_protocol import (
     GenerateMetaInfo,
     GenerateReqInput,
     GenerateResponse,
 )
-from hicache.server.generation import Generation, start_generation
+from hicache.server.generation import Generation
+from hicache.server.logprobs_format import TokenTexts, sglang_fields
 from hicache.server.output_text import OutputText, TextOptions, finish_reason
-from hicache.server.protocol import CachedTokensDetails
+from hicache.server.protocol import MAX_CHOICES, CachedTokensDetails
 from hicache.server.sse import DONE, EventStreamResponse, event
 from hicache.server.state import ServerState, get_state
 
@@ -43,11 +44,21 @@ router = APIRouter()
 
 @dataclass
 class _Running:
-    """One prompt of the request, submitted: its id, its stream, its text as asked."""
+    """One prompt of the request, submitted: its id, its stream, its text as asked, and
+    its logprobs so far (when asked)."""
 
     rid: str
     generation: Generation
     text: OutputText
+    logprobs: LogprobParams | None = None
+    token_texts: TokenTexts | None = None  # return_text_in_logprobs
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def push(self, output: GenerateOutput) -> None:
+        self.text.push(output)
+        self.input_logprobs.extend(output.input_logprobs)
+        self.output_logprobs.extend(output.output_logprobs)
 
     def response(self, output: GenerateOutput) -> GenerateResponse:
         cached = output.cached_tokens
@@ -66,6 +77,10 @@ class _Running:
             e2e_latency=latency,
             ttft=generation.first_token_s,
         )
+        if self.logprobs is not None:
+            fields = sglang_fields(self.logprobs, self.input_logprobs, self.output_logprobs,
+                                   self.token_texts)
+            meta = meta.model_copy(update=fields)
         return GenerateResponse(text=self.text.text, output_ids=list(self.text.token_ids),
                                 meta_info=meta)
 
@@ -75,12 +90,18 @@ async def generate(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, GenerateReqInput)
     state.check_model(body.model)
-    if not body.is_batch:
-        running = await _start(state, body, 0)
+    samples = [body.item_sampling(i).n or 1 for i in range(body.batch_size)]
+    if not body.is_batch and samples[0] == 1:
+        running = (await _start(state, body, 0))[0]
         if body.stream:
             return EventStreamResponse(_events(running))
         result = await _complete(running, request.is_disconnected)
-        return JSONResponse(result.model_dump())
+        return JSONResponse(result.dump())
+    if body.stream:
+        raise APIError(400, "stream with n > 1 is not supported yet by this server",
+                       param="sampling_params.n")
+    # A batch, or n samples of one prompt: a list of results, prompt by prompt and each
+    # prompt's samples in order (as SGLang answers).
     batch = await _start_batch(state, body)
     try:
         results = await asyncio.gather(
@@ -89,10 +110,11 @@ async def generate(request: Request) -> Response:
     finally:  # a failed item: the others stop too (they hold pages nobody will read)
         for item in batch:
             await item.generation.aclose()
-    return JSONResponse([result.model_dump() for result in results])
+    return JSONResponse([result.dump() for result in results])
 
 
-async def _start(state: ServerState, body: GenerateReqInput, index: int) -> _Running:
+async def _start(state: ServerState, body: GenerateReqInput, index: int) -> list[_Running]:
+    """The prompt's samples (one unless ``n``), started (see choices.start_samples)."""
     prompt = body.item_prompt(index)
     if isinstance(prompt, str):
         if not prompt:
@@ -106,14 +128,25 @@ async def _start(state: ServerState, body: GenerateReqInput, index: int) -> _Run
         max_new_tokens = max(1, state.engine.max_context_len - len(input_ids))
     sampling = params.to_engine(max_new_tokens)
     rid = body.item_rid(index) or uuid.uuid4().hex
+    logprobs = body.item_logprobs(index)
     engine_request = GenerateRequest(
-        tuple(input_ids), sampling, rid=rid, extra_key=body.item_cache_key(index)
+        tuple(input_ids), sampling, rid=rid, extra_key=body.item_cache_key(index),
+        logprobs=logprobs,
     )
-    generation = await start_generation(state, engine_request, log_metrics=body.log_metrics)
+    if not 1 <= (params.n or 1) <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {params.n}",
+                       param="sampling_params.n")
+    requests = sample_requests(engine_request, params.n or 1)
+    generations = await start_samples(state, requests, log_metrics=body.log_metrics)
     tokenizer = state.engine.tokenizer
     options = TextOptions(params.skip_special_tokens, params.no_stop_trim)
-    text = OutputText(tokenizer, input_ids, sampling, options, tokenizer.eos_token_ids)
-    return _Running(rid, generation, text)
+    texts = TokenTexts(tokenizer) if body.return_text_in_logprobs else None
+    return [
+        _Running(r.rid, generation,
+                 OutputText(tokenizer, input_ids, sampling, options, tokenizer.eos_token_ids),
+                 logprobs, texts)
+        for r, generation in zip(requests, generations, strict=True)
+    ]
 
 
 async def _start_batch(state: ServerState, body: GenerateReqInput) -> list[_Running]:
@@ -122,7 +155,7 @@ async def _start_batch(state: ServerState, body: GenerateReqInput) -> list[_Runn
     outcomes = await asyncio.gather(
         *(_start(state, body, i) for i in range(body.batch_size)), return_exceptions=True
     )
-    started = [o for o in outcomes if isinstance(o, _Running)]
+    started = [r for o in outcomes if isinstance(o, list) for r in o]
     for index, outcome in enumerate(outcomes):
         if isinstance(outcome, BaseException):
             for item in started:
@@ -138,8 +171,8 @@ async def _complete(
 ) -> GenerateResponse:
     done = await running.generation.collect(disconnected)
     # The whole output at once: the text is decoded (or taken) in one go.
-    whole = dataclasses.replace(done.last, token_ids=done.token_ids, text=done.text)
-    running.text.push(whole)
+    whole = done.whole()
+    running.push(whole)
     return running.response(whole)
 
 
@@ -150,8 +183,8 @@ async def _events(running: _Running) -> AsyncGenerator[str, None]:
             if output.error is not None:
                 yield event(error_payload(500, f"the engine failed the request: {output.error}"))
                 break
-            running.text.push(output)
-            payload: dict[str, Any] = running.response(output).model_dump()
+            running.push(output)
+            payload: dict[str, Any] = running.response(output).dump()
             yield event(payload)
         yield DONE
     finally:

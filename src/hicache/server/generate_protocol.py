@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
-from hicache.engine.api import SamplingParams
+from hicache.engine.api import LogprobParams, SamplingParams
 from hicache.server.protocol import (
     OFF,
     OFF_FALSE,
@@ -41,13 +41,13 @@ class GenerateSamplingParams(StrictModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    min_new_tokens: int | None = 0
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    n: int | None = 1  # samples of the prompt (a list of n results)
     # Accepted only at their neutral values (see Neutral).
-    n: Annotated[int | None, neutral(1, None)] = 1
-    min_new_tokens: Annotated[int | None, neutral(0, None)] = 0
     min_p: Annotated[float | None, neutral(0, 0.0, None)] = 0.0
-    frequency_penalty: Annotated[float | None, neutral(0, 0.0, None)] = 0.0
-    presence_penalty: Annotated[float | None, neutral(0, 0.0, None)] = 0.0
-    repetition_penalty: Annotated[float | None, neutral(1, 1.0, None)] = 1.0
     stop_regex: Annotated[Any, neutral(None, "", [])] = None
     json_schema: Annotated[Any, OFF] = None
     regex: Annotated[Any, OFF] = None
@@ -74,6 +74,12 @@ class GenerateSamplingParams(StrictModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             seed=self.seed if self.seed is not None else self.sampling_seed,
             ignore_eos=self.ignore_eos,
+            min_new_tokens=self.min_new_tokens or 0,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
         )
 
 
@@ -114,8 +120,14 @@ class GenerateReqInput(StrictModel):
     cache_salt: OneText | None = None
     log_metrics: bool = True  # False: left out of the server's latency histograms
     model: str | None = None  # SGLang's router adds it (null); checked like OpenAI's
-    # Labels, hints and switches with no effect on one worker.
+    # Log probabilities (meta_info's *_logprobs; see logprobs_format), per prompt or one
+    # for all; logprob_start_len -1: output logprobs only.
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
+    # Labels, hints and switches with no effect on one worker.
     no_logs: bool = False
     session_id: str | None = None
     routing_key: str | None = None
@@ -125,10 +137,6 @@ class GenerateReqInput(StrictModel):
     received_time: float | None = None
     stream_options: dict[str, Any] | None = None
     # Accepted only at their neutral values (see Neutral).
-    return_logprob: Annotated[Any, OFF_FALSE] = None
-    logprob_start_len: Annotated[Any, neutral(None, -1)] = None
-    top_logprobs_num: Annotated[Any, neutral(None, 0)] = None
-    token_ids_logprob: Annotated[Any, neutral(None, [])] = None
     return_sampling_mask: Annotated[Any, OFF_FALSE] = None
     return_flat_raw_top_logprobs: Annotated[Any, OFF_FALSE] = False
     return_flat_raw_top_logprobs_b64: Annotated[Any, OFF_FALSE] = False
@@ -182,7 +190,8 @@ class GenerateReqInput(StrictModel):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text and input_ids")
         if not self.is_batch:
-            for name in ("rid", "extra_key", "cache_salt"):
+            for name in ("rid", "extra_key", "cache_salt", "return_logprob",
+                         "logprob_start_len", "top_logprobs_num"):
                 if isinstance(getattr(self, name), list):
                     raise ValueError(f"{name} is a list: that needs a batch of prompts")
             if isinstance(self.sampling_params, list):
@@ -193,7 +202,8 @@ class GenerateReqInput(StrictModel):
             raise ValueError("the batch is empty: give at least one prompt")
         if self.stream:
             raise ValueError("stream with a batch of prompts is not supported yet by this server")
-        for name in ("rid", "extra_key", "cache_salt", "sampling_params"):
+        for name in ("rid", "extra_key", "cache_salt", "sampling_params", "return_logprob",
+                     "logprob_start_len", "top_logprobs_num"):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != size:
                 raise ValueError(f"{name} has {len(value)} items for a batch of {size} prompts")
@@ -221,6 +231,19 @@ class GenerateReqInput(StrictModel):
     def item_sampling(self, index: int) -> GenerateSamplingParams:
         return _per_item(self.sampling_params, index)  # type: ignore[no-any-return]
 
+    def item_logprobs(self, index: int) -> LogprobParams | None:
+        if not _per_item(self.return_logprob, index):
+            return None
+        start = _per_item(self.logprob_start_len, index)
+        top = _per_item(self.top_logprobs_num, index)
+        ids = self.token_ids_logprob
+        if ids and isinstance(ids[0], list):
+            ids = ids[index]
+        return LogprobParams(
+            top_n=top or 0, token_ids=tuple(ids or ()),  # type: ignore[arg-type]
+            input_from=-1 if start is None else start,
+        )
+
     def item_cache_key(self, index: int) -> str | None:
         return cache_key(_per_item(self.extra_key, index), _per_item(self.cache_salt, index))
 
@@ -243,9 +266,33 @@ class GenerateMetaInfo(BaseModel):
     finish_reason: dict[str, Any] | None
     e2e_latency: float
     ttft: float | None = None
+    # With return_logprob (see logprobs_format.sglang_fields); left out otherwise.
+    input_token_logprobs: list[Any] | None = None
+    output_token_logprobs: list[Any] | None = None
+    input_top_logprobs: list[Any] | None = None
+    output_top_logprobs: list[Any] | None = None
+    input_token_ids_logprobs: list[Any] | None = None
+    output_token_ids_logprobs: list[Any] | None = None
+
+    def dump(self) -> dict[str, Any]:
+        """As SGLang writes it: the logprob entries only when asked for."""
+        payload = self.model_dump()
+        for name in LOGPROB_FIELDS:
+            if payload[name] is None:
+                del payload[name]
+        return payload
+
+
+LOGPROB_FIELDS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
+                  "output_top_logprobs", "input_token_ids_logprobs",
+                  "output_token_ids_logprobs")
 
 
 class GenerateResponse(BaseModel):
     text: str
     output_ids: list[int]
     meta_info: GenerateMetaInfo
+
+    def dump(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": self.output_ids,
+                "meta_info": self.meta_info.dump()}

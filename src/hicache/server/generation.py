@@ -15,11 +15,12 @@ streamed chunk on).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError
+from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError, TokenLogprob
 from hicache.server.errors import APIError
 from hicache.server.state import ServerState
 
@@ -34,6 +35,15 @@ class Completed:
     text: str
     token_ids: tuple[int, ...]
     last: GenerateOutput
+    output_logprobs: tuple[TokenLogprob, ...] = ()
+    input_logprobs: tuple[TokenLogprob, ...] = ()
+
+    def whole(self) -> GenerateOutput:
+        """The request's outputs as one (its text decoded in one go)."""
+        return dataclasses.replace(
+            self.last, token_ids=self.token_ids, text=self.text,
+            output_logprobs=self.output_logprobs, input_logprobs=self.input_logprobs,
+        )
 
 
 class Generation:
@@ -109,16 +119,21 @@ class Generation:
     async def _read_all(self) -> Completed:
         texts: list[str] = []
         tokens: list[int] = []
+        output_logprobs: list[TokenLogprob] = []
+        input_logprobs: list[TokenLogprob] = []
         last: GenerateOutput | None = None
         async for output in self:
             texts.append(output.text)
             tokens.extend(output.token_ids)
+            output_logprobs.extend(output.output_logprobs)
+            input_logprobs.extend(output.input_logprobs)
             last = output
         if last is None or not last.finished:
             raise APIError(500, "the engine ended the request without a final output")
         if last.error is not None:
             raise APIError(500, f"the engine failed the request: {last.error}")
-        return Completed("".join(texts), tuple(tokens), last)
+        return Completed("".join(texts), tuple(tokens), last, tuple(output_logprobs),
+                         tuple(input_logprobs))
 
 
 async def start_generation(

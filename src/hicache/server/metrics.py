@@ -100,6 +100,12 @@ SERIES: dict[str, Series] = {
     "storage_backup_seconds": _counter("l3_backup_seconds", "time spent writing L3 pages"),
     "storage_prefetch_gbps": _gauge("l3_prefetch_gbps", "mean L3 read bandwidth, GB/s"),
     "storage_backup_gbps": _gauge("l3_backup_gbps", "mean L3 write bandwidth, GB/s"),
+    "storage_stalled_calls": _gauge(
+        "l3_stalled_calls", "L3 calls past their deadline that have not returned yet"
+    ),
+    "storage_stalled_host_pages": _gauge(
+        "l3_stalled_host_pages", "host pages reserved until stalled L3 calls return"
+    ),
     "storage_prefetch_timeout_per_ki_token_s": _gauge(
         "l3_prefetch_timeout_per_ki_token_seconds",
         "seconds a timeout-policy prefetch may wait per 1024 tokens, as in force "

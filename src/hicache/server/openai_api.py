@@ -5,28 +5,36 @@ Streaming follows OpenAI: ``data:`` chunks, then ``data: [DONE]``; with
 usage and an empty ``choices``. Usage reports the prompt tokens served from
 the cache as ``prompt_tokens_details.cached_tokens`` (every tier together);
 ``return_cached_tokens_details`` adds SGLang's ``sglext.cached_tokens_details``
-(by tier); streamed, on the chunk that carries the finish reason, with the
-usage when no usage chunk follows (SGLang's ``bench_serving --cache-report``
-reads both from any chunk, and its completions client needs every chunk to
-have a choice). Choices carry SGLang's
-``matched_stop``. A chat request with tools gets the model's ``<tool_call>``
-blocks back as ``tool_calls`` (finish reason "tool_calls"); streamed, content
-streams up to the first call and the calls come in one delta at the end.
+(by tier); streamed, on the chunk that carries a choice's finish reason (each
+of n choices its own), with the usage of all the samples on the last of them
+when no usage chunk follows (SGLang's ``bench_serving --cache-report`` reads
+both from any chunk, and its completions client needs every chunk to have a
+choice). Choices carry SGLang's ``matched_stop``. A chat request with tools
+gets the model's ``<tool_call>`` blocks back as ``tool_calls`` (finish reason
+"tool_calls"); streamed, content streams up to the first call and the calls
+come in one delta at the end.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
+from hicache.engine.api import (
+    GenerateOutput,
+    GenerateRequest,
+    LogprobParams,
+    SamplingParams,
+    TokenLogprob,
+)
 from hicache.server import tokenization
 from hicache.server.chat_protocol import (
     ChatChoice,
@@ -36,8 +44,10 @@ from hicache.server.chat_protocol import (
     FunctionCallOut,
     ToolCallOut,
 )
+from hicache.server.choices import merged, sample_requests, start_samples, usage_of_samples
 from hicache.server.errors import APIError, error_payload, parse_body
-from hicache.server.generation import Completed, Generation, start_generation
+from hicache.server.generation import Generation
+from hicache.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from hicache.server.output_text import OutputText, TextOptions
 from hicache.server.protocol import (
     CachedTokensDetails,
@@ -91,11 +101,6 @@ def _output_text(
     return OutputText(tokenizer, input_ids, sampling, options, tokenizer.eos_token_ids)
 
 
-def _whole(done: Completed) -> GenerateOutput:
-    """The request's outputs as one (its text decoded in one go)."""
-    return dataclasses.replace(done.last, token_ids=done.token_ids, text=done.text)
-
-
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     return ModelList(data=[_model_card(get_state(request))]).model_dump()
@@ -122,29 +127,61 @@ async def create_completion(request: Request) -> Response:
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     rid = body.rid or f"cmpl-{uuid.uuid4().hex}"
     sampling = body.sampling_params(max_tokens)
-    generation = await start_generation(
-        state, GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key)
-    )
-    text = _output_text(state, input_ids, sampling,
-                        TextOptions(body.skip_special_tokens, body.no_stop_trim))
+    logprobs = None
+    if body.logprobs is not None:
+        # Echoed, the prompt's tokens come with their logprobs too (the first has none).
+        logprobs = LogprobParams(top_n=body.logprobs, input_from=0 if body.echo else -1)
+    generations = await start_samples(state, sample_requests(
+        GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
+                        logprobs=logprobs), body.n,
+    ))
+    echo = ""
+    if body.echo:
+        echo = body.prompt if isinstance(body.prompt, str) else \
+            state.engine.tokenizer.decode(input_ids)
+    choices = [
+        _CompletionChoiceState(
+            i, generation, _output_text(state, input_ids, sampling,
+                                        TextOptions(body.skip_special_tokens, body.no_stop_trim)),
+            _CompletionLogprobs(state, logprobs is not None, len(echo)),
+        )
+        for i, generation in enumerate(generations)
+    ]
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created,
             "model": state.served_model_name}
     if body.stream:
         return EventStreamResponse(_completion_events(
-            generation, text, head, body.include_usage, body.return_cached_tokens_details
+            choices, head, body.include_usage, echo, body.return_cached_tokens_details
         ))
-    done = await generation.collect(request.is_disconnected)
-    whole = _whole(done)
-    text.push(whole)
+    wholes = await _collect_all(generations, request.is_disconnected)
+    out = []
+    for choice, whole in zip(choices, wholes, strict=True):
+        choice.text.push(whole)
+        shaper = choice.shaper
+        out.append(CompletionChoice(
+            index=choice.index, text=echo + choice.text.text, finish_reason=whole.finish_reason,
+            matched_stop=choice.text.matched,
+            logprobs=shaper.whole(whole) if shaper.enabled else None,
+        ))
     response = CompletionResponse(
-        id=rid, created=created, model=state.served_model_name,
-        choices=[CompletionChoice(text=text.text, finish_reason=whole.finish_reason,
-                                  matched_stop=text.matched)],
-        usage=usage_of(whole),
-        sglext=sglext_of(whole) if body.return_cached_tokens_details else None,
+        id=rid, created=created, model=state.served_model_name, choices=out,
+        usage=usage_of_samples(wholes),
+        sglext=sglext_of(wholes[0]) if body.return_cached_tokens_details else None,
     )
     return JSONResponse(_dump(response))
+
+
+async def _collect_all(
+    generations: list[Generation], disconnected: Callable[[], Awaitable[bool]]
+) -> list[GenerateOutput]:
+    """Every sample to its end, as one output each; a failure stops the others too."""
+    try:
+        done = await asyncio.gather(*(g.collect(disconnected) for g in generations))
+    finally:
+        for generation in generations:
+            await generation.aclose()
+    return [d.whole() for d in done]
 
 
 def _dump(response: CompletionResponse | ChatCompletionResponse) -> dict[str, Any]:
@@ -153,42 +190,98 @@ def _dump(response: CompletionResponse | ChatCompletionResponse) -> dict[str, An
 
 
 def _finish_extras(
-    output: GenerateOutput, with_sglext: bool, include_usage: bool
+    output: GenerateOutput, finals: dict[int, GenerateOutput], samples: int,
+    with_sglext: bool, include_usage: bool,
 ) -> dict[str, Any]:
-    """What the finishing chunk of a stream adds: sglext when asked for, with the usage
-    (unless a usage chunk follows) so that a cache report divides the cached tokens by
-    the prompt tokens the server counted (a chat template adds some to the client's)."""
+    """What the chunk with a choice's finish reason adds to a stream: that sample's sglext
+    when asked for and, once every sample has finished (``finals`` holds them all, this
+    one included) and no usage chunk follows, the usage of all of them, so that a cache
+    report divides the cached tokens by the prompt tokens the server counted (a chat
+    template adds some to the client's)."""
     if not with_sglext:
         return {}
     extras: dict[str, Any] = {"sglext": sglext_of(output).model_dump()}
-    if not include_usage:
-        extras["usage"] = usage_of(output).model_dump()
+    if not include_usage and len(finals) == samples:
+        extras["usage"] = usage_of_samples([finals[i] for i in range(samples)]).model_dump()
     return extras
 
 
+class _CompletionLogprobs:
+    """A completion's logprobs objects, chunk after chunk: text offsets run on from the
+    echoed prompt through every chunk."""
+
+    def __init__(self, state: ServerState, enabled: bool, echo_chars: int) -> None:
+        self.enabled = enabled
+        self._texts = TokenTexts(state.engine.tokenizer)
+        self._echo_chars = echo_chars
+        self._offset = 0
+
+    def of(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        shaped = completion_logprobs(entries, self._texts, self._offset)
+        if entries:
+            self._offset = shaped["text_offset"][-1] + len(shaped["tokens"][-1])
+        return shaped
+
+    def prompt(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """The echoed prompt's; the output's offsets then start after the echoed text."""
+        shaped = self.of(entries)
+        self._offset = self._echo_chars
+        return shaped
+
+    def whole(self, output: GenerateOutput) -> dict[str, Any]:
+        prompt = self.prompt(output.input_logprobs)
+        completion = self.of(output.output_logprobs)
+        return {key: prompt[key] + completion[key] for key in prompt}
+
+
+@dataclass
+class _CompletionChoiceState:
+    index: int
+    generation: Generation
+    text: OutputText
+    shaper: _CompletionLogprobs
+    echoed: bool = False
+
+
 async def _completion_events(
-    generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool,
-    with_sglext: bool,
+    choices: list[_CompletionChoiceState], head: dict[str, Any], include_usage: bool,
+    echo: str, with_sglext: bool,
 ) -> AsyncGenerator[str, None]:
+    def chunk(choice: _CompletionChoiceState, delta: str, logprobs: dict[str, Any] | None,
+              reason: str | None, extras: dict[str, Any] | None = None) -> str:
+        body = {"index": choice.index, "text": delta, "logprobs": logprobs,
+                "finish_reason": reason, "matched_stop": choice.text.matched}
+        return event({**head, "choices": [body], **(extras or {})})
+
+    finals: dict[int, GenerateOutput] = {}
     try:
-        async for output in generation:
+        async for index, output in merged([c.generation for c in choices]):
+            choice = choices[index]
             if output.error is not None:
                 yield event(error_payload(500, f"the engine failed the request: {output.error}"))
                 break
-            delta = text.push(output)
-            if delta or output.finished:
+            shaper = choice.shaper
+            if echo and not choice.echoed:
+                choice.echoed = True
+                prompt = shaper.prompt(output.input_logprobs) if shaper.enabled else None
+                yield chunk(choice, echo, prompt, None)
+            delta = choice.text.push(output)
+            if output.finished:
+                finals[index] = output
+            if delta or output.finished or (shaper.enabled and output.output_logprobs):
                 reason = output.finish_reason if output.finished else None
-                choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason,
-                          "matched_stop": text.matched}
-                extras = (
-                    _finish_extras(output, with_sglext, include_usage) if output.finished else {}
-                )
-                yield event({**head, "choices": [choice], **extras})
-            if output.finished and include_usage:
-                yield event({**head, "choices": [], "usage": usage_of(output).model_dump()})
+                logprobs = shaper.of(output.output_logprobs) if shaper.enabled else None
+                extras = _finish_extras(
+                    output, finals, len(choices), with_sglext, include_usage
+                ) if output.finished else None
+                yield chunk(choice, delta, logprobs, reason, extras)
+        if include_usage and len(finals) == len(choices):
+            usage = usage_of_samples([finals[i] for i in range(len(choices))])
+            yield event({**head, "choices": [], "usage": usage.model_dump()})
         yield DONE
     finally:
-        await generation.aclose()
+        for choice in choices:
+            await choice.generation.aclose()
 
 
 @router.post("/v1/chat/completions")
@@ -205,38 +298,57 @@ async def create_chat_completion(request: Request) -> Response:
         max_tokens = max(1, state.engine.max_context_len - len(input_ids))
     rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
     sampling = body.sampling_params(max_tokens)
-    generation = await start_generation(
-        state, GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key)
-    )
+    logprobs = LogprobParams(top_n=body.top_logprobs or 0) if body.logprobs else None
+    generations = await start_samples(state, sample_requests(
+        GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
+                        logprobs=logprobs), body.n,
+    ))
+    texts = TokenTexts(state.engine.tokenizer) if body.logprobs else None
     tools = body.tools_enabled
     # Tool-call tags may be special tokens: kept in the text to be parsed (as SGLang does).
     options = TextOptions(body.skip_special_tokens and not tools, body.no_stop_trim)
-    text = _output_text(state, input_ids, sampling, options)
+    choices = [
+        _ChatChoiceState(i, generation, _output_text(state, input_ids, sampling, options),
+                         ToolCallStream() if tools else None)
+        for i, generation in enumerate(generations)
+    ]
     created = int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk", "created": created,
             "model": state.served_model_name}
     if body.stream:
-        return EventStreamResponse(
-            _chat_events(generation, text, head, body.include_usage, tools,
-                         body.return_cached_tokens_details)
-        )
-    done = await generation.collect(request.is_disconnected)
-    whole = _whole(done)
-    text.push(whole)
-    content: str | None = text.text
-    calls: tuple[ParsedToolCall, ...] = ()
-    if tools:
-        parsed = parse_tool_calls(text.text)
-        content, calls = parsed.content, parsed.tool_calls
-    message = ChatMessageOut(content=content, tool_calls=_tool_calls_out(calls) or None)
+        return EventStreamResponse(_chat_events(
+            choices, head, body.include_usage, texts, body.return_cached_tokens_details
+        ))
+    wholes = await _collect_all(generations, request.is_disconnected)
+    out = []
+    for choice, whole in zip(choices, wholes, strict=True):
+        text = choice.text
+        text.push(whole)
+        content: str | None = text.text
+        calls: tuple[ParsedToolCall, ...] = ()
+        if tools:
+            parsed = parse_tool_calls(text.text)
+            content, calls = parsed.content, parsed.tool_calls
+        message = ChatMessageOut(content=content, tool_calls=_tool_calls_out(calls) or None)
+        out.append(ChatChoice(
+            index=choice.index, message=message, finish_reason=_chat_reason(whole, calls),
+            matched_stop=text.matched,
+            logprobs=chat_logprobs(whole.output_logprobs, texts) if texts is not None else None,
+        ))
     response = ChatCompletionResponse(
-        id=rid, created=created, model=state.served_model_name,
-        choices=[ChatChoice(message=message, finish_reason=_chat_reason(whole, calls),
-                            matched_stop=text.matched)],
-        usage=usage_of(whole),
-        sglext=sglext_of(whole) if body.return_cached_tokens_details else None,
+        id=rid, created=created, model=state.served_model_name, choices=out,
+        usage=usage_of_samples(wholes),
+        sglext=sglext_of(wholes[0]) if body.return_cached_tokens_details else None,
     )
     return JSONResponse(_dump(response))
+
+
+@dataclass
+class _ChatChoiceState:
+    index: int
+    generation: Generation
+    text: OutputText
+    calls_stream: ToolCallStream | None  # with tools
 
 
 def _tool_calls_out(calls: tuple[ParsedToolCall, ...]) -> list[ToolCallOut]:
@@ -251,43 +363,53 @@ def _chat_reason(output: GenerateOutput, calls: tuple[ParsedToolCall, ...]) -> s
 
 
 async def _chat_events(
-    generation: Generation, text: OutputText, head: dict[str, Any], include_usage: bool,
-    tools: bool, with_sglext: bool,
+    choices: list[_ChatChoiceState], head: dict[str, Any], include_usage: bool,
+    texts: TokenTexts | None, with_sglext: bool,
 ) -> AsyncGenerator[str, None]:
-    def chunk(
-        delta: dict[str, Any], reason: str | None = None, extras: dict[str, Any] | None = None
-    ) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
-                  "matched_stop": text.matched if reason is not None else None}
-        return event({**head, "choices": [choice], **(extras or {})})
+    def chunk(choice: _ChatChoiceState, delta: dict[str, Any], reason: str | None = None,
+              logprobs: dict[str, Any] | None = None,
+              extras: dict[str, Any] | None = None) -> str:
+        body = {"index": choice.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": reason,
+                "matched_stop": choice.text.matched if reason is not None else None}
+        return event({**head, "choices": [body], **(extras or {})})
 
-    calls_stream = ToolCallStream() if tools else None
+    finals: dict[int, GenerateOutput] = {}
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for output in generation:
+        for choice in choices:
+            yield chunk(choice, {"role": "assistant", "content": ""})
+        async for index, output in merged([c.generation for c in choices]):
+            choice = choices[index]
             if output.error is not None:
                 yield event(error_payload(500, f"the engine failed the request: {output.error}"))
                 break
-            delta = text.push(output)
+            delta = choice.text.push(output)
+            calls_stream = choice.calls_stream
             if calls_stream is not None:
                 delta = calls_stream.push(delta)
-            if delta:
-                yield chunk({"content": delta})
+            logprobs = None
+            if texts is not None and output.output_logprobs:
+                logprobs = chat_logprobs(output.output_logprobs, texts)
+            if delta or logprobs is not None:
+                yield chunk(choice, {"content": delta}, logprobs=logprobs)
             if output.finished:
+                finals[index] = output
                 calls: tuple[ParsedToolCall, ...] = ()
                 if calls_stream is not None:
                     rest, calls = calls_stream.finish()
                     if rest:
-                        yield chunk({"content": rest})
+                        yield chunk(choice, {"content": rest})
                     if calls:
-                        yield chunk({"tool_calls": [
+                        yield chunk(choice, {"tool_calls": [
                             {"index": i, **call.model_dump()}
                             for i, call in enumerate(_tool_calls_out(calls))
                         ]})
-                yield chunk({}, _chat_reason(output, calls), _finish_extras(
-                    output, with_sglext, include_usage))
-                if include_usage:
-                    yield event({**head, "choices": [], "usage": usage_of(output).model_dump()})
+                yield chunk(choice, {}, _chat_reason(output, calls), extras=_finish_extras(
+                    output, finals, len(choices), with_sglext, include_usage))
+        if include_usage and len(finals) == len(choices):
+            usage = usage_of_samples([finals[i] for i in range(len(choices))])
+            yield event({**head, "choices": [], "usage": usage.model_dump()})
         yield DONE
     finally:
-        await generation.aclose()
+        for choice in choices:
+            await choice.generation.aclose()

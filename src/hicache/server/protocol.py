@@ -116,6 +116,10 @@ def cache_key(extra_key: str | None, cache_salt: str | None) -> str | None:
     return f"{extra_key or ''}\x00{cache_salt}"
 
 
+# The most samples of one prompt a request may ask (``n``; each is an engine request).
+MAX_CHOICES = 64
+
+
 # ------------------------------------------------------------------ OpenAI requests
 class StreamOptions(StrictModel):
     include_usage: bool = False
@@ -148,13 +152,13 @@ class _OpenAISampling(StrictModel):
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (SGLang)
+    min_tokens: int | None = None  # extension (SGLang): eos and stop tokens masked until
+    n: int = 1  # samples of the prompt (choices 0 .. n-1)
     # Accepted only at their neutral values (see Neutral).
-    n: Annotated[int, neutral(1)] = 1
-    presence_penalty: Annotated[float | None, neutral(None, 0, 0.0)] = None
-    frequency_penalty: Annotated[float | None, neutral(None, 0, 0.0)] = None
-    repetition_penalty: Annotated[float | None, neutral(None, 1, 1.0)] = None
     min_p: Annotated[float | None, neutral(None, 0, 0.0)] = None
-    min_tokens: Annotated[int | None, neutral(None, 0)] = None
     logit_bias: Annotated[dict[str, float] | None, neutral(None, {})] = None
     regex: Annotated[Any, OFF] = None
     ebnf: Annotated[Any, OFF] = None
@@ -188,6 +192,8 @@ class _OpenAISampling(StrictModel):
     def _check_stream_options(self) -> _OpenAISampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         return self
 
     @property
@@ -209,6 +215,12 @@ class _OpenAISampling(StrictModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            min_new_tokens=self.min_tokens or 0,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
         )
 
 
@@ -216,9 +228,11 @@ class CompletionRequest(_OpenAISampling):
     # A string or token ids; a list holding one of either is accepted too (the
     # OpenAI batch form with a single prompt).
     prompt: str | list[int]
+    # The prompt's text before the completion's (and its logprobs, with logprobs).
+    echo: bool = False
+    # The logprobs of the chosen tokens and of the N most likely at each position.
+    logprobs: int | None = None
     best_of: Annotated[int | None, neutral(None, 1)] = None
-    echo: Annotated[bool, neutral(False)] = False
-    logprobs: Annotated[int | None, neutral(None, 0)] = None
     suffix: Annotated[str | None, neutral(None, "")] = None
     response_format: Annotated[Any, neutral(None, {"type": "text"})] = None
 
@@ -264,7 +278,7 @@ class SglExt(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # see logprobs_format.completion_logprobs
     finish_reason: str | None
     matched_stop: int | str | None = None  # as SGLang: the stop token id or string
 

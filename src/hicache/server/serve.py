@@ -21,7 +21,7 @@ import logging
 import uvicorn
 
 from hicache.engine.engine import Engine, add_engine_args, build_engine
-from hicache.model.default_model import default_model_path
+from hicache.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from hicache.model.loader import LoadFormat
 from hicache.server.admin_api import ADMIN_ALLOW_DYNAMIC_FLAG
 from hicache.server.app import create_app
@@ -89,7 +89,9 @@ def with_default_model(args: argparse.Namespace) -> argparse.Namespace:
         return args
     path = default_model_path()  # DefaultModelMissingError says how to install it
     logger.info("model: SmolLM2-135M-Instruct (the default), from %s", path)
-    return argparse.Namespace(**{**vars(args), "model_path": str(path)})
+    served = args.served_model_name or DEFAULT_MODEL_NAME
+    changes = {"model_path": str(path), "served_model_name": served}
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 def _check_tiers(args: argparse.Namespace) -> str | None:

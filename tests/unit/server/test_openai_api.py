@@ -143,10 +143,11 @@ def test_chat_template_errors_are_400(client: openai.OpenAI) -> None:
 
 
 def test_unsupported_options_are_refused(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, n=2)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="min_p"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                  extra_body={"min_p": 0.5})
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, best_of=2)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=4)
     # The server is still serving.

@@ -122,3 +122,39 @@ def test_streams_without_the_extension_stay_openai_shaped(server: RunningServer)
         "POST", f"{server.url}/v1/completions", json=body
     ) as response:
         assert all("sglext" not in c for c in _events(response))
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_samples_carry_their_own_sglext_and_the_usage_once(
+    server: RunningServer, route: str
+) -> None:
+    prompt = f"{route}: n samples of one prompt, streamed with the cache report. " * 2
+    body: dict[str, Any] = {"model": "dummy-tiny", "max_tokens": 3, "stream": True, "n": 3,
+                            "temperature": 1.0, "seed": 3,
+                            "return_cached_tokens_details": True, "ignore_eos": True}
+    if route.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    with httpx.Client(timeout=30.0) as client:
+        whole = client.post(f"{server.url}{route}", json={**body, "stream": False}).json()
+        assert server.wait_idle()
+        with client.stream("POST", f"{server.url}{route}", json=body) as response:
+            assert response.status_code == 200
+            chunks = _events(response)
+    assert all(chunk["choices"] for chunk in chunks)
+    finishing = [c for c in chunks if c["choices"][0]["finish_reason"] is not None]
+    assert sorted(c["choices"][0]["index"] for c in finishing) == [0, 1, 2]
+    # Each choice's finishing chunk has that sample's sglext; nothing else has one.
+    assert all("sglext" in c for c in finishing)
+    assert sum("sglext" in c for c in chunks) == 3
+    # The usage once, on the last finishing chunk: the prompt counted once (as unstreamed).
+    with_usage = [c for c in chunks if "usage" in c]
+    assert with_usage == [finishing[-1]]
+    usage = with_usage[0]["usage"]
+    assert usage["completion_tokens"] == 9
+    assert usage["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    first = next(c for c in finishing if c["choices"][0]["index"] == 0)
+    details = first["sglext"]["cached_tokens_details"]
+    assert details["device"] + details["host"] + details["storage"] == \
+        usage["prompt_tokens_details"]["cached_tokens"] > 0

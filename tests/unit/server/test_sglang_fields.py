@@ -125,9 +125,8 @@ def test_what_sglang_clients_and_router_send_is_served(
     ("route", "body", "field"),
     [
         ("/generate", {"text": "hi", "lora_path": "my-adapter"}, "lora_path"),
-        ("/generate", {"text": "hi", "return_logprob": True}, "return_logprob"),
-        ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": 1.2}},
-         "repetition_penalty"),
+        ("/generate", {"text": "hi", "return_entropy": True}, "return_entropy"),
+        ("/generate", {"text": "hi", "sampling_params": {"min_p": 0.2}}, "min_p"),
         ("/v1/completions", {"prompt": "hi", "return_hidden_states": True},
          "return_hidden_states"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],

@@ -1,0 +1,97 @@
+"""Several samples of one prompt (OpenAI's and SGLang's ``n``).
+
+Each sample is its own engine request (``<rid>-<i>``, seed ``seed + i`` when a
+seed is given, so the samples differ yet are reproducible). The first starts
+alone: ``start_generation`` returns once it has produced its first token, by
+when its prompt is in the radix tree (write-through after prefill), so the
+others, started then together, reuse the prompt's cached pages rather than
+computing it n times. ``merged`` interleaves their streams as the outputs come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+
+from hicache.engine.api import GenerateOutput, GenerateRequest
+from hicache.server.generation import Generation, start_generation
+from hicache.server.protocol import PromptTokensDetails, Usage
+from hicache.server.state import ServerState
+
+
+def sample_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
+    if n == 1:
+        return [request]
+    out = []
+    for index in range(n):
+        seed = request.sampling.seed
+        sampling = dataclasses.replace(
+            request.sampling, seed=None if seed is None else (seed + index) % 2**63
+        )
+        out.append(dataclasses.replace(request, rid=f"{request.rid}-{index}", sampling=sampling))
+    return out
+
+
+async def start_samples(
+    state: ServerState, requests: Sequence[GenerateRequest], log_metrics: bool = True
+) -> list[Generation]:
+    """Start the first, then (its prompt cached) the rest; if one is refused, the started
+    ones are closed and the error raised."""
+    first = await start_generation(state, requests[0], log_metrics)
+    outcomes = await asyncio.gather(
+        *(start_generation(state, r, log_metrics) for r in requests[1:]),
+        return_exceptions=True,
+    )
+    started = [first, *(o for o in outcomes if isinstance(o, Generation))]
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            for generation in started:
+                await generation.aclose()
+            raise outcome
+    return started
+
+
+async def merged(
+    generations: Sequence[Generation],
+) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """(index, output) of every generation as they come; closing it closes them all."""
+    queue: asyncio.Queue[tuple[int, GenerateOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for output in generation:
+                await queue.put((index, output))
+        except Exception as error:  # handed to the reader
+            await queue.put((index, error))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for generation in generations:
+            await generation.aclose()
+
+
+def usage_of_samples(outputs: Sequence[GenerateOutput]) -> Usage:
+    """OpenAI's usage for n samples: the prompt counted once, every completion token."""
+    first = outputs[0]
+    completion = sum(o.completion_tokens for o in outputs)
+    return Usage(
+        prompt_tokens=first.prompt_tokens, completion_tokens=completion,
+        total_tokens=first.prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=first.cached_tokens.total),
+    )

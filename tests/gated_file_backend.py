@@ -1,0 +1,34 @@
+"""A file L3 whose reads hang while a gate file exists: a hung NFS mount, on demand.
+
+For tests that run ``hicache serve`` in a child process: the test creates the
+gate file to make every ``get`` block (as a stalled store would, holding the
+host pages it was given) and removes it to let them return. Loaded through the
+``dynamic`` backend::
+
+    {"module_path": "tests.gated_file_backend", "class_name": "GatedFileBackend",
+     "path": "<l3 dir>", "gate": "<gate file>"}
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hicache.memory.allocator import PageIds
+from hicache.storage.file import FileBackend
+
+POLL_S = 0.05
+
+
+class GatedFileBackend(FileBackend):
+    def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
+        config = dict(extra_config or {})
+        self.gate = Path(config.pop("gate"))
+        super().__init__(config)
+
+    def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        while self.gate.exists():
+            time.sleep(POLL_S)
+        return super().get(keys, host_pages)
