@@ -183,7 +183,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_long_context_arguments(parser, output_length=False)
     # Defaults stay None so --smoke can tell which sizes were given explicitly.
     parser.set_defaults(**dict.fromkeys(SMOKE_WORKLOAD))
-    parser.set_defaults(api="generate")  # by-tier hit rates need /generate
 
 
 def _backend_extra(args: argparse.Namespace, backend: str | None) -> dict[str, Any]:

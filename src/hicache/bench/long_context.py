@@ -24,6 +24,7 @@ from hicache.bench.multiturn import (
     finish,
     prompt_maker,
     run_benchmark,
+    server_url,
 )
 from hicache.bench.workload import (
     LongContextDataset,
@@ -97,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
         sessions = long_context_workload(args, maker)
         config = args_config(args)
         label = args.label or f"long-context-{args.api}"
-        summary = asyncio.run(run_benchmark(args, sessions, maker, args.url, label, config))
+        summary = asyncio.run(run_benchmark(args, sessions, maker, server_url(args), label, config))
     except (WorkloadError, BenchmarkError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -49,16 +49,24 @@ class BenchmarkError(RuntimeError):
 
 # ------------------------------------------------------------------------ flags
 def add_client_arguments(parser: argparse.ArgumentParser, *, url_required: bool = True) -> None:
-    """Server, API, pacing, prompt and output flags common to the client benchmarks."""
+    """Server, API, pacing, prompt and output flags common to the client benchmarks.
+
+    SGLang's bench_multiturn.py flag names are accepted too (``--host/--port``,
+    ``--api-format``, ``--max-parallel``, ...), so its command lines run here unchanged.
+    """
     server = parser.add_argument_group("server")
     if url_required:
         server.add_argument(
-            "--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000"
+            "--url", default=None,
+            help="server base URL, e.g. http://127.0.0.1:30000 (default: from --host/--port)",
         )
+        server.add_argument("--host", default="127.0.0.1", help="server host (default: 127.0.0.1)")
+        server.add_argument("--port", type=int, default=30000, help="server port (default: 30000)")
     server.add_argument(
-        "--api", choices=[a.value for a in ApiStyle], default=ApiStyle.OPENAI.value,
-        help="openai: /v1/completions; generate: SGLang's /generate, which reports cached "
-        "tokens by tier (default: %(default)s)",
+        "--api", "--api-format", dest="api", type=_api_style,
+        choices=[a.value for a in ApiStyle], default=ApiStyle.GENERATE.value,
+        help="generate (or sglang): SGLang's /generate, which reports cached tokens by tier; "
+        "openai: /v1/completions (default: %(default)s, as in SGLang's bench_multiturn.py)",
     )
     server.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     server.add_argument(
@@ -77,7 +85,7 @@ def add_client_arguments(parser: argparse.ArgumentParser, *, url_required: bool 
         default=ArrivalDistribution.POISSON.value, help="gaps between sends (default: poisson)",
     )
     pacing.add_argument(
-        "--max-inflight", type=int, default=64,
+        "--max-inflight", "--max-parallel", dest="max_inflight", type=int, default=64,
         help="requests in flight at most; 0 = no limit (default: %(default)s)",
     )
     pacing.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
@@ -114,6 +122,17 @@ def add_client_arguments(parser: argparse.ArgumentParser, *, url_required: bool 
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _api_style(value: str) -> str:
+    """SGLang's bench clients call the /generate API "sglang"."""
+    return ApiStyle.GENERATE.value if value == "sglang" else value
+
+
+def server_url(args: argparse.Namespace) -> str:
+    """--url, else http://--host:--port."""
+    url: str | None = args.url
+    return url if url else f"http://{args.host}:{args.port}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_client_arguments(parser)
     add_multiturn_arguments(parser)
@@ -127,12 +146,13 @@ def add_multiturn_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-length", type=int, default=1024, help="tokens of each client's first prompt"
     )
     group.add_argument(
-        "--sub-question-length", type=int, default=128,
+        "--sub-question-length", "--sub-question-input-length", dest="sub_question_length",
+        type=int, default=128,
         help="tokens each later round adds after the previous answer",
     )
     group.add_argument("--output-length", type=int, default=64, help="tokens per answer")
     group.add_argument(
-        "--round-barrier", action="store_true",
+        "--round-barrier", "--enable-round-barrier", dest="round_barrier", action="store_true",
         help="start round r+1 only when every client finished round r",
     )
 
@@ -328,7 +348,7 @@ def main(args: argparse.Namespace) -> int:
         config = args_config(args)
         config["working_set_tokens"] = multiturn_working_set(args)
         label = args.label or f"multiturn-{args.api}"
-        summary = asyncio.run(run_benchmark(args, sessions, maker, args.url, label, config))
+        summary = asyncio.run(run_benchmark(args, sessions, maker, server_url(args), label, config))
     except (WorkloadError, BenchmarkError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -315,3 +315,27 @@ def test_generate_stream_parser_reads_cumulative_text_alone() -> None:
     assert result.ok and result.text == "AB" and result.output_tokens == 2
     assert result.finish_reason == "stop" and result.output_ids is None
     assert result.itl_s == pytest.approx([0.1])
+
+
+def test_multiturn_cli_takes_sglang_bench_multiturn_flags(
+    server: tuple[str, FakeState], state: FakeState, tmp_path: Path
+) -> None:
+    """SGLang's bench_multiturn.py command line (its flag names) runs unchanged."""
+    url, _ = server
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    state.ttft_s = 0.005
+    out = tmp_path / "run.json"
+    code = cli_main([
+        "bench", "multiturn", "--host", host, "--port", port, "--api-format", "sglang",
+        "--num-clients", "2", "--max-parallel", "1", "--request-length", "30",
+        "--sub-question-input-length", "5", "--output-length", "3", "--num-rounds", "2",
+        "--enable-round-barrier", "--request-rate", "100", "--json-out", str(out),
+        "--no-progress",
+    ])
+    assert code == 0
+    summary = RunSummary.load(out)
+    assert summary.overall.requests == 4 and summary.overall.failed == 0
+    config = summary.config
+    assert config["api"] == "generate" and config["max_inflight"] == 1
+    assert config["sub_question_length"] == 5 and config["round_barrier"] is True
+    assert {r["route"] for r in state.received} == {"generate"}
