@@ -25,7 +25,7 @@ from starlette.responses import Response
 
 from hicache.engine.api import GenerateOutput, GenerateRequest, LogprobParams, TokenLogprob
 from hicache.server import tokenization
-from hicache.server.choices import sample_requests, start_samples
+from hicache.server.choices import merged, sample_requests, start_samples
 from hicache.server.errors import APIError, error_payload, parse_body
 from hicache.server.generate_protocol import (
     GenerateMetaInfo,
@@ -97,12 +97,12 @@ async def generate(request: Request) -> Response:
             return EventStreamResponse(_events(running))
         result = await _complete(running, request.is_disconnected)
         return JSONResponse(result.dump())
-    if body.stream:
-        raise APIError(400, "stream with n > 1 is not supported yet by this server",
-                       param="sampling_params.n")
     # A batch, or n samples of one prompt: a list of results, prompt by prompt and each
-    # prompt's samples in order (as SGLang answers).
+    # prompt's samples in order (as SGLang answers); streamed, each chunk names its "index"
+    # in that order.
     batch = await _start_batch(state, body)
+    if body.stream:
+        return EventStreamResponse(_batch_events(batch))
     try:
         results = await asyncio.gather(
             *(_complete(item, request.is_disconnected) for item in batch)
@@ -174,6 +174,23 @@ async def _complete(
     whole = done.whole()
     running.push(whole)
     return running.response(whole)
+
+
+async def _batch_events(batch: list[_Running]) -> AsyncGenerator[str, None]:
+    """The chunks of every item as they come, each with its item's ``index``."""
+    try:
+        async for index, output in merged([item.generation for item in batch]):
+            if output.error is not None:
+                message = f"the engine failed the request: {output.error}"
+                yield event({**error_payload(500, message), "index": index})
+                break
+            running = batch[index]
+            running.push(output)
+            yield event({**running.response(output).dump(), "index": index})
+        yield DONE
+    finally:  # merged() closes every generation when it ends or the client goes away
+        for item in batch:
+            await item.generation.aclose()
 
 
 async def _events(running: _Running) -> AsyncGenerator[str, None]:

@@ -200,8 +200,6 @@ class GenerateReqInput(StrictModel):
         size = self.batch_size
         if size == 0:
             raise ValueError("the batch is empty: give at least one prompt")
-        if self.stream:
-            raise ValueError("stream with a batch of prompts is not supported yet by this server")
         for name in ("rid", "extra_key", "cache_salt", "sampling_params", "return_logprob",
                      "logprob_start_len", "top_logprobs_num"):
             value = getattr(self, name)

@@ -65,7 +65,6 @@ def test_batch_runs_every_prompt_as_alone(server: RunningServer) -> None:
     [
         ({"text": ["a", "b"], "rid": ["x"]}, "rid has 1 items for a batch of 2"),
         ({"text": ["a", "b"], "rid": ["x", "x"]}, "must be different"),
-        ({"text": ["a", "b"], "stream": True}, "stream with a batch"),
         ({"text": "a", "rid": ["x"]}, "needs a batch"),
         ({"text": ["fine", ""]}, "prompt 1 of the batch: the prompt is empty"),
     ],
@@ -169,3 +168,31 @@ def test_max_new_tokens_null_is_the_rest_of_the_context(server: RunningServer) -
                                                "temperature": 0}})
     assert answer["meta_info"]["completion_tokens"] == 3
     assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
+def test_a_batch_and_its_samples_stream_with_their_index(server: RunningServer) -> None:
+    """Streamed, a batch (here two prompts, two greedy samples each) sends every item's
+    chunks tagged with its index; each item's last chunk is its non-streamed answer."""
+    payload: dict[str, Any] = {
+        "input_ids": [[1, 2, 3, 4, 5], [6, 7, 8]],
+        "sampling_params": {**greedy(5), "n": 2},
+    }
+    whole = post(server, payload)
+    assert len(whole) == 4
+    last: dict[int, dict[str, Any]] = {}
+    with httpx.Client(timeout=TIMEOUT) as client, client.stream(
+        "POST", f"{server.url}/generate", json={**payload, "stream": True}
+    ) as response:
+        assert response.status_code == 200
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert lines[-1] == "[DONE]"
+    for line in lines[:-1]:
+        chunk = json.loads(line)
+        assert "error" not in chunk, chunk
+        last[chunk["index"]] = chunk
+    assert sorted(last) == [0, 1, 2, 3]
+    for index, answer in enumerate(whole):
+        assert last[index]["output_ids"] == answer["output_ids"]
+        assert last[index]["meta_info"]["finish_reason"] == answer["meta_info"]["finish_reason"]
+    assert server.wait_idle()
+    server.engine.check_integrity()

@@ -103,8 +103,15 @@ def test_generate_n_answers_a_list_of_samples(server: RunningServer) -> None:
     results = response.json()
     assert [r["meta_info"]["id"] for r in results] == ["many-0", "many-1", "many-2"]
     assert all(len(r["output_ids"]) == 4 for r in results)
+    # Streamed, every sample's chunks carry its index (the same rid again is free now).
     streamed = httpx.post(f"{server.url}/generate", json={**body, "stream": True}, timeout=30.0)
-    assert streamed.status_code == 400 and "not supported yet" in streamed.text
+    assert streamed.status_code == 200, streamed.text
+    chunks = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    last = {chunk["index"]: chunk for chunk in chunks}
+    assert sorted(last) == [0, 1, 2]
+    assert [last[i]["meta_info"]["id"] for i in range(3)] == ["many-0", "many-1", "many-2"]
+    assert all(len(last[i]["output_ids"]) == 4 for i in range(3))
     for bad in (0, 65):
         refused = httpx.post(f"{server.url}/v1/completions", timeout=30.0,
                              json={"prompt": "hi", "n": bad, "max_tokens": 2})
