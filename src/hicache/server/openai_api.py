@@ -56,9 +56,7 @@ from hicache.server.protocol import (
     CompletionResponse,
     ModelCard,
     ModelList,
-    PromptTokensDetails,
     SglExt,
-    Usage,
 )
 from hicache.server.sse import DONE, EventStreamResponse, event
 from hicache.server.state import ServerState, get_state, last_path_component
@@ -68,15 +66,6 @@ router = APIRouter()
 
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-
-
-def usage_of(output: GenerateOutput) -> Usage:
-    return Usage(
-        prompt_tokens=output.prompt_tokens,
-        completion_tokens=output.completion_tokens,
-        total_tokens=output.prompt_tokens + output.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.cached_tokens.total),
-    )
 
 
 def sglext_of(output: GenerateOutput) -> SglExt:
