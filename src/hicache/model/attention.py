@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.model.attention_backend import AttentionStep
 from hicache.model.config import ModelConfig
 from hicache.model.norm import RMSNorm
-from hicache.model.paged_attention import AttentionPlan, attend
 from hicache.model.parameter import WeightViews, empty_parameter
 from hicache.model.rotary import apply_rotary
 
@@ -22,7 +22,7 @@ class StepInputs:
     cos: torch.Tensor  # [T, 1, head_dim / 2]
     sin: torch.Tensor  # [T, 1, head_dim / 2]
     out_slots: torch.Tensor  # [T]: pool slots of the new tokens' K/V
-    plan: AttentionPlan
+    attention: AttentionStep
 
 
 class Attention(nn.Module):
@@ -77,7 +77,7 @@ class Attention(nn.Module):
         # The pool holds post-RoPE keys: a cached prefix is reused without re-rotating.
         k_cache.index_copy_(0, step.out_slots, k)
         v_cache.index_copy_(0, step.out_slots, v)
-        out = attend(q, k, v, k_cache, v_cache, step.plan)  # [T, heads, head_dim]
+        out = step.attention.attend(q, k, v, k_cache, v_cache)  # [T, heads, head_dim]
         return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
 
     def hf_weights(self, prefix: str) -> WeightViews:

@@ -7,18 +7,26 @@ prefill has no context, a chunk of a long prompt or a prompt with a cache hit
 has some, and a decode step is one new token after a long context: the model
 does not need to know which is which.
 
+Where a context lies is told by a page table: row ``table_rows[i]`` of
+``page_table`` lists sequence i's pages in position order, so its token at
+position p has its K/V at slot ``page_table[row, p // page_size] * page_size +
+p % page_size``. The engine keeps one such table for all running requests and
+updates it only where pages are added or replaced (``hicache.engine.page_table``):
+building a step costs the host O(batch), whatever the contexts' lengths, and
+attention backends read K/V in place through it.
+
 Invariant (what the attention relies on): the new tokens of a sequence are the
 last ``extend_len`` tokens of its context, at positions ``seq_len - extend_len
-.. seq_len - 1``, and ``context_slots`` lists the whole context (cached prefix +
-new tokens) in position order, so the new tokens' slots end it and equal their
-``out_slots``. ``check()`` verifies the shapes on the host; ``validate()`` also
-the values (it reads device tensors: tests and debugging only).
+.. seq_len - 1``, and their slots (through the table) are their ``out_slots``.
+``check()`` verifies the shapes on the host; ``validate()`` also the values (it
+reads device tensors: tests and debugging only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -37,8 +45,11 @@ class ForwardBatch:
     # Sequence-level (host-side ints: building the attention plan must not sync the device).
     extend_lens: tuple[int, ...]  # new tokens per sequence, each >= 1
     seq_lens: tuple[int, ...]  # context length after this step (prefix + new) per sequence
-    # [sum(seq_lens)] int64: each sequence's whole context in position order, concatenated.
-    context_slots: torch.Tensor
+    # [rows, max_pages] int32: pages of contexts in position order (entries past a
+    # context's last page are never read); sequence i is row table_rows[i].
+    page_table: torch.Tensor
+    table_rows: torch.Tensor  # [B] int32
+    page_size: int
     # Logits for every new token (scoring, tests) instead of only each sequence's last one.
     return_all_logits: bool = False
     # Per sequence, the first of its new tokens whose logits are returned (through its
@@ -64,6 +75,8 @@ class ForwardBatch:
 
         ``context_slots[i]`` covers the cached prefix and then the new tokens, so
         sequence i's prefix length is ``len(context_slots[i]) - len(new_token_ids[i])``.
+        The slots become a page table of one-token pages (tests and tools; the engine
+        builds its batches from its persistent table).
         """
         if len(new_token_ids) != len(context_slots):
             raise BatchError("one context_slots entry per sequence is needed")
@@ -74,19 +87,23 @@ class ForwardBatch:
         for extend, total in zip(extend_lens, seq_lens, strict=True):
             positions += range(total - extend, total)
         flat_ids = [int(t) for ids in new_token_ids for t in ids]
-        context = torch.cat(contexts) if contexts else torch.empty(0, dtype=torch.int64)
         out_slots = (
             torch.cat([c[len(c) - e :] for c, e in zip(contexts, extend_lens, strict=True)])
             if contexts
             else torch.empty(0, dtype=torch.int64)
         )
+        table = torch.zeros((len(contexts), max(seq_lens, default=0)), dtype=torch.int32)
+        for row, context in enumerate(contexts):
+            table[row, : len(context)] = context
         return cls(
             input_ids=torch.tensor(flat_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             out_slots=out_slots.to(device),
             extend_lens=extend_lens,
             seq_lens=seq_lens,
-            context_slots=context.to(device),
+            page_table=table.to(device),
+            table_rows=torch.arange(len(contexts), dtype=torch.int32, device=device),
+            page_size=1,
             return_all_logits=return_all_logits,
             logits_from=tuple(logits_from) if logits_from is not None else None,
         )
@@ -97,7 +114,8 @@ class ForwardBatch:
             input_ids=self.input_ids.to(device),
             positions=self.positions.to(device),
             out_slots=self.out_slots.to(device),
-            context_slots=self.context_slots.to(device),
+            page_table=self.page_table.to(device),
+            table_rows=self.table_rows.to(device),
         )
 
     # ------------------------------------------------------------ derived
@@ -123,6 +141,32 @@ class ForwardBatch:
     def context_starts(self) -> tuple[int, ...]:
         """Index of each sequence's first context slot in ``context_slots``."""
         return (0, *accumulate(self.seq_lens))[:-1]
+
+    @cached_property
+    def seq_lens_tensor(self) -> torch.Tensor:
+        """``seq_lens`` as int32 [B] on the batch's device."""
+        return torch.tensor(self.seq_lens, dtype=torch.int32, device=self.page_table.device)
+
+    @cached_property
+    def sequence_pages(self) -> torch.Tensor:
+        """[B, pages of the longest context] int32: each sequence's own table row, cut to
+        the pages any of them uses (a gather of B short rows, not of any context)."""
+        width = -(-max(self.seq_lens) // self.page_size)
+        return self.page_table[self.table_rows.long(), :width]
+
+    @cached_property
+    def context_slots(self) -> torch.Tensor:
+        """[sum(seq_lens)] int64: every context's slots in position order, concatenated.
+
+        O(total context) on the device: for the reference attention and for checks.
+        """
+        longest = max(self.seq_lens)
+        device = self.page_table.device
+        pos = torch.arange(longest, device=device)
+        pages = self.sequence_pages.long()[:, pos // self.page_size]  # [B, longest]
+        slots = pages * self.page_size + pos % self.page_size
+        lens = torch.tensor(self.seq_lens, device=device)
+        return slots[pos[None, :] < lens[:, None]]
 
     def logit_rows(self) -> list[int]:
         """Token rows whose logits the model returns, in order (see ``logits_from``)."""
@@ -166,10 +210,20 @@ class ForwardBatch:
                 raise BatchError(
                     f"{name} has shape {tuple(tensor.shape)}, expected ({num_tokens},)"
                 )
-        if self.context_slots.shape != (sum(self.seq_lens),):
+        if self.table_rows.shape != (self.num_seqs,):
             raise BatchError(
-                f"context_slots has shape {tuple(self.context_slots.shape)}, "
-                f"expected ({sum(self.seq_lens)},) = sum(seq_lens)"
+                f"table_rows has shape {tuple(self.table_rows.shape)}, "
+                f"expected ({self.num_seqs},): one row per sequence"
+            )
+        if self.page_table.dim() != 2 or self.page_table.dtype != torch.int32:
+            raise BatchError("page_table must be a 2-D int32 tensor [rows, max_pages]")
+        if self.page_size < 1:
+            raise BatchError(f"page_size must be >= 1, got {self.page_size}")
+        reach = self.page_table.shape[1] * self.page_size
+        if max(self.seq_lens) > reach:
+            raise BatchError(
+                f"a context of {max(self.seq_lens)} tokens does not fit the page table's "
+                f"{self.page_table.shape[1]} pages of {self.page_size} tokens"
             )
 
     def validate(self) -> None:

@@ -18,11 +18,11 @@ from torch import nn
 
 from hicache.memory.device_pool import DevicePool
 from hicache.model.attention import Attention, StepInputs
+from hicache.model.attention_backend import AttentionBackend, make_attention_backend
 from hicache.model.batch import BatchError, ForwardBatch
 from hicache.model.config import ModelConfig, ModelConfigError
 from hicache.model.mlp import SwiGLU
 from hicache.model.norm import RMSNorm
-from hicache.model.paged_attention import AttentionPlan
 from hicache.model.parameter import WeightViews, empty_parameter
 from hicache.model.rotary import RotaryEmbedding
 
@@ -56,10 +56,19 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Built empty (uninitialized) on ``device``; fill it with ``hicache.model.weights``."""
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        attention_backend: str = "auto",
+    ) -> None:
         super().__init__()
         self.config = config
         self.device = torch.device(device)
+        # How attention reads the pool; swappable (tests compare backends on one model).
+        self.attention_backend: AttentionBackend = make_attention_backend(
+            attention_backend, self.device
+        )
         self.dtype = config.dtype
         dev, dtype = self.device, self.dtype
         self.embed_tokens = empty_parameter(
@@ -102,13 +111,13 @@ class CausalLM(nn.Module):
         Per layer l: ``wait_layer(l)`` first (the cache orders this layer after any
         load of its K/V from host memory), then q/k/v, the new K/V written to the pool
         at ``batch.out_slots``, and attention over each sequence's context read from
-        the pool at ``batch.context_slots``.
+        the pool through ``batch.page_table`` by the model's attention backend.
         """
         self._check(batch, kv)
         step = StepInputs(
             *self.rotary.lookup(batch.positions),
             out_slots=batch.out_slots,
-            plan=AttentionPlan.build(batch),
+            attention=self.attention_backend.prepare(batch),
         )
         h = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
         for index, layer in enumerate(self.layers):

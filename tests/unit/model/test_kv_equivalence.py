@@ -151,19 +151,47 @@ def test_positions_past_the_model_limit_are_refused() -> None:
 
 def test_batch_checks_its_fields() -> None:
     ids = torch.tensor([1, 2, 3])
+    table = torch.tensor([[1, 2, 3]], dtype=torch.int32)  # one-token pages: slots = ids
+    row = torch.zeros(1, dtype=torch.int32)
+
+    def batch_of(positions: torch.Tensor = ids - 1, extend: int = 3, total: int = 3,
+                 page_table: torch.Tensor = table, rows: torch.Tensor = row,
+                 page_size: int = 1) -> ForwardBatch:
+        return ForwardBatch(ids, positions, ids, extend_lens=(extend,), seq_lens=(total,),
+                            page_table=page_table, table_rows=rows, page_size=page_size)
+
     with pytest.raises(BatchError, match="extend_len"):
-        ForwardBatch(ids, ids, ids, extend_lens=(3,), seq_lens=(2,), context_slots=ids[:2])
-    with pytest.raises(BatchError, match="context_slots"):
-        ForwardBatch(ids, ids, ids, extend_lens=(3,), seq_lens=(5,), context_slots=ids)
+        batch_of(total=2)
+    with pytest.raises(BatchError, match="does not fit the page table"):
+        batch_of(total=5)
+    batch_of(total=5, page_size=2)  # 3 pages of 2 tokens hold 5
     with pytest.raises(BatchError, match="positions"):
-        ForwardBatch(ids, ids[:2], ids, extend_lens=(3,), seq_lens=(3,), context_slots=ids)
-    wrong_positions = ForwardBatch(
-        ids, torch.tensor([0, 1, 3]), ids, extend_lens=(3,), seq_lens=(3,), context_slots=ids
-    )
+        batch_of(positions=ids[:2])
+    with pytest.raises(BatchError, match="table_rows"):
+        batch_of(rows=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(BatchError, match="int32"):
+        batch_of(page_table=table.long())
+    wrong_positions = batch_of(positions=torch.tensor([0, 1, 3]))
     with pytest.raises(BatchError, match=r"positions must be 0\.\.2"):
         wrong_positions.validate()
+    with pytest.raises(BatchError, match="out_slots must be the last slots"):
+        batch_of(page_table=torch.tensor([[1, 2, 4]], dtype=torch.int32)).validate()
     batch = ForwardBatch.from_sequences([[5, 6], [7]], [[10, 11, 12], [20, 21]])
     batch.validate()
     assert batch.prefix_lens == (1, 1)
     assert batch.positions.tolist() == [1, 2, 1]
     assert batch.out_slots.tolist() == [11, 12, 21]
+
+
+def test_context_slots_follow_the_page_table() -> None:
+    # Two sequences in rows 2 and 0 of a table of 4-token pages; only their rows are read.
+    table = torch.tensor([[7, 3, 0], [9, 9, 9], [5, 1, 0]], dtype=torch.int32)
+    batch = ForwardBatch(
+        input_ids=torch.tensor([1, 2, 3]), positions=torch.tensor([5, 6, 8]),
+        out_slots=torch.tensor([5, 6, 0]), extend_lens=(2, 1), seq_lens=(7, 9),
+        page_table=table, table_rows=torch.tensor([2, 0], dtype=torch.int32), page_size=4,
+    )
+    batch.validate()
+    expected = [20, 21, 22, 23, 4, 5, 6, 28, 29, 30, 31, 12, 13, 14, 15, 0]
+    assert batch.context_slots.tolist() == expected
+    assert batch.sequence_pages.tolist() == [[5, 1, 0], [7, 3, 0]]

@@ -1,4 +1,9 @@
-"""Attention of a mixed batch over K/V held in the paged device pool.
+"""The reference attention backend: each context's K/V gathered out of the pool, then SDPA.
+
+Correct on every device and simple to read, so the other backends are tested
+against it; it copies every context per layer per step, which the paged
+backends (``attention_cpu``, ``attention_triton``, ``attention_flashinfer``)
+avoid by reading K/V in place.
 
 An ``AttentionPlan`` is built once per forward step from the batch's host-side
 lengths and shared by every layer. It sorts the sequences into three kinds,
@@ -24,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from hicache.model.attention_backend import AttentionBackend, AttentionStep
 from hicache.model.batch import ForwardBatch
 
 # enable_gqa appeared in torch 2.5; older versions get K/V heads repeated instead.
-_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 @dataclass(frozen=True)
@@ -53,11 +59,28 @@ class _DecodeGroup:
     key_mask: torch.Tensor  # [B, 1, 1, L] bool: True where the key is part of the context
 
 
+class GatherBackend(AttentionBackend):
+    name = "gather"
+
+    def prepare(self, batch: ForwardBatch) -> AttentionPlan:
+        return AttentionPlan.build(batch)
+
+
 @dataclass(frozen=True)
-class AttentionPlan:
+class AttentionPlan(AttentionStep):
     num_tokens: int
     segments: tuple[_Segment, ...]
     decode: _DecodeGroup | None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        return attend(q, k, v, k_cache, v_cache, self)
 
     @classmethod
     def build(cls, batch: ForwardBatch) -> AttentionPlan:
@@ -125,14 +148,14 @@ def attend(
     """
     only = plan.segments[0] if len(plan.segments) == 1 and plan.decode is None else None
     if only is not None and only.context_slots is None:
-        return _cold(q, k, v)  # one cold prefill: no copy into an output buffer
+        return causal_attention(q, k, v)  # one cold prefill: no copy into an output buffer
     if plan.decode is not None and plan.decode.token_index is None:
         return _decode(q, k_cache, v_cache, plan.decode)  # pure decode batch
     out = torch.empty_like(q)
     for seg in plan.segments:
         rows = slice(seg.token_start, seg.token_end)
         if seg.context_slots is None:
-            out[rows] = _cold(q[rows], k[rows], v[rows])
+            out[rows] = causal_attention(q[rows], k[rows], v[rows])
         else:
             assert seg.mask is not None
             out[rows] = _with_context(q[rows], k_cache, v_cache, seg.context_slots, seg.mask)
@@ -143,7 +166,7 @@ def attend(
     return out
 
 
-def _cold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # [n, heads, D] -> [1, heads, n, D]: the layout SDPA's fused kernels take.
     out = _sdpa_gqa(
         q.transpose(0, 1)[None],
@@ -197,7 +220,7 @@ def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     groups = q.shape[1] // k.shape[1]
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-    if _SDPA_HAS_GQA:
+    if SDPA_HAS_GQA:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)

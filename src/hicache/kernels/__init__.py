@@ -1,0 +1,1 @@
+"""Compute kernels outside torch: the CPU paged decode attention (C++, built at first use)."""

@@ -1,0 +1,117 @@
+"""Every attention backend that runs here equals the reference (gather) backend.
+
+Batches mix cold prompts, prompts over a cached context, and decodes, over pages
+scattered through the pool (as a long-running server leaves them), with grouped
+KV heads, in each dtype the engine serves.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hicache.config import ConfigError
+from hicache.model.attention_backend import make_attention_backend
+from hicache.model.attention_cpu import CpuPagedBackend
+from hicache.model.attention_gather import GatherBackend
+from hicache.model.batch import ForwardBatch
+
+TOL = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+}
+
+
+def _paged_batch(
+    extend_lens: list[int], seq_lens: list[int], page_size: int, num_pages: int, seed: int
+) -> ForwardBatch:
+    """A batch whose sequences own shuffled pages, in shuffled rows of a wider table."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = torch.randperm(num_pages, generator=gen)
+    width = max(-(-n // page_size) for n in seq_lens) + 2
+    rows = torch.randperm(len(seq_lens) + 3, generator=gen)[: len(seq_lens)]
+    table = torch.full((len(seq_lens) + 3, width), -1, dtype=torch.int32)  # never read
+    next_page = 0
+    positions: list[int] = []
+    out_slots: list[int] = []
+    for row, extend, total in zip(rows.tolist(), extend_lens, seq_lens, strict=True):
+        need = -(-total // page_size)
+        table[row, :need] = pages[next_page : next_page + need].to(torch.int32)
+        next_page += need
+        for pos in range(total - extend, total):
+            positions.append(pos)
+            out_slots.append(int(table[row, pos // page_size]) * page_size + pos % page_size)
+    num_tokens = sum(extend_lens)
+    return ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        positions=torch.tensor(positions), out_slots=torch.tensor(out_slots),
+        extend_lens=tuple(extend_lens), seq_lens=tuple(seq_lens), page_table=table,
+        table_rows=rows.to(torch.int32), page_size=page_size,
+    )
+
+
+MIXES = {
+    "decode": ([1, 1, 1, 1], [1, 37, 16, 200]),
+    "cold": ([23], [23]),
+    "prefix": ([9], [70]),
+    "mixed": ([1, 12, 1, 5, 30], [90, 12, 3, 41, 64]),
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
+def test_cpu_backend_equals_reference(
+    mix: str, page_size: int, dtype: torch.dtype, heads: tuple[int, int]
+) -> None:
+    extend_lens, seq_lens = MIXES[mix]
+    num_heads, num_kv_heads = heads
+    head_dim = 32
+    num_pages = 4 * sum(-(-n // page_size) for n in seq_lens)
+    batch = _paged_batch(extend_lens, seq_lens, page_size, num_pages, seed=page_size)
+    gen = torch.Generator().manual_seed(1)
+    shape = (num_pages * page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    # q/k/v as the model makes them: views into one fused projection (strided rows).
+    qkv = torch.randn(batch.num_tokens, num_heads + 2 * num_kv_heads, head_dim,
+                      generator=gen).to(dtype)
+    q, k, v = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
+    k_cache.index_copy_(0, batch.out_slots, k)
+    v_cache.index_copy_(0, batch.out_slots, v)
+    expected = GatherBackend().prepare(batch).attend(q, k, v, k_cache, v_cache)
+    got = CpuPagedBackend().prepare(batch).attend(q, k, v, k_cache, v_cache)
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+
+
+def test_auto_picks_the_cpu_backend_where_it_builds() -> None:
+    assert make_attention_backend("auto", "cpu").name == "cpu"
+    assert make_attention_backend("gather", "cpu").name == "gather"
+
+
+def test_auto_falls_back_to_gather_without_the_kernel() -> None:
+    # A fresh process: whether the kernel loads is decided once per process.
+    code = (
+        "from hicache.model.attention_backend import make_attention_backend as m\n"
+        "print(m('auto', 'cpu').name)\n"
+        "try:\n    m('cpu', 'cpu')\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    env = {"HICACHE_DISABLE_CPU_KERNEL": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": ":".join(sys.path)}, timeout=120,
+                          check=True)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "gather"
+    assert lines[1].startswith("ConfigError") and "HICACHE_DISABLE_CPU_KERNEL" in lines[1]
+
+
+def test_unknown_or_misplaced_backends_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown attention backend"):
+        make_attention_backend("fast", "cpu")
+    with pytest.raises(ConfigError, match="runs on the CPU only"):
+        make_attention_backend("cpu", "meta")
