@@ -59,6 +59,7 @@ class Req:
     finish_reason: str | None = None
     error: str | None = None
     num_retractions: int = 0
+    row: int | None = None  # its row of the model runner's page table while it runs
     # Since when it has been short of device pages while running alone (see the scheduler).
     short_since: float | None = None
     # Log probabilities (GenerateRequest.logprobs): the prompt's computed so far, the next
@@ -85,6 +86,23 @@ class Req:
     def tokens(self) -> list[int]:
         """Prompt then output: the sequence whose KV the context holds."""
         return [*self.request.input_ids, *self.output_ids]
+
+    def token_at(self, position: int) -> int:
+        """The context's token at ``position`` (prompt, then output)."""
+        prompt = self.request.input_ids
+        if position < len(prompt):
+            return prompt[position]
+        return self.output_ids[position - len(prompt)]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``tokens()[start:end]`` without building the whole list."""
+        prompt = self.request.input_ids
+        n = len(prompt)
+        if end <= n:
+            return list(prompt[start:end])
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return [*prompt[start:], *self.output_ids[: end - n]]
 
     def match_tokens(self) -> list[int]:
         """The tokens whose cached KV it may reuse: all but the last, which is always

@@ -38,12 +38,12 @@ import torch
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.api import CachedTokens, GenerateOutput, TokenLogprob
 from hicache.engine.logprobs import position_logprobs
+from hicache.engine.model_runner import ModelRunner
 from hicache.engine.penalties import PenaltyState, RowAdjustment, adjust_logits, ending_tokens
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
 from hicache.engine.sampling import greedy_tokens, sample_row
-from hicache.memory.allocator import OutOfPagesError, PageIds
-from hicache.model.batch import ForwardBatch
+from hicache.memory.allocator import OutOfPagesError
 from hicache.model.model import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,9 @@ class Scheduler:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._by_rid: dict[str, Req] = {}
         self.prefetcher = Prefetcher(cache, enabled=config.enable_prefix_cache)
+        self.runner = ModelRunner(
+            model, cache.device_pool, config.max_running_requests, config.max_context_len
+        )
         # Sees the logits each sampled token came from (tests compare cold and cached runs).
         self.logits_observer: Callable[[str, torch.Tensor], None] | None = None
 
@@ -238,6 +241,7 @@ class Scheduler:
             self.counters.num_cached_device_tokens += req.cached.device
             self.counters.num_cached_host_tokens += req.cached.host
             self.counters.num_cached_storage_tokens += req.cached.storage
+        self.runner.admit(req)
         self.running.append(req)
         return True
 
@@ -263,22 +267,11 @@ class Scheduler:
         plan = [(req, n) for req, n in plan if req.phase in (Phase.PREFILL, Phase.DECODE)]
         if not plan:
             return
-        new_ids: list[list[int]] = []
-        contexts: list[torch.Tensor] = []
-        logits_from: list[int] = []
-        for req, n in plan:
-            tokens = req.tokens()
-            end = req.num_computed + n
-            new_ids.append(tokens[req.num_computed : end])
-            contexts.append(self._slots(req.pages, end))
-            logits_from.append(self._logits_from(req, n))
-        batch = ForwardBatch.from_sequences(
-            new_ids, contexts, device=self.device, logits_from=logits_from
-        )
+        logits_from = [self._logits_from(req, n) for req, n in plan]
         wait_layer = self.cache.wait_layer if self.cache.hierarchical else None
         with torch.inference_mode():
             # [sum of (n - logits_from) over the plan, vocab]: each sequence's last row last
-            logits = self.model.forward(batch, self.cache.device_pool, wait_layer=wait_layer)
+            logits = self.runner.forward(plan, logits_from, wait_layer)
         self.counters.num_steps += 1
         done: list[tuple[int, Req]] = []  # (row of its last logits, request)
         failed: list[tuple[Req, str]] = []
@@ -410,18 +403,12 @@ class Scheduler:
         if req.phase is not Phase.FINISHED:
             self._finish(req, "abort", flush_text=False, error=error)
 
-    def _slots(self, pages: PageIds, num_tokens: int) -> torch.Tensor:
-        ps = self.page_size
-        used = pages[: -(-num_tokens // ps)]
-        slots = (used[:, None] * ps + np.arange(ps, dtype=np.int64)[None, :]).reshape(-1)
-        return torch.from_numpy(slots[:num_tokens])
-
     def _ensure_pages(self, req: Req, num_tokens: int) -> bool:
         """Pages for ``num_tokens`` tokens of context; retract others (or itself) if short."""
         need = -(-num_tokens // self.page_size) - len(req.pages)
         while need > 0:
             try:
-                req.add_pages(self.cache.alloc_device(need))
+                self.runner.grow(req, self.cache.alloc_device(need))
                 req.short_since = None
                 return True
             except OutOfPagesError:
@@ -469,7 +456,7 @@ class Scheduler:
             return
         tokens = req.tokens()[: full * self.page_size]
         req.hit = self.cache.insert_held(tokens, req.pages[:full], req.hit, req.request.extra_key)
-        req.pages = np.concatenate([req.hit.device_pages, req.pages[full:]])
+        self.runner.replace(req, np.concatenate([req.hit.device_pages, req.pages[full:]]))
         req.owned_from = full
 
     def _release(self, req: Req, keep_kv: bool) -> None:
@@ -489,6 +476,7 @@ class Scheduler:
             cache.free_device(pages[req.owned_from :])
         if req.hit is not None:
             cache.release(req.hit)
+        self.runner.release(req)
         req.hit = None
         req.pages = np.empty(0, dtype=np.int64)
         req.owned_from = 0

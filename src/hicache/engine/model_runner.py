@@ -1,0 +1,115 @@
+"""The model runner: between the scheduler and the model, it owns the step's tensors.
+
+The scheduler decides what each running request computes this step (its plan);
+the runner keeps the request -> page table current and turns the plan into a
+``ForwardBatch`` with host work O(batch + new tokens): a decode contributes its
+last token, its position and one slot, looked up in its page list, and never
+its whole context. Then it runs the model.
+
+The scheduler tells it when a request's pages change (``admit``, ``grow``,
+``replace``, ``release``); the runner stages those rows of the table and flushes
+them in one write before the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from hicache.engine.page_table import ReqToPageTable
+from hicache.engine.request import Req
+from hicache.memory.allocator import PageIds
+from hicache.memory.device_pool import DevicePool
+from hicache.model.batch import ForwardBatch
+from hicache.model.model import CausalLM
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, pool: DevicePool, max_running_requests: int, max_context_len: int
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.device = pool.device
+        # One page beyond the context: a request may hold a page its last token will not fill.
+        max_pages = -(-max_context_len // self.page_size) + 1
+        self.table = ReqToPageTable(max_running_requests, max_pages, self.device)
+
+    # ------------------------------------------------------ page bookkeeping
+    def admit(self, req: Req) -> None:
+        """Give ``req`` a row holding its pages (its cached prefix, maybe none)."""
+        req.row = self.table.acquire()
+        self.table.write(req.row, 0, req.pages)
+
+    def grow(self, req: Req, new: PageIds) -> None:
+        """Append ``new`` pages to ``req``'s context."""
+        assert req.row is not None
+        start = len(req.pages)
+        req.add_pages(new)
+        self.table.write(req.row, start, new)
+
+    def replace(self, req: Req, pages: PageIds) -> None:
+        """``req``'s pages become ``pages`` (the tree swapped in its own copies)."""
+        assert req.row is not None
+        self.table.replace(req.row, req.pages, pages)
+        req.pages = pages
+
+    def release(self, req: Req) -> None:
+        if req.row is not None:
+            self.table.release(req.row)
+            req.row = None
+
+    # ------------------------------------------------------------- the step
+    def forward(
+        self,
+        plan: Sequence[tuple[Req, int]],
+        logits_from: Sequence[int] | None,
+        wait_layer: Callable[[int], None] | None,
+    ) -> torch.Tensor:
+        """Compute ``n`` new tokens of each (request, n) in ``plan``; the model's logits
+        (rows as ``ForwardBatch.logit_rows``)."""
+        return self.model.forward(self.build_batch(plan, logits_from), self.pool,
+                                  wait_layer=wait_layer)
+
+    def build_batch(
+        self, plan: Sequence[tuple[Req, int]], logits_from: Sequence[int] | None = None
+    ) -> ForwardBatch:
+        ps = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        extend_lens: list[int] = []
+        seq_lens: list[int] = []
+        for req, n in plan:
+            start = req.num_computed
+            end = start + n
+            assert req.row is not None, "a planned request has a page-table row"
+            if n == 1:
+                ids.append(req.token_at(start))
+                positions.append(start)
+                slots.append(int(req.pages[start // ps]) * ps + start % ps)
+            else:
+                ids.extend(req.token_slice(start, end))
+                span = np.arange(start, end)
+                positions.extend(span.tolist())
+                slots.extend((req.pages[span // ps] * ps + span % ps).tolist())
+            rows.append(req.row)
+            extend_lens.append(n)
+            seq_lens.append(end)
+        self.table.flush()
+        device = self.device
+        host = torch.tensor([ids, positions, slots], dtype=torch.int64)
+        if device.type != "cpu":
+            host = host.pin_memory().to(device, non_blocking=True)
+        return ForwardBatch(
+            input_ids=host[0], positions=host[1], out_slots=host[2],
+            extend_lens=tuple(extend_lens), seq_lens=tuple(seq_lens),
+            page_table=self.table.table,
+            table_rows=torch.tensor(rows, dtype=torch.int32).to(device),
+            page_size=ps,
+            logits_from=tuple(logits_from) if logits_from is not None else None,
+        )
