@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from hicache.engine.page_table import ReqToPageTable
@@ -77,39 +76,42 @@ class ModelRunner:
     def build_batch(
         self, plan: Sequence[tuple[Req, int]], logits_from: Sequence[int] | None = None
     ) -> ForwardBatch:
-        ps = self.page_size
+        # Per request: a few appends. A decode's one token is the last of its context;
+        # the slots of every new token are looked up in the page table on the device.
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         rows: list[int] = []
         extend_lens: list[int] = []
         seq_lens: list[int] = []
         for req, n in plan:
             start = req.num_computed
-            end = start + n
-            assert req.row is not None, "a planned request has a page-table row"
             if n == 1:
                 ids.append(req.token_at(start))
                 positions.append(start)
-                slots.append(int(req.pages[start // ps]) * ps + start % ps)
             else:
-                ids.extend(req.token_slice(start, end))
-                span = np.arange(start, end)
-                positions.extend(span.tolist())
-                slots.extend((req.pages[span // ps] * ps + span % ps).tolist())
-            rows.append(req.row)
+                ids.extend(req.token_slice(start, start + n))
+                positions.extend(range(start, start + n))
+            rows.append(req.row)  # type: ignore[arg-type]  # running requests have a row
             extend_lens.append(n)
-            seq_lens.append(end)
+            seq_lens.append(start + n)
         self.table.flush()
         device = self.device
-        host = torch.tensor([ids, positions, slots], dtype=torch.int64)
+        host = torch.tensor([ids, positions], dtype=torch.int64)
+        rows_host = torch.tensor(rows, dtype=torch.int32)
         if device.type != "cpu":
-            host = host.pin_memory().to(device, non_blocking=True)
+            host = host.to(device, non_blocking=True)
+            rows_host = rows_host.to(device, non_blocking=True)
+        token_pos = host[1]
+        token_rows = rows_host
+        if len(ids) != len(rows):
+            token_rows = torch.repeat_interleave(
+                rows_host, torch.tensor(extend_lens, device=device)
+            )
+        ps = self.page_size
+        pages = self.table.table[token_rows.long(), token_pos // ps]
         return ForwardBatch(
-            input_ids=host[0], positions=host[1], out_slots=host[2],
+            input_ids=host[0], positions=token_pos, out_slots=pages.long() * ps + token_pos % ps,
             extend_lens=tuple(extend_lens), seq_lens=tuple(seq_lens),
-            page_table=self.table.table,
-            table_rows=torch.tensor(rows, dtype=torch.int32).to(device),
-            page_size=ps,
+            page_table=self.table.table, table_rows=rows_host, page_size=ps,
             logits_from=tuple(logits_from) if logits_from is not None else None,
         )

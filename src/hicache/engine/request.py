@@ -71,6 +71,7 @@ class Req:
     penalties: PenaltyState | None = None  # made on the scheduler thread when first needed
 
     def __post_init__(self) -> None:
+        self._prompt_len = len(self.request.input_ids)  # read several times per step
         params = self.request.logprobs
         self.logprob_next = self.prompt_len
         if params is not None and params.wants_input(self.prompt_len):
@@ -81,7 +82,7 @@ class Req:
 
     @property
     def prompt_len(self) -> int:
-        return len(self.request.input_ids)
+        return self._prompt_len
 
     def tokens(self) -> list[int]:
         """Prompt then output: the sequence whose KV the context holds."""
@@ -89,10 +90,8 @@ class Req:
 
     def token_at(self, position: int) -> int:
         """The context's token at ``position`` (prompt, then output)."""
-        prompt = self.request.input_ids
-        if position < len(prompt):
-            return prompt[position]
-        return self.output_ids[position - len(prompt)]
+        past = position - self._prompt_len
+        return self.request.input_ids[position] if past < 0 else self.output_ids[past]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """``tokens()[start:end]`` without building the whole list."""
@@ -124,7 +123,7 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return self.prompt_len + len(self.output_ids)
+        return self._prompt_len + len(self.output_ids)
 
     @property
     def owned_pages(self) -> PageIds:

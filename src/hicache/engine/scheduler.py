@@ -252,22 +252,35 @@ class Scheduler:
     def _forward_step(self) -> None:
         plan: list[tuple[Req, int]] = []  # (request, new tokens this step)
         budget = self.config.chunked_prefill_size
+        retractions = self.counters.num_retractions
+        capacity = self.page_size
+        decode, waiting = Phase.DECODE, Phase.WAITING
+        wants_logits_from = False
         for req in list(self.running):
-            if req.phase is Phase.WAITING:
-                continue  # retracted to make room for a request planned before it
-            if req.phase is Phase.DECODE:
-                if self._ensure_pages(req, req.seq_len):
+            phase = req.phase
+            if phase is decode:
+                # Most steps a decode's page has room for its token: no call, no allocation.
+                seq_len = req.seq_len
+                if seq_len <= len(req.pages) * capacity or self._ensure_pages(req, seq_len):
                     plan.append((req, 1))
+            elif phase is waiting:
+                continue  # retracted to make room for a request planned before it
             elif budget > 0:
                 n = min(req.seq_len - req.num_computed, budget)
                 if self._ensure_pages(req, req.num_computed + n):
                     plan.append((req, n))
                     budget -= n
-        # A retraction while planning may have sent an already planned request back.
-        plan = [(req, n) for req, n in plan if req.phase in (Phase.PREFILL, Phase.DECODE)]
+                    wants_logits_from = wants_logits_from or req.wants_input_logprobs
+        if self.counters.num_retractions != retractions:
+            # A retraction while planning may have sent an already planned request back.
+            plan = [(req, n) for req, n in plan if req.phase in (Phase.PREFILL, Phase.DECODE)]
         if not plan:
             return
-        logits_from = [self._logits_from(req, n) for req, n in plan]
+        # A decode's one token is its last, whose logits it samples from; only prompts
+        # wanting their logprobs need more rows.
+        logits_from = (
+            [self._logits_from(req, n) for req, n in plan] if wants_logits_from else None
+        )
         wait_layer = self.cache.wait_layer if self.cache.hierarchical else None
         with torch.inference_mode():
             # [sum of (n - logits_from) over the plan, vocab]: each sequence's last row last
@@ -276,7 +289,8 @@ class Scheduler:
         done: list[tuple[int, Req]] = []  # (row of its last logits, request)
         failed: list[tuple[Req, str]] = []
         offset = 0
-        for (req, n), first in zip(plan, logits_from, strict=True):
+        for index, (req, n) in enumerate(plan):
+            first = logits_from[index] if logits_from is not None else n - 1
             num_rows = n - first
             if req.wants_input_logprobs:
                 error = self._record_input_logprobs(req, logits[offset : offset + num_rows],
@@ -292,8 +306,10 @@ class Scheduler:
         done = [(row, req) for row, req in done if req.phase is not Phase.FINISHED]
         if not done:
             return
-        rows = torch.tensor([row for row, _ in done], device=logits.device)
-        chosen = logits[rows].float()  # [num_done, vocab], as the model gave them
+        if len(done) == len(logits):  # every row, in order (a decode step): no copy
+            chosen = logits.float()  # [num_done, vocab], as the model gave them
+        else:
+            chosen = logits[torch.tensor([row for row, _ in done], device=logits.device)].float()
         adjusted = self._adjusted(chosen, [req for _, req in done])
         greedy = greedy_tokens(adjusted if adjusted is not None else chosen)
         now = time.monotonic()
