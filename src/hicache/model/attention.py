@@ -5,14 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hicache.model.attention_backend import AttentionStep
 from hicache.model.config import ModelConfig
 from hicache.model.norm import RMSNorm
 from hicache.model.parameter import WeightViews, empty_parameter
-from hicache.model.rotary import apply_rotary
 
 
 @dataclass(frozen=True)
@@ -26,10 +24,11 @@ class StepInputs:
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped KV heads (GQA) over the paged device pool.
+    """The weights of multi-head attention with grouped KV heads (GQA).
 
     ``qkv_weight`` stacks q_proj, k_proj and v_proj ([q_size + 2 * kv_size, hidden]):
-    one GEMM for all three.
+    one GEMM for all three. The math is in ``layer_blocks`` (around attention) and
+    the step's ``AttentionStep`` (attention over the paged pool).
     """
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -54,31 +53,6 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, device, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, device, dtype)
-
-    def forward(
-        self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]; writes the new tokens' K/V into k_cache / v_cache."""
-        num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q_size + 2 * kv_size]
-        # Rows of qkv are [q heads | k heads | v heads]: viewed as heads, q and k are
-        # neighbours and RoPE treats every head alike.
-        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = heads.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # per head, before RoPE (Qwen3)
-            q = apply_rotary(q, step.cos, step.sin)
-            k = apply_rotary(k, step.cos, step.sin)
-        else:
-            # One rotation for q and k together: half the kernel launches of two, which
-            # is what a decode step of small tensors pays for. Same values either way.
-            qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], step.cos, step.sin)
-            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        # The pool holds post-RoPE keys: a cached prefix is reused without re-rotating.
-        k_cache.index_copy_(0, step.out_slots, k)
-        v_cache.index_copy_(0, step.out_slots, v)
-        out = step.attention.attend(q, k, v, k_cache, v_cache)  # [T, heads, head_dim]
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
 
     def hf_weights(self, prefix: str) -> WeightViews:
         q, kv = self.q_size, self.kv_size

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hicache.model.parameter import WeightViews, empty_parameter
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``.
+    """The weights of ``down(silu(gate(x)) * up(x))`` (computed in ``layer_blocks``).
 
     ``gate_up_weight`` stacks gate_proj over up_proj ([2 * intermediate, hidden]):
     one GEMM instead of two reads the activations once and launches once.
@@ -27,11 +26,6 @@ class SwiGLU(nn.Module):
         self.down_weight = empty_parameter(
             hidden_size, intermediate_size, device=device, dtype=dtype
         )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> gate_up: [T, 2 * intermediate]
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
 
     def hf_weights(self, prefix: str) -> WeightViews:
         n = self.intermediate_size

@@ -11,6 +11,7 @@ computed by other requests, or loaded back from host memory.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +22,18 @@ from hicache.model.attention import Attention, StepInputs
 from hicache.model.attention_backend import AttentionBackend, make_attention_backend
 from hicache.model.batch import BatchError, ForwardBatch
 from hicache.model.config import ModelConfig, ModelConfigError
+from hicache.model.layer_blocks import post_attention, pre_attention
 from hicache.model.mlp import SwiGLU
 from hicache.model.norm import RMSNorm
 from hicache.model.parameter import WeightViews, empty_parameter
 from hicache.model.rotary import RotaryEmbedding
+
+
+class LayerBlocks(NamedTuple):
+    """The functions a layer runs before and after attention (eager or compiled)."""
+
+    pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    post: Callable[..., torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -37,12 +46,29 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device, dtype)
 
     def forward(
-        self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        x: torch.Tensor,
+        step: StepInputs,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        blocks: LayerBlocks,
     ) -> torch.Tensor:
-        # Pre-norm residual blocks; the adds reuse the freshly allocated block outputs.
-        h: torch.Tensor = self.self_attn(self.input_layernorm(x), step, k_cache, v_cache).add_(x)
-        out: torch.Tensor = self.mlp(self.post_attention_layernorm(h)).add_(h)
-        return out
+        """x [T, hidden] -> [T, hidden]; writes the new tokens' K/V into the pool."""
+        attn, mlp = self.self_attn, self.mlp
+        q_norm = attn.q_norm.weight if attn.q_norm is not None else None
+        k_norm = attn.k_norm.weight if attn.k_norm is not None else None
+        q, k, v = blocks.pre(
+            x, self.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, q_norm, k_norm,
+            step.cos, step.sin, attn.num_heads, attn.num_kv_heads, self.input_layernorm.eps,
+        )
+        # The pool holds post-RoPE keys: a cached prefix is reused without re-rotating.
+        k_cache.index_copy_(0, step.out_slots, k)
+        v_cache.index_copy_(0, step.out_slots, v)
+        out = step.attention.attend(q, k, v, k_cache, v_cache)  # [T, heads, head_dim]
+        return blocks.post(
+            out, x, attn.o_weight, attn.o_bias, self.post_attention_layernorm.weight,
+            mlp.gate_up_weight, mlp.down_weight, self.post_attention_layernorm.eps,
+        )
 
     def hf_weights(self, prefix: str) -> WeightViews:
         return {
@@ -69,6 +95,8 @@ class CausalLM(nn.Module):
         self.attention_backend: AttentionBackend = make_attention_backend(
             attention_backend, self.device
         )
+        # The math around attention, eager until ``compile()``.
+        self.blocks = LayerBlocks(pre_attention, post_attention)
         self.dtype = config.dtype
         dev, dtype = self.device, self.dtype
         self.embed_tokens = empty_parameter(
@@ -91,6 +119,15 @@ class CausalLM(nn.Module):
             config.rope_scaling,
             dev,
             dtype,
+        )
+
+    def compile_blocks(self) -> None:
+        """Compile the math around attention (``torch.compile``, dynamic in the number of
+        tokens): one compiled function for every layer, elementwise ops fused between
+        the GEMMs. Attention stays the backend's (it reads the pool in place)."""
+        self.blocks = LayerBlocks(
+            torch.compile(pre_attention, dynamic=True),
+            torch.compile(post_attention, dynamic=True),
         )
 
     @property
@@ -123,7 +160,7 @@ class CausalLM(nn.Module):
         for index, layer in enumerate(self.layers):
             if wait_layer is not None:
                 wait_layer(index)
-            h = layer(h, step, kv.k_buffer(index), kv.v_buffer(index))
+            h = layer(h, step, kv.k_buffer(index), kv.v_buffer(index), self.blocks)
         rows = batch.logit_rows()
         if len(rows) != batch.num_tokens:
             # Mostly only the last token of each sequence is sampled from: skip the rest's

@@ -23,8 +23,13 @@ class RMSNorm(nn.Module):
         self.weight = empty_parameter(dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def hf_weights(self, prefix: str) -> WeightViews:
         return {f"{prefix}.weight": self.weight}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm.forward as a function of its weight (what compiled layer blocks call)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
