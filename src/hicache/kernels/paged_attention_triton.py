@@ -80,13 +80,15 @@ def decode_attention(
     """
     _check_common(q, k_cache, v_cache, page_table, seq_lens, page_size)
     batch, num_heads, head_dim = q.shape
-    if page_table.shape[0] != batch:
-        raise ValueError(f"page_table has {page_table.shape[0]} rows for {batch} sequences")
+    if page_table.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"page_table has {page_table.shape[0]} rows and seq_lens {seq_lens.shape[0]} "
+            f"lengths for {batch} sequences"
+        )
     out = _output(q, out)
     if batch == 0:
         return out
     page_table, seq_lens = _rows_contiguous(page_table), seq_lens.contiguous()
-    kernels = _kernels(q.device)
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     bound = page_table.shape[1] * page_size if max_seq_len is None else max_seq_len
@@ -98,9 +100,10 @@ def decode_attention(
     block_n = _block_n(head_dim, k_cache.element_size())
     # Split length rounded up to whole key blocks, so no block straddles two splits.
     split_len = -(-bound // (num_splits * block_n)) * block_n
-    num_splits = -(-bound // split_len)  # the rounding may leave trailing splits empty
+    num_splits = -(-bound // split_len)  # after rounding, fewer splits may cover the bound
     block_d = _block_d(head_dim)
     direct = num_splits == 1
+    kernels = _kernels(q.device)
     if direct:
         part_out = part_lse = out  # unused by the kernel
     else:
