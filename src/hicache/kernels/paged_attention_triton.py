@@ -120,7 +120,7 @@ def decode_attention(
             out.stride(0), out.stride(1),
             PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
             BLOCK_H=max(16, _next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-            DIRECT=direct, DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype),
+            DIRECT=direct, DOT_MODE=_dot_mode(kernels, q.dtype),
             num_warps=4, num_stages=2,
         )
         if not direct:
@@ -182,7 +182,7 @@ def extend_attention(
             out.stride(0), out.stride(1),
             PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim),
-            DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype),
+            DOT_MODE=_dot_mode(kernels, q.dtype),
             num_warps=4 if head_dim <= 64 else 8, num_stages=2,
         )
     return out
@@ -283,14 +283,13 @@ def _scale_log2(scale: float | None, head_dim: int) -> float:
     return scale * math.log2(math.e)  # the kernels exponentiate in base 2
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 caches ask for exact fp32 products: tf32 would keep only 10 mantissa bits.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _upcast_dot(dtype: torch.dtype) -> bool:
-    # The interpreter's tl.dot cannot multiply bf16 (see paged_attention_triton_jit).
-    return dtype == torch.bfloat16 and triton_interpreting()
+def _dot_mode(kernels: ModuleType, dtype: torch.dtype) -> int:
+    """How the kernels multiply (see paged_attention_triton_jit's docstring)."""
+    if dtype == torch.float32:
+        return int(kernels.DOT_IEEE)  # exact products: tf32 would keep 10 mantissa bits
+    if dtype == torch.bfloat16 and triton_interpreting():
+        return int(kernels.DOT_UPCAST)  # the interpreter's tl.dot cannot multiply bf16
+    return int(kernels.DOT_NATIVE)
 
 
 def _block_d(head_dim: int) -> int:

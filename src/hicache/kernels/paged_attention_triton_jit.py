@@ -16,11 +16,16 @@ maximum starts at a large finite negative number instead of -inf: a row whose
 keys in one block are all masked then gets weights exp2(-inf - m) = 0 and a
 rescale factor of 1, never the NaN of (-inf) - (-inf).
 
-``UPCAST_DOT`` turns the two products into fp32 ones. Only the launchers set it,
-for bf16 under the Triton interpreter, whose ``tl.dot`` multiplies the raw bits
-of bf16 operands (it stores bf16 as uint16 and documents bf16 arithmetic as
-unsupported). The operands are the same bf16 values (P is still rounded to bf16
-first), so only the product's accumulation order differs from the GPU's.
+``DOT_MODE`` picks how the two products (Q K^T and P V) are computed:
+
+- ``DOT_NATIVE``: Triton's default, tensor cores on fp16/bf16 operands;
+- ``DOT_IEEE``: for fp32 caches, exact fp32 products (the default would round
+  the operands to tf32, 10 mantissa bits);
+- ``DOT_UPCAST``: the bf16 operands converted to fp32 first, then exact. Only for
+  bf16 under the Triton interpreter, whose ``tl.dot`` multiplies the raw bits of
+  bf16 operands (it stores bf16 as uint16 and documents bf16 arithmetic as
+  unsupported). The operands are the same bf16 values (P is still rounded to
+  bf16 first), so only the summation order differs from the GPU's.
 """
 
 # Kernel parameters stay unannotated on purpose: Triton reads annotations as
@@ -31,6 +36,22 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+DOT_NATIVE = 0
+DOT_IEEE = 1
+DOT_UPCAST = 2
+
+
+@triton.jit
+def _dot(a, b, DOT_MODE: tl.constexpr):
+    # fp32 result; DOT_MODE is a constexpr, so only one branch is compiled.
+    if DOT_MODE == 2:  # DOT_UPCAST
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif DOT_MODE == 1:  # DOT_IEEE
+        result = tl.dot(a, b, input_precision="ieee")
+    else:
+        result = tl.dot(a, b)
+    return result
 
 
 @triton.jit
@@ -54,8 +75,7 @@ def _attend_block(
     acc,
     scale_log2,
     PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    DOT_MODE: tl.constexpr,
 ):
     """One block of keys folded into the online softmax state (m, total, acc) of ROWS query rows."""
     page = tl.load(table_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -65,11 +85,7 @@ def _attend_block(
         k_cache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
         mask=kv_mask, other=0.0,
     )
-    if UPCAST_DOT:
-        s = tl.dot(q_tile.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PRECISION)
-    s = s * scale_log2
+    s = _dot(q_tile, tl.trans(k), DOT_MODE) * scale_log2
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.math.exp2(m - m_new)
@@ -80,12 +96,7 @@ def _attend_block(
         mask=kv_mask, other=0.0,
     )
     # P in the cache dtype: half-precision tensor-core dot, fp32 accumulation.
-    p = p.to(v.dtype)
-    if UPCAST_DOT:
-        pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
-    acc = acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_MODE)
     return m_new, total, acc
 
 
@@ -119,8 +130,7 @@ def decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the normalized output, no reduction pass
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,  # see the module docstring
+    DOT_MODE: tl.constexpr,  # see the module docstring
 ):
     # One program per (sequence, KV head, split): the GROUP query heads sharing a
     # KV head are the rows of one tile, so each K/V block is loaded once for all
@@ -154,7 +164,7 @@ def decode_kernel(
             q_tile, k_cache, v_cache, table_row, kv_head,
             stride_ks, stride_kh, stride_vs, stride_vh,
             n, n_ok[None, :], n_ok, d, d_ok, m, total, acc, scale_log2,
-            PAGE_SIZE, DOT_PRECISION, UPCAST_DOT,
+            PAGE_SIZE, DOT_MODE,
         )
 
     # An empty split (past this sequence's end) has total == 0: output 0, weight exp2(-inf) = 0.
@@ -230,8 +240,7 @@ def extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,  # see the module docstring
+    DOT_MODE: tl.constexpr,  # see the module docstring
 ):
     # One program per (sequence, query head, block of BLOCK_M new tokens). New
     # token i of a sequence sits at position prefix + i (causal, aligned to the
@@ -273,7 +282,7 @@ def extend_kernel(
             q_tile, k_cache, v_cache, table_row, kv_head,
             stride_ks, stride_kh, stride_vs, stride_vh,
             n, visible, n_ok, d, d_ok, m, total, acc, scale_log2,
-            PAGE_SIZE, DOT_PRECISION, UPCAST_DOT,
+            PAGE_SIZE, DOT_MODE,
         )
 
     # Rows past extend_len are masked out of the store; total > 0 for every real row
