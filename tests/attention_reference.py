@@ -69,13 +69,14 @@ def make_batch(
     pages_per_seq = [-(-length // page_size) for length in seq_lens]
     num_pages = sum(pages_per_seq) + spare_pages
     geometry = KVGeometry(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-    pool = DevicePool(geometry, num_pages, page_size)
+    pool = DevicePool(geometry, num_pages, page_size, device)
     pool.flat.fill_(float("nan"))
     k_cache, v_cache = pool.k_buffer(1), pool.v_buffer(1)
     order = torch.randperm(num_pages, generator=gen)
     spare = order[sum(pages_per_seq):]
     width = max(pages_per_seq) + extra_table_columns
     page_table = torch.empty((len(seq_lens), width), dtype=torch.int32)
+    context_slots = []
     used = 0
     for b, (length, count) in enumerate(zip(seq_lens, pages_per_seq, strict=True)):
         pages = order[used : used + count]
@@ -83,34 +84,39 @@ def make_batch(
         page_table[b, :count] = pages
         # Past its pages: unused (NaN) pages, as a stale persistent table would hold.
         page_table[b, count:] = spare[torch.randint(len(spare), (width - count,), generator=gen)]
-        slots = pool.slots(pages)[:length]
-        for cache in (k_cache, v_cache):
-            cache[slots] = torch.randn(length, kv_heads, head_dim, generator=gen).to(dtype)
+        context_slots.append(pool.slots(pages)[:length])
+    # Random K/V in every context slot, drawn on the device (model-sized batches hold GBs).
+    slots = torch.cat(context_slots).to(device)
+    device_gen = torch.Generator(device=device).manual_seed(seed)
+    for cache in (k_cache, v_cache):
+        values = torch.randn(len(slots), kv_heads, head_dim, generator=device_gen, device=device)
+        cache[slots] = values.to(dtype)
     qo_indptr = torch.tensor([0, *torch.tensor(extend_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(qo_indptr[-1]), heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(int(qo_indptr[-1]), heads, head_dim, generator=device_gen, device=device)
     return PagedBatch(
-        q, k_cache, v_cache, page_table, torch.tensor(seq_lens, dtype=torch.int32), qo_indptr,
+        q.to(dtype), k_cache, v_cache, page_table.to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device), qo_indptr.to(device),
         page_size, max(extend_lens),
-    ).to(device)
+    )
 
 
 def reference_attention(batch: PagedBatch, scale: float | None = None) -> torch.Tensor:
-    """fp32 output [T, heads, D] of every new token (on the CPU)."""
-    b_cpu = batch.to("cpu")
-    q = b_cpu.q.float()
+    """fp32 output [T, heads, D] of every new token, computed on the batch's device."""
+    q = batch.q.float()
     heads, head_dim = q.shape[1], q.shape[2]
-    group = heads // b_cpu.k_cache.shape[1]
+    group = heads // batch.k_cache.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.full_like(q, float("nan"))
-    for b, length in enumerate(b_cpu.seq_lens.tolist()):
-        start, end = int(b_cpu.qo_indptr[b]), int(b_cpu.qo_indptr[b + 1])
-        positions = torch.arange(length)
-        pages = b_cpu.page_table[b, positions // b_cpu.page_size].long()
-        slots = pages * b_cpu.page_size + positions % b_cpu.page_size
-        keys = b_cpu.k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, heads, D]
-        values = b_cpu.v_cache[slots].float().repeat_interleave(group, dim=1)
+    bounds = batch.qo_indptr.tolist()
+    for b, length in enumerate(batch.seq_lens.tolist()):
+        start, end = bounds[b], bounds[b + 1]
+        positions = torch.arange(length, device=q.device)
+        pages = batch.page_table[b, positions // batch.page_size].long()
+        slots = pages * batch.page_size + positions % batch.page_size
+        keys = batch.k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, heads, D]
+        values = batch.v_cache[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,lhd->htl", q[start:end], keys) * scale
-        query_positions = length - (end - start) + torch.arange(end - start)
+        query_positions = length - (end - start) + torch.arange(end - start, device=q.device)
         visible = positions[None, :] <= query_positions[:, None]  # [new, L]
         scores = scores.masked_fill(~visible[None], float("-inf"))
         out[start:end] = torch.einsum("htl,lhd->thd", scores.softmax(dim=-1), values)
@@ -119,5 +125,5 @@ def reference_attention(batch: PagedBatch, scale: float | None = None) -> torch.
 
 def max_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     """Largest |out - expected|; NaN anywhere in out (a read of poisoned K/V) counts as inf."""
-    diff = (out.detach().cpu().float() - expected).abs()
+    diff = (out.detach().float() - expected.to(out.device)).abs().cpu()
     return math.inf if diff.isnan().any() else float(diff.max()) if diff.numel() else 0.0

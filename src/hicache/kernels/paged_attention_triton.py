@@ -73,7 +73,8 @@ def decode_attention(
     of its context (``seq_lens[b] >= 1``).
 
     ``max_seq_len``: a host-side bound on ``seq_lens`` (default: the page table's
-    width in tokens); it only sizes the splits. ``num_splits``: force the number of
+    width in tokens); it only sizes the splits (a length above it is still attended
+    in full, by the last split). ``num_splits``: force the number of
     key splits (default: chosen from the batch, the bound and the GPU's SM count;
     1 on the interpreter). ``out``: an output tensor to write into instead of a
     new one.

@@ -140,7 +140,9 @@ def decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    # The last split runs to the sequence's end: a host-side bound below a real
+    # length then costs parallelism, never keys.
+    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + split_len, seq_len))
 
     h = tl.arange(0, BLOCK_H)
     h_ok = h < GROUP

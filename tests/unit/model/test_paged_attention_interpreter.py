@@ -52,27 +52,29 @@ class Case:
     num_splits: int | None = None  # decode only
     scale: float | None = None
     strided: bool = False  # q a slice of a wider qkv tensor, int64 indices, an out= buffer
+    max_seq_len: int | None = None  # decode only: the host-side bound handed over
 
     @property
     def id(self) -> str:
         splits = "" if self.num_splits is None else f"-s{self.num_splits}"
         scale = "" if self.scale is None else "-scaled"
         strided = "-strided" if self.strided else ""
+        bound = "" if self.max_seq_len is None else f"-max{self.max_seq_len}"
         return (
             f"{self.kind}-{self.dtype}-p{self.page_size}-h{self.heads}kv{self.kv_heads}"
-            f"-d{self.head_dim}{splits}{scale}{strided}"
+            f"-d{self.head_dim}{splits}{scale}{strided}{bound}"
         )
 
 
 def _decode(
     dtype: str, page_size: int, heads: int, kv_heads: int, head_dim: int,
     seq_lens: tuple[int, ...], num_splits: int | None = None, scale: float | None = None,
-    strided: bool = False,
+    strided: bool = False, max_seq_len: int | None = None,
 ) -> Case:
     extend_lens = (1,) * len(seq_lens)
     return Case(
         "decode", dtype, page_size, heads, kv_heads, head_dim, seq_lens, extend_lens,
-        num_splits, scale, strided,
+        num_splits, scale, strided, max_seq_len,
     )
 
 
@@ -98,6 +100,8 @@ _CASES: list[Case] = [
     _decode("bf16", 64, 8, 2, 16, (65, 64, 1), num_splits=4),
     _decode("fp16", 16, 8, 1, 64, (40, 100), num_splits=3, scale=0.2),
     _decode("bf16", 16, 6, 2, 32, (30, 70), num_splits=2, strided=True),
+    # A bound below the real lengths: 2 splits of 64 keys, the last one runs to 150.
+    _decode("fp16", 16, 4, 2, 16, (150, 20), num_splits=2, max_seq_len=70),
 ]
 
 
@@ -131,7 +135,7 @@ def _run_case(case: Case) -> str | None:
         else:
             result = decode_attention(
                 q, batch.k_cache, batch.v_cache, page_table, seq_lens, batch.page_size,
-                case.scale, num_splits=case.num_splits, out=out,
+                case.scale, num_splits=case.num_splits, out=out, max_seq_len=case.max_seq_len,
             )
         if out is not None and result.data_ptr() != out.data_ptr():
             return "the result is not the out= buffer"
