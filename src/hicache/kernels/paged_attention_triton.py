@@ -42,7 +42,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # Split-K decode (flash-decoding): with few sequences, (sequence, KV head) programs
 # alone leave most SMs idle, so long contexts are cut into splits attended in
 # parallel and merged by a second pass. A split is never shorter than this many
-# keys (below it, the merge costs more than the parallelism saves) ...
+# keys, as short splits make the merge pass the larger cost (a starting value, not
+# yet tuned on a GPU, like the block sizes below) ...
 _MIN_SPLIT_KEYS = 256
 # ... and there are at most this many (the merge pass holds them all in one tile).
 _MAX_SPLITS = 64
@@ -73,11 +74,10 @@ def decode_attention(
     of its context (``seq_lens[b] >= 1``).
 
     ``max_seq_len``: a host-side bound on ``seq_lens`` (default: the page table's
-    width in tokens); it only sizes the splits (a length above it is still attended
-    in full, by the last split). ``num_splits``: force the number of
-    key splits (default: chosen from the batch, the bound and the GPU's SM count;
-    1 on the interpreter). ``out``: an output tensor to write into instead of a
-    new one.
+    width in tokens); it only sizes the splits, and a longer sequence is still
+    attended in full (by its last split). ``num_splits``: force the number of key
+    splits (default: chosen from the batch, the bound and the GPU's SM count; 1 on
+    the interpreter). ``out``: an output tensor to write into instead of a new one.
     """
     _check_common(q, k_cache, v_cache, page_table, seq_lens, page_size)
     batch, num_heads, head_dim = q.shape
