@@ -74,12 +74,12 @@ def make_attention_backend(name: str, device: torch.device | str) -> AttentionBa
     if name == "auto":
         for candidate in _preference(device):
             if _unavailable(candidate, device) is None:
-                return _build(candidate)
-        return _build("gather")
+                return _build(candidate, device)
+        return _build("gather", device)
     reason = _unavailable(name, device)
     if reason is not None:
         raise ConfigError(f"attention backend {name!r} cannot run on {device}: {reason}")
-    return _build(name)
+    return _build(name, device)
 
 
 def _preference(device: torch.device) -> tuple[str, ...]:
@@ -100,18 +100,32 @@ def _unavailable(name: str, device: torch.device) -> str | None:
         from hicache.kernels.cpu_attention import cpu_kernel_unavailable_reason
 
         return cpu_kernel_unavailable_reason()
-    if name in ("triton", "flashinfer"):
-        if device.type != "cuda":
-            return "it needs CUDA"
-        return f"the {name} backend is not built into this version"
+    from hicache.kernels.availability import (
+        flashinfer_unavailable_reason,
+        triton_unavailable_reason,
+    )
+
+    if name == "triton":
+        # On CPU tensors only under Triton's interpreter (tests).
+        return triton_unavailable_reason(device)
+    if name == "flashinfer":
+        return flashinfer_unavailable_reason(device)
     return "unknown backend"
 
 
-def _build(name: str) -> AttentionBackend:
+def _build(name: str, device: torch.device) -> AttentionBackend:
     if name == "cpu":
         from hicache.model.attention_cpu import CpuPagedBackend
 
         return CpuPagedBackend()
+    if name == "triton":
+        from hicache.model.attention_triton import TritonBackend
+
+        return TritonBackend()
+    if name == "flashinfer":
+        from hicache.model.attention_flashinfer import FlashInferBackend
+
+        return FlashInferBackend(device)
     from hicache.model.attention_gather import GatherBackend
 
     return GatherBackend()

@@ -12,28 +12,28 @@ the kernel itself can be tested without a GPU.
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import importlib
 from types import ModuleType
 
 import torch
 
+from hicache.kernels.availability import triton_installed, triton_interpreting
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.host_pool import HostPool
 from hicache.memory.layout import PageStrides
 from hicache.transfer.base import IOBackend, TransferError
 from hicache.transfer.direct import check_page_ids
 
+# triton_interpreting moved to hicache.kernels.availability; still importable from here.
+__all__ = [
+    "KernelBackend", "KernelUnavailableError", "kernel_unavailable_reason", "triton_interpreting",
+]
+
 _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 class KernelUnavailableError(TransferError):
     """The kernel backend cannot run here (no CUDA, unpinned host pool, or no Triton)."""
-
-
-def triton_interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (same parsing as Triton's)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y")
 
 
 def kernel_unavailable_reason(host: HostPool, device: DevicePool) -> str | None:
@@ -43,16 +43,9 @@ def kernel_unavailable_reason(host: HostPool, device: DevicePool) -> str | None:
             return "the host pool is not pinned, so the GPU cannot address it"
     elif not triton_interpreting():
         return f"the device pool is on {device.device}, not on a CUDA device"
-    if not _triton_installed():
+    if not triton_installed():
         return "Triton is not installed"
     return None
-
-
-def _triton_installed() -> bool:
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):  # ValueError: a module entry without a spec
-        return False
 
 
 def _copy_unit(elem_bytes: int, row_elems: int, *buffers: tuple[torch.Tensor, PageStrides]) -> int:

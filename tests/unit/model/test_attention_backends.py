@@ -7,6 +7,7 @@ KV heads, in each dtype the engine serves.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -115,3 +116,9 @@ def test_unknown_or_misplaced_backends_are_config_errors() -> None:
         make_attention_backend("fast", "cpu")
     with pytest.raises(ConfigError, match="runs on the CPU only"):
         make_attention_backend("cpu", "meta")
+    # The GPU backends name why they cannot run on the CPU (no CUDA, no interpreter).
+    if not os.environ.get("TRITON_INTERPRET"):
+        with pytest.raises(ConfigError, match=r"triton.*cannot run on cpu"):
+            make_attention_backend("triton", "cpu")
+    with pytest.raises(ConfigError, match=r"flashinfer.*cannot run on cpu"):
+        make_attention_backend("flashinfer", "cpu")

@@ -1,0 +1,51 @@
+"""The Triton attention backend: decode and extend read K/V in place through the page table.
+
+A batch of decodes runs the decode kernel (split over long contexts and merged);
+any other mix runs the extend kernel, which takes decode rows too. Nothing reads
+a length back from the device, so a step never waits for the GPU to plan.
+Triton's CPU interpreter runs the same kernels on CPU tensors (``TRITON_INTERPRET=1``),
+which is how the tests check this backend without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.kernels.paged_attention_triton import decode_attention, extend_attention
+from hicache.model.attention_backend import AttentionBackend, AttentionStep
+from hicache.model.batch import ForwardBatch
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def prepare(self, batch: ForwardBatch) -> TritonStep:
+        return TritonStep(batch)
+
+
+class TritonStep(AttentionStep):
+    def __init__(self, batch: ForwardBatch) -> None:
+        self.page_size = batch.page_size
+        self.pages = batch.sequence_pages
+        self.seq_lens = batch.seq_lens_tensor
+        self.max_seq_len = max(batch.seq_lens)
+        self.all_decode = batch.num_tokens == batch.num_seqs
+        self.max_extend = max(batch.extend_lens)
+        self.qo_indptr = None
+        if not self.all_decode:
+            starts = (*batch.token_starts, batch.num_tokens)
+            self.qo_indptr = torch.tensor(starts, dtype=torch.int32).to(self.pages.device)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.qo_indptr is None:
+            return decode_attention(q, k_cache, v_cache, self.pages, self.seq_lens,
+                                    self.page_size, max_seq_len=self.max_seq_len)
+        return extend_attention(q, k_cache, v_cache, self.pages, self.seq_lens, self.qo_indptr,
+                                self.max_extend, self.page_size)
