@@ -203,6 +203,7 @@ def fake_server(state: FakeState | None = None) -> Iterator[tuple[str, FakeState
 def main() -> None:
     """Run as a program: a stand-in for ``hicache serve`` (other flags are logged, ignored)."""
     import argparse
+    import os
     import sys
 
     parser = argparse.ArgumentParser()
@@ -210,6 +211,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     args, rest = parser.parse_known_args()
     print("fake server flags:", json.dumps(rest), flush=True)
+    # What a CPU limit (taskset, thread variables) left this process, for the tests of --cpus.
+    print(
+        "fake server cpus:", json.dumps(sorted(os.sched_getaffinity(0))),
+        "OMP_NUM_THREADS:", os.environ.get("OMP_NUM_THREADS"), flush=True,
+    )
     sys.stdout.flush()
     uvicorn.run(
         create_fake_app(FakeState(ttft_s=0.002, itl_s=0.001)), host=args.host, port=args.port,
