@@ -45,6 +45,8 @@ class Aggregate:
     requests: int
     failed: int
     duration_s: float  # summed over the runs
+    prompt_tokens: int  # of the successful requests of all runs
+    output_tokens: int
     output_throughput: float
     total_throughput: float
     ttft_s: Stats | None  # over every successful request of every run
@@ -62,6 +64,8 @@ class Aggregate:
             requests=sum(r.summary.overall.requests for r in results),
             failed=sum(r.summary.overall.failed for r in results),
             duration_s=duration,
+            prompt_tokens=prompt,
+            output_tokens=output,
             output_throughput=output / duration if duration > 0 else 0.0,
             total_throughput=(prompt + output) / duration if duration > 0 else 0.0,
             ttft_s=Stats.of(rec.ttft_s for rec in ok if rec.ttft_s is not None),
@@ -133,6 +137,32 @@ def ratios(
             output_throughput_per_repeat=tuple(paired),
         ))
     return out
+
+
+def workload_mismatches(
+    aggs: Sequence[Aggregate], baseline: str, tolerance: float = 0.01
+) -> list[str]:
+    """Warnings for configurations whose requests carried other token counts than the
+    baseline's: the two sides then did not run the same workload (answers of other
+    lengths, or re-encoded from text, make the next rounds' prompts differ)."""
+    by_name = {a.name: a for a in aggs}
+    base = by_name.get(baseline)
+    if base is None or base.failed or not base.runs:
+        return []
+    warnings = []
+    for agg in aggs:
+        if agg.name == baseline or agg.failed or not agg.runs:
+            continue
+        for what, ours, theirs in (
+            ("prompt", agg.prompt_tokens / agg.runs, base.prompt_tokens / base.runs),
+            ("output", agg.output_tokens / agg.runs, base.output_tokens / base.runs),
+        ):
+            if abs(ours - theirs) > tolerance * max(theirs, 1):
+                warnings.append(
+                    f"{agg.name} got {ours:.0f} {what} tokens a run, {baseline} {theirs:.0f}: "
+                    "the two sides did not run the same workload"
+                )
+    return warnings
 
 
 # ------------------------------------------------------------------------ tables

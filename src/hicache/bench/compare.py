@@ -25,10 +25,12 @@ log per configuration, ``comparison.md`` (markdown tables) and ``comparison.png`
 ``--baseline-command`` adds an external OpenAI-compatible server (vLLM's CPU
 build, say) as one more run: started from the user's shell line (see
 baseline.py), driven through ``/v1/completions``, and stopped with its whole
-process group. With a baseline, both sides use ``--api openai`` unless told
-otherwise, so that TTFT is timed by the same stream parser on both (time to the
-first chunk with output text), and every configuration runs ``--repeats`` times
-(default 2), alternating with the baseline; the report adds every run in order
+process group. It is asked for its output token ids (vLLM's ``return_token_ids``),
+so that on both sides (hicache through ``/generate``) each round's prompt holds
+the server's own answer tokens (the two sides send the same prompts when the
+model answers alike) and TTFT is the time to the first streamed chunk that
+carries an output token. With a baseline every configuration runs ``--repeats``
+times (default 2), alternating with the baseline; the report adds every run in order
 with the load average before and after it, aggregates over the repeats and the
 ratios hicache / baseline (see aggregate.py). ``--cpus N`` pins every server to
 N CPUs (see cpu_limit.py).
@@ -60,6 +62,7 @@ from hicache.bench.aggregate import (
     ratios,
     ratios_table,
     runs_table,
+    workload_mismatches,
 )
 from hicache.bench.baseline import BaselineError, BaselineServer, check_template, model_path_of
 from hicache.bench.client import ApiStyle
@@ -228,6 +231,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the API the baseline is driven through (default: %(default)s: /v1/completions)",
     )
     baseline.add_argument(
+        "--no-baseline-token-ids", dest="baseline_token_ids", action="store_false",
+        help="do not ask the baseline for its output token ids (return_token_ids, a vLLM "
+        "extension of /v1/completions) for servers that refuse it; its answers are then "
+        "re-encoded from their text, which can change the next rounds' prompts",
+    )
+    baseline.add_argument(
         "--repeats", type=int, default=None, metavar="N",
         help="run every configuration (and the baseline) N times, alternating "
         "(default: 2 with --baseline-command, else 1)",
@@ -241,9 +250,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_client_arguments(parser, url_required=False)
     add_multiturn_arguments(parser)
     add_long_context_arguments(parser, output_length=False)
-    # Defaults stay None so --smoke can tell which sizes were given explicitly, and so
-    # the API can follow --baseline-command.
-    parser.set_defaults(**dict.fromkeys(SMOKE_WORKLOAD), api=None)
+    # Defaults stay None so --smoke can tell which sizes were given explicitly.
+    parser.set_defaults(**dict.fromkeys(SMOKE_WORKLOAD))
 
 
 def _backend_extra(args: argparse.Namespace, backend: str | None) -> dict[str, Any]:
@@ -267,14 +275,10 @@ def resolve_sizes(args: argparse.Namespace) -> None:
     """Fill the flags not given on the command line whose defaults depend on others.
 
     Workload sizes: --smoke's, or else the defaults of the multiturn and long-context
-    benchmarks. --api: openai when there is a baseline (both sides then go through the
-    same stream parser), else generate. --repeats: 2 with a baseline, else 1.
+    benchmarks. --repeats: 2 with a baseline, else 1.
     """
-    baseline = getattr(args, "baseline_command", None) is not None
-    if args.api is None:
-        args.api = (ApiStyle.OPENAI if baseline else ApiStyle.GENERATE).value
     if getattr(args, "repeats", None) is None:
-        args.repeats = 2 if baseline else 1
+        args.repeats = 2 if getattr(args, "baseline_command", None) is not None else 1
     if args.smoke:
         defaults = SMOKE_WORKLOAD
     else:
@@ -501,7 +505,7 @@ def run_baseline(
             # OpenAI route (and a fresh server has nothing cached anyway).
             _drive(
                 run, server, args, out_dir, config_json, api=args.baseline_api, model=None,
-                flush_cache=False,
+                flush_cache=False, return_token_ids=args.baseline_token_ids,
             )
             if server.process is not None and server.process.poll() is not None:
                 run.notes.append(
@@ -529,6 +533,7 @@ def write_report(
     aggs = aggregates(results)
     hicache_names = list(dict.fromkeys(r.config.name for r in runs if not r.baseline))
     ratio_rows = ratios(results, baseline, hicache_names) if baseline is not None else []
+    mismatches = workload_mismatches(aggs, baseline) if baseline is not None else []
     if baseline is not None or repeated:
         lines += [
             "## Runs in order", "",
@@ -546,6 +551,7 @@ def write_report(
             "< 1 means hicache answers sooner); per repeat: run i of each side, which ran "
             "next to each other.", "",
             ratios_table(ratio_rows) if ratio_rows else "(no ratios: a side has no results)", "",
+            *(line for w in mismatches for line in (f"WARNING: {w}", "")),
         ]
     status_rows = [
         [r.stem, r.config.description, "ok" if r.error is None else "FAILED",
@@ -572,6 +578,7 @@ def write_report(
         ],
         "aggregates": [a.to_json() for a in aggs],
         "ratios": [r.to_json() for r in ratio_rows],
+        "warnings": mismatches,
     }, indent=2) + "\n", encoding="utf-8")
     return md, png
 
@@ -614,22 +621,32 @@ def _plan(args: argparse.Namespace, server_text: str) -> _Plan:
 def _baseline_lines(args: argparse.Namespace, plan: _Plan) -> list[str]:
     if args.baseline_command is None:
         return []
+    name = args.baseline_name
     lines = [
-        f"- baseline: {args.baseline_name}: `{args.baseline_command}`"
+        f"- baseline: {name}: `{args.baseline_command}`"
         + (f" with {{model}} = `{plan.baseline_model}`" if plan.baseline_model else ""),
-        f"- api: hicache {args.api}, {args.baseline_name} {args.baseline_api}",
+        f"- api: hicache {args.api}, {name} {args.baseline_api}"
+        + (" with return_token_ids" if _baseline_ids(args) else ""),
     ]
-    if args.api == args.baseline_api == ApiStyle.OPENAI.value:
+    hicache_ids = args.api == ApiStyle.GENERATE.value
+    if hicache_ids and _baseline_ids(args):
         lines.append(
-            "- TTFT on both sides: time to the first streamed /v1/completions chunk with "
-            "output text (the same parser)"
+            "- both sides return their output token ids: each round's prompt holds the "
+            "server's own answer tokens, and TTFT is the time to the first streamed chunk "
+            "carrying an output token on both"
         )
     else:
+        side = "hicache's" if not hicache_ids else f"{name}'s"
         lines.append(
-            "- WARNING: the two sides use different APIs, so TTFT is read by different "
-            "stream parsers"
+            f"- WARNING: {side} answers are re-encoded from their text for the next round "
+            "(its API returns no token ids), so the two sides' prompts can differ (compare "
+            "their prompt tokens), and its TTFT counts the first chunk with text"
         )
     return lines
+
+
+def _baseline_ids(args: argparse.Namespace) -> bool:
+    return bool(args.baseline_api == ApiStyle.GENERATE.value or args.baseline_token_ids)
 
 
 def main(args: argparse.Namespace) -> int:

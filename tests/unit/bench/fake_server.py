@@ -117,6 +117,8 @@ def create_fake_app(state: FakeState) -> FastAPI:
             return _error(400, f"max_tokens {max_tokens} is too large")
         tokens = _tokens(body["prompt"])
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        # vLLM's extension: every chunk names the ids of the tokens it brings.
+        with_ids = bool(body.get("return_token_ids"))
 
         async def events() -> AsyncIterator[str]:
             head = {"id": "cmpl-1", "object": "text_completion", "model": body.get("model")}
@@ -129,9 +131,10 @@ def create_fake_app(state: FakeState) -> FastAPI:
                 count += len(ids)
                 text = bytes(ids).decode()
                 reason = "length" if count == max_tokens else None
-                yield _sse({**head, "choices": [
-                    {"index": 0, "text": text, "finish_reason": reason}
-                ]})
+                choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": reason}
+                if with_ids:
+                    choice["token_ids"] = list(ids)
+                yield _sse({**head, "choices": [choice]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": {
                     "prompt_tokens": len(tokens), "completion_tokens": count,

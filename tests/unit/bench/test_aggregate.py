@@ -13,6 +13,7 @@ from hicache.bench.aggregate import (
     ratios_table,
     runs_table,
     total_throughput,
+    workload_mismatches,
 )
 from hicache.bench.report import RequestRecord, RunSummary
 
@@ -82,3 +83,15 @@ def test_tables_show_every_run_with_its_load() -> None:
     assert total_throughput(HI[0].summary) == pytest.approx(220 / 2)
     assert "| l1 " in aggregates_table(aggregates(runs))
     assert "2.00x, 2.00x" in ratios_table(ratios(runs, "vllm", ["l1"]))
+
+
+def test_a_workload_that_differs_between_the_sides_is_flagged() -> None:
+    runs = [HI[0], BASE[0], HI[1], BASE[1]]
+    assert workload_mismatches(aggregates(runs), "vllm") == []  # failures: no comparison
+    longer = [
+        result("vllm", 1, [record(0, 4, 0.8, 150, 10), record(0, 3, 1.2, 100, 10)]),
+        result("vllm", 2, [record(0, 8, 1.0, 150, 10), record(1, 7, 1.4, 100, 10)]),
+    ]
+    [warning] = workload_mismatches(aggregates([*HI, *longer]), "vllm")
+    assert "l1 got 200 prompt tokens a run, vllm 250" in warning
+    assert workload_mismatches(aggregates([*HI, *BASE[1:]]), "vllm") == []

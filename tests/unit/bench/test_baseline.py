@@ -87,17 +87,17 @@ def test_model_defaults_to_hicaches_model_path() -> None:
     assert model_path_of(["--model-preset", "tiny"]) is None
 
 
-def test_api_and_repeats_follow_the_baseline(tmp_path: Path) -> None:
+def test_repeats_follow_the_baseline(tmp_path: Path) -> None:
     plain = compare_args("--out-dir", str(tmp_path))
     assert plain.api == "generate" and plain.repeats == 1
     with_baseline = compare_args("--out-dir", str(tmp_path), "--baseline-command", "x {port}")
-    assert with_baseline.api == "openai" and with_baseline.repeats == 2
-    assert with_baseline.baseline_api == "openai"
+    assert with_baseline.api == "generate" and with_baseline.repeats == 2
+    assert with_baseline.baseline_api == "openai" and with_baseline.baseline_token_ids
     explicit = compare_args(
-        "--out-dir", str(tmp_path), "--baseline-command", "x {port}", "--api", "sglang",
-        "--repeats", "3",
+        "--out-dir", str(tmp_path), "--baseline-command", "x {port}", "--repeats", "3",
+        "--no-baseline-token-ids",
     )
-    assert explicit.api == "generate" and explicit.repeats == 3
+    assert explicit.repeats == 3 and not explicit.baseline_token_ids
 
 
 @pytest.mark.parametrize(
@@ -246,10 +246,16 @@ def test_compare_alternates_hicache_and_the_baseline(tmp_path: Path) -> None:
         assert len(run["load_before"]) == 3 and len(run["load_after"]) == 3
         summary = run["summary"]
         assert summary["overall"]["requests"] == 4 and summary["overall"]["failed"] == 0
-        # Both sides through /v1/completions: the same parser times TTFT. (hicache's
-        # /generate would have reported hits by tier; its OpenAI usage has no tiers.)
-        assert summary["config"]["api"] == "openai"
-        assert summary["overall"]["tier_hit_rate"] is None
+        # hicache through /generate (hits by tier), the baseline through /v1/completions.
+        api, tiers = summary["config"]["api"], summary["overall"]["tier_hit_rate"]
+        assert (api, tiers is None) == (
+            ("openai", True) if run["baseline"] else ("generate", False)
+        ), run["run"]
+    # Both sides returned their answers' token ids, which went into the next rounds'
+    # prompts as they were: the two sides ran prompts of the same lengths.
+    prompts = {a["name"]: a["prompt_tokens"] for a in saved["aggregates"]}
+    assert prompts["l1"] == prompts["fake"] == 2 * (2 * 48 + 2 * (48 + 4 + 32))
+    assert saved["warnings"] == []
     # Both servers ran on the limited CPU.
     pinned = CpuLimit.first(1).cpus[0]
     assert f"fake server cpus: [{pinned}]" in (tmp_path / "fake.1.server.log").read_text()
