@@ -372,8 +372,10 @@ class ConfigRun:
     stem: str = ""
     repeat: int = 1
     baseline: bool = False  # the external baseline server, not a hicache configuration
-    load_before: LoadAverage | None = None  # os.getloadavg() before the server started
-    load_after: LoadAverage | None = None  # ... and once the workload was over
+    # os.getloadavg() when the workload started (the server ready: its start-up, vLLM's
+    # compilation say, is not the run's) and when it ended.
+    load_before: LoadAverage | None = None
+    load_after: LoadAverage | None = None
     records: list[RequestRecord] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -399,9 +401,8 @@ def _selected_configs(spec: str) -> list[ServerConfig]:
 
 @contextlib.contextmanager
 def _recorded(run: ConfigRun) -> Iterator[None]:
-    """Record the load average around the block, and its failure in ``run`` (not raised:
-    the other runs still go)."""
-    run.load_before = os.getloadavg()
+    """Record the block's failure in ``run`` (not raised: the other runs still go), and
+    the load average where the workload did not get to record it."""
     try:
         yield
     except (
@@ -412,8 +413,9 @@ def _recorded(run: ConfigRun) -> Iterator[None]:
         logger.exception("run %s failed", run.stem)
         run.error = f"{type(error).__name__}: {error}"
     finally:
-        if run.load_after is None:
-            run.load_after = os.getloadavg()
+        now = os.getloadavg()
+        run.load_before = run.load_before or now
+        run.load_after = run.load_after or now
 
 
 def _drive(
@@ -425,6 +427,7 @@ def _drive(
     sessions, _, _ = _workload(args)
     run_args = argparse.Namespace(**{**vars(args), **overrides})
     run_args.log_file = str(out_dir / f"{run.stem}.jsonl")
+    run.load_before = os.getloadavg()
     try:
         run.summary = asyncio.run(run_benchmark(
             run_args, sessions, prompt_maker(args), server.url, run.stem, config_json,
@@ -465,7 +468,8 @@ def run_config(
             flags, log_path, env=env, startup_timeout_s=args.startup_timeout,
             launcher=launcher, cpu_limit=cpu_limit,
         )
-        print(f"[{run.stem}] starting: hicache serve {shlex.join(flags)}", flush=True)
+        pinned = f" (on CPU {cpu_limit.cpu_list})" if cpu_limit is not None else ""
+        print(f"[{run.stem}] starting: hicache serve {shlex.join(flags)}{pinned}", flush=True)
         with server:
             if config.l3 is not None and "L3 storage NOT ATTACHED" in server.log_text():
                 run.notes.append(
@@ -537,7 +541,8 @@ def write_report(
     if baseline is not None or repeated:
         lines += [
             "## Runs in order", "",
-            "Load average (1/5/15 min) before the server started and after the workload.", "",
+            "Load average (1/5/15 min) of the machine when the workload started (the server "
+            "ready) and when it ended.", "",
             runs_table(results) if results else "(no results)", "",
             "## Aggregated over repeats", "",
             "Throughput: all runs' tokens over the sum of their durations; TTFT: over all "
