@@ -3,7 +3,10 @@
 Two API styles:
 - ``openai``: ``POST /v1/completions`` with ``stream`` and ``stream_options.include_usage``;
   prompt tokens, completion tokens and ``prompt_tokens_details.cached_tokens`` come
-  from the final usage chunk.
+  from the final usage chunk. With ``return_token_ids`` (a vLLM extension) each chunk
+  also carries the ids of the tokens it brings (``choices[].token_ids``): they are the
+  answer's ids, and a chunk with ids counts as output even when its text is empty (a
+  token that ends inside a multi-byte character), as /generate chunks do.
 - ``generate``: SGLang's ``POST /generate``; every chunk carries ``meta_info`` with
   ``completion_tokens`` and ``cached_tokens`` (by tier in ``cached_tokens_details``).
   Servers stream ``text``/``output_ids`` either cumulatively (SGLang's default)
@@ -146,6 +149,11 @@ class OpenAIStream(_Stream):
                 piece = (choice.get("delta") or {}).get("content")
             if piece:
                 self.text += piece
+            ids = choice.get("token_ids")
+            if isinstance(ids, list) and ids:
+                self.output_ids = [*(self.output_ids or []), *(int(i) for i in ids)]
+                self._output(len(ids), now)
+            elif piece:
                 self._output(1, now)
             if choice.get("finish_reason"):
                 self.finish_reason = str(choice["finish_reason"])
@@ -258,7 +266,7 @@ class BenchClient:
     def __init__(
         self, base_url: str, api: ApiStyle = ApiStyle.OPENAI, *, model: str | None = None,
         temperature: float = 0.0, ignore_eos: bool = True, timeout_s: float = 600.0,
-        max_connections: int = 0,
+        max_connections: int = 0, return_token_ids: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.api = ApiStyle(api)
@@ -267,6 +275,8 @@ class BenchClient:
         self.ignore_eos = ignore_eos
         self.timeout_s = timeout_s
         self.max_connections = max_connections
+        # OpenAI API only: ask for the output token ids (vLLM's return_token_ids).
+        self.return_token_ids = return_token_ids
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> BenchClient:
@@ -307,7 +317,7 @@ class BenchClient:
     def payload(self, prompt: Prompt, max_tokens: int) -> tuple[str, dict[str, Any]]:
         """The route and JSON body for one streamed request."""
         if self.api is ApiStyle.OPENAI:
-            return "/v1/completions", {
+            body: dict[str, Any] = {
                 "model": self.model or "default",
                 "prompt": prompt,
                 "max_tokens": max_tokens,
@@ -316,6 +326,9 @@ class BenchClient:
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            if self.return_token_ids:
+                body["return_token_ids"] = True
+            return "/v1/completions", body
         key = "text" if isinstance(prompt, str) else "input_ids"
         return "/generate", {
             key: prompt,

@@ -21,6 +21,19 @@ keep. ``--file-extra-config`` / ``--mooncake-extra-config`` add backend settings
 Results land in ``--out-dir``: one summary JSON, request log and server
 log per configuration, ``comparison.md`` (markdown tables) and ``comparison.png``.
 ``--smoke`` is a CPU-sized run (tiny model, a few short conversations) for CI.
+
+``--baseline-command`` adds an external OpenAI-compatible server (vLLM's CPU
+build, say) as one more run: started from the user's shell line (see
+baseline.py), driven through ``/v1/completions``, and stopped with its whole
+process group. It is asked for its output token ids (vLLM's ``return_token_ids``),
+so that on both sides (hicache through ``/generate``) each round's prompt holds
+the server's own answer tokens (the two sides send the same prompts when the
+model answers alike) and TTFT is the time to the first streamed chunk that
+carries an output token. With a baseline every configuration runs ``--repeats``
+times (default 2), alternating with the baseline; the report adds every run in order
+with the load average before and after it, aggregates over the repeats and the
+ratios hicache / baseline (see aggregate.py). ``--cpus N`` pins every server to
+N CPUs (see cpu_limit.py).
 """
 
 from __future__ import annotations
@@ -41,6 +54,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache.bench.aggregate import (
+    LoadAverage,
+    RunResult,
+    aggregates,
+    aggregates_table,
+    ratios,
+    ratios_table,
+    runs_table,
+    workload_mismatches,
+)
+from hicache.bench.baseline import BaselineError, BaselineServer, check_template, model_path_of
+from hicache.bench.client import ApiStyle
+from hicache.bench.cpu_limit import CpuLimit, CpuLimitError
 from hicache.bench.long_context import add_long_context_arguments, long_context_workload
 from hicache.bench.multiturn import (
     BenchmarkError,
@@ -53,8 +79,15 @@ from hicache.bench.multiturn import (
     run_benchmark,
 )
 from hicache.bench.plots import plot_runs
-from hicache.bench.report import RunSummary, comparison_table, markdown_table, rounds_table
-from hicache.bench.server_process import ServerProcess, ServerStartError
+from hicache.bench.report import (
+    RequestRecord,
+    RunSummary,
+    comparison_table,
+    markdown_table,
+    read_jsonl,
+    rounds_table,
+)
+from hicache.bench.server_process import ChildServer, ServerProcess, ServerStartError
 from hicache.bench.workload import Session, WorkloadError
 
 logger = logging.getLogger(__name__)
@@ -178,6 +211,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"CPU-sized run for CI: server args {SMOKE_SERVER_ARGS!r} and a few short "
         "conversations (explicit flags still win)",
     )
+    baseline = parser.add_argument_group("external baseline server")
+    baseline.add_argument(
+        "--baseline-command", default=None, metavar="SHELL_LINE",
+        help="start an OpenAI-compatible baseline server with this shell line; {port} "
+        "(required), {host} and {model} are filled in, e.g. 'python -m "
+        "vllm.entrypoints.openai.api_server --model {model} --host {host} --port {port}'",
+    )
+    baseline.add_argument(
+        "--baseline-name", default="baseline", help="the baseline's name in the report "
+        "(default: %(default)s)",
+    )
+    baseline.add_argument(
+        "--baseline-model", default=None,
+        help="what {model} becomes (default: the --model-path in --server-args)",
+    )
+    baseline.add_argument(
+        "--baseline-api", choices=[a.value for a in ApiStyle], default=ApiStyle.OPENAI.value,
+        help="the API the baseline is driven through (default: %(default)s: /v1/completions)",
+    )
+    baseline.add_argument(
+        "--no-baseline-token-ids", dest="baseline_token_ids", action="store_false",
+        help="do not ask the baseline for its output token ids (return_token_ids, a vLLM "
+        "extension of /v1/completions) for servers that refuse it; its answers are then "
+        "re-encoded from their text, which can change the next rounds' prompts",
+    )
+    baseline.add_argument(
+        "--repeats", type=int, default=None, metavar="N",
+        help="run every configuration (and the baseline) N times, alternating "
+        "(default: 2 with --baseline-command, else 1)",
+    )
+    baseline.add_argument(
+        "--cpus", type=int, default=None, metavar="N",
+        help="pin every server (hicache and baseline) to the first N CPUs this process may "
+        "use: taskset -c, and OMP/MKL/OPENBLAS_NUM_THREADS=N and VLLM_CPU_OMP_THREADS_BIND "
+        "in their environment; the client moves to the other CPUs when there are any",
+    )
     add_client_arguments(parser, url_required=False)
     add_multiturn_arguments(parser)
     add_long_context_arguments(parser, output_length=False)
@@ -203,8 +272,13 @@ def _backend_extra(args: argparse.Namespace, backend: str | None) -> dict[str, A
 
 
 def resolve_sizes(args: argparse.Namespace) -> None:
-    """Fill the workload sizes not given on the command line: --smoke's, or else the
-    defaults of the multiturn and long-context benchmarks."""
+    """Fill the flags not given on the command line whose defaults depend on others.
+
+    Workload sizes: --smoke's, or else the defaults of the multiturn and long-context
+    benchmarks. --repeats: 2 with a baseline, else 1.
+    """
+    if getattr(args, "repeats", None) is None:
+        args.repeats = 2 if getattr(args, "baseline_command", None) is not None else 1
     if args.smoke:
         defaults = SMOKE_WORKLOAD
     else:
@@ -294,6 +368,27 @@ class ConfigRun:
     summary: RunSummary | None = None
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    # The run's label and the stem of its files: the config's name, ".N" added when repeated.
+    stem: str = ""
+    repeat: int = 1
+    baseline: bool = False  # the external baseline server, not a hicache configuration
+    # os.getloadavg() when the workload started (the server ready: its start-up, vLLM's
+    # compilation say, is not the run's) and when it ended.
+    load_before: LoadAverage | None = None
+    load_after: LoadAverage | None = None
+    records: list[RequestRecord] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.stem:
+            self.stem = self.config.name
+
+    def result(self) -> RunResult | None:
+        if self.summary is None:
+            return None
+        return RunResult(
+            self.config.name, self.repeat, self.summary, self.records, self.load_before,
+            self.load_after,
+        )
 
 
 def _selected_configs(spec: str) -> list[ServerConfig]:
@@ -304,66 +399,132 @@ def _selected_configs(spec: str) -> list[ServerConfig]:
     return [c for c in CONFIGS if c.name in names]
 
 
+@contextlib.contextmanager
+def _recorded(run: ConfigRun) -> Iterator[None]:
+    """Record the block's failure in ``run`` (not raised: the other runs still go), and
+    the load average where the workload did not get to record it."""
+    try:
+        yield
+    except (
+        CompareError, ServerStartError, BenchmarkError, BaselineError, CpuLimitError, OSError
+    ) as error:
+        run.error = str(error)
+    except Exception as error:  # an unexpected failure of one run must not stop the rest
+        logger.exception("run %s failed", run.stem)
+        run.error = f"{type(error).__name__}: {error}"
+    finally:
+        now = os.getloadavg()
+        run.load_before = run.load_before or now
+        run.load_after = run.load_after or now
+
+
+def _drive(
+    run: ConfigRun, server: ChildServer, args: argparse.Namespace, out_dir: Path,
+    config_json: dict[str, Any], **overrides: Any,
+) -> None:
+    """Run the workload against a ready server; ``overrides`` replace flags (api, model)."""
+    # Fresh prompts each time: sessions hold per-run conversation state.
+    sessions, _, _ = _workload(args)
+    run_args = argparse.Namespace(**{**vars(args), **overrides})
+    run_args.log_file = str(out_dir / f"{run.stem}.jsonl")
+    run.load_before = os.getloadavg()
+    try:
+        run.summary = asyncio.run(run_benchmark(
+            run_args, sessions, prompt_maker(args), server.url, run.stem, config_json,
+        ))
+    finally:
+        run.load_after = os.getloadavg()
+    run.records = read_jsonl(run_args.log_file)
+
+
+def _finish(run: ConfigRun, out_dir: Path) -> ConfigRun:
+    if run.summary is not None:
+        run.summary.save(out_dir / f"{run.stem}.json")
+        if run.summary.overall.failed:
+            run.notes.append(f"{run.summary.overall.failed} requests failed")
+    return run
+
+
 def run_config(
     config: ServerConfig, args: argparse.Namespace, server_args: Sequence[str], out_dir: Path,
     workdir: Path, run_config_json: dict[str, Any], launcher: Sequence[str] | None = None,
+    *, stem: str = "", repeat: int = 1, cpu_limit: CpuLimit | None = None,
 ) -> ConfigRun:
     """Start a fresh server for ``config``, run the workload, stop the server.
 
     Failures (the server does not start, the run breaks) are recorded in the
     result, not raised, so the other configurations still run.
     """
-    run = ConfigRun(config)
-    confdir = workdir / config.name
+    run = ConfigRun(config, stem=stem, repeat=repeat)
+    confdir = workdir / run.stem
     confdir.mkdir(parents=True, exist_ok=True)
     # Keep every tier's files in this run's directory (also the default L3 path).
     env = {**os.environ, "HICACHE_CACHE_DIR": str(confdir / "cache")}
-    log_path = out_dir / f"{config.name}.server.log"
-    try:
-        with _l3_args(config, confdir, _backend_extra(args, config.l3)) as l3_args:
-            # The configuration's own flags go last, so they win over --server-args.
-            flags = [*server_args, *config.args, *l3_args]
-            server = ServerProcess(
-                flags, log_path, env=env, startup_timeout_s=args.startup_timeout,
-                launcher=launcher,
+    log_path = out_dir / f"{run.stem}.server.log"
+    with _recorded(run), _l3_args(config, confdir, _backend_extra(args, config.l3)) as l3_args:
+        # The configuration's own flags go last, so they win over --server-args.
+        flags = [*server_args, *config.args, *l3_args]
+        server = ServerProcess(
+            flags, log_path, env=env, startup_timeout_s=args.startup_timeout,
+            launcher=launcher, cpu_limit=cpu_limit,
+        )
+        pinned = f" (on CPU {cpu_limit.cpu_list})" if cpu_limit is not None else ""
+        print(f"[{run.stem}] starting: hicache serve {shlex.join(flags)}{pinned}", flush=True)
+        with server:
+            if config.l3 is not None and "L3 storage NOT ATTACHED" in server.log_text():
+                run.notes.append(
+                    f"L3 ({config.l3}) failed to attach; this run had no L3 "
+                    f"(see {log_path.name})"
+                )
+            config_json = {**run_config_json, "config": config.name, "server_flags": flags}
+            _drive(run, server, args, out_dir, config_json)
+        code = server.process.returncode if server.process is not None else None
+        if code not in (0, None, -15):
+            run.notes.append(f"server exited with status {code} (see {log_path.name})")
+    return _finish(run, out_dir)
+
+
+def run_baseline(
+    args: argparse.Namespace, out_dir: Path, run_config_json: dict[str, Any], *,
+    model: str | None, stem: str = "", repeat: int = 1, cpu_limit: CpuLimit | None = None,
+) -> ConfigRun:
+    """Start the external baseline from ``--baseline-command``, run the workload through
+    ``--baseline-api``, stop it with its process group. Failures are recorded, not raised."""
+    name = args.baseline_name
+    config = ServerConfig(name, "external baseline (--baseline-command)", ())
+    run = ConfigRun(config, stem=stem, repeat=repeat, baseline=True)
+    log_path = out_dir / f"{run.stem}.server.log"
+    with _recorded(run):
+        server = BaselineServer(
+            args.baseline_command, log_path, name=name, model=model,
+            startup_timeout_s=args.startup_timeout, cpu_limit=cpu_limit,
+        )
+        print(f"[{run.stem}] starting: {shlex.join(server.command)}", flush=True)
+        with server:
+            config_json = {
+                **run_config_json, "config": name, "baseline_command": server.shell_command,
+                "server_command": server.command, "api": args.baseline_api,
+            }
+            # The model name comes from the baseline's /v1/models; /flush_cache is not an
+            # OpenAI route (and a fresh server has nothing cached anyway).
+            _drive(
+                run, server, args, out_dir, config_json, api=args.baseline_api, model=None,
+                flush_cache=False, return_token_ids=args.baseline_token_ids,
             )
-            print(f"[{config.name}] starting: hicache serve {shlex.join(flags)}", flush=True)
-            with server:
-                if config.l3 is not None and "L3 storage NOT ATTACHED" in server.log_text():
-                    run.notes.append(
-                        f"L3 ({config.l3}) failed to attach; this run had no L3 "
-                        f"(see {log_path.name})"
-                    )
-                # Fresh prompts each time: sessions hold per-run conversation state.
-                sessions, _, _ = _workload(args)
-                run_args = argparse.Namespace(**vars(args))
-                run_args.log_file = str(out_dir / f"{config.name}.jsonl")
-                config_json = {
-                    **run_config_json, "config": config.name, "server_flags": flags,
-                }
-                run.summary = asyncio.run(run_benchmark(
-                    run_args, sessions, prompt_maker(args), server.url, config.name, config_json,
-                ))
-            code = server.process.returncode if server.process is not None else None
-            if code not in (0, None, -15):
-                run.notes.append(f"server exited with status {code} (see {log_path.name})")
-    except (CompareError, ServerStartError, BenchmarkError, OSError) as error:
-        run.error = str(error)
-    except Exception as error:  # an unexpected failure of one config must not stop the rest
-        logger.exception("configuration %s failed", config.name)
-        run.error = f"{type(error).__name__}: {error}"
-    if run.summary is not None:
-        run.summary.save(out_dir / f"{config.name}.json")
-        if run.summary.overall.failed:
-            run.notes.append(f"{run.summary.overall.failed} requests failed")
-    return run
+            if server.process is not None and server.process.poll() is not None:
+                run.notes.append(
+                    f"the baseline exited (status {server.process.returncode}) before it was "
+                    f"stopped (see {log_path.name})"
+                )
+    return _finish(run, out_dir)
 
 
 def write_report(
     runs: Sequence[ConfigRun], out_dir: Path, header: Sequence[str]
 ) -> tuple[Path, Path | None]:
-    """comparison.md (and comparison.png when any run has results)."""
+    """comparison.md and comparison.json (and comparison.png when any run has results)."""
     summaries = [r.summary for r in runs if r.summary is not None]
+    results = [res for r in runs if (res := r.result()) is not None]
     png: Path | None = None
     if summaries:
         png = plot_runs(summaries, out_dir / "comparison.png", "hicache bench compare")
@@ -371,8 +532,34 @@ def write_report(
     lines += ["## Results", "", comparison_table(summaries) if summaries else "(no results)", ""]
     if png is not None:
         lines += [f"![per-round TTFT and hit rate]({png.name})", ""]
+    baseline = next((r.config.name for r in runs if r.baseline), None)
+    repeated = any(r.repeat > 1 for r in runs)
+    aggs = aggregates(results)
+    hicache_names = list(dict.fromkeys(r.config.name for r in runs if not r.baseline))
+    ratio_rows = ratios(results, baseline, hicache_names) if baseline is not None else []
+    mismatches = workload_mismatches(aggs, baseline) if baseline is not None else []
+    if baseline is not None or repeated:
+        lines += [
+            "## Runs in order", "",
+            "Load average (1/5/15 min) of the machine when the workload started (the server "
+            "ready) and when it ended.", "",
+            runs_table(results) if results else "(no results)", "",
+            "## Aggregated over repeats", "",
+            "Throughput: all runs' tokens over the sum of their durations; TTFT: over all "
+            "their requests. Total = prompt (cached included) + output tokens.", "",
+            aggregates_table(aggs) if aggs else "(no results)", "",
+        ]
+    if baseline is not None:
+        lines += [
+            f"## hicache / {baseline}", "",
+            "Ratios of the aggregates above (throughput: > 1 means hicache is faster; TTFT: "
+            "< 1 means hicache answers sooner); per repeat: run i of each side, which ran "
+            "next to each other.", "",
+            ratios_table(ratio_rows) if ratio_rows else "(no ratios: a side has no results)", "",
+            *(line for w in mismatches for line in (f"WARNING: {w}", "")),
+        ]
     status_rows = [
-        [r.config.name, r.config.description, "ok" if r.error is None else "FAILED",
+        [r.stem, r.config.description, "ok" if r.error is None else "FAILED",
          "; ".join([*([r.error.splitlines()[0]] if r.error else []), *r.notes]) or None]
         for r in runs
     ]
@@ -380,20 +567,91 @@ def write_report(
     lines += ["## Runs", "", status_table, ""]
     for run in runs:
         if run.summary is not None and len(run.summary.rounds) > 1:
-            lines += [f"### {run.config.name}: per round", "", rounds_table(run.summary), ""]
+            lines += [f"### {run.stem}: per round", "", rounds_table(run.summary), ""]
     for run in runs:
         if run.error is not None:
-            lines += [f"### {run.config.name}: error", "", "```", run.error, "```", ""]
+            lines += [f"### {run.stem}: error", "", "```", run.error, "```", ""]
     md = out_dir / "comparison.md"
     md.write_text("\n".join(lines), encoding="utf-8")
     (out_dir / "comparison.json").write_text(json.dumps({
         "runs": [
-            {"config": r.config.name, "error": r.error, "notes": r.notes,
+            {"config": r.config.name, "run": r.stem, "repeat": r.repeat,
+             "baseline": r.baseline, "load_before": r.load_before, "load_after": r.load_after,
+             "error": r.error, "notes": r.notes,
              "summary": None if r.summary is None else r.summary.to_json()}
             for r in runs
         ],
+        "aggregates": [a.to_json() for a in aggs],
+        "ratios": [r.to_json() for r in ratio_rows],
+        "warnings": mismatches,
     }, indent=2) + "\n", encoding="utf-8")
     return md, png
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What main runs, checked before any server starts."""
+
+    configs: list[ServerConfig]
+    server_args: list[str]
+    notes: list[str]
+    working_set: int | None
+    cpu_limit: CpuLimit | None
+    baseline_model: str | None
+
+
+def _plan(args: argparse.Namespace, server_text: str) -> _Plan:
+    configs = _selected_configs(args.configs)
+    for backend in ("file", "mooncake"):
+        _backend_extra(args, backend)  # a bad JSON fails now, not after the other runs
+    _, working_set, longest = _workload(args)
+    server_args, notes = _size_device_pool(
+        shlex.split(server_text), args.working_set_ratio, working_set, longest
+    )
+    if args.repeats < 1:
+        raise CompareError("--repeats must be >= 1")
+    cpu_limit = CpuLimit.first(args.cpus) if args.cpus is not None else None
+    model = None
+    if args.baseline_command is not None:
+        if args.baseline_name in CONFIG_NAMES or not args.baseline_name.strip():
+            raise CompareError(
+                f"--baseline-name {args.baseline_name!r} must be a new name (not empty, not "
+                f"one of {list(CONFIG_NAMES)})"
+            )
+        model = args.baseline_model or model_path_of(server_args)
+        check_template(args.baseline_command, model)
+    return _Plan(configs, server_args, notes, working_set, cpu_limit, model)
+
+
+def _baseline_lines(args: argparse.Namespace, plan: _Plan) -> list[str]:
+    if args.baseline_command is None:
+        return []
+    name = args.baseline_name
+    lines = [
+        f"- baseline: {name}: `{args.baseline_command}`"
+        + (f" with {{model}} = `{plan.baseline_model}`" if plan.baseline_model else ""),
+        f"- api: hicache {args.api}, {name} {args.baseline_api}"
+        + (" with return_token_ids" if _baseline_ids(args) else ""),
+    ]
+    hicache_ids = args.api == ApiStyle.GENERATE.value
+    if hicache_ids and _baseline_ids(args):
+        lines.append(
+            "- both sides return their output token ids: each round's prompt holds the "
+            "server's own answer tokens, and TTFT is the time to the first streamed chunk "
+            "carrying an output token on both"
+        )
+    else:
+        side = "hicache's" if not hicache_ids else f"{name}'s"
+        lines.append(
+            f"- WARNING: {side} answers are re-encoded from their text for the next round "
+            "(its API returns no token ids), so the two sides' prompts can differ (compare "
+            "their prompt tokens), and its TTFT counts the first chunk with text"
+        )
+    return lines
+
+
+def _baseline_ids(args: argparse.Namespace) -> bool:
+    return bool(args.baseline_api == ApiStyle.GENERATE.value or args.baseline_token_ids)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -402,16 +660,11 @@ def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        configs = _selected_configs(args.configs)
-        for backend in ("file", "mooncake"):
-            _backend_extra(args, backend)  # a bad JSON fails now, not after the other runs
-        _, working_set, longest = _workload(args)
-        server_args, size_notes = _size_device_pool(
-            shlex.split(server_text), args.working_set_ratio, working_set, longest
-        )
-    except (CompareError, WorkloadError) as error:
+        plan = _plan(args, server_text)
+    except (CompareError, WorkloadError, BaselineError, CpuLimitError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    configs = plan.configs
     skipped: list[str] = []
     if any(c.l3 == "mooncake" for c in configs):
         reason = mooncake_available()
@@ -420,30 +673,66 @@ def main(args: argparse.Namespace) -> int:
             configs = [c for c in configs if c.l3 != "mooncake"]
     args.no_progress = args.no_progress or not sys.stderr.isatty()
     config_json = args_config(args)
-    config_json["working_set_tokens"] = working_set
+    config_json["working_set_tokens"] = plan.working_set
     header = [
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- workload: {args.workload} ({_workload_line(args)})",
         f"- api: {args.api}; request rate: {args.request_rate}; max in flight: "
         f"{args.max_inflight or 'unlimited'}; seed: {args.seed}",
-        f"- server args (every config): `{shlex.join(server_args) or '(none)'}`",
-        *(f"- {note}" for note in size_notes),
+        f"- server args (every config): `{shlex.join(plan.server_args) or '(none)'}`",
+        *(f"- {note}" for note in plan.notes),
         *(f"- {note}" for note in skipped),
+        *_baseline_lines(args, plan),
+        f"- repeats: {args.repeats}" + (
+            " (alternating: every configuration, then the baseline, then again)"
+            if args.baseline_command is not None else ""
+        ),
+        f"- CPUs: {plan.cpu_limit.describe() if plan.cpu_limit else 'not limited'}; "
+        f"{os.cpu_count()} on the machine",
     ]
     print("\n".join(header), flush=True)
-    runs: list[ConfigRun] = []
-    with tempfile.TemporaryDirectory(prefix="hicache-compare-") as tmp:
-        for config in configs:
-            run = run_config(config, args, server_args, out_dir, Path(tmp), config_json)
-            runs.append(run)
-            status = "ok" if run.error is None else f"FAILED: {run.error.splitlines()[0]}"
-            print(f"[{config.name}] {status}", flush=True)
+    runs = _run_all(args, configs, plan, out_dir, config_json)
     md, png = write_report(runs, out_dir, header)
     # The header went out before the runs; the rest of the report now.
     print("\n## Results" + md.read_text(encoding="utf-8").split("\n## Results", 1)[1])
     print(f"wrote {md}" + (f" and {png}" if png else ""))
     failed = any(r.error is not None or (r.summary and r.summary.overall.failed) for r in runs)
     return 1 if failed or not runs else 0
+
+
+def _run_all(
+    args: argparse.Namespace, configs: Sequence[ServerConfig], plan: _Plan, out_dir: Path,
+    config_json: dict[str, Any],
+) -> list[ConfigRun]:
+    """Every configuration, then the baseline, --repeats times over."""
+    runs: list[ConfigRun] = []
+    cpu = plan.cpu_limit
+    with tempfile.TemporaryDirectory(prefix="hicache-compare-") as tmp, (
+        cpu.client_elsewhere() if cpu is not None else contextlib.nullcontext()
+    ):
+        for repeat in range(1, args.repeats + 1):
+            suffix = f".{repeat}" if args.repeats > 1 else ""
+            for config in configs:
+                runs.append(run_config(
+                    config, args, plan.server_args, out_dir, Path(tmp), config_json,
+                    stem=config.name + suffix, repeat=repeat, cpu_limit=cpu,
+                ))
+                _print_status(runs[-1])
+            if args.baseline_command is not None:
+                runs.append(run_baseline(
+                    args, out_dir, config_json, model=plan.baseline_model,
+                    stem=args.baseline_name + suffix, repeat=repeat, cpu_limit=cpu,
+                ))
+                _print_status(runs[-1])
+    return runs
+
+
+def _print_status(run: ConfigRun) -> None:
+    status = "ok" if run.error is None else f"FAILED: {run.error.splitlines()[0]}"
+    load = ""
+    if run.load_before is not None and run.load_after is not None:
+        load = f" (load average {run.load_before[0]:.2f} -> {run.load_after[0]:.2f})"
+    print(f"[{run.stem}] {status}{load}", flush=True)
 
 
 def _workload_line(args: argparse.Namespace) -> str:
@@ -460,4 +749,3 @@ def _workload_line(args: argparse.Namespace) -> str:
         f"{args.questions_per_context} questions of {args.question_length} tokens each, "
         f"output {args.output_length}"
     )
-

@@ -314,6 +314,7 @@ async def run_benchmark(
         url, ApiStyle(args.api), model=args.model, temperature=args.temperature,
         ignore_eos=args.ignore_eos, timeout_s=args.request_timeout,
         max_connections=pacing.max_inflight,
+        return_token_ids=getattr(args, "return_token_ids", False),
     )
     async with client:
         warm_length = max(1, min(64, min(maker.count(s.parts[0]) for s in sessions)))

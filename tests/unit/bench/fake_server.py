@@ -117,6 +117,8 @@ def create_fake_app(state: FakeState) -> FastAPI:
             return _error(400, f"max_tokens {max_tokens} is too large")
         tokens = _tokens(body["prompt"])
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        # vLLM's extension: every chunk names the ids of the tokens it brings.
+        with_ids = bool(body.get("return_token_ids"))
 
         async def events() -> AsyncIterator[str]:
             head = {"id": "cmpl-1", "object": "text_completion", "model": body.get("model")}
@@ -129,9 +131,10 @@ def create_fake_app(state: FakeState) -> FastAPI:
                 count += len(ids)
                 text = bytes(ids).decode()
                 reason = "length" if count == max_tokens else None
-                yield _sse({**head, "choices": [
-                    {"index": 0, "text": text, "finish_reason": reason}
-                ]})
+                choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": reason}
+                if with_ids:
+                    choice["token_ids"] = list(ids)
+                yield _sse({**head, "choices": [choice]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": {
                     "prompt_tokens": len(tokens), "completion_tokens": count,
@@ -203,6 +206,7 @@ def fake_server(state: FakeState | None = None) -> Iterator[tuple[str, FakeState
 def main() -> None:
     """Run as a program: a stand-in for ``hicache serve`` (other flags are logged, ignored)."""
     import argparse
+    import os
     import sys
 
     parser = argparse.ArgumentParser()
@@ -210,6 +214,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     args, rest = parser.parse_known_args()
     print("fake server flags:", json.dumps(rest), flush=True)
+    # What a CPU limit (taskset, thread variables) left this process, for the tests of --cpus.
+    print(
+        "fake server cpus:", json.dumps(sorted(os.sched_getaffinity(0))),
+        "OMP_NUM_THREADS:", os.environ.get("OMP_NUM_THREADS"), flush=True,
+    )
     sys.stdout.flush()
     uvicorn.run(
         create_fake_app(FakeState(ttft_s=0.002, itl_s=0.001)), host=args.host, port=args.port,

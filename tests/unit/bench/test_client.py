@@ -156,6 +156,40 @@ def test_stream_without_visible_output_falls_back_to_the_end() -> None:
     assert result.ttft_s == pytest.approx(0.7) and result.output_tokens == 1
 
 
+def test_openai_token_ids_are_the_answer_and_time_the_first_token() -> None:
+    # vLLM with return_token_ids: a token ending inside a character streams as a chunk
+    # with ids and no text; it is output all the same (as /generate counts it).
+    from hicache.bench.client import OpenAIStream
+
+    stream = OpenAIStream(sent_at=1.0)
+    stream.feed({"choices": [{"text": "", "token_ids": [200], "finish_reason": None}]}, 1.2)
+    stream.feed({"choices": [{"text": "é", "token_ids": [201], "finish_reason": None}]}, 1.3)
+    stream.feed({"choices": [{"text": "x", "token_ids": [120, 121], "finish_reason": "length"}]},
+                1.5)
+    stream.feed({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}}, 1.6)
+    result = stream.result(1.7, done=True)
+    assert result.ok and result.ttft_from_content and result.ttft_s == pytest.approx(0.2)
+    assert result.output_ids == [200, 201, 120, 121] and result.text == "éx"
+    assert result.itl_s == pytest.approx([0.1, 0.1, 0.1])
+    assert result.output_tokens == 4
+
+
+def test_openai_client_asks_for_token_ids_when_told(
+    server: tuple[str, FakeState], state: FakeState
+) -> None:
+    url, _ = server
+
+    async def go(ids: bool) -> RequestResult:
+        async with BenchClient(url, ApiStyle.OPENAI, return_token_ids=ids) as client:
+            return await client.send(list(range(10)), 3)
+
+    plain = asyncio.run(go(False))
+    assert "return_token_ids" not in state.received[-1] and plain.output_ids is None
+    with_ids = asyncio.run(go(True))
+    assert state.received[-1]["return_token_ids"] is True
+    assert with_ids.output_ids == [65, 66, 67] and with_ids.text == "ABC"
+
+
 def test_truncated_stream_is_a_failure() -> None:
     stream = GenerateStream(sent_at=0.0)
     stream.feed({"text": "A", "output_ids": [65], "meta_info": {"completion_tokens": 1}}, 0.1)
