@@ -1,0 +1,29 @@
+"""``hicache bench step`` and ``hicache bench attention`` on small cases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hicache.bench.step import run_case
+from hicache.cli import main
+
+
+def test_step_bench_times_decode_steps_of_the_whole_batch() -> None:
+    result = run_case(batch=6, context=40, steps=4, page_size=4, vocab=8)
+    assert result["batch"] == 6 and result["steps"] == 4
+    assert 0 < result["median_ms"] < 5_000
+    assert result["p90_ms"] >= result["median_ms"] * 0.5
+
+
+def test_attention_bench_checks_every_backend_against_the_reference(tmp_path: Path) -> None:
+    out = tmp_path / "attention.json"
+    code = main(["bench", "attention", "--cases", "3x40x1", "2x30x5", "--repeats", "2",
+                 "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--page-size", "4",
+                 "--json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())["results"]
+    backends = {r["backend"] for r in results}
+    assert {"gather", "cpu"} <= backends
+    assert len(results) == 2 * len(backends)
+    assert all(r["max_abs_error"] < 1e-4 and r["ms_per_layer"] > 0 for r in results)
