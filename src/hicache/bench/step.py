@@ -5,8 +5,9 @@ batch, building its inputs, the page table, sampling and handing tokens out. It
 must not grow with the contexts' lengths, or long conversations pay for it on
 every token. This benchmark runs the real scheduler (cache, runner, sampling,
 detokenizing, emitting) over a model stub whose forward returns zero logits at
-once, with ``--batch`` requests decoding at ``--context`` tokens each, and
-reports the wall time per step (the stub's own time subtracted).
+once, with ``--batch`` requests decoding at ``--context`` tokens each, their
+outputs handed to an event loop as the engine does, and reports the wall time
+per step (the stub's own time subtracted).
 
 The stub's vocabulary is ``--vocab`` (default 2): the figure is then the engine's
 own work per step, which must stay O(batch). Sampling over a real vocabulary adds
@@ -17,6 +18,7 @@ the arithmetic of an argmax (or a draw) over [batch, vocab], the device's work:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import time
@@ -27,7 +29,7 @@ import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import CacheConfig
-from hicache.engine.api import GenerateRequest, SamplingParams
+from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
 from hicache.engine.request import Phase, Req
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.memory.device_pool import DevicePool
@@ -91,13 +93,17 @@ def run_case(
     )
     tokenizer = ByteTokenizer()
     scheduler = Scheduler(cast(CausalLM, stub), cache, config, tokenizer.eos_token_ids)
+    # Outputs go where the engine sends them: batched per step to an event loop (one
+    # that does not run: its callbacks queue up, as a busy server's would).
+    loop = asyncio.new_event_loop()
+    outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
     rng = np.random.default_rng(0)
     params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         ids = tuple(int(t) for t in rng.integers(0, 256, size=context - 1))
         request = GenerateRequest(ids, params)
         scheduler.submit(Req(
-            request=request, rid=str(i), emit=lambda output: None,
+            request=request, rid=str(i), emit=scheduler.outputs.emitter(loop, outputs),
             detokenizer=IncrementalDetokenizer(tokenizer, ids), generator=None,
         ))
     # Prefill (one step with a large enough chunk budget), then one decode step more:
@@ -106,6 +112,7 @@ def run_case(
                                                   for r in scheduler.running):
         scheduler.step()
     scheduler.step()
+    scheduler.outputs.flush()
     times: list[float] = []
     profiler = None
     if profile:
@@ -117,12 +124,14 @@ def run_case(
         stub.seconds = 0.0
         start = time.perf_counter()
         scheduler.step()
+        scheduler.outputs.flush()
         times.append(time.perf_counter() - start - stub.seconds)
     if profiler is not None and profile:
         profiler.disable()
         profiler.dump_stats(profile)
     assert len(scheduler.running) == batch, "every request decodes through the timed steps"
     cache.close()
+    loop.close()
     return {
         "batch": batch, "context": context, "steps": steps,
         "median_ms": statistics.median(times) * 1e3,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import threading
 import uuid
@@ -111,14 +110,8 @@ class Engine:
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
         rid = request.rid or uuid.uuid4().hex
 
-        def emit(output: GenerateOutput) -> None:  # called on the scheduler thread
-            # The caller's event loop may be gone already (asyncio.run returned right after
-            # it abandoned the stream): nobody is left to read, so the output is dropped.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(outputs.put_nowait, output)
-
         req = Req(
-            request=request, rid=rid, emit=emit,
+            request=request, rid=rid, emit=self.scheduler.outputs.emitter(loop, outputs),
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.input_ids),
             generator=make_generator(request.sampling, self.cache.device_pool.device),
         )

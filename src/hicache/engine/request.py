@@ -21,6 +21,7 @@ from hicache.cache.l3 import PrefetchHandle
 from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest, TokenLogprob
 from hicache.engine.logprobs import first_prompt_token
 from hicache.engine.penalties import PenaltyState
+from hicache.engine.sampling import is_greedy
 from hicache.memory.allocator import PageIds
 from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.radix.results import no_pages
@@ -72,6 +73,13 @@ class Req:
 
     def __post_init__(self) -> None:
         self._prompt_len = len(self.request.input_ids)  # read several times per step
+        sampling = self.request.sampling
+        # Its next token is always the argmax of the model's logits: nothing to adjust
+        # (penalties, min_new_tokens' mask), draw or report (logprobs).
+        self.plain_greedy = (
+            is_greedy(sampling) and not sampling.has_penalties and sampling.min_new_tokens == 0
+            and self.request.logprobs is None
+        )
         params = self.request.logprobs
         self.logprob_next = self.prompt_len
         if params is not None and params.wants_input(self.prompt_len):

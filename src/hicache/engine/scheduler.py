@@ -39,6 +39,7 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.api import CachedTokens, GenerateOutput, TokenLogprob
 from hicache.engine.logprobs import position_logprobs
 from hicache.engine.model_runner import ModelRunner
+from hicache.engine.output_batcher import OutputBatcher
 from hicache.engine.penalties import PenaltyState, RowAdjustment, adjust_logits, ending_tokens
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
@@ -96,6 +97,8 @@ class Scheduler:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._by_rid: dict[str, Req] = {}
         self.prefetcher = Prefetcher(cache, enabled=config.enable_prefix_cache)
+        # Requests emit through it (``Engine.generate``); ``run`` flushes it after each step.
+        self.outputs = OutputBatcher()
         self.runner = ModelRunner(
             model, cache.device_pool, config.max_running_requests, config.max_context_len
         )
@@ -135,7 +138,9 @@ class Scheduler:
             except Exception:  # a bug must not hang every client: fail what is in flight
                 logger.exception("scheduler step failed; aborting running requests")
                 self._fail_all("internal error in the scheduler step")
+            self.outputs.flush()  # the step's outputs, one hand-off per event loop
         self._fail_all("server shutting down")
+        self.outputs.flush()
 
     def step(self) -> bool:
         """One scheduling round; False when there was nothing to compute."""
@@ -312,6 +317,7 @@ class Scheduler:
             chosen = logits[torch.tensor([row for row, _ in done], device=logits.device)].float()
         adjusted = self._adjusted(chosen, [req for _, req in done])
         greedy = greedy_tokens(adjusted if adjusted is not None else chosen)
+        plain = self.logits_observer is None
         now = time.monotonic()
         for index, (_, req) in enumerate(done):
             if req.phase is Phase.PREFILL:
@@ -324,6 +330,10 @@ class Scheduler:
                 continue
             if req.first_token_at is None:
                 req.first_token_at = now
+            if plain and req.plain_greedy:
+                # The argmax is its token: no row of its own to adjust, sample or observe.
+                self._append_guarded(req, greedy[index])
+                continue
             row = adjusted[index] if adjusted is not None else None
             self._next_token(req, chosen[index], row, greedy[index])
 
@@ -372,6 +382,8 @@ class Scheduler:
         """The rows with penalties and min_new_tokens applied, for the whole batch at once;
         None when none needs it, or when that failed (each request then adjusts its own
         row in ``_next_token``, so that a faulty one fails alone)."""
+        if all(req.plain_greedy for req in reqs):
+            return None  # the common case: no penalty, no mask, no sampling
         try:
             rows = [self._adjustment(req, logits.shape[-1]) for req in reqs]
             if all(row.is_noop for row in rows):
@@ -408,6 +420,16 @@ class Scheduler:
                 req.output_logprobs.extend(
                     position_logprobs(logits[None], [token], req.request.logprobs)
                 )
+            self._append_token(req, token)
+        except Exception as error:  # one request's fault must not fail the others
+            logger.exception("request %s failed while producing its next token", req.rid)
+            self._fail(
+                req, f"internal error producing the next token: {type(error).__name__}: {error}"
+            )
+
+    def _append_guarded(self, req: Req, token: int) -> None:
+        """``_append_token``, failing ``req`` alone if detokenizing or streaming it fails."""
+        try:
             self._append_token(req, token)
         except Exception as error:  # one request's fault must not fail the others
             logger.exception("request %s failed while producing its next token", req.rid)
