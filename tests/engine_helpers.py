@@ -12,13 +12,20 @@ import pytest
 import torch
 
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
-from hicache.engine.engine import Engine, add_engine_args, build_engine
+from hicache.engine.config import EngineConfig
+from hicache.engine.engine import Engine, build_engine
+from hicache.server.engine_args import add_engine_args, engine_config_from_args
 
 
 def engine_args(*flags: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     return parser.parse_args(["--device", "cpu", *flags])
+
+
+def engine_config(*flags: str) -> EngineConfig:
+    """The EngineConfig of a CPU engine with these command-line flags."""
+    return engine_config_from_args(engine_args(*flags))
 
 
 @dataclass
@@ -83,7 +90,7 @@ def make_engine_fixture() -> Iterator[Callable[..., Engine]]:
     engines: list[Engine] = []
 
     def make(*flags: str) -> Engine:
-        engine = build_engine(engine_args(*flags))
+        engine = build_engine(engine_config(*flags))
         engines.append(engine)
         return engine
 

@@ -21,8 +21,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from hicache.engine.engine import Engine, add_engine_args, build_engine
+from hicache.engine.engine import Engine, build_engine
 from hicache.server.app import create_app
+from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
 
 # On CPU even where a GPU is present: the same numbers, hence the same greedy outputs,
@@ -57,7 +58,7 @@ def parse_test_args(engine_args: Sequence[str] = ()) -> argparse.Namespace:
 
 
 def build_test_engine(engine_args: Sequence[str] = ()) -> Engine:
-    return build_engine(parse_test_args(engine_args))
+    return build_engine(engine_config_from_args(parse_test_args(engine_args)))
 
 
 @contextmanager
@@ -98,7 +99,7 @@ def serve_in_thread(
     admin_allow_dynamic_backend: bool = False, served_model_name: str | None = None,
 ) -> Iterator[RunningServer]:
     args = parse_test_args(engine_args)
-    engine = build_engine(args)
+    engine = build_engine(engine_config_from_args(args))
     try:
         app = create_app(
             engine, admin_api_key=admin_api_key,

@@ -1,9 +1,9 @@
 """Frozen configuration dataclasses, one per component.
 
 Each component receives only its own slice. Command-line parsing lives at the
-edge (``hicache.server.args``); defaults are read from these dataclasses so
-there is exactly one place that states them. Flag names and defaults follow
-SGLang's so that existing launch scripts keep working.
+edge (``hicache.server.args``, ``hicache.server.engine_args``); defaults are read
+from these dataclasses so there is exactly one place that states them. Flag names
+and defaults follow SGLang's so that existing launch scripts keep working.
 """
 
 from __future__ import annotations

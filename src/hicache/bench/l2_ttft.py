@@ -27,7 +27,8 @@ import torch
 
 from hicache.bench.transfer import Timer
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
-from hicache.engine.engine import Engine, add_engine_args, build_engine
+from hicache.engine.engine import Engine, build_engine
+from hicache.server.engine_args import add_engine_args, engine_config_from_args
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
     )
     if args.max_total_tokens is None:  # room for the longest request, twice over
         args.max_total_tokens = 2 * (max(contexts) + args.suffix + args.page_size)
-    engine = build_engine(args)
+    engine = build_engine(engine_config_from_args(args))
     try:
         cache = engine.cache
         if cache.host_pool is None:

@@ -1,12 +1,12 @@
 """Engine: the model, the hierarchical cache and the scheduler thread, behind EngineProtocol.
 
-``build_engine(args)`` turns command-line flags into a running engine;
+``build_engine(config)`` turns an EngineConfig (``engine/config.py``; the server makes
+one from its flags) into a running engine;
 ``Engine.generate`` is what the HTTP server streams from.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import threading
@@ -20,19 +20,22 @@ import torch
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import ConfigError
 from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError
+from hicache.engine.config import (
+    CPU_KV_POOL_TOKENS,
+    EngineConfig,
+    RuntimeConfig,
+    SchedulingConfig,
+)
 from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from hicache.engine.threads import apply_num_threads, set_thread_count
+from hicache.model.attention_backend import make_attention_backend
 from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.model.identity import model_identity
 from hicache.model.loader import LoadedModel, load_model, resolve_model_dir
-from hicache.model.presets import DEFAULT_PRESET, PRESETS
-from hicache.server.args import (
-    add_cache_args,
-    add_storage_args,
-    cache_config_from_args,
-    storage_config_from_args,
-)
+from hicache.model.model import CausalLM
+from hicache.model.presets import DEFAULT_PRESET
 from hicache.storage.base import StorageError
 from hicache.storage.config import load_extra_config, storage_config
 
@@ -48,6 +51,7 @@ class Engine:
         cache: HierarchicalCache,
         config: SchedulerConfig,
         model_name: str,
+        num_threads: int | None = None,
     ) -> None:
         self.model = loaded.model
         self.model_config = loaded.config
@@ -57,19 +61,33 @@ class Engine:
         self.vocab_size = loaded.config.vocab_size
         self.max_context_len = config.max_context_len
         self.scheduler = Scheduler(self.model, cache, config, self.tokenizer.eos_token_ids)
+        # torch's intra-op threads for the forwards (None: leave torch's setting alone).
+        self.num_threads = num_threads
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend the model runs (``auto`` resolved)."""
+        return self.model.attention_backend.name
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> Engine:
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(
-                target=self.scheduler.run, args=(self._stop,), name="hicache-scheduler",
-                daemon=True,
+                target=self._run_scheduler, name="hicache-scheduler", daemon=True,
             )
             self._thread.start()
         return self
+
+    def _run_scheduler(self) -> None:
+        # Set again on the thread that runs the forwards: torch reads the process-wide
+        # count once per thread (at its first parallel op), so this thread keeps the
+        # count it starts with, which is then this engine's own.
+        if self.num_threads is not None:
+            set_thread_count(self.num_threads)
+        self.scheduler.run(self._stop)
 
     def shutdown(self) -> None:
         if self._thread is not None:
@@ -258,126 +276,83 @@ class Engine:
 
 
 # ---------------------------------------------------------------- construction
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model")
-    group.add_argument(
-        "--model-path", default=None,
-        help="Hugging Face style model directory, or a GGUF file (llama / qwen2 / qwen3, "
-        "converted once into $HICACHE_CACHE_DIR/models)",
-    )
-    group.add_argument(
-        "--load-format", choices=["auto", "dummy"], default=None,
-        help="auto: weights from --model-path; dummy: seeded random weights of a preset "
-        "(default: dummy without --model-path)",
-    )
-    group.add_argument(
-        "--model-preset", choices=sorted(PRESETS), default=None,
-        help=f"architecture for --load-format dummy (default: {DEFAULT_PRESET})",
-    )
-    group.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
-    group.add_argument(
-        "--device", default=None, help="cuda or cpu (default: cuda when available)"
-    )
-    group.add_argument(
-        "--context-length", type=int, default=None,
-        help="longest prompt + output (default: the model's, capped by the KV pool)",
-    )
-    sched = parser.add_argument_group("scheduler")
-    sched.add_argument("--max-running-requests", type=int, default=32)
-    sched.add_argument(
-        "--chunked-prefill-size", type=int, default=2048,
-        help="prompt tokens computed per step across requests",
-    )
-    sched.add_argument(
-        "--max-total-tokens", type=int, default=None,
-        help="device KV pool size in tokens (default: --mem-fraction-static of free GPU "
-        "memory, or 65536 on CPU)",
-    )
-    sched.add_argument(
-        "--mem-fraction-static", type=float, default=0.85,
-        help="GPU: fraction of the memory left after the weights that the KV pool takes",
-    )
-    sched.add_argument(
-        "--disable-radix-cache", action="store_true",
-        help="no prefix caching at all (a baseline for benchmarks)",
-    )
-    add_cache_args(parser)
-    add_storage_args(parser)
+def build_engine(config: EngineConfig) -> Engine:
+    """Load the model, size the pools, attach L3, start the scheduler thread.
 
-
-def build_engine(args: argparse.Namespace) -> Engine:
-    """Load the model, size the pools, attach L3, start the scheduler thread."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    Sets torch's intra-op threads for the whole process (``config.runtime``).
+    """
+    model = config.model
+    device = torch.device(model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: CUDA is not available")
-    load_format = args.load_format or ("auto" if args.model_path else "dummy")
-    preset = args.model_preset if args.model_path is None else None
-    if args.model_path is not None and args.model_preset is not None:
-        raise ConfigError("give either --model-path or --model-preset, not both")
-    cache_config = cache_config_from_args(args)
-    storage = storage_config_from_args(args)
-    if args.disable_radix_cache and (cache_config.enable_hierarchical_cache or storage.enabled):
-        raise ConfigError(
-            "--disable-radix-cache turns prefix caching off: drop "
-            "--enable-hierarchical-cache and --hicache-storage-backend with it"
-        )
-    if args.max_running_requests < 1 or args.chunked_prefill_size < 1:
-        raise ConfigError("--max-running-requests and --chunked-prefill-size must be >= 1")
+    num_threads = apply_num_threads(config.runtime.num_threads)
+    load_format = model.resolved_load_format
+    preset = model.preset if model.model_path is None else None
+    cache_config, storage, scheduling = config.cache, config.storage, config.scheduling
     model_dir = (
-        resolve_model_dir(args.model_path, args.dtype, device) if args.model_path else None
+        resolve_model_dir(model.model_path, model.dtype, device) if model.model_path else None
     )
-    if model_dir is not None:
-        # A GGUF file is loaded, and its weights identified, through its converted dir.
-        args = argparse.Namespace(**{**vars(args), "model_path": str(model_dir.path)})
-    loaded = load_model(args.model_path, load_format, preset, args.dtype, device)
-    if device.type == "cpu":
-        # oneDNN-packed projection weights: 1.2-2.2x faster CPU decode steps (float32).
-        loaded.model.prepack_weights()
-    config = loaded.config
-    geometry = config.kv_geometry()
+    # A GGUF file is loaded, and its weights identified, through its converted dir.
+    model_path = str(model_dir.path) if model_dir is not None else None
+    loaded = load_model(model_path, load_format, preset, model.dtype, device)
+    _set_up_compute(loaded.model, config.runtime, device)
+    model_config = loaded.config
+    geometry = model_config.kv_geometry()
     page_size = cache_config.page_size
-    total_tokens = _kv_pool_tokens(args, device, geometry.bytes_per_token)
+    total_tokens = _kv_pool_tokens(scheduling, device, geometry.bytes_per_token)
     device_pages = max(2, total_tokens // page_size)
-    context = args.context_length or config.max_position_embeddings
-    if args.context_length is not None and args.context_length > config.max_position_embeddings:
+    positions = model_config.max_position_embeddings
+    if model.context_length is not None and model.context_length > positions:
         raise ConfigError(
-            f"--context-length {args.context_length} exceeds the model's "
-            f"{config.max_position_embeddings} positions"
+            f"--context-length {model.context_length} exceeds the model's {positions} positions"
         )
-    context = min(context, (device_pages - 1) * page_size)
+    context = min(model.context_length or positions, (device_pages - 1) * page_size)
     weights_name = model_dir.name if model_dir else f"dummy-{preset or DEFAULT_PRESET}"
-    model_name = getattr(args, "served_model_name", None) or weights_name
+    model_name = model.served_model_name or weights_name
     # The L3 namespace names the weights (their bytes), not the served name: servers of
     # the same weights share pages whatever they are called, other weights never do.
     cache = HierarchicalCache(
         cache_config, geometry, device_pages, device,
-        model_name=model_identity(args.model_path, load_format, preset, device),
-        storage=storage if storage.enabled and not args.disable_radix_cache else None,
-    )
-    sched = SchedulerConfig(
-        max_running_requests=args.max_running_requests,
-        chunked_prefill_size=args.chunked_prefill_size,
-        max_context_len=context,
-        enable_prefix_cache=not args.disable_radix_cache,
+        model_name=model_identity(model_path, load_format, preset, device),
+        storage=storage if storage.enabled and not scheduling.disable_radix_cache else None,
     )
     logger.info(
-        "engine: %s on %s, KV pool %d pages x %d tokens, context %d, L2 %s, L3 %s",
+        "engine: %s on %s, KV pool %d pages x %d tokens, context %d, L2 %s, L3 %s, "
+        "%d torch threads",
         model_name, device, device_pages, page_size, context,
         "on" if cache.hierarchical else "off",
-        cache.storage.backend.name if cache.storage is not None else "off",
+        cache.storage.backend.name if cache.storage is not None else "off", num_threads,
     )
-    return Engine(loaded, cache, sched, model_name).start()
+    engine = Engine(
+        loaded, cache, scheduling.scheduler_config(context), model_name, num_threads=num_threads
+    )
+    return engine.start()
 
 
-def _kv_pool_tokens(args: argparse.Namespace, device: torch.device, bytes_per_token: int) -> int:
-    if args.max_total_tokens is not None:
-        if args.max_total_tokens < 1:
-            raise ConfigError("--max-total-tokens must be >= 1")
-        return int(args.max_total_tokens)
+def _set_up_compute(model: CausalLM, runtime: RuntimeConfig, device: torch.device) -> None:
+    """The attention backend, and packed weights or compiled layer blocks, as configured."""
+    model.attention_backend = make_attention_backend(runtime.attention_backend, device)
+    if runtime.enable_torch_compile:
+        model.compile_blocks()
+    elif runtime.prepack_weights and device.type == "cpu":
+        # oneDNN-packed projection weights: 1.2-2.2x faster CPU decode steps (float32).
+        model.prepack_weights()
+    logger.info(
+        "compute: attention backend %s, %s", model.attention_backend.name,
+        "compiled layer blocks" if runtime.enable_torch_compile
+        else "prepacked weights" if model.packed_lm_head is not None else "plain weights",
+    )
+
+
+def _kv_pool_tokens(
+    scheduling: SchedulingConfig, device: torch.device, bytes_per_token: int
+) -> int:
+    if scheduling.max_total_tokens is not None:
+        return scheduling.max_total_tokens
     if device.type != "cuda":
-        return 65536
+        return CPU_KV_POOL_TOKENS
     free, _ = torch.cuda.mem_get_info(device)
-    return int(free * args.mem_fraction_static) // bytes_per_token
+    return int(free * scheduling.mem_fraction_static) // bytes_per_token
 
 
 def load_storage_extra(text: str | None) -> dict[str, Any]:

@@ -113,6 +113,9 @@ def create_app(
             "max_total_num_tokens": int(pages * page_size) if pages and page_size else None,
             "max_req_input_len": engine.max_context_len,
             "context_length": engine.max_context_len,
+            # Which attention backend runs (auto resolves per device); engines that do
+            # not say (stand-ins in tests) report None.
+            "attention_backend": getattr(engine, "attention_backend", None),
         }
         return server_info(state.info, state.served_model_name, l3, limits, counters, __version__)
 

@@ -20,12 +20,13 @@ import logging
 
 import uvicorn
 
-from hicache.engine.engine import Engine, add_engine_args, build_engine
+from hicache.engine.engine import Engine, build_engine
 from hicache.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from hicache.model.loader import LoadFormat
 from hicache.server.admin_api import ADMIN_ALLOW_DYNAMIC_FLAG
 from hicache.server.app import create_app
 from hicache.server.args import NO_STORAGE_BACKEND
+from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
 from hicache.storage.base import StorageError
 
@@ -153,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         resolved = with_default_model(args)
-        engine = build_engine(resolved)
+        engine = build_engine(engine_config_from_args(resolved))
     # ConfigError is a ValueError; MemoryError: the host pool could not be pinned.
     except (ValueError, StorageError, OSError, MemoryError) as error:
         logger.error("cannot start the engine: %s", error)

@@ -23,6 +23,7 @@ from hicache.engine.engine import build_engine
 from hicache.model import get_preset
 from hicache.net import free_port
 from hicache.server.args import storage_config_from_args
+from hicache.server.engine_args import engine_config_from_args
 from hicache.server.serve import log_tiers
 from hicache.server.serve import main as serve_main
 from tests.listeners import listening_sockets
@@ -73,7 +74,7 @@ def test_benchmark_tier_configurations(
 ) -> None:
     monkeypatch.setenv("HICACHE_CACHE_DIR", str(tmp_path))
     args = build_parser().parse_args(["serve", *SMALL, *flags])
-    engine = build_engine(args)
+    engine = build_engine(engine_config_from_args(args))
     try:
         assert engine.cache.hierarchical is l2
         storage = engine.cache.storage
@@ -127,7 +128,7 @@ def test_startup_log_names_each_tier_and_is_loud_without_l3(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     args = build_parser().parse_args(["serve", *SMALL, "--hicache-storage-backend", "none"])
-    engine = build_engine(args)
+    engine = build_engine(engine_config_from_args(args))
     try:
         with caplog.at_level(logging.INFO, logger="hicache.serve"):
             log_tiers(engine, prefix_cache=True)

@@ -1,0 +1,168 @@
+"""EngineConfig: everything ``build_engine`` needs, as frozen dataclasses, one per part.
+
+The engine never sees command-line flags: the server (``hicache.server.engine_args``)
+turns them into an EngineConfig, and a program embedding the engine builds one
+directly (``EngineConfig()`` is the tiny dummy model with every default). Each
+part checks itself when built and the whole checks how the parts combine, so an
+invalid configuration fails with a ConfigError before any weights are loaded.
+Messages name the command-line flag of the field (the field's name with dashes),
+as CacheConfig's do: that is what most users have to change.
+
+Defaults stated elsewhere are read from there (SchedulerConfig's limits, CacheConfig,
+StorageConfig), so that each default has one home.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache.config import CacheConfig, ConfigError, parse_enum
+from hicache.engine.scheduler import SchedulerConfig
+from hicache.model.attention_backend import ATTENTION_BACKENDS
+from hicache.model.config import parse_dtype
+from hicache.model.loader import LoadFormat
+from hicache.model.presets import PRESETS
+from hicache.storage.config import StorageConfig
+
+# The KV pool on devices whose free memory is not measured (CPU), in tokens.
+CPU_KV_POOL_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class ModelLoadConfig:
+    """Which weights, in which dtype, on which device, served under which name."""
+
+    # A Hugging Face style directory or a GGUF file; None: dummy weights of ``preset``.
+    model_path: str | None = None
+    # None: auto with a model path, dummy without.
+    load_format: LoadFormat | None = None
+    # The architecture of dummy weights (None: the default preset); only without model_path.
+    preset: str | None = None
+    dtype: str = "auto"  # auto keeps the checkpoint's (or the preset's) dtype
+    device: str | None = None  # None: cuda when available, else cpu
+    # Longest prompt + output; None: the model's, capped by the KV pool.
+    context_length: int | None = None
+    # The name clients send; None: the weights' name (the directory or GGUF file).
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.load_format is not None:
+            object.__setattr__(
+                self, "load_format", parse_enum(LoadFormat, self.load_format, "--load-format")
+            )
+        if self.model_path is not None and self.preset is not None:
+            raise ConfigError("give either --model-path or --model-preset, not both")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError(
+                f"--model-preset {self.preset!r}: choose one of {', '.join(sorted(PRESETS))}"
+            )
+        if self.load_format is LoadFormat.AUTO and self.model_path is None:
+            raise ConfigError("--load-format auto reads the weights from --model-path: give it, "
+                              "or use --load-format dummy")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)  # its ModelConfigError (a ConfigError) lists the choices
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ConfigError(
+                    f"--device {self.device!r}: not a device; use cpu, cuda or cuda:N"
+                ) from None
+        if self.context_length is not None and self.context_length < 1:
+            raise ConfigError(f"--context-length must be >= 1, got {self.context_length}")
+
+    @property
+    def resolved_load_format(self) -> LoadFormat:
+        if self.load_format is not None:
+            return self.load_format
+        return LoadFormat.AUTO if self.model_path is not None else LoadFormat.DUMMY
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """Batching limits and the device KV pool's size, as given.
+
+    The scheduler's own SchedulerConfig is made from this once the model and the
+    pool are known (``scheduler_config``): its context length depends on both.
+    """
+
+    max_running_requests: int = SchedulerConfig.max_running_requests
+    chunked_prefill_size: int = SchedulerConfig.chunked_prefill_size
+    # Device KV pool in tokens; None: mem_fraction_static of free GPU memory, or
+    # CPU_KV_POOL_TOKENS off the GPU.
+    max_total_tokens: int | None = None
+    # GPU: the fraction of the memory left after the weights that the KV pool takes.
+    mem_fraction_static: float = 0.85
+    # No prefix caching at all (a baseline for benchmarks).
+    disable_radix_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1 or self.chunked_prefill_size < 1:
+            raise ConfigError("--max-running-requests and --chunked-prefill-size must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ConfigError("--max-total-tokens must be >= 1")
+        fraction = self.mem_fraction_static
+        if not (math.isfinite(fraction) and 0 < fraction <= 1):
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
+
+    def scheduler_config(self, max_context_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_running_requests=self.max_running_requests,
+            chunked_prefill_size=self.chunked_prefill_size,
+            max_context_len=max_context_len,
+            enable_prefix_cache=not self.disable_radix_cache,
+        )
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the engine computes.
+
+    ``num_threads``: torch's intra-op threads (the OpenMP/MKL pool a CPU forward
+    splits its matrix products over); None picks ``engine.threads.default_num_threads``.
+    The setting is process-wide: it applies to every torch call in the process,
+    and the last engine built sets it.
+
+    ``attention_backend``: how attention reads the paged pool (``auto``: the fastest
+    that runs on the device; see ``hicache.model.attention_backend``).
+    ``prepack_weights``: on the CPU, multiply by oneDNN-packed copies of the weights
+    (float32; ``hicache.model.linear``). ``enable_torch_compile``: compile the layers'
+    math around attention instead (it replaces packing).
+    """
+
+    num_threads: int | None = None
+    attention_backend: str = "auto"
+    prepack_weights: bool = True
+    enable_torch_compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"--attention-backend {self.attention_backend!r}: choose one of "
+                f"{', '.join(ATTENTION_BACKENDS)}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole engine: model, scheduling, L1/L2 cache, L3 storage, runtime."""
+
+    model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        if self.scheduling.disable_radix_cache and (
+            self.cache.enable_hierarchical_cache or self.storage.enabled
+        ):
+            raise ConfigError(
+                "--disable-radix-cache turns prefix caching off: drop "
+                "--enable-hierarchical-cache and --hicache-storage-backend with it"
+            )

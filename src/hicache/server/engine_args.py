@@ -1,0 +1,137 @@
+"""The engine's command-line flags, and the EngineConfig they stand for.
+
+``add_engine_args`` adds the model, scheduler, runtime, cache and L3 flags
+(SGLang's names where SGLang has the flag); ``engine_config_from_args`` turns
+the parsed flags into an EngineConfig, whose dataclasses check the values.
+The engine itself never sees argparse.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from hicache.engine.config import (
+    CPU_KV_POOL_TOKENS,
+    EngineConfig,
+    ModelLoadConfig,
+    RuntimeConfig,
+    SchedulingConfig,
+)
+from hicache.model.attention_backend import ATTENTION_BACKENDS
+from hicache.model.loader import LoadFormat
+from hicache.model.presets import DEFAULT_PRESET, PRESETS
+from hicache.server.args import (
+    add_cache_args,
+    add_storage_args,
+    cache_config_from_args,
+    storage_config_from_args,
+)
+
+_SCHEDULING = SchedulingConfig()
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model-path", default=None,
+        help="Hugging Face style model directory, or a GGUF file (llama / qwen2 / qwen3, "
+        "converted once into $HICACHE_CACHE_DIR/models)",
+    )
+    group.add_argument(
+        "--load-format", choices=[f.value for f in LoadFormat], default=None,
+        help="auto: weights from --model-path; dummy: seeded random weights of a preset "
+        "(default: dummy without --model-path)",
+    )
+    group.add_argument(
+        "--model-preset", choices=sorted(PRESETS), default=None,
+        help=f"architecture for --load-format dummy (default: {DEFAULT_PRESET})",
+    )
+    group.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    group.add_argument(
+        "--device", default=None, help="cuda or cpu (default: cuda when available)"
+    )
+    group.add_argument(
+        "--context-length", type=int, default=None,
+        help="longest prompt + output (default: the model's, capped by the KV pool)",
+    )
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument(
+        "--max-running-requests", type=int, default=_SCHEDULING.max_running_requests
+    )
+    sched.add_argument(
+        "--chunked-prefill-size", type=int, default=_SCHEDULING.chunked_prefill_size,
+        help="prompt tokens computed per step across requests",
+    )
+    sched.add_argument(
+        "--max-total-tokens", type=int, default=None,
+        help="device KV pool size in tokens (default: --mem-fraction-static of free GPU "
+        f"memory, or {CPU_KV_POOL_TOKENS} on CPU)",
+    )
+    sched.add_argument(
+        "--mem-fraction-static", type=float, default=_SCHEDULING.mem_fraction_static,
+        help="GPU: fraction of the memory left after the weights that the KV pool takes",
+    )
+    sched.add_argument(
+        "--disable-radix-cache", action="store_true",
+        help="no prefix caching at all (a baseline for benchmarks)",
+    )
+    runtime = parser.add_argument_group("runtime")
+    runtime.add_argument(
+        "--num-threads", type=int, default=None, metavar="N",
+        help="torch intra-op CPU threads (OpenMP/MKL) for the engine's forwards; process-wide. "
+        "Default: OMP_NUM_THREADS when set, else the cores this process may use minus one "
+        "(at least 1), leaving a core to the HTTP server and tokenizer: a pool as wide as "
+        "the machine stalls whenever another process takes a core",
+    )
+    compute = parser.add_argument_group("compute")
+    compute.add_argument(
+        "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+        help="how attention reads the paged KV pool: cpu (a C++ kernel reading pages in "
+        "place, built at first use), triton or flashinfer (CUDA), gather (the reference: "
+        "copies each context out for SDPA); auto: flashinfer, then triton on CUDA, cpu on "
+        "the CPU, falling back to gather",
+    )
+    compute.add_argument(
+        "--disable-weight-prepack", action="store_true",
+        help="CPU: multiply by the plain weights instead of oneDNN-packed copies (which "
+        "cost a second copy of the projection weights' memory)",
+    )
+    compute.add_argument(
+        "--enable-torch-compile", action="store_true",
+        help="compile each layer's math around attention with torch.compile (a slower "
+        "start; replaces the CPU weight prepacking)",
+    )
+    add_cache_args(parser)
+    add_storage_args(parser)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags describe; ConfigError messages name the flag to change.
+
+    ``--served-model-name`` is read when the parser has it (serve adds it).
+    """
+    return EngineConfig(
+        model=ModelLoadConfig(
+            model_path=args.model_path,
+            load_format=args.load_format,
+            preset=args.model_preset,
+            dtype=args.dtype,
+            device=args.device,
+            context_length=args.context_length,
+            served_model_name=getattr(args, "served_model_name", None),
+        ),
+        scheduling=SchedulingConfig(
+            max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            disable_radix_cache=args.disable_radix_cache,
+        ),
+        cache=cache_config_from_args(args),
+        storage=storage_config_from_args(args),
+        runtime=RuntimeConfig(
+            num_threads=args.num_threads, attention_backend=args.attention_backend,
+            prepack_weights=not args.disable_weight_prepack,
+            enable_torch_compile=args.enable_torch_compile,
+        ),
+    )

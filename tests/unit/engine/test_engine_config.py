@@ -1,0 +1,86 @@
+"""EngineConfig: each part refuses what it cannot run, with the flag to change;
+the engine package stands without the server's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hicache.config import CacheConfig, ConfigError
+from hicache.engine.config import (
+    EngineConfig,
+    ModelLoadConfig,
+    RuntimeConfig,
+    SchedulingConfig,
+)
+from hicache.engine.scheduler import SchedulerConfig
+from hicache.model.loader import LoadFormat
+from hicache.storage.config import StorageConfig
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: ModelLoadConfig(model_path="m", preset="tiny"),
+         "either --model-path or --model-preset"),
+        (lambda: ModelLoadConfig(preset="no-such-preset"), "--model-preset 'no-such-preset'"),
+        (lambda: ModelLoadConfig(load_format="safetensors"), "--load-format"),
+        (lambda: ModelLoadConfig(load_format="auto"), "--load-format auto reads the weights"),
+        (lambda: ModelLoadConfig(dtype="float8"), "unknown dtype 'float8'"),
+        (lambda: ModelLoadConfig(device="gpu0"), "--device 'gpu0'"),
+        (lambda: ModelLoadConfig(context_length=0), "--context-length must be >= 1"),
+        (lambda: SchedulingConfig(max_running_requests=0), "--max-running-requests"),
+        (lambda: SchedulingConfig(chunked_prefill_size=0), "--chunked-prefill-size"),
+        (lambda: SchedulingConfig(max_total_tokens=0), "--max-total-tokens must be >= 1"),
+        (lambda: SchedulingConfig(mem_fraction_static=1.5), "--mem-fraction-static"),
+        (lambda: SchedulingConfig(mem_fraction_static=0.0), "--mem-fraction-static"),
+        (lambda: RuntimeConfig(num_threads=0), "--num-threads must be >= 1"),
+        (lambda: EngineConfig(
+            scheduling=SchedulingConfig(disable_radix_cache=True),
+            cache=CacheConfig(enable_hierarchical_cache=True)), "--disable-radix-cache"),
+        (lambda: EngineConfig(
+            scheduling=SchedulingConfig(disable_radix_cache=True),
+            storage=StorageConfig(backend="file")), "--hicache-storage-backend"),
+    ],
+)
+def test_invalid_configs_say_what_to_change(make: object, words: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        make()  # type: ignore[operator]
+    assert words in str(error.value)
+
+
+def test_valid_parts_normalise_and_combine() -> None:
+    model = ModelLoadConfig(model_path="m", load_format="dummy", dtype="bf16", device="cuda:1")
+    assert model.load_format is LoadFormat.DUMMY
+    assert ModelLoadConfig(model_path="m").resolved_load_format is LoadFormat.AUTO
+    assert ModelLoadConfig().resolved_load_format is LoadFormat.DUMMY
+    # No prefix cache and no tiers behind it is a valid baseline.
+    EngineConfig(scheduling=SchedulingConfig(disable_radix_cache=True))
+
+
+def test_scheduling_hands_the_scheduler_its_slice() -> None:
+    scheduling = SchedulingConfig(
+        max_running_requests=3, chunked_prefill_size=64, disable_radix_cache=True
+    )
+    assert scheduling.scheduler_config(500) == SchedulerConfig(
+        max_running_requests=3, chunked_prefill_size=64, max_context_len=500,
+        enable_prefix_cache=False,
+    )
+    defaults = SchedulingConfig().scheduler_config(500)
+    assert defaults.max_running_requests == SchedulerConfig.max_running_requests
+    assert defaults.chunked_prefill_size == SchedulerConfig.chunked_prefill_size
+    assert defaults.enable_prefix_cache
+
+
+def test_the_engine_package_imports_nothing_of_the_server() -> None:
+    # A fresh interpreter: this one has the server loaded by other tests.
+    code = (
+        "import sys, hicache.engine, hicache.engine.engine, hicache.engine.config\n"
+        "print(sorted(m for m in sys.modules if m.startswith('hicache.server')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
