@@ -13,6 +13,7 @@ from collections.abc import Sequence
 _BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("hicache.bench.transfer", "L2<->L1 page transfer bandwidth per layout/io backend"),
     "attention": ("hicache.bench.attention", "attention backends side by side on a paged pool"),
+    "decode": ("hicache.bench.decode", "model decode steps per batch size, per compute setting"),
     "step": ("hicache.bench.step", "scheduler host time per decode step, model forward excluded"),
     "tree": ("hicache.bench.tree", "radix tree insert / match / evict latency"),
     "storage": ("hicache.bench.storage", "L3 backend batch put/get throughput vs plain baseline"),

@@ -27,3 +27,14 @@ def test_attention_bench_checks_every_backend_against_the_reference(tmp_path: Pa
     assert {"gather", "cpu"} <= backends
     assert len(results) == 2 * len(backends)
     assert all(r["max_abs_error"] < 1e-4 and r["ms_per_layer"] > 0 for r in results)
+
+
+def test_decode_bench_times_each_setting_on_the_default_model(tmp_path: Path) -> None:
+    out = tmp_path / "decode.json"
+    code = main(["bench", "decode", "--batch", "1", "3", "--context", "20", "--steps", "2",
+                 "--repeats", "1", "--settings", "plain", "prepacked", "--json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["setting"], r["batch"]) for r in results] == [
+        ("plain", 1), ("prepacked", 1), ("plain", 3), ("prepacked", 3)]
+    assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in results)
