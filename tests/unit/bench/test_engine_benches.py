@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hicache.bench.step import run_case
 from hicache.cli import main
+from tests.unit.model.hf_checkpoints import variants, write_checkpoint
 
 
 def test_step_bench_times_decode_steps_of_the_whole_batch() -> None:
@@ -29,10 +30,13 @@ def test_attention_bench_checks_every_backend_against_the_reference(tmp_path: Pa
     assert all(r["max_abs_error"] < 1e-4 and r["ms_per_layer"] > 0 for r in results)
 
 
-def test_decode_bench_times_each_setting_on_the_default_model(tmp_path: Path) -> None:
+def test_decode_bench_times_each_setting(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    write_checkpoint(variants()["llama-gqa"], model_dir)
     out = tmp_path / "decode.json"
-    code = main(["bench", "decode", "--batch", "1", "3", "--context", "20", "--steps", "2",
-                 "--repeats", "1", "--settings", "plain", "prepacked", "--json", str(out)])
+    code = main(["bench", "decode", "--model-path", str(model_dir), "--batch", "1", "3",
+                 "--context", "20", "--steps", "2", "--repeats", "1",
+                 "--settings", "plain", "prepacked", "--json", str(out)])
     assert code == 0
     results = json.loads(out.read_text())["results"]
     assert [(r["setting"], r["batch"]) for r in results] == [
