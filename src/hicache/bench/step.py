@@ -6,8 +6,12 @@ must not grow with the contexts' lengths, or long conversations pay for it on
 every token. This benchmark runs the real scheduler (cache, runner, sampling,
 detokenizing, emitting) over a model stub whose forward returns zero logits at
 once, with ``--batch`` requests decoding at ``--context`` tokens each, their
-outputs handed to an event loop as the engine does, and reports the wall time
-per step (the stub's own time subtracted).
+outputs handed to the output thread and on to an event loop as the engine does,
+and reports the wall time per step (the stub's own time subtracted), the
+scheduler thread's CPU time per step (the host work a forward waits for) and the
+output thread's (detokenizing and streaming, beside the scheduler; in this
+benchmark, with no forward releasing the GIL, the two threads take turns, so the
+wall time is about their sum).
 
 The stub's vocabulary is ``--vocab`` (default 2): the figure is then the engine's
 own work per step, which must stay O(batch). Sampling over a real vocabulary adds
@@ -30,6 +34,7 @@ import torch
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import CacheConfig
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
+from hicache.engine.output_thread import Stream
 from hicache.engine.request import Phase, Req
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.memory.device_pool import DevicePool
@@ -103,7 +108,7 @@ def run_case(
         ids = tuple(int(t) for t in rng.integers(0, 256, size=context - 1))
         request = GenerateRequest(ids, params)
         scheduler.submit(Req(
-            request=request, rid=str(i), emit=scheduler.outputs.emitter(loop, outputs),
+            request=request, rid=str(i), stream=Stream(loop, outputs),
             detokenizer=IncrementalDetokenizer(tokenizer, ids), generator=None,
         ))
     # Prefill (one step with a large enough chunk budget), then one decode step more:
@@ -120,12 +125,18 @@ def run_case(
 
         profiler = cProfile.Profile()
         profiler.enable()
+    output_cpu_start = scheduler.outputs.cpu_seconds
+    cpu_times: list[float] = []
     for _ in range(steps):
         stub.seconds = 0.0
         start = time.perf_counter()
+        cpu_start = time.thread_time()
         scheduler.step()
         scheduler.outputs.flush()
+        cpu_times.append(time.thread_time() - cpu_start - stub.seconds)
         times.append(time.perf_counter() - start - stub.seconds)
+    scheduler.outputs.close()  # waits for the output thread to catch up
+    output_cpu = scheduler.outputs.cpu_seconds - output_cpu_start
     if profiler is not None and profile:
         profiler.disable()
         profiler.dump_stats(profile)
@@ -137,6 +148,10 @@ def run_case(
         "median_ms": statistics.median(times) * 1e3,
         "mean_ms": statistics.fmean(times) * 1e3,
         "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
+        # CPU time of the scheduler thread per step (what it cannot overlap with a
+        # forward), and of the output thread (detokenizing and streaming, in parallel).
+        "scheduler_cpu_median_ms": statistics.median(cpu_times) * 1e3,
+        "output_thread_cpu_ms_per_step": output_cpu / steps * 1e3,
     }
 
 
@@ -152,8 +167,10 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"B={batch:5d} L={context:6d}: host time per decode step "
             f"median {result['median_ms']:.2f} ms, mean {result['mean_ms']:.2f} ms, "
-            f"p90 {result['p90_ms']:.2f} ms  (vocab {args.vocab}, page {args.page_size}, "
-            f"{torch.get_num_threads()} threads)"
+            f"p90 {result['p90_ms']:.2f} ms; CPU: scheduler thread median "
+            f"{result['scheduler_cpu_median_ms']:.2f} ms, output thread "
+            f"{result['output_thread_cpu_ms_per_step']:.2f} ms  (vocab {args.vocab}, "
+            f"page {args.page_size}, {torch.get_num_threads()} threads)"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -130,13 +130,16 @@ class RuntimeConfig:
     that runs on the device; see ``hicache.model.attention_backend``).
     ``prepack_weights``: on the CPU, multiply by oneDNN-packed copies of the weights
     (float32; ``hicache.model.linear``). ``enable_torch_compile``: compile the layers'
-    math around attention instead (it replaces packing).
+    math around attention instead (it replaces packing). ``output_thread``: detokenize
+    and stream outputs on their own thread, beside the scheduler (False: on the
+    scheduler thread, after each step; ``hicache.engine.output_thread``).
     """
 
     num_threads: int | None = None
     attention_backend: str = "auto"
     prepack_weights: bool = True
     enable_torch_compile: bool = False
+    output_thread: bool = True
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:

@@ -26,6 +26,7 @@ from hicache.engine.config import (
     RuntimeConfig,
     SchedulingConfig,
 )
+from hicache.engine.output_thread import Stream
 from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
@@ -52,6 +53,7 @@ class Engine:
         config: SchedulerConfig,
         model_name: str,
         num_threads: int | None = None,
+        output_thread: bool = True,
     ) -> None:
         self.model = loaded.model
         self.model_config = loaded.config
@@ -60,7 +62,9 @@ class Engine:
         self.model_name = model_name
         self.vocab_size = loaded.config.vocab_size
         self.max_context_len = config.max_context_len
-        self.scheduler = Scheduler(self.model, cache, config, self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(
+            self.model, cache, config, self.tokenizer.eos_token_ids, output_thread=output_thread
+        )
         # torch's intra-op threads for the forwards (None: leave torch's setting alone).
         self.num_threads = num_threads
         self._stop = threading.Event()
@@ -129,7 +133,7 @@ class Engine:
         rid = request.rid or uuid.uuid4().hex
 
         req = Req(
-            request=request, rid=rid, emit=self.scheduler.outputs.emitter(loop, outputs),
+            request=request, rid=rid, stream=Stream(loop, outputs),
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.input_ids),
             generator=make_generator(request.sampling, self.cache.device_pool.device),
         )
@@ -324,7 +328,8 @@ def build_engine(config: EngineConfig) -> Engine:
         cache.storage.backend.name if cache.storage is not None else "off", num_threads,
     )
     engine = Engine(
-        loaded, cache, scheduling.scheduler_config(context), model_name, num_threads=num_threads
+        loaded, cache, scheduling.scheduler_config(context), model_name,
+        num_threads=num_threads, output_thread=config.runtime.output_thread,
     )
     return engine.start()
 

@@ -9,7 +9,6 @@ request until it hands them to the tree.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -18,8 +17,9 @@ import torch
 
 from hicache.cache.hierarchical_cache import PrefixHit
 from hicache.cache.l3 import PrefetchHandle
-from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest, TokenLogprob
+from hicache.engine.api import CachedTokens, GenerateRequest, TokenLogprob
 from hicache.engine.logprobs import first_prompt_token
+from hicache.engine.output_thread import Stream
 from hicache.engine.penalties import PenaltyState
 from hicache.engine.sampling import is_greedy
 from hicache.memory.allocator import PageIds
@@ -38,7 +38,8 @@ class Phase(str, Enum):
 class Req:
     request: GenerateRequest
     rid: str
-    emit: Callable[[GenerateOutput], None]  # thread-safe hand-off to the caller
+    stream: Stream  # where its outputs go (the output thread's side)
+    # Run by the scheduler for a request with stop strings, else by the output thread.
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     arrived: float = field(default_factory=time.monotonic)
@@ -54,10 +55,12 @@ class Req:
     storage_tokens: int = 0  # tokens the L3 prefetch contributed
     cached: CachedTokens = field(default_factory=CachedTokens)
     first_token_at: float | None = None
-    text: str = ""  # output text so far (for stop strings)
-    emitted_chars: int = 0
-    num_emitted_tokens: int = 0
+    # Its text so far, when the scheduler detokenizes it (stop strings: scheduler_text),
+    # and how much of it was searched for them.
+    text: str = ""
+    scanned_chars: int = 0
     finish_reason: str | None = None
+    finished_at: float = 0.0
     error: str | None = None
     num_retractions: int = 0
     row: int | None = None  # its row of the model runner's page table while it runs
@@ -74,6 +77,8 @@ class Req:
     def __post_init__(self) -> None:
         self._prompt_len = len(self.request.input_ids)  # read several times per step
         sampling = self.request.sampling
+        # Whether it stops depends on its text: the scheduler detokenizes it.
+        self.scheduler_text = bool(sampling.stop)
         # Its next token is always the argmax of the model's logits: nothing to adjust
         # (penalties, min_new_tokens' mask), draw or report (logprobs).
         self.plain_greedy = (

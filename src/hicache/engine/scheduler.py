@@ -36,10 +36,10 @@ import numpy as np
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.engine.api import CachedTokens, GenerateOutput, TokenLogprob
+from hicache.engine.api import CachedTokens
 from hicache.engine.logprobs import position_logprobs
 from hicache.engine.model_runner import ModelRunner
-from hicache.engine.output_batcher import OutputBatcher
+from hicache.engine.output_thread import OutputThread
 from hicache.engine.penalties import PenaltyState, RowAdjustment, adjust_logits, ending_tokens
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
@@ -84,6 +84,7 @@ class Scheduler:
         cache: HierarchicalCache,
         config: SchedulerConfig,
         eos_token_ids: Iterable[int],
+        output_thread: bool = True,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -97,8 +98,9 @@ class Scheduler:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._by_rid: dict[str, Req] = {}
         self.prefetcher = Prefetcher(cache, enabled=config.enable_prefix_cache)
-        # Requests emit through it (``Engine.generate``); ``run`` flushes it after each step.
-        self.outputs = OutputBatcher()
+        # Outputs are recorded in it per step and flushed to its thread after each step
+        # (``run``), which detokenizes and streams them; a failed detokenizer aborts.
+        self.outputs = OutputThread(on_failure=self.abort, threaded=output_thread)
         self.runner = ModelRunner(
             model, cache.device_pool, config.max_running_requests, config.max_context_len
         )
@@ -138,9 +140,10 @@ class Scheduler:
             except Exception:  # a bug must not hang every client: fail what is in flight
                 logger.exception("scheduler step failed; aborting running requests")
                 self._fail_all("internal error in the scheduler step")
-            self.outputs.flush()  # the step's outputs, one hand-off per event loop
+            self.outputs.flush()  # the step's outputs, to the output thread
         self._fail_all("server shutting down")
         self.outputs.flush()
+        self.outputs.close()  # after delivering every output
 
     def step(self) -> bool:
         """One scheduling round; False when there was nothing to compute."""
@@ -536,9 +539,11 @@ class Scheduler:
             token in params.stop_token_ids
         )):
             reason, stop_token = "stop", True
-        if not stop_token:
+        if not stop_token and req.scheduler_text:
             req.text += req.detokenizer.push(token)
-            if may_stop and self._cut_at_stop(req):
+            if not may_stop:
+                req.scanned_chars = len(req.text)  # no stop string counts in this text
+            elif self._cut_at_stop(req):
                 reason, stop_string = "stop", True
         if reason is None and (
             len(req.output_ids) >= params.max_new_tokens
@@ -548,58 +553,28 @@ class Scheduler:
         if reason is not None:
             self._finish(req, reason, flush_text=not stop_string)
         else:
-            self._emit(req, final=False)
+            self.outputs.add(req, final=False)
 
     @staticmethod
     def _cut_at_stop(req: Req) -> bool:
         """Trim the text at the first stop string; True when there was one."""
-        cut = _find_stop(req.text, req.request.sampling.stop, req.emitted_chars)
+        cut = _find_stop(req.text, req.request.sampling.stop, req.scanned_chars)
         if cut is None:
+            req.scanned_chars = len(req.text)
             return False
         req.text = req.text[:cut]
         return True
-
-    def _emit(self, req: Req, final: bool) -> None:
-        stops = req.request.sampling.stop
-        # Hold back text that may be the start of a stop string.
-        hold = 0 if final or not stops else max(len(s) for s in stops) - 1
-        safe = max(req.emitted_chars, len(req.text) - hold)
-        text = req.text[req.emitted_chars : safe]
-        req.emitted_chars = safe
-        new_ids = tuple(req.output_ids[req.num_emitted_tokens :])
-        new_logprobs = tuple(req.output_logprobs[req.num_emitted_tokens :])
-        req.num_emitted_tokens = len(req.output_ids)
-        input_logprobs: tuple[TokenLogprob, ...] = ()
-        if req.request.logprobs is not None and not req.input_logprobs_sent and (
-            final or not req.wants_input_logprobs
-        ):
-            input_logprobs = tuple(req.input_logprobs)
-            req.input_logprobs_sent = True
-        now = time.monotonic()
-        ttft = latency = None
-        if final:
-            latency = now - req.arrived
-            if req.first_token_at is not None:
-                ttft = req.first_token_at - req.arrived
-        req.emit(
-            GenerateOutput(
-                rid=req.rid, token_ids=new_ids, text=text, finished=final,
-                finish_reason=req.finish_reason if final else None,
-                prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached, ttft_s=ttft, latency_s=latency, error=req.error,
-                output_logprobs=new_logprobs, input_logprobs=input_logprobs,
-            )
-        )
 
     def _finish(
         self, req: Req, reason: str, error: str | None = None, flush_text: bool = True
     ) -> None:
         if req.phase is Phase.FINISHED:
             return
-        if flush_text:
+        if flush_text and req.scheduler_text:
             # Text held back for an unfinished character is released at the end. First,
             # before anything is freed: a detokenizer failing here leaves the request
-            # whole, for the caller to finish without it.
+            # whole, for the caller to finish without it. (The output thread flushes the
+            # detokenizers of requests without stop strings.)
             req.text += req.detokenizer.flush()
             if self._cut_at_stop(req):
                 reason = "stop"
@@ -614,12 +589,13 @@ class Scheduler:
         req.phase = Phase.FINISHED
         req.finish_reason = reason
         req.error = error
+        req.finished_at = time.monotonic()
         self._by_rid.pop(req.rid, None)
         if reason == "abort":
             self.counters.num_aborted += 1
         else:
             self.counters.num_finished += 1
-        self._emit(req, final=True)
+        self.outputs.add(req, final=True)
 
     def _fail_all(self, message: str) -> None:
         for req in [*self.running, *self.waiting]:
@@ -629,11 +605,12 @@ class Scheduler:
                 logger.exception("could not finish request %s cleanly", req.rid)
 
 
-def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
-    """Index where the earliest stop string starts in ``text`` (searching new text only)."""
+def _find_stop(text: str, stops: tuple[str, ...], scanned: int) -> int | None:
+    """Index where the earliest stop string starts in ``text``, searching only where one
+    could end past ``text[:scanned]`` (searched before, with none found)."""
     best: int | None = None
     for stop in stops:
-        index = text.find(stop, max(0, emitted - len(stop) + 1))
+        index = text.find(stop, max(0, scanned - len(stop) + 1))
         if index >= 0 and (best is None or index < best):
             best = index
     return best

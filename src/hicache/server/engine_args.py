@@ -101,6 +101,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="compile each layer's math around attention with torch.compile (a slower "
         "start; replaces the CPU weight prepacking)",
     )
+    compute.add_argument(
+        "--disable-output-thread", action="store_true",
+        help="detokenize and stream outputs on the scheduler thread after each step instead "
+        "of on a thread of their own beside it",
+    )
     add_cache_args(parser)
     add_storage_args(parser)
 
@@ -133,5 +138,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             num_threads=args.num_threads, attention_backend=args.attention_backend,
             prepack_weights=not args.disable_weight_prepack,
             enable_torch_compile=args.enable_torch_compile,
+            output_thread=not args.disable_output_thread,
         ),
     )
