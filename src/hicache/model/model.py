@@ -23,7 +23,7 @@ from hicache.model.attention_backend import AttentionBackend, make_attention_bac
 from hicache.model.batch import BatchError, ForwardBatch
 from hicache.model.config import ModelConfig, ModelConfigError
 from hicache.model.layer_blocks import post_attention, pre_attention
-from hicache.model.linear import linear, prepack
+from hicache.model.linear import PACKED_FROM_ROWS, linear, prepack
 from hicache.model.mlp import SwiGLU
 from hicache.model.norm import RMSNorm
 from hicache.model.parameter import WeightViews, empty_parameter
@@ -66,7 +66,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes the new tokens' K/V into the pool."""
         attn, mlp = self.self_attn, self.mlp
-        w = self.packed or ProjectionWeights(
+        packed = self.packed if x.shape[0] >= PACKED_FROM_ROWS else None
+        w = packed or ProjectionWeights(
             attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight
         )
         q_norm = attn.q_norm.weight if attn.q_norm is not None else None
@@ -215,7 +216,9 @@ class CausalLM(nn.Module):
             # Mostly only the last token of each sequence is sampled from: skip the rest's
             # final norm and vocabulary projection (the largest GEMM of a decode step).
             h = h[torch.tensor(rows, device=h.device)]
-        head = self.packed_lm_head if self.packed_lm_head is not None else self.lm_head_weight
+        head = self.lm_head_weight
+        if self.packed_lm_head is not None and h.shape[0] >= PACKED_FROM_ROWS:
+            head = self.packed_lm_head
         return linear(self.norm(h), head).float()
 
     def _check(self, batch: ForwardBatch, kv: DevicePool) -> None:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import torch
 
 from hicache.model.linear import linear, prepack
-from tests.model_scenarios import dummy_model, mixed_batch_vs_alone, small_qwen3_style
+from hicache.model.model import CausalLM
+from tests.model_scenarios import (
+    SlotAllocator,
+    dummy_model,
+    mixed_batch_vs_alone,
+    new_pool,
+    random_tokens,
+    run_in_steps,
+    small_qwen3_style,
+)
 
 
 def test_prepacked_model_equals_the_plain_one() -> None:
@@ -30,3 +39,22 @@ def test_prepack_declines_what_onednn_cannot_pack() -> None:
     x = torch.randn(5, 4)
     torch.testing.assert_close(linear(x, packed), x @ weight.T)
     assert linear(x, weight).equal(torch.nn.functional.linear(x, weight))
+
+
+def _onednn_products(model: CausalLM, rows: int) -> int:
+    """How many oneDNN linear calls a forward of ``rows`` new tokens makes."""
+    pool = new_pool(model)
+    tokens = random_tokens(rows, model.config.vocab_size, seed=rows)
+    slots = SlotAllocator(pool).slots(rows)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run_in_steps(model, pool, tokens, slots, [rows])
+    return sum(1 for event in prof.events() if "_linear_pointwise" in event.name)
+
+
+def test_a_single_row_multiplies_by_the_plain_weights() -> None:
+    # One row (one request decoding) measured faster through MKL's matrix-vector path.
+    model = dummy_model(small_qwen3_style())
+    assert model.prepack_weights()
+    layers = model.config.num_layers
+    assert _onednn_products(model, 1) == 0
+    assert _onednn_products(model, 3) == 4 * layers + 1  # qkv, o, gate_up, down; the head
