@@ -29,6 +29,12 @@ from hicache.storage.config import StorageConfig
 
 # The KV pool on devices whose free memory is not measured (CPU), in tokens.
 CPU_KV_POOL_TOKENS = 65536
+# Prompt tokens per step on the CPU. A CPU's matrix products run at the same rate from
+# a few hundred rows up, so a bigger step computes no faster; it only makes every
+# prompt in it wait for all of them (and every decode wait for the step). Four cold
+# 256-token prompts on SmolLM2-135M: mean TTFT 7.3 s at 2048, 4.6 s at 256, total
+# time within 2% (docs/benchmarks.md).
+CPU_CHUNKED_PREFILL_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,8 @@ class SchedulingConfig:
     """
 
     max_running_requests: int = SchedulerConfig.max_running_requests
-    chunked_prefill_size: int = SchedulerConfig.chunked_prefill_size
+    # None: CPU_CHUNKED_PREFILL_SIZE on the CPU, SchedulerConfig's default elsewhere.
+    chunked_prefill_size: int | None = None
     # Device KV pool in tokens; None: mem_fraction_static of free GPU memory, or
     # CPU_KV_POOL_TOKENS off the GPU.
     max_total_tokens: int | None = None
@@ -100,7 +107,8 @@ class SchedulingConfig:
     disable_radix_cache: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_running_requests < 1 or self.chunked_prefill_size < 1:
+        chunk = self.chunked_prefill_size
+        if self.max_running_requests < 1 or (chunk is not None and chunk < 1):
             raise ConfigError("--max-running-requests and --chunked-prefill-size must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ConfigError("--max-total-tokens must be >= 1")
@@ -108,10 +116,17 @@ class SchedulingConfig:
         if not (math.isfinite(fraction) and 0 < fraction <= 1):
             raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
 
-    def scheduler_config(self, max_context_len: int) -> SchedulerConfig:
+    def resolved_chunked_prefill_size(self, device_type: str) -> int:
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        if device_type == "cpu":
+            return CPU_CHUNKED_PREFILL_SIZE
+        return SchedulerConfig.chunked_prefill_size
+
+    def scheduler_config(self, max_context_len: int, device_type: str) -> SchedulerConfig:
         return SchedulerConfig(
             max_running_requests=self.max_running_requests,
-            chunked_prefill_size=self.chunked_prefill_size,
+            chunked_prefill_size=self.resolved_chunked_prefill_size(device_type),
             max_context_len=max_context_len,
             enable_prefix_cache=not self.disable_radix_cache,
         )

@@ -71,6 +71,11 @@ class Engine:
         self._thread: threading.Thread | None = None
 
     @property
+    def chunked_prefill_size(self) -> int:
+        """Prompt tokens per step (the flag's default resolved for the device)."""
+        return self.scheduler.config.chunked_prefill_size
+
+    @property
     def attention_backend(self) -> str:
         """The attention backend the model runs (``auto`` resolved)."""
         return self.model.attention_backend.name
@@ -328,7 +333,7 @@ def build_engine(config: EngineConfig) -> Engine:
         cache.storage.backend.name if cache.storage is not None else "off", num_threads,
     )
     engine = Engine(
-        loaded, cache, scheduling.scheduler_config(context), model_name,
+        loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
         num_threads=num_threads, output_thread=config.runtime.output_thread,
     )
     return engine.start()

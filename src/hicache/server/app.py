@@ -109,6 +109,7 @@ def create_app(
         counters = engine.metrics()
         pages, page_size = counters.get("device_pool_pages"), state.info.server_args.get(
             "page_size")
+        info_args = state.info.server_args
         limits = {
             "max_total_num_tokens": int(pages * page_size) if pages and page_size else None,
             "max_req_input_len": engine.max_context_len,
@@ -116,6 +117,10 @@ def create_app(
             # Which attention backend runs (auto resolves per device); engines that do
             # not say (stand-ins in tests) report None.
             "attention_backend": getattr(engine, "attention_backend", None),
+            # The default resolves per device: report what the scheduler uses.
+            "chunked_prefill_size": getattr(
+                engine, "chunked_prefill_size", info_args.get("chunked_prefill_size")
+            ),
         }
         return server_info(state.info, state.served_model_name, l3, limits, counters, __version__)
 

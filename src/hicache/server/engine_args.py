@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 
 from hicache.engine.config import (
+    CPU_CHUNKED_PREFILL_SIZE,
     CPU_KV_POOL_TOKENS,
     EngineConfig,
     ModelLoadConfig,
     RuntimeConfig,
     SchedulingConfig,
 )
+from hicache.engine.scheduler import SchedulerConfig
 from hicache.model.attention_backend import ATTENTION_BACKENDS
 from hicache.model.loader import LoadFormat
 from hicache.model.presets import DEFAULT_PRESET, PRESETS
@@ -59,8 +61,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-running-requests", type=int, default=_SCHEDULING.max_running_requests
     )
     sched.add_argument(
-        "--chunked-prefill-size", type=int, default=_SCHEDULING.chunked_prefill_size,
-        help="prompt tokens computed per step across requests",
+        "--chunked-prefill-size", type=int, default=None,
+        help="prompt tokens computed per step across requests (default: "
+        f"{CPU_CHUNKED_PREFILL_SIZE} on the CPU, {SchedulerConfig.chunked_prefill_size} "
+        "on a GPU)",
     )
     sched.add_argument(
         "--max-total-tokens", type=int, default=None,

@@ -10,6 +10,7 @@ import pytest
 
 from hicache.config import CacheConfig, ConfigError
 from hicache.engine.config import (
+    CPU_CHUNKED_PREFILL_SIZE,
     EngineConfig,
     ModelLoadConfig,
     RuntimeConfig,
@@ -64,14 +65,17 @@ def test_scheduling_hands_the_scheduler_its_slice() -> None:
     scheduling = SchedulingConfig(
         max_running_requests=3, chunked_prefill_size=64, disable_radix_cache=True
     )
-    assert scheduling.scheduler_config(500) == SchedulerConfig(
+    assert scheduling.scheduler_config(500, "cpu") == SchedulerConfig(
         max_running_requests=3, chunked_prefill_size=64, max_context_len=500,
         enable_prefix_cache=False,
     )
-    defaults = SchedulingConfig().scheduler_config(500)
+    defaults = SchedulingConfig().scheduler_config(500, "cuda")
     assert defaults.max_running_requests == SchedulerConfig.max_running_requests
     assert defaults.chunked_prefill_size == SchedulerConfig.chunked_prefill_size
     assert defaults.enable_prefix_cache
+    # On the CPU a step's prompt tokens default to fewer (TTFT; see the constant).
+    cpu = SchedulingConfig().scheduler_config(500, "cpu")
+    assert cpu.chunked_prefill_size == CPU_CHUNKED_PREFILL_SIZE < defaults.chunked_prefill_size
 
 
 def test_the_engine_package_imports_nothing_of_the_server() -> None:

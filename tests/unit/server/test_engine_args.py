@@ -29,7 +29,7 @@ def test_no_flags_is_the_default_config() -> None:
         context_length=None, served_model_name=None,
     )
     assert config.scheduling == SchedulingConfig(
-        max_running_requests=32, chunked_prefill_size=2048, max_total_tokens=None,
+        max_running_requests=32, chunked_prefill_size=None, max_total_tokens=None,
         mem_fraction_static=0.85, disable_radix_cache=False,
     )
     assert config.cache == CacheConfig()

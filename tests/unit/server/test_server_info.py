@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from hicache.engine.config import CPU_CHUNKED_PREFILL_SIZE
 from hicache.server.server_info import REDACTED, public_config
 from tests.server_fixtures import RunningServer, serve_in_thread
 
@@ -62,6 +63,8 @@ def test_server_info_has_sglangs_arguments_and_the_live_l3(
     assert info["hicache_mem_layout"] in ("layer_first", "page_first", "page_first_direct")
     assert info["served_model_name"] == SERVED
     assert info["max_total_num_tokens"] == 2048
+    # The flag's default, resolved for the device (the server runs on the CPU).
+    assert info["chunked_prefill_size"] == CPU_CHUNKED_PREFILL_SIZE
     assert info["hicache_storage_backend"] == "file"
     assert json.loads(info["hicache_storage_backend_extra_config"])["path"] == str(l3_dir)
     assert info["l3"]["attached"] is True and info["l3"]["prefetch_threshold"] == 32
