@@ -78,22 +78,19 @@ class ModelRunner:
     ) -> ForwardBatch:
         # Per request: a few appends. A decode's one token is the last of its context;
         # the slots of every new token are looked up in the page table on the device.
-        ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        extend_lens: list[int] = []
-        seq_lens: list[int] = []
-        for req, n in plan:
-            start = req.num_computed
-            if n == 1:
-                ids.append(req.token_at(start))
-                positions.append(start)
-            else:
+        rows: list[int] = [req.row for req, _ in plan]  # type: ignore[misc]  # running: a row
+        extend_lens = [n for _, n in plan]
+        if len(extend_lens) == sum(extend_lens):  # decodes only: one token each
+            positions = [req.num_computed for req, _ in plan]
+            ids = [req.token_at(start) for (req, _), start in zip(plan, positions, strict=True)]
+            seq_lens = [start + 1 for start in positions]
+        else:
+            ids, positions, seq_lens = [], [], []
+            for req, n in plan:
+                start = req.num_computed
                 ids.extend(req.token_slice(start, start + n))
                 positions.extend(range(start, start + n))
-            rows.append(req.row)  # type: ignore[arg-type]  # running requests have a row
-            extend_lens.append(n)
-            seq_lens.append(start + n)
+                seq_lens.append(start + n)
         self.table.flush()
         device = self.device
         host = torch.tensor([ids, positions], dtype=torch.int64)

@@ -73,6 +73,10 @@ class Req:
     input_logprobs_sent: bool = False
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     penalties: PenaltyState | None = None  # made on the scheduler thread when first needed
+    # Set by the scheduler at its first admission (they depend on the engine): the tokens
+    # that end it once min_new_tokens are out, and the context length at which it stops.
+    stop_ids: frozenset[int] = frozenset()
+    length_limit: int = 0
 
     def __post_init__(self) -> None:
         self._prompt_len = len(self.request.input_ids)  # read several times per step

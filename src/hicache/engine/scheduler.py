@@ -228,6 +228,11 @@ class Scheduler:
         if need + reserve > room and self.running:
             return False
         first_admission = req.num_retractions == 0
+        if first_admission:
+            params = req.request.sampling
+            req.stop_ids = frozenset(ending_tokens(params, self.eos_token_ids))
+            req.length_limit = min(req.prompt_len + params.max_new_tokens,
+                                   self.config.max_context_len)
         hit = None
         if self.config.enable_prefix_cache:
             hit = cache.acquire(match_tokens, req.request.extra_key, record_hit=first_admission)
@@ -295,6 +300,55 @@ class Scheduler:
             logits = self.runner.forward(plan, logits_from, wait_layer)
         self.counters.num_steps += 1
         done: list[tuple[int, Req]] = []  # (row of its last logits, request)
+        if not wants_logits_from:
+            # One row per sequence, its last (every decode step): the common case, kept lean.
+            for last_row, (req, n) in enumerate(plan):
+                computed = req.num_computed + n
+                req.num_computed = computed
+                if computed == req.prompt_len + len(req.output_ids):
+                    done.append((last_row, req))
+        else:
+            done = self._record_prompt_logprobs(plan, logits, logits_from)
+        if not done:
+            return
+        if len(done) == len(logits):  # every row, in order (a decode step): no copy
+            chosen = logits.float()  # [num_done, vocab], as the model gave them
+        else:
+            chosen = logits[torch.tensor([row for row, _ in done], device=logits.device)].float()
+        adjusted = self._adjusted(chosen, [req for _, req in done])
+        greedy = greedy_tokens(adjusted if adjusted is not None else chosen)
+        plain = self.logits_observer is None
+        now = time.monotonic()
+        decode = Phase.DECODE
+        append = self._append_token
+        for index, (_, req) in enumerate(done):
+            if req.phase is not decode:
+                req.phase = decode
+                self._cache_prefill(req)
+                if req.request.sampling.max_new_tokens == 0:
+                    # Prefill only (clients warm the cache this way): the prompt is computed
+                    # and cached, no token is produced.
+                    self._finish(req, "length")
+                    continue
+            if req.first_token_at is None:
+                req.first_token_at = now
+            if plain and req.plain_greedy:
+                # The argmax is its token: no row of its own to adjust, sample or observe.
+                try:
+                    append(req, greedy[index])
+                except Exception as error:  # one request's fault must not fail the others
+                    self._token_failed(req, error)
+                continue
+            row = adjusted[index] if adjusted is not None else None
+            self._next_token(req, chosen[index], row, greedy[index])
+
+    def _record_prompt_logprobs(
+        self, plan: list[tuple[Req, int]], logits: torch.Tensor,
+        logits_from: list[int] | None,
+    ) -> list[tuple[int, Req]]:
+        """Advance the plan's requests, keeping the prompt logprobs some asked for; the
+        (row of its last logits, request) of each that has its next token to choose."""
+        done: list[tuple[int, Req]] = []
         failed: list[tuple[Req, str]] = []
         offset = 0
         for index, (req, n) in enumerate(plan):
@@ -311,34 +365,7 @@ class Scheduler:
             offset += num_rows
         for req, error in failed:
             self._fail(req, error)
-        done = [(row, req) for row, req in done if req.phase is not Phase.FINISHED]
-        if not done:
-            return
-        if len(done) == len(logits):  # every row, in order (a decode step): no copy
-            chosen = logits.float()  # [num_done, vocab], as the model gave them
-        else:
-            chosen = logits[torch.tensor([row for row, _ in done], device=logits.device)].float()
-        adjusted = self._adjusted(chosen, [req for _, req in done])
-        greedy = greedy_tokens(adjusted if adjusted is not None else chosen)
-        plain = self.logits_observer is None
-        now = time.monotonic()
-        for index, (_, req) in enumerate(done):
-            if req.phase is Phase.PREFILL:
-                req.phase = Phase.DECODE
-                self._cache_prefill(req)
-            if req.request.sampling.max_new_tokens == 0:
-                # Prefill only (clients warm the cache this way): the prompt is computed
-                # and cached, no token is produced.
-                self._finish(req, "length")
-                continue
-            if req.first_token_at is None:
-                req.first_token_at = now
-            if plain and req.plain_greedy:
-                # The argmax is its token: no row of its own to adjust, sample or observe.
-                self._append_guarded(req, greedy[index])
-                continue
-            row = adjusted[index] if adjusted is not None else None
-            self._next_token(req, chosen[index], row, greedy[index])
+        return [(row, req) for row, req in done if req.phase is not Phase.FINISHED]
 
     @staticmethod
     def _logits_from(req: Req, n: int) -> int:
@@ -430,15 +457,12 @@ class Scheduler:
                 req, f"internal error producing the next token: {type(error).__name__}: {error}"
             )
 
-    def _append_guarded(self, req: Req, token: int) -> None:
-        """``_append_token``, failing ``req`` alone if detokenizing or streaming it fails."""
-        try:
-            self._append_token(req, token)
-        except Exception as error:  # one request's fault must not fail the others
-            logger.exception("request %s failed while producing its next token", req.rid)
-            self._fail(
-                req, f"internal error producing the next token: {type(error).__name__}: {error}"
-            )
+    def _token_failed(self, req: Req, error: Exception) -> None:
+        """Producing ``req``'s next token raised: fail it alone."""
+        logger.exception("request %s failed while producing its next token", req.rid)
+        self._fail(
+            req, f"internal error producing the next token: {type(error).__name__}: {error}"
+        )
 
     def _fail(self, req: Req, error: str) -> None:
         if req.phase is not Phase.FINISHED:
@@ -525,30 +549,26 @@ class Scheduler:
 
     # ----------------------------------------------------------- outputs
     def _append_token(self, req: Req, token: int) -> None:
-        req.output_ids.append(token)
+        output_ids = req.output_ids
+        output_ids.append(token)
         if req.penalties is not None:
             req.penalties.add(token)
         self.counters.num_generated_tokens += 1
-        params = req.request.sampling
+        num_out = len(output_ids)
         reason: str | None = None
-        stop_token = stop_string = False
+        stop_string = False
         # Under min_new_tokens nothing stops it (SGLang's rule); its ending tokens were
         # masked, but one may still be forced (every other logit -inf).
-        may_stop = len(req.output_ids) >= params.min_new_tokens
-        if may_stop and ((token in self.eos_token_ids and not params.ignore_eos) or (
-            token in params.stop_token_ids
-        )):
-            reason, stop_token = "stop", True
-        if not stop_token and req.scheduler_text:
+        may_stop = num_out >= req.request.sampling.min_new_tokens
+        if token in req.stop_ids and may_stop:
+            reason = "stop"
+        elif req.scheduler_text:
             req.text += req.detokenizer.push(token)
             if not may_stop:
                 req.scanned_chars = len(req.text)  # no stop string counts in this text
             elif self._cut_at_stop(req):
                 reason, stop_string = "stop", True
-        if reason is None and (
-            len(req.output_ids) >= params.max_new_tokens
-            or req.seq_len >= self.config.max_context_len
-        ):
+        if reason is None and req.prompt_len + num_out >= req.length_limit:
             reason = "length"
         if reason is not None:
             self._finish(req, reason, flush_text=not stop_string)
