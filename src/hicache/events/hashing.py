@@ -1,0 +1,52 @@
+"""Page hashes a router can compute from a request's token ids.
+
+SGLang's published scheme, so routers that read SGLang workers read ours: each
+full page hashes SHA-256 over its parent page's whole digest (nothing for the
+first page) followed by each token id as 4 little-endian bytes; the event
+carries the digest's first 8 bytes read as a big-endian signed int64. Chaining
+through the parent makes a page's hash name its whole prefix, so equal hashes
+mean equal prefixes (up to SHA-256 collisions), whatever worker computed them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+
+def page_digest(tokens: Sequence[int], parent_digest: bytes | None) -> bytes:
+    """The full SHA-256 digest of one page given its parent's digest."""
+    hasher = hashlib.sha256()
+    if parent_digest is not None:
+        hasher.update(parent_digest)
+    # One bytes object for the page: far cheaper than an update per token.
+    hasher.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return hasher.digest()
+
+
+def digest_to_hash(digest: bytes) -> int:
+    """The int64 a KV event carries for a page digest."""
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def page_digests(
+    token_ids: Sequence[int], page_size: int, parent_digest: bytes | None = None,
+) -> list[bytes]:
+    """Digests of every full page of ``token_ids`` (a partial tail page has none:
+    only full pages are cached and announced)."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    digests: list[bytes] = []
+    parent = parent_digest
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = page_digest(token_ids[start:start + page_size], parent)
+        digests.append(parent)
+    return digests
+
+
+def page_hashes(
+    token_ids: Sequence[int], page_size: int, parent_digest: bytes | None = None,
+) -> list[int]:
+    """The int64 hashes of every full page of ``token_ids``, chained from
+    ``parent_digest`` (None: the pages start at the root)."""
+    return [digest_to_hash(d) for d in page_digests(token_ids, page_size, parent_digest)]

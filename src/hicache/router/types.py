@@ -1,0 +1,97 @@
+"""What the router's parts hand each other: one request's pages, the workers'
+state as the router sees it, and the decision.
+
+The HTTP side (worker registry, event subscribers, proxy) builds a
+:class:`RouteRequest` and asks a :class:`RoutingPolicy`; the policy reads the
+:class:`TierIndex` (fed by the subscribers) and the shared-pool lookup, and
+answers with a :class:`RouteDecision` the proxy follows and the metrics record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hicache.events.messages import KVEventBatch
+
+# Tiers from the top; overlap in a tier is the longest prefix of the request's
+# pages present in that tier or any tier above it on the same worker.
+TIERS = ("GPU", "CPU_PINNED", "EXTERNAL")
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load as the router last saw it."""
+
+    url: str
+    active_requests: int = 0  # proxied and not finished
+    decode_blocks: float = 0.0  # pages being decoded there (Dynamo's decode_blocks term)
+
+
+@dataclass(frozen=True)
+class TierOverlap:
+    """Pages of the request's prefix one worker holds, per tier, counted from the
+    first page: ``gpu`` <= ``host`` (device or host) <= ``external``."""
+
+    gpu: int = 0
+    host: int = 0
+    external: int = 0
+
+
+@dataclass(frozen=True)
+class TierCosts:
+    """Relative cost of bringing one page into a worker's device from each
+    place, with recomputing it as 1.0 (``--tier-costs measured`` fills these
+    from the worker's reported bandwidths and prefill rate)."""
+
+    host: float = 0.1
+    external: float = 0.5
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    page_hashes: Sequence[int]  # the request's full pages, chained (events.hashing)
+    prompt_tokens: int  # whole prompt, including a partial last page
+    workers: Sequence[WorkerLoad]  # healthy candidates, in registration order
+    shared_cache_multiplier: float | None = None  # per-request override; None: the router's
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    worker: str  # url of the chosen worker
+    policy: str
+    logits: Mapping[str, float] = field(default_factory=dict)  # lower wins; empty for round_robin
+    overlaps: Mapping[str, TierOverlap] = field(default_factory=dict)
+    shared_hits: int | None = None  # pages found in the shared pool; None: not asked or failed
+    shared_beyond: int = 0  # shared pages past the chosen worker's device prefix
+
+
+class TierIndex(Protocol):
+    """Which worker holds which page in which tier, built from KV events."""
+
+    def apply(self, worker: str, batch: KVEventBatch) -> None: ...
+
+    def clear_worker(self, worker: str) -> None:
+        """Forget everything a worker announced (AllBlocksCleared, restart, resync)."""
+
+    def remove_worker(self, worker: str) -> None: ...
+
+    def overlaps(
+        self, page_hashes: Sequence[int], workers: Sequence[str],
+    ) -> dict[str, TierOverlap]: ...
+
+    def num_pages(self) -> int: ...
+
+
+class SharedPoolLookup(Protocol):
+    """The shared L3's answer to "which of these pages do you hold?"."""
+
+    async def hits(self, page_hashes: Sequence[int], token_ids: Sequence[int]) -> Sequence[bool]:
+        """One flag per page; raises on failure (the policy then scores without it)."""
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    async def choose(self, request: RouteRequest, token_ids: Sequence[int]) -> RouteDecision: ...
