@@ -152,7 +152,10 @@ class CachedTokens:
         return self.device + self.host + self.storage
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, which made
+# building the outputs of a 1000-request step cost 5 ms of the output thread's time; with
+# slots and plain assignment it is a fifth of that. Nothing mutates an output once built.
+@dataclass(slots=True)
 class GenerateOutput:
     """One streamed step of a request (the last one has ``finished``)."""
 
