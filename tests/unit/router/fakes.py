@@ -153,10 +153,13 @@ class Publisher:
 
     def wait_subscribed(self, timeout_s: float = WAIT_S) -> None:
         """Until a subscriber's subscription reached this socket."""
-        if not self._pub.poll(int(timeout_s * 1000)):
-            raise TimeoutError("no subscriber joined")
-        message = self._pub.recv()
-        assert message[:1] == b"\x01", message
+        deadline = time.monotonic() + timeout_s
+        while True:  # skipping unsubscriptions (a subscriber that went away)
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._pub.poll(left_ms):
+                raise TimeoutError("no subscriber joined")
+            if self._pub.recv()[:1] == b"\x01":
+                return
 
     def publish(self, event_batch: KVEventBatch, *, send: bool = True) -> int:
         """Buffer the batch under the next sequence; ``send=False``: lost on the way."""
