@@ -143,12 +143,12 @@ def create_router_app(
         if reference is None or not state.workers.healthy():
             # Answered before tokenizing: there is nowhere to send it.
             return await state.proxy.route(request.url.path, raw, request.headers, [], [],
-                                           multiplier)
+                                           multiplier, request.receive)
         tokenizer = await _tokenizer(state)
         ids, hashes = await run_in_threadpool(prompt_pages, kind, body, tokenizer,
                                               reference.page_size)
         return await state.proxy.route(request.url.path, raw, request.headers, ids, hashes,
-                                       multiplier)
+                                       multiplier, request.receive)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -168,7 +168,8 @@ def create_router_app(
     @app.get("/model_info")
     async def any_worker(request: Request) -> Response:
         state = get_router_state(request)
-        return await state.proxy.forward_any("GET", request.url.path, request.headers)
+        return await state.proxy.forward_any("GET", request.url.path, request.headers,
+                                             request.receive)
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])
     async def flush_cache(request: Request) -> JSONResponse:

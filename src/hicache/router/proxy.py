@@ -50,7 +50,8 @@ class UpstreamResponse(StreamingResponse):
     """A worker's answer, streamed to the client while watching for the client leaving."""
 
     def __init__(self, upstream: httpx.Response, on_close: Callable[[], None]) -> None:
-        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code,
+        self._raw = upstream.aiter_raw()
+        super().__init__(self._raw, status_code=upstream.status_code,
                          headers=forwarded_headers(upstream.headers))
         self._upstream = upstream
         self._on_close = on_close
@@ -77,14 +78,26 @@ class UpstreamResponse(StreamingResponse):
             self._on_close()
 
     async def _pump(self, send: Send) -> None:
-        async for chunk in self._upstream.aiter_raw():
+        async for chunk in self._raw:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     @staticmethod
     async def _watch(receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        await client_gone(receive)
+
+
+async def client_gone(receive: Receive) -> None:
+    """Returns when the client disconnects (call once the request body was read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientGoneError(APIError):
+    """The client left before the worker answered; nobody reads this answer."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the request")
 
 
 class Proxy:
@@ -100,7 +113,7 @@ class Proxy:
 
     async def route(
         self, path: str, content: bytes, headers: Mapping[str, str], token_ids: list[int],
-        hashes: list[int], shared_cache_multiplier: float | None,
+        hashes: list[int], shared_cache_multiplier: float | None, receive: Receive,
     ) -> UpstreamResponse:
         """POST ``content`` to the policy's choice among healthy workers, next choice on a
         failure before any answer; APIError(503) when none is left."""
@@ -119,18 +132,19 @@ class Proxy:
             self._metrics.observe_decision(decision, len(hashes), time.perf_counter() - started)
             worker = self._chosen(decision, candidates)
             response = await self._try(worker, "POST", path, content, headers,
-                                       pages=len(hashes))
+                                       pages=len(hashes), receive=receive)
             if response is not None:
                 return response
             tried.append(worker.url)
             self._metrics.retries.inc()
 
     async def forward_any(self, method: str, path: str, headers: Mapping[str, str],
-                          ) -> UpstreamResponse:
+                          receive: Receive) -> UpstreamResponse:
         """A request any worker answers alike (/v1/models): the first healthy one."""
         tried: list[str] = []
         for worker in self._workers.healthy():
-            response = await self._try(worker, method, path, b"", headers, pages=0)
+            response = await self._try(worker, method, path, b"", headers, pages=0,
+                                       receive=receive)
             if response is not None:
                 return response
             tried.append(worker.url)
@@ -166,10 +180,11 @@ class Proxy:
 
     async def _try(
         self, worker: Worker, method: str, path: str, content: bytes,
-        headers: Mapping[str, str], *, pages: int,
+        headers: Mapping[str, str], *, pages: int, receive: Receive,
     ) -> UpstreamResponse | None:
         """The worker's answer (its status and headers in; body still to stream), or None
-        when it failed before answering."""
+        when it failed before answering. A client leaving meanwhile (a non-streamed answer
+        comes only when it is whole) drops the request to the worker too."""
         worker.active_requests += 1
         worker.active_prompt_pages += pages
         released = False
@@ -186,7 +201,7 @@ class Proxy:
             headers=forwarded_headers(headers), timeout=self._timeout,
         )
         try:
-            upstream = await self._client.send(request, stream=True)
+            upstream = await self._send_unless_gone(request, receive)
         except _BEFORE_ANSWER as error:
             release()
             logger.warning("worker %s failed before answering %s: %s: %s", worker.url, path,
@@ -203,6 +218,21 @@ class Proxy:
             raise
         self._metrics.requests.labels(worker=worker.url).inc()
         return UpstreamResponse(upstream, release)
+
+    async def _send_unless_gone(self, request: httpx.Request, receive: Receive,
+                                ) -> httpx.Response:
+        send = asyncio.ensure_future(self._client.send(request, stream=True))
+        watch = asyncio.ensure_future(client_gone(receive))
+        try:
+            await asyncio.wait({send, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not send.done():
+                send.cancel()  # closes the connection: the worker aborts the request
+            await asyncio.gather(send, watch, return_exceptions=True)
+        if send.cancelled():
+            raise ClientGoneError
+        return send.result()
 
     def _unavailable(self, tried: list[str]) -> APIError:
         self._metrics.unavailable.inc()

@@ -215,6 +215,7 @@ class FakeWorker:
     publisher: Publisher | None = None
     healthy: bool = True
     stream_delay_s: float = 0.0  # between streamed chunks
+    answer_delay_s: float = 0.0  # before a non-streamed answer
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     flushed: int = 0
@@ -256,9 +257,16 @@ def fake_worker_app(worker: FakeWorker) -> FastAPI:
     async def answer(request: Request) -> Response:
         body = await request.json()
         worker.requests.append((request.url.path, body))
-        if not body.get("stream"):
-            return JSONResponse({"path": request.url.path, "echo": body})
         tag = str(body.get("tag", ""))
+        if not body.get("stream"):
+            # As a worker does: the request is dropped when its client is gone.
+            deadline = time.monotonic() + worker.answer_delay_s
+            while time.monotonic() < deadline:
+                if await request.is_disconnected():
+                    worker.cancelled.append(tag)
+                    return Response(status_code=499)
+                await asyncio.sleep(0.02)
+            return JSONResponse({"path": request.url.path, "echo": body})
 
         async def chunks() -> AsyncIterator[bytes]:
             try:

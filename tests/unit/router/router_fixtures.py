@@ -29,8 +29,8 @@ class RunningRouter:
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.get(f"{self.url}{path}", timeout=10, **kwargs)
 
-    def post(self, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", timeout=10, **kwargs)
+    def post(self, path: str, timeout: float = 10, **kwargs: Any) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", timeout=timeout, **kwargs)
 
     def workers(self) -> dict[str, dict[str, Any]]:
         return {w["url"]: w for w in self.get("/workers").json()["workers"]}

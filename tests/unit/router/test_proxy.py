@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import pytest
 
 from hicache.events.hashing import page_hashes
 from hicache.model.tokenizer import ByteTokenizer
@@ -122,6 +123,15 @@ def test_a_client_that_leaves_cancels_the_worker_request() -> None:
             assert first == STREAM_CHUNKS[0]
         # Leaving the block closed the connection mid-stream.
         assert wait_for(lambda: worker.cancelled == ["left"], 5.0)
+        assert wait_for(lambda: router.workers()[urls[0]]["active_requests"] == 0, 5.0)
+
+
+def test_a_client_that_leaves_before_a_whole_answer_cancels_the_worker_request() -> None:
+    worker = FakeWorker(answer_delay_s=30.0)
+    with fake_workers(worker) as urls, running_router(urls) as router:
+        with pytest.raises(httpx.ReadTimeout):
+            router.post("/generate", json={"input_ids": IDS, "tag": "gone"}, timeout=0.5)
+        assert wait_for(lambda: worker.cancelled == ["gone"], 5.0)
         assert wait_for(lambda: router.workers()[urls[0]]["active_requests"] == 0, 5.0)
 
 
