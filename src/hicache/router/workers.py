@@ -349,6 +349,8 @@ class WorkerRegistry:
             logger.error("worker %s answers /health but stays out of routing: %s",
                          worker.url, error)
             return
+        if self._workers.get(worker.url) is not worker or worker.healthy:
+            return  # removed, or brought back by another probe, while rediscovering
         worker.info = info
         worker.healthy = True
         self._start_events(worker)
