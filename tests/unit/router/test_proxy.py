@@ -4,14 +4,12 @@ retries and refuses, and which pages it asks the policy about."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
 from hicache.events.hashing import page_hashes
 from hicache.model.tokenizer import ByteTokenizer
-from hicache.router.types import TierOverlap
 from hicache.router.workers import WorkerInfo
 from hicache.server.chat_prompt import chat_prompt_ids
 from hicache.server.chat_protocol import ChatCompletionRequest
@@ -206,7 +204,6 @@ def test_metrics_record_overlap_and_the_shared_pool() -> None:
         assert "router_shared_cache_hit_rate_sum 1.0" in metrics
         assert "router_shared_cache_beyond_blocks_sum 1.0" in metrics
         assert 'router_overlap_pages_sum{tier="GPU"} 1.0' in metrics
-        assert TierOverlap(gpu=1).gpu == 1
 
 
 def test_models_flush_health_and_server_info() -> None:
@@ -221,6 +218,3 @@ def test_models_flush_health_and_server_info() -> None:
         assert info["page_size"] == 4 and info["served_model_name"] == "tiny-model"
         assert [w["url"] for w in info["workers"]] == urls
         assert info["settings"]["admin_api_key"] is False
-        started = time.monotonic()
-        assert router.get("/metrics").status_code == 200
-        assert time.monotonic() - started < 5
