@@ -62,15 +62,16 @@ def build_test_engine(engine_args: Sequence[str] = ()) -> Engine:
 
 
 @contextmanager
-def serve_app_in_thread(app: FastAPI) -> Iterator[str]:
-    """Serve ``app`` with uvicorn from a background thread; yields its base URL."""
+def serve_app_in_thread(app: FastAPI, *, lifespan: str = "off") -> Iterator[str]:
+    """Serve ``app`` with uvicorn from a background thread; yields its base URL.
+    ``lifespan="on"`` runs the app's start-up and shut-down (it started once yielded)."""
     # Bound here, handed to uvicorn: the port is known before the thread starts
     # and no other process can take it in between.
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off",
+        app, log_level="warning", access_log=False, lifespan=lifespan,
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)

@@ -42,6 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(serve)
 
+    router = sub.add_parser(
+        "router", help="route requests over several workers by where their prefix is cached",
+        description="Proxy OpenAI and SGLang-style requests to workers, choosing each one "
+        "from the KV events the workers publish.",
+    )
+    from hicache.router.settings import add_arguments as add_router_arguments
+
+    add_router_arguments(router)
+
     demo = sub.add_parser("demo", help="fill L1, spill to L2, load back, and show what happened")
     from hicache.demo import add_arguments as add_demo_arguments
 
@@ -60,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = args.log_level or ("info" if args.command == "serve" else "warning")
+    level = args.log_level or ("info" if args.command in ("serve", "router") else "warning")
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -68,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hicache.server.serve import main as serve_main
 
         return serve_main(args)
+    if args.command == "router":
+        from hicache.router.serve import main as router_main
+
+        return router_main(args)
     if args.command == "demo":
         from hicache.demo import main as demo_main
 

@@ -44,8 +44,13 @@ _BUSY = "requests are running: change L3 only while the server is idle, then ret
 def authorize(state: ServerState, request: Request) -> None:
     if state.admin_api_key is None:
         raise APIError(400, "the admin API is disabled: start the server with --admin-api-key")
+    check_bearer(state.admin_api_key, request)
+
+
+def check_bearer(key: str, request: Request) -> None:
+    """APIError(401) unless the request carries ``Authorization: Bearer <key>``."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    expected = state.admin_api_key.encode()
+    expected = key.encode()
     # Constant-time comparison: the key must not leak through response timing.
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
         raise APIError(

@@ -1,0 +1,263 @@
+"""The router's FastAPI application. Routes:
+
+    POST /v1/chat/completions, /v1/completions, /generate   routed by the policy
+    GET  /v1/models, /get_model_info                        any healthy worker's answer
+    POST /flush_cache                                       every healthy worker's cache
+    GET  /health, /get_server_info, /metrics                the router's own
+    GET/POST/DELETE /workers                                the worker list (admin)
+
+A routed request's JSON body is read once: its prompt is hashed into pages
+(``prompt``), ``router_config_override`` (the router's, seed 001's per-request
+``shared_cache_multiplier``) is taken out, and the rest goes to the worker as
+sent. A body that is not a JSON object is a 400 and no worker hears of it.
+With ``--admin-api-key``, changing the worker list needs ``Authorization:
+Bearer <key>``, as the worker's own admin API.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from hicache import __version__
+from hicache.model.tokenizer import Tokenizer
+from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
+from hicache.router.prompt import PromptKind, PromptTokenizer, prompt_pages
+from hicache.router.proxy import Proxy
+from hicache.router.settings import RouterSettings, SettingsError, check_worker_url
+from hicache.router.types import RoutingPolicy, TierIndex
+from hicache.router.workers import WorkerError, WorkerInfo, WorkerRegistry
+from hicache.server.admin_api import check_bearer
+from hicache.server.errors import APIError, install_error_handlers
+
+OVERRIDE_FIELD = "router_config_override"
+_OVERRIDE_KEYS = ("shared_cache_multiplier",)
+
+
+@dataclass
+class RouterState:
+    settings: RouterSettings
+    index: TierIndex
+    policy: RoutingPolicy
+    workers: WorkerRegistry
+    proxy: Proxy
+    metrics: RouterMetrics
+    tokenizer: PromptTokenizer
+
+
+def get_router_state(request: Request) -> RouterState:
+    state: RouterState = request.app.state.router
+    return state
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise APIError(400, "the request body is empty: send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise APIError(400, f"the request body is not valid JSON ({error})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def pop_override(body: dict[str, Any]) -> float | None:
+    """Take ``router_config_override`` out of ``body``; its shared_cache_multiplier."""
+    override = body.pop(OVERRIDE_FIELD)
+    if override is None:
+        return None
+    if not isinstance(override, dict):
+        raise APIError(400, f"{OVERRIDE_FIELD} must be an object", param=OVERRIDE_FIELD)
+    unknown = sorted(set(override) - set(_OVERRIDE_KEYS))
+    if unknown:
+        raise APIError(400, f"{OVERRIDE_FIELD}: unrecognized field {unknown[0]!r} (the router "
+                       f"takes {', '.join(_OVERRIDE_KEYS)})",
+                       param=f"{OVERRIDE_FIELD}.{unknown[0]}")
+    value = override.get("shared_cache_multiplier")
+    param = f"{OVERRIDE_FIELD}.shared_cache_multiplier"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise APIError(400, f"{param} must be a number", param=param)
+    if value < 0:
+        raise APIError(400, f"{param} must be >= 0 (got {value})", param=param)
+    return float(value)
+
+
+def create_router_app(
+    settings: RouterSettings, index: TierIndex, policy: RoutingPolicy,
+    workers: Sequence[WorkerInfo] = (),
+) -> FastAPI:
+    """The app over ``index`` and ``policy``; ``workers`` (already discovered and checked,
+    see ``serve.discover_workers``) are registered when it starts."""
+    client = httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        timeout=settings.request_timeout_s,
+    )
+    registry = WorkerRegistry(index, client, health_interval_s=settings.health_interval_s)
+    metrics = RouterMetrics(registry, index.num_pages)
+    state = RouterState(
+        settings=settings, index=index, policy=policy, workers=registry,
+        proxy=Proxy(registry, policy, metrics, client, settings.request_timeout_s),
+        metrics=metrics, tokenizer=PromptTokenizer(settings.tokenizer),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            for info in workers:
+                registry.add(info)
+            registry.start()
+            if registry.reference is not None:
+                await _tokenizer(state)  # loaded before the first request, not during it
+            yield
+        finally:
+            await registry.stop()
+            await client.aclose()
+
+    app = FastAPI(title="hicache router", summary="routes requests to where their prefix is "
+                  "cheapest", lifespan=lifespan)
+    app.state.router = state
+    install_error_handlers(app)
+
+    async def routed(request: Request, kind: PromptKind) -> Response:
+        state = get_router_state(request)
+        raw = await request.body()
+        body = parse_json_object(raw)
+        multiplier = None
+        if OVERRIDE_FIELD in body:
+            multiplier = pop_override(body)
+            raw = json.dumps(body, ensure_ascii=False).encode()
+        reference = state.workers.reference
+        if reference is None or not state.workers.healthy():
+            # Answered before tokenizing: there is nowhere to send it.
+            return await state.proxy.route(request.url.path, raw, request.headers, [], [],
+                                           multiplier, request.receive)
+        tokenizer = await _tokenizer(state)
+        ids, hashes = await run_in_threadpool(prompt_pages, kind, body, tokenizer,
+                                              reference.page_size)
+        return await state.proxy.route(request.url.path, raw, request.headers, ids, hashes,
+                                       multiplier, request.receive)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await routed(request, PromptKind.CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await routed(request, PromptKind.COMPLETION)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await routed(request, PromptKind.GENERATE)
+
+    @app.get("/v1/models")
+    @app.get("/v1/models/{model_id:path}")
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def any_worker(request: Request) -> Response:
+        state = get_router_state(request)
+        return await state.proxy.forward_any("GET", request.url.path, request.headers,
+                                             request.receive)
+
+    @app.api_route("/flush_cache", methods=["POST", "GET"])
+    async def flush_cache(request: Request) -> JSONResponse:
+        results = await get_router_state(request).proxy.fan_out("POST", "/flush_cache")
+        failed = [status for status, _ in results.values() if status != 200]
+        body = {"flushed": not failed,
+                "workers": {url: {"status": status, "response": answer}
+                            for url, (status, answer) in results.items()}}
+        return JSONResponse(body, status_code=failed[0] if failed else 200)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        registry = get_router_state(request).workers
+        healthy = len(registry.healthy())
+        body = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
+                "workers": len(registry.all())}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info(request: Request) -> dict[str, Any]:
+        state = get_router_state(request)
+        reference = state.workers.reference
+        return {
+            "role": "router", "version": __version__, "policy": state.policy.name,
+            "page_size": reference.page_size if reference else None,
+            "served_model_name": reference.model if reference else None,
+            "model_path": reference.model_path if reference else None,
+            "tokenizer_path": reference.tokenizer_path if reference else None,
+            "settings": state.settings.public(), "indexed_pages": state.index.num_pages(),
+            "workers": _workers_view(state),
+        }
+
+    @app.get("/metrics")
+    async def metrics_route(request: Request) -> Response:
+        return Response(get_router_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/workers")
+    async def list_workers(request: Request) -> dict[str, Any]:
+        return {"workers": _workers_view(get_router_state(request))}
+
+    @app.post("/workers")
+    async def add_worker(request: Request) -> JSONResponse:
+        state = get_router_state(request)
+        _authorize(state, request)
+        body = parse_json_object(await request.body())
+        url = body.get("url")
+        if not isinstance(url, str):
+            raise APIError(400, "send {\"url\": \"http://host:port\"}", param="url")
+        try:
+            worker = await state.workers.add_url(check_worker_url(url))
+        except SettingsError as error:
+            raise APIError(400, str(error), param="url") from None
+        except WorkerError as error:
+            raise APIError(error.status, str(error), param="url") from None
+        await _tokenizer(state)
+        return JSONResponse({"added": worker.info.public()}, status_code=201)
+
+    @app.delete("/workers")
+    async def remove_worker(request: Request, url: str | None = None) -> dict[str, Any]:
+        state = get_router_state(request)
+        _authorize(state, request)
+        if not url:
+            raise APIError(400, "name the worker: DELETE /workers?url=http://host:port",
+                           param="url")
+        try:
+            await state.workers.remove(url)
+        except WorkerError as error:
+            raise APIError(error.status, str(error), param="url") from None
+        return {"removed": url}
+
+    return app
+
+
+async def _tokenizer(state: RouterState) -> Tokenizer:
+    reference = state.workers.reference
+    paths = [reference.tokenizer_path, reference.model_path] if reference else []
+    return await state.tokenizer.get(paths)
+
+
+def _authorize(state: RouterState, request: Request) -> None:
+    if state.settings.admin_api_key is not None:
+        check_bearer(state.settings.admin_api_key, request)
+
+
+def _workers_view(state: RouterState) -> list[dict[str, Any]]:
+    return [
+        {**w.info.public(), "healthy": w.healthy, "active_requests": w.active_requests,
+         "kv_events_last_sequence": w.event_counts.last_sequence}
+        for w in state.workers.all()
+    ]

@@ -1,0 +1,115 @@
+"""GET /metrics of the router, as Prometheus text.
+
+Observed per routed request: the decision's latency, the chosen worker's
+overlap per tier, and (when the shared pool was asked) seed 001's two
+histograms, ``router_shared_cache_hit_rate`` (fraction of the request's pages
+the shared pool holds) and ``router_shared_cache_beyond_blocks`` (shared pages
+past the chosen worker's device prefix). Read at scrape time from the
+registry: each worker's up/down state and load, its event subscriber's
+counts (batches, gaps, replays, restarts, malformed), and the index's size.
+Each router owns its registry, so several in one process (tests) never clash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hicache.router.types import TIERS, RouteDecision
+from hicache.router.workers import WorkerRegistry
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+DECISION_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)
+RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+PAGE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+# TierOverlap's field for each tier name, top tier first.
+_TIER_FIELDS = dict(zip(TIERS, ("gpu", "host", "external"), strict=True))
+
+
+class RouterMetrics:
+    def __init__(self, workers: WorkerRegistry, indexed_pages: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decision_latency = Histogram(
+            "router_decision_latency_seconds", "time to choose a worker (hashing excluded)",
+            buckets=DECISION_BUCKETS_S, registry=r,
+        )
+        self.shared_hit_rate = Histogram(
+            "router_shared_cache_hit_rate",
+            "fraction of a request's pages found in the shared pool",
+            buckets=RATE_BUCKETS, registry=r,
+        )
+        self.shared_beyond = Histogram(
+            "router_shared_cache_beyond_blocks",
+            "shared-pool pages past the chosen worker's device overlap",
+            buckets=PAGE_BUCKETS, registry=r,
+        )
+        self.overlap = Histogram(
+            "router_overlap_pages",
+            "the chosen worker's prefix overlap with the request, in pages, per tier "
+            "(a tier counts the tiers above it)",
+            ["tier"], buckets=PAGE_BUCKETS, registry=r,
+        )
+        self.requests = Counter(
+            "router_requests", "requests sent to each worker", ["worker"], registry=r,
+        )
+        self.retries = Counter(
+            "router_retries", "requests sent again to another worker after the first one "
+            "failed before answering", registry=r,
+        )
+        self.unavailable = Counter(
+            "router_unavailable", "requests refused with 503: no healthy worker", registry=r,
+        )
+        r.register(_LiveState(workers, indexed_pages))
+
+    def observe_decision(self, decision: RouteDecision, num_pages: int, latency_s: float) -> None:
+        self.decision_latency.observe(latency_s)
+        chosen = decision.overlaps.get(decision.worker)
+        if chosen is not None:
+            for tier, attribute in _TIER_FIELDS.items():
+                self.overlap.labels(tier=tier).observe(getattr(chosen, attribute))
+        if decision.shared_hits is not None and num_pages > 0:
+            self.shared_hit_rate.observe(decision.shared_hits / num_pages)
+            self.shared_beyond.observe(decision.shared_beyond)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveState(Collector):
+    def __init__(self, workers: WorkerRegistry, indexed_pages: Callable[[], int]) -> None:
+        self._workers = workers
+        self._indexed_pages = indexed_pages
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("router_worker_up", "1 while the worker is routed to",
+                               labels=["worker"])
+        active = GaugeMetricFamily("router_worker_active_requests",
+                                   "requests in flight at the worker", labels=["worker"])
+        counters = {
+            name: CounterMetricFamily(f"router_kv_event_{name}", text, labels=["worker"])
+            for name, text in (
+                ("batches", "KV event batches applied to the index"),
+                ("gaps", "KV event sequence jumps"),
+                ("replays", "replay requests sent"),
+                ("replay_failures", "replays without a complete answer"),
+                ("restarts", "KV event sequences that went back (worker restarted)"),
+                ("malformed", "KV event messages skipped as unreadable"),
+            )
+        }
+        for worker in self._workers.all():
+            up.add_metric([worker.url], 1.0 if worker.healthy else 0.0)
+            active.add_metric([worker.url], worker.active_requests)
+            for name, family in counters.items():
+                family.add_metric([worker.url], getattr(worker.event_counts, name))
+        yield up
+        yield active
+        yield from counters.values()
+        yield GaugeMetricFamily("router_indexed_pages", "pages the index holds",
+                                value=self._indexed_pages())

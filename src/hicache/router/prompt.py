@@ -1,0 +1,113 @@
+"""A proxied request's prompt as the token ids its worker will see, hence its page hashes.
+
+The router hashes the same ids the worker caches: ``input_ids`` when the client
+sent them; else the text through the model's tokenizer as the worker does it
+(``engine.tokenize`` for a prompt; the chat template through the worker's own
+``chat_prompt_ids`` for messages). A batch routes by its first prompt. A body
+the worker will refuse anyway (a wrong field, a template error) routes with no
+pages, by load alone: the worker's answer is the error the client gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from hicache.events.hashing import page_hashes
+from hicache.model.tokenizer import Tokenizer, load_tokenizer
+from hicache.server.chat_prompt import chat_prompt_ids
+from hicache.server.chat_protocol import ChatCompletionRequest
+from hicache.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class PromptKind(enum.Enum):
+    CHAT = "chat"  # /v1/chat/completions: messages or input_ids
+    COMPLETION = "completion"  # /v1/completions: prompt (text, ids, or a batch of one)
+    GENERATE = "generate"  # /generate: text or input_ids, one or a batch
+
+
+def _ids(value: Any) -> list[int] | None:
+    """``value`` as token ids, or None when it is not a non-empty list of ints."""
+    if isinstance(value, list) and value and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        return value
+    return None
+
+
+def _first(value: Any) -> Any:
+    """A batch's first prompt (a list of texts or of id lists); anything else unchanged."""
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        return value[0]
+    return value
+
+
+def prompt_token_ids(
+    kind: PromptKind, body: Mapping[str, Any], tokenizer: Tokenizer | None
+) -> list[int]:
+    """The ids to hash; empty when there are none to be had (see the module doc)."""
+    if kind is PromptKind.CHAT:
+        ids = _ids(body.get("input_ids"))
+        if ids is not None or tokenizer is None:
+            return ids or []
+        try:
+            return chat_prompt_ids(tokenizer, ChatCompletionRequest.model_validate(body))
+        except (ValidationError, APIError, ValueError):
+            return []
+    if kind is PromptKind.COMPLETION:
+        prompt = _first(body.get("prompt"))
+    else:
+        prompt = _first(body.get("input_ids"))
+        if prompt is None:
+            prompt = _first(body.get("text"))
+    ids = _ids(prompt)
+    if ids is not None:
+        return ids
+    if isinstance(prompt, str) and prompt and tokenizer is not None:
+        try:
+            return tokenizer.encode(prompt)  # as the worker's engine.tokenize
+        except ValueError:
+            return []
+    return []
+
+
+def prompt_pages(
+    kind: PromptKind, body: Mapping[str, Any], tokenizer: Tokenizer | None, page_size: int,
+) -> tuple[list[int], list[int]]:
+    """(token ids, their full pages' hashes)."""
+    ids = prompt_token_ids(kind, body, tokenizer)
+    return ids, page_hashes(ids, page_size)
+
+
+class PromptTokenizer:
+    """The model's tokenizer, loaded once, off the event loop, at the first need: from
+    ``--tokenizer``, else the dir the first worker names (``tokenizer_path``, else
+    ``model_path``)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self._path = path
+        self._tokenizer: Tokenizer | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def loaded(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    async def get(self, worker_paths: Sequence[str | None]) -> Tokenizer:
+        if self._tokenizer is not None:
+            return self._tokenizer
+        async with self._lock:
+            if self._tokenizer is None:
+                path = self._path or next((p for p in worker_paths if p), None)
+                self._tokenizer = await run_in_threadpool(load_tokenizer, path)
+                logger.info("tokenizer for page hashes: %s (%s)", path or "byte-level",
+                            type(self._tokenizer).__name__)
+            return self._tokenizer

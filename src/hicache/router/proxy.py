@@ -1,0 +1,247 @@
+"""Send a request to the worker the policy chose and pass its answer back unchanged.
+
+The answer streams through byte for byte (``aiter_raw``: no decoding, no
+re-chunking of SSE events), status and headers included. A client that goes
+away closes the connection to the worker at once, which is how a worker learns
+to abort the request. A worker that fails before answering anything (refused
+connection, connection dropped before the status line) is left out and the
+request goes to the next choice; once a byte came back, a failure is the
+client's to see (the router closes the connection rather than end the answer
+as if it were whole). A worker silent past ``--request-timeout`` is a 504, not
+retried: it may still be working on the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import httpx
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from hicache.router.metrics import RouterMetrics
+from hicache.router.types import RouteDecision, RouteRequest, RoutingPolicy
+from hicache.router.workers import Worker, WorkerRegistry
+from hicache.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+# Not passed on in either direction: they describe one connection, not the message;
+# content-length is recomputed (the body is streamed), server and date are the router's.
+_HOP_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "transfer-encoding", "upgrade", "host", "content-length", "server", "date",
+})
+# Failures that mean the worker never got (or never began answering) the request.
+_BEFORE_ANSWER = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                  httpx.ReadError, httpx.WriteError)
+_REFUSED = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+class UpstreamResponse(StreamingResponse):
+    """A worker's answer, streamed to the client while watching for the client leaving."""
+
+    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None]) -> None:
+        self._raw = upstream.aiter_raw()
+        super().__init__(self._raw, status_code=upstream.status_code,
+                         headers=forwarded_headers(upstream.headers))
+        self._upstream = upstream
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            pump = asyncio.ensure_future(self._pump(send))
+            watch = asyncio.ensure_future(self._watch(receive))
+            try:
+                await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (pump, watch):
+                    task.cancel()
+                await asyncio.gather(pump, watch, return_exceptions=True)
+            if pump.done() and not pump.cancelled() and pump.exception() is not None:
+                # The worker failed mid-answer: end the connection, not the body, so the
+                # client cannot take a cut answer for a whole one.
+                raise pump.exception()  # type: ignore[misc]
+        finally:
+            # Closing drops the connection to the worker: a client that left aborts it there.
+            await self._upstream.aclose()
+            self._on_close()
+
+    async def _pump(self, send: Send) -> None:
+        async for chunk in self._raw:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    async def _watch(receive: Receive) -> None:
+        await client_gone(receive)
+
+
+async def client_gone(receive: Receive) -> None:
+    """Returns when the client disconnects (call once the request body was read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientGoneError(APIError):
+    """The client left before the worker answered; nobody reads this answer."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the request")
+
+
+class Proxy:
+    def __init__(
+        self, workers: WorkerRegistry, policy: RoutingPolicy, metrics: RouterMetrics,
+        client: httpx.AsyncClient, request_timeout_s: float,
+    ) -> None:
+        self._workers = workers
+        self._policy = policy
+        self._metrics = metrics
+        self._client = client
+        self._timeout = httpx.Timeout(request_timeout_s, connect=min(request_timeout_s, 5.0))
+
+    async def route(
+        self, path: str, content: bytes, headers: Mapping[str, str], token_ids: list[int],
+        hashes: list[int], shared_cache_multiplier: float | None, receive: Receive,
+    ) -> UpstreamResponse:
+        """POST ``content`` to the policy's choice among healthy workers, next choice on a
+        failure before any answer; APIError(503) when none is left."""
+        tried: list[str] = []
+        while True:
+            candidates = [w for w in self._workers.healthy() if w.url not in tried]
+            if not candidates:
+                raise self._unavailable(tried)
+            request = RouteRequest(
+                page_hashes=hashes, prompt_tokens=len(token_ids),
+                workers=[w.load() for w in candidates],
+                shared_cache_multiplier=shared_cache_multiplier,
+            )
+            started = time.perf_counter()
+            decision = await self._policy.choose(request, token_ids)
+            self._metrics.observe_decision(decision, len(hashes), time.perf_counter() - started)
+            worker = self._chosen(decision, candidates)
+            response = await self._try(worker, "POST", path, content, headers,
+                                       pages=len(hashes), receive=receive)
+            if response is not None:
+                return response
+            tried.append(worker.url)
+            self._metrics.retries.inc()
+
+    async def forward_any(self, method: str, path: str, headers: Mapping[str, str],
+                          receive: Receive) -> UpstreamResponse:
+        """A request any worker answers alike (/v1/models): the first healthy one."""
+        tried: list[str] = []
+        for worker in self._workers.healthy():
+            response = await self._try(worker, method, path, b"", headers, pages=0,
+                                       receive=receive)
+            if response is not None:
+                return response
+            tried.append(worker.url)
+        raise self._unavailable(tried)
+
+    async def fan_out(self, method: str, path: str) -> dict[str, tuple[int, Any]]:
+        """The same request to every healthy worker: url -> (status, JSON answer or text);
+        status 502 for a worker that could not be reached."""
+        workers = self._workers.healthy()
+        if not workers:
+            raise self._unavailable([])
+
+        async def one(worker: Worker) -> tuple[int, Any]:
+            try:
+                response = await self._client.request(method, f"{worker.url}{path}",
+                                                      timeout=self._timeout)
+            except httpx.HTTPError as error:
+                return 502, f"{type(error).__name__}: {error}"
+            try:
+                return response.status_code, response.json()
+            except ValueError:
+                return response.status_code, response.text
+
+        results = await asyncio.gather(*(one(w) for w in workers))
+        return {w.url: result for w, result in zip(workers, results, strict=True)}
+
+    def _chosen(self, decision: RouteDecision, candidates: list[Worker]) -> Worker:
+        for worker in candidates:
+            if worker.url == decision.worker:
+                return worker
+        raise APIError(500, f"the {self._policy.name} policy chose {decision.worker!r}, "
+                       "which is not one of the healthy workers it was given")
+
+    async def _try(
+        self, worker: Worker, method: str, path: str, content: bytes,
+        headers: Mapping[str, str], *, pages: int, receive: Receive,
+    ) -> UpstreamResponse | None:
+        """The worker's answer (its status and headers in; body still to stream), or None
+        when it failed before answering. A client leaving meanwhile (a non-streamed answer
+        comes only when it is whole) drops the request to the worker too."""
+        worker.active_requests += 1
+        worker.active_prompt_pages += pages
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                worker.active_requests -= 1
+                worker.active_prompt_pages -= pages
+
+        request = self._client.build_request(
+            method, f"{worker.url}{path}", content=content or None,
+            headers=forwarded_headers(headers), timeout=self._timeout,
+        )
+        try:
+            upstream = await self._send_unless_gone(request, receive)
+        except _BEFORE_ANSWER as error:
+            release()
+            logger.warning("worker %s failed before answering %s: %s: %s", worker.url, path,
+                           type(error).__name__, error)
+            if isinstance(error, _REFUSED):
+                await self._workers.mark_down(worker.url, f"{type(error).__name__}")
+            return None
+        except httpx.TimeoutException:
+            release()
+            raise APIError(504, f"worker {worker.url} did not answer within the request "
+                           "timeout (--request-timeout)") from None
+        except BaseException:
+            release()  # the client left while waiting: the request is dropped with it
+            raise
+        self._metrics.requests.labels(worker=worker.url).inc()
+        return UpstreamResponse(upstream, release)
+
+    async def _send_unless_gone(self, request: httpx.Request, receive: Receive,
+                                ) -> httpx.Response:
+        send = asyncio.ensure_future(self._client.send(request, stream=True))
+        watch = asyncio.ensure_future(client_gone(receive))
+        try:
+            await asyncio.wait({send, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not send.done():
+                send.cancel()  # closes the connection: the worker aborts the request
+            await asyncio.gather(send, watch, return_exceptions=True)
+        if send.cancelled():
+            raise ClientGoneError
+        return send.result()
+
+    def _unavailable(self, tried: list[str]) -> APIError:
+        self._metrics.unavailable.inc()
+        known = len(self._workers.all())
+        if tried:
+            return APIError(503, f"no healthy worker could take the request: "
+                            f"{', '.join(tried)} failed before answering")
+        if known:
+            return APIError(503, f"no healthy worker: all {known} registered workers are "
+                            "down (failing /health)")
+        return APIError(503, "no worker registered: start the router with --worker-urls "
+                        "or add one with POST /workers")

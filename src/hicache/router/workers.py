@@ -1,0 +1,371 @@
+"""The workers the router sends requests to: discovery, compatibility, health, load.
+
+A worker is discovered from its ``/get_server_info``: page size, model, where
+it publishes KV events (``kv_events_endpoint`` / ``kv_events_replay_endpoint``
+/ ``kv_events_topic``, or SGLang's ``kv_events_config`` JSON) and, when it has
+one, the seed of its L3 keys. Every worker must have the first one's page size
+and model: the router hashes a request's pages once, with one page size and
+one tokenizer, for all of them. A worker that differs is refused with both
+values named.
+
+The registry owns each worker's event subscriber. A health probe (``GET
+/health`` every ``health_interval_s``) or a failed connection takes a worker
+out of routing at once and drops its index entries (its caches may be gone);
+when it answers again it is rediscovered (a restarted worker may publish
+elsewhere) and its subscriber rebuilds its entries from the replay buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import zmq.asyncio
+
+from hicache.router.settings import normalize_worker_url
+from hicache.router.subscriber import EventEndpoints, EventSubscriber, SubscriberCounts
+from hicache.router.types import TierIndex, WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+DISCOVERY_TIMEOUT_S = 5.0
+MAX_PROBE_TIMEOUT_S = 5.0
+# Addresses a publisher binds to that mean "every interface": reached at the worker's host.
+_ANY_HOST = frozenset({"*", "0.0.0.0", "::", "[::]"})
+
+
+class WorkerError(Exception):
+    """A worker the registry cannot take; ``status`` is the admin API's answer."""
+
+    status = 400
+
+
+class WorkerUnreachableError(WorkerError):
+    status = 502
+
+
+class WorkerMismatchError(WorkerError):
+    """Its page size or model differs from the other workers'."""
+
+    status = 409
+
+
+class WorkerExistsError(WorkerError):
+    status = 409
+
+
+class UnknownWorkerError(WorkerError):
+    status = 404
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    url: str
+    page_size: int
+    model: str  # the served model name (what clients send), else the model path
+    model_path: str | None = None
+    tokenizer_path: str | None = None  # a dir the router can load the tokenizer from
+    events: EventEndpoints | None = None  # None: the worker publishes no KV events
+    l3_key_seed: str | None = None  # seeds the worker's L3 keys, when it reports one
+
+    def public(self) -> dict[str, Any]:
+        events = self.events
+        return {
+            "url": self.url, "page_size": self.page_size, "model": self.model,
+            "model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
+            "kv_events_endpoint": events.endpoint if events else None,
+            "kv_events_replay_endpoint": events.replay_endpoint if events else None,
+            "kv_events_topic": events.topic if events else None,
+            "hicache_l3_key_seed": self.l3_key_seed,
+        }
+
+
+def parse_server_info(url: str, info: Mapping[str, Any]) -> WorkerInfo:
+    """A worker's /get_server_info answer as a WorkerInfo; WorkerError when it lacks what
+    routing needs."""
+    page_size = info.get("page_size")
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+        raise WorkerError(f"worker {url}: /get_server_info has no valid page_size "
+                          f"(got {page_size!r})")
+    model_path = _text(info.get("model_path"))
+    model = _text(info.get("served_model_name")) or model_path
+    if model is None:
+        raise WorkerError(f"worker {url}: /get_server_info names no model "
+                          "(served_model_name or model_path)")
+    seed = info.get("hicache_l3_key_seed")
+    return WorkerInfo(
+        url=url, page_size=page_size, model=model, model_path=model_path,
+        tokenizer_path=_text(info.get("tokenizer_path")),
+        events=_event_endpoints(url, info),
+        l3_key_seed=None if seed is None else str(seed),
+    )
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _event_endpoints(url: str, info: Mapping[str, Any]) -> EventEndpoints | None:
+    config: Mapping[str, Any] = {}
+    raw = info.get("kv_events_config")
+    if isinstance(raw, str) and raw.strip():
+        try:
+            parsed = json.loads(raw)
+        except json.JSONDecodeError:
+            logger.warning("worker %s: kv_events_config is not JSON: %r", url, raw)
+            parsed = {}
+        config = parsed if isinstance(parsed, dict) else {}
+    elif isinstance(raw, Mapping):
+        config = raw
+    endpoint = _text(info.get("kv_events_endpoint")) or _text(config.get("endpoint"))
+    if endpoint is None:
+        return None
+    replay = _text(info.get("kv_events_replay_endpoint")) or _text(config.get("replay_endpoint"))
+    topic = info.get("kv_events_topic", config.get("topic", ""))
+    host = urlsplit(url).hostname or "127.0.0.1"
+    return EventEndpoints(
+        endpoint=reachable_endpoint(endpoint, host),
+        replay_endpoint=None if replay is None else reachable_endpoint(replay, host),
+        topic=topic if isinstance(topic, str) else "",
+    )
+
+
+def reachable_endpoint(endpoint: str, worker_host: str) -> str:
+    """A ZMQ endpoint the worker bound (``tcp://*:5557``) as the router connects to it."""
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or parts.hostname is None:
+        return endpoint
+    bound = parts.netloc.rsplit(":", 1)[0]
+    if bound not in _ANY_HOST:
+        return endpoint
+    host = f"[{worker_host}]" if ":" in worker_host else worker_host
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit(parts._replace(netloc=f"{host}{port}"))
+
+
+def check_compatible(new: WorkerInfo, reference: WorkerInfo) -> None:
+    """WorkerMismatchError naming both values unless ``new`` matches ``reference``."""
+    if new.page_size != reference.page_size:
+        raise WorkerMismatchError(
+            f"worker {new.url} has page size {new.page_size}, but {reference.url} has page "
+            f"size {reference.page_size}: every worker must use the same page size (the "
+            "router hashes a request's pages once for all of them)"
+        )
+    if new.model != reference.model:
+        raise WorkerMismatchError(
+            f"worker {new.url} serves model {new.model!r}, but {reference.url} serves "
+            f"{reference.model!r}: every worker must serve the same model"
+        )
+
+
+async def fetch_worker_info(
+    client: httpx.AsyncClient, url: str, timeout_s: float = DISCOVERY_TIMEOUT_S,
+) -> WorkerInfo:
+    try:
+        response = await client.get(f"{url}/get_server_info", timeout=timeout_s)
+    except httpx.HTTPError as error:
+        raise WorkerUnreachableError(f"worker {url} does not answer /get_server_info: "
+                                     f"{type(error).__name__}: {error}") from None
+    return _info_from_response(url, response)
+
+
+def fetch_worker_info_sync(url: str, timeout_s: float = DISCOVERY_TIMEOUT_S) -> WorkerInfo:
+    try:
+        response = httpx.get(f"{url}/get_server_info", timeout=timeout_s)
+    except httpx.HTTPError as error:
+        raise WorkerUnreachableError(f"worker {url} does not answer /get_server_info: "
+                                     f"{type(error).__name__}: {error}") from None
+    return _info_from_response(url, response)
+
+
+def _info_from_response(url: str, response: httpx.Response) -> WorkerInfo:
+    if response.status_code != 200:
+        raise WorkerUnreachableError(
+            f"worker {url}: /get_server_info answered {response.status_code}"
+        )
+    try:
+        body = response.json()
+    except ValueError:
+        raise WorkerError(f"worker {url}: /get_server_info is not JSON") from None
+    if not isinstance(body, dict):
+        raise WorkerError(f"worker {url}: /get_server_info is not a JSON object")
+    return parse_server_info(url, body)
+
+
+@dataclass
+class Worker:
+    """A registered worker and what the router knows of it now."""
+
+    info: WorkerInfo
+    healthy: bool = True
+    active_requests: int = 0  # proxied, not finished
+    active_prompt_pages: int = 0  # prompt pages of those requests (the decode_blocks term)
+    subscriber: EventSubscriber | None = None
+    # Kept across subscribers (a worker going down and back): the metrics are totals.
+    event_counts: SubscriberCounts = field(default_factory=SubscriberCounts)
+
+    @property
+    def url(self) -> str:
+        return self.info.url
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(self.url, self.active_requests, float(self.active_prompt_pages))
+
+
+class WorkerRegistry:
+    """The workers in registration order; owns their subscribers and the health loop.
+
+    Lives on the router's event loop: ``start`` there, ``stop`` before it ends.
+    """
+
+    def __init__(
+        self, index: TierIndex, client: httpx.AsyncClient, *, health_interval_s: float,
+        zmq_context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self._index = index
+        self._client = client
+        self._health_interval_s = health_interval_s
+        self._probe_timeout_s = min(health_interval_s, MAX_PROBE_TIMEOUT_S)
+        self._zmq = zmq_context or zmq.asyncio.Context()
+        self._own_zmq = zmq_context is None
+        self._workers: dict[str, Worker] = {}
+        # The first worker ever accepted fixes the page size and model: the router's
+        # tokenizer and page hashes were made for them.
+        self.reference: WorkerInfo | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()  # one membership change at a time
+
+    # -- membership
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self._workers.values() if w.healthy]
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(normalize_worker_url(url))
+
+    def add(self, info: WorkerInfo) -> Worker:
+        """Register a discovered worker and start following its events."""
+        if info.url in self._workers:
+            raise WorkerExistsError(f"worker {info.url} is already registered")
+        if self.reference is not None:
+            check_compatible(info, self.reference)
+        else:
+            self.reference = info
+        worker = Worker(info)
+        self._workers[info.url] = worker
+        self._start_events(worker)
+        logger.info("worker %s added: model %r, page size %d, KV events %s", info.url,
+                    info.model, info.page_size, info.events.endpoint if info.events else "none")
+        return worker
+
+    async def add_url(self, url: str) -> Worker:
+        url = normalize_worker_url(url)
+        async with self._lock:
+            if url in self._workers:
+                raise WorkerExistsError(f"worker {url} is already registered")
+            info = await fetch_worker_info(self._client, url)
+            return self.add(info)
+
+    async def remove(self, url: str) -> None:
+        url = normalize_worker_url(url)
+        async with self._lock:
+            worker = self._workers.pop(url, None)
+            if worker is None:
+                raise UnknownWorkerError(f"worker {url} is not registered")
+            await self._stop_events(worker)
+            self._index.remove_worker(url)
+            logger.info("worker %s removed", url)
+
+    # -- health
+
+    def start(self) -> None:
+        if self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(
+                self._health_loop(), name="worker health"
+            )
+
+    async def stop(self) -> None:
+        task, self._health_task = self._health_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for worker in self._workers.values():
+            await self._stop_events(worker)
+        if self._own_zmq:
+            self._zmq.term()
+
+    async def mark_down(self, url: str, reason: str) -> None:
+        """Out of routing now (a probe or a request failed); its index entries dropped."""
+        worker = self._workers.get(url)
+        if worker is None or not worker.healthy:
+            return
+        worker.healthy = False
+        await self._stop_events(worker)
+        self._index.remove_worker(url)
+        logger.warning("worker %s is down (%s): routed around until it answers /health",
+                       url, reason)
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(w) for w in list(self._workers.values())))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            await self.probe_all()
+
+    async def _probe(self, worker: Worker) -> None:
+        try:
+            response = await self._client.get(f"{worker.url}/health",
+                                              timeout=self._probe_timeout_s)
+            problem = None if response.status_code == 200 else f"/health {response.status_code}"
+        except httpx.HTTPError as error:
+            problem = f"/health failed: {type(error).__name__}"
+        if self._workers.get(worker.url) is not worker:
+            return  # removed while probing
+        if problem is not None:
+            await self.mark_down(worker.url, problem)
+        elif not worker.healthy:
+            await self._bring_back(worker)
+
+    async def _bring_back(self, worker: Worker) -> None:
+        """A worker answering again: rediscover it (a restart may have moved its event
+        endpoint or changed it), then follow its events from the replay buffer."""
+        try:
+            info = await fetch_worker_info(self._client, worker.url)
+            assert self.reference is not None  # set by the first add
+            check_compatible(info, self.reference)
+        except WorkerError as error:
+            logger.error("worker %s answers /health but stays out of routing: %s",
+                         worker.url, error)
+            return
+        if self._workers.get(worker.url) is not worker or worker.healthy:
+            return  # removed, or brought back by another probe, while rediscovering
+        worker.info = info
+        worker.healthy = True
+        self._start_events(worker)
+        logger.info("worker %s is back: resyncing its index from its KV events", worker.url)
+
+    # -- events
+
+    def _start_events(self, worker: Worker) -> None:
+        if worker.info.events is None:
+            return
+        worker.subscriber = EventSubscriber(worker.url, worker.info.events, self._index,
+                                            self._zmq, counts=worker.event_counts)
+        worker.subscriber.start()
+
+    async def _stop_events(self, worker: Worker) -> None:
+        subscriber, worker.subscriber = worker.subscriber, None
+        if subscriber is not None:
+            await subscriber.stop()
