@@ -45,7 +45,7 @@ TARGET_P99_US = 1000.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--pages", type=int, default=1_000_000,
-                        help="indexed pages to build (device, host and shared entries)")
+                        help="index entries to build (device, host and shared, per tier)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--min-tokens", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=8192)
@@ -69,25 +69,20 @@ def build_index(
     shared: set[int] = set()
     min_pages = args.min_tokens // args.page_size
     max_pages = args.max_tokens // args.page_size
-    entries = 0
-    while entries < args.pages:
+    while index.num_pages() < args.pages:
         # Chained hashes are opaque integers to the index: random ones stand in.
         document = [rng.getrandbits(63) for _ in range(rng.randint(min_pages, max_pages))]
         documents.append(document)
-        held_pages = 0  # the longest prefix any worker holds: the index's distinct pages
         for worker in rng.sample(list(workers), rng.randint(1, 3)):
             on_device = rng.randint(0, len(document))
             on_host = rng.randint(on_device, len(document))
             events: list[KVEvent] = [_event(document[:on_device], MEDIUM_GPU, args.page_size),
                       _event(document[on_device:on_host], MEDIUM_CPU, args.page_size)]
             index.apply(worker, KVEventBatch(ts=0.0, events=events))
-            held_pages = max(held_pages, on_host)
-        entries += held_pages
         if rng.random() < 0.3:
             index.apply(workers[0], KVEventBatch(
                 ts=0.0, events=[_event(document, MEDIUM_EXTERNAL, args.page_size)]))
             shared.update(document)
-            entries += len(document)
     return index, documents, shared
 
 

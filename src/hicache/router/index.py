@@ -166,10 +166,11 @@ class PageIndex:
         }
 
     def num_pages(self) -> int:
-        """Index entries: pages some worker holds on device or host, plus pages
-        announced to the shared pool (a page in both counts twice)."""
+        """Index entries, per tier: pages some worker holds on device, pages some
+        worker holds on host, pages announced to the shared pool (a page in two
+        tiers counts twice). Constant time: metrics may ask at every scrape."""
         with self._lock:
-            return len(self._gpu.keys() | self._cpu.keys()) + len(self._external)
+            return len(self._gpu) + len(self._cpu) + len(self._external)
 
     def worker_pages(self, worker: str) -> dict[str, int]:
         """How many pages a worker announced per tier it owns (for metrics)."""

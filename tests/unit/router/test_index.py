@@ -47,6 +47,8 @@ def test_tiers_are_counted_from_the_top() -> None:
     assert got["w2"] == TierOverlap(gpu=0, host=0, external=6)
     # A worker that sent nothing yet still reaches the shared pool.
     assert got["unknown"] == TierOverlap(external=6)
+    # Entries per tier: device pages 0-2, host pages 0 and 2-4, shared pages 0-5.
+    assert index.num_pages() == 3 + 4 + 6
     index.check_integrity()
 
 
