@@ -1,10 +1,16 @@
-"""MooncakeSharedPool against a real mooncake_master, written to by a real cache."""
+"""MooncakeSharedPool against a real mooncake_master, written to by a real cache.
+
+Skipped where the mooncake client cannot be imported (tests.mooncake_fixtures
+skips the module before anything here needs the client).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from typing import Any
+
+import pytest
 
 from hicache.config import MemLayout
 from hicache.events.hashing import page_hashes
@@ -13,7 +19,7 @@ from hicache.router.index import PageIndex
 from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.shared_pool import MooncakeSharedPool, SharedPoolError
 from hicache.router.types import RouteRequest, WorkerLoad
-from hicache.storage.mooncake_master import MasterProcess
+from hicache.storage.mooncake_master import MasterProcess, start_master
 from tests.kv_oracle import conversation, serve_with_l3, settle
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     extra_fixture,
@@ -76,3 +82,32 @@ def test_an_unreachable_master_fails_fast_and_the_policy_scores_without_it() -> 
     assert decision.shared_hits is None
     assert decision.worker == "a"
     assert decision.logits == {"a": 4.0, "b": 4.0}
+
+
+def test_a_master_that_dies_fails_queries_fast_and_routing_goes_on() -> None:
+    tokens = conversation(16, seed=5)
+    hashes = page_hashes(tokens, PAGE)
+    with start_master() as master:
+        pool = MooncakeSharedPool(master.address, bytes(16), PAGE)
+        policy = build_policy("tier_aware", PageIndex(), pool,
+                              ScoringConfig(shared_cache_multiplier=0.5, shared_deadline_s=0.05))
+        request = RouteRequest(page_hashes=hashes, prompt_tokens=16, page_size=PAGE,
+                               workers=[WorkerLoad("a"), WorkerLoad("b")])
+        try:
+            assert asyncio.run(policy.choose(request, tokens)).shared_hits == 0
+            master.kill()
+            for _ in range(3):  # each routed in about the deadline, the pool answering or not
+                began = time.monotonic()
+                decision = asyncio.run(policy.choose(request, tokens))
+                assert time.monotonic() - began < 1.0
+                assert decision.shared_hits is None and decision.worker == "a"
+            # Once the client's watcher saw the master gone, a query fails at once.
+            from hicache.storage.mooncake_client import WATCH_INTERVAL_S
+
+            time.sleep(3 * WATCH_INTERVAL_S)
+            began = time.monotonic()
+            with pytest.raises(SharedPoolError, match=r"not answering|still running"):
+                asyncio.run(pool.hits(hashes, tokens))
+            assert time.monotonic() - began < 0.5
+        finally:
+            pool.close()
