@@ -90,10 +90,12 @@ def test_a_master_that_dies_fails_queries_fast_and_routing_goes_on() -> None:
     with start_master() as master:
         pool = MooncakeSharedPool(master.address, bytes(16), PAGE)
         policy = build_policy("tier_aware", PageIndex(), pool,
-                              ScoringConfig(shared_cache_multiplier=0.5, shared_deadline_s=0.05))
+                              ScoringConfig(shared_cache_multiplier=0.5, shared_deadline_s=0.5))
         request = RouteRequest(page_hashes=hashes, prompt_tokens=16, page_size=PAGE,
                                workers=[WorkerLoad("a"), WorkerLoad("b")])
         try:
+            # The first query sets the client up (longer than a deadline); then it answers.
+            assert asyncio.run(pool.hits(hashes, tokens)) == [False] * 4
             assert asyncio.run(policy.choose(request, tokens)).shared_hits == 0
             master.kill()
             for _ in range(3):  # each routed in about the deadline, the pool answering or not
