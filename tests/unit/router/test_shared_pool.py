@@ -92,7 +92,9 @@ def test_tier_aware_routes_to_a_worker_that_can_fetch_from_l3(
     hashes = page_hashes(tokens, PAGE)
     index = PageIndex()  # no events: only the shared pool knows the prefix
     pool = FileSharedPool(root, seed, PAGE, LAYOUT)
-    policy = build_policy("tier_aware", index, pool, ScoringConfig(shared_cache_multiplier=0.5))
+    # A deadline no loaded test machine misses: this test is about the answer, not its time.
+    config = ScoringConfig(shared_cache_multiplier=0.5, shared_deadline_s=5.0)
+    policy = build_policy("tier_aware", index, pool, config)
     request = RouteRequest(page_hashes=hashes, prompt_tokens=40, page_size=PAGE,
                            workers=[WorkerLoad("a", 1, 1.0), WorkerLoad("b", 1, 0.0)])
     try:
