@@ -13,6 +13,8 @@ and asks the pool, ``MAX_BATCH_PAGES`` names per query as the cache does:
   asking the master ``batch_is_exist``.
 - ``InMemorySharedPool``: a set of page hashes (tests, the decision benchmark).
 
+``shared_pool_for_worker`` builds the right one from a worker's /get_server_info.
+
 The blocking ones work on a small thread pool of their own, so the router's
 event loop never waits on storage, and refuse a query outright while
 ``MAX_IN_FLIGHT`` are still running (a hung pool cannot pile up threads): the
@@ -22,10 +24,11 @@ policy's deadline then scores from the index alone.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from stat import S_ISREG
@@ -34,6 +37,7 @@ from typing import Any, Final
 from hicache.config import MemLayout
 from hicache.radix.keys import KEY_BYTES, chain_page_keys, pack_tokens
 from hicache.storage.base import MAX_BATCH_PAGES, StorageError
+from hicache.storage.file import default_path
 from hicache.storage.frame import PayloadOrder, object_name
 from hicache.storage.mooncake_settings import (
     DEFAULT_LOCAL_HOSTNAME,
@@ -244,3 +248,41 @@ class MooncakeSharedPool(_NamedPagePool):
             from hicache.storage.mooncake_client import release_client
 
             release_client(client)
+
+
+def shared_pool_for_worker(server_info: Mapping[str, Any]) -> FileSharedPool | MooncakeSharedPool:
+    """The lookup of the L3 a worker uses, from its /get_server_info: the backend
+    and its extra config, ``page_size``, ``hicache_mem_layout`` and
+    ``hicache_l3_key_seed``. Raises ValueError naming what is missing or not shared."""
+    backend = server_info.get("hicache_storage_backend")
+    seed = server_info.get("hicache_l3_key_seed")
+    page_size = server_info.get("page_size")
+    layout = server_info.get("hicache_mem_layout") or MemLayout.LAYER_FIRST.value
+    if backend not in ("file", "mooncake"):
+        raise ValueError(f"the worker's L3 backend is {backend!r}: a shared pool lookup needs "
+                         "'file' or 'mooncake'")
+    if not isinstance(seed, str):
+        raise ValueError("the worker does not report hicache_l3_key_seed: its L3 page names "
+                         "cannot be computed")
+    if not isinstance(page_size, int) or isinstance(page_size, bool):
+        raise ValueError(f"the worker reports no usable page_size ({page_size!r})")
+    text = server_info.get("hicache_storage_backend_extra_config")
+    try:
+        extra = json.loads(text) if isinstance(text, str) and text else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"the worker's hicache_storage_backend_extra_config is not JSON: "
+                         f"{error}") from None
+    if not isinstance(extra, Mapping):
+        raise ValueError("the worker's hicache_storage_backend_extra_config is not an object")
+    if backend == "file":
+        # The worker's default directory is the local cache dir, as it is here.
+        return FileSharedPool(extra.get("path") or default_path(), seed, page_size, layout)
+    master = extra.get("master_server_address")
+    if not isinstance(master, str):
+        raise ValueError("the worker's mooncake config names no master_server_address (set "
+                         "from its environment?): pass the master to the router")
+    return MooncakeSharedPool(
+        master, seed, page_size, layout,
+        metadata_server=extra.get("metadata_server") or DEFAULT_METADATA_SERVER,
+        protocol=extra.get("protocol") or "tcp",
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,11 +20,14 @@ from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.shared_pool import (
     MAX_IN_FLIGHT,
     FileSharedPool,
+    MooncakeSharedPool,
     SharedPoolError,
     parse_key_seed,
+    shared_pool_for_worker,
 )
 from hicache.router.types import RouteRequest, WorkerLoad
 from hicache.storage.config import PrefetchPolicy, StorageConfig
+from hicache.storage.frame import PayloadOrder
 from tests.kv_oracle import conversation, serve_with_l3, settle
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -178,3 +182,38 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
             asyncio.run(pool.hits([1, 2], [0, 1, 2, 3]))
     finally:
         pool.close()
+
+
+def test_the_lookup_is_built_from_a_workers_server_info(
+    written: tuple[Path, bytes], tmp_path: Path,
+) -> None:
+    root, seed = written
+    info = {
+        "page_size": PAGE, "hicache_mem_layout": LAYOUT.value, "hicache_l3_key_seed": seed.hex(),
+        "hicache_storage_backend": "file",
+        "hicache_storage_backend_extra_config": json.dumps({"path": str(root)}),
+    }
+    pool = shared_pool_for_worker(info)
+    assert isinstance(pool, FileSharedPool)
+    try:
+        assert ask(pool, conversation(40)) == [True] * 10
+    finally:
+        pool.close()
+    mooncake = shared_pool_for_worker({
+        **info, "hicache_storage_backend": "mooncake",
+        "hicache_storage_backend_extra_config": json.dumps(
+            {"master_server_address": "127.0.0.1:50051", "protocol": "tcp"}),
+    })
+    assert isinstance(mooncake, MooncakeSharedPool)
+    assert mooncake.settings.master_server_address == "127.0.0.1:50051"
+    assert mooncake.order is PayloadOrder.TOKEN_MAJOR
+    mooncake.close()
+    for broken, message in [
+        ({"hicache_storage_backend": None}, "'file' or 'mooncake'"),
+        ({"hicache_l3_key_seed": None}, "hicache_l3_key_seed"),
+        ({"hicache_storage_backend_extra_config": "{not json"}, "not JSON"),
+        ({"hicache_storage_backend": "mooncake"}, "master_server_address"),
+        ({"page_size": None}, "page_size"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            shared_pool_for_worker({**info, **broken})
