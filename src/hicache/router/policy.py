@@ -205,7 +205,12 @@ class TierAwarePolicy(_Policy):
             query = asyncio.ensure_future(self.shared.hits(request.page_hashes, token_ids))
             # Let the query start (a thread-backed lookup hands its work over) before the walk.
             await asyncio.sleep(0)
-        overlaps = self.index.overlaps(request.page_hashes, [w.url for w in request.workers])
+        try:
+            overlaps = self.index.overlaps(request.page_hashes, [w.url for w in request.workers])
+        except BaseException:
+            if query is not None:
+                query.cancel()  # no query left running for a decision that failed
+            raise
         hits = await self._hits(query, began, len(request.page_hashes))
         logits = {
             w.url: self.logit(request, w, overlaps[w.url], hits, page) for w in request.workers
