@@ -22,6 +22,9 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "long-context": ("hicache.bench.long_context", "questions over long shared contexts"),
     "compare": ("hicache.bench.compare", "the same workload against each cache configuration"),
     "plot": ("hicache.bench.plots", "plot run summaries (PNG) side by side"),
+    "router-decision": (
+        "hicache.bench.router_decision", "a routing decision's cost: 8 workers, 1M indexed pages"
+    ),
     "l2-ttft": ("hicache.bench.l2_ttft", "TTFT of a full L2 prefix hit next to its physical bound"),
 }
 

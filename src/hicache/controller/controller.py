@@ -10,6 +10,8 @@ layer N while layer N+1 is still in flight.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +60,11 @@ class CacheController:
         self._last_load: LoadBatch | None = None
         self.num_written_pages = 0
         self.num_loaded_pages = 0
+        # Time the loads' copies took (what a router prices a host hit with). On CUDA
+        # each load is bracketed by timing events, read once its copies landed.
+        self._load_seconds = 0.0
+        self._timed_loads: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._timing_lock = threading.Lock()
 
     # ------------------------------------------------------------- lifecycle
     @property
@@ -119,11 +126,29 @@ class CacheController:
         _, load_executor = self._executors()
         src, dst = _as_tensor(host_pages), _as_tensor(device_pages)
         io = self.io
+        on_cuda = self._device.type == "cuda"
+        if on_cuda:
+            began = torch.cuda.Event(enable_timing=True)
+            load_executor.submit(began.record)  # on the load stream, before the copies
 
         def load_layer(layer: int) -> Callable[[], None]:
-            return lambda: io.load(src, dst, layer=layer)
+            if on_cuda:
+                return lambda: io.load(src, dst, layer=layer)
+
+            def timed() -> None:  # runs on the load thread: the copy itself
+                start = time.perf_counter()
+                io.load(src, dst, layer=layer)
+                with self._timing_lock:
+                    self._load_seconds += time.perf_counter() - start
+
+            return timed
 
         layers = tuple(load_executor.submit(load_layer(layer)) for layer in range(self.num_layers))
+        if on_cuda:
+            ended = torch.cuda.Event(enable_timing=True)
+            load_executor.submit(ended.record)
+            with self._timing_lock:
+                self._timed_loads.append((began, ended))
         batch = LoadBatch(len(host_pages), layers)
         self._last_load = batch
         self.num_loaded_pages += len(host_pages)
@@ -138,6 +163,15 @@ class CacheController:
         batch = self._last_load
         if batch is not None:
             batch.layers[layer].wait_on_stream()
+
+    @property
+    def load_seconds(self) -> float:
+        """Seconds the host->device copies of landed loads took, summed (any thread)."""
+        with self._timing_lock:
+            while self._timed_loads and self._timed_loads[0][1].query():
+                began, ended = self._timed_loads.popleft()
+                self._load_seconds += began.elapsed_time(ended) / 1e3  # ms
+            return self._load_seconds
 
     def wait_loads(self) -> None:
         batch = self._last_load

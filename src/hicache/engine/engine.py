@@ -248,6 +248,8 @@ class Engine:
         cached = (sched.counters.num_cached_device_tokens + sched.counters.num_cached_host_tokens
                   + sched.counters.num_cached_storage_tokens)
         out.update({f"cache_{k}": float(v) for k, v in cache.stats.as_dict().items()})
+        if cache.controller is not None:
+            out["cache_load_seconds"] = cache.controller.load_seconds
         # After the cache's own counters: its hit rate leaves out tokens prefetched from L3.
         out["cache_hit_rate"] = cached / prompt if prompt else 0.0
         device = cache.device_pool.allocator

@@ -75,6 +75,10 @@ class EngineCounters:
     num_cached_storage_tokens: int = 0
     num_retractions: int = 0
     num_steps: int = 0
+    # Steps that computed prompt tokens: those tokens and the steps' wall time (decode
+    # rows riding along included), whose ratio a router reads as this worker's prefill rate.
+    num_prefill_step_tokens: int = 0
+    prefill_step_seconds: float = 0.0
 
 
 class Scheduler:
@@ -152,7 +156,13 @@ class Scheduler:
         self._admit()
         if not self.running:
             return False
-        self._forward_step()
+        began = time.perf_counter()
+        prefill_tokens = self._forward_step()
+        if prefill_tokens:
+            # Work a device runs asynchronously lands in a later step's time: summed
+            # over many steps, the seconds still add up.
+            self.counters.num_prefill_step_tokens += prefill_tokens
+            self.counters.prefill_step_seconds += time.perf_counter() - began
         return True
 
     def _wait_for_work(self) -> None:
@@ -262,7 +272,8 @@ class Scheduler:
         return max(0, -(-req.seq_len // self.page_size) - len(req.pages))
 
     # ------------------------------------------------------------ one step
-    def _forward_step(self) -> None:
+    def _forward_step(self) -> int:
+        """One forward over the running requests; returns the prompt tokens it computed."""
         plan: list[tuple[Req, int]] = []  # (request, new tokens this step)
         budget = self.config.chunked_prefill_size
         retractions = self.counters.num_retractions
@@ -288,7 +299,8 @@ class Scheduler:
             # A retraction while planning may have sent an already planned request back.
             plan = [(req, n) for req, n in plan if req.phase in (Phase.PREFILL, Phase.DECODE)]
         if not plan:
-            return
+            return 0
+        prefill_tokens = self.config.chunked_prefill_size - budget
         # A decode's one token is its last, whose logits it samples from; only prompts
         # wanting their logprobs need more rows.
         logits_from = (
@@ -310,7 +322,7 @@ class Scheduler:
         else:
             done = self._record_prompt_logprobs(plan, logits, logits_from)
         if not done:
-            return
+            return prefill_tokens
         if len(done) == len(logits):  # every row, in order (a decode step): no copy
             chosen = logits.float()  # [num_done, vocab], as the model gave them
         else:
@@ -341,6 +353,7 @@ class Scheduler:
                 continue
             row = adjusted[index] if adjusted is not None else None
             self._next_token(req, chosen[index], row, greedy[index])
+        return prefill_tokens
 
     def _record_prompt_logprobs(
         self, plan: list[tuple[Req, int]], logits: torch.Tensor,

@@ -11,16 +11,31 @@ mean equal prefixes (up to SHA-256 collisions), whatever worker computed them.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
+
+TOKEN_BYTES = 4
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as 4-byte little-endian unsigned integers, in one call (a
+    router hashes every prompt: packing per token costs ~15x more)."""
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as error:
+        raise ValueError(f"token ids must be integers in [0, 2^32): {error}") from None
 
 
 def page_digest(tokens: Sequence[int], parent_digest: bytes | None) -> bytes:
     """The full SHA-256 digest of one page given its parent's digest."""
+    return _digest(token_bytes(tokens), parent_digest)
+
+
+def _digest(page: bytes, parent_digest: bytes | None) -> bytes:
     hasher = hashlib.sha256()
     if parent_digest is not None:
         hasher.update(parent_digest)
-    # One bytes object for the page: far cheaper than an update per token.
-    hasher.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    hasher.update(page)
     return hasher.digest()
 
 
@@ -36,10 +51,13 @@ def page_digests(
     only full pages are cached and announced)."""
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
+    num_tokens = len(token_ids) // page_size * page_size
+    data = token_bytes(token_ids[:num_tokens])
+    step = page_size * TOKEN_BYTES
     digests: list[bytes] = []
     parent = parent_digest
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = page_digest(token_ids[start:start + page_size], parent)
+    for start in range(0, len(data), step):
+        parent = _digest(data[start:start + step], parent)
         digests.append(parent)
     return digests
 

@@ -55,6 +55,8 @@ class RouteRequest:
     prompt_tokens: int  # whole prompt, including a partial last page
     workers: Sequence[WorkerLoad]  # healthy candidates, in registration order
     shared_cache_multiplier: float | None = None  # per-request override; None: the router's
+    # Tokens per page, as the hashes were computed; the scoring policies need it.
+    page_size: int | None = None
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,18 @@ SERIES: dict[str, Series] = {
     "engine_num_cached_storage_tokens": _counter("cached_tokens", _CACHED, ("source", "storage")),
     "engine_num_retractions": _counter("retractions", "running requests sent back to wait"),
     "engine_num_steps": _counter("scheduler_steps", "model forward steps"),
+    "engine_num_prefill_step_tokens": _counter(
+        "prefill_step_tokens", "prompt tokens computed, in the steps that computed any"
+    ),
+    "engine_prefill_step_seconds": _counter(
+        "prefill_step_seconds", "wall time of the steps that computed prompt tokens"
+    ),
     "engine_running_requests": _gauge("running_requests", "requests prefilling or decoding"),
     "engine_waiting_requests": _gauge("waiting_requests", "requests waiting for admission"),
     "cache_num_loaded_pages": _counter("l2_loaded_pages", "host (L2) pages loaded to the device"),
+    "cache_load_seconds": _counter(
+        "l2_load_seconds", "time the host (L2) to device page copies took"
+    ),
     "cache_num_backed_up_pages": _counter("l2_backup_pages", "device pages copied to host (L2)"),
     "cache_num_backup_skipped_pages": _counter(
         "l2_backup_skipped_pages", "device pages not copied to host: no room in L2"

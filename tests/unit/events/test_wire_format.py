@@ -91,3 +91,9 @@ def test_sequence_numbers_are_eight_signed_big_endian_bytes() -> None:
     assert decode_sequence(encode_sequence(2**40 + 3)) == 2**40 + 3
     with pytest.raises(ValueError):
         decode_sequence(b"\x00")
+
+
+@pytest.mark.parametrize("tokens", [[-1, 2], [2**32, 1], [1.5, 2]])
+def test_token_ids_outside_four_bytes_are_refused(tokens: list[int]) -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        page_hashes(tokens, 2)

@@ -129,3 +129,25 @@ def test_public_config_hides_secrets() -> None:
         "prefetch_threshold": 256,
     }
     assert "hunter2" not in json.dumps(shown) and "s3cret" not in json.dumps(shown)
+
+
+def test_the_prefill_rate_a_router_prices_tiers_with_is_reported(server: RunningServer) -> None:
+    from hicache.router.tier_costs import worker_figures
+
+    # 300 byte tokens: more than the 8 pages of prefill the router wants before trusting a rate.
+    response = httpx.post(f"{server.url}/generate", timeout=60.0, json={
+        "text": "".join(chr(97 + i % 26) for i in range(300)),
+        "sampling_params": {"max_new_tokens": 1},
+    })
+    assert response.status_code == 200, response.text
+    counters = get(server, "/get_server_info")["internal_states"][0]
+    assert counters["engine_num_prefill_step_tokens"] >= 300
+    assert counters["engine_prefill_step_seconds"] > 0
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30.0).text
+    assert "hicache_prefill_step_tokens_total" in metrics
+    assert "hicache_prefill_step_seconds_total" in metrics
+    # Either source gives the router the same rate.
+    from_info = worker_figures(get(server, "/get_server_info"), None)
+    from_metrics = worker_figures({"page_size": 16}, metrics)
+    assert from_info.prefill_tokens_per_s is not None and from_info.prefill_tokens_per_s > 0
+    assert from_metrics.prefill_tokens_per_s == pytest.approx(from_info.prefill_tokens_per_s)

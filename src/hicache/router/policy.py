@@ -1,0 +1,351 @@
+"""Routing policies: which worker a request goes to, and why.
+
+Four policies (``--policy``), each a small strategy object behind
+:func:`build_policy`:
+
+- ``round_robin``: the next worker in turn.
+- ``least_load``: fewest active requests, then fewest decode blocks.
+- ``cache_aware``: Dynamo's default KV routing, device overlap only::
+
+      logit = overlap_weight * (prompt_tokens - gpu_overlap * page) / page + decode_blocks
+
+- ``tier_aware``: seed 001's tier-aware shared-cache routing::
+
+      prefill_tokens   = prompt_tokens - device_credit * gpu_overlap * page
+      adjusted_prefill = max(0, prefill_tokens - shared_cache_multiplier * hits_beyond(n) * page)
+      logit            = overlap_weight * adjusted_prefill / page + decode_blocks
+
+  where ``hits_beyond(n)`` counts the shared pool's pages at positions >= n.
+  Beyond Dynamo, the worker's host tier counts too: each page on its host past
+  its device prefix reduces the prefill by ``host_multiplier`` pages, and the
+  shared pages are then counted past the host prefix (n = host overlap, which
+  is the device overlap when the host adds nothing: seed 001's formula). With
+  ``tier_costs="measured"`` a page from the host saves ``1 - TierCosts.host``
+  of a page's prefill and one from the shared pool ``1 - TierCosts.external``,
+  from what that worker measured (``router.tier_costs``).
+
+Lower logits win; ties go to fewer active requests, then registration order.
+
+On ``device_credit``: seed 001's worked example (4 pages, multiplier 0.5, page
+1, the shared pool holding pages 0-3; W0 with 2 device pages scores 3.0, W1 with
+none 2.0 and wins) only comes out with ``device_credit = 0``: the example does
+not subtract the device overlap from the prefill. Dynamo's scheduler does
+(``prefill_tokens`` is what the worker still has to compute), and a worker
+never recomputes pages it holds on its device, so our default is 1.0. The
+unit tests check both: the example's logits exactly with ``device_credit=0``,
+and the default's choice (W0) on the same request.
+
+``tier_aware`` asks the shared pool (``SharedPoolLookup``) which pages it holds
+while it walks the index, under ``shared_deadline_s``. On failure or timeout it
+scores from the index alone (the EXTERNAL pages the workers announced), logs a
+warning (at most one per ``WARNING_INTERVAL_S``), reports ``shared_hits=None``,
+and still routes the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Final
+
+from hicache.router.types import (
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    SharedPoolLookup,
+    TierCosts,
+    TierIndex,
+    TierOverlap,
+    WorkerLoad,
+)
+
+logger = logging.getLogger(__name__)
+
+# At most one "shared pool query failed" warning per this many seconds.
+WARNING_INTERVAL_S: Final = 10.0
+# Logits closer than this are a tie (float noise must not decide).
+_TIE_DIGITS: Final = 9
+
+
+class PolicyName(str, Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+    CACHE_AWARE = "cache_aware"
+    TIER_AWARE = "tier_aware"
+
+
+class TierCostMode(str, Enum):
+    FIXED = "fixed"  # host_multiplier and shared_cache_multiplier for every worker
+    MEASURED = "measured"  # each worker's TierCosts
+
+
+class NoWorkerError(LookupError):
+    """No healthy worker to route to (the proxy answers 503)."""
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    overlap_weight: float = 1.0
+    # Prefill pages one shared-pool page saves (seed 001's default 0.0: asked, then ignored).
+    shared_cache_multiplier: float = 0.0
+    # Prefill pages one device page saves (see the module docstring: 1.0, or 0 for the seed's).
+    device_credit: float = 1.0
+    # Prefill pages one host page past the device prefix saves (tier_costs "fixed").
+    host_multiplier: float = 0.9
+    tier_costs: str = TierCostMode.FIXED.value
+    shared_deadline_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("overlap_weight", "shared_cache_multiplier", "device_credit",
+                     "host_multiplier"):
+            value = getattr(self, name)
+            if not value >= 0:  # also refuses NaN
+                raise ValueError(f"{name} must be a number >= 0, got {value}")
+        if not self.shared_deadline_s > 0:
+            raise ValueError(f"shared_deadline_s must be > 0, got {self.shared_deadline_s}")
+        modes = [mode.value for mode in TierCostMode]
+        if self.tier_costs not in modes:
+            raise ValueError(f"tier_costs must be one of {', '.join(modes)}, got "
+                             f"{self.tier_costs!r}")
+
+
+def hits_beyond(hits: Sequence[bool], start: int) -> int:
+    """Shared-pool pages at positions >= ``start`` (seed 001's ``hits_beyond``)."""
+    return sum(1 for hit in hits[start:] if hit)
+
+
+class _Policy:
+    """What every policy shares: the index lookup and the choice among logits."""
+
+    name: str
+
+    def __init__(self, index: TierIndex, config: ScoringConfig) -> None:
+        self.index = index
+        self.config = config
+
+    async def choose(self, request: RouteRequest, token_ids: Sequence[int]) -> RouteDecision:
+        _check(request)
+        overlaps = self.index.overlaps(request.page_hashes, [w.url for w in request.workers])
+        logits = self._logits(request, overlaps)
+        return RouteDecision(
+            worker=_lowest(request.workers, logits), policy=self.name, logits=logits,
+            overlaps=overlaps,
+        )
+
+    def _logits(
+        self, request: RouteRequest, overlaps: Mapping[str, TierOverlap],
+    ) -> dict[str, float]:
+        raise NotImplementedError
+
+
+class RoundRobinPolicy(_Policy):
+    name = PolicyName.ROUND_ROBIN.value
+
+    def __init__(self, index: TierIndex, config: ScoringConfig) -> None:
+        super().__init__(index, config)
+        self._turn = itertools.count()
+
+    async def choose(self, request: RouteRequest, token_ids: Sequence[int]) -> RouteDecision:
+        _check(request)
+        # The overlaps are not used to choose, but recorded: the metrics compare policies.
+        overlaps = self.index.overlaps(request.page_hashes, [w.url for w in request.workers])
+        worker = request.workers[next(self._turn) % len(request.workers)]
+        return RouteDecision(worker=worker.url, policy=self.name, overlaps=overlaps)
+
+
+class LeastLoadPolicy(_Policy):
+    name = PolicyName.LEAST_LOAD.value
+
+    def _logits(
+        self, request: RouteRequest, overlaps: Mapping[str, TierOverlap],
+    ) -> dict[str, float]:
+        # Active requests first; decode blocks break ties (a fraction below one request).
+        most = max(w.decode_blocks for w in request.workers) + 1.0
+        return {w.url: w.active_requests + w.decode_blocks / most for w in request.workers}
+
+
+class CacheAwarePolicy(_Policy):
+    name = PolicyName.CACHE_AWARE.value
+
+    def _logits(
+        self, request: RouteRequest, overlaps: Mapping[str, TierOverlap],
+    ) -> dict[str, float]:
+        page = _page_size(request)
+        weight = self.config.overlap_weight
+        return {
+            w.url: weight * (request.prompt_tokens - overlaps[w.url].gpu * page) / page
+            + w.decode_blocks
+            for w in request.workers
+        }
+
+
+class TierAwarePolicy(_Policy):
+    name = PolicyName.TIER_AWARE.value
+
+    def __init__(
+        self, index: TierIndex, config: ScoringConfig, shared: SharedPoolLookup | None,
+        costs: Mapping[str, TierCosts] | None,
+    ) -> None:
+        super().__init__(index, config)
+        self.shared = shared
+        self.costs: Mapping[str, TierCosts] = costs if costs is not None else {}
+        self._warnings = _RateLimitedWarning(WARNING_INTERVAL_S)
+
+    async def choose(self, request: RouteRequest, token_ids: Sequence[int]) -> RouteDecision:
+        _check(request)
+        page = _page_size(request)
+        began = time.monotonic()
+        query: asyncio.Future[Sequence[bool]] | None = None
+        if self.shared is not None and request.page_hashes:
+            query = asyncio.ensure_future(self.shared.hits(request.page_hashes, token_ids))
+            # Let the query start (a thread-backed lookup hands its work over) before the walk.
+            await asyncio.sleep(0)
+        try:
+            overlaps = self.index.overlaps(request.page_hashes, [w.url for w in request.workers])
+        except BaseException:
+            if query is not None:
+                query.cancel()  # no query left running for a decision that failed
+            raise
+        hits = await self._hits(query, began, len(request.page_hashes))
+        logits = {
+            w.url: self.logit(request, w, overlaps[w.url], hits, page) for w in request.workers
+        }
+        chosen = _lowest(request.workers, logits)
+        return RouteDecision(
+            worker=chosen, policy=self.name, logits=logits, overlaps=overlaps,
+            shared_hits=None if hits is None else sum(hits),
+            shared_beyond=0 if hits is None else hits_beyond(hits, overlaps[chosen].gpu),
+        )
+
+    def logit(
+        self, request: RouteRequest, worker: WorkerLoad, overlap: TierOverlap,
+        hits: Sequence[bool] | None, page: int,
+    ) -> float:
+        """One worker's logit; ``hits`` None: the shared pool as the index knows it."""
+        config = self.config
+        host_saves, shared_saves = self._page_savings(request, worker.url)
+        prefill_tokens = request.prompt_tokens - config.device_credit * overlap.gpu * page
+        host_beyond = overlap.host - overlap.gpu
+        if hits is None:
+            shared_beyond = max(0, overlap.external - overlap.host)
+        else:
+            shared_beyond = hits_beyond(hits, overlap.host)
+        reduction = (host_saves * host_beyond + shared_saves * shared_beyond) * page
+        adjusted_prefill = max(0.0, prefill_tokens - reduction)
+        return config.overlap_weight * adjusted_prefill / page + worker.decode_blocks
+
+    def _page_savings(self, request: RouteRequest, worker: str) -> tuple[float, float]:
+        """Prefill pages saved by one host page and by one shared-pool page."""
+        config = self.config
+        override = request.shared_cache_multiplier
+        if config.tier_costs == TierCostMode.MEASURED.value:
+            costs = self.costs.get(worker, TierCosts())
+            shared = _unit(1.0 - costs.external) if override is None else override
+            return _unit(1.0 - costs.host), shared
+        shared = config.shared_cache_multiplier if override is None else override
+        return config.host_multiplier, shared
+
+    async def _hits(
+        self, query: asyncio.Future[Sequence[bool]] | None, began: float, num_pages: int,
+    ) -> list[bool] | None:
+        if query is None:
+            return None
+        remaining_s = self.config.shared_deadline_s - (time.monotonic() - began)
+        try:
+            hits = await asyncio.wait_for(query, timeout=max(0.0, remaining_s))
+        except asyncio.TimeoutError:
+            self._warnings.warn(
+                "shared cache query took over %.0f ms; scoring from the index alone",
+                self.config.shared_deadline_s * 1e3,
+            )
+            return None
+        # Whatever the lookup raised, the request is still routed: the failure is logged.
+        except Exception as error:
+            self._warnings.warn("shared cache query failed (%s); scoring from the index alone",
+                                error)
+            return None
+        if len(hits) != num_pages:
+            self._warnings.warn(
+                "shared cache query answered %d flags for %d pages; scoring from the index alone",
+                len(hits), num_pages,
+            )
+            return None
+        return [bool(hit) for hit in hits]
+
+
+class _RateLimitedWarning:
+    """A warning logged at most once per interval, counting the ones held back."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last = -float("inf")
+        self._held_back = 0
+
+    def warn(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self._held_back += 1
+            return
+        if self._held_back:
+            message += f" ({self._held_back} more since the last warning)"
+        logger.warning(message, *args)
+        self._last, self._held_back = now, 0
+
+
+def build_policy(
+    name: str, index: TierIndex, shared: SharedPoolLookup | None, config: ScoringConfig,
+    costs: Mapping[str, TierCosts] | None = None,
+) -> RoutingPolicy:
+    """The policy called ``name``. ``shared``: the shared pool (tier_aware only;
+    None: index only). ``costs``: each worker's measured tier costs, by url,
+    read at every decision (tier_costs "measured"; a worker missing there is
+    priced with the ``TierCosts`` defaults)."""
+    try:
+        kind = PolicyName(name)
+    except ValueError:
+        names = ", ".join(p.value for p in PolicyName)
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {names}") from None
+    if kind is PolicyName.ROUND_ROBIN:
+        return RoundRobinPolicy(index, config)
+    if kind is PolicyName.LEAST_LOAD:
+        return LeastLoadPolicy(index, config)
+    if kind is PolicyName.CACHE_AWARE:
+        return CacheAwarePolicy(index, config)
+    return TierAwarePolicy(index, config, shared, costs)
+
+
+def _check(request: RouteRequest) -> None:
+    if not request.workers:
+        raise NoWorkerError("no healthy worker to route the request to")
+    if request.prompt_tokens < 0:
+        raise ValueError(f"prompt_tokens must be >= 0, got {request.prompt_tokens}")
+    multiplier = request.shared_cache_multiplier
+    if multiplier is not None and not multiplier >= 0:
+        raise ValueError(f"shared_cache_multiplier must be a number >= 0, got {multiplier}")
+
+
+def _page_size(request: RouteRequest) -> int:
+    if request.page_size is None or request.page_size <= 0:
+        raise ValueError(
+            f"RouteRequest.page_size must be the workers' page size (> 0), got "
+            f"{request.page_size}: the scoring policies count prefill in pages"
+        )
+    return request.page_size
+
+
+def _unit(value: float) -> float:
+    return min(1.0, max(0.0, value))
+
+
+def _lowest(workers: Sequence[WorkerLoad], logits: Mapping[str, float]) -> str:
+    """Lowest logit; ties to fewer active requests, then registration order."""
+    best = min(
+        range(len(workers)),
+        key=lambda i: (round(logits[workers[i].url], _TIE_DIGITS), workers[i].active_requests, i),
+    )
+    return workers[best].url
