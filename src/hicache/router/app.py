@@ -35,7 +35,7 @@ from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.prompt import PromptKind, PromptTokenizer, prompt_pages
 from hicache.router.proxy import Proxy
 from hicache.router.settings import RouterSettings, SettingsError, check_worker_url
-from hicache.router.types import RoutingPolicy, TierIndex
+from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
 from hicache.router.workers import WorkerError, WorkerInfo, WorkerRegistry
 from hicache.server.admin_api import check_bearer
 from hicache.server.errors import APIError, install_error_handlers
@@ -97,15 +97,18 @@ def pop_override(body: dict[str, Any]) -> float | None:
 
 def create_router_app(
     settings: RouterSettings, index: TierIndex, policy: RoutingPolicy,
-    workers: Sequence[WorkerInfo] = (),
+    workers: Sequence[WorkerInfo] = (), tier_costs: dict[str, TierCosts] | None = None,
 ) -> FastAPI:
     """The app over ``index`` and ``policy``; ``workers`` (already discovered and checked,
-    see ``serve.discover_workers``) are registered when it starts."""
+    see ``serve.discover_workers``) are registered when it starts. ``tier_costs``: the
+    mapping the policy reads each worker's measured costs from (None: fixed costs); the
+    health probes keep it current."""
     client = httpx.AsyncClient(
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         timeout=settings.request_timeout_s,
     )
-    registry = WorkerRegistry(index, client, health_interval_s=settings.health_interval_s)
+    registry = WorkerRegistry(index, client, health_interval_s=settings.health_interval_s,
+                              tier_costs=tier_costs)
     metrics = RouterMetrics(registry, index.num_pages)
     state = RouterState(
         settings=settings, index=index, policy=policy, workers=registry,

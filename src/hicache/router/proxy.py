@@ -126,6 +126,7 @@ class Proxy:
                 page_hashes=hashes, prompt_tokens=len(token_ids),
                 workers=[w.load() for w in candidates],
                 shared_cache_multiplier=shared_cache_multiplier,
+                page_size=self._workers.page_size,
             )
             started = time.perf_counter()
             decision = await self._policy.choose(request, token_ids)

@@ -11,13 +11,22 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import uvicorn
 
 from hicache.router.app import create_router_app
-from hicache.router.settings import RouterSettings, SettingsError, settings_from_args
-from hicache.router.types import RoutingPolicy, TierIndex
+from hicache.router.index import PageIndex
+from hicache.router.policy import ScoringConfig, build_policy
+from hicache.router.settings import (
+    RouterSettings,
+    SettingsError,
+    SharedCacheType,
+    TierCostsMode,
+    settings_from_args,
+)
+from hicache.router.shared_pool import shared_pool_for_worker
+from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
 from hicache.router.workers import (
     WorkerError,
     WorkerInfo,
@@ -26,14 +35,13 @@ from hicache.router.workers import (
     fetch_worker_info_sync,
 )
 
-# TODO(merge): the index and the policies come from their own modules.
-# from hicache.router.index import PageIndex
-# from hicache.router.policy import build_policy
-
 logger = logging.getLogger("hicache.router")
 
 IndexFactory = Callable[[], TierIndex]
-PolicyFactory = Callable[[TierIndex, RouterSettings], RoutingPolicy]
+# (index, settings, the discovered workers, the measured tier costs the policy reads)
+PolicyFactory = Callable[
+    [TierIndex, RouterSettings, Sequence[WorkerInfo], Mapping[str, TierCosts]], RoutingPolicy
+]
 GRACEFUL_SHUTDOWN_S = 10
 _RETRY_S = 0.5
 
@@ -78,7 +86,11 @@ def run_router(
     """Serve until stopped; RouterStartupError when the workers cannot be used."""
     workers = discover_workers(settings.worker_urls, settings.worker_startup_timeout_s)
     index = index_factory()
-    app = create_router_app(settings, index, policy_factory(index, settings), workers)
+    costs: dict[str, TierCosts] | None = None
+    if settings.tier_costs is TierCostsMode.MEASURED:
+        costs = {}
+    policy = policy_factory(index, settings, workers, {} if costs is None else costs)
+    app = create_router_app(settings, index, policy, workers, tier_costs=costs)
     level = logging.getLogger().getEffectiveLevel()
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, log_level=level,
@@ -87,10 +99,33 @@ def run_router(
     uvicorn.Server(config).run()
 
 
+def build_default_policy(
+    index: TierIndex, settings: RouterSettings, workers: Sequence[WorkerInfo],
+    costs: Mapping[str, TierCosts],
+) -> RoutingPolicy:
+    """The project's policy named by ``--policy``, scoring as the flags say; with
+    ``--shared-cache-type hicache`` it asks the L3 the first worker reports (every worker
+    shares it: they have one model and page size, so one key namespace)."""
+    shared = None
+    if settings.shared_cache_type is SharedCacheType.HICACHE:
+        if not workers:
+            raise RouterStartupError("--shared-cache-type hicache needs a worker in "
+                                     "--worker-urls to learn the shared L3 from")
+        try:
+            shared = shared_pool_for_worker(workers[0].server_info)
+        except ValueError as error:
+            raise RouterStartupError(f"--shared-cache-type hicache: worker {workers[0].url}: "
+                                     f"{error}") from None
+    config = ScoringConfig(
+        overlap_weight=settings.overlap_weight,
+        shared_cache_multiplier=settings.shared_cache_multiplier,
+        tier_costs=settings.tier_costs.value,
+    )
+    return build_policy(settings.policy.value, index, shared, config, costs)
+
+
 def _default_factories() -> tuple[IndexFactory, PolicyFactory]:
-    # TODO(merge): return PageIndex, and a factory calling build_policy(settings.policy.value,
-    # index, shared, ScoringConfig(...)) with the shared-pool lookup of --shared-cache-type.
-    raise RouterStartupError("this build has no routing policies yet (hicache.router.policy)")
+    return PageIndex, build_default_policy
 
 
 def main(

@@ -31,7 +31,8 @@ import zmq.asyncio
 
 from hicache.router.settings import normalize_worker_url
 from hicache.router.subscriber import EventEndpoints, EventSubscriber, SubscriberCounts
-from hicache.router.types import TierIndex, WorkerLoad
+from hicache.router.tier_costs import measured_tier_costs
+from hicache.router.types import TierCosts, TierIndex, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class WorkerInfo:
     tokenizer_path: str | None = None  # a dir the router can load the tokenizer from
     events: EventEndpoints | None = None  # None: the worker publishes no KV events
     l3_key_seed: str | None = None  # seeds the worker's L3 keys, when it reports one
+    # The whole /get_server_info answer (the shared-pool lookup and tier costs read it).
+    server_info: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def public(self) -> dict[str, Any]:
         events = self.events
@@ -105,6 +108,7 @@ def parse_server_info(url: str, info: Mapping[str, Any]) -> WorkerInfo:
         tokenizer_path=_text(info.get("tokenizer_path")),
         events=_event_endpoints(url, info),
         l3_key_seed=None if seed is None else str(seed),
+        server_info=dict(info),
     )
 
 
@@ -228,8 +232,12 @@ class WorkerRegistry:
     def __init__(
         self, index: TierIndex, client: httpx.AsyncClient, *, health_interval_s: float,
         zmq_context: zmq.asyncio.Context | None = None,
+        tier_costs: dict[str, TierCosts] | None = None,
     ) -> None:
         self._index = index
+        # With --tier-costs measured: each worker's costs, refreshed from its
+        # /get_server_info and /metrics at every successful probe (the policy reads them).
+        self._tier_costs = tier_costs
         self._client = client
         self._health_interval_s = health_interval_s
         self._probe_timeout_s = min(health_interval_s, MAX_PROBE_TIMEOUT_S)
@@ -241,6 +249,10 @@ class WorkerRegistry:
         self.reference: WorkerInfo | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one membership change at a time
+
+    @property
+    def page_size(self) -> int | None:
+        return None if self.reference is None else self.reference.page_size
 
     # -- membership
 
@@ -284,6 +296,8 @@ class WorkerRegistry:
                 raise UnknownWorkerError(f"worker {url} is not registered")
             await self._stop_events(worker)
             self._index.remove_worker(url)
+            if self._tier_costs is not None:
+                self._tier_costs.pop(url, None)
             logger.info("worker %s removed", url)
 
     # -- health
@@ -335,8 +349,26 @@ class WorkerRegistry:
             return  # removed while probing
         if problem is not None:
             await self.mark_down(worker.url, problem)
-        elif not worker.healthy:
+            return
+        if not worker.healthy:
             await self._bring_back(worker)
+        if self._tier_costs is not None and worker.healthy:
+            await self._measure_costs(worker)
+
+    async def _measure_costs(self, worker: Worker) -> None:
+        """Refresh ``worker``'s measured tier costs; on any failure keep the last ones."""
+        assert self._tier_costs is not None
+        try:
+            info = await self._client.get(f"{worker.url}/get_server_info",
+                                          timeout=self._probe_timeout_s)
+            metrics = await self._client.get(f"{worker.url}/metrics",
+                                             timeout=self._probe_timeout_s)
+            body = info.json() if info.status_code == 200 else {}
+            text = metrics.text if metrics.status_code == 200 else None
+            if isinstance(body, dict) and self._workers.get(worker.url) is worker:
+                self._tier_costs[worker.url] = measured_tier_costs(body, text)
+        except (httpx.HTTPError, ValueError) as error:
+            logger.debug("worker %s: tier costs not refreshed: %s", worker.url, error)
 
     async def _bring_back(self, worker: Worker) -> None:
         """A worker answering again: rediscover it (a restart may have moved its event

@@ -219,10 +219,12 @@ class FakeWorker:
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     flushed: int = 0
+    extra_info: dict[str, Any] = field(default_factory=dict)  # more /get_server_info fields
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"page_size": self.page_size, "served_model_name": self.model,
-                                "model_path": f"/models/{self.model}", "tokenizer_path": None}
+                                "model_path": f"/models/{self.model}", "tokenizer_path": None,
+                                **self.extra_info}
         if self.publisher is not None:
             info.update(kv_events_endpoint=self.publisher.endpoint,
                         kv_events_replay_endpoint=self.publisher.replay_endpoint,

@@ -12,7 +12,7 @@ import httpx
 from hicache.router.app import create_router_app
 from hicache.router.serve import discover_workers
 from hicache.router.settings import RouterSettings
-from hicache.router.types import RoutingPolicy
+from hicache.router.types import RoutingPolicy, TierCosts
 from hicache.router.workers import WorkerInfo
 from tests.server_fixtures import serve_app_in_thread
 from tests.unit.router.fakes import DictIndex, FirstPolicy
@@ -39,7 +39,8 @@ class RunningRouter:
 @contextmanager
 def running_router(
     worker_urls: Sequence[str] = (), *, policy: RoutingPolicy | None = None,
-    extra_workers: Sequence[WorkerInfo] = (), **settings: Any,
+    extra_workers: Sequence[WorkerInfo] = (), tier_costs: dict[str, TierCosts] | None = None,
+    **settings: Any,
 ) -> Iterator[RunningRouter]:
     """The router over ``extra_workers`` (registered first, as given: workers that would
     not answer discovery) and ``worker_urls`` (discovered)."""
@@ -48,6 +49,6 @@ def running_router(
     index = DictIndex()
     chosen = policy if policy is not None else FirstPolicy(index)
     infos = [*extra_workers, *discover_workers(config.worker_urls, timeout_s=5)]
-    app = create_router_app(config, index, chosen, infos)
+    app = create_router_app(config, index, chosen, infos, tier_costs=tier_costs)
     with serve_app_in_thread(app, lifespan="on") as url:
         yield RunningRouter(url, index, chosen)

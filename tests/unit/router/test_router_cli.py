@@ -63,7 +63,7 @@ def test_start_up_with_mismatched_workers_exits_2_naming_both(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     def factories() -> tuple[object, object]:
-        return DictIndex, lambda index, settings: FirstPolicy(index)
+        return DictIndex, lambda index, settings, workers, costs: FirstPolicy(index)
 
     with fake_workers(FakeWorker(page_size=4), FakeWorker(page_size=32)) as (a, b):
         args = build_parser().parse_args(
