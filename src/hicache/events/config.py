@@ -52,7 +52,8 @@ class KVEventsConfig:
         _check_endpoint("endpoint", self.endpoint)
         if self.replay_endpoint is not None:
             _check_endpoint("replay_endpoint", self.replay_endpoint)
-            if self.replay_endpoint == self.endpoint:
+            # A wildcard port (tcp://host:*) picks a free port for each: no clash.
+            if self.replay_endpoint == self.endpoint and not self.endpoint.endswith(":*"):
                 raise ConfigError(
                     f"{FLAG}: endpoint and replay_endpoint are both {self.endpoint!r}: "
                     "they are two sockets and need two addresses"
