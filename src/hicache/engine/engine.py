@@ -31,6 +31,9 @@ from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.engine.threads import apply_num_threads, set_thread_count
+from hicache.events.config import KVEventsConfig
+from hicache.events.emitter import KVEventEmitter
+from hicache.events.publisher import ZmqEventPublisher
 from hicache.model.attention_backend import make_attention_backend
 from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.model.identity import model_identity
@@ -54,6 +57,7 @@ class Engine:
         model_name: str,
         num_threads: int | None = None,
         output_thread: bool = True,
+        event_publisher: ZmqEventPublisher | None = None,
     ) -> None:
         self.model = loaded.model
         self.model_config = loaded.config
@@ -69,6 +73,8 @@ class Engine:
         self.num_threads = num_threads
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Publishes the cache's KV events (None: off); closed after the cache.
+        self.event_publisher = event_publisher
 
     @property
     def chunked_prefill_size(self) -> int:
@@ -103,7 +109,9 @@ class Engine:
             self._stop.set()
             self._thread.join()
             self._thread = None
-        self.cache.close()
+        self.cache.close()  # its last events go to the publisher first
+        if self.event_publisher is not None:
+            self.event_publisher.close()
 
     # ------------------------------------------------------------ requests
     def tokenize(self, text: str) -> list[int]:
@@ -320,11 +328,18 @@ def build_engine(config: EngineConfig) -> Engine:
     model_name = model.served_model_name or weights_name
     # The L3 namespace names the weights (their bytes), not the served name: servers of
     # the same weights share pages whatever they are called, other weights never do.
-    cache = HierarchicalCache(
-        cache_config, geometry, device_pages, device,
-        model_name=model_identity(model_path, load_format, preset, device),
-        storage=storage if storage.enabled and not scheduling.disable_radix_cache else None,
-    )
+    publisher = _start_event_publisher(config.events)
+    try:
+        cache = HierarchicalCache(
+            cache_config, geometry, device_pages, device,
+            model_name=model_identity(model_path, load_format, preset, device),
+            storage=storage if storage.enabled and not scheduling.disable_radix_cache else None,
+            events=KVEventEmitter(page_size, publisher) if publisher is not None else None,
+        )
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
     logger.info(
         "engine: %s on %s, KV pool %d pages x %d tokens, context %d, L2 %s, L3 %s, "
         "%d torch threads",
@@ -335,8 +350,19 @@ def build_engine(config: EngineConfig) -> Engine:
     engine = Engine(
         loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
         num_threads=num_threads, output_thread=config.runtime.output_thread,
+        event_publisher=publisher,
     )
     return engine.start()
+
+
+def _start_event_publisher(config: KVEventsConfig) -> ZmqEventPublisher | None:
+    """The KV event publisher, bound and running; None when events are off.
+
+    Raises EventPublisherError (an OSError) when its addresses cannot be bound.
+    """
+    if not config.enabled:
+        return None
+    return ZmqEventPublisher(config).start()
 
 
 def _set_up_compute(model: CausalLM, runtime: RuntimeConfig, device: torch.device) -> None:

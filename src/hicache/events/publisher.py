@@ -49,7 +49,7 @@ _START_TIMEOUT_S: Final = 10.0
 _JOIN_TIMEOUT_S: Final = 10.0
 
 
-class EventPublisherError(RuntimeError):
+class EventPublisherError(OSError):
     """The publisher could not start (an endpoint that cannot be bound)."""
 
 
