@@ -42,6 +42,7 @@ from hicache.model.model import CausalLM
 from hicache.model.presets import DEFAULT_PRESET
 from hicache.storage.base import StorageError
 from hicache.storage.config import load_extra_config, storage_config
+from hicache.storage.frame import PayloadOrder
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,27 @@ class Engine:
     def chunked_prefill_size(self) -> int:
         """Prompt tokens per step (the flag's default resolved for the device)."""
         return self.scheduler.config.chunked_prefill_size
+
+    def routing_info(self) -> dict[str, Any]:
+        """What a router needs beyond SGLang's server arguments (/get_server_info).
+
+        Where this worker publishes its KV events (the bound addresses: a
+        wildcard port resolved; None when events are off), and how it names its
+        L3 pages: the chain seed of the radix key namespace for requests without
+        an extra key (hex) and the payload-order tag that ends every object name
+        (``storage.frame.object_name``; None without a host pool, hence no L3).
+        """
+        publisher = self.event_publisher
+        layout = self.cache.config.mem_layout
+        return {
+            "kv_events_endpoint": publisher.endpoint if publisher else None,
+            "kv_events_replay_endpoint": publisher.replay_endpoint if publisher else None,
+            "kv_events_topic": publisher.config.topic if publisher else None,
+            "hicache_l3_key_seed": self.cache.tree.namespace.seed(None).hex(),
+            "hicache_l3_object_order": (
+                PayloadOrder.of_layout(layout).tag if self.cache.hierarchical else None
+            ),
+        }
 
     @property
     def attention_backend(self) -> str:
