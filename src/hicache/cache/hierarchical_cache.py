@@ -43,6 +43,7 @@ from hicache.transfer import create_io_backend
 
 if TYPE_CHECKING:
     from hicache.cache.l3 import PrefetchHandle, StorageTier
+    from hicache.events.emitter import KVEventEmitter
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,15 @@ class HierarchicalCache:
         device: torch.device | str = "cpu",
         model_name: str = "model",
         storage: StorageConfig | None = None,
+        events: KVEventEmitter | None = None,
     ) -> None:
         self.config = config
+        # Turns tier transitions into KV events (None: events off, nothing is hashed).
+        self.events = events
         self.page_size = config.page_size
         self.device_pool = DevicePool(geometry, device_num_pages, config.page_size, device)
         namespace = KeyNamespace(model_name, geometry.describe(), config.page_size)
-        self.tree = HiRadixTree(config.page_size, config.write_policy, namespace)
+        self.tree = HiRadixTree(config.page_size, config.write_policy, namespace, events)
         self.stats = CacheStats()
         self.host_pool: HostPool | None = None
         self.controller: CacheController | None = None
@@ -119,6 +123,15 @@ class HierarchicalCache:
         if self.controller is not None:
             self.poll(wait=True)
             self.controller.stop()
+        self.publish_events()
+
+    def publish_events(self) -> None:
+        """Hand the KV events since the last call to the publisher, as one batch.
+
+        The scheduler calls it once per step; a no-op when events are off.
+        """
+        if self.events is not None:
+            self.events.end_step()
 
     # ------------------------------------------------------------ L3 tier
     def attach_storage(
@@ -305,7 +318,11 @@ class HierarchicalCache:
             for tier in self._storage_tiers():
                 host_pages = tier.retain_stalled_host_pages(host_pages)
             self.host_pool.allocator.free(host_pages)
-        self.tree = HiRadixTree(self.page_size, self.config.write_policy, self.tree.namespace)
+        self.tree = HiRadixTree(
+            self.page_size, self.config.write_policy, self.tree.namespace, self.events
+        )
+        if self.events is not None:
+            self.events.cleared()
 
     def alloc_device(self, num_pages: int) -> PageIds:
         """``num_pages`` free device pages, evicting from the tree as needed."""
@@ -355,6 +372,8 @@ class HierarchicalCache:
         for token in tokens:
             node = self._writing.pop(token)
             self.tree.finish_backup(node)
+            if self.events is not None:  # the copy has landed: the host holds the KV now
+                self.events.host_copy_landed(node)
             if self.storage is not None and node.host_pages is not None:
                 self.storage.backup(node)
         if wait:
@@ -419,6 +438,8 @@ class HierarchicalCache:
             return False
         self.tree.begin_backup(node, host_pages)
         self._writing[node.id] = node
+        if self.events is not None:
+            self.events.host_copy_issued(node)
         self.controller.write(node.device_pages, host_pages, node.id)
         self.stats.num_backed_up_pages += need
         return True

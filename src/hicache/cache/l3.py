@@ -255,6 +255,8 @@ class StorageTier:
         keys = self.cache.tree.page_keys(node)
         self.cache.tree.protect_host(node)
         self._backups[node.id] = node
+        if self.cache.events is not None:
+            self.cache.events.l3_put_issued(node)
         self.controller.submit_backup(BackupOp(list(keys), node.host_pages.copy(), node))
 
     # ---------------------------------------------------------------- poll
@@ -271,6 +273,8 @@ class StorageTier:
                 assert isinstance(node, TreeNode)
                 del self._backups[node.id]
                 self.cache.tree.unprotect_host(node)
+                if self.cache.events is not None:
+                    self.cache.events.l3_put_done(node, op.num_stored)
                 self.cache.stats.num_storage_backed_up_pages += op.num_stored - op.num_existing
                 continue
             handle = op.owner

@@ -21,6 +21,7 @@ import torch
 
 from hicache.config import CacheConfig, ConfigError, parse_enum
 from hicache.engine.scheduler import SchedulerConfig
+from hicache.events.config import KVEventsConfig
 from hicache.model.attention_backend import ATTENTION_BACKENDS
 from hicache.model.config import parse_dtype
 from hicache.model.loader import LoadFormat
@@ -168,13 +169,14 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The whole engine: model, scheduling, L1/L2 cache, L3 storage, runtime."""
+    """The whole engine: model, scheduling, L1/L2 cache, L3 storage, runtime, KV events."""
 
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         if self.scheduling.disable_radix_cache and (

@@ -31,6 +31,9 @@ from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.engine.threads import apply_num_threads, set_thread_count
+from hicache.events.config import KVEventsConfig
+from hicache.events.emitter import KVEventEmitter
+from hicache.events.publisher import ZmqEventPublisher
 from hicache.model.attention_backend import make_attention_backend
 from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.model.identity import model_identity
@@ -39,6 +42,7 @@ from hicache.model.model import CausalLM
 from hicache.model.presets import DEFAULT_PRESET
 from hicache.storage.base import StorageError
 from hicache.storage.config import load_extra_config, storage_config
+from hicache.storage.frame import PayloadOrder
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ class Engine:
         model_name: str,
         num_threads: int | None = None,
         output_thread: bool = True,
+        event_publisher: ZmqEventPublisher | None = None,
     ) -> None:
         self.model = loaded.model
         self.model_config = loaded.config
@@ -69,11 +74,34 @@ class Engine:
         self.num_threads = num_threads
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Publishes the cache's KV events (None: off); closed after the cache.
+        self.event_publisher = event_publisher
 
     @property
     def chunked_prefill_size(self) -> int:
         """Prompt tokens per step (the flag's default resolved for the device)."""
         return self.scheduler.config.chunked_prefill_size
+
+    def routing_info(self) -> dict[str, Any]:
+        """What a router needs beyond SGLang's server arguments (/get_server_info).
+
+        Where this worker publishes its KV events (the bound addresses: a
+        wildcard port resolved; None when events are off), and how it names its
+        L3 pages: the chain seed of the radix key namespace for requests without
+        an extra key (hex) and the payload-order tag that ends every object name
+        (``storage.frame.object_name``; None without a host pool, hence no L3).
+        """
+        publisher = self.event_publisher
+        layout = self.cache.config.mem_layout
+        return {
+            "kv_events_endpoint": publisher.endpoint if publisher else None,
+            "kv_events_replay_endpoint": publisher.replay_endpoint if publisher else None,
+            "kv_events_topic": publisher.config.topic if publisher else None,
+            "hicache_l3_key_seed": self.cache.tree.namespace.seed(None).hex(),
+            "hicache_l3_object_order": (
+                PayloadOrder.of_layout(layout).tag if self.cache.hierarchical else None
+            ),
+        }
 
     @property
     def attention_backend(self) -> str:
@@ -103,7 +131,9 @@ class Engine:
             self._stop.set()
             self._thread.join()
             self._thread = None
-        self.cache.close()
+        self.cache.close()  # its last events go to the publisher first
+        if self.event_publisher is not None:
+            self.event_publisher.close()
 
     # ------------------------------------------------------------ requests
     def tokenize(self, text: str) -> list[int]:
@@ -322,11 +352,18 @@ def build_engine(config: EngineConfig) -> Engine:
     model_name = model.served_model_name or weights_name
     # The L3 namespace names the weights (their bytes), not the served name: servers of
     # the same weights share pages whatever they are called, other weights never do.
-    cache = HierarchicalCache(
-        cache_config, geometry, device_pages, device,
-        model_name=model_identity(model_path, load_format, preset, device),
-        storage=storage if storage.enabled and not scheduling.disable_radix_cache else None,
-    )
+    publisher = _start_event_publisher(config.events)
+    try:
+        cache = HierarchicalCache(
+            cache_config, geometry, device_pages, device,
+            model_name=model_identity(model_path, load_format, preset, device),
+            storage=storage if storage.enabled and not scheduling.disable_radix_cache else None,
+            events=KVEventEmitter(page_size, publisher) if publisher is not None else None,
+        )
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
     logger.info(
         "engine: %s on %s, KV pool %d pages x %d tokens, context %d, L2 %s, L3 %s, "
         "%d torch threads",
@@ -337,8 +374,19 @@ def build_engine(config: EngineConfig) -> Engine:
     engine = Engine(
         loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
         num_threads=num_threads, output_thread=config.runtime.output_thread,
+        event_publisher=publisher,
     )
     return engine.start()
+
+
+def _start_event_publisher(config: KVEventsConfig) -> ZmqEventPublisher | None:
+    """The KV event publisher, bound and running; None when events are off.
+
+    Raises EventPublisherError (an OSError) when its addresses cannot be bound.
+    """
+    if not config.enabled:
+        return None
+    return ZmqEventPublisher(config).start()
 
 
 def _set_up_compute(model: CausalLM, runtime: RuntimeConfig, device: torch.device) -> None:

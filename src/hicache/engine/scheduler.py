@@ -12,7 +12,8 @@ Each step:
    chunks of prefilling requests (at most ``chunked_prefill_size`` tokens);
    a failure of the forward fails the running requests;
 5. sample, stream, finish, each request on its own (a failure there fails
-   that request alone): a finished request gives its KV to the radix tree.
+   that request alone): a finished request gives its KV to the radix tree;
+6. the KV events the step's cache changes produced go out as one batch.
 
 The thread does no blocking I/O: L2 copies run on the cache controller's
 streams/threads and L3 on the storage controller's threads. When the device
@@ -145,6 +146,7 @@ class Scheduler:
                 logger.exception("scheduler step failed; aborting running requests")
                 self._fail_all("internal error in the scheduler step")
             self.outputs.flush()  # the step's outputs, to the output thread
+            self.cache.publish_events()  # the step's KV events, as one batch
         self._fail_all("server shutting down")
         self.outputs.flush()
         self.outputs.close()  # after delivering every output

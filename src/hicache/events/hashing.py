@@ -68,3 +68,24 @@ def page_hashes(
     """The int64 hashes of every full page of ``token_ids``, chained from
     ``parent_digest`` (None: the pages start at the root)."""
     return [digest_to_hash(d) for d in page_digests(token_ids, page_size, parent_digest)]
+
+
+def packed_page_digests(
+    token_bytes: bytes, page_size: int, parent_digest: bytes | None = None,
+) -> list[bytes]:
+    """``page_digests`` of tokens already packed as little-endian int32 (the radix
+    tree's representation, which is the scheme's per-token encoding for ids below
+    2^31): one hash update per page, no per-token conversion."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    step = page_size * 4
+    digests: list[bytes] = []
+    parent = parent_digest
+    for start in range(0, len(token_bytes) - step + 1, step):
+        hasher = hashlib.sha256()
+        if parent is not None:
+            hasher.update(parent)
+        hasher.update(token_bytes[start:start + step])
+        parent = hasher.digest()
+        digests.append(parent)
+    return digests

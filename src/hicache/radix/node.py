@@ -30,6 +30,7 @@ class TreeNode:
     __slots__ = (
         "children",
         "device_pages",
+        "event_digests",
         "extra_key",
         "hit_count",
         "host_pages",
@@ -61,6 +62,9 @@ class TreeNode:
         self.last_access = 0
         # Chained page keys (radix.keys), computed lazily: only L3 needs them.
         self.page_keys: list[bytes] | None = None
+        # Per-page digests of the KV event hashes (events.hashing), kept by the event
+        # emitter only when events are on, so children chain without rehashing.
+        self.event_digests: list[bytes] | None = None
 
     @property
     def num_tokens(self) -> int:

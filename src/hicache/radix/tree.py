@@ -30,6 +30,7 @@ from hicache.config import WritePolicy
 from hicache.memory.allocator import PageIds
 from hicache.radix.keys import TOKEN_BYTES, KeyNamespace, TokenIds, chain_page_keys, pack_tokens
 from hicache.radix.node import TreeNode, slice_pages
+from hicache.radix.observer import TierObserver
 from hicache.radix.results import (
     DeviceEviction,
     HostInsertResult,
@@ -52,6 +53,7 @@ class HiRadixTree:
         page_size: int,
         write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
         namespace: KeyNamespace | None = None,
+        observer: TierObserver | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -60,6 +62,8 @@ class HiRadixTree:
         self.write_policy = WritePolicy(write_policy)
         self.namespace = namespace or KeyNamespace("default", "", page_size)
         self._seeds: dict[str | None, bytes] = {}
+        # Told of tier transitions (KV events); None costs nothing.
+        self.observer = observer
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
@@ -262,6 +266,8 @@ class HiRadixTree:
                 child = self._new_host_leaf(node, key, data[pos:], mine, extra_key)
                 new_pages += len(mine)
                 node = child
+                if self.observer is not None:
+                    self.observer.host_inserted(child)
                 break
             if not data.startswith(child.tokens, pos):
                 child = self._split(child, self._common_pages(child.tokens, data, pos, len(data)))
@@ -279,6 +285,8 @@ class HiRadixTree:
                     self.num_host_pages += n
                     new_pages += n
                     self._push_candidate(child)
+                    if self.observer is not None:
+                        self.observer.host_inserted(child)
                 else:
                     duplicates.append(mine)
             child.last_access = self._clock
@@ -564,6 +572,9 @@ class HiRadixTree:
         if child.page_keys is not None:
             upper.page_keys = child.page_keys[:num_pages]
             child.page_keys = child.page_keys[num_pages:]
+        if child.event_digests is not None:
+            upper.event_digests = child.event_digests[:num_pages]
+            child.event_digests = child.event_digests[num_pages:]
         child.tokens = child.tokens[cut:]
         child.device_pages = slice_pages(child.device_pages, num_pages)
         child.host_pages = slice_pages(child.host_pages, num_pages)
@@ -585,6 +596,8 @@ class HiRadixTree:
         self.num_nodes += 1
         self.num_device_pages += len(device_pages)
         heapq.heappush(self._device_heap, (leaf.last_access, leaf.id, leaf))
+        if self.observer is not None:
+            self.observer.device_stored(leaf)
         return leaf
 
     def _new_host_leaf(
@@ -606,11 +619,15 @@ class HiRadixTree:
         if node.lock_ref > 0:
             self.num_protected_device_pages += len(device_pages)
         self._push_candidate(node)
+        if self.observer is not None:
+            self.observer.device_stored(node)
 
     def _demote(self, node: TreeNode) -> PageIds:
         """Drop the device copy of a backed-up node; it stays in the tree, host-only."""
         pages = node.device_pages
         assert pages is not None and node.host_pages is not None and node.lock_ref == 0
+        if self.observer is not None:
+            self.observer.device_removed(node)
         node.device_pages = None
         self.num_device_pages -= len(pages)
         self._push_candidate(node)
@@ -623,6 +640,11 @@ class HiRadixTree:
         assert not node.children and node.lock_ref == 0 and node.host_ref == 0
         parent = node.parent
         assert parent is not None
+        if self.observer is not None:
+            if node.device_pages is not None:
+                self.observer.device_removed(node)
+            else:
+                self.observer.host_removed(node)
         del parent.children[self._child_key(parent, node.tokens[: self.page_bytes], node.extra_key)]
         node.parent = None
         self.num_nodes -= 1

@@ -122,6 +122,10 @@ def create_app(
                 engine, "chunked_prefill_size", info_args.get("chunked_prefill_size")
             ),
         }
-        return server_info(state.info, state.served_model_name, l3, limits, counters, __version__)
+        routing_info = getattr(engine, "routing_info", None)
+        routing = routing_info() if routing_info is not None else None
+        return server_info(
+            state.info, state.served_model_name, l3, limits, counters, __version__, routing
+        )
 
     return app

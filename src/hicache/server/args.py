@@ -6,6 +6,8 @@ import argparse
 from dataclasses import fields
 
 from hicache.config import CacheConfig, ConfigError, IOBackendKind, MemLayout, WritePolicy
+from hicache.events.config import FLAG as KV_EVENTS_FLAG
+from hicache.events.config import KVEventsConfig, parse_kv_events_config
 from hicache.storage.config import (
     EXTRA_CONFIG_FLAG,
     PrefetchPolicy,
@@ -76,6 +78,21 @@ def add_storage_args(parser: argparse.ArgumentParser) -> None:
         "the observed L3 read time), prefetch_timeout_max for the cache; every other key "
         "goes to the backend",
     )
+
+
+def add_kv_events_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV events")
+    group.add_argument(
+        KV_EVENTS_FLAG, default=None, metavar="JSON",
+        help="publish KV cache events for a router (SGLang's and vLLM's format), e.g. "
+        '\'{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": '
+        '"tcp://127.0.0.1:5558", "topic": "kv-events"}\'; also buffer_steps, hwm, '
+        "max_queue_size (default: off)",
+    )
+
+
+def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig:
+    return parse_kv_events_config(getattr(args, "kv_events_config", None))
 
 
 def storage_config_from_args(args: argparse.Namespace) -> StorageConfig:

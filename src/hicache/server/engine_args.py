@@ -1,6 +1,6 @@
 """The engine's command-line flags, and the EngineConfig they stand for.
 
-``add_engine_args`` adds the model, scheduler, runtime, cache and L3 flags
+``add_engine_args`` adds the model, scheduler, runtime, cache, L3 and KV events flags
 (SGLang's names where SGLang has the flag); ``engine_config_from_args`` turns
 the parsed flags into an EngineConfig, whose dataclasses check the values.
 The engine itself never sees argparse.
@@ -24,8 +24,10 @@ from hicache.model.loader import LoadFormat
 from hicache.model.presets import DEFAULT_PRESET, PRESETS
 from hicache.server.args import (
     add_cache_args,
+    add_kv_events_args,
     add_storage_args,
     cache_config_from_args,
+    kv_events_config_from_args,
     storage_config_from_args,
 )
 
@@ -112,6 +114,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     add_cache_args(parser)
     add_storage_args(parser)
+    add_kv_events_args(parser)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -138,6 +141,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         cache=cache_config_from_args(args),
         storage=storage_config_from_args(args),
+        events=kv_events_config_from_args(args),
         runtime=RuntimeConfig(
             num_threads=args.num_threads, attention_backend=args.attention_backend,
             prepack_weights=not args.disable_weight_prepack,

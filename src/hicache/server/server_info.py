@@ -55,6 +55,13 @@ _ARGS = {
 }
 
 
+# What a router reads beyond SGLang's arguments (Engine.routing_info).
+ROUTING_KEYS = (
+    "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
+    "hicache_l3_key_seed", "hicache_l3_object_order",
+)
+
+
 def public_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with secrets replaced by REDACTED (nested objects too)."""
     out: dict[str, Any] = {}
@@ -91,8 +98,8 @@ class ServerInfo:
     server_args: Mapping[str, Any] = field(default_factory=dict)
     # The L3 backend's extra config as started (secrets removed); the admin API replaces it.
     storage_config: Mapping[str, Any] = field(default_factory=dict)
-    # Where KV cache events are published (SGLang's --kv-events-config); none yet.
-    kv_events_endpoint: str | None = None
+    # --kv-events-config as given (SGLang reports its flag as the JSON string).
+    kv_events_config: str | None = None
 
 
 def server_info_from_args(
@@ -113,6 +120,7 @@ def server_info_from_args(
     return ServerInfo(
         model_path=model_path, tokenizer_path=tokenizer_path or model_path,
         server_args=server_args, storage_config=storage,
+        kv_events_config=getattr(args, "kv_events_config", None),
     )
 
 
@@ -171,8 +179,13 @@ def l3_description(
 def server_info(
     info: ServerInfo, served_model_name: str, l3: Mapping[str, Any],
     limits: Mapping[str, Any], counters: Mapping[str, float], version: str,
+    routing: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """/get_server_info: SGLang's flat server arguments, then the live state."""
+    """/get_server_info: SGLang's flat server arguments, then the live state.
+
+    ``routing``: the engine's ``routing_info`` (event endpoints, L3 naming);
+    its keys read None for engines that do not say.
+    """
     extra = l3["config"]
     return {
         **info.server_args,
@@ -183,8 +196,9 @@ def server_info(
         "hicache_storage_backend": l3["backend"],
         # A JSON string, as SGLang's flag is.
         "hicache_storage_backend_extra_config": json.dumps(extra) if extra else None,
-        "kv_events_config": None,
-        "kv_events_endpoint": info.kv_events_endpoint,
+        "kv_events_config": info.kv_events_config,
+        **{key: None for key in ROUTING_KEYS},
+        **(routing or {}),
         "l3": dict(l3),
         "internal_states": [dict(counters)],
         "version": version,

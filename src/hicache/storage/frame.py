@@ -64,6 +64,15 @@ class PayloadOrder(IntEnum):
         """Suffix of object names ("lm" / "tm")."""
         return "lm" if self is PayloadOrder.LAYER_MAJOR else "tm"
 
+    @classmethod
+    def of_tag(cls, tag: str) -> PayloadOrder:
+        """The order an object-name suffix stands for (a worker's
+        ``hicache_l3_object_order`` in /get_server_info)."""
+        for order in cls:
+            if order.tag == tag:
+                return order
+        raise ValueError(f"unknown payload order tag {tag!r}: expected lm or tm")
+
 
 class Fault(str, Enum):
     """Why a stored object was rejected on read (the failure reason in stats)."""
@@ -78,7 +87,14 @@ class Fault(str, Enum):
 
 
 def object_name(key: bytes, order: PayloadOrder) -> str:
-    """Store name of a page: hex key plus row-order tag, e.g. ``0f1e...9a.tm``."""
+    """Store name of a page: hex key plus row-order tag, e.g. ``0f1e...9a.tm``.
+
+    The Mooncake backend names its objects so, and the file backend its files
+    (under a directory named by the first two characters). A router that asks
+    the shared store which of a request's pages it holds computes the keys with
+    ``radix.keys.chain_page_keys`` from the worker's ``hicache_l3_key_seed`` and
+    names them with this and the worker's ``hicache_l3_object_order``.
+    """
     return f"{key.hex()}.{order.tag}"
 
 

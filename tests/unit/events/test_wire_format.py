@@ -8,7 +8,7 @@ import struct
 import msgspec
 import pytest
 
-from hicache.events.hashing import page_hashes
+from hicache.events.hashing import packed_page_digests, page_digests, page_hashes
 from hicache.events.messages import (
     AllBlocksCleared,
     BlockRemoved,
@@ -97,3 +97,12 @@ def test_sequence_numbers_are_eight_signed_big_endian_bytes() -> None:
 def test_token_ids_outside_four_bytes_are_refused(tokens: list[int]) -> None:
     with pytest.raises(ValueError, match="token ids"):
         page_hashes(tokens, 2)
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_packed_tokens_hash_as_the_token_list_does(page: int) -> None:
+    tokens = [0, 1, 49151, 2**31 - 1, 7, 7, 7, 123456] * 5 + [9]
+    packed = b"".join(t.to_bytes(4, "little") for t in tokens)
+    parent = hashlib.sha256(b"parent").digest()
+    assert packed_page_digests(packed, page, parent) == page_digests(tokens, page, parent)
+    assert packed_page_digests(packed, page) == page_digests(tokens, page)

@@ -69,6 +69,9 @@ def test_server_info_has_sglangs_arguments_and_the_live_l3(
     assert json.loads(info["hicache_storage_backend_extra_config"])["path"] == str(l3_dir)
     assert info["l3"]["attached"] is True and info["l3"]["prefetch_threshold"] == 32
     assert info["kv_events_endpoint"] is None and info["kv_events_config"] is None
+    assert info["kv_events_replay_endpoint"] is None and info["kv_events_topic"] is None
+    assert len(bytes.fromhex(info["hicache_l3_key_seed"])) == 16
+    assert info["hicache_l3_object_order"] in ("lm", "tm")
     assert "cache_hit_rate" in info["internal_states"][0]
     assert info["version"]
 
