@@ -171,12 +171,15 @@ def test_top_p_is_a_share_of_what_top_k_kept() -> None:
     assert set(counts.nonzero().flatten().tolist()) == set(range(5))
 
 
+@pytest.mark.parametrize("top_k", [-1, 3, MAX_WINDOW_TOKENS + 100])
 @pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46, 1e-9])
-def test_a_tiny_top_p_keeps_the_top_token(top_p: float) -> None:
-    # 1e-300 * anything is 0 in float32 and (almost) in float64: the top token stays.
-    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
-    counts = draw_many(logits, SamplingParams(temperature=1.0, top_p=top_p), 50)
-    assert counts.tolist() == [0, 50, 0, 0]
+def test_a_tiny_top_p_keeps_the_top_token(top_p: float, top_k: int) -> None:
+    # 1e-300 is 0 in float32, and 5e-324 times what top-k keeps (under half the mass
+    # here) is 0 in float64: the top token stays all the same.
+    logits = torch.rand(3000, generator=torch.Generator().manual_seed(0)) * 0.5
+    logits[1] = 0.9
+    counts = draw_many(logits, SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k), 50)
+    assert int(counts[1]) == 50
 
 
 def test_a_token_at_minus_infinity_is_never_drawn() -> None:
