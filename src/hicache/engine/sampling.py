@@ -95,11 +95,15 @@ def sample_tokens(
         )
     if logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32, got {logits.dtype}")
-    peak, tokens = logits.max(dim=-1)  # [rows] each; the argmax is the greedy rows' token
     sampled = [
         i for i, (p, g) in enumerate(zip(params, generators, strict=True))
         if g is not None and not is_greedy(p)
     ]
+    if len(sampled) < num_rows:
+        peak, tokens = logits.max(dim=-1)  # [rows] each; the greedy rows' token: the argmax
+    else:  # the peak alone is several times faster
+        peak = logits.amax(dim=-1)
+        tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if not sampled:
         valid = peak.isfinite()
     else:
@@ -148,25 +152,27 @@ def _draw(logits: torch.Tensor, rows: _SampledRows, generators: Sequence[torch.G
     """One token per row of ``logits`` [n, vocab] (int64 [n], on their device)."""
     num_rows, vocab = logits.shape
     device = logits.device
+    on_cpu = device.type == "cpu"  # where reading a tensor back costs no device sync
     # One uniform per row, from its own generator, whatever path the row takes below.
     uniform = torch.stack([
         torch.rand((), generator=g, device=g.device, dtype=torch.float64) for g in generators
         if g is not None
     ]).to(device)  # [n]
+    # A row with a NaN or infinite logit is NaN here: it draws some token in range below
+    # (every search is clamped) and the caller drops it.
     probs = torch.softmax(logits * rows.inv_temperature, dim=-1)  # [n, vocab]
-    # A row with a NaN or infinite logit is all NaN here: it draws from zeros (any token,
-    # in range) and the caller drops its token.
-    probs = probs.nan_to_num_(nan=0.0)
     tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
 
+    # A top-p window can only hold the nucleus if its size times the top probability
+    # reaches top_p: a flat row goes to the sort at once.
+    top_prob = probs.amax(dim=-1).tolist() if on_cpu else []
     windows: dict[int, list[int]] = {}  # window size -> rows
     whole: list[int] = []  # rows drawn over the whole vocabulary
     for i, p in enumerate(rows.params):
         k = rows.top_k[i]
         if 0 < k <= MAX_WINDOW_TOKENS:
             size = max(MIN_WINDOW_TOKENS, 1 << (k - 1).bit_length())
-        elif k == 0 and p.top_p < 1.0 and device.type == "cpu":
-            # On the CPU reading back which rows need more is free (no device to sync with).
+        elif k == 0 and p.top_p < 1.0 and on_cpu and TOP_P_WINDOW_TOKENS * top_prob[i] >= p.top_p:
             size = TOP_P_WINDOW_TOKENS
         else:
             whole.append(i)
@@ -175,68 +181,78 @@ def _draw(logits: torch.Tensor, rows: _SampledRows, generators: Sequence[torch.G
 
     for size, members in windows.items():
         index = torch.tensor(members, dtype=torch.int64, device=device)
-        top, top_ids = torch.topk(probs[index], size, dim=-1)  # [m, size] each, descending
-        keep, resolved = _nucleus(top, [rows.top_k[i] for i in members], rows.top_p[index])
-        if not bool(resolved.all()):  # only top-p rows on the CPU get here unresolved
+        chosen = probs if len(members) == num_rows else probs[index]  # [m, vocab]
+        top, top_ids = torch.topk(chosen, size, dim=-1)  # [m, size] each, descending
+        count, resolved = _nucleus(top.double().cumsum_(dim=-1),
+                                   [rows.top_k[i] for i in members], rows.top_p[index])
+        if on_cpu and not bool(resolved.all()):  # only top-p rows come unresolved
             short = resolved.logical_not().nonzero().flatten().tolist()
             whole.extend(members[j] for j in short)
-        position = _inverse_cdf(top.masked_fill(~keep, 0.0), uniform[index])
+        kept = top.masked_fill(torch.arange(size, device=device) >= count[:, None], 0.0)
+        position = _inverse_cdf(kept, uniform[index])
         tokens[index] = top_ids.gather(1, position[:, None])[:, 0]
 
     if whole:
         whole.sort()
         index = torch.tensor(whole, dtype=torch.int64, device=device)
-        chosen = probs[index]  # [m, vocab]
-        threshold = _thresholds(chosen, [rows.top_k[i] for i in whole], rows.top_p[index],
-                                [rows.top_k[i] > 0 or rows.params[i].top_p < 1.0 for i in whole])
-        weights = torch.where(chosen >= threshold[:, None], chosen, 0.0)
-        tokens[index] = _inverse_cdf(weights, uniform[index])
+        chosen = probs if len(whole) == num_rows else probs[index]  # [m, vocab]
+        cut = [i for i, row in enumerate(whole) if rows.top_k[row] or rows.params[row].top_p < 1]
+        if cut:  # rows with temperature alone keep every token: no sort, no threshold
+            # In place: the windows are done with ``probs``.
+            _cut(chosen, cut, [rows.top_k[whole[i]] for i in cut], rows.top_p[index[cut]])
+        tokens[index] = _inverse_cdf(chosen, uniform[index])
     return tokens
 
 
 def _nucleus(
-    sorted_probs: torch.Tensor, top_k: Sequence[int], top_p: torch.Tensor
+    total: torch.Tensor, top_k: Sequence[int], top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which of the most likely tokens ``sorted_probs`` [m, size] (descending) each row
-    keeps, as a mask [m, size]; and whether the row's cut falls inside them [m] (True
-    for every row with top-k, whose ``k`` tokens they hold)."""
-    size = sorted_probs.shape[-1]
-    device = sorted_probs.device
-    total = sorted_probs.double().cumsum_(dim=-1)  # [m, size]: S_j
-    before = total - sorted_probs  # mass of the more likely tokens (0 at j = 0)
+    """How many of the most likely tokens each row keeps [m] (at least 1), from their
+    running mass ``total`` [m, size] (float64, most likely first); and whether the cut
+    falls inside them [m] (True for every row with top-k, whose ``k`` tokens they hold).
+
+    Position j is kept while the mass before it, ``total[j - 1]``, is under the target:
+    the count is one more than the positions whose running mass is under it.
+    """
+    size = total.shape[-1]
+    device = total.device
     k = torch.tensor([min(k, size) if k > 0 else size for k in top_k], device=device)
     has_top_k = torch.tensor([k > 0 for k in top_k], device=device)
     # Top-p is a share of what top-k kept; of the whole distribution (1) without top-k.
     kept_mass = torch.where(has_top_k, total.gather(1, (k - 1)[:, None])[:, 0], 1.0)
     target = torch.where(top_p < 1.0, top_p * kept_mass, torch.inf)  # [m]
-    position = torch.arange(size, device=device)
-    keep = (position < k[:, None]) & (before < target[:, None])
-    # The most likely token always: a top_p too small for float64 (1e-300 * mass) is 0.
-    keep[:, 0] = True
+    under = torch.searchsorted(total, target[:, None], right=False)[:, 0]  # [m]
+    # At least the most likely token: a top_p too small for float64 (1e-300 * mass) is 0.
+    count = torch.minimum(under + 1, k).clamp_(min=1)
     resolved = has_top_k | (total[:, -1] >= target)
-    return keep, resolved
+    return count, resolved
 
 
-def _thresholds(
-    probs: torch.Tensor, top_k: Sequence[int], top_p: torch.Tensor, cut: Sequence[bool]
-) -> torch.Tensor:
-    """Per row of ``probs`` [m, vocab], the least probability it keeps [m] (0: all, for a
-    row with temperature alone, which is not sorted)."""
-    threshold = torch.zeros(len(top_k), dtype=probs.dtype, device=probs.device)
-    rows = [i for i, c in enumerate(cut) if c]
-    if not rows:
-        return threshold
+def _cut(
+    probs: torch.Tensor, rows: list[int], top_k: Sequence[int], top_p: torch.Tensor
+) -> None:
+    """Set to 0, in rows ``rows`` of ``probs`` [m, vocab], the tokens top-k and top-p drop:
+    those less likely than the least likely token of the prefix they keep."""
     index = torch.tensor(rows, dtype=torch.int64, device=probs.device)
-    chosen = probs[index]
+    chosen = probs if len(rows) == len(probs) else probs[index]  # [c, vocab]
     if chosen.device.type == "cpu":
-        # NumPy's float32 sort is vectorised and several times faster than torch's.
-        ordered = torch.from_numpy(np.sort(chosen.numpy(), axis=-1)).flip(-1)
-    else:
-        ordered = torch.sort(chosen, dim=-1, descending=True).values
-    keep, _ = _nucleus(ordered, [top_k[i] for i in rows], top_p[index])
-    last = keep.sum(dim=-1) - 1  # keep is a prefix: its last position
-    threshold[index] = ordered.gather(1, last[:, None])[:, 0]
-    return threshold
+        # NumPy's float32 sort is vectorised and several times faster than torch's; read
+        # backwards, its order is the most likely first.
+        ascending = np.sort(chosen.numpy(), axis=-1)
+        total = torch.from_numpy(np.cumsum(ascending[:, ::-1], axis=-1, dtype=np.float64))
+        count, _ = _nucleus(total, top_k, top_p)
+        # The least likely kept token's probability, and the float32 just below it.
+        least = ascending[np.arange(len(rows)), ascending.shape[-1] - count.numpy()]
+        limits = np.nextafter(least, np.float32(0)).tolist()
+        # F.threshold (keeping what is above the limit), in place, is many times faster
+        # on the CPU than torch.where.
+        for row, limit in zip(rows, limits, strict=True):
+            F.threshold(probs[row], limit, 0.0, inplace=True)
+        return
+    ordered = torch.sort(chosen, dim=-1, descending=True).values
+    count, _ = _nucleus(ordered.double().cumsum_(dim=-1), top_k, top_p)
+    least = ordered.gather(1, (count - 1)[:, None])  # [c, 1]
+    probs[index] = torch.where(chosen >= least, chosen, 0.0)
 
 
 def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -249,7 +265,8 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         cumulative = weights.double().cumsum_(dim=-1)
         return _search(cumulative, uniform * cumulative[:, -1])
     pad = -width % CDF_BLOCK_TOKENS
-    blocks = F.pad(weights, (0, pad)).view(num_rows, -1, CDF_BLOCK_TOKENS)  # [m, nb, block]
+    padded = F.pad(weights, (0, pad)) if pad else weights
+    blocks = padded.view(num_rows, -1, CDF_BLOCK_TOKENS)  # [m, nb, block]
     block_cumulative = blocks.sum(dim=-1).double().cumsum_(dim=-1)  # [m, nb]
     target = uniform * block_cumulative[:, -1]
     block = _search(block_cumulative, target)  # [m]
@@ -269,4 +286,5 @@ def _search(cumulative: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     first reached), for a target rounded up to the total."""
     position = torch.searchsorted(cumulative, target[:, None], right=True)
     last = torch.searchsorted(cumulative, cumulative[:, -1:].contiguous(), right=False)
-    return torch.minimum(position, last)[:, 0]
+    # (NaN rows: in range all the same.)
+    return torch.minimum(position, last)[:, 0].clamp_(max=cumulative.shape[-1] - 1)
