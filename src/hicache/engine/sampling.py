@@ -95,9 +95,8 @@ def sample_tokens(
         )
     if logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32, got {logits.dtype}")
-    sampled = [
-        i for i, (p, g) in enumerate(zip(params, generators, strict=True))
-        if g is not None and not is_greedy(p)
+    sampled = [  # (a greedy request has no generator: that test alone, most of the time)
+        i for i, g in enumerate(generators) if g is not None and not is_greedy(params[i])
     ]
     if len(sampled) < num_rows:
         peak, tokens = logits.max(dim=-1)  # [rows] each; the greedy rows' token: the argmax
@@ -105,7 +104,7 @@ def sample_tokens(
         peak = logits.amax(dim=-1)
         tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if not sampled:
-        valid = peak.isfinite()
+        valid = peak.abs() < torch.inf  # (False for NaN too; fewer operations than isfinite)
     else:
         device = logits.device
         rows = _SampledRows.of([params[i] for i in sampled], vocab, device)
@@ -117,9 +116,9 @@ def sample_tokens(
         # A sampled row scales its logits first: a finite peak may overflow there.
         inv_temperature = torch.ones(num_rows, device=device)
         inv_temperature[index] = rows.inv_temperature[:, 0]
-        valid = (peak * inv_temperature).isfinite()
-    out: list[int] = torch.where(valid, tokens, -1).tolist()  # the step's one host sync
-    return [t if t >= 0 else None for t in out]
+        valid = (peak * inv_temperature).abs() < torch.inf
+    out: list[int | None] = torch.where(valid, tokens, -1).tolist()  # the one host sync
+    return out if -1 not in out else [t if t != -1 else None for t in out]
 
 
 @dataclass(frozen=True)
