@@ -21,11 +21,12 @@ How a row finds that prefix depends on its parameters:
 - ``top_k`` up to ``MAX_WINDOW_TOKENS``: a window of its most likely tokens
   from one ``torch.topk`` (per window size, a power of two fixed by its own
   ``top_k``, so the window never depends on the other rows);
-- top-p without top-k, on the CPU: a window of ``TOP_P_WINDOW_TOKENS`` first;
-  the rare row whose nucleus is larger joins the next case;
-- top-p with a larger (or no) top-k: the whole row sorted (values only). The
-  prefix becomes a probability threshold, so there, tokens tied with the least
-  likely kept token are kept too;
+- top-p without top-k, on the CPU: a window of ``TOP_P_WINDOW_TOKENS`` first
+  (where reading back whether it held the nucleus costs no device sync); a row
+  whose nucleus is larger, or too flat to fit, joins the next case;
+- otherwise (top-k above the window, or top-p on a GPU): the whole row sorted
+  (values only). The prefix becomes a probability threshold, so there, tokens
+  tied with the least likely kept token are kept too;
 - temperature alone: no sort, the whole row.
 
 A row with nothing to draw from (a NaN or infinite logit, or every logit
