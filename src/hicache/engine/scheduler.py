@@ -11,8 +11,9 @@ Each step:
 4. one forward over every decoding request (one token each) plus prompt
    chunks of prefilling requests (at most ``chunked_prefill_size`` tokens);
    a failure of the forward fails the running requests;
-5. sample, stream, finish, each request on its own (a failure there fails
-   that request alone): a finished request gives its KV to the radix tree;
+5. sample every row at once (one host sync), then stream and finish each
+   request on its own (a failure there fails that request alone): a finished
+   request gives its KV to the radix tree;
 6. the KV events the step's cache changes produced go out as one batch.
 
 The thread does no blocking I/O: L2 copies run on the cache controller's
@@ -44,7 +45,7 @@ from hicache.engine.output_thread import OutputThread
 from hicache.engine.penalties import PenaltyState, RowAdjustment, adjust_logits, ending_tokens
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
-from hicache.engine.sampling import greedy_tokens, sample_row
+from hicache.engine.sampling import sample_tokens
 from hicache.memory.allocator import OutOfPagesError
 from hicache.model.model import CausalLM
 
@@ -329,13 +330,14 @@ class Scheduler:
             chosen = logits.float()  # [num_done, vocab], as the model gave them
         else:
             chosen = logits[torch.tensor([row for row, _ in done], device=logits.device)].float()
-        adjusted = self._adjusted(chosen, [req for _, req in done])
-        greedy = greedy_tokens(adjusted if adjusted is not None else chosen)
+        reqs = [req for _, req in done]
+        source = self._adjusted(chosen, reqs)  # [num_done, vocab]: what tokens come from
+        drawn = self._sample(source, reqs) if source is not None else None
         plain = self.logits_observer is None
         now = time.monotonic()
         decode = Phase.DECODE
         append = self._append_token
-        for index, (_, req) in enumerate(done):
+        for index, req in enumerate(reqs):
             if req.phase is not decode:
                 req.phase = decode
                 self._cache_prefill(req)
@@ -346,15 +348,18 @@ class Scheduler:
                     continue
             if req.first_token_at is None:
                 req.first_token_at = now
-            if plain and req.plain_greedy:
-                # The argmax is its token: no row of its own to adjust, sample or observe.
+            if drawn is None or source is None:
+                self._next_token_alone(req, chosen[index])
+                continue
+            token = drawn[index]
+            if plain and req.plain_greedy and token is not None:
+                # The argmax is its token: no row of its own to observe or report.
                 try:
-                    append(req, greedy[index])
+                    append(req, token)
                 except Exception as error:  # one request's fault must not fail the others
                     self._token_failed(req, error)
                 continue
-            row = adjusted[index] if adjusted is not None else None
-            self._next_token(req, chosen[index], row, greedy[index])
+            self._next_token(req, chosen[index], source[index], token)
         return prefill_tokens
 
     def _record_prompt_logprobs(
@@ -424,41 +429,65 @@ class Scheduler:
         return RowAdjustment(params, req.penalties, banned)
 
     def _adjusted(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor | None:
-        """The rows with penalties and min_new_tokens applied, for the whole batch at once;
-        None when none needs it, or when that failed (each request then adjusts its own
-        row in ``_next_token``, so that a faulty one fails alone)."""
+        """The rows with penalties and min_new_tokens applied, for the whole batch at once
+        (``logits`` itself when none needs it); None when that failed (each request then
+        adjusts and samples its own row, so that a faulty one fails alone)."""
         if all(req.plain_greedy for req in reqs):
-            return None  # the common case: no penalty, no mask, no sampling
+            return logits  # the common case: no penalty, no mask, no sampling
         try:
             rows = [self._adjustment(req, logits.shape[-1]) for req in reqs]
             if all(row.is_noop for row in rows):
-                return None
+                return logits
             return adjust_logits(logits, rows)
         except Exception:
             logger.exception("adjusting the batch's logits failed; adjusting row by row")
             return None
 
-    def _next_token(
-        self, req: Req, logits: torch.Tensor, adjusted: torch.Tensor | None, greedy_token: int
-    ) -> None:
-        """Sample, append, detokenize, stop and stream one request's token.
-
-        ``logits`` [vocab] are the model's (its logprobs come from them), ``adjusted`` the
-        same with the request's penalties and masks applied (None: not done yet, or
-        nothing to apply), ``greedy_token`` the argmax of what is sampled from.
-
-        All of it concerns this request alone, so a failure here (a sampler or
-        detokenizer error on its parameters or tokens) fails this request alone: its
-        KV is valid and goes to the tree as on any finish, and the batch goes on.
-        """
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | None] | None:
+        """Every request's next token from its row of ``logits`` [rows, vocab], in one batch
+        (None for a row with nothing to draw from); None when that failed (each request
+        then samples its own row, so that a faulty one fails alone)."""
         try:
-            if adjusted is None:
-                row = self._adjustment(req, logits.shape[-1])
-                if not row.is_noop:
-                    adjusted = adjust_logits(logits[None], [row])[0]
-                    greedy_token = int(adjusted.argmax())
-            sampled_from = adjusted if adjusted is not None else logits
-            token = sample_row(sampled_from, greedy_token, req.request.sampling, req.generator)
+            return sample_tokens(
+                logits, [req.request.sampling for req in reqs], [req.generator for req in reqs]
+            )
+        except Exception:
+            logger.exception("sampling the batch failed; sampling row by row")
+            return None
+
+    def _next_token_alone(self, req: Req, logits: torch.Tensor) -> None:
+        """Adjust and sample the one row ``logits`` [vocab] of ``req``, then take its token:
+        the way back when doing that for the batch failed. (A seeded request drew its
+        uniform in the failed batch already, so its draw here is the next one.)"""
+        try:
+            row = self._adjustment(req, logits.shape[-1])
+            sampled_from = logits if row.is_noop else adjust_logits(logits[None], [row])[0]
+            token = sample_tokens(sampled_from[None], [req.request.sampling], [req.generator])[0]
+        except Exception as error:  # one request's fault must not fail the others
+            self._token_failed(req, error)
+            return
+        self._next_token(req, logits, sampled_from, token)
+
+    def _next_token(
+        self, req: Req, logits: torch.Tensor, sampled_from: torch.Tensor, token: int | None
+    ) -> None:
+        """Append, detokenize, stop and stream one request's ``token``.
+
+        ``logits`` [vocab] are the model's (its logprobs come from them), ``sampled_from``
+        the same with the request's penalties and masks applied, ``token`` what was drawn
+        from them: None when they hold a NaN or an infinity, or are all -inf.
+
+        All of it concerns this request alone, so a failure here (a detokenizer error on
+        its tokens, logits with nothing to sample) fails this request alone: its KV is
+        valid and goes to the tree as on any finish, and the batch goes on.
+        """
+        if token is None:
+            logger.error("request %s: its logits hold NaN or infinity, or are all -inf",
+                         req.rid)
+            self._fail(req, "cannot produce the next token: the logits to sample it from hold "
+                       "NaN or infinity, or are all -inf")
+            return
+        try:
             if self.logits_observer is not None:
                 self.logits_observer(req.rid, sampled_from.cpu())
             if req.request.logprobs is not None:
@@ -467,10 +496,7 @@ class Scheduler:
                 )
             self._append_token(req, token)
         except Exception as error:  # one request's fault must not fail the others
-            logger.exception("request %s failed while producing its next token", req.rid)
-            self._fail(
-                req, f"internal error producing the next token: {type(error).__name__}: {error}"
-            )
+            self._token_failed(req, error)
 
     def _token_failed(self, req: Req, error: Exception) -> None:
         """Producing ``req``'s next token raised: fail it alone."""

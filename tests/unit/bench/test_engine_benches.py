@@ -1,4 +1,4 @@
-"""``hicache bench step`` and ``hicache bench attention`` on small cases."""
+"""The engine benchmarks (step, attention, decode, sampling) on small cases."""
 
 from __future__ import annotations
 
@@ -42,3 +42,14 @@ def test_decode_bench_times_each_setting(tmp_path: Path) -> None:
     assert [(r["setting"], r["batch"]) for r in results] == [
         ("plain", 1), ("prepacked", 1), ("plain", 3), ("prepacked", 3)]
     assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in results)
+
+
+def test_sampling_bench_times_both_samplers(tmp_path: Path) -> None:
+    out = tmp_path / "sampling.json"
+    code = main(["bench", "sampling", "--batch", "3", "--vocab", "600", "--repeats", "1",
+                 "--logits", "zipf", "--json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in results] == ["temperature", "top_k", "top_p", "both"]
+    assert results[0]["kept_tokens"] == 600 and results[1]["kept_tokens"] == 50
+    assert all(r["row_by_row_ms"] > 0 and r["batched_ms"] > 0 for r in results)

@@ -16,7 +16,7 @@ import hicache.engine.engine as engine_module
 import hicache.engine.scheduler as scheduler_module
 from hicache.engine.api import GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
-from hicache.engine.sampling import greedy_tokens, make_generator, sample_row
+from hicache.engine.sampling import make_generator, sample_tokens
 from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.model.tokenizer import Tokenizer
 from tests.engine_helpers import run, run_many
@@ -44,7 +44,7 @@ def test_a_tiny_temperature_is_greedy(temperature: float) -> None:
     assert generator is None
     # Even with a generator (a caller that made one itself) the row is not divided by it.
     own = torch.Generator().manual_seed(0)
-    assert sample_row(logits[0], greedy_tokens(logits)[0], params, own) == 1
+    assert sample_tokens(logits, [params], [own]) == [1]
 
 
 def test_a_tiny_temperature_gets_the_greedy_answer_while_others_run(
@@ -92,23 +92,27 @@ def test_a_request_failing_mid_step_fails_alone(
                 max_new_tokens=r.sampling.max_new_tokens).token_ids for r in others]
     failing_ids = prompt(40, length=50)
     failing = request(failing_ids, n=20, temperature=1.0, seed=FAILING_SEED)
+    failed_sizes: list[int] = []  # rows of each sampler call that raised
     if where == "detokenizer":
         monkeypatch.setattr(_FailingDetokenizer, "failing_prompt", tuple(failing_ids))
         monkeypatch.setattr(engine_module, "IncrementalDetokenizer", _FailingDetokenizer)
     else:
-        real = scheduler_module.sample_row
+        real = scheduler_module.sample_tokens
         calls = 0
 
-        def faulty(logits: torch.Tensor, greedy: int, params: SamplingParams,
-                   generator: torch.Generator | None) -> int:
+        def faulty(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   generators: Sequence[torch.Generator | None]) -> list[int | None]:
+            # The 4th call with the failing request's row raises: the step's batch call;
+            # the scheduler then samples each row alone, and the 5th (its own) raises too.
             nonlocal calls
-            if params.seed == FAILING_SEED:
+            if any(p.seed == FAILING_SEED for p in params):
                 calls += 1
-                if calls == 4:
+                if calls in (4, 5):
+                    failed_sizes.append(len(params))
                     raise RuntimeError("probability tensor contains either inf or nan")
-            return real(logits, greedy, params, generator)
+            return real(logits, params, generators)
 
-        monkeypatch.setattr(scheduler_module, "sample_row", faulty)
+        monkeypatch.setattr(scheduler_module, "sample_tokens", faulty)
 
     # The failing request in the middle of the batch, mid-decode when it fails.
     results = run_many(engine, [*others[:2], failing, *others[2:]])
@@ -117,6 +121,8 @@ def test_a_request_failing_mid_step_fails_alone(
         [r.last.error for r in rest]
     )
     assert [r.token_ids for r in rest] == solo
+    if where == "sampler":
+        assert failed_sizes[0] > 1 and failed_sizes[1:] == [1]  # the batch, then its row
     bad = results[2]
     assert bad.last.finished and bad.last.finish_reason == "abort"
     assert bad.last.error is not None and "next token" in bad.last.error
