@@ -229,6 +229,9 @@ class Cluster:
         master; idempotent."""
         if self.router is not None:
             self.router.stop()
+        # All told first, then each awaited: workers shut down side by side.
+        for worker in self.workers:
+            worker.server.terminate()
         for worker in self.workers:
             worker.stop()
         if self.master is not None:
