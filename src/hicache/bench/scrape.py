@@ -43,10 +43,10 @@ class Samples:
 
     def total(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` carrying (at least) ``labels``; 0 when none."""
-        return sum(
+        return float(sum(
             s.value for s in self._samples
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
+        ))
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         """``name``'s samples summed per value of ``label`` (e.g. requests per worker)."""
