@@ -23,6 +23,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "compare": ("hicache.bench.compare", "the same workload against each cache configuration"),
     "plot": ("hicache.bench.plots", "plot run summaries (PNG) side by side"),
     "l2-ttft": ("hicache.bench.l2_ttft", "TTFT of a full L2 prefix hit next to its physical bound"),
+    "router": ("hicache.bench.router_bench", "multi-turn conversations over a cluster, per "
+               "router policy"),
 }
 
 

@@ -43,6 +43,7 @@ from typing import Any
 
 from hicache.bench.cpu_limit import CpuLimit
 from hicache.bench.server_process import ChildServer, ServerProcess
+from hicache.local_cache import CACHE_DIR_ENV
 from hicache.net import free_port
 
 KV_EVENTS_FLAG = "--kv-events-config"
@@ -91,6 +92,9 @@ class ClusterConfig:
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
     cpu_limit: CpuLimit | None = None  # pins every worker and the router (see cpu_limit.py)
+    # The workers' HICACHE_CACHE_DIR (converted models, weight digests); None: this
+    # process's, so a model converted once is not converted again for every cluster.
+    cache_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -272,8 +276,9 @@ class Cluster:
                 f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
             )
             flags += [KV_EVENTS_FLAG, events.config_json()]
-        # Each worker's own cache directory: models converted, L3 default, anything else.
-        env = {**os.environ, "HICACHE_CACHE_DIR": str(self.run_dir / f"worker-{index}")}
+        env = dict(os.environ)
+        if config.cache_dir is not None:
+            env[CACHE_DIR_ENV] = str(config.cache_dir)
         server = ServerProcess(
             flags, self.run_dir / f"worker-{index}.log", env=env,
             startup_timeout_s=config.startup_timeout_s, stop_timeout_s=config.stop_timeout_s,
