@@ -79,11 +79,12 @@ TARGET_THROUGHPUT_RATIO = 1.3
 TARGET_TTFT_REDUCTION = 0.25
 
 # Default sizes: SmolLM2 (serve's default model) on a few CPU cores, a few minutes a policy.
-# 16 conversations of 512 + 3 x (16 + 64) + 16 tokens: a working set of 12,544 tokens,
-# twice one worker's L1 + L2 (2048 + 4096).
+# 12 conversations of 384 + 3 x (16 + 64) + 16 tokens: a working set of 7,680 tokens, 1.7x
+# one worker's L1 + L2 (1536 + 3072). L1 still holds the two longest requests at once (6 in
+# flight over 3 workers).
 DEFAULTS: dict[str, Any] = {
-    "worker_args": "", "max_total_tokens": 2048, "hicache_ratio": 2.0,
-    "num_clients": 16, "num_rounds": 4, "request_length": 512, "sub_question_length": 64,
+    "worker_args": "", "max_total_tokens": 1536, "hicache_ratio": 2.0,
+    "num_clients": 12, "num_rounds": 4, "request_length": 384, "sub_question_length": 64,
     "output_length": 16, "max_inflight": 6, "warmup": 1,
 }
 # --smoke: the tiny dummy model, a few short conversations; seconds a policy.
