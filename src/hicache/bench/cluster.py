@@ -39,12 +39,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.bench.cpu_limit import CpuLimit
 from hicache.bench.server_process import ChildServer, ServerProcess
 from hicache.local_cache import CACHE_DIR_ENV
 from hicache.net import free_port
+
+if TYPE_CHECKING:  # imported where Mooncake is used: the module needs nothing of it otherwise
+    from hicache.storage.mooncake_master import MasterProcess
 
 KV_EVENTS_FLAG = "--kv-events-config"
 KV_EVENTS_TOPIC = "kv-events"
@@ -188,7 +191,7 @@ class Cluster:
         self.run_dir = config.run_dir
         self.workers: list[Worker] = []
         self.router: ChildServer | None = None
-        self.master: Any = None  # a MasterProcess (imported only when Mooncake is used)
+        self.master: MasterProcess | None = None
         self.l3_path: Path | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -206,6 +209,8 @@ class Cluster:
         """Master, then every worker side by side, then the router; all stopped again
         when any part fails to come up."""
         config = self.config
+        if self.workers:
+            raise ClusterError("this cluster was started already; make a new Cluster")
         if config.kv_events and not serve_supports_kv_events():
             raise ClusterError(
                 f"hicache serve has no {KV_EVENTS_FLAG} here, so workers cannot publish KV "
