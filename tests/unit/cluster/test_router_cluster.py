@@ -4,6 +4,8 @@ the master) in front.
 
 One cluster serves the whole module (start-up is most of the cost), so the tests run in
 file order and the ones that break something come last: a worker killed, then the master.
+(Mooncake keeps a page in the memory of the worker that stored it: a killed worker's pages
+are gone from the store too.)
 Which worker served a request is read from the workers' own request counters (and the
 router's per-worker counter).
 
@@ -199,19 +201,37 @@ def test_a_prefix_on_one_workers_host_is_routed_to_that_worker(cluster: Cluster)
 
 
 @needs_router
-def test_a_killed_worker_is_routed_around_and_its_prefix_read_from_l3(cluster: Cluster) -> None:
-    victim = cluster.workers[0]
+def test_a_prefix_only_in_l3_goes_where_the_scoring_says(cluster: Cluster) -> None:
+    holder = cluster.workers[2]
     prompt = _prompt(50, 8 * PAGE)
-    before = _stored_in_l3(victim)
-    _generate(victim.url, prompt)
-    assert wait_for(lambda: _stored_in_l3(victim) >= before + 7, TIMEOUT_S)
+    before = _stored_in_l3(holder)
+    _generate(holder.url, prompt)
+    assert wait_for(lambda: _stored_in_l3(holder) >= before + 7, TIMEOUT_S)
+    # 7 x 24 pages through the holder: more than its device (64) and host (128) pools, so
+    # the prefix is left only in the store (whose pages live on, in the holder's segment).
+    for n in range(7):
+        _generate(holder.url, _prompt(100 + n, 24 * PAGE))
+    before_served = _served(cluster.workers)
+    meta = _generate(cluster.url, [*prompt, *_prompt(51, PAGE)])
+    after_served = _served(cluster.workers)
+    got = [url for url in after_served if after_served[url] > before_served[url]]
+    # Every worker reaches the prefix at the same price (a shared page), none is busy: the
+    # tie goes to the first registered worker.
+    assert got == [cluster.workers[0].url], (got, meta, _router_log(cluster))
+    assert meta["cached_tokens_details"]["storage"] >= 7 * PAGE, meta
+
+
+@needs_router
+def test_a_killed_worker_is_routed_around(cluster: Cluster) -> None:
+    victim = cluster.workers[2]
+    _generate(victim.url, _prompt(55, 4 * PAGE))
     victim.kill()
-    # Nobody holds the prefix now but the store; the router must not send anything to
-    # the dead worker (or must retry elsewhere): no request fails.
-    metas = [_generate(cluster.url, [*prompt, *_prompt(51 + n, PAGE)]) for n in range(4)]
-    metas += [_generate(cluster.url, _prompt(60 + n, 2 * PAGE)) for n in range(4)]
-    assert metas[0]["cached_tokens_details"]["storage"] >= 7 * PAGE, metas[0]
+    # The router has not noticed yet: a request it sends there fails before any answer
+    # and goes to the next choice. No request fails.
+    for n in range(8):
+        _generate(cluster.url, [*_prompt(55, 4 * PAGE), *_prompt(56 + n, PAGE)])
     assert wait_for(lambda: _router_up(cluster) == 2, 10.0), _router_log(cluster)
+    assert all(scrape(w.url).total("hicache_requests_total") > 0 for w in cluster.workers[:2])
 
 
 @needs_router
