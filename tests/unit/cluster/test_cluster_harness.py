@@ -112,3 +112,15 @@ def test_bad_sizes_are_refused_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(ClusterError, match="names the Mooncake master"):
         cluster.router_args(router)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_master_log_the_caller_chose_outlives_the_master(tmp_path: Path) -> None:
+    pytest.importorskip("mooncake.store", reason="the mooncake client cannot be imported here")
+    from hicache.storage.mooncake_master import start_master
+
+    with start_master(log_path=tmp_path / "runs" / "master.log") as kept:
+        assert kept.running
+    with start_master() as temporary:
+        assert temporary.log_path.is_file()
+    assert (tmp_path / "runs" / "master.log").stat().st_size > 0
+    assert not temporary.log_path.exists()  # a temporary log goes with its master
