@@ -39,8 +39,11 @@ from hicache.bench.scrape import scrape
 
 HAS_ROUTER = router_available()
 HAS_EVENTS = serve_supports_kv_events()
+# The router routes from the workers' events: without them its tests cannot run either.
 needs_router = pytest.mark.skipif(
-    not HAS_ROUTER, reason="`hicache router` is not a registered subcommand yet"
+    not (HAS_ROUTER and HAS_EVENTS),
+    reason="`hicache router` is not a registered subcommand yet" if not HAS_ROUTER
+    else "`hicache serve` has no --kv-events-config yet, so the router has no events",
 )
 needs_events = pytest.mark.skipif(
     not HAS_EVENTS, reason="`hicache serve` has no --kv-events-config yet"
