@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hicache.bench import router_bench
+from hicache.bench import router_bench, router_report
 from hicache.bench.cluster import router_available
 from hicache.bench.report import RequestRecord, Stats
-from hicache.bench.router_bench import PolicyResult, Target, targets, tier_share
+from hicache.bench.router_report import PolicyResult, Target, targets, tier_share
 from hicache.cli import build_parser, main
 
 
@@ -64,7 +64,7 @@ def test_targets_compare_tier_aware_with_round_robin_and_cache_aware() -> None:
     alone = targets([result("tier_aware", 140.0, 0.5)])
     assert alone == [Target(alone[0].description, None, None),
                      Target(alone[1].description, None, None)]
-    assert "not measured" in router_bench.targets_table(alone)
+    assert "not measured" in router_report.targets_table(alone)
 
 
 def test_bad_flags_fail_before_any_process(
