@@ -27,6 +27,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
         "hicache.bench.router_decision", "a routing decision's cost: 8 workers, 1M indexed pages"
     ),
     "l2-ttft": ("hicache.bench.l2_ttft", "TTFT of a full L2 prefix hit next to its physical bound"),
+    "router": ("hicache.bench.router_bench", "multi-turn conversations over a cluster, per "
+               "router policy"),
 }
 
 

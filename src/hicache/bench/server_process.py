@@ -69,17 +69,49 @@ class ChildServer:
 
     def start(self) -> None:
         """Start the command and wait until it is ready (stopped again if it never is)."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the command without waiting for it: several servers can then come up
+        side by side, each awaited with ``wait_ready`` afterwards."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.env, start_new_session=True,
             )
+
+    def wait_ready(self) -> None:
+        """Wait until a launched server is ready; stop it (and raise) if it never is."""
         try:
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def running(self) -> bool:
+        """Launched and not exited (its leader; see ``group_alive`` for the rest)."""
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def group_alive(self) -> bool:
+        """Is any process of the server's group still there (its leader or a child)?"""
+        return self.process is not None and _group_alive(self.process.pid)
+
+    def terminate(self) -> None:
+        """Ask the whole group to exit (SIGTERM) without waiting; ``stop`` then waits.
+        Several servers told at once shut down side by side."""
+        if self.process is not None:
+            _signal_group(self.process.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        """End the whole group at once (SIGKILL), as a crash would; idempotent."""
+        if self.process is None:
+            return
+        _signal_group(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def _ready(self) -> bool:
         for path in self.ready_paths:

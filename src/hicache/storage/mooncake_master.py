@@ -202,8 +202,11 @@ class MasterProcess:
         trace: TracebackType | None,
     ) -> None:
         self.stop()
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
+        with _live_lock:
+            temporary = self.log_path in _logs
+        if temporary:  # a log the caller chose stays
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()
 
 
 def start_master(
@@ -213,13 +216,21 @@ def start_master(
     extra_args: Sequence[str] = (),
     ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
     binary: Path | None = None,
+    log_path: Path | None = None,
 ) -> MasterProcess:
-    """Run a master on ``host``; ports left None are picked free (retried if taken meanwhile)."""
+    """Run a master on ``host``; ports left None are picked free (retried if taken meanwhile).
+
+    ``log_path``: where its output goes, kept afterwards (default: a temporary file,
+    removed with the master's ``with`` block)."""
     binary = binary or find_master_binary()
-    fd, log_name = tempfile.mkstemp(prefix="mooncake-master-", suffix=".log")
-    os.close(fd)
-    with _live_lock:
-        _logs.add(Path(log_name))
+    if log_path is None:
+        fd, log_name = tempfile.mkstemp(prefix="mooncake-master-", suffix=".log")
+        os.close(fd)
+        with _live_lock:
+            _logs.add(Path(log_name))
+    else:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_name = str(log_path)
     attempts = 1 if rpc_port is not None and metrics_port is not None else _PORT_ATTEMPTS
     for attempt in range(attempts):
         master = MasterProcess(
@@ -231,8 +242,9 @@ def start_master(
             return master
         except MasterError:
             if attempt == attempts - 1:
-                with contextlib.suppress(OSError):
-                    os.unlink(log_name)
+                if log_path is None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(log_name)
                 raise
     raise AssertionError("unreachable")
 
