@@ -23,7 +23,7 @@ from hicache.model.attention_backend import AttentionBackend, make_attention_bac
 from hicache.model.batch import BatchError, ForwardBatch
 from hicache.model.config import ModelConfig, ModelConfigError
 from hicache.model.layer_blocks import post_attention, pre_attention
-from hicache.model.linear import PACKED_FROM_ROWS, linear, prepack
+from hicache.model.linear import PACKED_FROM_ROWS, column_major, linear, prepack
 from hicache.model.mlp import SwiGLU
 from hicache.model.norm import RMSNorm
 from hicache.model.parameter import WeightViews, empty_parameter
@@ -111,6 +111,7 @@ class CausalLM(nn.Module):
             attention_backend, self.device
         )
         self.packed_lm_head: torch.Tensor | None = None  # see prepack_weights
+        self.one_row_lm_head: torch.Tensor | None = None  # see prepack_weights
         # The math around attention, eager until ``compile_blocks()``.
         self.blocks = LayerBlocks(pre_attention, post_attention)
         self.dtype = config.dtype
@@ -160,7 +161,18 @@ class CausalLM(nn.Module):
         for layer, pack in zip(self.layers, packs, strict=True):
             assert isinstance(layer, DecoderLayer)
             layer.packed = pack
+            # One-row products (a single request decoding) use the parameters themselves:
+            # stored column-major from here on (same values, no extra memory).
+            attn, mlp = layer.self_attn, layer.mlp
+            for param in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight):
+                param.data = column_major(param.data)
         self.packed_lm_head = packed_head
+        # The head's one-row product likewise; a head tied to the embedding keeps the
+        # embedding's rows contiguous for lookups and gets a column-major copy of its own.
+        if self.lm_head is None:
+            self.one_row_lm_head = column_major(self.embed_tokens.detach())
+        else:
+            self.lm_head.data = column_major(self.lm_head.data)
         return True
 
     def compile_blocks(self) -> None:
@@ -175,6 +187,7 @@ class CausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.packed = None
         self.packed_lm_head = None
+        self.one_row_lm_head = None
         self.blocks = LayerBlocks(
             torch.compile(pre_attention, dynamic=True),
             torch.compile(post_attention, dynamic=True),
@@ -219,6 +232,8 @@ class CausalLM(nn.Module):
         head = self.lm_head_weight
         if self.packed_lm_head is not None and h.shape[0] >= PACKED_FROM_ROWS:
             head = self.packed_lm_head
+        elif self.one_row_lm_head is not None and h.shape[0] < PACKED_FROM_ROWS:
+            head = self.one_row_lm_head
         return linear(self.norm(h), head).float()
 
     def _check(self, batch: ForwardBatch, kv: DevicePool) -> None:

@@ -52,9 +52,28 @@ def _onednn_products(model: CausalLM, rows: int) -> int:
 
 
 def test_a_single_row_multiplies_by_the_plain_weights() -> None:
-    # One row (one request decoding) measured faster through MKL's matrix-vector path.
+    # One row (one request decoding) measured faster with column-major plain weights.
     model = dummy_model(small_qwen3_style())
     assert model.prepack_weights()
     layers = model.config.num_layers
     assert _onednn_products(model, 1) == 0
     assert _onednn_products(model, 3) == 4 * layers + 1  # qkv, o, gate_up, down; the head
+
+
+def test_one_row_steps_use_column_major_weights_and_equal_the_plain_model() -> None:
+    # Tied head (Qwen3-style): the embedding keeps its rows; the head gets its own copy.
+    config = small_qwen3_style()
+    plain, packed = dummy_model(config), dummy_model(config)
+    assert packed.prepack_weights()
+    layer = packed.layers[0]
+    for weight in (layer.self_attn.qkv_weight, layer.mlp.down_weight):
+        assert weight.t().is_contiguous() and not weight.is_contiguous()
+    assert packed.embed_tokens.is_contiguous()
+    assert packed.one_row_lm_head is not None and packed.one_row_lm_head.t().is_contiguous()
+    tokens = random_tokens(6, config.vocab_size, seed=3)
+    steps = [2, 1, 1, 1, 1]  # a prompt, then one-row decode steps
+    results = []
+    for model in (plain, packed):
+        pool = new_pool(model)
+        results.append(run_in_steps(model, pool, tokens, SlotAllocator(pool).slots(6), steps))
+    torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
