@@ -2,4 +2,6 @@ import sys
 
 from hicache.cli import main
 
-sys.exit(main())
+# Guarded: the engine's process (multiprocessing's spawn) imports this module again.
+if __name__ == "__main__":
+    sys.exit(main())

@@ -34,7 +34,7 @@ import torch
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import CacheConfig
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
-from hicache.engine.output_thread import Stream
+from hicache.engine.output_thread import LoopSink, Stream
 from hicache.engine.request import Phase, Req
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.memory.device_pool import DevicePool
@@ -108,7 +108,7 @@ def run_case(
         ids = tuple(int(t) for t in rng.integers(0, 256, size=context - 1))
         request = GenerateRequest(ids, params)
         scheduler.submit(Req(
-            request=request, rid=str(i), stream=Stream(loop, outputs),
+            request=request, rid=str(i), stream=Stream(LoopSink(loop), outputs),
             detokenizer=IncrementalDetokenizer(tokenizer, ids), generator=None,
         ))
     # Prefill (one step with a large enough chunk budget), then one decode step more:

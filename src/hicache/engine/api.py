@@ -177,12 +177,37 @@ class GenerateOutput:
     input_logprobs: tuple[TokenLogprob, ...] = ()
 
 
-class EngineProtocol(Protocol):
-    """The engine as the HTTP server uses it."""
+def validate_request(request: GenerateRequest, vocab_size: int, max_context_len: int) -> None:
+    """Raise RequestError (a 4xx message) for a request this engine cannot run."""
+    request.sampling.validate(vocab_size)
+    ids = request.input_ids
+    if not ids:
+        raise RequestError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"input_ids out of the vocabulary [0, {vocab_size}): {bad[:8]}")
+    if request.logprobs is not None:
+        request.logprobs.validate(vocab_size, len(ids))
+    total = len(ids) + request.sampling.max_new_tokens
+    if total > max_context_len:
+        raise RequestError(
+            f"this model's context is {max_context_len} tokens; the prompt has "
+            f"{len(ids)} and max_tokens asks for {request.sampling.max_new_tokens} more "
+            f"({total}): shorten the prompt or lower max_tokens"
+        )
 
-    model_name: str
-    vocab_size: int
-    max_context_len: int
+
+class EngineProtocol(Protocol):
+    """The engine as the HTTP server uses it (in this process, or in its own: EngineClient)."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_context_len(self) -> int: ...
 
     def tokenize(self, text: str) -> list[int]: ...
 

@@ -19,14 +19,14 @@ import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import ConfigError
-from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError
+from hicache.engine.api import GenerateOutput, GenerateRequest, validate_request
 from hicache.engine.config import (
     CPU_KV_POOL_TOKENS,
     EngineConfig,
     RuntimeConfig,
     SchedulingConfig,
 )
-from hicache.engine.output_thread import Stream
+from hicache.engine.output_thread import LoopSink, Stream
 from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
@@ -59,8 +59,11 @@ class Engine:
         num_threads: int | None = None,
         output_thread: bool = True,
         event_publisher: ZmqEventPublisher | None = None,
+        model_dir: str | None = None,
     ) -> None:
         self.model = loaded.model
+        # The model dir the weights and tokenizer came from (None: dummy weights of a preset).
+        self.model_dir = model_dir
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.cache = cache
@@ -104,6 +107,11 @@ class Engine:
         }
 
     @property
+    def device(self) -> str:
+        """Where the model and the device (L1) pool are."""
+        return str(self.cache.device_pool.device)
+
+    @property
     def attention_backend(self) -> str:
         """The attention backend the model runs (``auto`` resolved)."""
         return self.model.attention_backend.name
@@ -140,39 +148,25 @@ class Engine:
         return self.tokenizer.encode(text)
 
     def validate(self, request: GenerateRequest) -> None:
-        request.sampling.validate(self.vocab_size)
-        ids = request.input_ids
-        if not ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"input_ids out of the vocabulary [0, {self.vocab_size}): {bad[:8]}"
-            )
-        if request.logprobs is not None:
-            request.logprobs.validate(self.vocab_size, len(ids))
-        total = len(ids) + request.sampling.max_new_tokens
-        if total > self.max_context_len:
-            raise RequestError(
-                f"this model's context is {self.max_context_len} tokens; the prompt has "
-                f"{len(ids)} and max_tokens asks for {request.sampling.max_new_tokens} more "
-                f"({total}): shorten the prompt or lower max_tokens"
-            )
+        validate_request(request, self.vocab_size, self.max_context_len)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    def submit(self, request: GenerateRequest, stream: Stream) -> str:
+        """Validate ``request`` (RequestError before anything is queued) and queue it;
+        its outputs go to ``stream``. Returns its rid (``request.rid`` or a new one)."""
         self.validate(request)
         if self._thread is None:
             raise RuntimeError("the engine is not running")
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
         rid = request.rid or uuid.uuid4().hex
-
-        req = Req(
-            request=request, rid=rid, stream=Stream(loop, outputs),
+        self.scheduler.submit(Req(
+            request=request, rid=rid, stream=stream,
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.input_ids),
             generator=make_generator(request.sampling, self.cache.device_pool.device),
-        )
-        self.scheduler.submit(req)
+        ))
+        return rid
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        rid = self.submit(request, Stream(LoopSink(asyncio.get_running_loop()), outputs))
         finished = False
         try:
             while not finished:
@@ -374,7 +368,7 @@ def build_engine(config: EngineConfig) -> Engine:
     engine = Engine(
         loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
         num_threads=num_threads, output_thread=config.runtime.output_thread,
-        event_publisher=publisher,
+        event_publisher=publisher, model_dir=model_path,
     )
     return engine.start()
 

@@ -6,7 +6,10 @@ over once per step (``flush``). This thread turns each record into a
 ``GenerateOutput``: it detokenizes the new tokens incrementally, holds back text
 that may start a stop string, and delivers the step's outputs to each event loop
 in one ``call_soon_threadsafe`` (every call wakes the loop's thread and takes its
-lock, so once per request per step would be the largest cost of a big batch).
+lock, so once per request per step would be the largest cost of a big batch). Where
+the outputs go is a request's ``OutputSink``: an event loop of this process
+(``LoopSink``), or the pipe to the server's process when the engine runs in a
+process of its own (``hicache.engine.engine_process``), likewise once per step.
 
 Its Python work overlaps the scheduler's next forward, which runs with the GIL
 released inside torch. Requests with stop strings are the exception: whether
@@ -25,8 +28,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hicache.engine.api import GenerateOutput, TokenLogprob
 
@@ -39,19 +42,46 @@ logger = logging.getLogger(__name__)
 # detokenizes it (stop strings) else None, the prompt's logprobs to send now,
 # the scheduler's clock at the finish (0.0 before it)).
 Record = tuple["Req", int, bool, "str | None", "tuple[TokenLogprob, ...]", float]
-_Delivery = list[tuple["asyncio.Queue[GenerateOutput]", GenerateOutput]]
+# (the stream's key in its sink, its output), for one sink.
+Delivery = list[tuple[Any, GenerateOutput]]
+
+
+class OutputSink(Protocol):
+    """Where a step's outputs of some requests go, in one call per step."""
+
+    def deliver(self, items: Delivery) -> None: ...
+
+
+class LoopSink:
+    """Outputs put on asyncio queues (a stream's key) of one event loop, one callback a step."""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    # Sinks of one loop are one sink: a step's outputs for it go in one callback.
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoopSink) and other.loop is self.loop
+
+    def __hash__(self) -> int:
+        return id(self.loop)
+
+    def deliver(self, items: Delivery) -> None:
+        # The caller's event loop may be gone already (asyncio.run returned right after
+        # it abandoned the stream): nobody is left to read, so its outputs are dropped.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(put_all, items)
 
 
 class Stream:
     """Where one request's outputs go, and how much of it was sent (output thread only)."""
 
-    __slots__ = ("closed", "loop", "num_chars", "num_ids", "queue")
+    __slots__ = ("closed", "key", "num_chars", "num_ids", "sink")
 
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue[GenerateOutput]
-    ) -> None:
-        self.loop = loop
-        self.queue = out
+    def __init__(self, sink: OutputSink, key: Any = None) -> None:
+        self.sink = sink
+        self.key = key  # what the sink tells this request's outputs by (LoopSink: its queue)
         self.num_ids = 0  # output tokens sent
         self.num_chars = 0  # characters of the scheduler's text sent (stop strings)
         self.closed = False  # its final output was sent
@@ -138,21 +168,21 @@ class OutputThread:
                 return
 
     def _deliver(self, batch: list[Record]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, _Delivery] = {}
+        by_sink: dict[OutputSink, Delivery] = {}
         for record in batch:
             stream = record[0].stream
             if stream.closed:
                 continue  # ended here already (its detokenizer failed)
             output = self._output(record, stream)
-            items = by_loop.get(stream.loop)
+            items = by_sink.get(stream.sink)
             if items is None:
-                items = by_loop[stream.loop] = []
-            items.append((stream.queue, output))
-        for loop, items in by_loop.items():
-            # The caller's event loop may be gone already (asyncio.run returned right after
-            # it abandoned the stream): nobody is left to read, so its outputs are dropped.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, items)
+                items = by_sink[stream.sink] = []
+            items.append((stream.key, output))
+        for sink, items in by_sink.items():
+            try:
+                sink.deliver(items)
+            except Exception:  # one sink's failure must not starve the others
+                logger.exception("an output sink failed taking a step's outputs")
 
     def _output(self, record: Record, stream: Stream) -> GenerateOutput:
         req, num_ids, final, text, input_logprobs, finished_at = record
@@ -207,6 +237,7 @@ class OutputThread:
         return delta
 
 
-def _put_all(items: _Delivery) -> None:
+def put_all(items: Sequence[tuple[asyncio.Queue[GenerateOutput], GenerateOutput]]) -> None:
+    """On the event loop: each output onto its queue."""
     for out, output in items:
         out.put_nowait(output)

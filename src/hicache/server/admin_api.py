@@ -61,13 +61,13 @@ def check_bearer(key: str, request: Request) -> None:
 
 async def _change_storage(state: ServerState, change: Any, *args: Any) -> None:
     """Run an attach/detach on a worker thread (it waits for the scheduler thread)."""
-    if not state.engine.is_idle():
+    if not await run_in_threadpool(state.engine.is_idle):
         raise APIError(409, _BUSY)
     try:
         await run_in_threadpool(change, *args)
     except (StorageError, ConfigError) as error:
         # The engine refuses with a StorageError too when a request slipped in meanwhile.
-        status = 400 if state.engine.is_idle() else 409
+        status = 400 if await run_in_threadpool(state.engine.is_idle) else 409
         raise APIError(status, str(error)) from None
 
 
@@ -75,7 +75,7 @@ async def _change_storage(state: ServerState, change: Any, *args: Any) -> None:
 async def storage_status(request: Request) -> dict[str, Any]:
     state = get_state(request)
     authorize(state, request)
-    return state.engine.storage_status()
+    return await run_in_threadpool(state.engine.storage_status)
 
 
 @router.put(ROUTE)
@@ -97,7 +97,7 @@ async def attach_storage(request: Request) -> dict[str, Any]:
         state, state.engine.attach_storage, body.backend, body.extra_config, body.prefetch_policy
     )
     state.storage_config = public_config(body.extra_config)  # for /get_server_info
-    return state.engine.storage_status()
+    return await run_in_threadpool(state.engine.storage_status)
 
 
 @router.delete(ROUTE)
@@ -105,4 +105,4 @@ async def detach_storage(request: Request) -> dict[str, Any]:
     state = get_state(request)
     authorize(state, request)
     await _change_storage(state, state.engine.detach_storage)
-    return state.engine.storage_status()
+    return await run_in_threadpool(state.engine.storage_status)

@@ -71,13 +71,15 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
         state = get_state(request)
-        status = state.engine.storage_status()
+        # Off the event loop: an engine in its own process answers over its pipe.
+        status = await run_in_threadpool(state.engine.storage_status)
         l3 = {key: status[key] for key in ("attached", "backend", "error") if key in status}
         return {"status": "ok", "model": state.served_model_name, "l3": l3}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(get_state(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        text = await run_in_threadpool(get_state(request).metrics.render)
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])
     async def flush_cache(request: Request) -> dict[str, Any]:
@@ -105,8 +107,10 @@ def create_app(
     async def get_server_info(request: Request) -> dict[str, Any]:
         state = get_state(request)
         engine = state.engine
-        l3 = l3_description(engine.storage_status(), state.storage_config)
-        counters = engine.metrics()
+        l3 = l3_description(
+            await run_in_threadpool(engine.storage_status), state.storage_config
+        )
+        counters = await run_in_threadpool(engine.metrics)
         pages, page_size = counters.get("device_pool_pages"), state.info.server_args.get(
             "page_size")
         info_args = state.info.server_args

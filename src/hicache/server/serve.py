@@ -21,6 +21,7 @@ import logging
 import uvicorn
 
 from hicache.engine.engine import Engine, build_engine
+from hicache.engine.engine_client import EngineClient, EngineStartError
 from hicache.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from hicache.model.loader import LoadFormat
 from hicache.server.admin_api import ADMIN_ALLOW_DYNAMIC_FLAG
@@ -50,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--admin-api-key", default=None,
         help="key for the admin API (PUT/GET/DELETE /hicache/storage-backend); "
         "without it the admin API is off",
+    )
+    group.add_argument(
+        "--single-process", action="store_true",
+        help="run the engine (scheduler, model, cache threads) in the HTTP server's process; "
+        "by default it runs in a process of its own, so neither waits for the other's "
+        "Python work (and a busy machine does not stall both)",
     )
     group.add_argument(
         ADMIN_ALLOW_DYNAMIC_FLAG, action="store_true",
@@ -107,9 +114,12 @@ def _check_tiers(args: argparse.Namespace) -> str | None:
     return None
 
 
-def log_tiers(engine: Engine, prefix_cache: bool) -> None:
-    """One line per cache tier, so the log says what this server is running with."""
+def log_tiers(engine: Engine) -> None:
+    """One line per cache tier, so the log says what this server is running with.
+
+    Runs where the engine is (``EngineClient``'s ``on_built`` in its process)."""
     cache = engine.cache
+    prefix_cache = engine.scheduler.config.enable_prefix_cache
     device = cache.device_pool
     tokens = device.num_pages * device.page_size
     logger.info(
@@ -142,9 +152,8 @@ def log_tiers(engine: Engine, prefix_cache: bool) -> None:
         logger.info("L3 storage: off")
 
 
-def _tokenizer_path(args: argparse.Namespace, engine: Engine) -> str | None:
-    device = str(engine.cache.device_pool.device)
-    return client_tokenizer_path(args.model_path, engine.tokenizer, args.dtype, device)
+def _tokenizer_path(args: argparse.Namespace, engine: Engine | EngineClient) -> str | None:
+    return client_tokenizer_path(args.model_path, engine.tokenizer, args.dtype, engine.device)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -152,11 +161,30 @@ def main(args: argparse.Namespace) -> int:
     if problem is not None:
         logger.error("%s", problem)
         return 2
+    servers: list[uvicorn.Server] = []
+    engine_died = False
+
+    def on_engine_death(code: int | None) -> None:
+        # The reader thread of the engine's pipe: every request in flight has failed.
+        nonlocal engine_died
+        engine_died = True
+        logger.error("the engine process died (exit code %s): stopping the server", code)
+        for server in servers:
+            server.should_exit = True
+
+    engine: Engine | EngineClient
     try:
         resolved = with_default_model(args)
-        engine = build_engine(engine_config_from_args(resolved))
+        engine_config = engine_config_from_args(resolved)
+        if args.single_process:
+            engine = build_engine(engine_config)
+            log_tiers(engine)
+        else:
+            engine = EngineClient(
+                engine_config, on_built=log_tiers, on_death=on_engine_death
+            ).start()
     # ConfigError is a ValueError; MemoryError: the host pool could not be pinned.
-    except (ValueError, StorageError, OSError, MemoryError) as error:
+    except (ValueError, StorageError, OSError, MemoryError, EngineStartError) as error:
         logger.error("cannot start the engine: %s", error)
         return 2
     stopped = False
@@ -170,7 +198,6 @@ def main(args: argparse.Namespace) -> int:
             logger.info("engine stopped")
 
     try:
-        log_tiers(engine, prefix_cache=not args.disable_radix_cache)
         app = create_app(
             engine, admin_api_key=args.admin_api_key,
             admin_allow_dynamic_backend=args.admin_allow_dynamic_backend,
@@ -187,9 +214,12 @@ def main(args: argparse.Namespace) -> int:
             # Streams still open this long after a stop signal are cut (which aborts them).
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        uvicorn.Server(config).run()
+        server = uvicorn.Server(config)
+        servers.append(server)
+        if not engine_died:
+            server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled
         return 130
     finally:
         stop_engine()
-    return 0
+    return 1 if engine_died else 0

@@ -131,7 +131,7 @@ def test_startup_log_names_each_tier_and_is_loud_without_l3(
     engine = build_engine(engine_config_from_args(args))
     try:
         with caplog.at_level(logging.INFO, logger="hicache.serve"):
-            log_tiers(engine, prefix_cache=True)
+            log_tiers(engine)
         lines = [r.getMessage() for r in caplog.records if r.name == "hicache.serve"]
         assert [line.split(":")[0] for line in lines] == [
             "L1 device KV pool", "L2 host KV pool", "L3 storage"
@@ -141,7 +141,7 @@ def test_startup_log_names_each_tier_and_is_loud_without_l3(
         # Configured but unreachable at start: the cache records why; the log shouts it.
         engine.cache.storage_error = "store at 10.0.0.1:50051 refused the connection"
         with caplog.at_level(logging.INFO, logger="hicache.serve"):
-            log_tiers(engine, prefix_cache=True)
+            log_tiers(engine)
         errors = [r for r in caplog.records
                   if r.name == "hicache.serve" and r.levelno == logging.ERROR]
         assert len(errors) == 1
@@ -249,3 +249,109 @@ def test_serve_names_the_model_after_model_path_as_given(tmp_path: Path) -> None
             process.kill()
             process.wait(timeout=10)
             raise
+
+
+def _engine_processes(pid: int) -> list[int]:
+    """The engine processes ``pid`` spawned (multiprocessing also starts a resource tracker)."""
+    return [child for child in _children(pid)
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The fields after the command name (which may hold spaces) start at its ')'.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _start_serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hicache", "serve", "--port", str(port), *SMALL,
+             "--hicache-storage-backend", "none", *flags],
+            stdout=log_file, stderr=subprocess.STDOUT,
+            env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"serve exited early:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return process, url, log_path
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"serve did not come up:\n{log_path.read_text()}")
+        time.sleep(0.2)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def test_serve_exits_nonzero_when_its_engine_process_dies(tmp_path: Path) -> None:
+    process, _, log_path = _start_serve(tmp_path)
+    try:
+        engines = _engine_processes(process.pid)
+        assert len(engines) == 1, engines  # the engine runs in a process of its own
+        os.kill(engines[0], signal.SIGKILL)
+        code = process.wait(timeout=20)  # within seconds, never a hang
+    finally:
+        _stop(process)
+    log = log_path.read_text()
+    assert code == 1, log
+    assert "the engine process died" in log
+
+
+def test_the_engine_process_never_outlives_its_server(tmp_path: Path) -> None:
+    process, _, _ = _start_serve(tmp_path)
+    try:
+        engines = _engine_processes(process.pid)
+        assert len(engines) == 1, engines
+        process.kill()  # no shutdown at all: the engine sees its pipe close
+        process.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{engines[0]}").exists() and not _is_zombie(engines[0]):
+            assert time.monotonic() < deadline, "the engine process outlived its server"
+            time.sleep(0.1)
+    finally:
+        _stop(process)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_single_process_serves_without_an_engine_process(tmp_path: Path) -> None:
+    process, url, _ = _start_serve(tmp_path, "--single-process")
+    try:
+        assert _engine_processes(process.pid) == []
+        response = httpx.post(f"{url}/generate", timeout=30.0, json={
+            "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+        assert response.status_code == 200, response.text
+        assert len(response.json()["output_ids"]) == 3
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        finally:
+            _stop(process)

@@ -1,0 +1,344 @@
+"""The server's side of an engine in a process of its own (``hicache.engine.engine_process``).
+
+``EngineClient`` is what the HTTP server holds instead of an ``Engine``: the same
+API (``EngineProtocol`` plus the tokenizer and what /get_server_info reports),
+with requests and control calls sent down a pipe and each step's outputs read
+back by one reader thread, which hands every event loop its share in one
+callback. Requests are validated here, before anything is sent, so a bad one is
+a 4xx without a round trip; the tokenizer is loaded here from the dir the engine
+names, so tokenizing and chat templates run beside the event loop, never in the
+engine's interpreter.
+
+If the engine process dies, every request in flight ends at once with an error
+(finish reason ``abort``), later requests fail, control calls raise
+``EngineDeadError``, and ``on_death`` is called (``hicache serve`` then exits
+non-zero): the server never hangs on an engine that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+from hicache.engine.api import (
+    CachedTokens,
+    GenerateOutput,
+    GenerateRequest,
+    validate_request,
+)
+from hicache.engine.config import EngineConfig
+from hicache.engine.engine_process import EngineInfo, run_engine_process
+from hicache.engine.output_thread import put_all
+from hicache.model.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Control calls answer within this (a flush or an L3 attach waits for the scheduler).
+CALL_TIMEOUT_S = 120.0
+# Building the engine: loading (maybe converting) the weights, pinning the host pool.
+START_TIMEOUT_S = 1800.0
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build the engine; the message says why."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone (it crashed or was killed)."""
+
+
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[GenerateOutput]):
+        self.loop = loop
+        self.queue = queue
+
+
+class EngineClient:
+    """An engine running in a child process, behind the in-process engine's API."""
+
+    def __init__(
+        self, config: EngineConfig, *, on_built: Callable[[Any], None] | None = None,
+        on_death: Callable[[int | None], None] | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
+        self.config = config
+        self.on_death = on_death
+        self._on_built = on_built
+        self._start_timeout_s = start_timeout_s
+        self._process: Any = None  # multiprocessing's SpawnProcess
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._calls: dict[int, Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._reader: threading.Thread | None = None
+        self._closing = False
+        self.dead = False
+        self.info: EngineInfo | None = None
+        self.tokenizer: Tokenizer  # loaded by start(), from the dir the engine names
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> EngineClient:
+        """Spawn the engine process and wait until its engine is built.
+
+        Raises EngineStartError with the engine's own message when it cannot be built.
+        """
+        context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+        ours, theirs = context.Pipe(duplex=True)
+        process = context.Process(
+            target=run_engine_process, name="hicache-engine",
+            args=(self.config, theirs, logging.getLogger().getEffectiveLevel(), self._on_built),
+        )
+        process.start()
+        theirs.close()  # the child holds its end: its death is then our end's EOF
+        self._process, self._conn = process, ours
+        try:
+            message = self._first_message(ours)
+        except BaseException:
+            self._kill()
+            raise
+        if message[0] != "ready":
+            self._kill()
+            raise EngineStartError(str(message[1]))
+        info: EngineInfo = message[1]
+        self.info = info
+        self.tokenizer = load_tokenizer(info.tokenizer_dir, info.eos_token_ids)
+        self._reader = threading.Thread(target=self._read, name="hicache-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+        logger.info("engine process %d ready", process.pid)
+        return self
+
+    def _first_message(self, conn: Connection) -> Any:
+        deadline = time.monotonic() + self._start_timeout_s
+        while not conn.poll(0.2):
+            if not self._process.is_alive():
+                raise EngineStartError(
+                    f"the engine process exited while starting (exit code "
+                    f"{self._process.exitcode}); its log above says why"
+                )
+            if time.monotonic() > deadline:
+                raise EngineStartError(
+                    f"the engine was not ready within {self._start_timeout_s:.0f} s"
+                )
+        try:
+            return conn.recv()
+        except (EOFError, OSError):
+            raise EngineStartError("the engine process exited while starting") from None
+
+    def shutdown(self) -> None:
+        """Stop the engine process (its engine shuts down in order), then the reader."""
+        if self._process is None:
+            return
+        self._closing = True
+        with contextlib.suppress(OSError, ValueError, EngineDeadError):
+            self._send(("shutdown",))
+        self._process.join(SHUTDOWN_TIMEOUT_S)
+        if self._process.is_alive():
+            logger.error("the engine process did not stop within %.0f s: killing it",
+                         SHUTDOWN_TIMEOUT_S)
+            self._kill()
+        if self._reader is not None:
+            self._reader.join(SHUTDOWN_TIMEOUT_S)
+        if self._conn is not None:
+            self._conn.close()
+        self._process = None
+
+    def _kill(self) -> None:
+        process = self._process
+        if process is not None and process.is_alive():
+            process.kill()
+            process.join(SHUTDOWN_TIMEOUT_S)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    # ------------------------------------------------------- what it is
+    def _info(self) -> EngineInfo:
+        if self.info is None:
+            raise RuntimeError("the engine process is not started")
+        return self.info
+
+    @property
+    def model_name(self) -> str:
+        return self._info().model_name
+
+    @property
+    def vocab_size(self) -> int:
+        return self._info().vocab_size
+
+    @property
+    def max_context_len(self) -> int:
+        return self._info().max_context_len
+
+    @property
+    def chunked_prefill_size(self) -> int:
+        return self._info().chunked_prefill_size
+
+    @property
+    def attention_backend(self) -> str:
+        return self._info().attention_backend
+
+    @property
+    def device(self) -> str:
+        return self._info().device
+
+    def routing_info(self) -> dict[str, Any]:
+        return dict(self._info().routing_info)
+
+    # ------------------------------------------------------------ requests
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        validate_request(request, self.vocab_size, self.max_context_len)
+        if self.dead:
+            raise EngineDeadError("the engine process is gone")
+        rid = request.rid or uuid.uuid4().hex
+        if not request.rid:
+            request = dataclasses.replace(request, rid=rid)
+        queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        with self._streams_lock:
+            self._streams[rid] = _Stream(asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            self._send(("generate", request))
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            with self._streams_lock:
+                self._streams.pop(rid, None)
+            if not finished and not self.dead:  # the caller went away: free what it holds
+                with contextlib.suppress(OSError, ValueError, EngineDeadError):
+                    self._send(("abort", rid))
+
+    def abort(self, rid: str) -> None:
+        self._send(("abort", rid))
+
+    # ------------------------------------------------------------- control
+    def is_idle(self) -> bool:
+        return bool(self._call("is_idle"))
+
+    def flush_cache(self) -> bool:
+        return bool(self._call("flush_cache"))
+
+    def metrics(self) -> dict[str, float]:
+        value: dict[str, float] = self._call("metrics")
+        return value
+
+    def storage_status(self) -> dict[str, Any]:
+        value: dict[str, Any] = self._call("storage_status")
+        return value
+
+    def attach_storage(self, backend: str, extra_config: dict[str, Any], policy: str) -> None:
+        self._call("attach_storage", backend, extra_config, policy)
+
+    def detach_storage(self) -> None:
+        self._call("detach_storage")
+
+    def check_integrity(self) -> None:
+        self._call("check_integrity")
+
+    def evict_device_cache(self) -> int:
+        return int(self._call("evict_device_cache"))
+
+    def _call(self, name: str, *args: Any) -> Any:
+        future: Future[Any] = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, name, args))
+            return future.result(timeout=CALL_TIMEOUT_S)
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _send(self, message: Any) -> None:
+        if self.dead or self._conn is None:
+            raise EngineDeadError("the engine process is gone")
+        with self._send_lock:
+            self._conn.send(message)
+
+    # --------------------------------------------------------- the reader
+    def _read(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            try:
+                if kind == "outputs":
+                    self._dispatch(message[1])
+                elif kind == "reply":
+                    _, call_id, ok, value = message
+                    future = self._calls.get(call_id)
+                    if future is not None and not future.done():
+                        if ok:
+                            future.set_result(value)
+                        else:
+                            future.set_exception(value)
+                else:
+                    logger.error("unknown message %r from the engine process", kind)
+            except Exception:  # never let the reader die: every stream would hang
+                logger.exception("failed handling a message from the engine process")
+        self._engine_gone()
+
+    def _dispatch(self, outputs: list[GenerateOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, GenerateOutput]]] = {}
+        with self._streams_lock:
+            streams = self._streams
+            for output in outputs:
+                stream = streams.get(output.rid)
+                if stream is None:
+                    continue  # its caller went away
+                by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that event loop is closed
+                loop.call_soon_threadsafe(put_all, items)
+
+    def _engine_gone(self) -> None:
+        """The pipe closed: a shutdown we asked for, or the engine process died."""
+        self.dead = True
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(EngineDeadError("the engine process is gone"))
+        if self._closing:
+            return
+        process = self._process
+        if process is not None:
+            process.join(5.0)
+        code = process.exitcode if process is not None else None
+        logger.error("the engine process exited unexpectedly (exit code %s): failing every "
+                     "request in flight", code)
+        with self._streams_lock:
+            streams = dict(self._streams)
+        for rid, stream in streams.items():
+            ended = GenerateOutput(
+                rid=rid, token_ids=(), text="", finished=True, finish_reason="abort",
+                prompt_tokens=0, completion_tokens=0, cached_tokens=CachedTokens(),
+                error=f"the engine process exited unexpectedly (exit code {code})",
+            )
+            with contextlib.suppress(RuntimeError):
+                stream.loop.call_soon_threadsafe(put_all, [(stream.queue, ended)])
+        if self.on_death is not None:
+            self.on_death(code)

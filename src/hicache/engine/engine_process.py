@@ -1,0 +1,190 @@
+"""The engine in a process of its own: the engine's side of the pipe to the server.
+
+``hicache serve`` runs the HTTP server (event loop, request parsing, chat
+templates, tokenization, SSE) in one process and the engine (scheduler, model,
+cache controller, storage threads, the output thread's detokenizing) in another,
+as SGLang splits its tokenizer manager from its scheduler. In one interpreter
+they shared one lock: when the OS took the core from whichever thread held it,
+every other thread waited, and on a machine whose cores were busy with other
+work throughput collapsed (docs/benchmarks.md). Across the process boundary the
+event loop never waits for the scheduler's Python work, nor the scheduler for
+the event loop's.
+
+The wire is one ``multiprocessing`` pipe, pickled tuples, each side's sends
+under a lock:
+
+- server -> engine: ``("generate", GenerateRequest)`` (rid set, validated),
+  ``("abort", rid)``, ``("call", call_id, name, args)`` (a control method of
+  ``Engine``, from ``CALLS``), ``("shutdown",)``;
+- engine -> server: ``("ready", EngineInfo)`` or ``("start_failed", message)``
+  once at start, then ``("outputs", [GenerateOutput, ...])`` once per step (the
+  output thread's ``PipeSink``), ``("reply", call_id, ok, value or exception)``.
+
+The engine process ends when told to, or when the pipe closes (the server is
+gone, even killed): it never outlives its server. The server's side is
+``hicache.engine.engine_client``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest
+from hicache.engine.config import EngineConfig
+from hicache.engine.output_thread import Delivery, Stream
+from hicache.storage.base import StorageError
+
+logger = logging.getLogger(__name__)
+
+# The Engine methods the server may call across the pipe (anything else is refused).
+CALLS = frozenset({
+    "flush_cache", "is_idle", "metrics", "storage_status", "attach_storage", "detach_storage",
+    "check_integrity", "evict_device_cache", "routing_info",
+})
+# What a failure to build the engine means for the user (bad flags, a file, memory),
+# reported as a message rather than a traceback, as an in-process build does.
+START_ERRORS = (ValueError, StorageError, OSError, MemoryError)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know of the engine, fixed once it is built."""
+
+    model_name: str
+    vocab_size: int
+    max_context_len: int
+    chunked_prefill_size: int
+    attention_backend: str
+    device: str
+    # The dir the server loads the same tokenizer from (None: the byte-level one), and
+    # the end-of-sequence ids the engine's tokenizer has (the model's extras included).
+    tokenizer_dir: str | None
+    eos_token_ids: tuple[int, ...]
+    routing_info: dict[str, Any] = field(default_factory=dict)
+
+
+class PipeSink:
+    """The output thread's sink in the engine process: a step's outputs in one send."""
+
+    def __init__(self, send: Callable[[Any], None]) -> None:
+        self._send = send
+
+    def deliver(self, items: Delivery) -> None:
+        self._send(("outputs", [output for _, output in items]))
+
+
+def run_engine_process(
+    config: EngineConfig, conn: Connection, log_level: int,
+    on_built: Callable[[Any], None] | None = None,
+) -> None:
+    """The engine process's main: build the engine, serve the pipe until told to stop.
+
+    ``on_built(engine)`` runs once the engine is built (``hicache serve`` logs its
+    tiers there); it must be a module-level function (it is pickled by name).
+    """
+    # Ctrl-C, and a SIGTERM sent to the whole process group (timeout(1), a container's
+    # stop), reach this process too: the server shuts the engine down in order, and the
+    # pipe closing stops it if the server is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from hicache.engine.engine import build_engine  # torch and the model: in this process only
+
+    try:
+        engine = build_engine(config)
+    except START_ERRORS as error:
+        conn.send(("start_failed", str(error)))
+        return
+    except BaseException as error:
+        conn.send(("start_failed", f"{type(error).__name__}: {error}"))
+        raise
+    try:
+        if on_built is not None:
+            on_built(engine)
+        _EngineServer(engine, conn).serve()
+    finally:
+        engine.shutdown()
+        conn.close()
+
+
+class _EngineServer:
+    def __init__(self, engine: Any, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self.sink = PipeSink(self.send)
+        # Control calls may wait for the scheduler thread (a flush, an attach that
+        # connects to a store): never on the thread that takes in requests.
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-control")
+
+    def send(self, message: Any) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def serve(self) -> None:
+        engine = self.engine
+        tokenizer = engine.tokenizer
+        self.send(("ready", EngineInfo(
+            model_name=engine.model_name, vocab_size=engine.vocab_size,
+            max_context_len=engine.max_context_len,
+            chunked_prefill_size=engine.chunked_prefill_size,
+            attention_backend=engine.attention_backend,
+            device=engine.device,
+            tokenizer_dir=engine.model_dir,
+            eos_token_ids=tuple(tokenizer.eos_token_ids),
+            routing_info=engine.routing_info(),
+        )))
+        try:
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    logger.info("the server closed the engine's pipe: stopping")
+                    return
+                kind = message[0]
+                if kind == "generate":
+                    self._generate(message[1])
+                elif kind == "abort":
+                    engine.abort(message[1])
+                elif kind == "call":
+                    self._calls.submit(self._call, *message[1:])
+                elif kind == "shutdown":
+                    return
+                else:
+                    logger.error("the engine process got an unknown message %r", kind)
+        finally:
+            self._calls.shutdown(wait=True, cancel_futures=True)
+
+    def _generate(self, request: GenerateRequest) -> None:
+        try:
+            self.engine.submit(request, Stream(self.sink))
+        except Exception as error:  # validated by the server: only a broken engine gets here
+            logger.exception("the engine could not take request %s", request.rid)
+            self.send(("outputs", [GenerateOutput(
+                rid=request.rid, token_ids=(), text="", finished=True, finish_reason="abort",
+                prompt_tokens=len(request.input_ids), completion_tokens=0,
+                cached_tokens=CachedTokens(), error=f"{type(error).__name__}: {error}",
+            )]))
+
+    def _call(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
+        try:
+            if name not in CALLS:
+                raise ValueError(f"the engine process has no call {name!r}")
+            value = getattr(self.engine, name)(*args)
+            reply: tuple[Any, ...] = ("reply", call_id, True, value)
+        except Exception as error:  # the server raises it where it called
+            reply = ("reply", call_id, False, error)
+        try:
+            self.send(reply)
+        except Exception as error:  # e.g. an exception that does not pickle
+            self.send(("reply", call_id, False, RuntimeError(f"{type(error).__name__}: {error}")))
+
