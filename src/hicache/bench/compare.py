@@ -64,6 +64,7 @@ from hicache.bench.aggregate import (
     runs_table,
     workload_mismatches,
 )
+from hicache.bench.background_load import busy_cores
 from hicache.bench.baseline import BaselineError, BaselineServer, check_template, model_path_of
 from hicache.bench.client import ApiStyle
 from hicache.bench.cpu_limit import CpuLimit, CpuLimitError
@@ -246,6 +247,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pin every server (hicache and baseline) to the first N CPUs this process may "
         "use: taskset -c, and OMP/MKL/OPENBLAS_NUM_THREADS=N and VLLM_CPU_OMP_THREADS_BIND "
         "in their environment; the client moves to the other CPUs when there are any",
+    )
+    baseline.add_argument(
+        "--background-load", type=int, default=0, metavar="N",
+        help="keep N other processes spinning on the CPU during every run (hicache's and "
+        "the baseline's alike): how each side holds up on a busy machine (default: 0)",
     )
     add_client_arguments(parser, url_required=False)
     add_multiturn_arguments(parser)
@@ -688,7 +694,8 @@ def main(args: argparse.Namespace) -> int:
             if args.baseline_command is not None else ""
         ),
         f"- CPUs: {plan.cpu_limit.describe() if plan.cpu_limit else 'not limited'}; "
-        f"{os.cpu_count()} on the machine",
+        f"{os.cpu_count()} on the machine; background load: "
+        f"{args.background_load} spinning processes during every run",
     ]
     print("\n".join(header), flush=True)
     runs = _run_all(args, configs, plan, out_dir, config_json)
@@ -713,16 +720,18 @@ def _run_all(
         for repeat in range(1, args.repeats + 1):
             suffix = f".{repeat}" if args.repeats > 1 else ""
             for config in configs:
-                runs.append(run_config(
-                    config, args, plan.server_args, out_dir, Path(tmp), config_json,
-                    stem=config.name + suffix, repeat=repeat, cpu_limit=cpu,
-                ))
+                with busy_cores(args.background_load):
+                    runs.append(run_config(
+                        config, args, plan.server_args, out_dir, Path(tmp), config_json,
+                        stem=config.name + suffix, repeat=repeat, cpu_limit=cpu,
+                    ))
                 _print_status(runs[-1])
             if args.baseline_command is not None:
-                runs.append(run_baseline(
-                    args, out_dir, config_json, model=plan.baseline_model,
-                    stem=args.baseline_name + suffix, repeat=repeat, cpu_limit=cpu,
-                ))
+                with busy_cores(args.background_load):
+                    runs.append(run_baseline(
+                        args, out_dir, config_json, model=plan.baseline_model,
+                        stem=args.baseline_name + suffix, repeat=repeat, cpu_limit=cpu,
+                    ))
                 _print_status(runs[-1])
     return runs
 
