@@ -127,9 +127,13 @@ CONFIG_NAMES = tuple(c.name for c in CONFIGS)
 # pool, 1.8x the host pool) visited in turn, so L1 and L2 lose each one before its next round
 # and only L3 can serve it. wait_complete: an idle CPU server schedules a request before a
 # best-effort L3 prefetch lands, and the smoke run should show L3 hits.
+# L1 1024 tokens and L2 1.25x that: the smoke workload's eight conversations (~420 tokens
+# each by round 2) pass ~2.9K tokens through between two visits to one of them, well past
+# L1 + L2, so its later rounds come from L3 whatever the timing (at L2 = 2x L1 the two were
+# within 5% of each other and the tier a prefix came back from depended on the timing).
 SMOKE_SERVER_ARGS = (
     "--model-preset tiny --device cpu --max-total-tokens 1024 --page-size 16 "
-    "--max-running-requests 8 --chunked-prefill-size 1024 "
+    "--max-running-requests 8 --chunked-prefill-size 1024 --hicache-ratio 1.25 "
     "--hicache-storage-prefetch-policy wait_complete"
 )
 SMOKE_WORKLOAD = {

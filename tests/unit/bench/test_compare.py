@@ -180,7 +180,7 @@ def test_smoke_comparison_against_real_servers(tmp_path: Path) -> None:
     # Eight conversations visited in turn overflow L1 and L2: later rounds come from L3.
     for name in configs[1:]:
         tiers = summaries[name].overall.tier_hit_rate
-        assert tiers is not None and tiers["storage"] > 0.3, (name, tiers)
+        assert tiers is not None and tiers["storage"] > 0.25, (name, tiers)
     text = (tmp_path / "comparison.md").read_text()
     assert all(f"| {name}" in text for name in configs)
     assert (tmp_path / "comparison.png").read_bytes().startswith(b"\x89PNG")
