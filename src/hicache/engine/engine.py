@@ -394,7 +394,9 @@ def _set_up_compute(model: CausalLM, runtime: RuntimeConfig, device: torch.devic
     logger.info(
         "compute: attention backend %s, %s", model.attention_backend.name,
         "compiled layer blocks" if runtime.enable_torch_compile
-        else "prepacked weights" if model.packed_lm_head is not None else "plain weights",
+        else ("prepacked weights, one-row products over "
+              + ("packed" if model.packed_from_rows == 1 else "column-major") + " weights")
+        if model.packed_lm_head is not None else "plain weights",
     )
 
 

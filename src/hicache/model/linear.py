@@ -13,17 +13,27 @@ CONVERT, so ``prepack`` returns None where it cannot (the caller keeps F.linear)
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 # The row count oneDNN picks its blocking for: packing for large products also measured
 # best for a single row (within noise), while packing for one row slowed prefills.
 _PACK_ROWS_HINT = 512
-# Products of fewer rows use the plain weight: for a single row (one request decoding)
+# Products of fewer rows may use the plain weight: for a single row (one request decoding)
 # the plain weight stored column-major (``column_major``) measured 25-30% faster than
-# F.linear over the row-major weight and ~15% faster than the packed GEMM, one thread,
-# SmolLM2's layer shapes streamed from memory (docs/benchmarks.md).
+# F.linear over the row-major weight and ~15% faster than the packed GEMM on an AVX2
+# EPYC, one thread, SmolLM2's layer shapes streamed from memory; on an AVX-512 EPYC the
+# packed GEMM was 30% faster than it instead (docs/benchmarks.md). So which one a model
+# uses for one row is measured when its weights are packed (``column_major_is_faster``).
 PACKED_FROM_ROWS = 2
+# How much of a model's weights the one-row measurement streams: past the last-level cache
+# of the CPUs we run on, so that it sees memory bandwidth as a decode step does.
+_ONE_ROW_SAMPLE_BYTES = 256 * 2**20
+_ONE_ROW_REPEATS = 5
 
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -31,6 +41,36 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
     then multiplies a row by a contiguous [in, out] matrix, which MKL streams faster
     for one row than the [out, in] layout F.linear otherwise transposes."""
     return weight.t().contiguous().t()
+
+
+def column_major_is_faster(
+    weights: Sequence[torch.Tensor], packed: Sequence[torch.Tensor],
+    sample_bytes: int = _ONE_ROW_SAMPLE_BYTES, repeats: int = _ONE_ROW_REPEATS,
+) -> bool:
+    """Whether one-row products over column-major copies of ``weights`` run faster here
+    than over their ``packed`` copies, timed now over the first weights adding up to
+    ``sample_bytes`` (temporary column-major copies of those are made), median of
+    ``repeats`` passes each, in turns."""
+    count, total = 0, 0
+    while count < len(weights) and total < sample_bytes:
+        total += weights[count].numel() * weights[count].element_size()
+        count += 1
+    columns = [column_major(w.detach()) for w in weights[:count]]
+    inputs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights[:count]]
+
+    def one_pass(mats: Sequence[torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for x, mat in zip(inputs, mats, strict=True):
+            linear(x, mat)
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        one_pass(columns), one_pass(packed[:count])  # warm up both paths
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(repeats):
+            times[0].append(one_pass(columns))
+            times[1].append(one_pass(packed[:count]))
+    return statistics.median(times[0]) < statistics.median(times[1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

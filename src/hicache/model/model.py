@@ -23,7 +23,13 @@ from hicache.model.attention_backend import AttentionBackend, make_attention_bac
 from hicache.model.batch import BatchError, ForwardBatch
 from hicache.model.config import ModelConfig, ModelConfigError
 from hicache.model.layer_blocks import post_attention, pre_attention
-from hicache.model.linear import PACKED_FROM_ROWS, column_major, linear, prepack
+from hicache.model.linear import (
+    PACKED_FROM_ROWS,
+    column_major,
+    column_major_is_faster,
+    linear,
+    prepack,
+)
 from hicache.model.mlp import SwiGLU
 from hicache.model.norm import RMSNorm
 from hicache.model.parameter import WeightViews, empty_parameter
@@ -55,6 +61,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device, dtype)
         self.packed: ProjectionWeights | None = None  # set by CausalLM.prepack_weights
+        # Products of fewer rows use the plain parameters (CausalLM.prepack_weights).
+        self.packed_from_rows = PACKED_FROM_ROWS
 
     def forward(
         self,
@@ -66,7 +74,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes the new tokens' K/V into the pool."""
         attn, mlp = self.self_attn, self.mlp
-        packed = self.packed if x.shape[0] >= PACKED_FROM_ROWS else None
+        packed = self.packed if x.shape[0] >= self.packed_from_rows else None
         w = packed or ProjectionWeights(
             attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight
         )
@@ -112,6 +120,7 @@ class CausalLM(nn.Module):
         )
         self.packed_lm_head: torch.Tensor | None = None  # see prepack_weights
         self.one_row_lm_head: torch.Tensor | None = None  # see prepack_weights
+        self.packed_from_rows = PACKED_FROM_ROWS  # see prepack_weights
         # The math around attention, eager until ``compile_blocks()``.
         self.blocks = LayerBlocks(pre_attention, post_attention)
         self.dtype = config.dtype
@@ -138,35 +147,48 @@ class CausalLM(nn.Module):
             dtype,
         )
 
-    def prepack_weights(self) -> bool:
+    def prepack_weights(self, one_row: str = "auto") -> bool:
         """Pack every projection weight (and the LM head) for oneDNN, where it can (CPU,
         float32; see ``hicache.model.linear``); True if it did. The packed copies are
         used from then on; the parameters stay (the loader and ``hf_weights`` see them),
         so the weights' memory doubles: a CPU-sized model's few hundred MB.
 
+        Products of one row (a single request decoding) go either through the packed
+        copies too, or through the parameters stored column-major: ``one_row`` is
+        "packed", "column-major", or "auto", which times both on this CPU now and keeps
+        the faster (``linear.column_major_is_faster``).
+
         Call it after the weights are loaded: a later change to a parameter is not seen.
         """
+        if one_row not in ("auto", "packed", "column-major"):
+            raise ValueError(f"one_row must be auto, packed or column-major, not {one_row!r}")
         packed_head = prepack(self.lm_head_weight)
         if packed_head is None:
             return False
         packs = []
         for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            weights = (layer.self_attn.qkv_weight, layer.self_attn.o_weight,
-                       layer.mlp.gate_up_weight, layer.mlp.down_weight)
-            packed = [prepack(w) for w in weights]
+            packed = [prepack(w) for w in _projections(layer)]
             if any(p is None for p in packed):
                 return False
             packs.append(ProjectionWeights(*packed))  # type: ignore[arg-type]
+        if one_row == "auto":
+            params = [w for layer in self.layers for w in _projections(layer)]
+            copies = [p for pack in packs for p in pack]
+            one_row = "column-major" if column_major_is_faster(params, copies) else "packed"
+        columns = one_row == "column-major"
+        self.packed_from_rows = PACKED_FROM_ROWS if columns else 1
         for layer, pack in zip(self.layers, packs, strict=True):
             assert isinstance(layer, DecoderLayer)
             layer.packed = pack
-            # One-row products (a single request decoding) use the parameters themselves:
-            # stored column-major from here on (same values, no extra memory).
-            attn, mlp = layer.self_attn, layer.mlp
-            for param in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight):
-                param.data = column_major(param.data)
+            layer.packed_from_rows = self.packed_from_rows
+            if columns:
+                # One-row products use the parameters themselves: stored column-major
+                # from here on (same values, no extra memory).
+                for param in _projections(layer):
+                    param.data = column_major(param.data)
         self.packed_lm_head = packed_head
+        if not columns:
+            return True
         # The head's one-row product likewise; a head tied to the embedding keeps the
         # embedding's rows contiguous for lookups and gets a column-major copy of its own.
         if self.lm_head is None:
@@ -230,9 +252,9 @@ class CausalLM(nn.Module):
             # final norm and vocabulary projection (the largest GEMM of a decode step).
             h = h[torch.tensor(rows, device=h.device)]
         head = self.lm_head_weight
-        if self.packed_lm_head is not None and h.shape[0] >= PACKED_FROM_ROWS:
+        if self.packed_lm_head is not None and h.shape[0] >= self.packed_from_rows:
             head = self.packed_lm_head
-        elif self.one_row_lm_head is not None and h.shape[0] < PACKED_FROM_ROWS:
+        elif self.one_row_lm_head is not None and h.shape[0] < self.packed_from_rows:
             head = self.one_row_lm_head
         return linear(self.norm(h), head).float()
 
@@ -262,6 +284,12 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             views["lm_head.weight"] = self.lm_head
         return views
+
+
+def _projections(layer: nn.Module) -> tuple[nn.Parameter, ...]:
+    assert isinstance(layer, DecoderLayer)
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -147,6 +147,9 @@ def test_a_dead_engine_fails_its_requests_and_says_so() -> None:
         last = outputs[-1]
         assert last.finished and last.finish_reason == "abort"
         assert last.error is not None and "engine process exited" in last.error
+        deadline = time.monotonic() + 5  # told right after the streams are failed
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert deaths == [-signal.SIGKILL]
         with pytest.raises(EngineDeadError):
             client.metrics()

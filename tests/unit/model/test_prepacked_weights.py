@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hicache.model.linear import linear, prepack
@@ -51,20 +52,43 @@ def _onednn_products(model: CausalLM, rows: int) -> int:
     return sum(1 for event in prof.events() if "_linear_pointwise" in event.name)
 
 
-def test_a_single_row_multiplies_by_the_plain_weights() -> None:
-    # One row (one request decoding) measured faster with column-major plain weights.
+def test_a_single_row_multiplies_by_the_plain_weights_when_told() -> None:
+    # One row (one request decoding) measured faster with column-major plain weights on
+    # some CPUs, with the packed ones on others.
     model = dummy_model(small_qwen3_style())
-    assert model.prepack_weights()
+    assert model.prepack_weights(one_row="column-major")
     layers = model.config.num_layers
     assert _onednn_products(model, 1) == 0
     assert _onednn_products(model, 3) == 4 * layers + 1  # qkv, o, gate_up, down; the head
+    packed = dummy_model(small_qwen3_style())
+    assert packed.prepack_weights(one_row="packed")
+    assert _onednn_products(packed, 1) == 4 * layers + 1
+    assert packed.one_row_lm_head is None
+    assert packed.layers[0].self_attn.qkv_weight.is_contiguous()  # left row-major
+
+
+def test_one_row_choice_is_measured_and_either_way_equals_the_plain_model() -> None:
+    config = small_qwen3_style()
+    plain, measured = dummy_model(config), dummy_model(config)
+    assert measured.prepack_weights()  # auto: timed on this CPU
+    assert measured.packed_from_rows in (1, 2)
+    assert (measured.one_row_lm_head is not None) == (measured.packed_from_rows == 2)
+    tokens = random_tokens(5, config.vocab_size, seed=4)
+    results = []
+    for model in (plain, measured):
+        pool = new_pool(model)
+        results.append(run_in_steps(model, pool, tokens, SlotAllocator(pool).slots(5),
+                                    [2, 1, 1, 1]))
+    torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="one_row"):
+        dummy_model(config).prepack_weights(one_row="fastest")
 
 
 def test_one_row_steps_use_column_major_weights_and_equal_the_plain_model() -> None:
     # Tied head (Qwen3-style): the embedding keeps its rows; the head gets its own copy.
     config = small_qwen3_style()
     plain, packed = dummy_model(config), dummy_model(config)
-    assert packed.prepack_weights()
+    assert packed.prepack_weights(one_row="column-major")
     layer = packed.layers[0]
     for weight in (layer.self_attn.qkv_weight, layer.mlp.down_weight):
         assert weight.t().is_contiguous() and not weight.is_contiguous()
