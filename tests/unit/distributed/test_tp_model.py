@@ -57,6 +57,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _tp2_cases(checkpoints: dict[str, Path]) -> list[Case]:
     cases = [Case(name, str(path)) for name, path in checkpoints.items()]
     cases.append(Case("llama-gqa-prepacked", str(checkpoints["llama-gqa"]), prepack=True))
+    tied = "llama3-rope-tied-bias"
+    cases.append(Case(f"{tied}-prepacked", str(checkpoints[tied]), prepack=True))
     # Dummy weights: every rank must slice the single-rank model's random tensors.
     cases.append(Case("dummy-qwen3-style", config=small_qwen3_style(num_layers=2)))
     return cases
@@ -124,7 +126,8 @@ def assert_holds_its_parts(alone: CaseResult, ranks: list[CaseResult]) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    [*_variants(), "llama-gqa-prepacked", "dummy-qwen3-style"],
+    [*_variants(), "llama-gqa-prepacked", "llama3-rope-tied-bias-prepacked",
+     "dummy-qwen3-style"],
 )
 def test_tp2_equals_one_rank(tp2: Results, name: str) -> None:
     alone, ranks = tp2[name]
@@ -154,3 +157,13 @@ def smollm2_dir(request: pytest.FixtureRequest) -> Path:
         pytest.skip(str(e))
     converted = request.getfixturevalue("smollm2")
     return Path(converted.path)
+
+
+@pytest.mark.slow
+def test_tp2_compiled_blocks_equal_one_rank_eager() -> None:
+    """Each rank compiles its blocks (the halves around its sums over ranks)."""
+    config = small_qwen3_style(num_layers=2)
+    alone = run_case(Case("eager", config=config, keep_weights=False), None)
+    compiled = Case("compiled", config=config, compile=True, keep_weights=False)
+    ranks = run_ranks(run_cases, 2, [compiled], timeout_s=300)
+    assert_same_run(alone, [r["compiled"] for r in ranks])

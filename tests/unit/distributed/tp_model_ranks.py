@@ -4,7 +4,8 @@ A ``Case`` names a model (a checkpoint dir, or a config with dummy weights) and 
 run it; ``run_case`` builds it for a rank (``tp``) or alone (``tp`` None) and runs the
 same greedy scenario through the paged pool: a prefill of a prompt's first tokens, a
 mixed prefill (the rest of that prompt on its cached prefix, two cold prompts), then
-decode steps of all three together, each feeding back its greedy token. Spawned ranks
+decode steps of all three together, each feeding back its greedy token, and a last
+decode of sequence 0 alone (one row: the one-row weights' path). Spawned ranks
 import this module (not the test, which imports transformers).
 """
 
@@ -36,6 +37,7 @@ class Case:
     model_path: str | None = None  # a model dir (float32); None: dummy weights of ``config``
     config: ModelConfig | None = None
     prepack: bool = False
+    compile: bool = False
     keep_weights: bool = True  # return the rank's weights (small models only)
 
 
@@ -56,6 +58,8 @@ def build(case: Case, tp: TPGroup | None) -> CausalLM:
         init_dummy_weights(model, seed=DUMMY_SEED, std=0.05)
     if case.prepack:
         assert model.prepack_weights()
+    if case.compile:
+        model.compile_blocks()
     return model
 
 
@@ -81,7 +85,7 @@ def greedy_scenario(model: CausalLM) -> CaseResult:
     prompts = [random_tokens(n, vocab, seed=10 + i) for i, n in enumerate(PROMPT_LENS)]
     pool = DevicePool(model.kv_geometry(), 64, PAGE_SIZE, model.device)
     alloc = SlotAllocator(pool, seed=1)
-    slots = [alloc.slots(len(p) + DECODE_STEPS) for p in prompts]
+    slots = [alloc.slots(len(p) + DECODE_STEPS + 1) for p in prompts]
 
     def step(new: list[list[int]], context_lens: list[int]) -> torch.Tensor:
         """Sequences 0.. len(new) - 1 add ``new`` to reach ``context_lens`` tokens."""
@@ -104,5 +108,9 @@ def greedy_scenario(model: CausalLM) -> CaseResult:
         logits.append(out)
         for seq, token in zip(tokens, out.argmax(-1), strict=True):
             seq.append(int(token))
+    # One row: prepacked models multiply it by their column-major weights instead.
+    alone = step([tokens[0][-1:]], [len(prompts[0]) + len(tokens[0])])
+    logits.append(alone)
+    tokens[0].append(int(alone[0].argmax()))
     return CaseResult(logits, tokens)
 
