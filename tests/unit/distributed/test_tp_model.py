@@ -101,6 +101,11 @@ def assert_same_run(alone: CaseResult, ranks: list[CaseResult]) -> None:
                 got, expected, atol=RELATIVE_ATOL * scale, rtol=0,
                 msg=lambda m, where=(rank, step): f"rank, step {where}: {m}",
             )
+    for rank, result in enumerate(ranks):
+        rank_kv_heads, whole_kv_heads = result.kv_heads
+        assert 1 <= rank_kv_heads <= whole_kv_heads
+        if rank_kv_heads < whole_kv_heads:  # a pool of all KV heads is refused
+            assert "does not fit the model" in (result.whole_pool_error or ""), rank
     # The ranks agree with each other exactly: the sums over ranks reach every rank alike.
     for result in ranks[1:]:
         for got, first in zip(result.logits, ranks[0].logits, strict=True):

@@ -18,7 +18,7 @@ import torch
 from hicache.distributed.group import TPGroup
 from hicache.memory.device_pool import DevicePool
 from hicache.model.batch import ForwardBatch
-from hicache.model.config import ModelConfig
+from hicache.model.config import ModelConfig, ModelConfigError
 from hicache.model.loader import load_model
 from hicache.model.model import CausalLM
 from hicache.model.weights import init_dummy_weights
@@ -47,6 +47,9 @@ class CaseResult:
     tokens: list[list[int]]  # per sequence: its greedy tokens
     # HF name -> (the rank's part, the split dim or None, its start), when kept.
     weights: dict[str, tuple[torch.Tensor, int | None, int]] = field(default_factory=dict)
+    kv_heads: tuple[int, int] = (0, 0)  # the rank's pool's, the whole model's
+    # A rank that holds part of the KV heads, given a pool of them all: its error.
+    whole_pool_error: str | None = None
 
 
 def build(case: Case, tp: TPGroup | None) -> CausalLM:
@@ -66,6 +69,13 @@ def build(case: Case, tp: TPGroup | None) -> CausalLM:
 def run_case(case: Case, tp: TPGroup | None) -> CaseResult:
     model = build(case, tp)
     result = greedy_scenario(model)
+    whole = model.config.kv_geometry(model.dtype)
+    result.kv_heads = (model.kv_geometry().num_kv_heads, whole.num_kv_heads)
+    if model.kv_geometry() != whole:
+        try:
+            model(ForwardBatch.from_sequences([[1]], [[0]]), DevicePool(whole, 2, PAGE_SIZE))
+        except ModelConfigError as e:
+            result.whole_pool_error = str(e)
     if case.keep_weights:
         result.weights = {
             name: (s.target.detach().clone(), s.dim, s.start)
