@@ -29,6 +29,10 @@ ranks' partial products whatever their widths.
 
 The MLP's intermediate columns and the vocabulary rows are split by ``even_span``
 (row-parallel down projection, vocab-parallel embedding and LM head).
+
+Ranks may hold different numbers of KV heads (SmolLM2 at tp=2: 2 and 1), so their KV
+bytes per token differ: the ranks' pools must agree on a number of pages (sized for
+the rank with the most KV heads, ``shard_plan``), not each derive it from its own.
 """
 
 from __future__ import annotations
