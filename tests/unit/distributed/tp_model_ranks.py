@@ -123,4 +123,3 @@ def greedy_scenario(model: CausalLM) -> CaseResult:
     logits.append(alone)
     tokens[0].append(int(alone[0].argmax()))
     return CaseResult(logits, tokens)
-
