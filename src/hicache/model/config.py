@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hicache.config import ConfigError
+from hicache.distributed.sharding import kv_head_span
 from hicache.memory.geometry import KVGeometry
 
 
@@ -162,11 +163,19 @@ class ModelConfig:
         """Query heads sharing one KV head (GQA); head h reads KV head h // groups."""
         return self.num_heads // self.num_kv_heads
 
-    def kv_geometry(self, dtype: torch.dtype | None = None) -> KVGeometry:
-        """The KV cache geometry of this model (TP=1), in ``dtype`` or the model's dtype."""
+    def kv_geometry(
+        self, dtype: torch.dtype | None = None, *, tp_rank: int = 0, tp_size: int = 1
+    ) -> KVGeometry:
+        """The KV cache geometry of rank ``tp_rank`` of ``tp_size`` (its KV heads only;
+        see ``hicache.distributed.sharding``), in ``dtype`` or the model's dtype."""
+        num_kv_heads = (
+            self.num_kv_heads
+            if tp_size == 1
+            else kv_head_span(self.num_heads, self.num_kv_heads, tp_rank, tp_size).size
+        )
         return KVGeometry(
             num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=self.head_dim,
             dtype=self.dtype if dtype is None else dtype,
         )

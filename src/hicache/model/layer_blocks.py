@@ -61,6 +61,36 @@ def post_attention(
     eps: float,
 ) -> torch.Tensor:
     """Attention output [T, heads, D] and the layer's input [T, hidden] -> its output."""
-    h = linear(attn.reshape(residual.shape[0], -1), o_weight, o_bias).add_(residual)
+    h = attention_output(attn, residual, o_weight, o_bias)
+    return feed_forward(h, h, norm_weight, gate_up_weight, down_weight, eps)
+
+
+# Under tensor parallelism ``post_attention`` is cut at its two sums over the ranks
+# (after the row-parallel o and down projections): each half returns the rank's
+# partial product, plus the residual (and bias) only where given, on one rank, so
+# that the sum over ranks adds them once.
+
+
+def attention_output(
+    attn: torch.Tensor,
+    residual: torch.Tensor | None,
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """attn [T, heads, D] -> o_proj(attn) [T, hidden] (+ o_bias) (+ residual)."""
+    h = linear(attn.reshape(attn.shape[0], -1), o_weight, o_bias)
+    return h if residual is None else h.add_(residual)
+
+
+def feed_forward(
+    h: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """h [T, hidden] -> SwiGLU(norm(h)) [T, hidden] (+ residual)."""
     gate, up = linear(rms_norm(h, norm_weight, eps), gate_up_weight).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down_weight).add_(h)
+    out = linear(F.silu(gate) * up, down_weight)
+    return out if residual is None else out.add_(residual)

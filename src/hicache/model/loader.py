@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from hicache.config import ConfigError
+from hicache.distributed.group import TPGroup
 from hicache.model.config import ModelConfig, ModelConfigError, parse_dtype
 from hicache.model.gguf import is_gguf_file
 from hicache.model.gguf_cache import gguf_serving_dtype, prepare_gguf
@@ -46,8 +47,13 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    tp: TPGroup | None = None,
 ) -> LoadedModel:
-    """Build, fill and return the model; ``dtype`` None or "auto" keeps the config's."""
+    """Build, fill and return the model; ``dtype`` None or "auto" keeps the config's.
+
+    ``tp``: build this rank's part of a tensor-parallel model (every rank calls this
+    with the same arguments); its pool geometry is ``model.kv_geometry()``.
+    """
     fmt = _load_format(load_format)
     if model_path is not None and preset is not None:
         raise ConfigError("give either --model-path or a model preset, not both")
@@ -65,7 +71,7 @@ def load_model(
     if dtype is not None and dtype != "auto":
         config = config.with_dtype(parse_dtype(dtype))
 
-    model = CausalLM(config, device=device)
+    model = CausalLM(config, device=device, tp=tp)
     if fmt is LoadFormat.AUTO:
         assert model_path is not None
         load_safetensors(model, model_path)

@@ -6,6 +6,12 @@ mixed), writing their K/V into the pool and returning logits. The model holds
 no per-request state: everything about a sequence's past is in the pool slots
 the batch names, which is what lets the hierarchical cache hand it prefixes
 computed by other requests, or loaded back from host memory.
+
+Tensor parallelism (``tp``, one process per rank): each rank holds its part of
+every layer (``hicache.distributed.sharding`` says which) and its KV heads' part of
+the pool; the ranks sum their partial products after the row-parallel o and down
+projections and after the vocab-parallel embedding, and gather the vocab-parallel
+logits, so every rank returns the full logits of the step.
 """
 
 from __future__ import annotations
@@ -17,12 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.distributed.group import SINGLE_RANK, TPGroup
+from hicache.distributed.sharding import RankShard, shard_model
 from hicache.memory.device_pool import DevicePool
+from hicache.memory.geometry import KVGeometry
 from hicache.model.attention import Attention, StepInputs
 from hicache.model.attention_backend import AttentionBackend, make_attention_backend
 from hicache.model.batch import BatchError, ForwardBatch
 from hicache.model.config import ModelConfig, ModelConfigError
-from hicache.model.layer_blocks import post_attention, pre_attention
+from hicache.model.layer_blocks import (
+    attention_output,
+    feed_forward,
+    post_attention,
+    pre_attention,
+)
 from hicache.model.linear import (
     PACKED_FROM_ROWS,
     column_major,
@@ -32,7 +46,7 @@ from hicache.model.linear import (
 )
 from hicache.model.mlp import SwiGLU
 from hicache.model.norm import RMSNorm
-from hicache.model.parameter import WeightViews, empty_parameter
+from hicache.model.parameter import WeightShards, WeightViews, empty_parameter, part
 from hicache.model.rotary import RotaryEmbedding
 
 
@@ -41,6 +55,12 @@ class LayerBlocks(NamedTuple):
 
     pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     post: Callable[..., torch.Tensor]
+    # ``post`` in two halves, for tensor parallelism: the ranks sum each half's output.
+    attention_output: Callable[..., torch.Tensor]
+    feed_forward: Callable[..., torch.Tensor]
+
+
+EAGER_BLOCKS = LayerBlocks(pre_attention, post_attention, attention_output, feed_forward)
 
 
 class ProjectionWeights(NamedTuple):
@@ -53,13 +73,23 @@ class ProjectionWeights(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        shard: RankShard,
+        tp: TPGroup = SINGLE_RANK,
+    ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
+        self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
-        self.self_attn = Attention(config, device, dtype)
+        self.self_attn = Attention(config, device, dtype, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device, dtype)
+        self.mlp = SwiGLU(
+            config.hidden_size, config.intermediate_size, device, dtype, shard.intermediate
+        )
         self.packed: ProjectionWeights | None = None  # set by CausalLM.prepack_weights
         # Products of fewer rows use the plain parameters (CausalLM.prepack_weights).
         self.packed_from_rows = PACKED_FROM_ROWS
@@ -88,31 +118,51 @@ class DecoderLayer(nn.Module):
         k_cache.index_copy_(0, step.out_slots, k)
         v_cache.index_copy_(0, step.out_slots, v)
         out = step.attention.attend(q, k, v, k_cache, v_cache)  # [T, heads, head_dim]
-        return blocks.post(
-            out, x, w.o, attn.o_bias, self.post_attention_layernorm.weight,
-            w.gate_up, w.down, self.post_attention_layernorm.eps,
+        norm = self.post_attention_layernorm
+        tp = self.tp
+        if tp.size == 1:
+            return blocks.post(
+                out, x, w.o, attn.o_bias, norm.weight, w.gate_up, w.down, norm.eps
+            )
+        # Row-parallel o and down: each rank's product over its heads (its intermediate
+        # columns), summed over the ranks; rank 0 alone adds the bias and the residual.
+        first = tp.rank == 0
+        h = tp.all_reduce_sum(
+            blocks.attention_output(out, x if first else None, w.o, attn.o_bias if first else None)
+        )
+        return tp.all_reduce_sum(
+            blocks.feed_forward(h, h if first else None, norm.weight, w.gate_up, w.down, norm.eps)
         )
 
-    def hf_weights(self, prefix: str) -> WeightViews:
+    def hf_shards(self, prefix: str) -> WeightShards:
         return {
-            **self.input_layernorm.hf_weights(f"{prefix}.input_layernorm"),
-            **self.self_attn.hf_weights(f"{prefix}.self_attn"),
-            **self.post_attention_layernorm.hf_weights(f"{prefix}.post_attention_layernorm"),
-            **self.mlp.hf_weights(f"{prefix}.mlp"),
+            **self.input_layernorm.hf_shards(f"{prefix}.input_layernorm"),
+            **self.self_attn.hf_shards(f"{prefix}.self_attn"),
+            **self.post_attention_layernorm.hf_shards(f"{prefix}.post_attention_layernorm"),
+            **self.mlp.hf_shards(f"{prefix}.mlp"),
         }
 
 
 class CausalLM(nn.Module):
-    """Built empty (uninitialized) on ``device``; fill it with ``hicache.model.weights``."""
+    """Built empty (uninitialized) on ``device``; fill it with ``hicache.model.weights``.
+
+    ``tp``: this process's rank of a tensor-parallel group; the model then holds the
+    rank's part of the weights, reads a pool of the rank's KV heads
+    (``kv_geometry()``), and runs its collectives in every forward, which all the
+    group's ranks must call with the same batch. ``config`` stays the whole model's.
+    """
 
     def __init__(
         self,
         config: ModelConfig,
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or SINGLE_RANK
+        self.shard = shard_model(config, self.tp.rank, self.tp.size)
         self.device = torch.device(device)
         # How attention reads the pool; swappable (tests compare backends on one model).
         self.attention_backend: AttentionBackend = make_attention_backend(
@@ -122,21 +172,21 @@ class CausalLM(nn.Module):
         self.one_row_lm_head: torch.Tensor | None = None  # see prepack_weights
         self.packed_from_rows = PACKED_FROM_ROWS  # see prepack_weights
         # The math around attention, eager until ``compile_blocks()``.
-        self.blocks = LayerBlocks(pre_attention, post_attention)
+        self.blocks = EAGER_BLOCKS
         self.dtype = config.dtype
         dev, dtype = self.device, self.dtype
-        self.embed_tokens = empty_parameter(
-            config.vocab_size, config.hidden_size, device=dev, dtype=dtype
-        )
+        # Vocab-parallel: the rank's rows of the vocabulary (all of them at TP=1).
+        vocab_rows = self.shard.vocab.size
+        self.embed_tokens = empty_parameter(vocab_rows, config.hidden_size, device=dev, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dev, dtype) for _ in range(config.num_layers)
+            DecoderLayer(config, dev, dtype, self.shard, self.tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dev, dtype)
         # Tied models (Qwen3-0.6B) project logits with the embedding matrix itself.
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else empty_parameter(config.vocab_size, config.hidden_size, device=dev, dtype=dtype)
+            else empty_parameter(vocab_rows, config.hidden_size, device=dev, dtype=dtype)
         )
         self.rotary = RotaryEmbedding(
             config.head_dim,
@@ -210,14 +260,21 @@ class CausalLM(nn.Module):
             layer.packed = None
         self.packed_lm_head = None
         self.one_row_lm_head = None
+        # torch.compile is lazy: the halves only a TP model calls are only compiled there.
         self.blocks = LayerBlocks(
             torch.compile(pre_attention, dynamic=True),
             torch.compile(post_attention, dynamic=True),
+            torch.compile(attention_output, dynamic=True),
+            torch.compile(feed_forward, dynamic=True),
         )
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def kv_geometry(self) -> KVGeometry:
+        """The geometry of the device pool this model reads: its rank's KV heads, its dtype."""
+        return self.config.kv_geometry(self.dtype, tp_rank=self.tp.rank, tp_size=self.tp.size)
 
     @torch.inference_mode()
     def forward(
@@ -241,7 +298,7 @@ class CausalLM(nn.Module):
             out_slots=batch.out_slots,
             attention=self.attention_backend.prepare(batch),
         )
-        h = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
+        h = self._embed(batch.input_ids)  # [T, hidden]
         for index, layer in enumerate(self.layers):
             if wait_layer is not None:
                 wait_layer(index)
@@ -256,14 +313,26 @@ class CausalLM(nn.Module):
             head = self.packed_lm_head
         elif self.one_row_lm_head is not None and h.shape[0] < self.packed_from_rows:
             head = self.one_row_lm_head
-        return linear(self.norm(h), head).float()
+        logits = linear(self.norm(h), head).float()  # [rows, the rank's vocab rows]
+        return self.tp.all_gather_last_dim(logits, self.shard.vocab_sizes)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]; vocab-parallel: each rank looks up the tokens of
+        its rows, zeros for the others', and the sum over ranks is every token's row."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        vocab = self.shard.vocab
+        local = input_ids - vocab.start
+        outside = (local < 0) | (local >= vocab.size)
+        h = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return self.tp.all_reduce_sum(h.masked_fill_(outside.unsqueeze(-1), 0.0))
 
     def _check(self, batch: ForwardBatch, kv: DevicePool) -> None:
-        expected = self.config.kv_geometry(self.dtype)
+        expected = self.kv_geometry()
         if kv.geometry != expected:
             raise ModelConfigError(
                 f"device pool geometry {kv.geometry.describe()} does not fit the model "
-                f"({expected.describe()}); build it with config.kv_geometry()"
+                f"({expected.describe()}); build it with model.kv_geometry()"
             )
         if not _same_device(kv.device, self.device):
             raise ModelConfigError(f"device pool is on {kv.device}, the model on {self.device}")
@@ -275,15 +344,24 @@ class CausalLM(nn.Module):
             )
 
     def hf_weights(self) -> WeightViews:
-        """Every parameter (or fused part of one) under its Hugging Face checkpoint name."""
-        views: WeightViews = {"model.embed_tokens.weight": self.embed_tokens}
+        """Every parameter (or fused part of one) under its Hugging Face checkpoint name
+        (under tensor parallelism: the rank's part of it)."""
+        return {name: shard.target for name, shard in self.hf_shards().items()}
+
+    def hf_shards(self) -> WeightShards:
+        """Where each Hugging Face checkpoint tensor, or the rank's part of it, goes."""
+        config, vocab = self.config, self.shard.vocab
+        table_shape = (config.vocab_size, config.hidden_size)
+        shards: WeightShards = {
+            "model.embed_tokens.weight": part(self.embed_tokens, table_shape, 0, vocab.start)
+        }
         for index, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
-            views.update(layer.hf_weights(f"model.layers.{index}"))
-        views.update(self.norm.hf_weights("model.norm"))
+            shards.update(layer.hf_shards(f"model.layers.{index}"))
+        shards.update(self.norm.hf_shards("model.norm"))
         if self.lm_head is not None:
-            views["lm_head.weight"] = self.lm_head
-        return views
+            shards["lm_head.weight"] = part(self.lm_head, table_shape, 0, vocab.start)
+        return shards
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Parameter, ...]:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.model.parameter import WeightViews, empty_parameter
+from hicache.model.parameter import WeightShards, empty_parameter, whole
 
 
 class RMSNorm(nn.Module):
@@ -25,8 +25,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def hf_weights(self, prefix: str) -> WeightViews:
-        return {f"{prefix}.weight": self.weight}
+    def hf_shards(self, prefix: str) -> WeightShards:
+        return {f"{prefix}.weight": whole(self.weight)}  # every rank holds it whole
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

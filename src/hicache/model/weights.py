@@ -5,7 +5,8 @@ checkpoint tensor is read from its memory-mapped file and copied into place
 before the next is read, so peak memory is the model plus one tensor, not two
 models. Every name and shape is checked against the model before any data is
 read: a wrong checkpoint fails at once with the offending names, never
-half-loaded.
+half-loaded. A tensor-parallel rank reads only its part of each tensor
+(``safe_open(...).get_slice``), so a rank's peak is its shard plus one slice.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from hicache.model.model import CausalLM
 from hicache.model.norm import RMSNorm
+from hicache.model.parameter import WeightShard
 
 # Non-weight tensors some older checkpoints carry: recomputed from the config instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -53,11 +55,12 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
 
 
 def load_safetensors(model: CausalLM, model_path: str | Path) -> None:
-    """Copy every tensor of the checkpoint at ``model_path`` into ``model``."""
+    """Copy every tensor of the checkpoint at ``model_path`` (the rank's part of it, under
+    tensor parallelism) into ``model``."""
     from safetensors import safe_open
 
     files = checkpoint_files(model_path)
-    targets = model.hf_weights()
+    targets = model.hf_shards()
     shapes: dict[str, tuple[int, ...]] = {}
     located: dict[str, Path] = {}
     for path in files:
@@ -74,12 +77,18 @@ def load_safetensors(model: CausalLM, model_path: str | Path) -> None:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118
                     if name in targets and located[name] == path:
+                        shard = targets[name]
+                        values = (
+                            f.get_tensor(name)
+                            if shard.dim is None
+                            else f.get_slice(name)[shard.index()]
+                        )
                         # copy_ converts dtype and moves to the model's device in one go.
-                        targets[name].copy_(f.get_tensor(name))
+                        shard.target.copy_(values)
 
 
 def _check_names_and_shapes(
-    model: CausalLM, targets: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
+    model: CausalLM, targets: dict[str, WeightShard], shapes: dict[str, tuple[int, ...]]
 ) -> None:
     ignored = {n for n in shapes if n.endswith(_IGNORED_SUFFIXES)}
     if model.config.tie_word_embeddings:
@@ -88,9 +97,9 @@ def _check_names_and_shapes(
     missing = sorted(set(targets) - set(shapes))
     unexpected = sorted(set(shapes) - set(targets) - ignored)
     mismatched = [
-        f"{name}: checkpoint {list(shapes[name])}, model {list(target.shape)}"
+        f"{name}: checkpoint {list(shapes[name])}, model {list(target.full_shape)}"
         for name, target in targets.items()
-        if name in shapes and shapes[name] != tuple(target.shape)
+        if name in shapes and shapes[name] != target.full_shape
     ]
     problems = []
     if missing:
@@ -119,12 +128,47 @@ def init_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> Non
     Norm weights are 1 and everything else is N(0, std^2): activations keep unit
     scale through the residual stream, so logits are finite and differ from token
     to token, which is all tests and benchmarks need from a model that says nothing.
+
+    Under tensor parallelism every rank draws each whole parameter, exactly as a
+    single-rank model does, and keeps its part: the ranks together hold the
+    single-rank model's weights, at the cost of drawing (and briefly holding, one
+    parameter at a time) the whole model on every rank.
     """
     generator = torch.Generator(device=model.device).manual_seed(seed)
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    shards = list(model.hf_shards().values())
     with torch.no_grad():
         for param in model.parameters():
             if id(param) in norm_weights:
                 param.fill_(1.0)
-            else:
+                continue
+            pieces = _pieces_of(param, shards)
+            if all(piece.dim is None for piece in pieces):
                 param.normal_(0.0, std, generator=generator)
+                continue
+            _draw_whole_keep_part(pieces, std, generator)
+
+
+def _pieces_of(param: torch.Tensor, shards: list[WeightShard]) -> list[WeightShard]:
+    """The shards whose targets are views of ``param``, in their order within it: a
+    fused parameter stacks its checkpoint tensors (q, k, v; gate, up) along dim 0."""
+    storage = param.untyped_storage().data_ptr()
+    pieces = [s for s in shards if s.target.untyped_storage().data_ptr() == storage]
+    if not pieces:
+        raise WeightLoadError(f"a parameter of shape {list(param.shape)} has no checkpoint name")
+    return sorted(pieces, key=lambda s: s.target.storage_offset())
+
+
+def _draw_whole_keep_part(
+    pieces: list[WeightShard], std: float, generator: torch.Generator
+) -> None:
+    """Draw the single-rank parameter that ``pieces`` are parts of, and copy each part."""
+    first = pieces[0]
+    rows = sum(piece.full_shape[0] for piece in pieces)
+    whole = torch.empty(
+        (rows, *first.full_shape[1:]), device=first.target.device, dtype=first.target.dtype
+    ).normal_(0.0, std, generator=generator)
+    at = 0
+    for piece in pieces:
+        piece.target.copy_(piece.take(whole.narrow(0, at, piece.full_shape[0])))
+        at += piece.full_shape[0]
