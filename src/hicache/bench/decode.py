@@ -50,12 +50,31 @@ def _prefill(model: CausalLM, pool: DevicePool, batch: int, context: int,
     return slots
 
 
+def _decode_batch(pages: torch.Tensor, length: int, page_size: int) -> ForwardBatch:
+    """One new token for each sequence, whose contexts (``length`` tokens with it) lie on
+    the pages of its row of ``pages`` [B, pages each]: the page table the engine's model
+    runner hands the model, so attention walks real pages (``from_sequences`` would make
+    one-token pages, which the paged kernels walk several times slower)."""
+    num_seqs = pages.shape[0]
+    position = length - 1
+    out_slots = pages[:, position // page_size].long() * page_size + position % page_size
+    return ForwardBatch(
+        input_ids=torch.full((num_seqs,), 3, dtype=torch.int64),
+        positions=torch.full((num_seqs,), position, dtype=torch.int64),
+        out_slots=out_slots, extend_lens=(1,) * num_seqs, seq_lens=(length,) * num_seqs,
+        page_table=pages, table_rows=torch.arange(num_seqs, dtype=torch.int32),
+        page_size=page_size,
+    )
+
+
 def _decode_step_s(model: CausalLM, pool: DevicePool, slots: list[torch.Tensor],
                    context: int, steps: int) -> float:
+    page_size = pool.page_size
+    pages = torch.stack([s[::page_size] // page_size for s in slots]).to(torch.int32)
     times = []
     for step in range(steps):
         length = context + 1 + step % 4  # stays within the pages each sequence has
-        batch = ForwardBatch.from_sequences([[3]] * len(slots), [s[:length] for s in slots])
+        batch = _decode_batch(pages, length, page_size)
         start = time.perf_counter()
         model.forward(batch, pool)
         times.append(time.perf_counter() - start)

@@ -67,9 +67,16 @@ MIXES = {
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
+# The kernel takes a sequence per task when there are at least as many as threads, else a
+# (sequence, KV head) per task: with 3 threads "decode" (4 sequences) takes the first,
+# "mixed" (2 decoding) the second.
+@pytest.mark.parametrize("threads", [1, 3])
 def test_cpu_backend_equals_reference(
-    mix: str, page_size: int, dtype: torch.dtype, heads: tuple[int, int]
+    mix: str, page_size: int, dtype: torch.dtype, heads: tuple[int, int], threads: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The kernel runs as many OpenMP threads as torch's count says.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     extend_lens, seq_lens = MIXES[mix]
     num_heads, num_kv_heads = heads
     head_dim = 32
