@@ -30,7 +30,8 @@ from hicache.engine.output_thread import LoopSink, Stream
 from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
-from hicache.engine.threads import apply_num_threads, set_thread_count
+from hicache.engine.thread_governor import ThreadGovernor
+from hicache.engine.threads import adaptive_range, apply_num_threads, set_thread_count
 from hicache.events.config import KVEventsConfig
 from hicache.events.emitter import KVEventEmitter
 from hicache.events.publisher import ZmqEventPublisher
@@ -60,6 +61,7 @@ class Engine:
         output_thread: bool = True,
         event_publisher: ZmqEventPublisher | None = None,
         model_dir: str | None = None,
+        governor: ThreadGovernor | None = None,
     ) -> None:
         self.model = loaded.model
         # The model dir the weights and tokenizer came from (None: dummy weights of a preset).
@@ -73,8 +75,10 @@ class Engine:
         self.scheduler = Scheduler(
             self.model, cache, config, self.tokenizer.eos_token_ids, output_thread=output_thread
         )
-        # torch's intra-op threads for the forwards (None: leave torch's setting alone).
-        self.num_threads = num_threads
+        # torch's intra-op threads for the forwards (None: leave torch's setting alone),
+        # then as the governor says between steps when the count is the engine's to pick.
+        self.num_threads = governor.threads if governor is not None else num_threads
+        self.scheduler.governor = governor
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Publishes the cache's KV events (None: off); closed after the cache.
@@ -267,6 +271,12 @@ class Engine:
         out: dict[str, float] = {f"engine_{k}": float(v) for k, v in
                                  asdict(sched.counters).items()}
         out["engine_running_requests"] = float(sched.num_running)
+        governor = sched.governor
+        out["engine_torch_threads"] = float(
+            governor.threads if governor is not None else (self.num_threads or 0)
+        )
+        if governor is not None:
+            out["engine_other_work_cores"] = governor.others_cores
         out["engine_waiting_requests"] = float(sched.num_waiting)
         prompt = sched.counters.num_prompt_tokens
         cached = (sched.counters.num_cached_device_tokens + sched.counters.num_cached_host_tokens
@@ -369,8 +379,17 @@ def build_engine(config: EngineConfig) -> Engine:
         loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
         num_threads=num_threads, output_thread=config.runtime.output_thread,
         event_publisher=publisher, model_dir=model_path,
+        governor=_thread_governor(config.runtime, device),
     )
     return engine.start()
+
+
+def _thread_governor(runtime: RuntimeConfig, device: torch.device) -> ThreadGovernor | None:
+    span = adaptive_range(runtime.num_threads, device.type)
+    if span is None:
+        return None
+    logger.info("torch threads: %d while other work keeps a core busy, else %d", *span)
+    return ThreadGovernor(*span)
 
 
 def _start_event_publisher(config: KVEventsConfig) -> ZmqEventPublisher | None:
