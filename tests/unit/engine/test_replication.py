@@ -37,6 +37,7 @@ CONFIG = EngineConfig(
 )
 TP2 = dataclasses.replace(CONFIG, parallel=ParallelConfig(tp_size=2))
 LAG_TICKS = 12
+UNSEEDED = "unseeded"
 
 
 def _request(rid: str, seed: int, length: int, sampling: SamplingParams | None = None
@@ -47,8 +48,10 @@ def _request(rid: str, seed: int, length: int, sampling: SamplingParams | None =
 
 def _steps() -> tuple[Step, ...]:
     sampled = SamplingParams(max_new_tokens=6, temperature=0.8, seed=11, ignore_eos=True)
+    unseeded = dataclasses.replace(sampled, seed=None)  # rank 0 draws its seed for all
     return (
-        Step((_request("a", 1, 23), _request("b", 2, 17), _request("s", 3, 9, sampled))),
+        Step((_request("a", 1, 23), _request("b", 2, 17), _request("s", 3, 9, sampled),
+              _request(UNSEEDED, 5, 12, unseeded))),
         Step((_request("a-l1", 1, 23), _request("c", 4, 30)), op_after="evict_device_cache"),
         Step((_request("a-l2", 1, 23),), op_after="flush"),
         Step((_request("a-cold", 1, 23),)),
@@ -64,8 +67,12 @@ def alone() -> RankResult:
 def test_ranks_agree_and_match_one_rank(alone: RankResult, lagging_rank: int | None) -> None:
     scenario = Scenario(TP2, _steps(), lagging_rank=lagging_rank, lag_ticks=LAG_TICKS)
     leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    # Every rank drew the same tokens, even where no seed was given.
+    assert follower.tokens == leader.tokens
     # The outputs and what came from which tier are the single-rank engine's.
-    assert leader.tokens == alone.tokens
+    assert len(leader.tokens[UNSEEDED]) == 6
+    seeded = {rid: tokens for rid, tokens in leader.tokens.items() if rid != UNSEEDED}
+    assert seeded == {rid: tokens for rid, tokens in alone.tokens.items() if rid != UNSEEDED}
     assert leader.cached == alone.cached
     assert leader.cached["a-l1"][0] > 0 and leader.cached["a-l2"][1] > 0
     assert leader.cached["a-cold"] == (0, 0)

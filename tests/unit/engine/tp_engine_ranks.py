@@ -46,7 +46,7 @@ class Scenario:
 
 @dataclass
 class RankResult:
-    tokens: dict[str, list[int]] = field(default_factory=dict)  # rank 0 (and alone) only
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # each request's output
     cached: dict[str, tuple[int, int]] = field(default_factory=dict)  # (device, host) tokens
     agreed: list[int] = field(default_factory=list)  # per tick: agreed landed writes
     observed: list[int] = field(default_factory=list)  # per tick: this rank's own count
@@ -100,7 +100,16 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
 
         replicated.observe = observe
         if tp.rank != 0:
+            made: list[Req] = []
+            make_req = replicated.make_req
+
+            def keep(add: AddRequest) -> Req:
+                made.append(make_req(add))
+                return made[-1]
+
+            replicated.make_req = keep
             engine.run_replica()  # until rank 0 stops the group
+            result.tokens = {req.rid: list(req.output_ids) for req in made}
             result.agreed = [p.num_landed_writes for p in replicated.agreed]
             result.num_ticks = replicated.num_ticks
             return result
