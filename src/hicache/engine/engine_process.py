@@ -104,14 +104,18 @@ def _join_group(config: EngineConfig, rank: int, init_method: str | None) -> Any
     """This process's TPGroup (a single rank without tensor parallelism)."""
     from hicache.distributed.group import SINGLE_RANK, init_tp_group
     from hicache.engine.engine import engine_device
+    from hicache.model.loader import resolve_model_dir
 
     if not config.parallel.enabled:
         return SINGLE_RANK
     if init_method is None:
         raise ValueError("tensor parallelism needs the group's init method")
-    return init_tp_group(
-        rank, config.parallel.tp_size, init_method, device=engine_device(config, rank)
-    )
+    device = engine_device(config, rank)
+    if config.model.model_path is not None:
+        # Converting a GGUF file may take minutes: done (by every rank at once, into
+        # files of its own, renamed atomically) before the group's timeouts run.
+        resolve_model_dir(config.model.model_path, config.model.dtype, device)
+    return init_tp_group(rank, config.parallel.tp_size, init_method, device=device)
 
 
 def _group_failed() -> None:
