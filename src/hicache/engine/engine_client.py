@@ -57,6 +57,8 @@ CALL_TIMEOUT_S = 120.0
 # Building the engine: loading (maybe converting) the weights, pinning the host pool.
 START_TIMEOUT_S = 1800.0
 SHUTDOWN_TIMEOUT_S = 30.0
+# How long rank 0 may take to report why it failed once a follower failed to start.
+FOLLOWER_GRACE_S = 2.0
 
 
 class EngineStartError(RuntimeError):
@@ -161,7 +163,9 @@ class EngineClient:
                     f"{self._process.exitcode}); its log above says why"
                 )
             for rank, follower in enumerate(self._followers, start=1):
-                if not follower.is_alive():
+                # Rank 0 fails alike in most cases (the same flags, the same model): its
+                # message, if it comes at once, says more than an exit code.
+                if not follower.is_alive() and not conn.poll(FOLLOWER_GRACE_S):
                     raise EngineStartError(
                         f"tensor-parallel rank {rank} exited while starting (exit code "
                         f"{follower.exitcode}); its log above says why"

@@ -20,7 +20,7 @@ from hicache.config import CacheConfig
 from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest, SamplingParams
 from hicache.engine.config import EngineConfig, ModelLoadConfig, ParallelConfig, SchedulingConfig
 from hicache.engine.engine import build_engine
-from hicache.engine.engine_client import EngineClient
+from hicache.engine.engine_client import EngineClient, EngineStartError
 from hicache.model.default_model import DefaultModelMissingError, default_model_path
 from tests.unit.model.hf_checkpoints import write_checkpoint
 
@@ -144,3 +144,15 @@ def test_tp_with_l3_is_refused_until_supported() -> None:
         dataclasses.replace(
             _config("unused", 2), storage=StorageConfig(backend="file")
         )
+
+
+def test_a_model_that_does_not_split_fails_to_start_with_the_reason() -> None:
+    config = EngineConfig(
+        model=ModelLoadConfig(preset="tiny", device="cpu"),  # 2 KV heads: not over 3 ranks
+        scheduling=SchedulingConfig(max_total_tokens=512),
+        parallel=ParallelConfig(tp_size=3),
+    )
+    client = EngineClient(config, start_timeout_s=60)
+    with pytest.raises(EngineStartError, match="tp size 3 does not fit 2 KV heads"):
+        client.start()
+    assert not any(p.is_alive() for p in [client._process, *client._followers])
