@@ -138,7 +138,9 @@ class RuntimeConfig:
     """How the engine computes.
 
     ``num_threads``: torch's intra-op threads (the OpenMP/MKL pool a CPU forward
-    splits its matrix products over); None picks ``engine.threads.default_num_threads``.
+    splits its matrix products over); None lets the engine pick it as it runs on a CPU
+    (``engine.threads.adaptive_range``, ``engine.thread_governor``), else
+    ``engine.threads.default_num_threads``.
     The setting is process-wide: it applies to every torch call in the process,
     and the last engine built sets it.
 

@@ -33,7 +33,13 @@ from hicache.engine.replication import AddRequest, ReplicatedScheduler
 from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
-from hicache.engine.threads import apply_num_threads, default_num_threads, set_thread_count
+from hicache.engine.thread_governor import ThreadGovernor
+from hicache.engine.threads import (
+    adaptive_range,
+    apply_num_threads,
+    default_num_threads,
+    set_thread_count,
+)
 from hicache.events.config import KVEventsConfig
 from hicache.events.emitter import KVEventEmitter
 from hicache.events.publisher import ZmqEventPublisher
@@ -67,6 +73,7 @@ class Engine:
         model_dir: str | None = None,
         tp: TPGroup = SINGLE_RANK,
         on_fatal: Callable[[], None] | None = None,
+        governor: ThreadGovernor | None = None,
     ) -> None:
         """``tp``: this engine is that rank of a tensor-parallel group (rank 0 takes the
         requests; ``run_replica`` runs a follower). ``on_fatal``: called on rank 0's
@@ -89,8 +96,10 @@ class Engine:
         self.replicated = (
             ReplicatedScheduler(self.scheduler, tp, self._replica_req) if tp.size > 1 else None
         )
-        # torch's intra-op threads for the forwards (None: leave torch's setting alone).
-        self.num_threads = num_threads
+        # torch's intra-op threads for the forwards (None: leave torch's setting alone),
+        # then as the governor says between steps when the count is the engine's to pick.
+        self.num_threads = governor.threads if governor is not None else num_threads
+        self.scheduler.governor = governor
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Publishes the cache's KV events (None: off); closed after the cache.
@@ -298,6 +307,12 @@ class Engine:
         out: dict[str, float] = {f"engine_{k}": float(v) for k, v in
                                  asdict(sched.counters).items()}
         out["engine_running_requests"] = float(sched.num_running)
+        governor = sched.governor
+        out["engine_torch_threads"] = float(
+            governor.threads if governor is not None else (self.num_threads or 0)
+        )
+        if governor is not None:
+            out["engine_other_work_cores"] = governor.others_cores
         out["engine_waiting_requests"] = float(sched.num_waiting)
         prompt = sched.counters.num_prompt_tokens
         cached = (sched.counters.num_cached_device_tokens + sched.counters.num_cached_host_tokens
@@ -427,6 +442,8 @@ def build_engine(
         loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
         num_threads=num_threads, output_thread=config.runtime.output_thread,
         event_publisher=publisher, model_dir=model_path, tp=tp, on_fatal=on_fatal,
+        # The ranks share the cores: a governor each would take them all.
+        governor=_thread_governor(config.runtime, device) if tp.size == 1 else None,
     )
     return engine.start() if start else engine
 
@@ -445,6 +462,14 @@ def _agreed_page_counts(
     agreed = tp.all_reduce_min(torch.tensor([device_pages, host_pages], dtype=torch.int64))
     device, host = (int(v) for v in agreed.tolist())
     return device, (host if cache_config.enable_hierarchical_cache else None)
+
+
+def _thread_governor(runtime: RuntimeConfig, device: torch.device) -> ThreadGovernor | None:
+    span = adaptive_range(runtime.num_threads, device.type)
+    if span is None:
+        return None
+    logger.info("torch threads: %d while other work keeps a core busy, else %d", *span)
+    return ThreadGovernor(*span)
 
 
 def _start_event_publisher(config: KVEventsConfig) -> ZmqEventPublisher | None:

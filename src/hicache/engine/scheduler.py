@@ -47,6 +47,8 @@ from hicache.engine.penalties import PenaltyState, RowAdjustment, adjust_logits,
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
 from hicache.engine.sampling import sample_tokens
+from hicache.engine.thread_governor import ThreadGovernor
+from hicache.engine.threads import set_thread_count
 from hicache.memory.allocator import OutOfPagesError
 from hicache.model.model import CausalLM
 
@@ -120,6 +122,8 @@ class Scheduler:
         # The tick's clock (time.monotonic()'s reading when the tick began): every
         # time-based decision reads it, so that ranks fed rank 0's reading decide alike.
         self.now = time.monotonic()
+        # Picks torch's intra-op threads between steps (None: the count stays as set).
+        self.governor: ThreadGovernor | None = None
         # Sees the logits each sampled token came from (tests compare cold and cached runs).
         self.logits_observer: Callable[[str, torch.Tensor], None] | None = None
 
@@ -188,6 +192,10 @@ class Scheduler:
         self._admit()
         if not self.running:
             return False
+        if self.governor is not None:
+            threads = self.governor.tick()
+            if threads is not None:
+                set_thread_count(threads)
         began = time.perf_counter()
         prefill_tokens = self._forward_step()
         if prefill_tokens:

@@ -93,9 +93,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     runtime.add_argument(
         "--num-threads", type=int, default=None, metavar="N",
         help="torch intra-op CPU threads (OpenMP/MKL) for the engine's forwards; process-wide. "
-        "Default: OMP_NUM_THREADS when set, else the cores this process may use minus one "
-        "(at least 1), leaving a core to the HTTP server and tokenizer: a pool as wide as "
-        "the machine stalls whenever another process takes a core",
+        "Default: OMP_NUM_THREADS when set, else chosen as the engine runs: every core this "
+        "process may use while other work leaves them idle, one fewer while it keeps one "
+        "busy (a pool as wide as the machine stalls whenever another process takes a core)",
     )
     compute = parser.add_argument_group("compute")
     compute.add_argument(
