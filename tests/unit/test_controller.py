@@ -83,6 +83,24 @@ def test_writes_are_acknowledged_in_order_and_only_once_landed(setup) -> None:
     assert controller.num_written_pages == 3
 
 
+def test_landed_writes_are_counted_then_taken_as_agreed(setup) -> None:
+    """Tensor-parallel ranks count landed writes, agree on a count, then take that many."""
+    controller, backend = setup
+    for token in (21, 22, 23):
+        controller.write(np.array([token - 21]), np.array([token - 20]), token=token)
+    time.sleep(0.05)
+    assert controller.num_landed_writes() == 0
+    assert controller.take_writes(0) == []
+    backend.gate("store", None).set()
+    wait_until(lambda: controller.num_landed_writes() == 3)
+    assert controller.num_pending_writes == 3  # counting acknowledges nothing
+    assert controller.take_writes(2) == [21, 22]  # an agreed count below what landed here
+    assert controller.num_landed_writes() == 1 and controller.num_pending_writes == 1
+    with pytest.raises(ValueError, match="only 1 writes pending"):
+        controller.take_writes(2)
+    assert controller.poll_writes() == [23]
+
+
 def test_a_failed_write_is_raised_not_acknowledged(setup) -> None:
     controller, backend = setup
     backend.fail_next_store = True

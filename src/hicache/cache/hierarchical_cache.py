@@ -77,20 +77,28 @@ class HierarchicalCache:
         model_name: str = "model",
         storage: StorageConfig | None = None,
         events: KVEventEmitter | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        host_num_pages: int | None = None,
     ) -> None:
+        """``tp_rank``/``tp_size``: this cache holds that tensor-parallel rank's KV shard
+        (its L3 keys say so). ``host_num_pages``: the host pool's size when decided
+        elsewhere (ranks must agree on it); None: from ``config``."""
         self.config = config
         # Turns tier transitions into KV events (None: events off, nothing is hashed).
         self.events = events
         self.page_size = config.page_size
         self.device_pool = DevicePool(geometry, device_num_pages, config.page_size, device)
-        namespace = KeyNamespace(model_name, geometry.describe(), config.page_size)
+        namespace = KeyNamespace(
+            model_name, geometry.describe(), config.page_size, tp_rank=tp_rank, tp_size=tp_size
+        )
         self.tree = HiRadixTree(config.page_size, config.write_policy, namespace, events)
         self.stats = CacheStats()
         self.host_pool: HostPool | None = None
         self.controller: CacheController | None = None
         if config.enable_hierarchical_cache:
             page_bytes = geometry.page_bytes(self.page_size)
-            host_pages = config.host_num_pages(
+            host_pages = host_num_pages if host_num_pages is not None else config.host_num_pages(
                 device_num_pages, page_bytes, host_memory_for_pools()
             )
             self.host_pool = HostPool(geometry, host_pages, config.page_size, config.mem_layout)
@@ -368,7 +376,28 @@ class HierarchicalCache:
         """Acknowledge landed writes (all in-flight ones if ``wait``); returns how many."""
         if self.controller is None:
             return 0
-        tokens = self.controller.wait_writes() if wait else self.controller.poll_writes()
+        if wait:
+            return self._acknowledge(self.controller.wait_writes(), wait=True)
+        return self.apply_progress(self.observe_progress())
+
+    def observe_progress(self) -> int:
+        """This process's progress to agree on before ``apply_progress``: how many of the
+        oldest L2 writes have landed, in submission order. Acknowledges nothing.
+
+        ``poll()`` is the two halves back to back; ranks of a tensor-parallel group put
+        the agreed (minimum) value between them, so that every rank's tree changes alike.
+        """
+        return 0 if self.controller is None else self.controller.num_landed_writes()
+
+    def apply_progress(self, num_landed_writes: int) -> int:
+        """Acknowledge the ``num_landed_writes`` oldest writes (at most what
+        ``observe_progress`` saw) and advance L3 work; returns how many were acknowledged."""
+        if self.controller is None:
+            return 0
+        return self._acknowledge(self.controller.take_writes(num_landed_writes), wait=False)
+
+    def _acknowledge(self, tokens: list[int], wait: bool) -> int:
+        assert self.controller is not None
         for token in tokens:
             node = self._writing.pop(token)
             self.tree.finish_backup(node)

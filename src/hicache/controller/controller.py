@@ -99,10 +99,31 @@ class CacheController:
 
     def poll_writes(self) -> list[int]:
         """Tokens of writes that have landed, in submission order; never blocks."""
-        done: list[int] = []
-        while self._writes and self._writes[0].completion.query():
-            done.append(self._finish_write(self._writes.popleft()))
-        return done
+        return self.take_writes(self.num_landed_writes())
+
+    def num_landed_writes(self) -> int:
+        """How many of the oldest writes have landed, counted in submission order
+        (stopping at the first still in flight); never blocks, acknowledges nothing.
+
+        With ``take_writes`` it splits ``poll_writes`` in two, so that ranks of a
+        tensor-parallel group can agree on a count (their minimum) before acknowledging.
+        """
+        count = 0
+        for pending in self._writes:
+            if not pending.completion.query():
+                break
+            count += 1
+        return count
+
+    def take_writes(self, count: int) -> list[int]:
+        """Acknowledge the ``count`` oldest writes; their tokens, in submission order.
+
+        ``count`` must not exceed ``num_landed_writes()`` as observed (or agreed) since:
+        a write counted as landed stays landed, so this never blocks on a copy.
+        """
+        if count > len(self._writes):
+            raise ValueError(f"take_writes({count}): only {len(self._writes)} writes pending")
+        return [self._finish_write(self._writes.popleft()) for _ in range(count)]
 
     def wait_writes(self) -> list[int]:
         """Block until every submitted write has landed; returns their tokens."""

@@ -51,6 +51,16 @@ class TPGroup:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
+    def all_reduce_min(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The element-wise minimum over the ranks of a CPU ``tensor``, in place.
+
+        It runs on the gloo group (``cpu_group``): the schedulers' agreements are host
+        integers, never worth a trip to the GPU.
+        """
+        if self.cpu_group is not None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return tensor
+
     def all_gather_last_dim(
         self, tensor: torch.Tensor, widths: tuple[int, ...] | None = None
     ) -> torch.Tensor:

@@ -170,6 +170,25 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes the model is split over (tensor parallelism).
+
+    ``tp_size`` ranks each hold a shard of every layer and of every token's KV; each
+    runs the same scheduler over its own cache, rank 0 leading (``engine/replication.py``).
+    """
+
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tp_size > 1
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The whole engine: model, scheduling, L1/L2 cache, L3 storage, runtime, KV events."""
 
@@ -179,8 +198,15 @@ class EngineConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.parallel.enabled and self.storage.enabled:
+            raise ConfigError(
+                "L3 under tensor parallelism is not supported yet: add "
+                "--hicache-storage-backend none (hicache serve's default is file), or use "
+                "--tp-size 1"
+            )
         if self.scheduling.disable_radix_cache and (
             self.cache.enable_hierarchical_cache or self.storage.enabled
         ):

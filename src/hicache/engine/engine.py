@@ -11,30 +11,40 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.config import ConfigError
+from hicache.config import CacheConfig, ConfigError
+from hicache.distributed.group import SINGLE_RANK, TPGroup
 from hicache.engine.api import GenerateOutput, GenerateRequest, validate_request
+from hicache.engine.cache_ops import CACHE_OPS
 from hicache.engine.config import (
     CPU_KV_POOL_TOKENS,
     EngineConfig,
     RuntimeConfig,
     SchedulingConfig,
 )
-from hicache.engine.output_thread import LoopSink, Stream
+from hicache.engine.output_thread import DroppedSink, LoopSink, Stream
+from hicache.engine.replication import AddRequest, ReplicatedScheduler
 from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.engine.thread_governor import ThreadGovernor
-from hicache.engine.threads import adaptive_range, apply_num_threads, set_thread_count
+from hicache.engine.threads import (
+    adaptive_range,
+    apply_num_threads,
+    default_num_threads,
+    set_thread_count,
+)
 from hicache.events.config import KVEventsConfig
 from hicache.events.emitter import KVEventEmitter
 from hicache.events.publisher import ZmqEventPublisher
+from hicache.memory.geometry import KVGeometry
+from hicache.memory.host_memory import host_memory_for_pools
 from hicache.model.attention_backend import make_attention_backend
 from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.model.identity import model_identity
@@ -61,8 +71,13 @@ class Engine:
         output_thread: bool = True,
         event_publisher: ZmqEventPublisher | None = None,
         model_dir: str | None = None,
+        tp: TPGroup = SINGLE_RANK,
+        on_fatal: Callable[[], None] | None = None,
         governor: ThreadGovernor | None = None,
     ) -> None:
+        """``tp``: this engine is that rank of a tensor-parallel group (rank 0 takes the
+        requests; ``run_replica`` runs a follower). ``on_fatal``: called on rank 0's
+        scheduler thread when the group failed (the process must end)."""
         self.model = loaded.model
         # The model dir the weights and tokenizer came from (None: dummy weights of a preset).
         self.model_dir = model_dir
@@ -73,7 +88,13 @@ class Engine:
         self.vocab_size = loaded.config.vocab_size
         self.max_context_len = config.max_context_len
         self.scheduler = Scheduler(
-            self.model, cache, config, self.tokenizer.eos_token_ids, output_thread=output_thread
+            self.model, cache, config, self.tokenizer.eos_token_ids, output_thread=output_thread,
+            deliver_outputs=tp.rank == 0,
+        )
+        self.tp = tp
+        self.on_fatal = on_fatal
+        self.replicated = (
+            ReplicatedScheduler(self.scheduler, tp, self._replica_req) if tp.size > 1 else None
         )
         # torch's intra-op threads for the forwards (None: leave torch's setting alone),
         # then as the governor says between steps when the count is the engine's to pick.
@@ -136,7 +157,37 @@ class Engine:
         # count it starts with, which is then this engine's own.
         if self.num_threads is not None:
             set_thread_count(self.num_threads)
-        self.scheduler.run(self._stop)
+        if self.replicated is None:
+            self.scheduler.run(self._stop)
+            return
+        try:
+            self.replicated.run(self._stop)
+        except BaseException:
+            logger.exception("tensor-parallel rank 0 failed: the engine cannot go on")
+            if self.on_fatal is not None:
+                self.on_fatal()
+            raise
+
+    def run_replica(self) -> None:
+        """A follower rank: run the replicated scheduler on this thread until rank 0 stops
+        the group; raises when the group fails."""
+        if self.replicated is None or self.tp.rank == 0:
+            raise RuntimeError("run_replica is for tensor-parallel ranks above 0")
+        if self.num_threads is not None:
+            set_thread_count(self.num_threads)
+        self.replicated.run(threading.Event())
+
+    def _replica_req(self, add: AddRequest) -> Req:
+        """A follower's copy of a request rank 0 took (its outputs are dropped)."""
+        request = add.request
+        generator = make_generator(request.sampling, self.cache.device_pool.device)
+        if generator is not None and add.seed is not None:
+            generator.manual_seed(add.seed)
+        return Req(
+            request=request, rid=add.rid, stream=Stream(DroppedSink()),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.input_ids),
+            generator=generator, arrived=add.arrived,
+        )
 
     def shutdown(self) -> None:
         if self._thread is not None:
@@ -193,25 +244,18 @@ class Engine:
             return fn()
         return self.scheduler.call(fn).result(timeout=_CONTROL_TIMEOUT_S)
 
-    def flush_cache(self) -> bool:
-        def flush() -> bool:
-            if not self.scheduler.is_idle():
-                return False
-            self.cache.flush()
-            return True
+    def _run_op(self, name: str) -> Any:
+        """A cache operation (``cache_ops``), on every rank's scheduler thread."""
+        if self._thread is None:
+            return CACHE_OPS[name](self.scheduler)
+        return self.scheduler.call_op(name).result(timeout=_CONTROL_TIMEOUT_S)
 
-        return bool(self._on_scheduler(flush))
+    def flush_cache(self) -> bool:
+        return bool(self._run_op("flush"))
 
     def check_integrity(self) -> None:
         """Assert the tree and every pool are consistent and nothing leaked (when idle)."""
-
-        def check() -> None:
-            if not self.scheduler.is_idle():
-                raise RuntimeError("check_integrity needs an idle engine")
-            self.cache.poll(wait=True)
-            self.cache.check_integrity()
-
-        self._on_scheduler(check)
+        self._run_op("check_integrity")
 
     def evict_device_cache(self) -> int:
         """Push every cached page no request holds out of L1 (host copies stay in L2).
@@ -219,20 +263,12 @@ class Engine:
         For benchmarks and tests that need a prefix to sit in L2 only; returns
         the number of device pages freed.
         """
-
-        def evict() -> int:
-            cache = self.cache
-            cache.poll(wait=True)  # copies in flight keep their pages locked
-            allocator = cache.device_pool.allocator
-            before = allocator.num_free_pages
-            pages = cache.alloc_device(before + cache.tree.num_evictable_device_pages)
-            cache.free_device(pages)
-            return allocator.num_free_pages - before
-
-        return int(self._on_scheduler(evict))
+        return int(self._run_op("evict_device_cache"))
 
     def attach_storage(self, backend: str, extra_config: dict[str, Any], policy: str) -> None:
         config = storage_config(backend, policy, extra_config)
+        if self.tp.size > 1:
+            raise StorageError("L3 under tensor parallelism is not supported yet")
 
         def attach() -> None:
             if not self.scheduler.is_idle():
@@ -321,16 +357,35 @@ class Engine:
 
 
 # ---------------------------------------------------------------- construction
-def build_engine(config: EngineConfig) -> Engine:
+def engine_device(config: EngineConfig, tp_rank: int = 0) -> torch.device:
+    """Where the engine (of tensor-parallel rank ``tp_rank``) computes: ``cuda`` alone
+    means the rank's own GPU."""
+    name = config.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: CUDA is not available")
+    if device.type == "cuda" and device.index is None and config.parallel.enabled:
+        device = torch.device("cuda", tp_rank)
+    return device
+
+
+def build_engine(
+    config: EngineConfig, tp: TPGroup = SINGLE_RANK, start: bool = True,
+    on_fatal: Callable[[], None] | None = None,
+) -> Engine:
     """Load the model, size the pools, attach L3, start the scheduler thread.
 
     Sets torch's intra-op threads for the whole process (``config.runtime``).
+    ``tp``: build that tensor-parallel rank's engine (every rank calls this; the ranks
+    agree on the pools' page counts, the smallest any rank asked for). ``start``
+    False: no scheduler thread (a follower rank calls ``run_replica``).
     """
     model = config.model
-    device = torch.device(model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: CUDA is not available")
-    num_threads = apply_num_threads(config.runtime.num_threads)
+    device = engine_device(config, tp.rank)
+    threads = config.runtime.num_threads
+    if threads is None and tp.size > 1:
+        threads = max(1, default_num_threads() // tp.size)  # the ranks share the cores
+    num_threads = apply_num_threads(threads)
     load_format = model.resolved_load_format
     preset = model.preset if model.model_path is None else None
     cache_config, storage, scheduling = config.cache, config.storage, config.scheduling
@@ -339,13 +394,19 @@ def build_engine(config: EngineConfig) -> Engine:
     )
     # A GGUF file is loaded, and its weights identified, through its converted dir.
     model_path = str(model_dir.path) if model_dir is not None else None
-    loaded = load_model(model_path, load_format, preset, model.dtype, device)
+    loaded = load_model(
+        model_path, load_format, preset, model.dtype, device, tp=tp if tp.size > 1 else None
+    )
     _set_up_compute(loaded.model, config.runtime, device)
     model_config = loaded.config
-    geometry = model_config.kv_geometry()
+    # This rank's share of the KV heads (all of them without tensor parallelism).
+    geometry = loaded.model.kv_geometry() if tp.size > 1 else model_config.kv_geometry()
     page_size = cache_config.page_size
     total_tokens = _kv_pool_tokens(scheduling, device, geometry.bytes_per_token)
     device_pages = max(2, total_tokens // page_size)
+    host_pages = None
+    if tp.size > 1:
+        device_pages, host_pages = _agreed_page_counts(tp, cache_config, device_pages, geometry)
     positions = model_config.max_position_embeddings
     if model.context_length is not None and model.context_length > positions:
         raise ConfigError(
@@ -354,34 +415,53 @@ def build_engine(config: EngineConfig) -> Engine:
     context = min(model.context_length or positions, (device_pages - 1) * page_size)
     weights_name = model_dir.name if model_dir else f"dummy-{preset or DEFAULT_PRESET}"
     model_name = model.served_model_name or weights_name
-    # The L3 namespace names the weights (their bytes), not the served name: servers of
-    # the same weights share pages whatever they are called, other weights never do.
-    publisher = _start_event_publisher(config.events)
+    # KV events describe the cache as a whole: rank 0 publishes them.
+    publisher = _start_event_publisher(config.events) if tp.rank == 0 else None
     try:
+        # The L3 namespace names the weights (their bytes), not the served name: servers
+        # of the same weights share pages whatever they are called, other weights never do.
         cache = HierarchicalCache(
             cache_config, geometry, device_pages, device,
             model_name=model_identity(model_path, load_format, preset, device),
             storage=storage if storage.enabled and not scheduling.disable_radix_cache else None,
             events=KVEventEmitter(page_size, publisher) if publisher is not None else None,
+            tp_rank=tp.rank, tp_size=tp.size, host_num_pages=host_pages,
         )
     except BaseException:
         if publisher is not None:
             publisher.close()
         raise
     logger.info(
-        "engine: %s on %s, KV pool %d pages x %d tokens, context %d, L2 %s, L3 %s, "
-        "%d torch threads",
-        model_name, device, device_pages, page_size, context,
+        "engine: %s on %s (tp rank %d of %d), KV pool %d pages x %d tokens, context %d, "
+        "L2 %s, L3 %s, %d torch threads",
+        model_name, device, tp.rank, tp.size, device_pages, page_size, context,
         "on" if cache.hierarchical else "off",
         cache.storage.backend.name if cache.storage is not None else "off", num_threads,
     )
     engine = Engine(
         loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
         num_threads=num_threads, output_thread=config.runtime.output_thread,
-        event_publisher=publisher, model_dir=model_path,
-        governor=_thread_governor(config.runtime, device),
+        event_publisher=publisher, model_dir=model_path, tp=tp, on_fatal=on_fatal,
+        # The ranks share the cores: a governor each would take them all.
+        governor=_thread_governor(config.runtime, device) if tp.size == 1 else None,
     )
-    return engine.start()
+    return engine.start() if start else engine
+
+
+def _agreed_page_counts(
+    tp: TPGroup, cache_config: CacheConfig, device_pages: int, geometry: KVGeometry
+) -> tuple[int, int | None]:
+    """The device and host pool page counts every rank uses: the smallest any rank can
+    afford. Ranks may hold different numbers of KV heads (different page bytes), and a
+    page id means the same tokens on every rank, so the counts must be one."""
+    host_pages = 0
+    if cache_config.enable_hierarchical_cache:
+        host_pages = cache_config.host_num_pages(
+            device_pages, geometry.page_bytes(cache_config.page_size), host_memory_for_pools()
+        )
+    agreed = tp.all_reduce_min(torch.tensor([device_pages, host_pages], dtype=torch.int64))
+    device, host = (int(v) for v in agreed.tolist())
+    return device, (host if cache_config.enable_hierarchical_cache else None)
 
 
 def _thread_governor(runtime: RuntimeConfig, device: torch.device) -> ThreadGovernor | None:

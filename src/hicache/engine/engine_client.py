@@ -13,6 +13,13 @@ If the engine process dies, every request in flight ends at once with an error
 (finish reason ``abort``), later requests fail, control calls raise
 ``EngineDeadError``, and ``on_death`` is called (``hicache serve`` then exits
 non-zero): the server never hangs on an engine that is gone.
+
+Under tensor parallelism (``config.parallel.tp_size`` > 1) it starts one process
+per rank: rank 0 is the engine process above, the others follow it
+(``engine_process.run_follower_process``) over a torch.distributed group on
+loopback. Any rank's death is the engine's death: a watcher thread waits on every
+follower's sentinel and, when one exits unasked, ends rank 0 too, so the server
+fails every request and exits as it does for rank 0 alone.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from hicache.engine.api import (
@@ -38,9 +45,10 @@ from hicache.engine.api import (
     validate_request,
 )
 from hicache.engine.config import EngineConfig
-from hicache.engine.engine_process import EngineInfo, run_engine_process
+from hicache.engine.engine_process import EngineInfo, run_engine_process, run_follower_process
 from hicache.engine.output_thread import put_all
 from hicache.model.tokenizer import Tokenizer, load_tokenizer
+from hicache.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +57,8 @@ CALL_TIMEOUT_S = 120.0
 # Building the engine: loading (maybe converting) the weights, pinning the host pool.
 START_TIMEOUT_S = 1800.0
 SHUTDOWN_TIMEOUT_S = 30.0
+# How long rank 0 may take to report why it failed once a follower failed to start.
+FOLLOWER_GRACE_S = 2.0
 
 
 class EngineStartError(RuntimeError):
@@ -80,6 +90,10 @@ class EngineClient:
         self._on_built = on_built
         self._start_timeout_s = start_timeout_s
         self._process: Any = None  # multiprocessing's SpawnProcess
+        # Tensor-parallel ranks 1.. (none without tensor parallelism), and why the engine
+        # died when a follower's death ended it.
+        self._followers: list[Any] = []
+        self._death_cause: str | None = None
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
@@ -100,13 +114,23 @@ class EngineClient:
         """
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
         ours, theirs = context.Pipe(duplex=True)
+        level = logging.getLogger().getEffectiveLevel()
+        tp_size = self.config.parallel.tp_size
+        init_method = f"tcp://127.0.0.1:{free_port()}" if tp_size > 1 else None
         process = context.Process(
             target=run_engine_process, name="hicache-engine",
-            args=(self.config, theirs, logging.getLogger().getEffectiveLevel(), self._on_built),
+            args=(self.config, theirs, level, self._on_built, init_method),
         )
         process.start()
         theirs.close()  # the child holds its end: its death is then our end's EOF
         self._process, self._conn = process, ours
+        for rank in range(1, tp_size):
+            follower = context.Process(
+                target=run_follower_process, name=f"hicache-engine-tp{rank}",
+                args=(self.config, rank, init_method, level),
+            )
+            follower.start()
+            self._followers.append(follower)
         try:
             message = self._first_message(ours)
         except BaseException:
@@ -121,7 +145,13 @@ class EngineClient:
         self._reader = threading.Thread(target=self._read, name="hicache-engine-reader",
                                         daemon=True)
         self._reader.start()
-        logger.info("engine process %d ready", process.pid)
+        if self._followers:
+            threading.Thread(target=self._watch_followers, name="hicache-tp-watcher",
+                             daemon=True).start()
+            logger.info("engine processes ready: rank 0 %d, ranks 1.. %s", process.pid,
+                        [p.pid for p in self._followers])
+        else:
+            logger.info("engine process %d ready", process.pid)
         return self
 
     def _first_message(self, conn: Connection) -> Any:
@@ -132,6 +162,14 @@ class EngineClient:
                     f"the engine process exited while starting (exit code "
                     f"{self._process.exitcode}); its log above says why"
                 )
+            for rank, follower in enumerate(self._followers, start=1):
+                # Rank 0 fails alike in most cases (the same flags, the same model): its
+                # message, if it comes at once, says more than an exit code.
+                if not follower.is_alive() and not conn.poll(FOLLOWER_GRACE_S):
+                    raise EngineStartError(
+                        f"tensor-parallel rank {rank} exited while starting (exit code "
+                        f"{follower.exitcode}); its log above says why"
+                    )
             if time.monotonic() > deadline:
                 raise EngineStartError(
                     f"the engine was not ready within {self._start_timeout_s:.0f} s"
@@ -153,6 +191,10 @@ class EngineClient:
             logger.error("the engine process did not stop within %.0f s: killing it",
                          SHUTDOWN_TIMEOUT_S)
             self._kill()
+        # Rank 0 stopped the group on its way out: the followers end by themselves.
+        for follower in self._followers:
+            follower.join(SHUTDOWN_TIMEOUT_S)
+        self._kill()
         if self._reader is not None:
             self._reader.join(SHUTDOWN_TIMEOUT_S)
         if self._conn is not None:
@@ -160,10 +202,28 @@ class EngineClient:
         self._process = None
 
     def _kill(self) -> None:
+        """Kill every rank's process still alive."""
+        for process in [self._process, *self._followers]:
+            if process is not None and process.is_alive():
+                process.kill()
+                process.join(SHUTDOWN_TIMEOUT_S)
+
+    def _watch_followers(self) -> None:
+        """Until shutdown: a follower rank that exits ends rank 0 as well (its collectives
+        would fail anyway; this does not wait for its next one), which fails every request
+        and calls ``on_death``."""
+        waiting = {follower.sentinel: rank
+                   for rank, follower in enumerate(self._followers, start=1)}
+        ended = wait(list(waiting))
+        if self._closing or self.dead:
+            return
+        rank = waiting[ended[0]]
+        code = self._followers[rank - 1].exitcode
+        self._death_cause = f"tensor-parallel rank {rank} exited (exit code {code})"
+        logger.error("%s: ending the engine", self._death_cause)
         process = self._process
         if process is not None and process.is_alive():
-            process.kill()
-            process.join(SHUTDOWN_TIMEOUT_S)
+            process.kill()  # its pipe's EOF reaches the reader: _engine_gone
 
     @property
     def pid(self) -> int | None:
@@ -328,15 +388,23 @@ class EngineClient:
         if process is not None:
             process.join(5.0)
         code = process.exitcode if process is not None else None
-        logger.error("the engine process exited unexpectedly (exit code %s): failing every "
-                     "request in flight", code)
+        for rank, follower in enumerate(self._followers, start=1):
+            if self._death_cause is None and follower.exitcode not in (None, 0):
+                self._death_cause = (
+                    f"tensor-parallel rank {rank} exited (exit code {follower.exitcode})"
+                )
+        for follower in self._followers:  # the group cannot go on without rank 0
+            if follower.is_alive():
+                follower.kill()
+        cause = self._death_cause or f"the engine process exited unexpectedly (exit code {code})"
+        logger.error("%s: failing every request in flight", cause)
         with self._streams_lock:
             streams = dict(self._streams)
         for rid, stream in streams.items():
             ended = GenerateOutput(
                 rid=rid, token_ids=(), text="", finished=True, finish_reason="abort",
                 prompt_tokens=0, completion_tokens=0, cached_tokens=CachedTokens(),
-                error=f"the engine process exited unexpectedly (exit code {code})",
+                error=cause,
             )
             with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(put_all, [(stream.queue, ended)])

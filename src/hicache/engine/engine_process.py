@@ -23,11 +23,18 @@ under a lock:
 The engine process ends when told to, or when the pipe closes (the server is
 gone, even killed): it never outlives its server. The server's side is
 ``hicache.engine.engine_client``.
+
+Under tensor parallelism (``--tp-size N``) this process is rank 0 and N - 1 more
+processes run ``run_follower_process``: each joins the group, builds its rank's
+engine and follows rank 0's ticks (``hicache.engine.replication``) until rank 0
+stops the group. A failure of the group (a rank died) ends every rank's process
+with ``GROUP_FAILED_EXIT_CODE``; the server sees it and exits.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -51,6 +58,8 @@ CALLS = frozenset({
 # What a failure to build the engine means for the user (bad flags, a file, memory),
 # reported as a message rather than a traceback, as an in-process build does.
 START_ERRORS = (ValueError, StorageError, OSError, MemoryError)
+# A rank's process ends with this when its tensor-parallel group failed.
+GROUP_FAILED_EXIT_CODE = 3
 
 
 @dataclass(frozen=True)
@@ -80,15 +89,7 @@ class PipeSink:
         self._send(("outputs", [output for _, output in items]))
 
 
-def run_engine_process(
-    config: EngineConfig, conn: Connection, log_level: int,
-    on_built: Callable[[Any], None] | None = None,
-) -> None:
-    """The engine process's main: build the engine, serve the pipe until told to stop.
-
-    ``on_built(engine)`` runs once the engine is built (``hicache serve`` logs its
-    tiers there); it must be a module-level function (it is pickled by name).
-    """
+def _set_up_process(log_level: int) -> None:
     # Ctrl-C, and a SIGTERM sent to the whole process group (timeout(1), a container's
     # stop), reach this process too: the server shuts the engine down in order, and the
     # pipe closing stops it if the server is gone.
@@ -97,10 +98,50 @@ def run_engine_process(
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def _join_group(config: EngineConfig, rank: int, init_method: str | None) -> Any:
+    """This process's TPGroup (a single rank without tensor parallelism)."""
+    from hicache.distributed.group import SINGLE_RANK, init_tp_group
+    from hicache.engine.engine import engine_device
+    from hicache.model.loader import resolve_model_dir
+
+    if not config.parallel.enabled:
+        return SINGLE_RANK
+    if init_method is None:
+        raise ValueError("tensor parallelism needs the group's init method")
+    device = engine_device(config, rank)
+    if config.model.model_path is not None:
+        # Converting a GGUF file may take minutes: done (by every rank at once, into
+        # files of its own, renamed atomically) before the group's timeouts run.
+        resolve_model_dir(config.model.model_path, config.model.dtype, device)
+    return init_tp_group(rank, config.parallel.tp_size, init_method, device=device)
+
+
+def _group_failed() -> None:
+    """The tensor-parallel group failed: this rank's state may differ from the others',
+    and they fail too. End the process now (threads and all), never hang."""
+    logging.shutdown()
+    os._exit(GROUP_FAILED_EXIT_CODE)
+
+
+def run_engine_process(
+    config: EngineConfig, conn: Connection, log_level: int,
+    on_built: Callable[[Any], None] | None = None, tp_init_method: str | None = None,
+) -> None:
+    """The engine process's main: build the engine, serve the pipe until told to stop.
+
+    ``on_built(engine)`` runs once the engine is built (``hicache serve`` logs its
+    tiers there); it must be a module-level function (it is pickled by name).
+    ``tp_init_method``: where the tensor-parallel group meets (with ``--tp-size`` > 1);
+    this process is its rank 0.
+    """
+    _set_up_process(log_level)
     from hicache.engine.engine import build_engine  # torch and the model: in this process only
 
     try:
-        engine = build_engine(config)
+        tp = _join_group(config, 0, tp_init_method)
+        engine = build_engine(config, tp, on_fatal=_group_failed)
     except START_ERRORS as error:
         conn.send(("start_failed", str(error)))
         return
@@ -114,6 +155,28 @@ def run_engine_process(
     finally:
         engine.shutdown()
         conn.close()
+        tp.destroy()
+
+
+def run_follower_process(
+    config: EngineConfig, rank: int, tp_init_method: str, log_level: int
+) -> None:
+    """A tensor-parallel rank above 0: join the group, build this rank's engine, follow
+    rank 0's ticks until it stops the group. Exits with ``GROUP_FAILED_EXIT_CODE`` when
+    the group fails (rank 0 died); a build failure raises (rank 0 reports its own)."""
+    _set_up_process(log_level)
+    from hicache.engine.engine import build_engine
+
+    tp = _join_group(config, rank, tp_init_method)
+    engine = build_engine(config, tp, start=False)
+    logger.info("tensor-parallel rank %d of %d ready (pid %d)", rank, tp.size, os.getpid())
+    try:
+        engine.run_replica()
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed: ending its process", rank)
+        _group_failed()
+    engine.shutdown()
+    tp.destroy()
 
 
 class _EngineServer:

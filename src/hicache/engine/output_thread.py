@@ -237,6 +237,30 @@ class OutputThread:
         return delta
 
 
+class DroppedSink:
+    """A sink that drops what it is given (a follower rank's requests' streams)."""
+
+    def deliver(self, items: Delivery) -> None:
+        return None
+
+
+class DiscardedOutputs(OutputThread):
+    """Records nothing and delivers nothing: a tensor-parallel follower rank's outputs
+    (rank 0 streams every request; the followers only compute alongside)."""
+
+    def __init__(self) -> None:
+        super().__init__(on_failure=None, threaded=False)
+
+    def add(self, req: Req, final: bool) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 def put_all(items: Sequence[tuple[asyncio.Queue[GenerateOutput], GenerateOutput]]) -> None:
     """On the event loop: each output onto its queue."""
     for out, output in items:

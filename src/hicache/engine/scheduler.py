@@ -39,9 +39,10 @@ import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.api import CachedTokens
+from hicache.engine.cache_ops import CACHE_OPS
 from hicache.engine.logprobs import position_logprobs
 from hicache.engine.model_runner import ModelRunner
-from hicache.engine.output_thread import OutputThread
+from hicache.engine.output_thread import DiscardedOutputs, OutputThread
 from hicache.engine.penalties import PenaltyState, RowAdjustment, adjust_logits, ending_tokens
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
@@ -93,7 +94,10 @@ class Scheduler:
         config: SchedulerConfig,
         eos_token_ids: Iterable[int],
         output_thread: bool = True,
+        deliver_outputs: bool = True,
     ) -> None:
+        """``deliver_outputs`` False: outputs are dropped (a tensor-parallel follower rank,
+        whose requests rank 0 streams)."""
         self.model = model
         self.cache = cache
         self.config = config
@@ -108,10 +112,16 @@ class Scheduler:
         self.prefetcher = Prefetcher(cache, enabled=config.enable_prefix_cache)
         # Outputs are recorded in it per step and flushed to its thread after each step
         # (``run``), which detokenizes and streams them; a failed detokenizer aborts.
-        self.outputs = OutputThread(on_failure=self.abort, threaded=output_thread)
+        self.outputs = (
+            OutputThread(on_failure=self.abort, threaded=output_thread) if deliver_outputs
+            else DiscardedOutputs()
+        )
         self.runner = ModelRunner(
             model, cache.device_pool, config.max_running_requests, config.max_context_len
         )
+        # The tick's clock (time.monotonic()'s reading when the tick began): every
+        # time-based decision reads it, so that ranks fed rank 0's reading decide alike.
+        self.now = time.monotonic()
         # Picks torch's intra-op threads between steps (None: the count stays as set).
         self.governor: ThreadGovernor | None = None
         # Sees the logits each sampled token came from (tests compare cold and cached runs).
@@ -125,9 +135,22 @@ class Scheduler:
         self._inbox.put(("abort", rid))
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run ``fn`` on the scheduler thread between steps."""
+        """Run ``fn`` on the scheduler thread between steps.
+
+        Under tensor parallelism it runs on rank 0 alone: ``fn`` must not change what
+        the ranks replicate (the cache, the queues); ``call_op`` does, on every rank.
+        """
         future: Future[Any] = Future()
         self._inbox.put(("call", (fn, future)))
+        return future
+
+    def call_op(self, name: str) -> Future[Any]:
+        """Run the cache operation ``name`` (``cache_ops.CACHE_OPS``) between steps; under
+        tensor parallelism every rank runs it at the same point of the same tick."""
+        if name not in CACHE_OPS:
+            raise ValueError(f"no cache operation {name!r}")
+        future: Future[Any] = Future()
+        self._inbox.put(("op", (name, future)))
         return future
 
     @property
@@ -159,7 +182,13 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduling round; False when there was nothing to compute."""
         self._drain_inbox(block_s=0.0)
+        self.now = time.monotonic()
         self.cache.poll()
+        return self.schedule()
+
+    def schedule(self) -> bool:
+        """The tick after its inputs and the cache's progress are applied: admission and
+        one forward; False when there was nothing to compute."""
         self._admit()
         if not self.running:
             return False
@@ -183,18 +212,25 @@ class Scheduler:
         self._drain_inbox(block_s=block)
 
     def _drain_inbox(self, block_s: float) -> None:
-        try:
-            item = self._inbox.get(timeout=block_s) if block_s > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(*item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for item in self.take_inbox(block_s):
+            self.handle(*item)
 
-    def _handle(self, kind: str, payload: Any) -> None:
+    def take_inbox(self, block_s: float) -> list[tuple[str, Any]]:
+        """Everything queued in the inbox, in order, waiting up to ``block_s`` for a first
+        item; nothing is applied (``handle`` does that)."""
+        items: list[tuple[str, Any]] = []
+        try:
+            items.append(
+                self._inbox.get(timeout=block_s) if block_s > 0 else self._inbox.get_nowait()
+            )
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return items
+
+    def handle(self, kind: str, payload: Any) -> None:
+        """Apply one inbox item: ``("add", Req)``, ``("abort", rid)``, ``("call", (fn,
+        future))`` or ``("op", (name, future or None))``."""
         if kind == "add":
             req: Req = payload
             self._by_rid[req.rid] = req
@@ -204,6 +240,20 @@ class Scheduler:
             target = self._by_rid.get(payload)
             if target is not None:
                 self._finish(target, "abort")
+        elif kind == "op":
+            name, op_future = payload
+            op = CACHE_OPS[name]
+            if op_future is None:  # a follower rank: the outcome is rank 0's to report
+                try:
+                    op(self)
+                except Exception:  # rank 0 fails alike and reports it
+                    logger.exception("cache operation %s failed", name)
+                return
+            if op_future.set_running_or_notify_cancel():
+                try:
+                    op_future.set_result(op(self))
+                except BaseException as error:  # handed to the caller
+                    op_future.set_exception(error)
         else:
             fn, future = payload
             if future.set_running_or_notify_cancel():
@@ -536,7 +586,7 @@ class Scheduler:
                     # pinning the host pages that write_back needs to evict into. A coming
                     # poll releases them: wait, requeued. Only a shortage that never ends
                     # (a leak) fails the request.
-                    now = time.monotonic()
+                    now = self.now
                     if req.short_since is None:
                         req.short_since = now
                     if now - req.short_since < SHORT_OF_PAGES_ABORT_S:

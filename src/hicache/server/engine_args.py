@@ -15,6 +15,7 @@ from hicache.engine.config import (
     CPU_KV_POOL_TOKENS,
     EngineConfig,
     ModelLoadConfig,
+    ParallelConfig,
     RuntimeConfig,
     SchedulingConfig,
 )
@@ -80,6 +81,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument(
         "--disable-radix-cache", action="store_true",
         help="no prefix caching at all (a baseline for benchmarks)",
+    )
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument(
+        "--tp-size", "--tensor-parallel-size", dest="tp_size", type=int,
+        default=ParallelConfig.tp_size, metavar="N",
+        help="split the model over N processes (tensor parallelism; gloo on the CPU, NCCL "
+        "on CUDA), each holding its shard of every layer and of the KV cache",
     )
     runtime = parser.add_argument_group("runtime")
     runtime.add_argument(
@@ -148,4 +156,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_torch_compile=args.enable_torch_compile,
             output_thread=not args.disable_output_thread,
         ),
+        parallel=ParallelConfig(tp_size=args.tp_size),
     )

@@ -111,6 +111,8 @@ def _check_tiers(args: argparse.Namespace) -> str | None:
     if not args.enable_hierarchical_cache and l3:
         return ("L3 storage needs the host (L2) tier: with --disable-hierarchical-cache add "
                 "--hicache-storage-backend none")
+    if args.tp_size > 1 and args.single_process:
+        return "--tp-size runs one engine process per rank: drop --single-process"
     return None
 
 

@@ -38,6 +38,7 @@ _ARGS = {
     "load_format": "load_format",
     "dtype": "dtype",
     "device": "device",
+    "tp_size": "tp_size",
     "context_length": "context_length",
     "page_size": "page_size",
     "max_running_requests": "max_running_requests",

@@ -8,7 +8,13 @@ import json
 import pytest
 
 from hicache.config import CacheConfig, ConfigError, IOBackendKind, MemLayout, WritePolicy
-from hicache.engine.config import EngineConfig, ModelLoadConfig, RuntimeConfig, SchedulingConfig
+from hicache.engine.config import (
+    EngineConfig,
+    ModelLoadConfig,
+    ParallelConfig,
+    RuntimeConfig,
+    SchedulingConfig,
+)
 from hicache.model.loader import LoadFormat
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.storage.config import PrefetchPolicy, StorageConfig
@@ -73,6 +79,9 @@ def test_every_flag_reaches_its_field() -> None:
     assert config.runtime == RuntimeConfig(num_threads=3)
     assert engine_config_from_args(parse("--model-preset", "tiny")).model.preset == "tiny"
     assert engine_config_from_args(parse("--disable-radix-cache")).scheduling.disable_radix_cache
+    assert config.parallel == ParallelConfig(tp_size=1)
+    for flag in ("--tp-size", "--tensor-parallel-size"):  # ours and SGLang's long name
+        assert engine_config_from_args(parse(flag, "2")).parallel == ParallelConfig(tp_size=2)
 
 
 @pytest.mark.parametrize(
@@ -83,6 +92,9 @@ def test_every_flag_reaches_its_field() -> None:
         (("--max-total-tokens", "0"), "--max-total-tokens"),
         (("--disable-radix-cache", "--enable-hierarchical-cache"), "--disable-radix-cache"),
         (("--hicache-ratio", "1"), "--hicache-ratio must be greater than 1"),
+        (("--tp-size", "0"), "--tp-size must be >= 1"),
+        (("--tp-size", "2", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"),
+         "L3 under tensor parallelism is not supported yet"),
     ],
 )
 def test_bad_flags_fail_naming_the_flag(flags: tuple[str, ...], words: str) -> None:

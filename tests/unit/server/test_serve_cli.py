@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,7 @@ def test_benchmark_tier_configurations(
         (["--disable-radix-cache"], "--disable-hierarchical-cache --hicache-storage-backend none"),
         (["--disable-hierarchical-cache"], "--hicache-storage-backend none"),
         (["--hicache-storage-backend-extra-config", "{nope"], "not valid JSON"),
+        (["--tp-size", "2", "--single-process"], "drop --single-process"),
     ],
 )
 def test_inconsistent_flags_fail_with_the_fix(
@@ -317,6 +319,29 @@ def test_serve_exits_nonzero_when_its_engine_process_dies(tmp_path: Path) -> Non
     log = log_path.read_text()
     assert code == 1, log
     assert "the engine process died" in log
+
+
+def test_serve_tp2_exits_nonzero_when_rank_one_dies(tmp_path: Path) -> None:
+    process, url, log_path = _start_serve(tmp_path, "--tp-size", "2")
+    try:
+        info = httpx.get(f"{url}/get_server_info", timeout=10.0).json()
+        assert info["tp_size"] == 2
+        reply = httpx.post(f"{url}/generate", timeout=60.0, json={
+            "input_ids": list(range(3, 30)),
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        })
+        assert reply.status_code == 200, reply.text
+        assert len(_engine_processes(process.pid)) == 2  # one process per rank
+        found = re.search(r"tensor-parallel rank 1 of 2 ready \(pid (\d+)\)",
+                          log_path.read_text())
+        assert found is not None, log_path.read_text()
+        os.kill(int(found.group(1)), signal.SIGKILL)
+        code = process.wait(timeout=20)  # within seconds, never a hang
+    finally:
+        _stop(process)
+    log = log_path.read_text()
+    assert code == 1, log
+    assert "tensor-parallel rank 1 exited" in log
 
 
 def test_the_engine_process_never_outlives_its_server(tmp_path: Path) -> None:

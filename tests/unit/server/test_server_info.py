@@ -58,6 +58,7 @@ def test_server_info_has_sglangs_arguments_and_the_live_l3(
     info = get(server, "/get_server_info")
     assert info.keys() == get(server, "/server_info").keys()
     assert info["page_size"] == 16
+    assert info["tp_size"] == 1
     assert info["enable_hierarchical_cache"] is True
     assert info["hicache_write_policy"] == "write_through"
     assert info["hicache_mem_layout"] in ("layer_first", "page_first", "page_first_direct")

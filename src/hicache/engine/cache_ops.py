@@ -1,0 +1,50 @@
+"""Control operations that change the cache, run on the scheduler thread between steps.
+
+They are named (``CACHE_OPS``) rather than passed as closures so that, under tensor
+parallelism, rank 0 can tell every rank to run the same one at the same point of the
+same tick (``engine/replication.py``): each rank's cache must change alike. Every
+operation is a function of the scheduler alone; its result is what rank 0's caller gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache.engine.scheduler import Scheduler
+
+
+def flush(scheduler: Scheduler) -> bool:
+    """Forget every cached prefix in L1 and L2; False (and nothing done) when busy."""
+    if not scheduler.is_idle():
+        return False
+    scheduler.cache.flush()
+    return True
+
+
+def check_integrity(scheduler: Scheduler) -> None:
+    """Assert the tree and every pool are consistent and nothing leaked (when idle)."""
+    if not scheduler.is_idle():
+        raise RuntimeError("check_integrity needs an idle engine")
+    scheduler.cache.poll(wait=True)
+    scheduler.cache.check_integrity()
+
+
+def evict_device_cache(scheduler: Scheduler) -> int:
+    """Push every cached page no request holds out of L1 (host copies stay in L2);
+    returns the number of device pages freed."""
+    cache = scheduler.cache
+    cache.poll(wait=True)  # copies in flight keep their pages locked
+    allocator = cache.device_pool.allocator
+    before = allocator.num_free_pages
+    pages = cache.alloc_device(before + cache.tree.num_evictable_device_pages)
+    cache.free_device(pages)
+    return allocator.num_free_pages - before
+
+
+CACHE_OPS: dict[str, Callable[[Scheduler], Any]] = {
+    "flush": flush,
+    "check_integrity": check_integrity,
+    "evict_device_cache": evict_device_cache,
+}

@@ -1,0 +1,158 @@
+"""``--tp-size 2`` through the engine's processes (EngineClient: rank 0 the engine process,
+rank 1 a follower, gloo over loopback) gives the single-rank engine's greedy and seeded
+outputs (float32), cold and from L1 and L2, on a transformers-made checkpoint whose
+ranks hold different numbers of KV heads (2 and 1: pools of different page bytes, one
+page count), and on SmolLM2 when installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import LlamaConfig
+
+from hicache.config import CacheConfig
+from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest, SamplingParams
+from hicache.engine.config import EngineConfig, ModelLoadConfig, ParallelConfig, SchedulingConfig
+from hicache.engine.engine import build_engine
+from hicache.engine.engine_client import EngineClient, EngineStartError
+from hicache.model.default_model import DefaultModelMissingError, default_model_path
+from tests.unit.model.hf_checkpoints import write_checkpoint
+
+# SmolLM2's head layout at test size: 3 KV heads of 2 query heads, split 2:1 over 2 ranks.
+UNEVEN = LlamaConfig(
+    vocab_size=321, hidden_size=48, intermediate_size=97, num_hidden_layers=2,
+    max_position_embeddings=256, rms_norm_eps=1e-5, num_attention_heads=6,
+    num_key_value_heads=3, tie_word_embeddings=False,
+)
+
+Outcome = tuple[tuple[int, ...], str | None, CachedTokens]  # tokens, finish reason, cached
+
+
+def _config(model_path: str, tp_size: int) -> EngineConfig:
+    return EngineConfig(
+        model=ModelLoadConfig(model_path=model_path, dtype="float32", device="cpu"),
+        scheduling=SchedulingConfig(max_total_tokens=512),
+        cache=CacheConfig(page_size=4, enable_hierarchical_cache=True),
+        parallel=ParallelConfig(tp_size=tp_size),
+    )
+
+
+def _request(rid: str, ids: list[int], sampled: bool = False, n: int = 8) -> GenerateRequest:
+    sampling = (SamplingParams(max_new_tokens=n, temperature=0.9, top_p=0.9, seed=5,
+                               ignore_eos=True) if sampled
+                else SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+    return GenerateRequest(input_ids=tuple(ids), sampling=sampling, rid=rid)
+
+
+async def _outcome(engine: Any, request: GenerateRequest) -> Outcome:
+    outputs: list[GenerateOutput] = [out async for out in engine.generate(request)]
+    last = outputs[-1]
+    assert last.error is None, last.error
+    return sum((o.token_ids for o in outputs), ()), last.finish_reason, last.cached_tokens
+
+
+def _scenario(engine: Any, vocab: int) -> dict[str, Outcome]:
+    """Cold, a repeat from L1, a repeat from L2 (device cache evicted), a batch of
+    requests at once, and a repeat after a flush (cold again)."""
+    base = [(7 * i + 3) % vocab for i in range(29)]
+    other = [(11 * i + 5) % vocab for i in range(21)]
+    got: dict[str, Outcome] = {}
+
+    async def one(rid: str, request: GenerateRequest) -> None:
+        got[rid] = await _outcome(engine, request)
+
+    async def together(requests: list[GenerateRequest]) -> None:
+        await asyncio.gather(*(one(r.rid or "", r) for r in requests))
+
+    asyncio.run(one("cold", _request("cold", base)))
+    asyncio.run(one("l1", _request("l1", base)))
+    assert engine.evict_device_cache() > 0
+    asyncio.run(one("l2", _request("l2", base)))
+    asyncio.run(together([
+        _request("extends", [*base, 1, 2, 3]), _request("other", other),
+        _request("sampled", other, sampled=True),
+    ]))
+    engine.check_integrity()
+    assert engine.flush_cache()
+    asyncio.run(one("flushed", _request("flushed", base)))
+    return got
+
+
+def _alone(model_path: str, vocab: int) -> dict[str, Outcome]:
+    engine = build_engine(_config(model_path, 1))
+    try:
+        return _scenario(engine, vocab)
+    finally:
+        engine.shutdown()
+
+
+def _tp2(model_path: str, vocab: int) -> dict[str, Outcome]:
+    client = EngineClient(_config(model_path, 2), start_timeout_s=120).start()
+    try:
+        return _scenario(client, vocab)
+    finally:
+        client.shutdown()
+
+
+def _assert_same(alone: dict[str, Outcome], tp2: dict[str, Outcome]) -> None:
+    assert tp2 == alone
+    assert alone["cold"][2] == CachedTokens()
+    assert alone["l1"][2].device > 0 and alone["l2"][2].host > 0
+    assert alone["extends"][2].device > 0
+    assert alone["flushed"][2] == CachedTokens()
+    assert all(len(tokens) == 8 for tokens, _, _ in alone.values())
+
+
+@pytest.fixture(scope="module")
+def uneven_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("llama-uneven")
+    write_checkpoint(UNEVEN, path)
+    yield path
+
+
+def test_tp2_engine_equals_one_rank(uneven_checkpoint: Path) -> None:
+    vocab = UNEVEN.vocab_size
+    _assert_same(_alone(str(uneven_checkpoint), vocab), _tp2(str(uneven_checkpoint), vocab))
+
+
+@pytest.mark.slow  # about 35 s on two cores: both engines load and run the real model
+def test_smollm2_tp2_engine_equals_one_rank(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    try:
+        default_model_path()
+    except DefaultModelMissingError as e:
+        pytest.skip(str(e))
+    converted = request.getfixturevalue("smollm2")
+    # The ranks (child processes) find the float32 conversion in this cache dir.
+    monkeypatch.setenv("HICACHE_CACHE_DIR", str(Path(converted.path).parent.parent))
+    path = str(converted.path)
+    _assert_same(_alone(path, 49152), _tp2(path, 49152))
+
+
+def test_tp_with_l3_is_refused_until_supported() -> None:
+    from hicache.config import ConfigError
+    from hicache.storage.config import StorageConfig
+
+    with pytest.raises(ConfigError, match="L3 under tensor parallelism is not supported yet"):
+        dataclasses.replace(
+            _config("unused", 2), storage=StorageConfig(backend="file")
+        )
+
+
+def test_a_model_that_does_not_split_fails_to_start_with_the_reason() -> None:
+    config = EngineConfig(
+        model=ModelLoadConfig(preset="tiny", device="cpu"),  # 2 KV heads: not over 3 ranks
+        scheduling=SchedulingConfig(max_total_tokens=512),
+        parallel=ParallelConfig(tp_size=3),
+    )
+    client = EngineClient(config, start_timeout_s=60)
+    with pytest.raises(EngineStartError, match="tp size 3 does not fit 2 KV heads"):
+        client.start()
+    assert not any(p.is_alive() for p in [client._process, *client._followers])

@@ -1,0 +1,159 @@
+"""What each rank does in the replicated-scheduler tests (spawned ranks import this
+module, not the test, which imports transformers).
+
+``run_scenario`` builds a rank's engine without its scheduler thread and drives it by
+hand: rank 0 queues each step's requests and ticks the replicated scheduler until they
+finish, running a cache operation between steps; the followers run ``run_replica``.
+Given ``SINGLE_RANK`` it drives one plain scheduler the same way (the reference). A
+``Scenario`` may make one rank's L2 copies look late for its first ticks (a fault on
+that rank alone), as a slow copy engine would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache.distributed.group import TPGroup
+from hicache.engine.api import GenerateRequest, SamplingParams
+from hicache.engine.cache_ops import CACHE_OPS
+from hicache.engine.config import EngineConfig
+from hicache.engine.engine import Engine, build_engine
+from hicache.engine.replication import AddRequest, Progress
+from hicache.engine.request import Phase, Req
+
+MAX_TICKS = 2000
+
+
+@dataclass(frozen=True)
+class Step:
+    """Requests queued together, then a cache operation (or None) once they finished."""
+
+    requests: tuple[GenerateRequest, ...]
+    op_after: str | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    config: EngineConfig
+    steps: tuple[Step, ...]
+    lagging_rank: int | None = None  # whose landed L2 writes read 0 for ``lag_ticks`` ticks
+    lag_ticks: int = 0
+
+
+@dataclass
+class RankResult:
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # each request's output
+    cached: dict[str, tuple[int, int]] = field(default_factory=dict)  # (device, host) tokens
+    agreed: list[int] = field(default_factory=list)  # per tick: agreed landed writes
+    observed: list[int] = field(default_factory=list)  # per tick: this rank's own count
+    # Per tick, before its agreement: L2 writes not acknowledged yet (what earlier ticks'
+    # agreed acknowledgements left; must be the same on every rank at every tick).
+    unacknowledged: list[int] = field(default_factory=list)
+    tree_device_pages: list[int] = field(default_factory=list)
+    tree_host_pages: list[int] = field(default_factory=list)
+    num_free_device_pages: int = 0
+    num_free_host_pages: int = 0
+    num_ticks: int = 0
+
+
+def greedy(max_new_tokens: int = 6) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_scenario(tp: TPGroup, scenario: Scenario) -> RankResult:
+    engine = build_engine(scenario.config, tp, start=False)
+    try:
+        result = _drive(engine, tp, scenario)
+        cache = engine.cache  # the tree as the agreed acknowledgements left it
+        result.tree_device_pages = sorted(int(p) for p in cache.tree.device_page_ids())
+        result.tree_host_pages = sorted(int(p) for p in cache.tree.host_page_ids())
+        result.num_free_device_pages = cache.device_pool.allocator.num_free_pages
+        assert cache.host_pool is not None
+        result.num_free_host_pages = cache.host_pool.allocator.num_free_pages
+        CACHE_OPS["check_integrity"](engine.scheduler)  # the group has stopped: rank-local
+        return result
+    finally:
+        engine.shutdown()
+
+
+def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
+    result = RankResult()
+    replicated = engine.replicated
+    if replicated is not None:
+        replicated.record = True
+        real = replicated.observe
+
+        controller = engine.cache.controller
+        assert controller is not None
+
+        def observe() -> Progress:
+            result.unacknowledged.append(controller.num_pending_writes)
+            seen = real()
+            result.observed.append(seen.num_landed_writes)
+            if tp.rank == scenario.lagging_rank and replicated.num_ticks < scenario.lag_ticks:
+                return Progress(0)  # its copies look late: the group must wait for it
+            return seen
+
+        replicated.observe = observe
+        if tp.rank != 0:
+            made: list[Req] = []
+            make_req = replicated.make_req
+
+            def keep(add: AddRequest) -> Req:
+                made.append(make_req(add))
+                return made[-1]
+
+            replicated.make_req = keep
+            engine.run_replica()  # until rank 0 stops the group
+            result.tokens = {req.rid: list(req.output_ids) for req in made}
+            result.agreed = [p.num_landed_writes for p in replicated.agreed]
+            result.num_ticks = replicated.num_ticks
+            return result
+    scheduler = engine.scheduler
+    stop = threading.Event()
+
+    def tick() -> None:
+        if replicated is None:
+            scheduler.step()
+        else:
+            replicated.tick(stop)
+
+    for step in scenario.steps:
+        reqs = [engine._replica_req(AddRequest(r, r.rid or "", None, time.monotonic()))
+                for r in step.requests]
+        for req in reqs:
+            scheduler.submit(req)
+        for _ in range(MAX_TICKS):
+            if all(req.phase is Phase.FINISHED for req in reqs):
+                break
+            tick()
+        _record(result, reqs)
+        if step.op_after is not None:
+            if replicated is None:
+                CACHE_OPS[step.op_after](scheduler)
+            else:
+                future = scheduler.call_op(step.op_after)
+                tick()
+                future.result(timeout=0)
+    if replicated is not None:
+        stop.set()
+        stopping, _ = replicated.tick(stop)
+        assert stopping
+        result.agreed = [p.num_landed_writes for p in replicated.agreed]
+        result.num_ticks = replicated.num_ticks
+    return result
+
+
+def _record(result: RankResult, reqs: list[Req]) -> None:
+    for req in reqs:
+        assert req.phase is Phase.FINISHED and req.error is None, (req.rid, req.error)
+        result.tokens[req.rid] = list(req.output_ids)
+        result.cached[req.rid] = (req.cached.device, req.cached.host)
+
+
+def prompt(seed: int, length: int, vocab: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(3, vocab, length))
