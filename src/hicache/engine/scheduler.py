@@ -124,6 +124,7 @@ class Scheduler:
         self.now = time.monotonic()
         # Picks torch's intra-op threads between steps (None: the count stays as set).
         self.governor: ThreadGovernor | None = None
+        self._threads = 0  # the count last set for a step (0: none yet)
         # Sees the logits each sampled token came from (tests compare cold and cached runs).
         self.logits_observer: Callable[[str, torch.Tensor], None] | None = None
 
@@ -193,9 +194,7 @@ class Scheduler:
         if not self.running:
             return False
         if self.governor is not None:
-            threads = self.governor.tick()
-            if threads is not None:
-                set_thread_count(threads)
+            self.governor.tick()
         began = time.perf_counter()
         prefill_tokens = self._forward_step()
         if prefill_tokens:
@@ -368,6 +367,12 @@ class Scheduler:
             [self._logits_from(req, n) for req, n in plan] if wants_logits_from else None
         )
         wait_layer = self.cache.wait_layer if self.cache.hierarchical else None
+        governor = self.governor
+        if governor is not None:
+            threads = governor.threads_for(sum(n for _, n in plan))
+            if threads != self._threads:
+                set_thread_count(threads)
+                self._threads = threads
         with torch.inference_mode():
             # [sum of (n - logits_from) over the plan, vocab]: each sequence's last row last
             logits = self.runner.forward(plan, logits_from, wait_layer)

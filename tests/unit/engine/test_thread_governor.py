@@ -103,3 +103,14 @@ def test_the_engine_governs_its_threads_only_when_not_told(monkeypatch: pytest.M
         assert engine.metrics()["engine_torch_threads"] == 1
     finally:
         engine.shutdown()
+
+
+def test_one_row_steps_run_on_the_low_count() -> None:
+    machine = FakeMachine()
+    governor = _governor(machine)
+    assert governor.threads == 2
+    assert governor.threads_for(1) == 1  # one request decoding: memory-bound
+    assert governor.threads_for(2) == 2 and governor.threads_for(300) == 2
+    machine.run(1.1, others=2.0, ours=1.0)
+    assert governor.tick() == 1
+    assert governor.threads_for(300) == 1
