@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from hicache.cache.l3_agreement import NUM_SLOTS, L3Progress, SlotProgress
 from hicache.config import CacheConfig
-from hicache.distributed.group import SINGLE_RANK
+from hicache.distributed.group import SINGLE_RANK, TPGroup
 from hicache.engine.api import GenerateRequest
 from hicache.engine.config import EngineConfig, ModelLoadConfig, ParallelConfig, SchedulingConfig
+from hicache.engine.replication import Progress, agree
 from hicache.storage.config import PrefetchPolicy, StorageConfig
 from tests.unit.distributed.ranks import run_ranks
 from tests.unit.engine.tp_engine_ranks import (
@@ -100,3 +102,21 @@ def test_a_rank_whose_l3_falls_short_shortens_the_prefix_for_all(
     for rid in FROM_L3:
         assert leader.storage_tokens[rid] == alone.storage_tokens[rid] - SHORT_PAGES * PAGE_SIZE
     assert leader.tokens == alone.tokens
+
+
+def _agree_l3(tp: TPGroup, _: None) -> Progress:
+    r = tp.rank
+    slots = (SlotProgress(1, 5 + r, 4 - r, 1, r), SlotProgress(r, 0, 0, 0, 1))
+    return agree(tp, Progress(1, L3Progress(num_done_backups=3 - r, slots=slots)))
+
+
+def test_l3_progress_is_agreed_field_by_field() -> None:
+    slots = (SlotProgress(1, 5, 3, 1, 0), SlotProgress(0, 0, 0, 0, 1))
+    expected = Progress(1, L3Progress(2, slots))
+    assert run_ranks(_agree_l3, 2, None, timeout_s=60) == [expected, expected]
+    # Fixed shape whatever the slots in use (the collective never changes shape).
+    tensor = expected.to_tensor()
+    num_fields = 2 + NUM_SLOTS * SlotProgress.NUM_FIELDS
+    assert tuple(tensor.shape) == (Progress.NUM_FIELDS,) == (num_fields,)
+    assert tuple(Progress(0).to_tensor().shape) == (Progress.NUM_FIELDS,)
+    assert Progress.from_tensor(tensor, num_slots=2) == expected

@@ -158,10 +158,7 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
     stop = threading.Event()
 
     def tick() -> None:
-        if replicated is None:
-            worked = scheduler.step()
-        else:
-            worked = replicated.tick(stop)[1]
+        worked = scheduler.step() if replicated is None else replicated.tick(stop)[1]
         if not worked:
             time.sleep(IDLE_TICK_S)  # waiting on a thread (an L3 lookup or read): let it run
 
