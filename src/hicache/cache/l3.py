@@ -269,8 +269,6 @@ class StorageTier:
             # What every rank has: a rank may hold more, never less (the agreed minimum).
             agreed = handle.agreed.num_landed_pages if handle.agreed is not None else 0
             landed = min(landed, agreed)
-            if handle in self._slots:
-                self._slots.remove(handle)
         if landed:
             tree = self.cache.tree
             end = (handle.start_page + landed) * tree.page_bytes
@@ -282,16 +280,25 @@ class StorageTier:
             handle.num_kept_pages = landed
             handle.num_inserted_tokens = landed * self.cache.page_size
             self.cache.stats.num_storage_hit_tokens += handle.num_inserted_tokens
+        # Under tensor parallelism the rest is freed once every rank's I/O for it has
+        # returned (``apply``), the same tick everywhere: freeing it when this rank's read
+        # ends would leave the ranks different free host pages, so different evictions.
+        if not handle.anchor_replicated:
+            self._release_unkept(handle, claimed)
+        self.cache.tree.unprotect_host(handle.anchor)
+        return handle.num_inserted_tokens
+
+    def _release_unkept(self, handle: PrefetchHandle, claimed: int) -> None:
+        """Free the pages of a finished prefetch that did not join the tree: now what no
+        get can touch, the batch a get is reading when its read ends."""
         if handle.in_controller:
-            # Free now what no get can touch; the batch in flight when its read ends.
-            release_from = max(claimed, landed)
+            release_from = max(claimed, handle.num_kept_pages)
+            pages = handle.op.host_pages if handle.op.host_pages is not None else no_pages()
             self._release_prefetch_pages(pages[release_from:])
             handle.num_released_from = release_from
         else:
             self._release_owned(handle)
             self._handles.discard(handle)
-        self.cache.tree.unprotect_host(handle.anchor)
-        return handle.num_inserted_tokens
 
     # -------------------------------------------------------------- backup
     def backup(self, node: TreeNode) -> None:
@@ -331,7 +338,7 @@ class StorageTier:
             if op.host_pages is not None and op.num_landed == len(op.host_pages):
                 # Whole reads only: a cut-short one (stalled, cancelled) says nothing of speed.
                 self.read_time.observe(op.num_landed, op.read_seconds)
-            if handle.finished:  # a read whose request already moved on
+            if handle.finished and not handle.anchor_replicated:  # its request moved on
                 self._release_owned(handle)
                 self._handles.discard(handle)
         if self._closing:
@@ -360,6 +367,8 @@ class StorageTier:
 
     def _observe_slot(self, handle: PrefetchHandle, now: float) -> SlotProgress:
         op = handle.op
+        if handle.finished:  # draining: only whether this rank's I/O for it has returned
+            return SlotProgress(complete=int(not handle.in_controller))
         queried = op.num_existing >= 0 and not (handle.in_controller and op.host_pages is None)
         if not queried:
             return SlotProgress(past_deadline=int(now >= handle.deadline))
@@ -379,10 +388,20 @@ class StorageTier:
             self._finished_backups.discard(id(op))
             self._on_backed_up(op)
         for handle, slot in zip(list(self._slots), agreed.slots, strict=False):
+            if handle.finished:
+                if slot.complete:  # no rank's I/O touches its pages any more
+                    self._drop_finished(handle)
+                continue
             first = slot.queried and (handle.agreed is None or not handle.agreed.queried)
             handle.agreed = slot
             if first and not handle.finished:
                 self._start_read(handle, slot.num_found_pages)
+
+    def _drop_finished(self, handle: PrefetchHandle) -> None:
+        """A settled prefetch leaves its slot; the host pages it did not keep are freed."""
+        self._slots.remove(handle)
+        self._release_owned(handle)
+        self._handles.discard(handle)
 
     def acknowledge_finished_backups(self) -> None:
         """Acknowledge every backup that finished here, agreed or not: only where every
@@ -446,7 +465,8 @@ class StorageTier:
     def _on_queried(self, handle: PrefetchHandle) -> None:
         op = handle.op
         if handle.finished:
-            self._handles.discard(handle)
+            if not handle.anchor_replicated:  # else dropped when agreed (``apply``)
+                self._handles.discard(handle)
             return
         if op.cancelled.is_set() or not self.controller.running:
             return  # detaching: no new reads
@@ -503,6 +523,9 @@ class StorageTier:
         self.acknowledge_finished_backups()
         for handle in list(self._handles):
             self.finish(handle)
+        # Every rank detaches at the same tick, its I/O stopped: drop the drained slots.
+        for handle in list(self._slots):
+            self._drop_finished(handle)
         assert not self._handles and not self._backups, "L3 operations left unsettled"
         self._closing = True
         if not self._close_backend_when_idle():
