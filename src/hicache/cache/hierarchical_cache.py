@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from hicache.cache.l3_agreement import L3Progress
 from hicache.cache.stats import CacheStats
 from hicache.config import CacheConfig
 from hicache.controller.controller import CacheController
@@ -107,6 +110,10 @@ class HierarchicalCache:
             self.controller.start()
         self._writing: dict[int, TreeNode] = {}
         self.storage: StorageTier | None = None
+        # Under tensor parallelism (set by the replicated scheduler before any request):
+        # L3 decisions wait for the ranks' agreement and read the tick clock.
+        self.replicated = False
+        self.clock: Callable[[], float] = time.monotonic
         # Detached tiers whose stalled L3 calls have not returned: polled until they
         # do, since the host pages those calls may touch are reserved until then.
         self._retired_storage: list[StorageTier] = []
@@ -210,6 +217,11 @@ class HierarchicalCache:
         are still coming: a request that must queue anyway keeps fetching.
         """
         return handle.finished or self.storage is None or self.storage.done(handle)
+
+    @property
+    def prefetch_slot_free(self) -> bool:
+        """May a prefetch start now? Under tensor parallelism it needs an agreement slot."""
+        return self.storage is None or not self.replicated or self.storage.slot_free
 
     def prefetch_wanted_pages(self, tokens: TokenIds, extra_key: str | None = None) -> int:
         """Pages a prefetch of ``tokens`` would ask L3 for now (0: it would not start)."""
@@ -318,6 +330,8 @@ class HierarchicalCache:
         if self.storage is not None:
             self.storage.controller.wait_idle()
             self.storage.poll()
+            # Idle: every backup has finished; every rank of a group flushes at the same tick.
+            self.storage.acknowledge_finished_backups()
         if self.tree.num_protected_device_pages:
             raise RuntimeError("flush while requests hold cached prefixes")
         self.device_pool.allocator.free(self.tree.device_page_ids())
@@ -395,6 +409,15 @@ class HierarchicalCache:
         if self.controller is None:
             return 0
         return self._acknowledge(self.controller.take_writes(num_landed_writes), wait=False)
+
+    def observe_l3_progress(self) -> L3Progress:
+        """Under tensor parallelism: this rank's L3 progress to agree on (changes nothing)."""
+        return L3Progress() if self.storage is None else self.storage.observe()
+
+    def apply_l3_progress(self, agreed: L3Progress) -> None:
+        """Take the L3 progress the ranks agreed on (after ``apply_progress``)."""
+        if self.storage is not None:
+            self.storage.apply(agreed)
 
     def _acknowledge(self, tokens: list[int], wait: bool) -> int:
         assert self.controller is not None

@@ -201,12 +201,6 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if self.parallel.enabled and self.storage.enabled:
-            raise ConfigError(
-                "L3 under tensor parallelism is not supported yet: add "
-                "--hicache-storage-backend none (hicache serve's default is file), or use "
-                "--tp-size 1"
-            )
         if self.scheduling.disable_radix_cache and (
             self.cache.enable_hierarchical_cache or self.storage.enabled
         ):

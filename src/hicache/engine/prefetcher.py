@@ -11,6 +11,10 @@ tier's budget (``prefetch_max_host_fraction`` of the host pool), counting what
 their settled prefetches brought: a long queue neither takes the whole host
 pool (write_back evicts device pages into it, backups copy into it) nor evicts
 its own prefetched pages before they are used. Runs on the scheduler thread.
+
+Under tensor parallelism at most ``l3_agreement.NUM_SLOTS`` prefetches run at
+once (each is agreed through a slot of the per-tick collective); a request
+whose prefetch finds no free slot waits, as it would for the host budget.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ class Prefetcher:
                 self._settle(req)
                 used_pages += self._footprint_pages(req)
             elif may_start and not req.prefetch_tried:
+                if not cache.prefetch_slot_free:  # tensor parallelism: wait for a slot
+                    may_start = False
+                    continue
                 # Only whole: one started past the budget would get the pages left (the
                 # tier caps them), a short prefix of what it could have had later.
                 wanted = cache.prefetch_wanted_pages(req.match_tokens(), req.request.extra_key)
@@ -63,6 +70,8 @@ class Prefetcher:
         ones: the L3 tier still caps the host pages it gets.
         """
         if not req.prefetch_tried:
+            if self.enabled and not self.cache.prefetch_slot_free:
+                return False  # tensor parallelism: it waits until a prefetch ahead settles
             self._start(req)
         if req.prefetch is None:
             return True

@@ -14,9 +14,12 @@ One tick, on every rank, in this order (``ReplicatedScheduler.tick``):
 2. Agreement: ONE fixed-shape collective, an int64 tensor of ``Progress.NUM_FIELDS``
    reduced with MIN, issued unconditionally by every rank every tick (never inside a
    branch on rank-local state). It carries each rank's local progress (the number of
-   its oldest L2 writes that have landed, in submission order); every rank then
-   applies only the agreed minimum, so a rank whose copies lag holds the others back
-   rather than letting their trees diverge.
+   its oldest L2 writes that have landed, in submission order, and its L3 progress:
+   the backups finished in submission order and, per prefetch slot, whether the
+   lookup answered, the pages found, the pages landed, whether the read is complete
+   and whether the deadline passed, see ``cache.l3_agreement``); every rank then
+   applies only the agreed minimum, so a rank whose copies lag or whose L3 finds or
+   reads less holds the others back rather than letting their trees diverge.
 3. The tick itself (``Scheduler.schedule``): admission and one forward, whose time-based
    decisions read the tick's clock (``Scheduler.now``), rank 0's reading.
 
@@ -26,8 +29,7 @@ connection closes) or any exception in a tick is fatal to the rank, since its st
 may no longer match the others': the loop raises and the process exits non-zero,
 which the server's ``EngineClient`` sees. Nothing waits on a peer without a timeout.
 
-L3 under tensor parallelism is refused (``EngineConfig``): its hit lengths, landed
-prefetch pages and completed backups would need fields of their own in ``Progress``.
+L3 prefetch deadlines read the tick clock (``Scheduler.now``) under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hicache.cache.l3_agreement import L3Progress
 from hicache.distributed.group import TPGroup
 from hicache.engine.api import GenerateRequest
 from hicache.engine.request import Req
@@ -83,21 +86,27 @@ class Progress:
     """A rank's local progress, agreed field by field with MIN over the ranks."""
 
     num_landed_writes: int
+    l3: L3Progress = field(default_factory=L3Progress)
 
-    NUM_FIELDS = 1
+    NUM_FIELDS = 1 + L3Progress.NUM_FIELDS
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.num_landed_writes], dtype=torch.int64)  # [NUM_FIELDS]
+        values = [self.num_landed_writes, *self.l3.values()]
+        return torch.tensor(values, dtype=torch.int64)  # [NUM_FIELDS]
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> Progress:
+    def from_tensor(cls, tensor: torch.Tensor, num_slots: int = 0) -> Progress:
+        """The inverse of ``to_tensor``, keeping ``num_slots`` prefetch slots."""
         values = tensor.tolist()
-        return cls(num_landed_writes=int(values[0]))
+        return cls(
+            num_landed_writes=int(values[0]), l3=L3Progress.from_values(values[1:], num_slots)
+        )
 
 
 def agree(tp: TPGroup, local: Progress) -> Progress:
     """The minimum of every rank's ``local`` progress. Every rank must call it every tick."""
-    return Progress.from_tensor(tp.all_reduce_min(local.to_tensor()))
+    agreed = tp.all_reduce_min(local.to_tensor())
+    return Progress.from_tensor(agreed, num_slots=len(local.l3.slots))
 
 
 class ReplicatedScheduler:
@@ -116,8 +125,11 @@ class ReplicatedScheduler:
         self.make_req = make_req
         self.leader = tp.rank == 0
         self.observe: Callable[[], Progress] = lambda: Progress(
-            scheduler.cache.observe_progress()
+            scheduler.cache.observe_progress(), scheduler.cache.observe_l3_progress()
         )
+        # L3 decisions wait for the agreement, and its deadlines read the tick clock.
+        scheduler.cache.replicated = True
+        scheduler.cache.clock = lambda: scheduler.now
         # The agreed progress of every tick, in order, when ``record`` (tests compare ranks).
         self.record = False
         self.agreed: list[Progress] = []
@@ -163,6 +175,7 @@ class ReplicatedScheduler:
         scheduler.now = tick.now
         agreed = agree(self.tp, self.observe())
         scheduler.cache.apply_progress(agreed.num_landed_writes)
+        scheduler.cache.apply_l3_progress(agreed.l3)
         self.num_ticks += 1
         if self.record:
             self.agreed.append(agreed)

@@ -8,7 +8,6 @@ page count), and on SmolLM2 when installed.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,16 +133,6 @@ def test_smollm2_tp2_engine_equals_one_rank(
     monkeypatch.setenv("HICACHE_CACHE_DIR", str(Path(converted.path).parent.parent))
     path = str(converted.path)
     _assert_same(_alone(path, 49152), _tp2(path, 49152))
-
-
-def test_tp_with_l3_is_refused_until_supported() -> None:
-    from hicache.config import ConfigError
-    from hicache.storage.config import StorageConfig
-
-    with pytest.raises(ConfigError, match="L3 under tensor parallelism is not supported yet"):
-        dataclasses.replace(
-            _config("unused", 2), storage=StorageConfig(backend="file")
-        )
 
 
 def test_a_model_that_does_not_split_fails_to_start_with_the_reason() -> None:

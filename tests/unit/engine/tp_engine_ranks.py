@@ -6,13 +6,16 @@ hand: rank 0 queues each step's requests and ticks the replicated scheduler unti
 finish, running a cache operation between steps; the followers run ``run_replica``.
 Given ``SINGLE_RANK`` it drives one plain scheduler the same way (the reference). A
 ``Scenario`` may make one rank's L2 copies look late for its first ticks (a fault on
-that rank alone), as a slow copy engine would.
+that rank alone), as a slow copy engine would, or one rank's L3 store find or return
+fewer pages than it holds (``L3Fault``), as a store missing or failing pages would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,8 +27,10 @@ from hicache.engine.config import EngineConfig
 from hicache.engine.engine import Engine, build_engine
 from hicache.engine.replication import AddRequest, Progress
 from hicache.engine.request import Phase, Req
+from hicache.memory.allocator import PageIds
 
 MAX_TICKS = 2000
+IDLE_TICK_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -42,12 +47,24 @@ class Scenario:
     steps: tuple[Step, ...]
     lagging_rank: int | None = None  # whose landed L2 writes read 0 for ``lag_ticks`` ticks
     lag_ticks: int = 0
+    l3_fault: L3Fault | None = None
+
+
+@dataclass(frozen=True)
+class L3Fault:
+    """Rank ``rank``'s L3 backend reports ``num_pages`` fewer pages than it has, in its
+    lookups (``exists``) or its reads (``get``: the pages past the count are not verified)."""
+
+    rank: int
+    call: str  # "exists" | "get"
+    num_pages: int = 2
 
 
 @dataclass
 class RankResult:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # each request's output
     cached: dict[str, tuple[int, int]] = field(default_factory=dict)  # (device, host) tokens
+    storage_tokens: dict[str, int] = field(default_factory=dict)  # what L3 gave each request
     agreed: list[int] = field(default_factory=list)  # per tick: agreed landed writes
     observed: list[int] = field(default_factory=list)  # per tick: this rank's own count
     # Per tick, before its agreement: L2 writes not acknowledged yet (what earlier ticks'
@@ -80,8 +97,30 @@ def run_scenario(tp: TPGroup, scenario: Scenario) -> RankResult:
         engine.shutdown()
 
 
+def _inject_l3_fault(engine: Engine, fault: L3Fault) -> None:
+    storage = engine.cache.storage
+    assert storage is not None, "an L3 fault needs L3"
+    backend = storage.backend
+    if fault.call == "exists":
+        real_exists = backend.exists
+
+        def exists(keys: Sequence[bytes]) -> int:
+            return max(0, real_exists(keys) - fault.num_pages)
+
+        backend.exists = exists  # type: ignore[method-assign]
+    else:
+        real_get = backend.get
+
+        def get(keys: Sequence[bytes], host_pages: PageIds) -> int:
+            return max(0, real_get(keys, host_pages) - fault.num_pages)
+
+        backend.get = get  # type: ignore[method-assign]
+
+
 def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
     result = RankResult()
+    if scenario.l3_fault is not None and scenario.l3_fault.rank == tp.rank:
+        _inject_l3_fault(engine, scenario.l3_fault)
     replicated = engine.replicated
     if replicated is not None:
         replicated.record = True
@@ -95,7 +134,8 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
             seen = real()
             result.observed.append(seen.num_landed_writes)
             if tp.rank == scenario.lagging_rank and replicated.num_ticks < scenario.lag_ticks:
-                return Progress(0)  # its copies look late: the group must wait for it
+                # Its copies look late: the group must wait for it.
+                return dataclasses.replace(seen, num_landed_writes=0)
             return seen
 
         replicated.observe = observe
@@ -110,6 +150,7 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
             replicated.make_req = keep
             engine.run_replica()  # until rank 0 stops the group
             result.tokens = {req.rid: list(req.output_ids) for req in made}
+            result.storage_tokens = {req.rid: req.storage_tokens for req in made}
             result.agreed = [p.num_landed_writes for p in replicated.agreed]
             result.num_ticks = replicated.num_ticks
             return result
@@ -117,10 +158,9 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
     stop = threading.Event()
 
     def tick() -> None:
-        if replicated is None:
-            scheduler.step()
-        else:
-            replicated.tick(stop)
+        worked = scheduler.step() if replicated is None else replicated.tick(stop)[1]
+        if not worked:
+            time.sleep(IDLE_TICK_S)  # waiting on a thread (an L3 lookup or read): let it run
 
     for step in scenario.steps:
         reqs = [engine._replica_req(AddRequest(r, r.rid or "", None, time.monotonic()))
@@ -153,6 +193,7 @@ def _record(result: RankResult, reqs: list[Req]) -> None:
         assert req.phase is Phase.FINISHED and req.error is None, (req.rid, req.error)
         result.tokens[req.rid] = list(req.output_ids)
         result.cached[req.rid] = (req.cached.device, req.cached.host)
+        result.storage_tokens[req.rid] = req.storage_tokens
 
 
 def prompt(seed: int, length: int, vocab: int) -> tuple[int, ...]:

@@ -93,8 +93,6 @@ def test_every_flag_reaches_its_field() -> None:
         (("--disable-radix-cache", "--enable-hierarchical-cache"), "--disable-radix-cache"),
         (("--hicache-ratio", "1"), "--hicache-ratio must be greater than 1"),
         (("--tp-size", "0"), "--tp-size must be >= 1"),
-        (("--tp-size", "2", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"),
-         "L3 under tensor parallelism is not supported yet"),
     ],
 )
 def test_bad_flags_fail_naming_the_flag(flags: tuple[str, ...], words: str) -> None:

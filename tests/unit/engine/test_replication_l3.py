@@ -1,0 +1,122 @@
+"""L3 under tensor parallelism (2 ranks, gloo over loopback; file backend): the ranks
+agree on what each L3 lookup found and each read landed (the minimum over the ranks) in
+the per-tick collective, so a prefix read back from L3 after a flush is the single-rank
+engine's, and a rank whose store finds or returns fewer pages makes the prefix shorter
+on every rank while the outputs stay the single-rank engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hicache.cache.l3_agreement import NUM_SLOTS, L3Progress, SlotProgress
+from hicache.config import CacheConfig
+from hicache.distributed.group import SINGLE_RANK, TPGroup
+from hicache.engine.api import GenerateRequest
+from hicache.engine.config import EngineConfig, ModelLoadConfig, ParallelConfig, SchedulingConfig
+from hicache.engine.replication import Progress, agree
+from hicache.storage.config import PrefetchPolicy, StorageConfig
+from tests.unit.distributed.ranks import run_ranks
+from tests.unit.engine.tp_engine_ranks import (
+    L3Fault,
+    RankResult,
+    Scenario,
+    Step,
+    greedy,
+    prompt,
+    run_scenario,
+)
+
+VOCAB = 500  # below the tiny preset's vocabulary
+PAGE_SIZE = 4
+SHORT_PAGES = 2  # how many pages the faulty rank's store falls short by
+
+
+def _config(path: Path, tp_size: int) -> EngineConfig:
+    # wait_complete: a request starts once its prefetch has landed, so what L3 gives it
+    # does not depend on timing (the deadline, 30 s, is never reached here).
+    storage = StorageConfig(
+        backend="file", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=4,
+        backend_extra={"path": str(path)},
+    )
+    return EngineConfig(
+        model=ModelLoadConfig(preset="tiny", device="cpu", dtype="float32"),
+        scheduling=SchedulingConfig(max_total_tokens=512),
+        cache=CacheConfig(page_size=PAGE_SIZE, enable_hierarchical_cache=True),
+        storage=storage,
+        parallel=ParallelConfig(tp_size=tp_size),
+    )
+
+
+def _request(rid: str, seed: int, length: int) -> GenerateRequest:
+    return GenerateRequest(input_ids=prompt(seed, length, VOCAB), sampling=greedy(), rid=rid)
+
+
+# Cold requests, a flush (L1 and L2 forget them, L3 keeps them), the same prompts again.
+STEPS = (
+    Step((_request("a", 1, 23), _request("b", 2, 30)), op_after="flush"),
+    Step((_request("a-l3", 1, 23), _request("b-l3", 2, 30))),
+)
+FROM_L3 = ("a-l3", "b-l3")
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory: pytest.TempPathFactory) -> RankResult:
+    path = tmp_path_factory.mktemp("l3-alone")
+    return run_scenario(SINGLE_RANK, Scenario(_config(path, 1), STEPS))
+
+
+def _assert_ranks_alike(leader: RankResult, follower: RankResult) -> None:
+    assert follower.tokens == leader.tokens
+    assert follower.storage_tokens == leader.storage_tokens
+    assert leader.num_ticks == follower.num_ticks
+    assert leader.agreed == follower.agreed
+    assert leader.tree_device_pages == follower.tree_device_pages
+    assert leader.tree_host_pages == follower.tree_host_pages
+    assert leader.num_free_device_pages == follower.num_free_device_pages
+    assert leader.num_free_host_pages == follower.num_free_host_pages
+
+
+def test_tp2_reads_back_from_l3_like_one_rank(alone: RankResult, tmp_path: Path) -> None:
+    assert all(alone.storage_tokens[rid] > 0 for rid in FROM_L3)  # L3 served them alone
+    scenario = Scenario(_config(tmp_path, 2), STEPS)
+    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    _assert_ranks_alike(leader, follower)
+    assert leader.tokens == alone.tokens
+    assert leader.storage_tokens == alone.storage_tokens
+    assert leader.cached == alone.cached
+
+
+@pytest.mark.parametrize(("rank", "call"), [(1, "exists"), (0, "get"), (1, "get")])
+def test_a_rank_whose_l3_falls_short_shortens_the_prefix_for_all(
+    alone: RankResult, tmp_path: Path, rank: int, call: str
+) -> None:
+    fault = L3Fault(rank=rank, call=call, num_pages=SHORT_PAGES)
+    scenario = dataclasses.replace(Scenario(_config(tmp_path, 2), STEPS), l3_fault=fault)
+    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    _assert_ranks_alike(leader, follower)
+    # The prefix every rank took is what the short rank had; the outputs do not change.
+    for rid in FROM_L3:
+        assert leader.storage_tokens[rid] == alone.storage_tokens[rid] - SHORT_PAGES * PAGE_SIZE
+    assert leader.tokens == alone.tokens
+
+
+def _agree_l3(tp: TPGroup, _: None) -> Progress:
+    r = tp.rank
+    slots = (SlotProgress(1, 5 + r, 4 - r, 1, r), SlotProgress(r, 0, 0, 0, 1))
+    return agree(tp, Progress(1, L3Progress(num_done_backups=3 - r, slots=slots)))
+
+
+def test_l3_progress_is_agreed_field_by_field() -> None:
+    slots = (SlotProgress(1, 5, 3, 1, 0), SlotProgress(0, 0, 0, 0, 1))
+    expected = Progress(1, L3Progress(2, slots))
+    assert run_ranks(_agree_l3, 2, None, timeout_s=60) == [expected, expected]
+    # Fixed shape whatever the slots in use (the collective never changes shape).
+    tensor = expected.to_tensor()
+    num_fields = 2 + NUM_SLOTS * SlotProgress.NUM_FIELDS
+    assert tuple(tensor.shape) == (Progress.NUM_FIELDS,) == (num_fields,)
+    assert tuple(Progress(0).to_tensor().shape) == (Progress.NUM_FIELDS,)
+    assert Progress.from_tensor(tensor, num_slots=2) == expected

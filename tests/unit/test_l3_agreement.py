@@ -1,0 +1,114 @@
+"""The L3 tier under tensor parallelism, one rank alone (it agrees with itself; the
+group runs are in ``tests/unit/engine/test_replication_l3.py``): prefetches take the
+agreement slots in order and wait for a free one, a prefetch settles with the agreed
+number of landed pages, the pages it did not keep stay held until every rank's I/O for
+it returned, and backups are acknowledged only when agreed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.cache.l3 import PrefetchHandle
+from hicache.cache.l3_agreement import NUM_SLOTS
+from tests.kv_oracle import conversation, serve, serve_with_l3, settle
+from tests.storage_reference import MemoryStore
+from tests.unit.test_l3_cache import make_cache
+
+WAIT_S = 10.0
+
+
+def _replicated(store: MemoryStore) -> HierarchicalCache:
+    cache, _ = make_cache(store)
+    cache.replicated = True
+    return cache
+
+
+def _tick(cache: HierarchicalCache) -> None:
+    """One tick's agreement of a rank alone: its own progress is the agreed one."""
+    l2 = cache.observe_progress()
+    l3 = cache.observe_l3_progress()
+    cache.apply_progress(l2)
+    cache.apply_l3_progress(l3)
+
+
+def _tick_until(cache: HierarchicalCache, what: str, done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        _tick(cache)
+        time.sleep(0.001)
+
+
+def test_prefetches_past_the_slots_wait_for_one() -> None:
+    cache = _replicated(MemoryStore())
+    try:
+        handles = [cache.prefetch(conversation(16, seed=i)) for i in range(NUM_SLOTS)]
+        assert all(h is not None for h in handles)
+        assert not cache.prefetch_slot_free
+        assert cache.prefetch(conversation(16, seed=NUM_SLOTS)) is None
+        first = handles[0]
+        assert first is not None
+        cache.cancel_prefetch(first)  # settled, but its slot drains first
+        _tick_until(cache, "a free slot", lambda: cache.prefetch_slot_free)
+        assert cache.prefetch(conversation(16, seed=NUM_SLOTS)) is not None
+        for handle in handles[1:]:
+            assert handle is not None
+            cache.cancel_prefetch(handle)
+        settle(cache)
+    finally:
+        cache.close()
+
+
+def test_a_prefetch_settles_with_the_agreed_landed_pages_only() -> None:
+    store = MemoryStore()
+    tokens = conversation(40)
+    first, _ = make_cache(store)
+    cache = _replicated(store)
+    try:
+        assert serve_with_l3(first, tokens) == 0
+        settle(first)
+        handle = cache.prefetch(tokens)
+        assert isinstance(handle, PrefetchHandle)
+        _tick_until(cache, "the read", lambda: cache.prefetch_done(handle))
+        assert handle.agreed is not None and handle.agreed.num_found_pages == 10
+        assert handle.op.num_landed == 10
+        # Another rank landed only 4 pages: that is what every rank keeps.
+        handle.agreed = dataclasses.replace(handle.agreed, num_landed_pages=4)
+        host = cache.host_pool
+        assert host is not None
+        free_before = host.allocator.num_free_pages
+        assert cache.finish_prefetch(handle) == 16
+        # The 6 pages not kept are freed by the next agreement, not at once.
+        assert host.allocator.num_free_pages == free_before
+        _tick(cache)
+        assert host.allocator.num_free_pages == free_before + 6
+        assert serve(cache, tokens) == 16  # and the 16 tokens are cold KV bit for bit
+        settle(cache)
+    finally:
+        first.close()
+        cache.close()
+
+
+def test_backups_are_acknowledged_when_agreed() -> None:
+    store = MemoryStore()
+    cache = _replicated(store)
+    try:
+        serve(cache, conversation(40))
+        cache.poll(wait=True)  # the device->host copies landed: backups queued
+        storage = cache.storage
+        assert storage is not None
+        assert storage.controller.wait_idle(WAIT_S)
+        storage.poll()
+        assert len(store.pages) == 10  # written...
+        assert cache.stats.num_storage_backed_up_pages == 0  # ...but not acknowledged
+        assert cache.observe_l3_progress().num_done_backups > 0
+        _tick(cache)
+        assert cache.stats.num_storage_backed_up_pages == 10
+        assert cache.observe_l3_progress().num_done_backups == 0
+        settle(cache)
+    finally:
+        cache.close()
