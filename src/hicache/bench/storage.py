@@ -182,7 +182,19 @@ def _mooncake_setup(
     return extra
 
 
-SETUPS: dict[str, BackendSetup] = {"file": _file_setup, "mooncake": _mooncake_setup}
+def _aibrix_setup(
+    args: argparse.Namespace, workload: Workload, stack: contextlib.ExitStack
+) -> dict[str, Any] | str:
+    reason = unavailable_reason("aibrix")
+    if reason is not None:
+        return reason
+    # RocksDB in the run's directory; an L1 with room for every page, so gets hit it.
+    return {"path": str(workload.work_dir / "aibrix-l3"), "l1_capacity": 2 * workload.nbytes}
+
+
+SETUPS: dict[str, BackendSetup] = {
+    "file": _file_setup, "mooncake": _mooncake_setup, "aibrix": _aibrix_setup,
+}
 
 
 # ------------------------------------------------------------------ baselines
@@ -240,7 +252,16 @@ def _mooncake_baseline(workload: Workload, backend: StorageBackend) -> BaselineR
 # Hook: backend name -> the baseline measured next to it in the same run (a
 # ``Baseline``). A backend without an entry is reported without a ratio; a
 # baseline that fails is reported as skipped, the backend's numbers still stand.
-BASELINES: dict[str, Baseline] = {"file": _file_baseline, "mooncake": _mooncake_baseline}
+def _aibrix_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
+    """AIBrix's cache manager on the same bytes (``hicache.bench.aibrix_baseline``)."""
+    from hicache.bench.aibrix_baseline import aibrix_baseline
+
+    return aibrix_baseline(workload, backend)
+
+
+BASELINES: dict[str, Baseline] = {
+    "file": _file_baseline, "mooncake": _mooncake_baseline, "aibrix": _aibrix_baseline,
+}
 
 
 # ------------------------------------------------------------------ measuring

@@ -213,15 +213,15 @@ class AibrixBackend(StorageBackend):
     def _stored(self, store: AibrixStore, names: list[str]) -> list[bool]:
         """Which pages are stored already: the leading run in one call, then page by page.
 
-        AIBrix answers a prefix count; pages past the first gap (a chain stored
-        partly before) are asked one at a time so that none is rewritten.
+        AIBrix answers a prefix count (and looks a whole sub-batch up in RocksDB
+        per call); pages past the first gap (a chain stored partly before) are
+        asked one at a time, so that none is rewritten.
         """
-        stored = [False] * len(names)
-        start = 0
-        while start < len(names):
-            found = store.exists(names[start:])
-            if found.reason is not None:  # cannot tell: write the rest (a rewrite is harmless)
-                return stored
-            stored[start : start + found.count] = [True] * found.count
-            start += found.count + 1  # names[start + count] is missing (or the end)
+        found = store.exists(names)
+        if found.reason is not None:  # cannot tell: write them all (a rewrite is harmless)
+            return [False] * len(names)
+        stored = [i < found.count for i in range(len(names))]
+        for i in range(found.count + 1, len(names)):
+            one = store.exists(names[i : i + 1])
+            stored[i] = one.reason is None and one.count == 1
         return stored
