@@ -285,9 +285,7 @@ class AibrixStore:
                 heads=[0], layers=[0], head_size=geometry.block_bytes // unit
             ),
         }
-        # TQDM_DISABLE: no progress bar on stderr for AIBrix's slab allocation.
-        environment = {**settings.environment(self.rocksdb_root), "TQDM_DISABLE": "1"}
-        with _BUILD_LOCK, _environment(environment):
+        with _BUILD_LOCK, _environment(settings.environment(self.rocksdb_root)):
             try:
                 config = aibrix.KVCacheConfig(
                     block_spec=KVCacheBlockSpec(**spec_args),

@@ -347,3 +347,19 @@ def test_unchanged_pages_keep_their_bytes_across_layout_hosts(
     assert page_bytes_of(host, np.asarray([7, 9])) == as_bytes(values)
     page_first, _ = open_backend(opened, tmp_path)
     assert page_first.exists(chain) == 0
+
+
+def test_loading_the_backend_leaves_asyncio_s_loop_policy_and_turns_pinning_off() -> None:
+    """AIBrix installs uvloop's policy on import; the server's own loop must not change."""
+    code = (
+        "import asyncio\n"
+        "before = type(asyncio.get_event_loop_policy())\n"
+        "import hicache.storage.aibrix\n"
+        "from aibrix_kvcache import cache_manager\n"
+        "print(type(asyncio.get_event_loop_policy()) is before, "
+        "cache_manager.TESTING_DISABLE_PIN_MEMORY)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.split() == ["True", "True"]
