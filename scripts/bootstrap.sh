@@ -21,7 +21,7 @@ if ! .venv/bin/python -c "$has_smollm2"; then
 fi
 # AIBrix KVCache (the aibrix L3 backend) without its own requirements, which would pin
 # redis==6.0.0 and build netifaces from source; the dev extra has the ones it really needs.
-# Its wheels are for CPython 3.11+ on Linux x86_64; elsewhere say so and go on (only the
+# Its wheels are for CPython 3.11 and 3.12 on Linux x86_64; elsewhere say so and go on (only the
 # aibrix tests need it, and they fail naming what is missing).
 aibrix_version=${HICACHE_AIBRIX_VERSION:-0.8.0}
 has_aibrix="import importlib.metadata as m, sys; sys.exit(m.version('aibrix-kvcache') != '$aibrix_version')"

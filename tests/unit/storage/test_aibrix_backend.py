@@ -363,3 +363,18 @@ def test_loading_the_backend_leaves_asyncio_s_loop_policy_and_turns_pinning_off(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize(("ttl_s", "kept"), [(1, False), (0, True)])
+def test_ttl_s_reaches_rocksdb(
+    tmp_path: Path, opened: list[AibrixBackend], ttl_s: int, kept: bool
+) -> None:
+    """RocksDB drops pages older than ttl_s at a compaction; 0 keeps them."""
+    chain = keys(1, seed=9)
+    backend, host = open_backend(opened, tmp_path, l1=False, ttl_s=ttl_s)
+    fill_random(host, page_range(0, 1), seed=9)
+    assert backend.set(chain, page_range(0, 1)) == 1
+    time.sleep(2.1)  # RocksDB's TTL counts whole seconds
+    rocksdb = backend.store.manager._l2_cache._backend.store  # AIBrix's rocksdict handle
+    rocksdb.compact_range(None, None)
+    assert backend.exists(chain) == (1 if kept else 0)
