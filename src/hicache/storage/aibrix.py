@@ -57,6 +57,7 @@ from hicache.storage.aibrix_store import (
 from hicache.storage.base import StorageBackend, StorageError
 from hicache.storage.frame import (
     HEADER_BYTES,
+    Fault,
     check_header,
     check_payload,
     checksum,
@@ -65,6 +66,9 @@ from hicache.storage.frame import (
 )
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
+
+# Reasons a page read back was rejected (as opposed to not found, or a failed call).
+_FAULTS = frozenset(fault.value for fault in Fault)
 
 
 class AibrixBackend(StorageBackend):
@@ -144,8 +148,8 @@ class AibrixBackend(StorageBackend):
         done = store.read(names, land)
         if done.reason is not None:
             self._fail(done.reason)
-            if done.reason not in ("missing", "unavailable", "io_error", "timeout"):
-                store.delete(names[done.count : done.count + 1])  # a bad page must not be read
+            if done.reason in _FAULTS:  # a bad page: dropped, so that a backup stores it anew
+                store.delete(names[done.count : done.count + 1])
         with self._lock:
             self._stats.pages_read += done.count
             self._stats.bytes_read += done.count * payload_bytes

@@ -154,7 +154,7 @@ class AibrixStore:
     # ------------------------------------------------------------ operations
     def exists(self, names: Sequence[str]) -> Outcome:
         with self._gate.shared():
-            manager = self._usable()
+            manager = self._manager
             if manager is None:
                 return Outcome(0, "unavailable")
             status = self._call("exists", lambda: manager.exists(None, self.hashes(names)))
@@ -165,7 +165,7 @@ class AibrixStore:
     def read(self, names: Sequence[str], consume: BlockReader) -> Outcome:
         """Hand each found block to ``consume`` in order; stop at the first it rejects."""
         with self._gate.shared():
-            manager = self._usable()
+            manager = self._manager
             if manager is None:
                 return Outcome(0, "unavailable")
             status = self._call("acquire", lambda: manager.acquire(None, self.hashes(names)))
@@ -187,7 +187,7 @@ class AibrixStore:
     def write(self, names: Sequence[str], fill: BlockFiller) -> Outcome:
         """Store ``len(names)`` blocks, each filled in place by ``fill(i, block)``."""
         with self._gate.shared():
-            manager = self._usable()
+            manager = self._manager
             if manager is None:
                 return Outcome(0, "unavailable")
             hashes = self.hashes(names)
@@ -211,7 +211,7 @@ class AibrixStore:
 
     def delete(self, names: Sequence[str]) -> None:
         with self._gate.shared():
-            manager = self._usable()
+            manager = self._manager
             if manager is not None:
                 self._call("delete", lambda: manager.delete(None, self.hashes(names)))
 
@@ -235,9 +235,6 @@ class AibrixStore:
             self._close_manager()
 
     # ------------------------------------------------------------ internals
-    def _usable(self) -> Any:
-        return self._manager
-
     def _blocks(self, status: Any, expected: int | None = None) -> Outcome:
         """Tokens in an AIBrix status as blocks (NOT_FOUND: none, and no failure)."""
         if status.is_ok():
@@ -315,17 +312,22 @@ def _reason(status: Any) -> str:
 
 
 class _SharedGate:
-    """Many holders of ``shared`` at once, or one of ``exclusive`` (which waits for them)."""
+    """Many holders of ``shared`` at once, or one of ``exclusive`` (which waits for them).
+
+    A waiting ``exclusive`` holds back new ``shared`` holders, so a steady stream
+    of calls cannot starve ``clear``/``close``.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._shared = 0
         self._exclusive = False
+        self._exclusive_waiting = 0
 
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
         with self._cond:
-            while self._exclusive:
+            while self._exclusive or self._exclusive_waiting:
                 self._cond.wait()
             self._shared += 1
         try:
@@ -338,8 +340,10 @@ class _SharedGate:
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         with self._cond:
+            self._exclusive_waiting += 1
             while self._exclusive or self._shared:
                 self._cond.wait()
+            self._exclusive_waiting -= 1
             self._exclusive = True
         try:
             yield

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -378,3 +379,40 @@ def test_ttl_s_reaches_rocksdb(
     rocksdb = backend.store.manager._l2_cache._backend.store  # AIBrix's rocksdict handle
     rocksdb.compact_range(None, None)
     assert backend.exists(chain) == (1 if kept else 0)
+
+
+def test_clear_while_other_threads_read_and_write(
+    tmp_path: Path, opened: list[AibrixBackend]
+) -> None:
+    """clear() swaps AIBrix's manager under running calls: they see pages or misses, no errors."""
+    chain = keys(8, seed=10)
+    backend, host = open_backend(opened, tmp_path)
+    fill_random(host, page_range(0, 8), seed=10)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    answers: list[int] = []
+
+    def worker(offset: int) -> None:
+        try:
+            while not stop.is_set():
+                answers.append(backend.set(chain, page_range(0, 8)))
+                answers.append(backend.get(chain, page_range(20 + 8 * offset, 28 + 8 * offset)))
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(5):
+            time.sleep(0.05)
+            backend.clear()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=10)
+    assert not any(thread.is_alive() for thread in threads)
+    assert not errors, errors
+    assert answers and all(0 <= n <= 8 for n in answers)
+    assert backend.set(chain, page_range(0, 8)) == 8  # usable afterwards
+    assert backend.get(chain, page_range(40, 48)) == 8
