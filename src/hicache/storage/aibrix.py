@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
@@ -66,6 +67,19 @@ from hicache.storage.frame import (
 )
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
+
+
+def tp_shard() -> str:
+    """This process's tensor-parallel rank as a directory name ("" outside a TP group).
+
+    Each rank is a process of its own (``hicache.distributed.group``: a process is
+    in at most one torch.distributed group, its TP group) with its own KV shard, and
+    RocksDB lets one process open a directory, so each rank keeps its own.
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return ""
+    return f"tp{dist.get_world_size()}-rank{dist.get_rank()}"
+
 
 # Reasons a page read back was rejected (as opposed to not found, or a failed call).
 _FAULTS = frozenset(fault.value for fault in Fault)
@@ -92,7 +106,8 @@ class AibrixBackend(StorageBackend):
         if self._store is not None:
             raise StorageError("aibrix storage is already attached")
         regions = PageRegions(host)
-        self._store = acquire_store(self.settings, BlockGeometry(host.page_size, host.page_bytes))
+        geometry = BlockGeometry(host.page_size, host.page_bytes)
+        self._store = acquire_store(self.settings, geometry, tp_shard())
         super().attach(host)
         self._regions = regions
 

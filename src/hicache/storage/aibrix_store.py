@@ -22,7 +22,9 @@ one process with the same settings and block geometry share one manager
 the others read, from the L1 or RocksDB. Another *process* cannot open the
 same directory while this one holds it: its attach fails with
 ``StorageUnavailableError``. Each block geometry gets its own subdirectory of
-``path``.
+``path``, and so does each tensor-parallel rank (``shard``): the ranks are
+processes, each with its own KV shard, so each opens its own RocksDB (found
+again by a restart with the same rank).
 
 The manager reads its configuration from environment variables while it is
 built (``aibrix_settings``); they are set, under a lock, only for that
@@ -133,12 +135,16 @@ BlockReader = Callable[[int, np.ndarray], str | None]
 
 
 class AibrixStore:
-    """A cache manager for one (settings, geometry), rebuilt by ``clear``. Thread-safe."""
+    """A cache manager for one (settings, geometry, shard), rebuilt by ``clear``. Thread-safe.
 
-    def __init__(self, settings: AibrixSettings, geometry: BlockGeometry) -> None:
+    ``shard`` names the subdirectory of one tensor-parallel rank ("" without one).
+    """
+
+    def __init__(self, settings: AibrixSettings, geometry: BlockGeometry, shard: str = "") -> None:
         self.settings = settings
         self.geometry = geometry
-        self.rocksdb_root = settings.path / geometry.directory
+        self.shard = shard
+        self.rocksdb_root = settings.path / shard / geometry.directory
         # Calls share the manager; clear() and close() swap it out exclusively.
         self._gate = _SharedGate()
         self._manager: Any = self._build()
@@ -354,33 +360,37 @@ class _SharedGate:
 
 
 # ------------------------------------------------------------ sharing in a process
-_OPEN: dict[tuple[AibrixSettings, BlockGeometry], tuple[AibrixStore, int]] = {}
+_StoreKey = tuple[AibrixSettings, BlockGeometry, str]
+_OPEN: dict[_StoreKey, tuple[AibrixStore, int]] = {}
 _OPEN_LOCK = threading.Lock()
 
 
-def acquire_store(settings: AibrixSettings, geometry: BlockGeometry) -> AibrixStore:
-    """The process's store for ``settings`` and ``geometry``, opened on first use."""
-    key = (settings, geometry)
+def acquire_store(
+    settings: AibrixSettings, geometry: BlockGeometry, shard: str = ""
+) -> AibrixStore:
+    """The process's store for ``settings``, ``geometry`` and ``shard``, opened on first use."""
+    key = (settings, geometry, shard)
     with _OPEN_LOCK:
         found = _OPEN.get(key)
         if found is not None:
             store, users = found
             _OPEN[key] = (store, users + 1)
             return store
-        for other_settings, other_geometry in _OPEN:
-            if other_settings.path == settings.path and other_geometry == geometry:
+        for other_settings, other_geometry, other_shard in _OPEN:
+            same_directory = other_settings.path == settings.path and other_shard == shard
+            if same_directory and other_geometry == geometry:
                 raise StorageError(
                     f"aibrix storage: {settings.path} is already open in this process with "
                     "other settings; backends sharing a path must use the same options"
                 )
-        store = AibrixStore(settings, geometry)
+        store = AibrixStore(settings, geometry, shard)
         _OPEN[key] = (store, 1)
         return store
 
 
 def release_store(store: AibrixStore) -> None:
     """Drop one user of ``store``; the last one closes it."""
-    key = (store.settings, store.geometry)
+    key = (store.settings, store.geometry, store.shard)
     with _OPEN_LOCK:
         found = _OPEN.get(key)
         if found is None or found[0] is not store:
