@@ -89,13 +89,14 @@ class AibrixSettings:
     def from_options(cls, options: Options) -> AibrixSettings:
         options.reject_unknown(KNOWN_KEYS)
         path = options.string("path", None, env=(ENV["path"],))
-        capacity = _raw(options, "l1_capacity")
-        if capacity is None:
-            capacity_bytes = DEFAULT_L1_CAPACITY_BYTES
-        elif isinstance(capacity, str) and capacity == os.environ.get(ENV["l1_capacity"]):
-            capacity_bytes = _gigabytes(capacity)  # AIBrix's variable counts GiB
-        else:
+        capacity = options.extra.get("l1_capacity")
+        capacity_env = os.environ.get(ENV["l1_capacity"])
+        if capacity is not None:
             capacity_bytes = parse_size(capacity, "aibrix storage: l1_capacity")
+        elif capacity_env:
+            capacity_bytes = _gigabytes(capacity_env)  # AIBrix's variable counts GiB
+        else:
+            capacity_bytes = DEFAULT_L1_CAPACITY_BYTES
         policy = _raw(options, "l1_eviction_policy")
         l2 = _raw(options, "l2")
         return cls(

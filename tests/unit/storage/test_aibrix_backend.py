@@ -100,8 +100,10 @@ def test_aibrix_environment_variables_are_the_fallback(
     assert settings.path == tmp_path / "from-env"
     assert settings.l1_capacity_bytes == 2 * 2**30  # AIBrix's variable counts GiB
     assert settings.l1 is False and settings.l2 is True and settings.ttl_s == 60
-    # The extra config wins over the environment.
-    assert AibrixBackend({"path": str(tmp_path), "l1": True}).settings.path == tmp_path
+    # The extra config wins over the environment, in its own units (bytes, not GiB).
+    settings = AibrixBackend({"path": str(tmp_path), "l1": True, "l1_capacity": "2"}).settings
+    assert settings.path == tmp_path and settings.l1 is True
+    assert settings.l1_capacity_bytes == 2
 
 
 @pytest.mark.parametrize(
