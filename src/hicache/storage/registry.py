@@ -29,6 +29,12 @@ MOONCAKE_INSTALL_HINT = (
     "libraries it links against: on Debian/Ubuntu apt-get install libibverbs1 librdmacm1 libnuma1"
 )
 
+NIXL_INSTALL_HINT = (
+    "pip install 'hicache[nixl]' (that is nixl-cu12; to use the nixl meta package as "
+    "well, which picks the wheel of your CUDA version, add it without its dependencies: "
+    "pip install --no-deps nixl==1.5.1)"
+)
+
 BACKENDS: dict[str, BackendEntry] = {
     "file": BackendEntry(
         "hicache.storage.file", "FileBackend", "one file per page in a local directory", {}
@@ -36,6 +42,11 @@ BACKENDS: dict[str, BackendEntry] = {
     "mooncake": BackendEntry(
         "hicache.storage.mooncake", "MooncakeBackend", "Mooncake Store (distributed memory pool)",
         {"mooncake": MOONCAKE_INSTALL_HINT},
+    ),
+    "nixl": BackendEntry(
+        "hicache.storage.nixl", "NixlBackend",
+        "page files moved by NVIDIA NIXL's POSIX (or GDS) storage plugin",
+        {"nixl": NIXL_INSTALL_HINT, "nixl_cu12": NIXL_INSTALL_HINT},
     ),
     "dynamic": BackendEntry(
         "hicache.storage.dynamic", "DynamicBackend",

@@ -1,0 +1,494 @@
+"""The "nixl" backend: page files in a directory, moved by NVIDIA NIXL's storage plugins.
+
+Extra config:
+    path                 directory of the page files (default ``$HICACHE_CACHE_DIR/l3-nixl``,
+                         else ``~/.cache/hicache/l3-nixl``)
+    plugin               NIXL plugin: "POSIX" (default), "GDS" or "GDS_MT" (GPUDirect
+                         Storage: need CUDA and libcufile, so a GPU machine; not tested
+                         here). "OBJ" (S3 objects) is refused: it takes object descriptors,
+                         not files, which this backend does not build.
+    io_queue             POSIX plugin's kernel queue: "auto" (default, the plugin picks
+                         Linux AIO), "aio", "uring" (io_uring) or "posix_aio"
+    direct_io            open page files with O_DIRECT, bypassing the page cache (default
+                         false). Needs a host pool whose page regions start at 4096-byte
+                         aligned addresses and are multiples of 4096 bytes long (checked at
+                         attach)
+    verify_checksum      hash every page read against its header (default true)
+    transfer_timeout_s   deadline of one batch transfer (default 10); a batch past it is
+                         cancelled and counts as failed ("timeout")
+
+Layout. Files are named as the file backend names them
+(``<path>/<first two hex digits>/<key hex>.<order tag>``) and hold
+``payload || trailer``, the trailer beginning with the ``frame`` header. In
+buffered mode the trailer is the 48-byte header alone, so such a directory
+holds exactly the file backend's files and the two backends read each other's
+pages. With ``direct_io`` every I/O must be block aligned, so the trailer is
+the header padded with zeros to 4096 bytes; files of one mode are the wrong
+length for the other (a miss, counted as "wrong_length", and removed).
+
+Zero copy with registered memory. The host pool is registered with the NIXL
+agent once, at attach: every page region (one per page for page_first
+layouts, one per layer and K/V for layer_first, ``PageRegions``) is a DRAM
+descriptor into it, against a FILE descriptor at the region's offset in the
+page's file. The headers cannot live in the pool, so each call borrows a
+small registered buffer with one trailer slot per page of the batch
+(``_TrailerSlots``): writes pack the header there before the transfer, reads
+land the stored trailer there and check it after. A whole batch, every page's
+regions and trailers, is one NIXL transfer request (READ or WRITE), polled to
+completion under ``transfer_timeout_s``. Each page file is opened and
+registered with the agent for the request that uses it only.
+
+Visibility and failures. Pages are written to temporaries (named as the file
+backend names them) and renamed into place after the transfer completed, so
+a reader sees a whole page or none. Before a read, every file's size is
+checked: a missing file ends the prefix ("missing"), a file of the wrong size
+is removed and ends it too. After the read each page's header and checksum
+are checked in order (``frame``); the first bad one is removed and ends the
+prefix. A transfer NIXL reports failed (an I/O error, a full disk) or that
+missed its deadline fails its whole batch ("io_error", "timeout").
+
+There is no size cap and no eviction: the directory grows until ``clear``
+(unlike the file backend's LRU ``max_bytes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from stat import S_ISREG
+from typing import Any
+
+import numpy as np
+
+from hicache.local_cache import local_cache_dir
+from hicache.memory.allocator import PageIds
+from hicache.memory.host_pool import HostPool
+from hicache.storage.base import (
+    MAX_BATCH_PAGES,
+    StorageBackend,
+    StorageError,
+    StorageUnavailableError,
+)
+from hicache.storage.file import is_stale_temp, temp_name
+from hicache.storage.frame import (
+    HEADER_BYTES,
+    Fault,
+    check_header,
+    check_payload,
+    checksum,
+    object_name,
+    pack_header_into,
+)
+from hicache.storage.nixl_agent import (
+    FILE_PLUGINS,
+    OBJECT_PLUGIN,
+    IoQueue,
+    NixlAgent,
+    TransferFailed,
+)
+from hicache.storage.options import Options
+from hicache.storage.page_regions import PageRegions
+
+# O_DIRECT's alignment: the largest logical block size in common use, and the memory page.
+DIRECT_ALIGN_BYTES = 4096
+DEFAULT_TRANSFER_TIMEOUT_S = 10.0
+_KNOWN_KEYS = {"path", "plugin", "io_queue", "direct_io", "verify_checksum", "transfer_timeout_s"}
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_BATCH_FAULTS = ("io_error", "timeout")  # TransferFailed reasons: the whole batch failed
+
+
+def default_path() -> Path:
+    return local_cache_dir() / "l3-nixl"
+
+
+class NixlBackend(StorageBackend):
+    """See the module docstring."""
+
+    name = "nixl"
+
+    def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(extra_config)
+        options = Options(self.extra_config, "nixl storage")
+        options.reject_unknown(_KNOWN_KEYS)
+        path = options.string("path", None)
+        self.root = Path(path).expanduser() if path else default_path()
+        self._root_text = str(self.root)
+        plugin = options.string("plugin", "POSIX") or "POSIX"
+        self.plugin = plugin.upper()
+        if self.plugin == OBJECT_PLUGIN:
+            raise StorageError(
+                "nixl storage: plugin 'OBJ' stores S3 objects through object descriptors, "
+                "which this backend does not build; use POSIX (or GDS on a GPU machine)"
+            )
+        if self.plugin not in FILE_PLUGINS:
+            raise StorageError(
+                f"nixl storage: plugin must be one of {', '.join(FILE_PLUGINS)}, got {plugin!r}"
+            )
+        queue = options.string("io_queue", IoQueue.AUTO.value) or IoQueue.AUTO.value
+        try:
+            self.io_queue = IoQueue(queue.lower())
+        except ValueError:
+            choices = ", ".join(q.value for q in IoQueue)
+            raise StorageError(
+                f"nixl storage: io_queue must be one of {choices}, got {queue!r}"
+            ) from None
+        if self.io_queue is not IoQueue.AUTO and self.plugin != "POSIX":
+            raise StorageError("nixl storage: io_queue applies to the POSIX plugin only")
+        self.direct_io = options.boolean("direct_io", False)
+        if self.direct_io and not _O_DIRECT:
+            raise StorageError("nixl storage: direct_io needs O_DIRECT, which this OS lacks")
+        self.verify_checksum = options.boolean("verify_checksum", True)
+        self.transfer_timeout_s = options.number(
+            "transfer_timeout_s", DEFAULT_TRANSFER_TIMEOUT_S, minimum=0.001
+        )
+        self.trailer_bytes = DIRECT_ALIGN_BYTES if self.direct_io else HEADER_BYTES
+        self._open_flags = getattr(os, "O_CLOEXEC", 0) | (_O_DIRECT if self.direct_io else 0)
+        # The agent is made here so that a missing plugin is a configuration error.
+        params = self.io_queue.init_params if self.plugin == "POSIX" else {}
+        self._agent = NixlAgent(self.plugin, params)
+        self._regions: PageRegions | None = None
+        self._slots: _TrailerSlots | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+    def attach(self, host: HostPool) -> None:
+        regions = PageRegions(host)
+        if self.direct_io:
+            _check_direct_alignment(regions)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temporaries()
+        except OSError as error:
+            raise StorageUnavailableError(
+                f"nixl storage: cannot use directory {self.root}: {error}"
+            ) from error
+        self._agent.register_dram(regions.base_address, regions.pool_bytes)
+        super().attach(host)
+        self._regions = regions
+        self._slots = _TrailerSlots(self._agent, self.trailer_bytes)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._slots is not None:
+            self._slots.close()
+        self._agent.close()
+
+    # ----------------------------------------------------------- operations
+    def exists(self, keys: Sequence[bytes]) -> int:
+        regions = self._ready(keys)
+        with self._lock:
+            self._stats.exists_queries += 1
+        for i, key in enumerate(keys):
+            if not self._stored(self._path(object_name(key, regions.order))):
+                return i
+        return len(keys)
+
+    def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        regions = self._ready(keys, host_pages)
+        began = time.perf_counter()
+        pages = np.asarray(host_pages).tolist()
+        fds: list[int] = []
+        fault: str | None = None
+        num_read = 0
+        failed_pages = 1  # a bad or missing file ends the prefix by itself
+        try:
+            for key in keys:
+                fd, fault = self._open_for_read(self._path(object_name(key, regions.order)))
+                if fd is None:
+                    break
+                fds.append(fd)
+            if fds:
+                num_read, read_fault = self._read_batch(regions, keys, pages, fds)
+                if read_fault in _BATCH_FAULTS:
+                    failed_pages = len(fds)  # the transfer failed: the whole batch is lost
+                if read_fault is not None:
+                    fault = read_fault
+        finally:
+            for fd in fds:
+                os.close(fd)
+        with self._lock:
+            if fault is not None:
+                self._stats.fail(fault, failed_pages)
+            self._stats.pages_read += num_read
+            self._stats.bytes_read += num_read * regions.page_bytes
+            self._stats.read_seconds += time.perf_counter() - began
+        return num_read
+
+    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        regions = self._ready(keys, host_pages)
+        began = time.perf_counter()
+        paths = [self._path(object_name(key, regions.order)) for key in keys]
+        stored = [self._stored(path) for path in paths]
+        todo = [i for i, done in enumerate(stored) if not done]
+        num_written = 0
+        if todo:
+            pages = np.asarray(host_pages).tolist()
+            reason = self._write_batch(
+                regions, [keys[i] for i in todo], [pages[i] for i in todo],
+                [paths[i] for i in todo],
+            )
+            if reason is None:
+                num_written = len(todo)
+                for i in todo:
+                    stored[i] = True
+            else:
+                with self._lock:
+                    self._stats.fail(reason, len(todo))
+        num_stored = next((i for i, done in enumerate(stored) if not done), len(keys))
+        with self._lock:
+            self._stats.pages_skipped_existing += len(keys) - len(todo)
+            self._stats.pages_written += num_written
+            self._stats.bytes_written += num_written * regions.page_bytes
+            self._stats.write_seconds += time.perf_counter() - began
+        return num_stored
+
+    def clear(self) -> None:
+        """Remove every page file and temporary in the directory (any instance's)."""
+        self._ready([])
+        for sub in self._fan_out_dirs():
+            with os.scandir(sub) as entries:
+                for entry in entries:
+                    _unlink(entry.path)
+
+    # ------------------------------------------------------------ internals
+    def _ready(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> PageRegions:
+        if self._closed:
+            raise StorageError("nixl storage used after close()")
+        self._check_args(keys, host_pages)
+        if self._regions is None:
+            raise StorageError("storage backend 'nixl' used before attach()")
+        return self._regions
+
+    def _path(self, name: str) -> str:
+        return f"{self._root_text}/{name[:2]}/{name}"
+
+    @property
+    def _file_bytes(self) -> int:
+        assert self._regions is not None
+        return self._regions.page_bytes + self.trailer_bytes
+
+    def _stored(self, path: str) -> bool:
+        try:
+            info = os.stat(path)
+        except OSError:
+            return False
+        return S_ISREG(info.st_mode) and info.st_size == self._file_bytes
+
+    def _open_for_read(self, path: str) -> tuple[int | None, str | None]:
+        """An fd of a page file of the right size, or (None, why not)."""
+        # O_NONBLOCK: a FIFO put in place of a page must not wait for a writer.
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | self._open_flags
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            return None, "missing"
+        except OSError:
+            return None, "io_error"
+        try:
+            info = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            return None, "io_error"
+        if not S_ISREG(info.st_mode):
+            os.close(fd)
+            return None, "not_regular_file"
+        if info.st_size != self._file_bytes:
+            os.close(fd)
+            _unlink(path)  # not a file of ours (or of the other mode): make room for one
+            short = info.st_size < self._file_bytes
+            return None, (Fault.SHORT_READ if short else Fault.WRONG_LENGTH).value
+        return fd, None
+
+    def _read_batch(
+        self, regions: PageRegions, keys: Sequence[bytes], pages: list[int], fds: list[int]
+    ) -> tuple[int, str | None]:
+        """Read the first ``len(fds)`` pages; (pages verified, the fault that ended them)."""
+        assert self._slots is not None
+        with self._slots.borrow() as slots:
+            memory, files = self._descriptors(regions, pages[: len(fds)], fds, slots)
+            try:
+                self._agent.transfer(
+                    "READ", memory, files, fds, self._file_bytes, self.transfer_timeout_s
+                )
+            except TransferFailed as failure:
+                return 0, failure.reason
+            for i in range(len(fds)):
+                header = slots.view(i)[:HEADER_BYTES]
+                fault = check_header(header, keys[i], regions.order, regions.page_bytes)
+                if fault is None and self.verify_checksum:
+                    fault = check_payload(header, regions.views(pages[i]))
+                if fault is not None:
+                    _unlink(self._path(object_name(keys[i], regions.order)))
+                    return i, fault.value
+        return len(fds), None
+
+    def _write_batch(
+        self, regions: PageRegions, keys: list[bytes], pages: list[int], paths: list[str]
+    ) -> str | None:
+        """Write pages to temporaries, then rename them into place; the failure reason or None."""
+        assert self._slots is not None
+        temps = [
+            f"{os.path.dirname(path)}/"
+            f"{temp_name(os.path.basename(path), os.getpid(), threading.get_ident())}"
+            for path in paths
+        ]
+        fds: list[int] = []
+        try:
+            for temp in temps:
+                fds.append(_create(temp, self._open_flags))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            for temp in temps[: len(fds)]:
+                _unlink(temp)
+            return "io_error"
+        reason: str | None = None
+        with self._slots.borrow() as slots:
+            for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
+                digest = checksum(regions.views(page))
+                pack_header_into(slots.view(i), 0, key, regions.order, regions.page_bytes, digest)
+            memory, files = self._descriptors(regions, pages, fds, slots)
+            try:
+                self._agent.transfer(
+                    "WRITE", memory, files, fds, self._file_bytes, self.transfer_timeout_s
+                )
+            except TransferFailed as failure:
+                reason = failure.reason
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        if reason is None:
+            try:
+                for temp, path in zip(temps, paths, strict=True):
+                    os.replace(temp, path)
+            except OSError:
+                reason = "io_error"
+        if reason is not None:
+            for temp in temps:
+                _unlink(temp)
+        return reason
+
+    def _descriptors(
+        self, regions: PageRegions, pages: list[int], fds: list[int], slots: _SlotBuffer
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """DRAM and FILE descriptor arrays (Nx3) of whole pages: regions, then the trailer."""
+        per_page = regions.num_regions + 1
+        memory = np.zeros((len(pages) * per_page, 3), dtype=np.uint64)
+        files = np.zeros_like(memory)
+        region_bytes = regions.region_bytes
+        file_offsets = [k * region_bytes for k in range(regions.num_regions)]
+        row = 0
+        for i, (page, fd) in enumerate(zip(pages, fds, strict=True)):
+            for address, offset in zip(regions.addresses(page), file_offsets, strict=True):
+                memory[row] = (address, region_bytes, 0)
+                files[row] = (offset, region_bytes, fd)
+                row += 1
+            memory[row] = (slots.address(i), self.trailer_bytes, 0)
+            files[row] = (regions.page_bytes, self.trailer_bytes, fd)
+            row += 1
+        return memory, files
+
+    def _fan_out_dirs(self) -> list[str]:
+        try:
+            return [
+                entry.path for entry in os.scandir(self.root)
+                if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False)
+            ]
+        except OSError:
+            return []
+
+    def _remove_stale_temporaries(self) -> None:
+        now = time.time()
+        for sub in self._fan_out_dirs():
+            with os.scandir(sub) as entries:
+                for entry in entries:
+                    if not entry.name.startswith("."):
+                        continue
+                    with contextlib.suppress(OSError):
+                        age_s = now - entry.stat(follow_symlinks=False).st_mtime
+                        if is_stale_temp(entry.name, age_s):
+                            _unlink(entry.path)
+
+
+class _SlotBuffer:
+    """One registered buffer of ``MAX_BATCH_PAGES`` trailer slots (page aligned: O_DIRECT)."""
+
+    def __init__(self, agent: NixlAgent, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self._memory = mmap.mmap(-1, MAX_BATCH_PAGES * slot_bytes)
+        self._view = memoryview(self._memory)
+        self.base_address = int(np.frombuffer(self._memory, dtype=np.uint8).ctypes.data)
+        agent.register_dram(self.base_address, len(self._memory))
+
+    def address(self, slot: int) -> int:
+        return self.base_address + slot * self.slot_bytes
+
+    def view(self, slot: int) -> memoryview:
+        start = slot * self.slot_bytes
+        return self._view[start : start + self.slot_bytes]
+
+
+class _TrailerSlots:
+    """Registered trailer buffers, one per concurrent call, made on demand and reused.
+
+    Registration stays until the agent is closed; ``close`` only drops the
+    buffers (the agent deregisters them).
+    """
+
+    def __init__(self, agent: NixlAgent, slot_bytes: int) -> None:
+        self._agent = agent
+        self._slot_bytes = slot_bytes
+        self._free: list[_SlotBuffer] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def borrow(self) -> Any:
+        with self._lock:
+            buffer = self._free.pop() if self._free else None
+        if buffer is None:
+            buffer = _SlotBuffer(self._agent, self._slot_bytes)
+        try:
+            yield buffer
+        finally:
+            with self._lock:
+                self._free.append(buffer)
+
+    def close(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+def _check_direct_alignment(regions: PageRegions) -> None:
+    align = DIRECT_ALIGN_BYTES
+    offsets = [regions.base_address, regions.page_stride_bytes, regions.region_bytes]
+    offsets += regions.region_offsets
+    if any(value % align for value in offsets):
+        raise StorageError(
+            f"nixl storage: direct_io needs every page region at a {align}-byte aligned "
+            f"address and a multiple of {align} bytes long; this host pool's regions are "
+            f"{regions.region_bytes} bytes (pool at address {regions.base_address:#x}, pages "
+            f"{regions.page_stride_bytes} bytes apart). Use direct_io false, or a page size "
+            f"whose regions are {align}-byte multiples"
+        )
+
+
+def _create(path: str, extra_flags: int) -> int:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | extra_flags
+    try:
+        return os.open(path, flags, 0o644)
+    except FileNotFoundError:  # the fan-out directory is created on first use
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, flags, 0o644)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
