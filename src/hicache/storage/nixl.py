@@ -155,6 +155,11 @@ class NixlBackend(StorageBackend):
         self._slots: _TrailerSlots | None = None
         self._closed = False
 
+    @property
+    def raw_agent(self) -> NixlAgent:
+        """The NIXL agent (host pool registered after attach): the bench's baseline borrows it."""
+        return self._agent
+
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
         regions = PageRegions(host)
