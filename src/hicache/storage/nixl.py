@@ -172,6 +172,8 @@ class NixlBackend(StorageBackend):
             raise StorageUnavailableError(
                 f"nixl storage: cannot use directory {self.root}: {error}"
             ) from error
+        if self.direct_io:
+            self._probe_direct_io()
         self._agent.register_dram(regions.base_address, regions.pool_bytes)
         super().attach(host)
         self._regions = regions
@@ -399,6 +401,20 @@ class NixlBackend(StorageBackend):
             files[row] = (regions.page_bytes, self.trailer_bytes, fd)
             row += 1
         return memory, files
+
+    def _probe_direct_io(self) -> None:
+        """Refuse a file system that has no O_DIRECT (some tmpfs and FUSE ones): every
+        page would otherwise be an I/O error."""
+        probe = f"{self._root_text}/.direct-io-probe-{os.getpid()}-{threading.get_ident()}"
+        try:
+            os.close(_create(probe, self._open_flags))
+        except OSError as error:
+            raise StorageError(
+                f"nixl storage: direct_io: the file system of {self.root} refuses O_DIRECT "
+                f"({error}); use direct_io false or another directory"
+            ) from error
+        finally:
+            _unlink(probe)
 
     def _fan_out_dirs(self) -> list[str]:
         try:

@@ -313,3 +313,21 @@ def test_direct_io_pages_are_block_aligned_and_other_modes_miss_them(tmp_path: P
     finally:
         buffered.close()
         direct.close()
+
+
+def test_direct_io_on_a_file_system_without_o_direct_is_refused_at_attach(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hicache.storage.nixl as nixl_module
+
+    def refuse(path: str, flags: int) -> int:
+        raise OSError(22, "Invalid argument")  # what open(O_DIRECT) says on such a mount
+
+    monkeypatch.setattr(nixl_module, "_create", refuse)
+    backend = NixlBackend({"path": str(tmp_path), "direct_io": True})
+    try:
+        host = make_host(geometry=ALIGNED_GEOMETRY, page_size=ALIGNED_PAGE_SIZE)
+        with pytest.raises(StorageError, match="refuses O_DIRECT"):
+            backend.attach(host)
+    finally:
+        backend.close()
