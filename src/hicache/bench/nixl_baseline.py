@@ -48,7 +48,8 @@ def nixl_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
     paths = [str(directory / f"{i:06d}.page") for i in range(workload.num_pages)]
     source = np.asarray(workload.source).tolist()
     target = np.asarray(workload.target).tolist()
-    direct = getattr(os, "O_DIRECT", 0) if backend.direct_io else 0
+    settings = backend.settings
+    direct = getattr(os, "O_DIRECT", 0) if settings.direct_io else 0
     file_offsets = [k * regions.region_bytes for k in range(regions.num_regions)]
 
     def move(op: str, flags: int, pages: list[int], batch_paths: list[str]) -> None:
@@ -63,7 +64,7 @@ def nixl_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
                     memory[row] = (address, regions.region_bytes, 0)
                     files[row] = (offset, regions.region_bytes, fd)
                     row += 1
-            agent.transfer(op, memory, files, fds, regions.page_bytes, backend.transfer_timeout_s)
+            agent.transfer(op, memory, files, fds, regions.page_bytes, settings.transfer_timeout_s)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -93,7 +94,7 @@ def nixl_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
         raise RuntimeError("raw NIXL baseline read back different bytes")
     shutil.rmtree(directory, ignore_errors=True)
     label = LABEL.format(
-        plugin=backend.plugin, queue=backend.io_queue.value,
-        direct=", O_DIRECT" if backend.direct_io else "",
+        plugin=settings.plugin, queue=settings.io_queue.value,
+        direct=", O_DIRECT" if settings.direct_io else "",
     )
     return BaselineRun(label, put_s, get_s)

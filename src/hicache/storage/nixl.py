@@ -32,7 +32,7 @@ layouts, one per layer and K/V for layer_first, ``PageRegions``) is a DRAM
 descriptor into it, against a FILE descriptor at the region's offset in the
 page's file. The headers cannot live in the pool, so each call borrows a
 small registered buffer with one trailer slot per page of the batch
-(``_TrailerSlots``): writes pack the header there before the transfer, reads
+(``nixl_trailers``): writes pack the header there before the transfer, reads
 land the stored trailer there and check it after. A whole batch, every page's
 regions and trailers, is one NIXL transfer request (READ or WRITE), polled to
 completion under ``transfer_timeout_s``. Each page file is opened and
@@ -54,26 +54,18 @@ There is no size cap and no eviction: the directory grows until ``clear``
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from stat import S_ISREG
 from typing import Any
 
 import numpy as np
 
-from hicache.local_cache import local_cache_dir
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import (
-    MAX_BATCH_PAGES,
-    StorageBackend,
-    StorageError,
-    StorageUnavailableError,
-)
+from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.file import is_stale_temp, temp_name
 from hicache.storage.frame import (
     HEADER_BYTES,
@@ -84,26 +76,13 @@ from hicache.storage.frame import (
     object_name,
     pack_header_into,
 )
-from hicache.storage.nixl_agent import (
-    FILE_PLUGINS,
-    OBJECT_PLUGIN,
-    IoQueue,
-    NixlAgent,
-    TransferFailed,
-)
+from hicache.storage.nixl_agent import NixlAgent, TransferFailed
+from hicache.storage.nixl_settings import DIRECT_ALIGN_BYTES, NixlSettings
+from hicache.storage.nixl_trailers import TrailerPool, TrailerSlots
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
 
-# O_DIRECT's alignment: the largest logical block size in common use, and the memory page.
-DIRECT_ALIGN_BYTES = 4096
-DEFAULT_TRANSFER_TIMEOUT_S = 10.0
-_KNOWN_KEYS = {"path", "plugin", "io_queue", "direct_io", "verify_checksum", "transfer_timeout_s"}
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _BATCH_FAULTS = ("io_error", "timeout")  # TransferFailed reasons: the whole batch failed
-
-
-def default_path() -> Path:
-    return local_cache_dir() / "l3-nixl"
 
 
 class NixlBackend(StorageBackend):
@@ -113,46 +92,14 @@ class NixlBackend(StorageBackend):
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
-        options = Options(self.extra_config, "nixl storage")
-        options.reject_unknown(_KNOWN_KEYS)
-        path = options.string("path", None)
-        self.root = Path(path).expanduser() if path else default_path()
-        self._root_text = str(self.root)
-        plugin = options.string("plugin", "POSIX") or "POSIX"
-        self.plugin = plugin.upper()
-        if self.plugin == OBJECT_PLUGIN:
-            raise StorageError(
-                "nixl storage: plugin 'OBJ' stores S3 objects through object descriptors, "
-                "which this backend does not build; use POSIX (or GDS on a GPU machine)"
-            )
-        if self.plugin not in FILE_PLUGINS:
-            raise StorageError(
-                f"nixl storage: plugin must be one of {', '.join(FILE_PLUGINS)}, got {plugin!r}"
-            )
-        queue = options.string("io_queue", IoQueue.AUTO.value) or IoQueue.AUTO.value
-        try:
-            self.io_queue = IoQueue(queue.lower())
-        except ValueError:
-            choices = ", ".join(q.value for q in IoQueue)
-            raise StorageError(
-                f"nixl storage: io_queue must be one of {choices}, got {queue!r}"
-            ) from None
-        if self.io_queue is not IoQueue.AUTO and self.plugin != "POSIX":
-            raise StorageError("nixl storage: io_queue applies to the POSIX plugin only")
-        self.direct_io = options.boolean("direct_io", False)
-        if self.direct_io and not _O_DIRECT:
-            raise StorageError("nixl storage: direct_io needs O_DIRECT, which this OS lacks")
-        self.verify_checksum = options.boolean("verify_checksum", True)
-        self.transfer_timeout_s = options.number(
-            "transfer_timeout_s", DEFAULT_TRANSFER_TIMEOUT_S, minimum=0.001
-        )
-        self.trailer_bytes = DIRECT_ALIGN_BYTES if self.direct_io else HEADER_BYTES
-        self._open_flags = getattr(os, "O_CLOEXEC", 0) | (_O_DIRECT if self.direct_io else 0)
-        # The agent is made here so that a missing plugin is a configuration error.
-        params = self.io_queue.init_params if self.plugin == "POSIX" else {}
-        self._agent = NixlAgent(self.plugin, params)
+        self.settings = NixlSettings.from_options(Options(self.extra_config, "nixl storage"))
+        self._root_text = str(self.settings.path)
+        self._trailer_bytes = self.settings.trailer_bytes
+        self._open_flags = self.settings.open_flags
+        # Made here, not at attach, so that a plugin that cannot load is a configuration error.
+        self._agent = NixlAgent(self.settings.plugin, self.settings.plugin_params)
         self._regions: PageRegions | None = None
-        self._slots: _TrailerSlots | None = None
+        self._trailers: TrailerPool | None = None
         self._closed = False
 
     @property
@@ -163,28 +110,28 @@ class NixlBackend(StorageBackend):
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
         regions = PageRegions(host)
-        if self.direct_io:
+        if self.settings.direct_io:
             _check_direct_alignment(regions)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.settings.path.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temporaries()
         except OSError as error:
             raise StorageUnavailableError(
-                f"nixl storage: cannot use directory {self.root}: {error}"
+                f"nixl storage: cannot use directory {self.settings.path}: {error}"
             ) from error
-        if self.direct_io:
+        if self.settings.direct_io:
             self._probe_direct_io()
         self._agent.register_dram(regions.base_address, regions.pool_bytes)
         super().attach(host)
         self._regions = regions
-        self._slots = _TrailerSlots(self._agent, self.trailer_bytes)
+        self._trailers = TrailerPool(self._agent, self._trailer_bytes)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._slots is not None:
-            self._slots.close()
+        if self._trailers is not None:
+            self._trailers.close()
         self._agent.close()
 
     # ----------------------------------------------------------- operations
@@ -279,7 +226,7 @@ class NixlBackend(StorageBackend):
     @property
     def _file_bytes(self) -> int:
         assert self._regions is not None
-        return self._regions.page_bytes + self.trailer_bytes
+        return self._regions.page_bytes + self._trailer_bytes
 
     def _stored(self, path: str) -> bool:
         try:
@@ -317,19 +264,19 @@ class NixlBackend(StorageBackend):
         self, regions: PageRegions, keys: Sequence[bytes], pages: list[int], fds: list[int]
     ) -> tuple[int, str | None]:
         """Read the first ``len(fds)`` pages; (pages verified, the fault that ended them)."""
-        assert self._slots is not None
-        with self._slots.borrow() as slots:
+        assert self._trailers is not None
+        with self._trailers.borrow() as slots:
             memory, files = self._descriptors(regions, pages[: len(fds)], fds, slots)
             try:
                 self._agent.transfer(
-                    "READ", memory, files, fds, self._file_bytes, self.transfer_timeout_s
+                    "READ", memory, files, fds, self._file_bytes, self.settings.transfer_timeout_s
                 )
             except TransferFailed as failure:
                 return 0, failure.reason
             for i in range(len(fds)):
                 header = slots.view(i)[:HEADER_BYTES]
                 fault = check_header(header, keys[i], regions.order, regions.page_bytes)
-                if fault is None and self.verify_checksum:
+                if fault is None and self.settings.verify_checksum:
                     fault = check_payload(header, regions.views(pages[i]))
                 if fault is not None:
                     _unlink(self._path(object_name(keys[i], regions.order)))
@@ -340,7 +287,7 @@ class NixlBackend(StorageBackend):
         self, regions: PageRegions, keys: list[bytes], pages: list[int], paths: list[str]
     ) -> str | None:
         """Write pages to temporaries, then rename them into place; the failure reason or None."""
-        assert self._slots is not None
+        assert self._trailers is not None
         temps = [
             f"{os.path.dirname(path)}/"
             f"{temp_name(os.path.basename(path), os.getpid(), threading.get_ident())}"
@@ -357,14 +304,14 @@ class NixlBackend(StorageBackend):
                 _unlink(temp)
             return "io_error"
         reason: str | None = None
-        with self._slots.borrow() as slots:
+        with self._trailers.borrow() as slots:
             for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
                 digest = checksum(regions.views(page))
                 pack_header_into(slots.view(i), 0, key, regions.order, regions.page_bytes, digest)
             memory, files = self._descriptors(regions, pages, fds, slots)
             try:
                 self._agent.transfer(
-                    "WRITE", memory, files, fds, self._file_bytes, self.transfer_timeout_s
+                    "WRITE", memory, files, fds, self._file_bytes, self.settings.transfer_timeout_s
                 )
             except TransferFailed as failure:
                 reason = failure.reason
@@ -383,7 +330,7 @@ class NixlBackend(StorageBackend):
         return reason
 
     def _descriptors(
-        self, regions: PageRegions, pages: list[int], fds: list[int], slots: _SlotBuffer
+        self, regions: PageRegions, pages: list[int], fds: list[int], slots: TrailerSlots
     ) -> tuple[np.ndarray, np.ndarray]:
         """DRAM and FILE descriptor arrays (Nx3) of whole pages: regions, then the trailer."""
         per_page = regions.num_regions + 1
@@ -397,8 +344,8 @@ class NixlBackend(StorageBackend):
                 memory[row] = (address, region_bytes, 0)
                 files[row] = (offset, region_bytes, fd)
                 row += 1
-            memory[row] = (slots.address(i), self.trailer_bytes, 0)
-            files[row] = (regions.page_bytes, self.trailer_bytes, fd)
+            memory[row] = (slots.address(i), self._trailer_bytes, 0)
+            files[row] = (regions.page_bytes, self._trailer_bytes, fd)
             row += 1
         return memory, files
 
@@ -410,7 +357,8 @@ class NixlBackend(StorageBackend):
             os.close(_create(probe, self._open_flags))
         except OSError as error:
             raise StorageError(
-                f"nixl storage: direct_io: the file system of {self.root} refuses O_DIRECT "
+                f"nixl storage: direct_io: the file system of {self.settings.path} refuses "
+                f"O_DIRECT "
                 f"({error}); use direct_io false or another directory"
             ) from error
         finally:
@@ -419,7 +367,7 @@ class NixlBackend(StorageBackend):
     def _fan_out_dirs(self) -> list[str]:
         try:
             return [
-                entry.path for entry in os.scandir(self.root)
+                entry.path for entry in os.scandir(self.settings.path)
                 if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False)
             ]
         except OSError:
@@ -436,54 +384,6 @@ class NixlBackend(StorageBackend):
                         age_s = now - entry.stat(follow_symlinks=False).st_mtime
                         if is_stale_temp(entry.name, age_s):
                             _unlink(entry.path)
-
-
-class _SlotBuffer:
-    """One registered buffer of ``MAX_BATCH_PAGES`` trailer slots (page aligned: O_DIRECT)."""
-
-    def __init__(self, agent: NixlAgent, slot_bytes: int) -> None:
-        self.slot_bytes = slot_bytes
-        self._memory = mmap.mmap(-1, MAX_BATCH_PAGES * slot_bytes)
-        self._view = memoryview(self._memory)
-        self.base_address = int(np.frombuffer(self._memory, dtype=np.uint8).ctypes.data)
-        agent.register_dram(self.base_address, len(self._memory))
-
-    def address(self, slot: int) -> int:
-        return self.base_address + slot * self.slot_bytes
-
-    def view(self, slot: int) -> memoryview:
-        start = slot * self.slot_bytes
-        return self._view[start : start + self.slot_bytes]
-
-
-class _TrailerSlots:
-    """Registered trailer buffers, one per concurrent call, made on demand and reused.
-
-    Registration stays until the agent is closed; ``close`` only drops the
-    buffers (the agent deregisters them).
-    """
-
-    def __init__(self, agent: NixlAgent, slot_bytes: int) -> None:
-        self._agent = agent
-        self._slot_bytes = slot_bytes
-        self._free: list[_SlotBuffer] = []
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def borrow(self) -> Any:
-        with self._lock:
-            buffer = self._free.pop() if self._free else None
-        if buffer is None:
-            buffer = _SlotBuffer(self._agent, self._slot_bytes)
-        try:
-            yield buffer
-        finally:
-            with self._lock:
-                self._free.append(buffer)
-
-    def close(self) -> None:
-        with self._lock:
-            self._free.clear()
 
 
 def _check_direct_alignment(regions: PageRegions) -> None:

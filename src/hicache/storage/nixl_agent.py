@@ -23,7 +23,6 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from enum import Enum
 from types import ModuleType
 from typing import Any
 
@@ -56,9 +55,6 @@ NIXL_ERRORS: tuple[type[Exception], ...] = tuple(
 
 _AGENT_START_ERRORS: tuple[type[Exception], ...] = (RuntimeError, *NIXL_ERRORS)
 
-# Plugins whose descriptors are files (FILE_SEG): the ones this backend drives.
-FILE_PLUGINS = ("POSIX", "GDS", "GDS_MT")
-OBJECT_PLUGIN = "OBJ"
 _PLUGIN_NEEDS = {
     "GDS": "CUDA and NVIDIA GPUDirect Storage (libcufile), i.e. a GPU machine",
     "GDS_MT": "CUDA and NVIDIA GPUDirect Storage (libcufile), i.e. a GPU machine",
@@ -66,19 +62,6 @@ _PLUGIN_NEEDS = {
 _POLL_SPIN = 64  # polls before the first sleep: most batches finish within microseconds
 _POLL_SLEEP_MAX_S = 0.001
 _agent_numbers = itertools.count()
-
-
-class IoQueue(str, Enum):
-    """The POSIX plugin's kernel queue (its ``use_*`` init parameters)."""
-
-    AUTO = "auto"  # the plugin's choice (Linux AIO where it works)
-    AIO = "aio"  # Linux native AIO (io_submit)
-    URING = "uring"  # io_uring
-    POSIX_AIO = "posix_aio"  # glibc's POSIX AIO (a thread pool)
-
-    @property
-    def init_params(self) -> dict[str, str]:
-        return {} if self is IoQueue.AUTO else {f"use_{self.value}": "true"}
 
 
 class TransferFailed(Exception):

@@ -29,8 +29,9 @@ from tests.storage_contract import as_bytes, fill_random, page_bytes_of, page_ra
 
 require_nixl()
 
-from hicache.storage.nixl import DIRECT_ALIGN_BYTES, NixlBackend  # noqa: E402
+from hicache.storage.nixl import NixlBackend  # noqa: E402
 from hicache.storage.nixl_agent import NixlAgent, TransferFailed  # noqa: E402
+from hicache.storage.nixl_settings import DIRECT_ALIGN_BYTES  # noqa: E402
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 # Regions of 8 tokens x 512-byte rows: 4096 bytes, as O_DIRECT needs.
@@ -70,9 +71,10 @@ def test_created_by_name_with_its_options(tmp_path: Path) -> None:
                  "transfer_timeout_s": 2.5},
     )
     assert isinstance(backend, NixlBackend)
-    assert backend.root == tmp_path and backend.plugin == "POSIX"
-    assert backend.io_queue.value == "uring" and not backend.verify_checksum
-    assert backend.transfer_timeout_s == 2.5 and backend.trailer_bytes == HEADER_BYTES
+    settings = backend.settings
+    assert settings.path == tmp_path and settings.plugin == "POSIX"
+    assert settings.io_queue.value == "uring" and not settings.verify_checksum
+    assert settings.transfer_timeout_s == 2.5 and settings.trailer_bytes == HEADER_BYTES
     backend.close()
 
 
@@ -122,7 +124,7 @@ def test_a_missing_nixl_package_names_the_extra(monkeypatch: pytest.MonkeyPatch)
 def test_direct_io_refuses_a_pool_it_cannot_use_without_copies(tmp_path: Path) -> None:
     backend = NixlBackend({"path": str(tmp_path), "direct_io": True})
     try:
-        assert backend.trailer_bytes == DIRECT_ALIGN_BYTES
+        assert backend.settings.trailer_bytes == DIRECT_ALIGN_BYTES
         with pytest.raises(StorageError, match="direct_io needs every page region at a 4096"):
             backend.attach(make_host())  # 512-byte pages
     finally:
