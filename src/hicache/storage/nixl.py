@@ -140,7 +140,14 @@ class NixlBackend(StorageBackend):
         with self._lock:
             self._stats.exists_queries += 1
         for i, key in enumerate(keys):
-            if not self._stored(self._path(object_name(key, regions.order))):
+            try:
+                if not self._stored(self._path(object_name(key, regions.order))):
+                    return i
+            except OSError:
+                # Not a missing page but a directory that cannot be searched (gone bad,
+                # no permission): an outage, which the L3 tier's breaker must hear of.
+                with self._lock:
+                    self._stats.fail("io_error")
                 return i
         return len(keys)
 
@@ -179,7 +186,7 @@ class NixlBackend(StorageBackend):
         regions = self._ready(keys, host_pages)
         began = time.perf_counter()
         paths = [self._path(object_name(key, regions.order)) for key in keys]
-        stored = [self._stored(path) for path in paths]
+        stored = [self._stored_or_not(path) for path in paths]
         todo = [i for i, done in enumerate(stored) if not done]
         num_written = 0
         if todo:
@@ -229,11 +236,20 @@ class NixlBackend(StorageBackend):
         return self._regions.page_bytes + self._trailer_bytes
 
     def _stored(self, path: str) -> bool:
+        """Is a page file of the right size there? (OSError: the path cannot be searched.)"""
         try:
             info = os.stat(path)
-        except OSError:
+        except FileNotFoundError:  # the page, or its fan-out directory, is not there yet
             return False
         return S_ISREG(info.st_mode) and info.st_size == self._file_bytes
+
+    def _stored_or_not(self, path: str) -> bool:
+        """``_stored``, where an unsearchable path counts as not stored (the write that
+        follows fails and is counted)."""
+        try:
+            return self._stored(path)
+        except OSError:
+            return False
 
     def _open_for_read(self, path: str) -> tuple[int | None, str | None]:
         """An fd of a page file of the right size, or (None, why not)."""

@@ -10,6 +10,7 @@ backend by name through the engine's admin path (detach, then attach), as
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
 from hicache.engine.engine import Engine
 from hicache.memory.geometry import KVGeometry
+from hicache.storage.breaker import BreakerState
 from hicache.storage.config import PrefetchPolicy, StorageConfig
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.kv_oracle import conversation, serve_with_l3, settle
@@ -39,7 +41,7 @@ REUSED = (PROMPT_LEN - 1) // PAGE * PAGE
 
 def make_cache(
     root: Path, layout: MemLayout, geometry: KVGeometry = GEOMETRY, page_size: int = 4,
-    **extra: Any,
+    breaker_failures: int = 3, **extra: Any,
 ) -> HierarchicalCache:
     config = CacheConfig(
         page_size=page_size, enable_hierarchical_cache=True,
@@ -48,7 +50,7 @@ def make_cache(
     )
     storage = StorageConfig(
         backend="nixl", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=1,
-        backend_extra={"path": str(root), **extra},
+        breaker_failures=breaker_failures, backend_extra={"path": str(root), **extra},
     )
     cache = HierarchicalCache(config, geometry, 64, storage=storage)  # by name, as the server
     assert cache.storage is not None, cache.storage_error
@@ -89,6 +91,29 @@ def test_the_same_with_direct_io(tmp_path: Path, layout: MemLayout) -> None:
     reuse_across_instances(
         tmp_path, layout, 32, geometry=ALIGNED_GEOMETRY, page_size=8, direct_io=True
     )
+
+
+def test_a_directory_that_breaks_under_the_cache_opens_the_breaker_and_serves_cold(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "l3"
+    cache = make_cache(root, MemLayout.PAGE_FIRST, breaker_failures=2)
+    try:
+        stored = conversation(40)
+        assert serve_with_l3(cache, stored) == 0
+        settle(cache)
+        shutil.rmtree(root)
+        root.write_bytes(b"the store is gone")
+        for seed in (1, 2, 3):  # new KV to back up: each backup fails in the backend
+            assert serve_with_l3(cache, conversation(40, seed=seed)) == 0  # equal to cold
+            settle(cache)
+        assert cache.storage is not None
+        assert cache.storage.backend.stats().failures.get("io_error", 0) >= 2
+        assert cache.storage.controller.breaker.state is BreakerState.OPEN
+        cache.flush()
+        assert serve_with_l3(cache, stored) == 0  # not in L3 any more: recomputed, as cold
+    finally:
+        cache.close()
 
 
 def nixl_flags(extra: dict[str, Any]) -> tuple[str, ...]:
