@@ -394,8 +394,8 @@ class NixlBackend(StorageBackend):
         for sub in self._fan_out_dirs():
             with os.scandir(sub) as entries:
                 for entry in entries:
-                    if not entry.name.startswith("."):
-                        continue
+                    if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                        continue  # temp_name's shape: anything else is not ours to judge
                     with contextlib.suppress(OSError):
                         age_s = now - entry.stat(follow_symlinks=False).st_mtime
                         if is_stale_temp(entry.name, age_s):
