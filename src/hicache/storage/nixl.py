@@ -70,6 +70,7 @@ from hicache.storage.file import is_stale_temp, temp_name
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
+    PayloadOrder,
     check_header,
     check_payload,
     checksum,
@@ -82,6 +83,7 @@ from hicache.storage.nixl_trailers import TrailerPool, TrailerSlots
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
 
+_ORDER_TAGS = frozenset(order.tag for order in PayloadOrder)
 _BATCH_FAULTS = ("io_error", "timeout")  # TransferFailed reasons: the whole batch failed
 
 
@@ -211,12 +213,18 @@ class NixlBackend(StorageBackend):
         return num_stored
 
     def clear(self) -> None:
-        """Remove every page file and temporary in the directory (any instance's)."""
+        """Remove every page file in the directory (any instance's) and stale temporaries.
+
+        A live writer's temporary stays (its rename would fail otherwise), and so does
+        anything that is not ours.
+        """
         self._ready([])
         for sub in self._fan_out_dirs():
             with os.scandir(sub) as entries:
                 for entry in entries:
-                    _unlink(entry.path)
+                    if _is_page_name(entry.name):
+                        _unlink(entry.path)
+        self._remove_stale_temporaries()
 
     # ------------------------------------------------------------ internals
     def _ready(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> PageRegions:
@@ -414,6 +422,18 @@ def _check_direct_alignment(regions: PageRegions) -> None:
             f"{regions.page_stride_bytes} bytes apart). Use direct_io false, or a page size "
             f"whose regions are {align}-byte multiples"
         )
+
+
+def _is_page_name(name: str) -> bool:
+    """``frame.object_name``'s shape: 32 hex digits, a dot and a payload-order tag."""
+    stem, dot, tag = name.partition(".")
+    if len(stem) != 32 or not dot or tag not in _ORDER_TAGS:
+        return False
+    try:
+        bytes.fromhex(stem)
+    except ValueError:
+        return False
+    return True
 
 
 def _create(path: str, extra_flags: int) -> int:

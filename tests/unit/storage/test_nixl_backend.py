@@ -333,3 +333,23 @@ def test_direct_io_on_a_file_system_without_o_direct_is_refused_at_attach(
             backend.attach(host)
     finally:
         backend.close()
+
+
+def test_clear_removes_pages_and_leaves_what_is_not_ours(tmp_path: Path) -> None:
+    host = make_host()
+    backend = opened(tmp_path, host)
+    try:
+        keys = keys_of(3)
+        fill_random(host, page_range(0, 3), seed=8)
+        assert backend.set(keys, page_range(0, 3)) == 3
+        sub = page_path(tmp_path, keys[0]).parent
+        live = sub / temp_name(page_path(tmp_path, keys[0]).name, os.getpid(), 7)
+        foreign = sub / "notes.txt"
+        live.write_bytes(b"being written")
+        foreign.write_bytes(b"someone else's")
+        backend.clear()
+        assert backend.exists(keys) == 0
+        assert not any(page_path(tmp_path, key).exists() for key in keys)
+        assert live.exists() and foreign.exists()
+    finally:
+        backend.close()
