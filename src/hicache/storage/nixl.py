@@ -331,7 +331,10 @@ class NixlBackend(StorageBackend):
         with self._trailers.borrow() as slots:
             for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
                 digest = checksum(regions.views(page))
-                pack_header_into(slots.view(i), 0, key, regions.order, regions.page_bytes, digest)
+                slot = slots.view(i)
+                pack_header_into(slot, 0, key, regions.order, regions.page_bytes, digest)
+                if len(slot) > HEADER_BYTES:  # O_DIRECT's padding: a read may have left bytes
+                    slot[HEADER_BYTES:] = bytes(len(slot) - HEADER_BYTES)
             memory, files = self._descriptors(regions, pages, fds, slots)
             try:
                 self._agent.transfer(
