@@ -31,6 +31,14 @@ if ! .venv/bin/python -c "$has_aibrix" 2>/dev/null; then
       "platform; the aibrix L3 backend and its tests need it" >&2
   fi
 fi
+# NVIDIA NIXL for the nixl L3 backend's tests: its wheels declare torch as a dependency
+# (the `nixl` meta package, the CUDA build), so they go in without dependencies; ours
+# (torch, numpy) are there already. The CUDA 12 wheel works on a machine without CUDA.
+has_nixl="import importlib.util, sys; sys.exit(not importlib.util.find_spec('nixl_cu12'))"
+if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ] && ! .venv/bin/python -c "$has_nixl"; then
+  .venv/bin/pip install -q --no-deps "nixl==${HICACHE_NIXL_VERSION:-1.5.1}" \
+    "nixl-cu12==${HICACHE_NIXL_VERSION:-1.5.1}"
+fi
 # The Mooncake client (a dev dependency on Linux) links against RDMA and NUMA
 # libraries that minimal images lack. When that is why it cannot be imported,
 # install them with apt-get where it works (CI: a fresh Debian machine, as

@@ -160,4 +160,5 @@ def test_a_host_pool_larger_than_the_machines_memory_is_refused_up_front() -> No
 def test_host_buffers_are_plain_memory_unless_pinned() -> None:
     flat = empty_host(1000, torch.bfloat16, pin=False)
     assert flat.shape == (1000,) and flat.dtype == torch.bfloat16 and not flat.is_pinned()
+    assert flat.data_ptr() % 4096 == 0  # O_DIRECT L3 I/O into the pool needs it
     assert empty_host(0, torch.float32, pin=True).numel() == 0

@@ -16,7 +16,8 @@ per page in the same file system, written with ``os.write`` and read with
 (``--fsync``); no header, checksum, rename or index. Reads of both are
 served from the OS page cache when it holds the pages (nothing here drops
 it), so get numbers are memory-bound rather than disk-bound unless the
-pages exceed free memory.
+pages exceed free memory. For nixl: NIXL transfers of the same pages with the
+backend's own agent, one payload-only file per page (``bench/nixl_baseline.py``).
 
 Throughput is GB/s (1 GB = 1e9 B) of KV payload (headers not counted) and
 pages/s; "x" is the backend's throughput over the baseline's.
@@ -146,6 +147,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host:port of a running mooncake_master; without it a local one is started "
         "when the binary is installed",
     )
+    parser.add_argument(
+        "--nixl-io-queue", type=str, default="auto",
+        help="nixl backend: the POSIX plugin's kernel queue (auto, aio, uring, posix_aio)",
+    )
+    parser.add_argument(
+        "--nixl-direct-io", action="store_true",
+        help="nixl backend: O_DIRECT page files (and the baseline's files too)",
+    )
     parser.add_argument("--json", type=str, default=None, help="write raw results here")
 
 
@@ -192,8 +201,21 @@ def _aibrix_setup(
     return {"path": str(workload.work_dir / "aibrix-l3"), "l1_capacity": 2 * workload.nbytes}
 
 
+def _nixl_setup(
+    args: argparse.Namespace, workload: Workload, stack: contextlib.ExitStack
+) -> dict[str, Any] | str:
+    reason = unavailable_reason("nixl")
+    if reason is not None:
+        return reason
+    return {
+        "path": str(workload.work_dir / "nixl-l3"),
+        "io_queue": args.nixl_io_queue, "direct_io": bool(args.nixl_direct_io),
+    }
+
+
 SETUPS: dict[str, BackendSetup] = {
     "file": _file_setup, "mooncake": _mooncake_setup, "aibrix": _aibrix_setup,
+    "nixl": _nixl_setup,
 }
 
 
@@ -249,6 +271,13 @@ def _mooncake_baseline(workload: Workload, backend: StorageBackend) -> BaselineR
     return mooncake_baseline(workload, backend)
 
 
+def _nixl_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
+    """Raw NIXL POSIX transfers of the same bytes (``hicache.bench.nixl_baseline``)."""
+    from hicache.bench.nixl_baseline import nixl_baseline
+
+    return nixl_baseline(workload, backend)
+
+
 # Hook: backend name -> the baseline measured next to it in the same run (a
 # ``Baseline``). A backend without an entry is reported without a ratio; a
 # baseline that fails is reported as skipped, the backend's numbers still stand.
@@ -261,6 +290,7 @@ def _aibrix_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun
 
 BASELINES: dict[str, Baseline] = {
     "file": _file_baseline, "mooncake": _mooncake_baseline, "aibrix": _aibrix_baseline,
+    "nixl": _nixl_baseline,
 }
 
 

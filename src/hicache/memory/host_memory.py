@@ -62,13 +62,21 @@ def host_memory_for_pools() -> int | None:
 
 
 def empty_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised 1-D host tensor; with ``pin``, page-locked to exactly its bytes."""
-    if not pin or numel == 0:
+    """An uninitialised 1-D host tensor starting on a memory page; with ``pin``, page-locked
+    to exactly its bytes.
+
+    Unpinned pools are page aligned too (torch's allocator only aligns to 64 bytes):
+    O_DIRECT file I/O straight into the pool (the nixl L3 backend's ``direct_io``)
+    needs block-aligned addresses.
+    """
+    if numel == 0:
         return torch.empty(numel, dtype=dtype)
     nbytes = numel * dtype.itemsize
     owner = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     start = -owner.ctypes.data % _ALIGN
     window = owner[start : start + nbytes]
+    if not pin:
+        return torch.from_numpy(window).view(dtype)
     address = int(window.ctypes.data)
     cudart = torch.cuda.cudart()
     flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED

@@ -403,7 +403,7 @@ class FileBackend(StorageBackend):
                     except OSError:
                         continue  # removed meanwhile
                     if entry.name.endswith(_TEMP_SUFFIX):
-                        if _is_stale_temp(entry.name, now - stat.st_mtime):
+                        if is_stale_temp(entry.name, now - stat.st_mtime):
                             self._unlink(entry.path)
                     elif _is_page_name(entry.name) and S_ISREG(stat.st_mode):
                         found.append((stat.st_mtime_ns, entry.name, stat.st_size))
@@ -434,7 +434,7 @@ def _is_page_name(name: str) -> bool:
     return True
 
 
-def _is_stale_temp(name: str, age_s: float) -> bool:
+def is_stale_temp(name: str, age_s: float) -> bool:
     """A temporary is stale when its writer process is gone (or it is very old)."""
     if age_s > STALE_TEMP_AGE_S:
         return True

@@ -39,6 +39,11 @@ _AIBRIX_MODULES = (
     "aibrix_kvcache", "rocksdict", "farmhash", "uvloop", "zstandard", "more_itertools",
     "sortedcontainers", "redis",
 )
+NIXL_INSTALL_HINT = (
+    "pip install 'hicache[nixl]' (that is nixl-cu12; to use the nixl meta package as "
+    "well, which picks the wheel of your CUDA version, add it without its dependencies: "
+    "pip install --no-deps nixl==1.5.1)"
+)
 
 BACKENDS: dict[str, BackendEntry] = {
     "file": BackendEntry(
@@ -52,6 +57,11 @@ BACKENDS: dict[str, BackendEntry] = {
         "hicache.storage.aibrix", "AibrixBackend",
         "AIBrix KVCache (its host L1 cache over a RocksDB L2 in a local directory)",
         dict.fromkeys(_AIBRIX_MODULES, AIBRIX_INSTALL_HINT),
+    ),
+    "nixl": BackendEntry(
+        "hicache.storage.nixl", "NixlBackend",
+        "page files moved by NVIDIA NIXL's POSIX (or GDS) storage plugin",
+        {"nixl": NIXL_INSTALL_HINT, "nixl_cu12": NIXL_INSTALL_HINT},
     ),
     "dynamic": BackendEntry(
         "hicache.storage.dynamic", "DynamicBackend",

@@ -1,0 +1,157 @@
+"""The nixl L3 under the whole cache and the engine: what comes back equals a cold run.
+
+The cache tests go through the KV oracle (``tests.kv_oracle``): every page reused
+from the files must equal, bit for bit, what a cold prefill computes. The
+engine test compares greedy tokens with a cold run, and re-attaches the
+backend by name through the engine's admin path (detach, then attach), as
+``/hicache/storage-backend`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.engine.engine import Engine
+from hicache.memory.geometry import KVGeometry
+from hicache.storage.breaker import BreakerState
+from hicache.storage.config import PrefetchPolicy, StorageConfig
+from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
+from tests.kv_oracle import conversation, serve_with_l3, settle
+from tests.nixl_fixtures import require_nixl
+from tests.unit.engine.test_engine_cache_reuse import PAGE, PROMPT_LEN, prompt
+
+require_nixl()
+
+from hicache.storage.nixl import NixlBackend  # noqa: E402
+
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
+# O_DIRECT needs 4096-byte page regions: 8 tokens x 2 heads x 128 x bf16 = 4096 bytes.
+ALIGNED_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+REUSED = (PROMPT_LEN - 1) // PAGE * PAGE
+
+
+def make_cache(
+    root: Path, layout: MemLayout, geometry: KVGeometry = GEOMETRY, page_size: int = 4,
+    breaker_failures: int = 3, **extra: Any,
+) -> HierarchicalCache:
+    config = CacheConfig(
+        page_size=page_size, enable_hierarchical_cache=True,
+        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
+        mem_layout=layout, load_back_threshold_tokens=1,
+    )
+    storage = StorageConfig(
+        backend="nixl", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=1,
+        breaker_failures=breaker_failures, backend_extra={"path": str(root), **extra},
+    )
+    cache = HierarchicalCache(config, geometry, 64, storage=storage)  # by name, as the server
+    assert cache.storage is not None, cache.storage_error
+    assert isinstance(cache.storage.backend, NixlBackend)
+    return cache
+
+
+def reuse_across_instances(
+    root: Path, layout: MemLayout, num_tokens: int, **cache_args: Any
+) -> None:
+    """One instance stores a conversation's KV; a fresh one reuses all of it, equal to cold."""
+    tokens = conversation(num_tokens)
+    first = make_cache(root, layout, **cache_args)
+    try:
+        assert serve_with_l3(first, tokens) == 0  # cold: computed, then backed up
+        settle(first)
+    finally:
+        first.close()
+    second = make_cache(root, layout, **cache_args)
+    try:
+        assert serve_with_l3(second, tokens) == num_tokens  # every token from the files
+        second.flush()
+        assert serve_with_l3(second, tokens) == num_tokens
+        settle(second)
+        assert second.storage is not None
+        assert second.storage.backend.stats().failures == {}
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_a_new_cache_reuses_the_kv_stored_through_nixl(tmp_path: Path, layout: MemLayout) -> None:
+    reuse_across_instances(tmp_path, layout, 40)
+
+
+@pytest.mark.parametrize("layout", [MemLayout.PAGE_FIRST, MemLayout.LAYER_FIRST])
+def test_the_same_with_direct_io(tmp_path: Path, layout: MemLayout) -> None:
+    reuse_across_instances(
+        tmp_path, layout, 32, geometry=ALIGNED_GEOMETRY, page_size=8, direct_io=True
+    )
+
+
+def test_a_directory_that_breaks_under_the_cache_opens_the_breaker_and_serves_cold(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "l3"
+    cache = make_cache(root, MemLayout.PAGE_FIRST, breaker_failures=2)
+    try:
+        stored = conversation(40)
+        assert serve_with_l3(cache, stored) == 0
+        settle(cache)
+        shutil.rmtree(root)
+        root.write_bytes(b"the store is gone")
+        for seed in (1, 2, 3):  # new KV to back up: each backup fails in the backend
+            assert serve_with_l3(cache, conversation(40, seed=seed)) == 0  # equal to cold
+            settle(cache)
+        assert cache.storage is not None
+        assert cache.storage.backend.stats().failures.get("io_error", 0) >= 2
+        assert cache.storage.controller.breaker.state is BreakerState.OPEN
+        cache.flush()
+        assert serve_with_l3(cache, stored) == 0  # not in L3 any more: recomputed, as cold
+    finally:
+        cache.close()
+
+
+def nixl_flags(extra: dict[str, Any]) -> tuple[str, ...]:
+    return (
+        "--page-size", str(PAGE), "--max-total-tokens", "2048", "--enable-hierarchical-cache",
+        "--hicache-storage-backend", "nixl",
+        "--hicache-storage-prefetch-policy", "wait_complete",
+        "--hicache-storage-backend-extra-config",
+        json.dumps({**extra, "prefetch_threshold": 64}),
+    )
+
+
+def test_engine_outputs_from_nixl_equal_cold_and_survive_detach_and_attach(
+    make_engine: Callable[..., Engine], tmp_path: Path,
+) -> None:
+    extra = {"path": str(tmp_path / "l3")}
+    engine = make_engine(*nixl_flags(extra))
+    assert engine.cache.storage is not None, engine.cache.storage_error
+    assert isinstance(engine.cache.storage.backend, NixlBackend)
+
+    ids = prompt(21)
+    cold = run(engine, ids, ignore_eos=True)
+    assert engine.flush_cache()  # L1 and L2 forget it; the files keep it
+    warm = run(engine, ids, ignore_eos=True)
+    assert warm.last.cached_tokens.storage == REUSED
+    assert warm.token_ids == cold.token_ids
+
+    engine.detach_storage()
+    assert engine.storage_status()["attached"] is False
+    assert engine.flush_cache()
+    alone = run(engine, ids, ignore_eos=True)
+    assert alone.last.cached_tokens.total == 0 and alone.token_ids == cold.token_ids
+
+    engine.attach_storage("nixl", {**extra, "io_queue": "uring"}, "wait_complete")
+    status = engine.storage_status()
+    assert status["attached"] is True and status["backend"] == "nixl"
+    assert engine.flush_cache()
+    again = run(engine, ids, ignore_eos=True)
+    assert again.last.cached_tokens.storage == REUSED  # the files outlived the detach
+    assert again.token_ids == cold.token_ids
+    engine.check_integrity()
