@@ -29,6 +29,11 @@ MOONCAKE_INSTALL_HINT = (
     "libraries it links against: on Debian/Ubuntu apt-get install libibverbs1 librdmacm1 libnuma1"
 )
 
+REDIS_INSTALL_HINT = (
+    "pip install 'hicache[redis]' (the redis-py client); the server is redis-server "
+    "(apt-get install redis-server) or valkey-server, anywhere the url reaches"
+)
+
 BACKENDS: dict[str, BackendEntry] = {
     "file": BackendEntry(
         "hicache.storage.file", "FileBackend", "one file per page in a local directory", {}
@@ -36,6 +41,10 @@ BACKENDS: dict[str, BackendEntry] = {
     "mooncake": BackendEntry(
         "hicache.storage.mooncake", "MooncakeBackend", "Mooncake Store (distributed memory pool)",
         {"mooncake": MOONCAKE_INSTALL_HINT},
+    ),
+    "redis": BackendEntry(
+        "hicache.storage.redis", "RedisBackend", "a Redis or Valkey server (pages in its memory)",
+        {"redis": REDIS_INSTALL_HINT},
     ),
     "dynamic": BackendEntry(
         "hicache.storage.dynamic", "DynamicBackend",
