@@ -50,7 +50,8 @@ def test_importing_the_package_imports_no_backend() -> None:
     code = (
         "import sys, hicache.storage\n"
         "loaded = [m for m in ('hicache.storage.file', 'hicache.storage.mooncake',\n"
-        "          'hicache.storage.dynamic', 'mooncake') if m in sys.modules]\n"
+        "          'hicache.storage.dynamic', 'mooncake', 'hicache.storage.redis', 'redis')\n"
+        "          if m in sys.modules]\n"
         "print(loaded)\n"
     )
     result = subprocess.run(
