@@ -20,6 +20,7 @@ from hicache.config import MemLayout
 from hicache.memory.host_pool import HostPool
 from hicache.net import free_port
 from hicache.radix.keys import KeyNamespace
+from hicache.server.server_info import public_config
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES
 from hicache.storage.redis import RedisBackend
@@ -119,6 +120,8 @@ def test_a_password_never_appears_in_messages() -> None:
     with pytest.raises(StorageError) as error:
         RedisBackend({"url": "http://:s3cret@h:1"})
     assert "s3cret" not in str(error.value)
+    # Nor in what a server publishes of its L3 config (/get_server_info).
+    assert "s3cret" not in public_config({"url": url})["url"]
 
 
 def test_the_registry_builds_it_by_name(redis_extra: dict[str, Any]) -> None:
