@@ -1,6 +1,7 @@
 """The "redis" backend: pages in a Redis server (or Valkey, which speaks the same protocol).
 
 Every instance given the same server and ``prefix`` shares one pool of pages.
+It talks to one server (a standalone Redis or a primary), not to Redis Cluster.
 Redis keeps them in memory; how much it may use and what it drops when full
 is the server's choice, not ours: with ``maxmemory <bytes>`` and
 ``maxmemory-policy allkeys-lru`` Redis is an LRU L3 (an evicted page is a
