@@ -22,7 +22,6 @@ redis-server); ``valkey-server`` from ``PATH``, else the one the
 from __future__ import annotations
 
 import atexit
-import contextlib
 import importlib.util
 import os
 import shutil
@@ -239,10 +238,9 @@ def start_redis_server(
             server.start(ready_timeout)
             return server
         except RedisServerError:
-            if attempt == attempts - 1:
-                shutil.rmtree(work_dir, ignore_errors=True)
-                raise
             shutil.rmtree(work_dir, ignore_errors=True)
+            if attempt == attempts - 1:
+                raise
     raise AssertionError("unreachable")
 
 
@@ -252,5 +250,4 @@ def _stop_forgotten_servers() -> None:
         forgotten = list(_live)
     for server in forgotten:
         server.kill()
-        with contextlib.suppress(OSError):
-            shutil.rmtree(server.work_dir, ignore_errors=True)
+        shutil.rmtree(server.work_dir, ignore_errors=True)
