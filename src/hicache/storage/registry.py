@@ -44,6 +44,10 @@ NIXL_INSTALL_HINT = (
     "well, which picks the wheel of your CUDA version, add it without its dependencies: "
     "pip install --no-deps nixl==1.5.1)"
 )
+REDIS_INSTALL_HINT = (
+    "pip install 'hicache[redis]' (the redis-py client); the server is redis-server "
+    "(apt-get install redis-server) or valkey-server, anywhere the url reaches"
+)
 
 BACKENDS: dict[str, BackendEntry] = {
     "file": BackendEntry(
@@ -62,6 +66,10 @@ BACKENDS: dict[str, BackendEntry] = {
         "hicache.storage.nixl", "NixlBackend",
         "page files moved by NVIDIA NIXL's POSIX (or GDS) storage plugin",
         {"nixl": NIXL_INSTALL_HINT, "nixl_cu12": NIXL_INSTALL_HINT},
+    ),
+    "redis": BackendEntry(
+        "hicache.storage.redis", "RedisBackend", "a Redis or Valkey server (pages in its memory)",
+        {"redis": REDIS_INSTALL_HINT},
     ),
     "dynamic": BackendEntry(
         "hicache.storage.dynamic", "DynamicBackend",

@@ -50,7 +50,8 @@ def test_importing_the_package_imports_no_backend() -> None:
     code = (
         "import sys, hicache.storage\n"
         "loaded = [m for m in ('hicache.storage.file', 'hicache.storage.mooncake',\n"
-        "          'hicache.storage.dynamic', 'mooncake', 'hicache.storage.nixl', 'nixl')\n"
+        "          'hicache.storage.dynamic', 'mooncake', 'hicache.storage.nixl', 'nixl',\n"
+        "          'hicache.storage.redis', 'redis', 'hicache.storage.aibrix')\n"
         "          if m in sys.modules]\n"
         "print(loaded)\n"
     )

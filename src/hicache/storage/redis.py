@@ -1,0 +1,387 @@
+"""The "redis" backend: pages in a Redis server (or Valkey, which speaks the same protocol).
+
+Every instance given the same server and ``prefix`` shares one pool of pages.
+It talks to one server (a standalone Redis or a primary), not to Redis Cluster.
+Redis keeps them in memory; how much it may use and what it drops when full
+is the server's choice, not ours: with ``maxmemory <bytes>`` and
+``maxmemory-policy allkeys-lru`` Redis is an LRU L3 (an evicted page is a
+miss, recomputed and backed up again); with the default ``noeviction`` a full
+server refuses writes (``no_space``) and keeps what it has.
+
+Extra config:
+    url                redis://[user:password@]host:port/db (default
+                       redis://127.0.0.1:6379/0), rediss://... for TLS, or
+                       unix:///path/to/redis.sock?db=0
+    prefix             prepended to every key (default "hicache:"), so caches or other
+                       applications can share one server; clear() removes only this
+                       prefix's page keys
+    ttl_s              expire each page this many seconds after it is stored (default:
+                       never; a page found already stored keeps its first expiry)
+    max_batch_bytes    most page bytes one pipeline carries (default 64 MiB); a batch is
+                       sent in as many pipelines as it needs
+    connect_timeout_s  how long a connection attempt may take (default 1 s)
+    socket_timeout_s   how long the server may leave one read or write unanswered
+                       (default 2 s)
+    max_connections    size of the connection pool shared by the storage threads (32)
+    verify_checksum    hash every page read against its header (default true)
+
+Object format. A page is one string value under ``<prefix><frame.object_name>``
+(the namespaced key in hex and the payload-order tag, as the file and Mooncake
+backends name theirs), holding ``payload || header`` (``frame``). One SET
+stores the whole value, so a reader sees a complete page or none. A reader
+checks the length, the header's key and length, and the checksum; a page that
+fails is a miss counted under its ``frame.Fault`` reason and is deleted, so
+the next backup stores it again.
+
+Transfers. ``exists`` pipelines one EXISTS per page, ``get`` reads pages with
+MGET and ``set`` pipelines SET ... NX (with PX when ``ttl_s`` is set). Before
+writing, ``set`` asks which pages are stored already (pipelined EXISTS) and
+sends only the others: resending a page of megabytes to be refused by NX
+costs far more than a round trip of small replies (32 stored pages of 8 MiB:
+0.6 ms to skip, 740 ms to resend), while the EXISTS costs a new page about
+one round trip; NX still keeps a page that another instance stored meanwhile
+from being rewritten. A SET's value goes to the socket straight from the
+page's regions in the host pool and its header (``redis_wire``: no copy);
+on the way in, the payload is copied from MGET's reply into the page's
+regions once it is verified.
+
+Failures. The client retries a failed command once at once (a pooled
+connection the server closed, e.g. after a restart, is reconnected), then
+the batch is a miss: "unreachable" when no connection could be made or kept,
+"timeout" past ``socket_timeout_s``, "no_space" when a server without
+eviction is full, "io_error" otherwise. Nothing is raised: the storage
+controller's breaker sees the failures and stops calling for a while, and
+calls go through again once the server is back. On loopback a server that is
+gone refuses connections at once, so a call fails in well under a second; a
+remote host that drops packets costs ``connect_timeout_s`` per call until the
+breaker opens. A server that cannot be reached at attach is a
+``StorageUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from hicache.memory.allocator import PageIds
+from hicache.memory.host_pool import HostPool
+from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.frame import (
+    HEADER_BYTES,
+    Fault,
+    check_header,
+    check_payload,
+    checksum,
+    encode_header,
+    object_name,
+)
+from hicache.storage.options import Options
+from hicache.storage.page_regions import PageRegions
+from hicache.storage.redis_settings import RedisSettings
+from hicache.storage.redis_wire import Fragment, pipelined, set_command
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# Keys deleted per UNLINK by clear(), and asked for per SCAN step.
+_CLEAR_CHUNK = 512
+_GLOB_SPECIAL = "\\*?[]"
+
+
+class RedisBackend(StorageBackend):
+    """See the module docstring."""
+
+    name = "redis"
+
+    def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(extra_config)
+        self.settings = RedisSettings.from_options(Options(self.extra_config, "redis storage"))
+        self._prefix = self.settings.prefix.encode()
+        self._ttl_ms = (
+            None if self.settings.ttl_s is None else max(1, round(self.settings.ttl_s * 1000))
+        )
+        self._client: redis.Redis | None = None
+        self._regions: PageRegions | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+    def attach(self, host: HostPool) -> None:
+        if self._closed:
+            raise StorageError("redis storage used after close()")
+        if self._client is not None:
+            raise StorageError("redis storage is already attached")
+        regions = PageRegions(host)
+        settings = self.settings
+        try:
+            pool = redis.ConnectionPool.from_url(
+                settings.url,
+                socket_connect_timeout=settings.connect_timeout_s,
+                socket_timeout=settings.socket_timeout_s,
+                max_connections=settings.max_connections,
+                # One immediate retry: reconnects a pooled connection the server closed.
+                retry=Retry(NoBackoff(), 1),
+            )
+        except ValueError as error:  # a url redis-py cannot parse
+            raise StorageError(
+                f"redis storage: bad url {settings.display_url!r}: {error}"
+            ) from error
+        client = redis.Redis(connection_pool=pool)
+        try:
+            client.ping()
+        except (redis.RedisError, OSError) as error:
+            pool.disconnect()
+            raise StorageUnavailableError(
+                f"redis storage: the server at {settings.display_url} cannot be reached "
+                f"({type(error).__name__}: {error}); start redis-server (or valkey-server) "
+                "there or fix url"
+            ) from error
+        super().attach(host)
+        self._client = client
+        self._regions = regions
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            client.connection_pool.disconnect()
+
+    @property
+    def raw_client(self) -> redis.Redis:
+        """The ``redis.Redis`` client this backend uses (for tools, benchmarks, tests)."""
+        client, _ = self._ready([])
+        return client
+
+    def key_of(self, key: bytes) -> bytes:
+        """The Redis key a page is stored under (its prefix, hex key and order tag)."""
+        _, regions = self._ready([])
+        return self._prefix + object_name(key, regions.order).encode()
+
+    # ----------------------------------------------------------- operations
+    def exists(self, keys: Sequence[bytes]) -> int:
+        client, regions = self._ready(keys)
+        with self._lock:
+            self._stats.exists_queries += 1
+        if not keys:
+            return 0
+        found = self._stored(client, self._names(keys, regions))
+        if found is None:
+            return 0
+        for i, present in enumerate(found):
+            if not present:
+                return i
+        return len(keys)
+
+    def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        client, regions = self._ready(keys, host_pages)
+        if not keys:
+            return 0
+        began = time.perf_counter()
+        names = self._names(keys, regions)
+        pages = np.asarray(host_pages).tolist()
+        num_read = 0
+        for part in self._parts(len(keys), regions.page_bytes):
+            part_names = names[part.start : part.stop]
+            values = self._call(len(part), partial(client.mget, part_names))
+            if values is None or len(values) != len(part):
+                break
+            good = self._land(client, regions, part, names, keys, pages, values)
+            num_read += good
+            if good < len(part):
+                break
+        with self._lock:
+            self._stats.pages_read += num_read
+            self._stats.bytes_read += num_read * regions.page_bytes
+            self._stats.read_seconds += time.perf_counter() - began
+        return num_read
+
+    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        client, regions = self._ready(keys, host_pages)
+        if not keys:
+            return 0
+        began = time.perf_counter()
+        names = self._names(keys, regions)
+        pages = np.asarray(host_pages).tolist()
+        found = self._stored(client, names)
+        if found is None:
+            return 0
+        stored = list(found)
+        todo = [i for i, present in enumerate(stored) if not present]
+        num_written = 0
+        pool = client.connection_pool
+        for part in self._parts(len(todo), regions.page_bytes):
+            chosen = todo[part.start : part.stop]
+            commands = [
+                set_command(
+                    names[i], self._fragments(regions, keys[i], pages[i]), nx=True,
+                    px_ms=self._ttl_ms,
+                )
+                for i in chosen
+            ]
+            # Redis answers each SET on its own; a refused one comes back as its error.
+            results = self._call(len(chosen), partial(pipelined, pool, commands))
+            if results is None:
+                break
+            failed = False
+            for i, result in zip(chosen, results, strict=True):
+                if isinstance(result, redis.RedisError):
+                    if not failed:
+                        self._fail(_reason(result))
+                    failed = True
+                    continue
+                stored[i] = True
+                if result is not None:  # None: another instance stored it since our EXISTS
+                    num_written += 1
+            if failed:
+                break
+        num_stored = next((i for i, done in enumerate(stored) if not done), len(keys))
+        with self._lock:
+            self._stats.pages_skipped_existing += len(keys) - len(todo)
+            self._stats.pages_written += num_written
+            self._stats.bytes_written += num_written * regions.page_bytes
+            self._stats.write_seconds += time.perf_counter() - began
+        return num_stored
+
+    def clear(self) -> None:
+        """Remove every page key under this backend's prefix (any instance's), nothing else."""
+        client, _ = self._ready([])
+        pattern = _glob_escape(self._prefix) + b"[0-9a-f]" * 32 + b".[lt]m"
+
+        def remove_all() -> int:
+            removed = 0
+            batch: list[bytes] = []
+            for name in client.scan_iter(match=pattern, count=_CLEAR_CHUNK):
+                batch.append(name)
+                if len(batch) >= _CLEAR_CHUNK:
+                    removed += int(client.unlink(*batch))
+                    batch.clear()
+            if batch:
+                removed += int(client.unlink(*batch))
+            return removed
+
+        self._call(1, remove_all)
+
+    # ------------------------------------------------------------ internals
+    def _ready(
+        self, keys: Sequence[bytes], host_pages: PageIds | None = None
+    ) -> tuple[redis.Redis, PageRegions]:
+        if self._closed:
+            raise StorageError("redis storage used after close()")
+        self._check_args(keys, host_pages)
+        if self._client is None or self._regions is None:
+            raise StorageError("storage backend 'redis' used before attach()")
+        return self._client, self._regions
+
+    def _names(self, keys: Sequence[bytes], regions: PageRegions) -> list[bytes]:
+        prefix, order = self._prefix, regions.order
+        return [prefix + object_name(key, order).encode() for key in keys]
+
+    def _fail(self, reason: str, pages: int = 1) -> None:
+        with self._lock:
+            self._stats.fail(reason, pages)
+
+    def _call(self, pages: int, fn: Callable[[], T]) -> T | None:
+        """``fn()``, or None when the server failed it (counted against ``pages``)."""
+        try:
+            return fn()
+        except (redis.RedisError, OSError) as error:
+            reason = _reason(error)
+            logger.debug("redis call failed (%s): %s: %s", reason, type(error).__name__, error)
+            self._fail(reason, pages)
+            return None
+
+    @staticmethod
+    def _delete(client: redis.Redis, name: bytes) -> None:
+        """Drop a damaged page so the next backup stores it again (best effort: the miss
+        is counted already, and a page left behind is only found bad again)."""
+        try:
+            client.delete(name)
+        except (redis.RedisError, OSError) as error:
+            logger.warning("redis: removing bad page %r failed: %s", name, error)
+
+    def _stored(self, client: redis.Redis, names: list[bytes]) -> list[bool] | None:
+        """Which of ``names`` exist (one pipelined EXISTS each), or None (counted)."""
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        found = self._call(len(names), pipe.execute)
+        if found is None or len(found) != len(names):
+            return None
+        return [bool(count) for count in found]
+
+    def _parts(self, count: int, page_bytes: int) -> Iterator[range]:
+        """Consecutive ranges of at most ``max_batch_bytes`` of pages (at least one page each)."""
+        per_part = max(1, self.settings.max_batch_bytes // (page_bytes + HEADER_BYTES))
+        for start in range(0, count, per_part):
+            yield range(start, min(start + per_part, count))
+
+    @staticmethod
+    def _fragments(regions: PageRegions, key: bytes, page: int) -> list[Fragment]:
+        """``payload || header`` of host page ``page``: its regions in the pool, then its header."""
+        views = regions.views(page)
+        header = encode_header(key, regions.order, regions.page_bytes, checksum(views))
+        return [*views, header]
+
+    def _land(
+        self, client: redis.Redis, regions: PageRegions, part: range, names: list[bytes],
+        keys: Sequence[bytes], pages: list[int], values: list[Any],
+    ) -> int:
+        """Verify and copy ``values`` (MGET's answer for ``part``) into their host pages.
+
+        Returns how many leading pages landed; the first bad one is counted and,
+        when damaged (not merely missing), deleted.
+        """
+        page_bytes = regions.page_bytes
+        for j, i in enumerate(part):
+            value = values[j]
+            if value is None:  # never stored, expired, evicted, or not a string value
+                self._fail("missing")
+                return j
+            data = memoryview(value)
+            payload, header = data[:page_bytes], data[page_bytes:]
+            fault: Fault | None
+            if len(data) < page_bytes + HEADER_BYTES:
+                fault = Fault.SHORT_READ
+            elif len(data) > page_bytes + HEADER_BYTES:
+                fault = Fault.WRONG_LENGTH  # trailing bytes: not a value we wrote
+            else:
+                fault = check_header(header, keys[i], regions.order, page_bytes)
+                if fault is None and self.settings.verify_checksum:
+                    fault = check_payload(header, [payload])
+            if fault is not None:
+                self._fail(fault.value)
+                self._delete(client, names[i])
+                return j
+            offset = 0
+            for view in regions.views(pages[i]):
+                view[:] = payload[offset : offset + len(view)]
+                offset += len(view)
+        return len(part)
+
+
+def _reason(error: BaseException) -> str:
+    """The stats reason for a failed Redis command."""
+    if isinstance(error, redis.TimeoutError):
+        return "timeout"
+    if isinstance(error, (redis.ConnectionError, OSError)):
+        return "unreachable"
+    if isinstance(error, redis.exceptions.OutOfMemoryError) or str(error).startswith("OOM"):
+        return "no_space"  # maxmemory reached under a policy that does not evict
+    if isinstance(error, redis.exceptions.ReadOnlyError):
+        return "read_only"  # a replica
+    return "io_error"
+
+
+def _glob_escape(text: bytes) -> bytes:
+    """``text`` as a literal in a SCAN MATCH pattern."""
+    special = _GLOB_SPECIAL.encode()
+    return b"".join(b"\\" + bytes([c]) if c in special else bytes([c]) for c in text)
