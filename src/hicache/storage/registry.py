@@ -37,6 +37,10 @@ BACKENDS: dict[str, BackendEntry] = {
         "hicache.storage.mooncake", "MooncakeBackend", "Mooncake Store (distributed memory pool)",
         {"mooncake": MOONCAKE_INSTALL_HINT},
     ),
+    "lmcache": BackendEntry(
+        "hicache.storage.lmcache", "LMCacheBackend",
+        "an LMCache server (lmcache_server) over TCP, spoken to by our own client", {},
+    ),
     "dynamic": BackendEntry(
         "hicache.storage.dynamic", "DynamicBackend",
         "your own class: extra config module_path + class_name", {},
