@@ -46,3 +46,20 @@ if [ "$(uname -s)" = Linux ] && .venv/bin/python -c "import mooncake" 2>/dev/nul
       ;;
   esac
 fi
+# LMCache's server (lmcache_server), for the lmcache backend's tests and benchmark, in an
+# environment of its own: LMCache pins numpy<=2.2.6 and pulls CUDA packages, none of which
+# hicache needs (our client speaks its wire protocol without it). --no-deps plus the few
+# packages its server imports keeps it to the CPU torch and ~1 GB instead of ~2 GB and
+# CUDA wheels; numba is what LMCache's CPU memory code loads at import.
+if [ ! -x .venv-lmcache/bin/lmcache_server ]; then
+  rm -rf .venv-lmcache
+  "$PY" -m venv .venv-lmcache
+  .venv-lmcache/bin/pip install -q "torch==${HICACHE_TORCH_VERSION:-2.13.0}" \
+    || .venv-lmcache/bin/pip install -q torch
+  .venv-lmcache/bin/pip install -q "numpy<=2.2.6" numba "prometheus_client<=0.24.1" \
+    py-cpuinfo psutil aiohttp requests cachetools pyyaml sortedcontainers
+  .venv-lmcache/bin/pip install -q --no-deps "lmcache==${HICACHE_LMCACHE_VERSION:-0.5.6}" \
+    2>&1 | grep -v -e "requires" -e "dependency resolver" >&2 || true
+  .venv-lmcache/bin/python -c "import lmcache.v1.server.__main__" >/dev/null 2>&1 \
+    || { echo "bootstrap: LMCache's server cannot be imported in .venv-lmcache" >&2; exit 1; }
+fi

@@ -153,6 +153,11 @@ class LMCacheBackend(StorageBackend):
         client, _ = self._ready([])
         return not client.seems_down()
 
+    def server_keys(self, keys: Sequence[bytes]) -> list[str]:
+        """The server-side keys of page ``keys`` now (for tools and tests)."""
+        self._ready(keys)
+        return self._names(keys)
+
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         client, _ = self._ready(keys)
