@@ -91,6 +91,10 @@ class ServerProcess:
         return f"lm://{self.host}:{self.port}"
 
     @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
