@@ -15,9 +15,11 @@ from hicache.storage.config import (
     load_extra_config,
     storage_config,
 )
+from hicache.storage.registry import BACKENDS
 
-# Backends the registry knows; "dynamic" loads any class named in the extra config.
-STORAGE_BACKENDS = ("file", "mooncake", "dynamic")
+# Backends the registry knows (each imported only when used); "dynamic" loads any class
+# named in the extra config.
+STORAGE_BACKENDS = tuple(BACKENDS)
 # Accepted by --hicache-storage-backend to turn L3 off where a default turns it on (serve).
 NO_STORAGE_BACKEND = "none"
 
