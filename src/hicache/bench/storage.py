@@ -146,6 +146,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host:port of a running mooncake_master; without it a local one is started "
         "when the binary is installed",
     )
+    parser.add_argument(
+        "--lmcache-url", type=str, default=None,
+        help="lm://host:port of a running lmcache_server; without it a local one is started "
+        "from .venv-lmcache (scripts/bootstrap.sh) when it is there",
+    )
     parser.add_argument("--json", type=str, default=None, help="write raw results here")
 
 
@@ -182,7 +187,25 @@ def _mooncake_setup(
     return extra
 
 
-SETUPS: dict[str, BackendSetup] = {"file": _file_setup, "mooncake": _mooncake_setup}
+def _lmcache_setup(
+    args: argparse.Namespace, workload: Workload, stack: contextlib.ExitStack
+) -> dict[str, Any] | str:
+    # Big batches of big pages: a generous socket timeout.
+    extra: dict[str, Any] = {"timeout_s": 60.0, "namespace": f"bench-{uuid.uuid4().hex[:12]}"}
+    if args.lmcache_url:
+        return {**extra, "remote_url": args.lmcache_url}
+    from hicache.storage.lmcache_server import ServerError, start_server
+
+    try:
+        server = stack.enter_context(start_server())
+    except ServerError as error:
+        return f"no --lmcache-url given and no local lmcache_server could be started: {error}"
+    return {**extra, "remote_url": server.url}
+
+
+SETUPS: dict[str, BackendSetup] = {
+    "file": _file_setup, "mooncake": _mooncake_setup, "lmcache": _lmcache_setup,
+}
 
 
 # ------------------------------------------------------------------ baselines
@@ -237,10 +260,19 @@ def _mooncake_baseline(workload: Workload, backend: StorageBackend) -> BaselineR
     return mooncake_baseline(workload, backend)
 
 
+def _lmcache_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
+    """Our raw client on the same server and bytes (``hicache.bench.lmcache_baseline``)."""
+    from hicache.bench.lmcache_baseline import lmcache_baseline
+
+    return lmcache_baseline(workload, backend)
+
+
 # Hook: backend name -> the baseline measured next to it in the same run (a
 # ``Baseline``). A backend without an entry is reported without a ratio; a
 # baseline that fails is reported as skipped, the backend's numbers still stand.
-BASELINES: dict[str, Baseline] = {"file": _file_baseline, "mooncake": _mooncake_baseline}
+BASELINES: dict[str, Baseline] = {
+    "file": _file_baseline, "mooncake": _mooncake_baseline, "lmcache": _lmcache_baseline,
+}
 
 
 # ------------------------------------------------------------------ measuring
