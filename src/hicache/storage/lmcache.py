@@ -58,7 +58,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -248,30 +248,38 @@ class LMCacheBackend(StorageBackend):
         bad = self._bad_snapshot()
         num_stored = 0
         written = 0
+        skipped = 0  # found stored by the lookup before the PUTs
         todo: list[int] = []
         try:
             with client.connection() as conn:
                 present = conn.exists(names)
                 stored = [ok and name not in bad for ok, name in zip(present, names, strict=True)]
                 todo = [i for i, done in enumerate(stored) if not done]
+                skipped = len(keys) - len(todo)
                 num_stored = stored.index(False) if todo else len(keys)
                 if todo:
-                    items: list[tuple[str, list[Buffer]]] = []
-                    for i in todo:
-                        views = regions.views(pages[i])
-                        frame = encode_header(
-                            keys[i], regions.order, regions.page_bytes, checksum(views)
-                        )
-                        items.append((names[i], [*views, frame]))
-                    conn.put(items, self._control_key)
+
+                    def values() -> Iterator[tuple[str, list[Buffer]]]:
+                        for i in todo:  # hashed one by one while the server takes the last
+                            views = regions.views(pages[i])
+                            frame = encode_header(
+                                keys[i], regions.order, regions.page_bytes, checksum(views)
+                            )
+                            yield names[i], [*views, frame]
+
+                    conn.put(values(), self._control_key)
                     written = len(todo)
                     num_stored = len(keys)
         except (OSError, ProtocolError) as error:
             self._count_error(error, 1)
+            if todo and not written:
+                # Some of these PUTs may have been cut off mid-value, leaving values that
+                # break their readers: rewrite them next time rather than trust them.
+                self._remember_bad([names[i] for i in todo])
         if written:
             self._forget_bad([names[i] for i in todo])
         with self._lock:
-            self._stats.pages_skipped_existing += len(keys) - len(todo)
+            self._stats.pages_skipped_existing += skipped
             self._stats.pages_written += written
             self._stats.bytes_written += written * regions.page_bytes
             self._stats.write_seconds += time.perf_counter() - began
@@ -348,10 +356,14 @@ class LMCacheBackend(StorageBackend):
         self._fail(reason, pages)
 
     def _mark_bad(self, name: str, fault: Fault) -> None:
+        self._fail(fault.value)
+        self._remember_bad([name])
+
+    def _remember_bad(self, names: Sequence[str]) -> None:
         with self._lock:
-            self._stats.fail(fault.value)
-            self._bad[name] = None
-            self._bad.move_to_end(name)
+            for name in names:
+                self._bad[name] = None
+                self._bad.move_to_end(name)
             while len(self._bad) > BAD_KEYS_REMEMBERED:
                 self._bad.popitem(last=False)
 

@@ -22,7 +22,7 @@ import io
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import cast
 
 from hicache.storage.lmcache_protocol import (
@@ -120,19 +120,18 @@ class Connection:
         self.send([encode_request(Command.EXIST, key) for key in keys])
         return [self.read_reply().ok for _ in keys]
 
-    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]], barrier_key: str) -> None:
+    def put(self, items: Iterable[tuple[str, Sequence[Buffer]]], barrier_key: str) -> None:
         """Store each ``(key, value fragments)``; returns once the server stored them all.
 
-        PUTs have no reply: a HEALTH request after them is the barrier (answered
-        only once every earlier request on this connection was served).
+        Each value is sent as soon as ``items`` yields it, so a caller that builds
+        the next value (hashing a page) overlaps with the server receiving this
+        one. PUTs have no reply: a HEALTH request after them is the barrier
+        (answered only once every earlier request on this connection was served).
         """
-        buffers: list[Buffer] = []
         for key, fragments in items:
-            size = sum(len(memoryview(f).cast("B")) for f in fragments)
-            buffers.append(encode_request(Command.PUT, key, size))
-            buffers.extend(fragments)
-        buffers.append(encode_request(Command.HEALTH, barrier_key))
-        self.send(buffers)
+            size = sum(memoryview(f).nbytes for f in fragments)
+            self.send([encode_request(Command.PUT, key, size), *fragments])
+        self.send([encode_request(Command.HEALTH, barrier_key)])
         if not self.read_reply().ok:
             raise ProtocolError("lmcache_server answered a health check with a failure")
 
@@ -174,14 +173,23 @@ class Client:
         conn = self._take()
         try:
             yield conn
-        except BaseException:
+        except BaseException as error:
             conn.close()
+            if isinstance(error, ConnectionError):
+                # The server closed or reset this connection: it probably restarted or
+                # died, and the idle ones are as stale. Drop them so the next call
+                # connects afresh instead of failing once more on an old stream.
+                self._drop_idle()
             raise
         self._give_back(conn)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
+        self._drop_idle()
+
+    def _drop_idle(self) -> None:
+        with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()

@@ -27,7 +27,7 @@ from hicache.net import free_port
 from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES
 from hicache.storage.lmcache import LMCacheBackend
-from hicache.storage.lmcache_client import Client
+from hicache.storage.lmcache_client import Client, Connection
 from hicache.storage.lmcache_protocol import Command, encode_request
 from hicache.storage.lmcache_server import ServerProcess, start_server
 from hicache.storage.registry import create_storage_backend, unavailable_reason
@@ -302,10 +302,45 @@ def test_a_frozen_server_times_out_and_is_used_again_once_it_answers(
         assert backend.get(keys, page_range(10, 12)) == 0
         assert 0.25 < time.monotonic() - began < 2.0
         assert backend.stats().failures == {"timeout": 1}
+        # A backup while it is frozen times out and reports nothing stored.
+        unconfirmed = new_keys(2)
+        assert backend.set(unconfirmed, page_range(0, 2)) == 0
+        assert backend.stats().failures == {"timeout": 2}
         os.kill(own_server.pid, signal.SIGCONT)
         assert backend.get(keys, page_range(10, 12)) == 2  # on a new connection
+        assert backend.exists(unconfirmed) == 0
+        written = backend.stats().pages_written
+        assert backend.set(unconfirmed, page_range(0, 2)) == 2
+        assert backend.stats().pages_written == written + 2
+        assert backend.exists(unconfirmed) == 2
     finally:
         backend.close()
+
+
+def test_a_backup_whose_confirmation_is_lost_is_rewritten_not_trusted(
+    stored: tuple[LMCacheBackend, HostPool, list], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PUTs whose barrier reply never came may have been cut off mid-value: not trusted."""
+    backend, host, _ = stored
+    keys = new_keys(2)
+    fill(host, page_range(4, 6), seed=9)
+    original_put = Connection.put
+
+    def put_then_lose_the_reply(self: Connection, *args: Any) -> None:
+        original_put(self, *args)
+        raise TimeoutError("the barrier reply was lost")
+
+    monkeypatch.setattr(Connection, "put", put_then_lose_the_reply)
+    assert backend.set(keys, page_range(4, 6)) == 0
+    assert backend.stats().failures == {"timeout": 1}
+    monkeypatch.setattr(Connection, "put", original_put)
+    assert backend.exists(keys) == 0  # stored on the server, but not trusted
+    written = backend.stats().pages_written
+    assert backend.set(keys, page_range(4, 6)) == 2
+    assert backend.stats().pages_written == written + 2
+    assert backend.exists(keys) == 2
+    assert backend.get(keys, page_range(10, 12)) == 2
+    assert page_bytes_of(host, page_range(10, 12)) == page_bytes_of(host, page_range(4, 6))
 
 
 # ------------------------------------------------------------------ sharing one server
