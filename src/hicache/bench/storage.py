@@ -187,6 +187,16 @@ def _mooncake_setup(
     return extra
 
 
+def _aibrix_setup(
+    args: argparse.Namespace, workload: Workload, stack: contextlib.ExitStack
+) -> dict[str, Any] | str:
+    reason = unavailable_reason("aibrix")
+    if reason is not None:
+        return reason
+    # RocksDB in the run's directory; an L1 with room for every page, so gets hit it.
+    return {"path": str(workload.work_dir / "aibrix-l3"), "l1_capacity": 2 * workload.nbytes}
+
+
 def _lmcache_setup(
     args: argparse.Namespace, workload: Workload, stack: contextlib.ExitStack
 ) -> dict[str, Any] | str:
@@ -204,7 +214,8 @@ def _lmcache_setup(
 
 
 SETUPS: dict[str, BackendSetup] = {
-    "file": _file_setup, "mooncake": _mooncake_setup, "lmcache": _lmcache_setup,
+    "file": _file_setup, "mooncake": _mooncake_setup, "aibrix": _aibrix_setup,
+    "lmcache": _lmcache_setup,
 }
 
 
@@ -267,11 +278,19 @@ def _lmcache_baseline(workload: Workload, backend: StorageBackend) -> BaselineRu
     return lmcache_baseline(workload, backend)
 
 
+def _aibrix_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
+    """AIBrix's cache manager on the same bytes (``hicache.bench.aibrix_baseline``)."""
+    from hicache.bench.aibrix_baseline import aibrix_baseline
+
+    return aibrix_baseline(workload, backend)
+
+
 # Hook: backend name -> the baseline measured next to it in the same run (a
 # ``Baseline``). A backend without an entry is reported without a ratio; a
 # baseline that fails is reported as skipped, the backend's numbers still stand.
 BASELINES: dict[str, Baseline] = {
-    "file": _file_baseline, "mooncake": _mooncake_baseline, "lmcache": _lmcache_baseline,
+    "file": _file_baseline, "mooncake": _mooncake_baseline, "aibrix": _aibrix_baseline,
+    "lmcache": _lmcache_baseline,
 }
 
 

@@ -51,15 +51,26 @@ def test_engine_outputs_equal_cold_while_the_server_dies_and_returns(
     assert warm.token_ids == cold.token_ids
 
     lmcache_server.kill()
+    try:
+        outage_and_return(engine, lmcache_server, ids, cold.token_ids)
+    finally:
+        if not lmcache_server.running:  # the module's other tests need it
+            lmcache_server.restart()
+    engine.check_integrity()
+
+
+def outage_and_return(
+    engine: Engine, server: ServerProcess, ids: list[int], cold_tokens: list[int]
+) -> None:
     for _ in range(3):
         assert engine.flush_cache()
         began = time.monotonic()
         down = run(engine, ids, ignore_eos=True)
-        assert time.monotonic() - began < 2.0  # recomputed, not waiting on the server
+        assert time.monotonic() - began < 3.0  # recomputed, not waiting on the server
         assert down.last.cached_tokens.total == 0
-        assert down.token_ids == cold.token_ids
+        assert down.token_ids == cold_tokens
 
-    lmcache_server.restart()  # an empty store: the next prompt is stored again, then hit
+    server.restart()  # an empty store: the next prompt is stored again, then hit
     other = prompt(12)
     other_cold = run(engine, other, ignore_eos=True)
     deadline = time.monotonic() + RECOVERY_S
@@ -71,7 +82,6 @@ def test_engine_outputs_equal_cold_while_the_server_dies_and_returns(
             break
         assert time.monotonic() < deadline, engine.storage_status()
         time.sleep(0.1)
-    engine.check_integrity()
 
 
 def test_lmcache_attached_and_detached_at_run_time_by_name(
