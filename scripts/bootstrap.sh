@@ -63,7 +63,8 @@ fi
 # hicache needs (our client speaks its wire protocol without it). --no-deps plus the few
 # packages its server imports keeps it to the CPU torch and ~1 GB instead of ~2 GB and
 # CUDA wheels; numba is what LMCache's CPU memory code loads at import.
-if [ ! -x .venv-lmcache/bin/lmcache_server ]; then
+has_lmcache_server="import lmcache.v1.server.__main__"
+if ! .venv-lmcache/bin/python -c "$has_lmcache_server" >/dev/null 2>&1; then
   rm -rf .venv-lmcache
   "$PY" -m venv .venv-lmcache
   .venv-lmcache/bin/pip install -q "torch==${HICACHE_TORCH_VERSION:-2.13.0}" \
@@ -72,6 +73,8 @@ if [ ! -x .venv-lmcache/bin/lmcache_server ]; then
     py-cpuinfo psutil aiohttp requests cachetools pyyaml sortedcontainers
   .venv-lmcache/bin/pip install -q --no-deps "lmcache==${HICACHE_LMCACHE_VERSION:-0.5.6}" \
     2>&1 | grep -v -e "requires" -e "dependency resolver" >&2 || true
-  .venv-lmcache/bin/python -c "import lmcache.v1.server.__main__" >/dev/null 2>&1 \
-    || { echo "bootstrap: LMCache's server cannot be imported in .venv-lmcache" >&2; exit 1; }
+  if ! .venv-lmcache/bin/python -c "$has_lmcache_server" >/dev/null 2>&1; then
+    echo "bootstrap: LMCache's server cannot be imported in .venv-lmcache; the lmcache L3" \
+      "backend's tests need it" >&2
+  fi
 fi
