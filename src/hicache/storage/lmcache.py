@@ -170,8 +170,10 @@ class LMCacheBackend(StorageBackend):
                 # The generation first, in the same round trip: another instance may
                 # have cleared the store since we last looked.
                 names = self._names(keys)
-                conn.send([encode_request(Command.GET, self._control_key)])
-                conn.send([encode_request(Command.EXIST, name) for name in names])
+                conn.send([
+                    encode_request(Command.GET, self._control_key),
+                    *(encode_request(Command.EXIST, name) for name in names),
+                ])
                 generation = self._read_generation_reply(conn)
                 found = [conn.read_reply().ok for _ in names]
                 if self._set_generation(generation):
