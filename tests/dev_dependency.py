@@ -19,10 +19,12 @@ import importlib
 import os
 import shutil
 from types import ModuleType
+from typing import TypeVar
 
 import pytest
 
 ALLOW_MISSING_ENV = "HICACHE_ALLOW_MISSING_DEV_DEPS"
+T = TypeVar("T")
 
 
 def _missing(what: str, install_hint: str, error: object) -> None:
@@ -48,3 +50,11 @@ def require_program(program: str, install_hint: str) -> str:
         _missing(f"program {program!r}", install_hint, "not on PATH")
         raise AssertionError("unreachable")
     return path
+
+
+def require_found(what: str, found: T | None, install_hint: str) -> T:
+    """``found`` (a program or environment a helper looked up); None fails the test module."""
+    if found is None:
+        _missing(what, install_hint, "not found")
+        raise AssertionError("unreachable")
+    return found

@@ -160,6 +160,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="url of a running Redis or Valkey server (redis://host:port/db); without it a "
         "local redis-server is started when the binary is installed",
     )
+    parser.add_argument(
+        "--lmcache-url", type=str, default=None,
+        help="lm://host:port of a running lmcache_server; without it a local one is started "
+        "from .venv-lmcache (scripts/bootstrap.sh) when it is there",
+    )
     parser.add_argument("--json", type=str, default=None, help="write raw results here")
 
 
@@ -218,8 +223,6 @@ def _nixl_setup(
     }
 
 
-
-
 def _redis_setup(
     args: argparse.Namespace, workload: Workload, stack: contextlib.ExitStack
 ) -> dict[str, Any] | str:
@@ -239,9 +242,25 @@ def _redis_setup(
     return {**extra, "url": server.url}
 
 
+def _lmcache_setup(
+    args: argparse.Namespace, workload: Workload, stack: contextlib.ExitStack
+) -> dict[str, Any] | str:
+    # Big batches of big pages: a generous socket timeout.
+    extra: dict[str, Any] = {"timeout_s": 60.0, "namespace": f"bench-{uuid.uuid4().hex[:12]}"}
+    if args.lmcache_url:
+        return {**extra, "remote_url": args.lmcache_url}
+    from hicache.storage.lmcache_server import ServerError, start_server
+
+    try:
+        server = stack.enter_context(start_server())
+    except ServerError as error:
+        return f"no --lmcache-url given and no local lmcache_server could be started: {error}"
+    return {**extra, "remote_url": server.url}
+
+
 SETUPS: dict[str, BackendSetup] = {
     "file": _file_setup, "mooncake": _mooncake_setup, "aibrix": _aibrix_setup,
-    "nixl": _nixl_setup, "redis": _redis_setup,
+    "nixl": _nixl_setup, "redis": _redis_setup, "lmcache": _lmcache_setup,
 }
 
 
@@ -311,9 +330,13 @@ def _redis_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
     return redis_baseline(workload, backend)
 
 
-# Hook: backend name -> the baseline measured next to it in the same run (a
-# ``Baseline``). A backend without an entry is reported without a ratio; a
-# baseline that fails is reported as skipped, the backend's numbers still stand.
+def _lmcache_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
+    """Our raw client on the same server and bytes (``hicache.bench.lmcache_baseline``)."""
+    from hicache.bench.lmcache_baseline import lmcache_baseline
+
+    return lmcache_baseline(workload, backend)
+
+
 def _aibrix_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
     """AIBrix's cache manager on the same bytes (``hicache.bench.aibrix_baseline``)."""
     from hicache.bench.aibrix_baseline import aibrix_baseline
@@ -321,9 +344,12 @@ def _aibrix_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun
     return aibrix_baseline(workload, backend)
 
 
+# Hook: backend name -> the baseline measured next to it in the same run (a
+# ``Baseline``). A backend without an entry is reported without a ratio; a
+# baseline that fails is reported as skipped, the backend's numbers still stand.
 BASELINES: dict[str, Baseline] = {
     "file": _file_baseline, "mooncake": _mooncake_baseline, "aibrix": _aibrix_baseline,
-    "nixl": _nixl_baseline, "redis": _redis_baseline,
+    "nixl": _nixl_baseline, "redis": _redis_baseline, "lmcache": _lmcache_baseline,
 }
 
 

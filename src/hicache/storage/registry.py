@@ -71,6 +71,10 @@ BACKENDS: dict[str, BackendEntry] = {
         "hicache.storage.redis", "RedisBackend", "a Redis or Valkey server (pages in its memory)",
         {"redis": REDIS_INSTALL_HINT},
     ),
+    "lmcache": BackendEntry(
+        "hicache.storage.lmcache", "LMCacheBackend",
+        "an LMCache server (lmcache_server) over TCP, spoken to by our own client", {},
+    ),
     "dynamic": BackendEntry(
         "hicache.storage.dynamic", "DynamicBackend",
         "your own class: extra config module_path + class_name", {},

@@ -1,0 +1,384 @@
+"""The "lmcache" backend: pages in an LMCache server (``lmcache_server HOST PORT cpu``) over TCP.
+
+LMCache's standalone server keeps values in its memory, shared by every
+instance that connects to it. We speak its wire format with our own client
+(``lmcache_client``, ``lmcache_protocol``): this backend needs no LMCache
+package, only a server to talk to (LMCache's, run from its own environment).
+
+Extra config:
+
+    remote_url         the server, lm://host:port or host:port (LMCACHE_REMOTE_URL); required
+    namespace          the model-name field of our keys (default "hicache"): instances
+                       with different namespaces on one server never see each other's pages
+    connections        idle connections kept for reuse (default 4); each calling thread
+                       uses its own connection, opened when none is idle
+    timeout_s          socket timeout of every send and receive (default 5)
+    connect_timeout_s  timeout of a connect (default 2)
+    retry_interval_s   after a failed connect, calls fail at once as "unreachable" for this
+                       long before connecting is tried again (default 1)
+    verify_checksum    hash every page read against its header (default true)
+
+Objects. Each page is one value, the page's payload followed by its ``frame``
+header (as in every backend), under the key
+``<namespace>.<generation>.<order tag>@1@0@<page key hex>@uint8``. The payload
+is sent straight from the host pool's pages and received straight into them
+(``PageRegions``), with no staging copy.
+
+Batches are pipelined: a batch's requests go out together and their replies
+are read in order, so ``exists`` and ``get`` are one round trip, ``set`` two
+(which pages are stored, then the PUTs of the missing ones followed by one
+HEALTH request whose reply says the server has stored them all).
+
+What the server cannot do, and how we cope:
+
+- No DELETE. ``clear`` starts a new *generation*: a random number stored
+  under a control key, part of every page's key. Each instance reads it at
+  attach and, pipelined with every ``exists`` (no extra round trip), notices
+  another instance's clear. The old pages become unreachable, but the server
+  keeps them in memory until it is restarted.
+- No eviction: the server's memory grows with every page stored. Size it for
+  the working set, or restart it (every page is then a miss, nothing breaks).
+- A corrupted page cannot be removed. The instance that reads it remembers its
+  key (``BAD_KEYS_REMEMBERED`` at most): ``exists`` stops there, and the next
+  ``set`` of that page rewrites it (a PUT replaces the value).
+- A PUT cut off mid-value (a writer killed or timed out) leaves the server
+  holding an empty value that closes the connection of whoever GETs it. We
+  read that as a short read of that page (a miss, remembered as bad like a
+  corrupted page) and reconnect.
+
+Failures never raise: a connect refused or timed out, a connection reset, a
+socket timeout or an unreadable reply ends the call with the pages done so
+far, counted as "unreachable" or "timeout" or "io_error" (feeding the storage
+controller's circuit breaker), and the connection is dropped. A server that
+cannot be reached at attach is a ``StorageUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache.memory.allocator import PageIds
+from hicache.memory.host_pool import HostPool
+from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.frame import (
+    HEADER_BYTES,
+    Fault,
+    check_header,
+    check_payload,
+    checksum,
+    encode_header,
+)
+from hicache.storage.lmcache_client import Buffer, Client, Connection
+from hicache.storage.lmcache_protocol import (
+    MAX_VALUE_BYTES,
+    Command,
+    ProtocolError,
+    encode_request,
+    key_string,
+)
+from hicache.storage.lmcache_settings import LMCacheSettings
+from hicache.storage.options import Options
+from hicache.storage.page_regions import PageRegions
+
+BAD_KEYS_REMEMBERED = 4096
+_GENERATION_BYTES = 8
+
+
+class LMCacheBackend(StorageBackend):
+    """See the module docstring."""
+
+    name = "lmcache"
+
+    def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(extra_config)
+        self.settings = LMCacheSettings.from_options(
+            Options(self.extra_config, "lmcache storage")
+        )
+        self.verify_checksum = self.settings.verify_checksum
+        self._client: Client | None = None
+        self._regions: PageRegions | None = None
+        self._generation = 0  # guarded by self._lock
+        # Keys (strings) of pages found bad: treated as missing until rewritten.
+        self._bad: OrderedDict[str, None] = OrderedDict()
+        self._control_key = key_string(f"{self.settings.namespace}.generation", b"\0")
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+    def attach(self, host: HostPool) -> None:
+        if self._closed:
+            raise StorageError("lmcache storage used after close()")
+        if self._client is not None:
+            raise StorageError("lmcache storage is already attached")
+        regions = PageRegions(host)
+        if regions.page_bytes + HEADER_BYTES > MAX_VALUE_BYTES:
+            raise StorageError(
+                f"lmcache_server values hold at most {MAX_VALUE_BYTES} bytes; a page is "
+                f"{regions.page_bytes}"
+            )
+        s = self.settings
+        client = Client(
+            s.host, s.port, timeout_s=s.timeout_s, connect_timeout_s=s.connect_timeout_s,
+            retry_interval_s=s.retry_interval_s, max_idle=s.connections,
+        )
+        try:
+            with client.connection() as conn:
+                generation = self._read_generation(conn)
+        except (OSError, ProtocolError) as error:
+            client.close()
+            raise StorageUnavailableError(
+                f"lmcache storage: cannot reach lmcache_server at {s.address}: {error}"
+            ) from error
+        super().attach(host)
+        self._client, self._regions = client, regions
+        with self._lock:
+            self._generation = generation
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    @property
+    def reachable(self) -> bool:
+        """False within ``retry_interval_s`` of a failed connect (calls then fail at once)."""
+        client, _ = self._ready([])
+        return not client.seems_down()
+
+    def server_keys(self, keys: Sequence[bytes]) -> list[str]:
+        """The server-side keys of page ``keys`` now (for tools and tests)."""
+        self._ready(keys)
+        return self._names(keys)
+
+    # ----------------------------------------------------------- operations
+    def exists(self, keys: Sequence[bytes]) -> int:
+        client, _ = self._ready(keys)
+        with self._lock:
+            self._stats.exists_queries += 1
+        if not keys:
+            return 0
+        try:
+            with client.connection() as conn:
+                # The generation first, in the same round trip: another instance may
+                # have cleared the store since we last looked.
+                names = self._names(keys)
+                conn.send([
+                    encode_request(Command.GET, self._control_key),
+                    *(encode_request(Command.EXIST, name) for name in names),
+                ])
+                generation = self._read_generation_reply(conn)
+                found = [conn.read_reply().ok for _ in names]
+                if self._set_generation(generation):
+                    names = self._names(keys)
+                    found = conn.exists(names)
+        except (OSError, ProtocolError) as error:
+            self._count_error(error, 1)
+            return 0
+        bad = self._bad_snapshot()
+        for i, (name, ok) in enumerate(zip(names, found, strict=True)):
+            if not ok or name in bad:
+                return i
+        return len(keys)
+
+    def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        client, regions = self._ready(keys, host_pages)
+        if not keys:
+            return 0
+        began = time.perf_counter()
+        pages = np.asarray(host_pages).tolist()
+        names = self._names(keys)
+        expected = regions.page_bytes + HEADER_BYTES
+        header = bytearray(HEADER_BYTES)
+        good = 0  # leading pages read and verified
+        broken = False  # a page failed: the rest of the replies are only drained
+        current = 0
+        in_value = False  # between a page's reply header and the end of its value
+        try:
+            with client.connection() as conn:
+                conn.send([encode_request(Command.GET, name) for name in names])
+                for current in range(len(keys)):
+                    reply = conn.read_reply()
+                    if broken or not reply.ok or reply.value_bytes != expected:
+                        conn.discard(reply.value_bytes)
+                        if not broken:
+                            broken = True
+                            if not reply.ok:
+                                self._fail("missing")
+                            else:
+                                self._mark_bad(names[current], _length_fault(
+                                    reply.value_bytes, expected))
+                        continue
+                    in_value = True
+                    conn.read_into([*regions.views(pages[current]), header])
+                    in_value = False
+                    fault = check_header(header, keys[current], regions.order, regions.page_bytes)
+                    if fault is None and self.verify_checksum:
+                        fault = check_payload(header, regions.views(pages[current]))
+                    if fault is not None:
+                        broken = True
+                        self._mark_bad(names[current], fault)
+                        continue
+                    good += 1
+        except (OSError, ProtocolError) as error:
+            if not broken and in_value and isinstance(error, ConnectionError):
+                # The server dropped us in the middle of a value: one it cannot send
+                # (a torn PUT left it empty), or it died. This page is not readable.
+                self._mark_bad(names[current], Fault.SHORT_READ)
+            elif not broken:
+                self._count_error(error, 1)
+        with self._lock:
+            self._stats.pages_read += good
+            self._stats.bytes_read += good * regions.page_bytes
+            self._stats.read_seconds += time.perf_counter() - began
+        return good
+
+    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        client, regions = self._ready(keys, host_pages)
+        if not keys:
+            return 0
+        began = time.perf_counter()
+        pages = np.asarray(host_pages).tolist()
+        names = self._names(keys)
+        bad = self._bad_snapshot()
+        num_stored = 0
+        written = 0
+        skipped = 0  # found stored by the lookup before the PUTs
+        todo: list[int] = []
+        try:
+            with client.connection() as conn:
+                present = conn.exists(names)
+                stored = [ok and name not in bad for ok, name in zip(present, names, strict=True)]
+                todo = [i for i, done in enumerate(stored) if not done]
+                skipped = len(keys) - len(todo)
+                num_stored = stored.index(False) if todo else len(keys)
+                if todo:
+
+                    def values() -> Iterator[tuple[str, list[Buffer]]]:
+                        for i in todo:  # hashed one by one while the server takes the last
+                            views = regions.views(pages[i])
+                            frame = encode_header(
+                                keys[i], regions.order, regions.page_bytes, checksum(views)
+                            )
+                            yield names[i], [*views, frame]
+
+                    conn.put(values(), self._control_key)
+                    written = len(todo)
+                    num_stored = len(keys)
+        except (OSError, ProtocolError) as error:
+            self._count_error(error, 1)
+            if todo and not written:
+                # Some of these PUTs may have been cut off mid-value, leaving values that
+                # break their readers: rewrite them next time rather than trust them.
+                self._remember_bad([names[i] for i in todo])
+        if written:
+            self._forget_bad([names[i] for i in todo])
+        with self._lock:
+            self._stats.pages_skipped_existing += skipped
+            self._stats.pages_written += written
+            self._stats.bytes_written += written * regions.page_bytes
+            self._stats.write_seconds += time.perf_counter() - began
+        return num_stored
+
+    def clear(self) -> None:
+        """Start a new generation: every page stored so far becomes unreachable (module doc)."""
+        client, _ = self._ready([])
+        generation = secrets.randbits(63) | 1  # never 0, the generation of a fresh server
+        value = generation.to_bytes(_GENERATION_BYTES, "little")
+        try:
+            with client.connection() as conn:
+                conn.put([(self._control_key, [value])], self._control_key)
+        except (OSError, ProtocolError) as error:
+            self._count_error(error, 1)
+            return
+        self._set_generation(generation)
+        with self._lock:
+            self._bad.clear()
+
+    # ------------------------------------------------------------ internals
+    def _ready(
+        self, keys: Sequence[bytes], host_pages: PageIds | None = None
+    ) -> tuple[Client, PageRegions]:
+        if self._closed:
+            raise StorageError("lmcache storage used after close()")
+        self._check_args(keys, host_pages)
+        if self._client is None or self._regions is None:
+            raise StorageError("storage backend 'lmcache' used before attach()")
+        return self._client, self._regions
+
+    def _names(self, keys: Sequence[bytes]) -> list[str]:
+        """The server-side keys of ``keys`` in the current generation."""
+        assert self._regions is not None
+        with self._lock:
+            generation = self._generation
+        prefix = f"{self.settings.namespace}.{generation:x}.{self._regions.order.tag}"
+        return [key_string(prefix, key) for key in keys]
+
+    def _read_generation(self, conn: Connection) -> int:
+        conn.send([encode_request(Command.GET, self._control_key)])
+        return self._read_generation_reply(conn)
+
+    @staticmethod
+    def _read_generation_reply(conn: Connection) -> int:
+        reply = conn.read_reply()
+        if reply.ok and reply.value_bytes == _GENERATION_BYTES:
+            value = bytearray(_GENERATION_BYTES)
+            conn.read_into([value])
+            return int.from_bytes(value, "little")
+        conn.discard(reply.value_bytes)
+        return 0  # never cleared (or an unreadable control value: start over at 0)
+
+    def _set_generation(self, generation: int) -> bool:
+        """Adopt ``generation``; True if it changed."""
+        with self._lock:
+            changed = generation != self._generation
+            self._generation = generation
+            if changed:
+                self._bad.clear()
+        return changed
+
+    def _fail(self, reason: str, pages: int = 1) -> None:
+        with self._lock:
+            self._stats.fail(reason, pages)
+
+    def _count_error(self, error: BaseException, pages: int) -> None:
+        if isinstance(error, ConnectionError):  # refused, reset, closed, or ServerUnreachable
+            reason = "unreachable"
+        elif isinstance(error, TimeoutError):
+            reason = "timeout"
+        else:
+            reason = "io_error"
+        self._fail(reason, pages)
+
+    def _mark_bad(self, name: str, fault: Fault) -> None:
+        self._fail(fault.value)
+        self._remember_bad([name])
+
+    def _remember_bad(self, names: Sequence[str]) -> None:
+        with self._lock:
+            for name in names:
+                self._bad[name] = None
+                self._bad.move_to_end(name)
+            while len(self._bad) > BAD_KEYS_REMEMBERED:
+                self._bad.popitem(last=False)
+
+    def _forget_bad(self, names: Sequence[str]) -> None:
+        with self._lock:
+            for name in names:
+                self._bad.pop(name, None)
+
+    def _bad_snapshot(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._bad)
+
+
+def _length_fault(value_bytes: int, expected: int) -> Fault:
+    return Fault.SHORT_READ if value_bytes < expected else Fault.WRONG_LENGTH
+

@@ -1,0 +1,77 @@
+"""A real LMCache server for tests: one ``lmcache_server`` per test module, on a free loopback port.
+
+Test modules import the fixtures they use (registered under the names tests ask for)::
+
+    from tests.lmcache_fixtures import extra_fixture, server_fixture  # noqa: F401
+
+The server runs from LMCache's own environment (``.venv-lmcache``, made by
+``scripts/bootstrap.sh``); importing this module fails the importing test
+module when it cannot be found (``tests/dev_dependency``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.memory.geometry import KVGeometry
+from hicache.storage.config import PrefetchPolicy, StorageConfig
+from hicache.storage.lmcache import LMCacheBackend
+from hicache.storage.lmcache_server import (
+    INSTALL_HINT,
+    ServerProcess,
+    find_server_program,
+    start_server,
+)
+from tests.dev_dependency import require_found
+
+PROGRAM: Path = require_found("program 'lmcache_server'", find_server_program(), INSTALL_HINT)
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module", name="lmcache_server")
+def server_fixture() -> Iterator[ServerProcess]:
+    """A server on 127.0.0.1 for the whole module, killed after it."""
+    with start_server(program=PROGRAM) as server:
+        yield server
+
+
+@pytest.fixture(scope="module", name="lmcache_extra")
+def extra_fixture(lmcache_server: ServerProcess) -> dict[str, Any]:
+    """The backend extra config that reaches the module's server."""
+    return {"remote_url": lmcache_server.url}
+
+
+def make_cache(
+    extra: dict[str, Any], *, page_size: int = 4, layout: MemLayout = MemLayout.PAGE_FIRST,
+    device_pages: int = 64, **storage: Any,
+) -> HierarchicalCache:
+    """A write-through cache with L3 on LMCache, built by name through the registry."""
+    config = CacheConfig(
+        page_size=page_size, enable_hierarchical_cache=True,
+        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
+        mem_layout=layout, load_back_threshold_tokens=1,
+    )
+    settings: dict[str, Any] = {
+        "prefetch_threshold": 1, "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE, **storage,
+    }
+    cache = HierarchicalCache(
+        config, GEOMETRY, device_pages,
+        storage=StorageConfig(backend="lmcache", backend_extra=extra, **settings),
+    )
+    assert cache.storage is not None, cache.storage_error
+    assert isinstance(cache.storage.backend, LMCacheBackend)
+    return cache
+
+
+def backend_of(cache: HierarchicalCache) -> LMCacheBackend:
+    assert cache.storage is not None
+    backend = cache.storage.backend
+    assert isinstance(backend, LMCacheBackend)
+    return backend

@@ -1,0 +1,95 @@
+"""The cache over a real lmcache_server as L3: KV one instance stores, the next one reuses bit
+for bit (tests/kv_oracle.py), and a server that dies opens the breaker without slowing
+requests, then is used again once it is back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from hicache.config import MemLayout
+from hicache.storage.breaker import BreakerState
+from hicache.storage.lmcache_server import ServerProcess, start_server
+from tests.kv_oracle import conversation, serve_with_l3, settle
+from tests.lmcache_fixtures import PROGRAM, backend_of, make_cache
+
+FAST_S = 0.5
+RECOVERY_S = 15.0
+
+
+@pytest.fixture(scope="module", name="server")
+def server_fixture() -> Iterator[ServerProcess]:
+    with start_server(program=PROGRAM) as server:
+        yield server
+
+
+@pytest.mark.parametrize("layout", [MemLayout.PAGE_FIRST, MemLayout.LAYER_FIRST])
+def test_a_new_instance_reuses_the_kv_the_last_one_stored(
+    server: ServerProcess, layout: MemLayout
+) -> None:
+    extra = {"remote_url": server.url, "namespace": f"reuse-{layout.value}"}
+    tokens = conversation(40, seed=7)
+    first = make_cache(extra, layout=layout)
+    try:
+        assert serve_with_l3(first, tokens) == 0
+        settle(first)
+        assert first.stats.num_storage_backed_up_pages == 10
+    finally:
+        first.close()
+    second = make_cache(extra, layout=layout)
+    try:
+        assert serve_with_l3(second, tokens) == 40  # the oracle checks it equals cold KV
+        assert second.stats.num_storage_hit_tokens == 40
+        settle(second)
+        assert backend_of(second).stats().pages_written == 0
+        assert backend_of(second).stats().failures == {}
+    finally:
+        second.close()
+
+
+def test_a_dead_server_opens_the_breaker_and_l3_returns_after_restart(
+    server: ServerProcess,
+) -> None:
+    extra = {"remote_url": server.url, "namespace": "outage", "retry_interval_s": 0.1}
+    cache = make_cache(
+        extra, breaker_failures=2, breaker_backoff_base=0.2, breaker_backoff_max=0.2,
+    )
+    try:
+        assert cache.storage is not None
+        serve_with_l3(cache, conversation(40, seed=1))
+        settle(cache)
+        assert cache.stats.num_storage_backed_up_pages == 10
+
+        server.kill()
+        durations = []
+        for seed in range(100, 106):  # new conversations: lookups miss, backups fail
+            began = time.monotonic()
+            assert serve_with_l3(cache, conversation(40, seed=seed)) == 0
+            settle(cache)
+            durations.append(time.monotonic() - began)
+        assert max(durations) < FAST_S, durations
+        assert cache.storage.breaker.state is BreakerState.OPEN
+        assert backend_of(cache).stats().failures.get("unreachable", 0) > 0
+        assert cache.stats.num_storage_backed_up_pages == 10
+
+        server.restart()  # empty: keep serving new conversations until one is backed up
+        deadline = time.monotonic() + RECOVERY_S
+        seed = 200
+        while cache.stats.num_storage_backed_up_pages == 10:
+            assert time.monotonic() < deadline, backend_of(cache).stats().failures
+            seed += 1
+            serve_with_l3(cache, conversation(40, seed=seed))
+            settle(cache)
+            time.sleep(0.05)
+        assert cache.storage.breaker.state is BreakerState.CLOSED
+        other = make_cache(extra)
+        try:
+            assert serve_with_l3(other, conversation(40, seed=seed)) == 40
+            settle(other)
+        finally:
+            other.close()
+    finally:
+        cache.close()
