@@ -1,8 +1,12 @@
 """``--tp-size 2`` through the engine's processes (EngineClient: rank 0 the engine process,
 rank 1 a follower, gloo over loopback) gives the single-rank engine's greedy and seeded
-outputs (float32), cold and from L1 and L2, on a transformers-made checkpoint whose
-ranks hold different numbers of KV heads (2 and 1: pools of different page bytes, one
-page count), and on SmolLM2 when installed.
+outputs (float32), cold and from L1, L2 and L3 (a file store, read back after a flush),
+on a transformers-made checkpoint whose ranks hold different numbers of KV heads (2 and
+1: pools of different page bytes, one page count), and on SmolLM2 when installed.
+
+Tokens and the reuse counts must be equal. Logprobs (of each output token and the top
+few) agree within float32 noise, not bit for bit: the row-parallel layers sum the ranks'
+partial products in another order than the single rank's matmul does.
 """
 
 from __future__ import annotations
@@ -16,11 +20,18 @@ import pytest
 from transformers import LlamaConfig
 
 from hicache.config import CacheConfig
-from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest, SamplingParams
+from hicache.engine.api import (
+    CachedTokens,
+    GenerateOutput,
+    GenerateRequest,
+    LogprobParams,
+    SamplingParams,
+)
 from hicache.engine.config import EngineConfig, ModelLoadConfig, ParallelConfig, SchedulingConfig
 from hicache.engine.engine import build_engine
 from hicache.engine.engine_client import EngineClient, EngineStartError
 from hicache.model.default_model import DefaultModelMissingError, default_model_path
+from hicache.storage.config import PrefetchPolicy, StorageConfig
 from tests.unit.model.hf_checkpoints import write_checkpoint
 
 # SmolLM2's head layout at test size: 3 KV heads of 2 query heads, split 2:1 over 2 ranks.
@@ -31,13 +42,24 @@ UNEVEN = LlamaConfig(
 )
 
 Outcome = tuple[tuple[int, ...], str | None, CachedTokens]  # tokens, finish reason, cached
+# Per output token: its logprob, then the top TOP_N logprobs (most likely first).
+Logprobs = tuple[tuple[float, ...], ...]
+TOP_N = 5
+# Float32 noise: measured differences reach 3e-5 on SmolLM2 (2e-6 on the small model).
+LOGPROB_TOLERANCE = 2e-4
 
 
-def _config(model_path: str, tp_size: int) -> EngineConfig:
+def _config(model_path: str, tp_size: int, l3_path: Path) -> EngineConfig:
+    # wait_complete: what L3 gives a request does not depend on timing.
+    storage = StorageConfig(
+        backend="file", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=4,
+        backend_extra={"path": str(l3_path)},
+    )
     return EngineConfig(
         model=ModelLoadConfig(model_path=model_path, dtype="float32", device="cpu"),
         scheduling=SchedulingConfig(max_total_tokens=512),
         cache=CacheConfig(page_size=4, enable_hierarchical_cache=True),
+        storage=storage,
         parallel=ParallelConfig(tp_size=tp_size),
     )
 
@@ -46,25 +68,35 @@ def _request(rid: str, ids: list[int], sampled: bool = False, n: int = 8) -> Gen
     sampling = (SamplingParams(max_new_tokens=n, temperature=0.9, top_p=0.9, seed=5,
                                ignore_eos=True) if sampled
                 else SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
-    return GenerateRequest(input_ids=tuple(ids), sampling=sampling, rid=rid)
+    logprobs = None if sampled else LogprobParams(top_n=TOP_N)
+    return GenerateRequest(input_ids=tuple(ids), sampling=sampling, rid=rid, logprobs=logprobs)
 
 
-async def _outcome(engine: Any, request: GenerateRequest) -> Outcome:
+async def _outcome(engine: Any, request: GenerateRequest, logprobs: dict[str, Logprobs]) -> Outcome:
     outputs: list[GenerateOutput] = [out async for out in engine.generate(request)]
     last = outputs[-1]
     assert last.error is None, last.error
+    if request.logprobs is not None:
+        logprobs[request.rid or ""] = tuple(
+            (float(lp.logprob or 0.0), *(value for _, value in lp.top))
+            for o in outputs for lp in o.output_logprobs
+        )
     return sum((o.token_ids for o in outputs), ()), last.finish_reason, last.cached_tokens
 
 
-def _scenario(engine: Any, vocab: int) -> dict[str, Outcome]:
+Run = tuple[dict[str, Outcome], dict[str, Logprobs]]
+
+
+def _scenario(engine: Any, vocab: int) -> Run:
     """Cold, a repeat from L1, a repeat from L2 (device cache evicted), a batch of
-    requests at once, and a repeat after a flush (cold again)."""
+    requests at once, and a repeat after a flush (from L3, which keeps the pages)."""
     base = [(7 * i + 3) % vocab for i in range(29)]
     other = [(11 * i + 5) % vocab for i in range(21)]
     got: dict[str, Outcome] = {}
+    logprobs: dict[str, Logprobs] = {}
 
     async def one(rid: str, request: GenerateRequest) -> None:
-        got[rid] = await _outcome(engine, request)
+        got[rid] = await _outcome(engine, request, logprobs)
 
     async def together(requests: list[GenerateRequest]) -> None:
         await asyncio.gather(*(one(r.rid or "", r) for r in requests))
@@ -79,33 +111,44 @@ def _scenario(engine: Any, vocab: int) -> dict[str, Outcome]:
     ]))
     engine.check_integrity()
     assert engine.flush_cache()
-    asyncio.run(one("flushed", _request("flushed", base)))
-    return got
+    asyncio.run(one("l3", _request("l3", base)))
+    return got, logprobs
 
 
-def _alone(model_path: str, vocab: int) -> dict[str, Outcome]:
-    engine = build_engine(_config(model_path, 1))
+def _alone(model_path: str, vocab: int, l3_path: Path) -> Run:
+    engine = build_engine(_config(model_path, 1, l3_path))
     try:
         return _scenario(engine, vocab)
     finally:
         engine.shutdown()
 
 
-def _tp2(model_path: str, vocab: int) -> dict[str, Outcome]:
-    client = EngineClient(_config(model_path, 2), start_timeout_s=120).start()
+def _tp2(model_path: str, vocab: int, l3_path: Path) -> Run:
+    client = EngineClient(_config(model_path, 2, l3_path), start_timeout_s=120).start()
     try:
         return _scenario(client, vocab)
     finally:
         client.shutdown()
 
 
-def _assert_same(alone: dict[str, Outcome], tp2: dict[str, Outcome]) -> None:
+def _assert_same(alone_run: Run, tp2_run: Run) -> None:
+    (alone, alone_logprobs), (tp2, tp2_logprobs) = alone_run, tp2_run
     assert tp2 == alone
     assert alone["cold"][2] == CachedTokens()
     assert alone["l1"][2].device > 0 and alone["l2"][2].host > 0
     assert alone["extends"][2].device > 0
-    assert alone["flushed"][2] == CachedTokens()
+    # After the flush L1 and L2 hold nothing: the prefix comes back from L3 alone.
+    l3 = alone["l3"][2]
+    assert l3.storage > 0 and l3.device == 0 and l3.host == 0
     assert all(len(tokens) == 8 for tokens, _, _ in alone.values())
+    greedy = {rid for rid in alone if rid != "sampled"}
+    assert set(alone_logprobs) == set(tp2_logprobs) == greedy
+    for rid in greedy:
+        expected, got = alone_logprobs[rid], tp2_logprobs[rid]
+        assert len(got) == len(expected) == 8
+        assert all(len(row) == 1 + TOP_N for row in expected)
+        for row_expected, row_got in zip(expected, got, strict=True):
+            assert row_got == pytest.approx(row_expected, abs=LOGPROB_TOLERANCE), rid
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +158,16 @@ def uneven_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     yield path
 
 
-def test_tp2_engine_equals_one_rank(uneven_checkpoint: Path) -> None:
-    vocab = UNEVEN.vocab_size
-    _assert_same(_alone(str(uneven_checkpoint), vocab), _tp2(str(uneven_checkpoint), vocab))
+def test_tp2_engine_equals_one_rank(uneven_checkpoint: Path, tmp_path: Path) -> None:
+    vocab, path = UNEVEN.vocab_size, str(uneven_checkpoint)
+    _assert_same(
+        _alone(path, vocab, tmp_path / "l3-alone"), _tp2(path, vocab, tmp_path / "l3-tp2")
+    )
 
 
 @pytest.mark.slow  # about 35 s on two cores: both engines load and run the real model
 def test_smollm2_tp2_engine_equals_one_rank(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     try:
         default_model_path()
@@ -132,7 +177,9 @@ def test_smollm2_tp2_engine_equals_one_rank(
     # The ranks (child processes) find the float32 conversion in this cache dir.
     monkeypatch.setenv("HICACHE_CACHE_DIR", str(Path(converted.path).parent.parent))
     path = str(converted.path)
-    _assert_same(_alone(path, 49152), _tp2(path, 49152))
+    _assert_same(
+        _alone(path, 49152, tmp_path / "l3-alone"), _tp2(path, 49152, tmp_path / "l3-tp2")
+    )
 
 
 def test_a_model_that_does_not_split_fails_to_start_with_the_reason() -> None:
