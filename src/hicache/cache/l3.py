@@ -367,8 +367,11 @@ class StorageTier:
 
     def _observe_slot(self, handle: PrefetchHandle, now: float) -> SlotProgress:
         op = handle.op
-        if handle.finished:  # draining: only whether this rank's I/O for it has returned
-            return SlotProgress(complete=int(not handle.in_controller))
+        if handle.finished:
+            # Draining: whether this rank's I/O for it has returned, its stalled calls
+            # included, so that every rank frees the pages at the same tick.
+            returned = not handle.in_controller and not len(handle.quarantined)
+            return SlotProgress(complete=int(returned))
         queried = op.num_existing >= 0 and not (handle.in_controller and op.host_pages is None)
         if not queried:
             return SlotProgress(past_deadline=int(now >= handle.deadline))
@@ -457,7 +460,13 @@ class StorageTier:
             self.cache.tree.unprotect_host(node)
         pages = self._quarantine.pop(call, None)
         if pages is not None:
-            self._release_prefetch_pages(pages)
+            handle = call.op.owner if isinstance(call.op, PrefetchOp) else None
+            if isinstance(handle, PrefetchHandle) and handle in self._slots:
+                # Under tensor parallelism the handle owns them again, and frees them when
+                # its slot drops: once every rank's calls returned, the same tick everywhere.
+                handle.quarantined = handle.quarantined[~np.isin(handle.quarantined, pages)]
+            else:
+                self._release_prefetch_pages(pages)
         pages = self._orphaned.pop(call, None)
         if pages is not None:
             self._free_host(pages)
