@@ -5,7 +5,8 @@ engine's, and a rank whose store finds or returns fewer pages makes the prefix s
 on every rank while the outputs stay the single-rank engine's; so does a rank whose
 store answers its reads late: past the prefetch deadline (the requests go on with what
 every rank has) or past the call deadline (a stalled call, whose host pages that rank
-frees only once it returned, at the tick every rank frees them).
+frees only once it returned, at the tick every rank frees them). Under each of the
+three prefetch policies the ranks take the same prefix and the outputs are alike.
 """
 
 from __future__ import annotations
@@ -144,6 +145,41 @@ def test_a_rank_whose_l3_reads_late_gives_the_same_prefix_on_every_rank(
     for rid in FROM_L3:
         assert alone.storage_tokens[rid] > 0 and leader.storage_tokens[rid] == 0
     assert leader.tokens == alone.tokens
+
+
+@pytest.mark.parametrize(
+    ("policy", "late_rank", "storage_options"),
+    [
+        (PrefetchPolicy.BEST_EFFORT, None, {}),
+        (PrefetchPolicy.BEST_EFFORT, 1, {}),
+        # A deadline no read misses here, then one the late rank's reads miss.
+        (PrefetchPolicy.TIMEOUT, None, {"prefetch_timeout_base": 20.0}),
+        (PrefetchPolicy.TIMEOUT, 1, {"prefetch_timeout_base": 0.2,
+                                     "prefetch_timeout_per_ki_token": 0.0}),
+    ],
+    ids=["best_effort", "best_effort-rank1-late", "timeout", "timeout-rank1-late"],
+)
+def test_every_prefetch_policy_gives_the_same_prefix_on_every_rank(
+    alone: RankResult, tmp_path: Path, policy: PrefetchPolicy, late_rank: int | None,
+    storage_options: dict[str, float],
+) -> None:
+    fault = None
+    if late_rank is not None:
+        fault = L3Fault(rank=late_rank, call="get", delay_s=LATE_READ_S, num_delayed_calls=2)
+    config = _config(tmp_path, 2, prefetch_policy=policy, **storage_options)
+    scenario = dataclasses.replace(Scenario(config, STEPS), l3_fault=fault)
+    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    _assert_ranks_alike(leader, follower)
+    assert leader.tokens == alone.tokens
+    for rid in FROM_L3:
+        took, had = leader.storage_tokens[rid], alone.storage_tokens[rid]
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            # What had landed when the request was scheduled: timing, but alike on every rank.
+            assert 0 <= took <= had
+        elif late_rank is None:
+            assert took == had
+        else:
+            assert took == 0  # the deadline passed before the late rank's reads answered
 
 
 def _agree_l3(tp: TPGroup, _: None) -> Progress:
