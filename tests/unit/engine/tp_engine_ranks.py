@@ -209,7 +209,7 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
         # before the group stops: a decision on agreed state, so every rank ticks alike.
         storage = engine.cache.storage
         for _ in range(MAX_TICKS):
-            if storage is None or not storage._slots:
+            if storage is None or not storage.agreement.num_slots_in_use:
                 break
             tick()
         stop.set()
