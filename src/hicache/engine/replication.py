@@ -26,8 +26,9 @@ One tick, on every rank, in this order (``ReplicatedScheduler.tick``):
 Rank 0 streams outputs; the followers drop theirs. Rank 0 stops the group with a
 tick whose ``stop`` is set. A failed collective (a peer died: gloo raises when its
 connection closes) or any exception in a tick is fatal to the rank, since its state
-may no longer match the others': the loop raises and the process exits non-zero,
-which the server's ``EngineClient`` sees. Nothing waits on a peer without a timeout.
+may no longer match the others': the requests in flight fail with the cause (not as a
+shutdown), the loop raises and the process exits non-zero, which the server's
+``EngineClient`` sees. Nothing waits on a peer without a timeout.
 
 L3 prefetch deadlines read the tick clock (``Scheduler.now``) under tensor parallelism.
 """
@@ -143,6 +144,7 @@ class ReplicatedScheduler:
         """
         scheduler = self.scheduler
         worked = True
+        reason = "server shutting down"
         try:
             while True:
                 block = 0.0 if worked else (WAITING_POLL_S if scheduler.waiting else IDLE_WAIT_S)
@@ -151,8 +153,13 @@ class ReplicatedScheduler:
                 scheduler.cache.publish_events()
                 if stopping:
                     break
+        except BaseException as error:
+            # The requests in flight end with the cause, not as if the server stopped.
+            reason = (f"tensor-parallel rank {self.tp.rank} failed ({type(error).__name__}: "
+                      f"{error}): the engine cannot go on")
+            raise
         finally:
-            scheduler._fail_all("server shutting down")
+            scheduler._fail_all(reason)
             scheduler.outputs.flush()
             scheduler.outputs.close()
 

@@ -12,6 +12,7 @@ partial products in another order than the single rank's matmul does.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from hicache.engine.engine import build_engine
 from hicache.engine.engine_client import EngineClient, EngineStartError
 from hicache.model.default_model import DefaultModelMissingError, default_model_path
 from hicache.storage.config import PrefetchPolicy, StorageConfig
+from tests.unit.engine import tp_engine_faults
 from tests.unit.model.hf_checkpoints import write_checkpoint
 
 # SmolLM2's head layout at test size: 3 KV heads of 2 query heads, split 2:1 over 2 ranks.
@@ -180,6 +182,62 @@ def test_smollm2_tp2_engine_equals_one_rank(
     _assert_same(
         _alone(path, 49152, tmp_path / "l3-alone"), _tp2(path, 49152, tmp_path / "l3-tp2")
     )
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_exception_in_a_tick_on_any_rank_ends_the_engine_within_seconds(
+    rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rank whose tick raised ends its process (its state may differ from the
+    others'); the group, and with it every request in flight, ends too, never hangs."""
+    config = EngineConfig(
+        model=ModelLoadConfig(preset="tiny", device="cpu"),
+        scheduling=SchedulingConfig(max_total_tokens=512),
+        parallel=ParallelConfig(tp_size=2),
+    )
+    on_built = None
+    if rank == 0:
+        on_built = tp_engine_faults.raise_in_tick
+    else:
+        monkeypatch.setattr(
+            "hicache.engine.engine_client.run_follower_process",
+            tp_engine_faults.raising_follower,
+        )
+    deaths: list[int | None] = []
+    client = EngineClient(config, on_built=on_built, on_death=deaths.append,
+                          start_timeout_s=60).start()
+    try:
+        started = time.monotonic()
+
+        async def run() -> GenerateOutput:
+            outputs = [out async for out in client.generate(_request("r", [3, 4, 5, 6, 7]))]
+            return outputs[-1]
+
+        last = asyncio.run(asyncio.wait_for(run(), timeout=30))
+        assert time.monotonic() - started < 15
+        assert last.finished and last.finish_reason == "abort" and last.token_ids == ()
+        # The cause, not "shutting down": the rank that raised, or the follower's exit
+        # (code 3: its group failed) when rank 0 hears of it first; or, when rank 0's
+        # collective failed first, rank 0's failure naming the lost peer.
+        assert last.error is not None
+        if rank == 0:
+            assert f"tensor-parallel rank 0 failed (RuntimeError: {tp_engine_faults.FAULT})" in (
+                last.error
+            )
+        else:
+            assert "tensor-parallel rank 1 exited (exit code 3)" in last.error or (
+                "tensor-parallel rank 0 failed" in last.error
+                and "Connection closed by peer" in last.error
+            ), last.error
+        deadline = time.monotonic() + 10
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert deaths, "on_death was not called"
+        for process in [client._process, *client._followers]:  # every rank ends
+            process.join(10)
+            assert not process.is_alive()
+    finally:
+        client.shutdown()
 
 
 def test_a_model_that_does_not_split_fails_to_start_with_the_reason() -> None:
