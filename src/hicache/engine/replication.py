@@ -10,7 +10,9 @@ One tick, on every rank, in this order (``ReplicatedScheduler.tick``):
    gets one drawn by rank 0, so every rank draws the same tokens; a new request's
    arrival time is rank 0's. Control calls that only read (``Scheduler.call``) run on
    rank 0 alone; the ones that change the cache are named operations
-   (``cache_ops``), run by every rank.
+   (``cache_ops``), run by every rank. A read of every rank's own state (``RANK_READS``,
+   as its L3 counters) is broadcast too: every rank answers it and gathers the answers
+   to rank 0 (one ``gather_object``, issued by every rank since the tick says so).
 2. Agreement: ONE fixed-shape collective, an int64 tensor of ``Progress.NUM_FIELDS``
    reduced with MIN, issued unconditionally by every rank every tick (never inside a
    branch on rank-local state). It carries each rank's local progress (the number of
@@ -40,6 +42,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +51,7 @@ import torch
 from hicache.cache.l3_agreement import L3Progress
 from hicache.distributed.group import TPGroup
 from hicache.engine.api import GenerateRequest
+from hicache.engine.cache_ops import RANK_READS
 from hicache.engine.request import Req
 from hicache.engine.scheduler import Scheduler
 
@@ -69,7 +73,8 @@ class AddRequest:
     arrived: float  # rank 0's time.monotonic() at its arrival
 
 
-# An event of a tick: ("add", AddRequest), ("abort", rid) or ("op", cache operation name).
+# An event of a tick: ("add", AddRequest), ("abort", rid), ("op", cache operation name)
+# or ("gather", rank read name).
 Event = tuple[str, Any]
 
 
@@ -178,7 +183,10 @@ class ReplicatedScheduler:
             tick = received
             local = [self._follow(event) for event in tick.events]
         for kind, payload in local:
-            scheduler.handle(kind, payload)
+            if kind == "gather":
+                self._gather(*payload)
+            else:
+                scheduler.handle(kind, payload)
         scheduler.now = tick.now
         agreed = agree(self.tp, self.observe())
         scheduler.cache.apply_progress(agreed.num_landed_writes)
@@ -207,8 +215,8 @@ class ReplicatedScheduler:
                 events.append(("add", AddRequest(req.request, req.rid, seed, req.arrived)))
             elif kind == "abort":
                 events.append(("abort", payload))
-            elif kind == "op":
-                events.append(("op", payload[0]))
+            elif kind in ("op", "gather"):
+                events.append((kind, payload[0]))
             local.append((kind, payload))
         return Tick(now=time.monotonic(), events=tuple(events), stop=stop)
 
@@ -217,6 +225,25 @@ class ReplicatedScheduler:
         kind, payload = event
         if kind == "add":
             return "add", self.make_req(payload)
-        if kind == "op":
-            return "op", (payload, None)
+        if kind in ("op", "gather"):
+            return kind, (payload, None)
         return kind, payload
+
+    def _gather(self, name: str, future: Future[list[Any]] | None) -> None:
+        """Every rank: answer the read ``name`` and gather the answers to rank 0, which
+        resolves ``future`` (None on the followers). A read that raises answers None: the
+        gather must happen on every rank whatever the read did."""
+        answer: Any = None
+        failure: Exception | None = None
+        try:
+            answer = RANK_READS[name](self.scheduler)
+        except Exception as error:
+            logger.exception("rank read %s failed on rank %d", name, self.tp.rank)
+            failure = error
+        answers = self.tp.gather_object(answer)
+        if future is None or not future.set_running_or_notify_cancel():
+            return
+        if failure is not None:
+            future.set_exception(failure)
+        else:
+            future.set_result(answers or [])

@@ -86,7 +86,8 @@ async def _outcome(engine: Any, request: GenerateRequest, logprobs: dict[str, Lo
     return sum((o.token_ids for o in outputs), ()), last.finish_reason, last.cached_tokens
 
 
-Run = tuple[dict[str, Outcome], dict[str, Logprobs]]
+# Outcomes, greedy requests' logprobs, and the engine's metrics at the end.
+Run = tuple[dict[str, Outcome], dict[str, Logprobs], dict[str, float]]
 
 
 def _scenario(engine: Any, vocab: int) -> Run:
@@ -114,7 +115,7 @@ def _scenario(engine: Any, vocab: int) -> Run:
     engine.check_integrity()
     assert engine.flush_cache()
     asyncio.run(one("l3", _request("l3", base)))
-    return got, logprobs
+    return got, logprobs, engine.metrics()
 
 
 def _alone(model_path: str, vocab: int, l3_path: Path) -> Run:
@@ -134,7 +135,7 @@ def _tp2(model_path: str, vocab: int, l3_path: Path) -> Run:
 
 
 def _assert_same(alone_run: Run, tp2_run: Run) -> None:
-    (alone, alone_logprobs), (tp2, tp2_logprobs) = alone_run, tp2_run
+    (alone, alone_logprobs, alone_metrics), (tp2, tp2_logprobs, tp2_metrics) = alone_run, tp2_run
     assert tp2 == alone
     assert alone["cold"][2] == CachedTokens()
     assert alone["l1"][2].device > 0 and alone["l2"][2].host > 0
@@ -151,6 +152,12 @@ def _assert_same(alone_run: Run, tp2_run: Run) -> None:
         assert all(len(row) == 1 + TOP_N for row in expected)
         for row_expected, row_got in zip(expected, got, strict=True):
             assert row_got == pytest.approx(row_expected, abs=LOGPROB_TOLERANCE), rid
+    # L3 counters are summed over the ranks' stores: each rank looked up and read its own
+    # shard of the same pages the single rank did.
+    for key in ("storage_prefetch_queries", "storage_prefetch_pages_found",
+                "storage_prefetch_pages_loaded"):
+        assert alone_metrics[key] > 0
+        assert tp2_metrics[key] == 2 * alone_metrics[key], key
 
 
 @pytest.fixture(scope="module")
