@@ -319,7 +319,8 @@ class StorageTier:
                 continue
             if isinstance(op, BackupOp):
                 if self.cache.replicated:  # under tensor parallelism: acknowledged when agreed
-                    self.agreement.backup_finished(op)
+                    stalled = any(call.op is op for call in self._stalled_backups)
+                    self.agreement.backup_finished(op, stalled)
                 else:
                     self.settle_backup(op)
                 continue
@@ -383,6 +384,8 @@ class StorageTier:
         node = self._stalled_backups.pop(call, None)
         if node is not None:
             self.cache.tree.unprotect_host(node)
+            if isinstance(call.op, BackupOp):
+                self.agreement.backup_returned(call.op)
         pages = self._quarantine.pop(call, None)
         if pages is not None:
             handle = call.op.owner if isinstance(call.op, PrefetchOp) else None

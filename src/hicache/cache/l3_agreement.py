@@ -22,7 +22,10 @@ defers to it where a decision would otherwise rest on rank-local values:
 - a settled prefetch's unkept host pages, including those of a stalled read on this
   rank: freed when every rank reports its I/O for it returned (slot ``complete``
   while draining), so free host pages, and with them evictions, stay alike;
-- a finished backup: acknowledged (its node unprotected) once every rank finished it.
+- a finished backup: acknowledged (its node unprotected) once every rank finished it,
+  and on a rank where its ``set`` stalled, once that call returned: until then the
+  stalled rank keeps the node protected, and so must every rank, or the node would be
+  evictable on some ranks only.
 """
 
 from __future__ import annotations
@@ -103,9 +106,11 @@ class L3Agreement:
         self._tier = tier
         # Prefetches holding a slot, in start order (alike on every rank).
         self._slots: list[PrefetchHandle] = []
-        # Backups in submission order, and the ones that finished on this rank (by id).
+        # Backups in submission order, the ones that finished on this rank (by id), and
+        # those that finished with a stalled call still running here (done once it returns).
         self._backup_order: deque[BackupOp] = deque()
         self._finished_backups: set[int] = set()
+        self._awaiting_return: set[int] = set()
 
     # ---------------------------------------------------------- prefetches
     @property
@@ -144,20 +149,35 @@ class L3Agreement:
     def add_backup(self, op: BackupOp) -> None:
         self._backup_order.append(op)
 
-    def backup_finished(self, op: BackupOp) -> None:
-        """``op`` finished on this rank: acknowledged once agreed."""
-        self._finished_backups.add(id(op))
+    @property
+    def num_pending_backups(self) -> int:
+        """Backups not acknowledged yet (alike on every rank at the start of a tick)."""
+        return len(self._backup_order)
+
+    def backup_finished(self, op: BackupOp, stalled: bool = False) -> None:
+        """``op`` finished on this rank: acknowledged once agreed; with ``stalled`` (a call
+        of it still runs here) only after ``backup_returned``."""
+        (self._awaiting_return if stalled else self._finished_backups).add(id(op))
+
+    def backup_returned(self, op: BackupOp) -> None:
+        """The stalled call of a finished backup returned on this rank."""
+        if id(op) in self._awaiting_return:
+            self._awaiting_return.discard(id(op))
+            self._finished_backups.add(id(op))
 
     def acknowledge_finished_backups(self) -> None:
-        """Acknowledge every backup that finished here, agreed or not: only where every
-        rank does it at the same point of the same tick (a flush, a detach)."""
+        """Acknowledge every backup that finished here, agreed or not, stalled or not (the
+        tier keeps a stalled call's pages reserved): only where every rank does it at the
+        same point of the same tick (a flush, a detach)."""
+        finished = self._finished_backups | self._awaiting_return
         pending, self._backup_order = self._backup_order, deque()
         for op in pending:
-            if id(op) in self._finished_backups:
+            if id(op) in finished:
                 self._tier.settle_backup(op)
             else:
                 self._backup_order.append(op)
         self._finished_backups.clear()
+        self._awaiting_return.clear()
 
     # ------------------------------------------------------------ the tick
     def observe(self, now: float) -> L3Progress:

@@ -5,8 +5,10 @@ engine's, and a rank whose store finds or returns fewer pages makes the prefix s
 on every rank while the outputs stay the single-rank engine's; so does a rank whose
 store answers its reads late: past the prefetch deadline (the requests go on with what
 every rank has) or past the call deadline (a stalled call, whose host pages that rank
-frees only once it returned, at the tick every rank frees them). Under each of the
-three prefetch policies the ranks take the same prefix and the outputs are alike.
+frees only once it returned, at the tick every rank frees them), and a rank whose
+write stalls keeps the node it backs up protected on every rank until the call returned.
+Under each of the three prefetch policies the ranks take the same prefix and the outputs
+are alike.
 """
 
 from __future__ import annotations
@@ -180,6 +182,32 @@ def test_every_prefetch_policy_gives_the_same_prefix_on_every_rank(
             assert took == had
         else:
             assert took == 0  # the deadline passed before the late rank's reads answered
+
+
+# Cold requests whose backups go to L3, then a long one that runs while the late rank's
+# first write is stalled (no flush: the backups are acknowledged by agreement).
+BACKUP_STEPS = (
+    Step((_request("a", 1, 23), _request("b", 2, 30))),
+    Step((GenerateRequest(input_ids=prompt(3, 20, VOCAB), sampling=greedy(200), rid="long"),)),
+)
+
+
+def test_a_rank_whose_l3_write_stalls_keeps_the_node_protected_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """A backup whose ``set`` stalled on one rank is acknowledged (its node unprotected)
+    only once that call returned there: until then the stalled rank must keep the node
+    out of eviction, and so must every other rank."""
+    alone = run_scenario(SINGLE_RANK, Scenario(_config(tmp_path / "alone", 1), BACKUP_STEPS))
+    fault = L3Fault(rank=1, call="set", delay_s=LATE_READ_S)
+    config = _config(tmp_path / "tp2", 2, io_timeout_s=0.2)
+    scenario = dataclasses.replace(Scenario(config, BACKUP_STEPS), l3_fault=fault)
+    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    _assert_ranks_alike(leader, follower)
+    assert leader.host_protected_nodes == follower.host_protected_nodes  # at every tick
+    assert follower.num_stalled_calls == 1 and leader.num_stalled_calls == 0
+    assert follower.num_quarantined_pages == 0
+    assert leader.tokens == alone.tokens
 
 
 def _agree_l3(tp: TPGroup, _: None) -> Progress:

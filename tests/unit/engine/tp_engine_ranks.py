@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -55,10 +56,11 @@ class Scenario:
 class L3Fault:
     """Rank ``rank``'s L3 backend reports ``num_pages`` fewer pages than it has, in its
     lookups (``exists``) or its reads (``get``: the pages past the count are not verified);
-    with ``delay_s`` its first ``num_delayed_calls`` calls answer that late instead."""
+    with ``delay_s`` its first ``num_delayed_calls`` calls (``get`` or ``set``) answer that
+    late instead."""
 
     rank: int
-    call: str  # "exists" | "get"
+    call: str  # "exists" | "get" | "set" (with delay_s)
     num_pages: int = 2
     delay_s: float = 0.0
     num_delayed_calls: int = 1
@@ -74,8 +76,10 @@ class RankResult:
     # Per tick, before its agreement: L2 writes not acknowledged yet (what earlier ticks'
     # agreed acknowledgements left; must be the same on every rank at every tick).
     unacknowledged: list[int] = field(default_factory=list)
-    # Per tick, before its agreement: free host pages (alike on every rank at every tick).
+    # Per tick, before its agreement: free host pages, and tree nodes whose host copy is
+    # protected (in use by L3, so not evictable); alike on every rank at every tick.
     free_host_pages: list[int] = field(default_factory=list)
+    host_protected_nodes: list[int] = field(default_factory=list)
     tree_device_pages: list[int] = field(default_factory=list)
     tree_host_pages: list[int] = field(default_factory=list)
     num_free_device_pages: int = 0
@@ -112,24 +116,24 @@ def _inject_l3_fault(engine: Engine, fault: L3Fault) -> None:
     storage = engine.cache.storage
     assert storage is not None, "an L3 fault needs L3"
     backend = storage.backend
-    if fault.call == "exists":
+    if fault.delay_s > 0:
+        late_call = getattr(backend, fault.call)
+        num_calls = [0]
+
+        def slow(keys: Sequence[bytes], host_pages: PageIds) -> Any:
+            num_calls[0] += 1
+            if num_calls[0] <= fault.num_delayed_calls:
+                time.sleep(fault.delay_s)
+            return late_call(keys, host_pages)
+
+        setattr(backend, fault.call, slow)
+    elif fault.call == "exists":
         real_exists = backend.exists
 
         def exists(keys: Sequence[bytes]) -> int:
             return max(0, real_exists(keys) - fault.num_pages)
 
         backend.exists = exists  # type: ignore[method-assign]
-    elif fault.delay_s > 0:
-        late_get = backend.get
-        num_calls = [0]
-
-        def slow_get(keys: Sequence[bytes], host_pages: PageIds) -> int:
-            num_calls[0] += 1
-            if num_calls[0] <= fault.num_delayed_calls:
-                time.sleep(fault.delay_s)
-            return late_get(keys, host_pages)
-
-        backend.get = slow_get  # type: ignore[method-assign]
     else:
         real_get = backend.get
 
@@ -156,6 +160,9 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
             result.unacknowledged.append(controller.num_pending_writes)
             if host_pool is not None:
                 result.free_host_pages.append(host_pool.allocator.num_free_pages)
+                result.host_protected_nodes.append(
+                    sum(node.host_ref > 0 for node in engine.cache.tree.iter_nodes())
+                )
             seen = real()
             result.observed.append(seen.num_landed_writes)
             if tp.rank == scenario.lagging_rank and replicated.num_ticks < scenario.lag_ticks:
@@ -205,11 +212,15 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
                 tick()
                 future.result(timeout=0)
     if replicated is not None:
-        # Prefetches still draining (a rank's read not returned) settle on every rank
-        # before the group stops: a decision on agreed state, so every rank ticks alike.
+        # Prefetches still draining (a rank's read not returned) and backups not agreed
+        # settle on every rank before the group stops: a decision on agreed state, so
+        # every rank ticks alike.
         storage = engine.cache.storage
         for _ in range(MAX_TICKS):
-            if storage is None or not storage.agreement.num_slots_in_use:
+            agreement = storage.agreement if storage is not None else None
+            if agreement is None or not (
+                agreement.num_slots_in_use or agreement.num_pending_backups
+            ):
                 break
             tick()
         stop.set()
