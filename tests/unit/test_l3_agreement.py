@@ -2,7 +2,7 @@
 group runs are in ``tests/unit/engine/test_replication_l3.py``): prefetches take the
 agreement slots in order and wait for a free one, a prefetch settles with the agreed
 number of landed pages, the pages it did not keep stay held until every rank's I/O for
-it returned, and backups are acknowledged only when agreed.
+it returned (a stalled read's included), and backups are acknowledged only when agreed.
 """
 
 from __future__ import annotations
@@ -111,4 +111,42 @@ def test_backups_are_acknowledged_when_agreed() -> None:
         assert cache.observe_l3_progress().num_done_backups == 0
         settle(cache)
     finally:
+        cache.close()
+
+
+def test_a_stalled_read_keeps_its_slot_and_pages_until_it_returns() -> None:
+    """The read stalls past the call deadline on this rank: the prefetch settles with
+    nothing, but its slot drains (and its host pages stay reserved) until the call
+    returned here; then the next agreement frees them all at once."""
+    store = MemoryStore()
+    tokens = conversation(40)
+    first, _ = make_cache(store)
+    cache, backend = make_cache(store, io_timeout_s=0.2)
+    cache.replicated = True
+    try:
+        assert serve_with_l3(first, tokens) == 0
+        settle(first)
+        gate = backend.stall("get")
+        host, storage = cache.host_pool, cache.storage
+        assert host is not None and storage is not None
+        free_before = host.allocator.num_free_pages
+        handle = cache.prefetch(tokens)
+        assert isinstance(handle, PrefetchHandle)
+        _tick_until(cache, "the stalled read", lambda: cache.prefetch_done(handle))
+        assert storage.num_quarantined_pages == 10
+        assert cache.finish_prefetch(handle) == 0
+        for _ in range(20):  # however long it takes, the stalled call holds the slot
+            cache.poll()
+            _tick(cache)
+        assert storage.agreement.num_slots_in_use == 1
+        assert host.allocator.num_free_pages == free_before - 10
+        gate.set()
+        _tick_until(cache, "the drained slot", lambda: (
+            cache.poll() or not storage.agreement.num_slots_in_use
+        ))
+        assert storage.num_quarantined_pages == 0
+        assert host.allocator.num_free_pages == free_before
+        settle(cache)
+    finally:
+        first.close()
         cache.close()

@@ -221,7 +221,7 @@ class HierarchicalCache:
     @property
     def prefetch_slot_free(self) -> bool:
         """May a prefetch start now? Under tensor parallelism it needs an agreement slot."""
-        return self.storage is None or not self.replicated or self.storage.slot_free
+        return self.storage is None or not self.replicated or self.storage.agreement.slot_free
 
     def prefetch_wanted_pages(self, tokens: TokenIds, extra_key: str | None = None) -> int:
         """Pages a prefetch of ``tokens`` would ask L3 for now (0: it would not start)."""
@@ -331,7 +331,7 @@ class HierarchicalCache:
             self.storage.controller.wait_idle()
             self.storage.poll()
             # Idle: every backup has finished; every rank of a group flushes at the same tick.
-            self.storage.acknowledge_finished_backups()
+            self.storage.agreement.acknowledge_finished_backups()
         if self.tree.num_protected_device_pages:
             raise RuntimeError("flush while requests hold cached prefixes")
         self.device_pool.allocator.free(self.tree.device_page_ids())
@@ -412,12 +412,14 @@ class HierarchicalCache:
 
     def observe_l3_progress(self) -> L3Progress:
         """Under tensor parallelism: this rank's L3 progress to agree on (changes nothing)."""
-        return L3Progress() if self.storage is None else self.storage.observe()
+        if self.storage is None:
+            return L3Progress()
+        return self.storage.agreement.observe(self.clock())
 
     def apply_l3_progress(self, agreed: L3Progress) -> None:
         """Take the L3 progress the ranks agreed on (after ``apply_progress``)."""
         if self.storage is not None:
-            self.storage.apply(agreed)
+            self.storage.agreement.apply(agreed)
 
     def _acknowledge(self, tokens: list[int], wait: bool) -> int:
         assert self.controller is not None

@@ -29,23 +29,23 @@ out earlier would let a late write corrupt another prefix's KV, or let the
 store save another prefix's bytes under this key with a matching checksum.
 
 Under tensor parallelism (``cache.replicated``) every decision that changes the
-tree or the host allocator is taken from the values the ranks agreed
-(``l3_agreement``): ``observe`` reports this rank's prefetches and backups,
-``apply`` takes the agreed minimum; host pages for a read are allocated then, for
-the agreed number of pages found, and a prefetch settles with the agreed number
-of pages landed. Alone (tp 1) the local values are used as they come.
+tree or the host allocator is taken from the values the ranks agreed: the tier's
+``agreement`` (``cache/l3_agreement.py``) holds that bookkeeping, and the few places
+below that would act on a rank-local value (a lookup answered, a prefetch complete or
+past its deadline, how much it keeps, when its unkept pages and a stalled read's pages
+are freed, a backup finished) hand the decision to it when ``handle.replicated`` (or
+``cache.replicated`` for backups). Alone (tp 1) the local values are used as they come.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.cache.l3_agreement import NUM_SLOTS, L3Progress, SlotProgress
+from hicache.cache.l3_agreement import L3Agreement, SlotProgress
 from hicache.memory.allocator import PageIds
 from hicache.radix.keys import chain_page_keys
 from hicache.radix.node import TreeNode
@@ -80,7 +80,7 @@ class PrefetchHandle:
     deadline: float  # the request starts by then (timeout and wait_complete policies)
     num_requested_tokens: int  # tokens past the local match the prefetch asked L3 for
     in_controller: bool = True  # a lookup or read of this op is queued or running
-    anchor_replicated: bool = False  # under tensor parallelism: decide on agreed values
+    replicated: bool = False  # under tensor parallelism: decide on agreed values
     no_room: bool = False  # L3 had pages but no host pages could be given to them
     finished: bool = False
     num_inserted_tokens: int = 0
@@ -106,7 +106,7 @@ class PrefetchHandle:
     def num_found_tokens(self) -> int:
         """Tokens L3 holds for this request (-1 while the lookup runs)."""
         found = self.op.num_existing
-        if self.anchor_replicated:
+        if self.replicated:
             agreed = self.agreed
             found = agreed.num_found_pages if agreed is not None and agreed.queried else -1
         return found if found < 0 else found * (self.num_requested_tokens // len(self.op.keys))
@@ -133,11 +133,8 @@ class StorageTier:
         self._in_flight_pages = 0
         self._handles: set[PrefetchHandle] = set()
         self._backups: dict[int, TreeNode] = {}
-        # Under tensor parallelism: prefetches holding an agreement slot (in start order)
-        # and backups in submission order with the ones that finished here (by id).
-        self._slots: list[PrefetchHandle] = []
-        self._backup_order: deque[BackupOp] = deque()
-        self._finished_backups: set[int] = set()
+        # Under tensor parallelism: what the ranks agree on, and when (inert alone).
+        self.agreement = L3Agreement(self)
         # Stalled calls and what they keep: prefetch pages under a get (counted in
         # flight), nodes under a set, and pages under a set whose tree was flushed.
         self._quarantine: dict[StalledCall, PageIds] = {}
@@ -172,7 +169,7 @@ class StorageTier:
     # ------------------------------------------------------------ prefetch
     def start(self, data: bytes, extra_key: str | None) -> PrefetchHandle | None:
         cache, tree = self.cache, self.cache.tree
-        if cache.replicated and not self.slot_free:
+        if cache.replicated and not self.agreement.slot_free:
             return None
         page_bytes = tree.page_bytes
         whole = len(data) // page_bytes
@@ -200,29 +197,24 @@ class StorageTier:
         handle = PrefetchHandle(
             op=PrefetchOp(keys), data=data[: whole * page_bytes], extra_key=extra_key,
             start_page=start_page, anchor=anchor, deadline=deadline,
-            num_requested_tokens=missing_tokens, anchor_replicated=cache.replicated,
+            num_requested_tokens=missing_tokens, replicated=cache.replicated,
         )
         handle.op.owner = handle
         self._handles.add(handle)
-        if handle.anchor_replicated:
-            self._slots.append(handle)
+        if handle.replicated:
+            self.agreement.add_prefetch(handle)
         self.controller.submit_query(handle.op)
         return handle
 
-    @property
-    def slot_free(self) -> bool:
-        """Under tensor parallelism: may another prefetch start (an agreement slot is free)?"""
-        return len(self._slots) < NUM_SLOTS
-
     def _complete(self, handle: PrefetchHandle) -> bool:
         """Every page found has arrived (or could not be placed): on every rank if agreed."""
-        if handle.anchor_replicated:
-            return handle.agreed is not None and bool(handle.agreed.complete)
+        if handle.replicated:
+            return self.agreement.complete(handle)
         return handle.op.num_existing >= 0 and not handle.in_controller
 
     def _past_deadline(self, handle: PrefetchHandle) -> bool:
-        if handle.anchor_replicated:
-            return handle.agreed is not None and bool(handle.agreed.past_deadline)
+        if handle.replicated:
+            return self.agreement.past_deadline(handle)
         return self.cache.clock() >= handle.deadline
 
     def ready(self, handle: PrefetchHandle) -> bool:
@@ -265,10 +257,8 @@ class StorageTier:
         pages = op.host_pages if op.host_pages is not None else no_pages()
         # Pages below num_landed are final: the read thread only writes later ones.
         landed = op.num_landed if keep else 0
-        if handle.anchor_replicated:
-            # What every rank has: a rank may hold more, never less (the agreed minimum).
-            agreed = handle.agreed.num_landed_pages if handle.agreed is not None else 0
-            landed = min(landed, agreed)
+        if handle.replicated:
+            landed = min(landed, self.agreement.num_landed_pages(handle))
         if landed:
             tree = self.cache.tree
             end = (handle.start_page + landed) * tree.page_bytes
@@ -281,9 +271,9 @@ class StorageTier:
             handle.num_inserted_tokens = landed * self.cache.page_size
             self.cache.stats.num_storage_hit_tokens += handle.num_inserted_tokens
         # Under tensor parallelism the rest is freed once every rank's I/O for it has
-        # returned (``apply``), the same tick everywhere: freeing it when this rank's read
-        # ends would leave the ranks different free host pages, so different evictions.
-        if not handle.anchor_replicated:
+        # returned (the agreement), the same tick everywhere: freeing it when this rank's
+        # read ends would leave the ranks different free host pages, so different evictions.
+        if not handle.replicated:
             self._release_unkept(handle, claimed)
         self.cache.tree.unprotect_host(handle.anchor)
         return handle.num_inserted_tokens
@@ -297,8 +287,12 @@ class StorageTier:
             self._release_prefetch_pages(pages[release_from:])
             handle.num_released_from = release_from
         else:
-            self._release_owned(handle)
-            self._handles.discard(handle)
+            self.release_prefetch(handle)
+
+    def release_prefetch(self, handle: PrefetchHandle) -> None:
+        """Forget a settled prefetch whose I/O has returned, freeing the pages it holds."""
+        self._release_owned(handle)
+        self._handles.discard(handle)
 
     # -------------------------------------------------------------- backup
     def backup(self, node: TreeNode) -> None:
@@ -311,7 +305,7 @@ class StorageTier:
             self.cache.events.l3_put_issued(node)
         op = BackupOp(list(keys), node.host_pages.copy(), node)
         if self.cache.replicated:
-            self._backup_order.append(op)
+            self.agreement.add_backup(op)
         self.controller.submit_backup(op)
 
     # ---------------------------------------------------------------- poll
@@ -325,9 +319,10 @@ class StorageTier:
                 continue
             if isinstance(op, BackupOp):
                 if self.cache.replicated:  # under tensor parallelism: acknowledged when agreed
-                    self._finished_backups.add(id(op))
+                    stalled = any(call.op is op for call in self._stalled_backups)
+                    self.agreement.backup_finished(op, stalled)
                 else:
-                    self._on_backed_up(op)
+                    self.settle_backup(op)
                 continue
             handle = op.owner
             assert isinstance(handle, PrefetchHandle)
@@ -338,13 +333,14 @@ class StorageTier:
             if op.host_pages is not None and op.num_landed == len(op.host_pages):
                 # Whole reads only: a cut-short one (stalled, cancelled) says nothing of speed.
                 self.read_time.observe(op.num_landed, op.read_seconds)
-            if handle.finished and not handle.anchor_replicated:  # its request moved on
-                self._release_owned(handle)
-                self._handles.discard(handle)
+            if handle.finished and not handle.replicated:  # its request moved on
+                self.release_prefetch(handle)
         if self._closing:
             self._close_backend_when_idle()
 
-    def _on_backed_up(self, op: BackupOp) -> None:
+    def settle_backup(self, op: BackupOp) -> None:
+        """A finished backup releases its node (alone: when it finishes; under tensor
+        parallelism: once every rank finished it)."""
         node = op.owner
         assert isinstance(node, TreeNode)
         del self._backups[node.id]
@@ -353,89 +349,22 @@ class StorageTier:
             self.cache.events.l3_put_done(node, op.num_stored)
         self.cache.stats.num_storage_backed_up_pages += op.num_stored - op.num_existing
 
-    # ------------------------------------------------- tensor-parallel agreement
-    def observe(self) -> L3Progress:
-        """This rank's progress, for the ranks to agree on (changes nothing)."""
-        num_done = 0
-        for op in self._backup_order:
-            if id(op) not in self._finished_backups:
-                break
-            num_done += 1
-        now = self.cache.clock()
-        slots = tuple(self._observe_slot(handle, now) for handle in self._slots)
-        return L3Progress(num_done_backups=num_done, slots=slots)
-
-    def _observe_slot(self, handle: PrefetchHandle, now: float) -> SlotProgress:
+    def start_read(self, handle: PrefetchHandle, num_found_pages: int) -> bool:
+        """Allocate host pages for ``num_found_pages`` (within the budget) and queue their
+        read; False when nothing is read (none found, no host room, or detaching)."""
         op = handle.op
-        if handle.finished:  # draining: only whether this rank's I/O for it has returned
-            return SlotProgress(complete=int(not handle.in_controller))
-        queried = op.num_existing >= 0 and not (handle.in_controller and op.host_pages is None)
-        if not queried:
-            return SlotProgress(past_deadline=int(now >= handle.deadline))
-        agreed = handle.agreed
-        # Reads start only once the lookup is agreed; until then nothing can be complete.
-        read_started = agreed is not None and bool(agreed.queried)
-        complete = read_started and not handle.in_controller
-        return SlotProgress(
-            queried=1, num_found_pages=op.num_existing, num_landed_pages=op.num_landed,
-            complete=int(complete), past_deadline=int(now >= handle.deadline),
-        )
-
-    def apply(self, agreed: L3Progress) -> None:
-        """Take the agreed progress (the minimum of every rank's ``observe``)."""
-        for _ in range(agreed.num_done_backups):
-            op = self._backup_order.popleft()
-            self._finished_backups.discard(id(op))
-            self._on_backed_up(op)
-        for handle, slot in zip(list(self._slots), agreed.slots, strict=False):
-            if handle.finished:
-                if slot.complete:  # no rank's I/O touches its pages any more
-                    self._drop_finished(handle)
-                continue
-            first = slot.queried and (handle.agreed is None or not handle.agreed.queried)
-            handle.agreed = slot
-            if first and not handle.finished:
-                self._start_read(handle, slot.num_found_pages)
-
-    def _drop_finished(self, handle: PrefetchHandle) -> None:
-        """A settled prefetch leaves its slot; the host pages it did not keep are freed."""
-        self._slots.remove(handle)
-        self._release_owned(handle)
-        self._handles.discard(handle)
-
-    def acknowledge_finished_backups(self) -> None:
-        """Acknowledge every backup that finished here, agreed or not: only where every
-        rank does it at the same point of the same tick (a flush, a detach)."""
-        pending, self._backup_order = self._backup_order, deque()
-        for op in pending:
-            if id(op) in self._finished_backups:
-                self._on_backed_up(op)
-            else:
-                self._backup_order.append(op)
-        self._finished_backups.clear()
-
-    def _start_read(self, handle: PrefetchHandle, num_found_pages: int) -> None:
-        """Allocate host pages for ``num_found_pages`` (within the budget) and read them.
-
-        With nothing to read the prefetch is complete at once (marked so on the agreed
-        values, which every rank holds alike).
-        """
-        op = handle.op
+        if op.cancelled.is_set() or not self.controller.running:
+            return False  # detaching: no new reads
         want = min(num_found_pages, self._budget - self._in_flight_pages)
         pages = self.cache.alloc_host(want) if want > 0 else no_pages()
-        if len(pages) == 0 or op.cancelled.is_set() or not self.controller.running:
-            self._free_host(pages)
+        if len(pages) == 0:
             handle.no_room = num_found_pages > 0
-            assert handle.agreed is not None
-            handle.agreed = SlotProgress(
-                queried=1, num_found_pages=num_found_pages, complete=1,
-                past_deadline=handle.agreed.past_deadline,
-            )
-            return
+            return False
         op.host_pages = pages
         self._in_flight_pages += len(pages)
         handle.in_controller = True
         self.controller.submit_load(op)
+        return True
 
     def _on_stalled(self, call: StalledCall) -> None:
         """Keep what the stalled call may still touch until it returns."""
@@ -455,9 +384,17 @@ class StorageTier:
         node = self._stalled_backups.pop(call, None)
         if node is not None:
             self.cache.tree.unprotect_host(node)
+            if isinstance(call.op, BackupOp):
+                self.agreement.backup_returned(call.op)
         pages = self._quarantine.pop(call, None)
         if pages is not None:
-            self._release_prefetch_pages(pages)
+            handle = call.op.owner if isinstance(call.op, PrefetchOp) else None
+            if isinstance(handle, PrefetchHandle) and self.agreement.holds(handle):
+                # Under tensor parallelism the handle owns them again, and frees them when
+                # its slot drops: once every rank's calls returned, the same tick everywhere.
+                handle.quarantined = handle.quarantined[~np.isin(handle.quarantined, pages)]
+            else:
+                self._release_prefetch_pages(pages)
         pages = self._orphaned.pop(call, None)
         if pages is not None:
             self._free_host(pages)
@@ -465,22 +402,12 @@ class StorageTier:
     def _on_queried(self, handle: PrefetchHandle) -> None:
         op = handle.op
         if handle.finished:
-            if not handle.anchor_replicated:  # else dropped when agreed (``apply``)
+            if not handle.replicated:  # else dropped when agreed
                 self._handles.discard(handle)
             return
-        if op.cancelled.is_set() or not self.controller.running:
-            return  # detaching: no new reads
-        if handle.anchor_replicated:
-            return  # the read starts once every rank's lookup has answered (``apply``)
-        want = min(op.num_existing, self._budget - self._in_flight_pages)
-        pages = self.cache.alloc_host(want) if want > 0 else no_pages()
-        if len(pages) == 0:
-            handle.no_room = op.num_existing > 0
-            return
-        op.host_pages = pages
-        self._in_flight_pages += len(pages)
-        handle.in_controller = True
-        self.controller.submit_load(op)
+        if handle.replicated:
+            return  # the read starts once every rank's lookup has answered (the agreement)
+        self.start_read(handle, op.num_existing)
 
     # ------------------------------------------------------------- helpers
     def _make_host_backed(self, anchor: TreeNode) -> bool:
@@ -520,12 +447,10 @@ class StorageTier:
         self.poll()
         # Stopped: every backup has finished here; each rank of a group detaches at the
         # same tick (a broadcast operation), so acknowledging them all keeps trees alike.
-        self.acknowledge_finished_backups()
+        self.agreement.acknowledge_finished_backups()
         for handle in list(self._handles):
             self.finish(handle)
-        # Every rank detaches at the same tick, its I/O stopped: drop the drained slots.
-        for handle in list(self._slots):
-            self._drop_finished(handle)
+        self.agreement.drop_all()
         assert not self._handles and not self._backups, "L3 operations left unsettled"
         self._closing = True
         if not self._close_backend_when_idle():

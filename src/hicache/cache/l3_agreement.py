@@ -10,12 +10,34 @@ Prefetches are agreed through ``NUM_SLOTS`` fixed slots, in the order the
 prefetches started (the same on every rank, since they start from agreed state);
 a prefetch past the slots waits for one. Backups are agreed as the number of the
 oldest ones (in submission order) that have finished.
+
+``L3Agreement`` is a tier's bookkeeping for it: which prefetches hold a slot, which
+backups await agreement, what this rank reports (``observe``) and what it does with the
+agreed values (``apply``). The tier (``cache/l3.py``) keeps the single-rank logic and
+defers to it where a decision would otherwise rest on rank-local values:
+
+- a lookup's answer: the read starts from the agreed number of pages found (here);
+- when a prefetch is complete or past its deadline, and how many pages it keeps:
+  from the agreed values (``complete``, ``past_deadline``, ``num_landed_pages``);
+- a settled prefetch's unkept host pages, including those of a stalled read on this
+  rank: freed when every rank reports its I/O for it returned (slot ``complete``
+  while draining), so free host pages, and with them evictions, stay alike;
+- a finished backup: acknowledged (its node unprotected) once every rank finished it,
+  and on a rank where its ``set`` stalled, once that call returned: until then the
+  stalled rank keeps the node protected, and so must every rank, or the node would be
+  evictable on some ranks only.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hicache.cache.l3 import PrefetchHandle, StorageTier
+    from hicache.storage.controller import BackupOp
 
 # Prefetches agreed at once; fixed so that the per-tick collective has a fixed shape.
 NUM_SLOTS = 16
@@ -71,3 +93,149 @@ class L3Progress:
             for i in range(num_slots)
         )
         return cls(num_done_backups=int(values[0]), slots=slots)
+
+
+class L3Agreement:
+    """A tier's L3 work as the ranks of a tensor-parallel group agree on it.
+
+    Inert alone (tp 1): the tier only calls it for work started under
+    ``cache.replicated``. Every method runs on the scheduler thread.
+    """
+
+    def __init__(self, tier: StorageTier) -> None:
+        self._tier = tier
+        # Prefetches holding a slot, in start order (alike on every rank).
+        self._slots: list[PrefetchHandle] = []
+        # Backups in submission order, the ones that finished on this rank (by id), and
+        # those that finished with a stalled call still running here (done once it returns).
+        self._backup_order: deque[BackupOp] = deque()
+        self._finished_backups: set[int] = set()
+        self._awaiting_return: set[int] = set()
+
+    # ---------------------------------------------------------- prefetches
+    @property
+    def slot_free(self) -> bool:
+        """May another prefetch start (an agreement slot is free)?"""
+        return len(self._slots) < NUM_SLOTS
+
+    @property
+    def num_slots_in_use(self) -> int:
+        """Prefetches holding a slot: running, or settled and draining."""
+        return len(self._slots)
+
+    def add_prefetch(self, handle: PrefetchHandle) -> None:
+        assert self.slot_free, "a prefetch started with no agreement slot free"
+        self._slots.append(handle)
+
+    def holds(self, handle: PrefetchHandle) -> bool:
+        """Does ``handle`` still hold its slot (its pages are freed when it drops)?"""
+        return handle in self._slots
+
+    @staticmethod
+    def complete(handle: PrefetchHandle) -> bool:
+        """Every page found has arrived (or could not be placed), on every rank."""
+        return handle.agreed is not None and bool(handle.agreed.complete)
+
+    @staticmethod
+    def past_deadline(handle: PrefetchHandle) -> bool:
+        return handle.agreed is not None and bool(handle.agreed.past_deadline)
+
+    @staticmethod
+    def num_landed_pages(handle: PrefetchHandle) -> int:
+        """Pages every rank has landed: a rank may hold more, never less."""
+        return handle.agreed.num_landed_pages if handle.agreed is not None else 0
+
+    # ------------------------------------------------------------- backups
+    def add_backup(self, op: BackupOp) -> None:
+        self._backup_order.append(op)
+
+    @property
+    def num_pending_backups(self) -> int:
+        """Backups not acknowledged yet (alike on every rank at the start of a tick)."""
+        return len(self._backup_order)
+
+    def backup_finished(self, op: BackupOp, stalled: bool = False) -> None:
+        """``op`` finished on this rank: acknowledged once agreed; with ``stalled`` (a call
+        of it still runs here) only after ``backup_returned``."""
+        (self._awaiting_return if stalled else self._finished_backups).add(id(op))
+
+    def backup_returned(self, op: BackupOp) -> None:
+        """The stalled call of a finished backup returned on this rank."""
+        if id(op) in self._awaiting_return:
+            self._awaiting_return.discard(id(op))
+            self._finished_backups.add(id(op))
+
+    def acknowledge_finished_backups(self) -> None:
+        """Acknowledge every backup that finished here, agreed or not, stalled or not (the
+        tier keeps a stalled call's pages reserved): only where every rank does it at the
+        same point of the same tick (a flush, a detach)."""
+        finished = self._finished_backups | self._awaiting_return
+        pending, self._backup_order = self._backup_order, deque()
+        for op in pending:
+            if id(op) in finished:
+                self._tier.settle_backup(op)
+            else:
+                self._backup_order.append(op)
+        self._finished_backups.clear()
+        self._awaiting_return.clear()
+
+    # ------------------------------------------------------------ the tick
+    def observe(self, now: float) -> L3Progress:
+        """This rank's progress, for the ranks to agree on (changes nothing)."""
+        num_done = 0
+        for op in self._backup_order:
+            if id(op) not in self._finished_backups:
+                break
+            num_done += 1
+        slots = tuple(self._observe_slot(handle, now) for handle in self._slots)
+        return L3Progress(num_done_backups=num_done, slots=slots)
+
+    @staticmethod
+    def _observe_slot(handle: PrefetchHandle, now: float) -> SlotProgress:
+        op = handle.op
+        if handle.finished:
+            # Draining: whether this rank's I/O for it has returned, its stalled calls
+            # included, so that every rank frees the pages at the same tick.
+            returned = not handle.in_controller and not len(handle.quarantined)
+            return SlotProgress(complete=int(returned))
+        queried = op.num_existing >= 0 and not (handle.in_controller and op.host_pages is None)
+        if not queried:
+            return SlotProgress(past_deadline=int(now >= handle.deadline))
+        agreed = handle.agreed
+        # Reads start only once the lookup is agreed; until then nothing can be complete.
+        read_started = agreed is not None and bool(agreed.queried)
+        complete = read_started and not handle.in_controller
+        return SlotProgress(
+            queried=1, num_found_pages=op.num_existing, num_landed_pages=op.num_landed,
+            complete=int(complete), past_deadline=int(now >= handle.deadline),
+        )
+
+    def apply(self, agreed: L3Progress) -> None:
+        """Take the agreed progress (the minimum of every rank's ``observe``)."""
+        for _ in range(agreed.num_done_backups):
+            op = self._backup_order.popleft()
+            self._finished_backups.discard(id(op))
+            self._tier.settle_backup(op)
+        for handle, slot in zip(list(self._slots), agreed.slots, strict=False):
+            if handle.finished:
+                if slot.complete:  # no rank's I/O touches its pages any more
+                    self._drop(handle)
+                continue
+            first = slot.queried and (handle.agreed is None or not handle.agreed.queried)
+            handle.agreed = slot
+            if first and not self._tier.start_read(handle, slot.num_found_pages):
+                # Nothing to read (or no room): complete at once, alike on every rank.
+                handle.agreed = SlotProgress(
+                    queried=1, num_found_pages=slot.num_found_pages, complete=1,
+                    past_deadline=slot.past_deadline,
+                )
+
+    def drop_all(self) -> None:
+        """Every rank detaches at the same tick, its I/O stopped: drop the drained slots."""
+        for handle in list(self._slots):
+            self._drop(handle)
+
+    def _drop(self, handle: PrefetchHandle) -> None:
+        """A settled prefetch leaves its slot; the host pages it did not keep are freed."""
+        self._slots.remove(handle)
+        self._tier.release_prefetch(handle)

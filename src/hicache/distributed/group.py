@@ -91,6 +91,14 @@ class TPGroup:
         result: T = box[0]
         return result
 
+    def gather_object(self, obj: T, dst: int = 0) -> list[T] | None:
+        """Every rank's ``obj`` (picklable), in rank order, on rank ``dst``; None elsewhere."""
+        if self.group is None:
+            return [obj]
+        box: list[Any] | None = [None] * self.size if self.rank == dst else None
+        dist.gather_object(obj, box, dst=dst, group=self.cpu_group)
+        return box
+
     def barrier(self) -> None:
         if self.cpu_group is not None:
             dist.barrier(group=self.cpu_group)

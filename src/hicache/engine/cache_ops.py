@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hicache.storage.controller import StorageMetrics
+
 if TYPE_CHECKING:
     from hicache.engine.scheduler import Scheduler
 
@@ -47,4 +49,21 @@ CACHE_OPS: dict[str, Callable[[Scheduler], Any]] = {
     "flush": flush,
     "check_integrity": check_integrity,
     "evict_device_cache": evict_device_cache,
+}
+
+
+def l3_metrics(scheduler: Scheduler) -> tuple[StorageMetrics, dict[str, int]] | None:
+    """This rank's L3 counters and its backend's failures (None without L3)."""
+    storage = scheduler.cache.storage
+    if storage is None:
+        return None
+    return storage.metrics(), storage.controller.backend_failures()
+
+
+# Reads that every rank answers about its own cache, gathered to rank 0 in rank order
+# (``Scheduler.gather``): what each rank alone knows, as its L3 store's counters. They
+# change nothing, but under tensor parallelism their gather is a collective, so they
+# are broadcast like the operations above and run at the same point of the same tick.
+RANK_READS: dict[str, Callable[[Scheduler], Any]] = {
+    "l3_metrics": l3_metrics,
 }

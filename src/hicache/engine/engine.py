@@ -12,6 +12,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import asdict
 from typing import Any
 
@@ -53,11 +54,14 @@ from hicache.model.model import CausalLM
 from hicache.model.presets import DEFAULT_PRESET
 from hicache.storage.base import StorageError
 from hicache.storage.config import load_extra_config, storage_config
+from hicache.storage.controller import StorageMetrics
 from hicache.storage.frame import PayloadOrder
 
 logger = logging.getLogger(__name__)
 
 _CONTROL_TIMEOUT_S = 120.0
+# How long a metrics read waits for the ranks' L3 counters (one tick, normally).
+GATHER_TIMEOUT_S = 5.0
 
 
 class Engine:
@@ -302,6 +306,30 @@ class Engine:
             "backend_stats": asdict(storage.backend.stats()),
         }
 
+    def _l3_totals(self, local: StorageMetrics) -> tuple[StorageMetrics, dict[str, int]]:
+        """The L3 counters and backend failures of every rank, summed (alone: this rank's).
+
+        Under tensor parallelism each rank has its own store, whose counters only it
+        holds: they are gathered in a tick (``RANK_READS``). When the ranks do not answer
+        in time (the group is stopping or failed) rank 0's own are reported.
+        """
+        assert self.cache.storage is not None
+        backend_failures = self.cache.storage.controller.backend_failures()
+        if self.replicated is None:
+            return local, backend_failures
+        try:
+            answers = self.scheduler.gather("l3_metrics").result(timeout=GATHER_TIMEOUT_S)
+        except FutureTimeoutError as error:
+            logger.warning("L3 metrics of rank 0 only: the ranks did not answer (%s)", error)
+            return local, backend_failures
+        if any(answer is None for answer in answers):  # a rank detached meanwhile
+            return local, backend_failures
+        failures: dict[str, int] = {}
+        for _, rank_failures in answers:
+            for reason, count in rank_failures.items():
+                failures[reason] = failures.get(reason, 0) + count
+        return StorageMetrics.total([m for m, _ in answers]), failures
+
     def metrics(self) -> dict[str, float]:
         cache, sched = self.cache, self.scheduler
         out: dict[str, float] = {f"engine_{k}": float(v) for k, v in
@@ -334,14 +362,16 @@ class Engine:
         out["storage_attached"] = float(storage is not None)
         if storage is not None:
             metrics = storage.metrics()
-            for key, value in asdict(metrics).items():
+            # Under tensor parallelism the counters are summed over the ranks' stores.
+            total, backend_failures = self._l3_totals(metrics)
+            for key, value in asdict(total).items():
                 if key != "failures":
                     out[f"storage_{key}"] = float(value)
             # The controller's reasons (per call) and the backend's (per page): /metrics
             # exports both as one family, told apart by a source label.
-            for reason, count in metrics.failures.items():
+            for reason, count in total.failures.items():
                 out[f"storage_failures_{reason}"] = float(count)
-            for reason, count in storage.controller.backend_failures().items():
+            for reason, count in backend_failures.items():
                 out[f"storage_backend_failures_{reason}"] = float(count)
             out["storage_prefetch_timeout_per_ki_token_s"] = storage.prefetch_timeout_per_ki_token_s
             page_bytes = cache.host_pool.page_bytes if cache.host_pool is not None else 0

@@ -218,7 +218,9 @@ class EngineClient:
         if self._closing or self.dead:
             return
         rank = waiting[ended[0]]
-        code = self._followers[rank - 1].exitcode
+        follower = self._followers[rank - 1]
+        follower.join(1.0)  # its sentinel is ready before its exit code is read
+        code = follower.exitcode
         self._death_cause = f"tensor-parallel rank {rank} exited (exit code {code})"
         logger.error("%s: ending the engine", self._death_cause)
         process = self._process

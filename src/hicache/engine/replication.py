@@ -10,7 +10,9 @@ One tick, on every rank, in this order (``ReplicatedScheduler.tick``):
    gets one drawn by rank 0, so every rank draws the same tokens; a new request's
    arrival time is rank 0's. Control calls that only read (``Scheduler.call``) run on
    rank 0 alone; the ones that change the cache are named operations
-   (``cache_ops``), run by every rank.
+   (``cache_ops``), run by every rank. A read of every rank's own state (``RANK_READS``,
+   as its L3 counters) is broadcast too: every rank answers it and gathers the answers
+   to rank 0 (one ``gather_object``, issued by every rank since the tick says so).
 2. Agreement: ONE fixed-shape collective, an int64 tensor of ``Progress.NUM_FIELDS``
    reduced with MIN, issued unconditionally by every rank every tick (never inside a
    branch on rank-local state). It carries each rank's local progress (the number of
@@ -26,8 +28,9 @@ One tick, on every rank, in this order (``ReplicatedScheduler.tick``):
 Rank 0 streams outputs; the followers drop theirs. Rank 0 stops the group with a
 tick whose ``stop`` is set. A failed collective (a peer died: gloo raises when its
 connection closes) or any exception in a tick is fatal to the rank, since its state
-may no longer match the others': the loop raises and the process exits non-zero,
-which the server's ``EngineClient`` sees. Nothing waits on a peer without a timeout.
+may no longer match the others': the requests in flight fail with the cause (not as a
+shutdown), the loop raises and the process exits non-zero, which the server's
+``EngineClient`` sees. Nothing waits on a peer without a timeout.
 
 L3 prefetch deadlines read the tick clock (``Scheduler.now``) under tensor parallelism.
 """
@@ -39,6 +42,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +51,7 @@ import torch
 from hicache.cache.l3_agreement import L3Progress
 from hicache.distributed.group import TPGroup
 from hicache.engine.api import GenerateRequest
+from hicache.engine.cache_ops import RANK_READS
 from hicache.engine.request import Req
 from hicache.engine.scheduler import Scheduler
 
@@ -68,7 +73,8 @@ class AddRequest:
     arrived: float  # rank 0's time.monotonic() at its arrival
 
 
-# An event of a tick: ("add", AddRequest), ("abort", rid) or ("op", cache operation name).
+# An event of a tick: ("add", AddRequest), ("abort", rid), ("op", cache operation name)
+# or ("gather", rank read name).
 Event = tuple[str, Any]
 
 
@@ -143,6 +149,7 @@ class ReplicatedScheduler:
         """
         scheduler = self.scheduler
         worked = True
+        reason = "server shutting down"
         try:
             while True:
                 block = 0.0 if worked else (WAITING_POLL_S if scheduler.waiting else IDLE_WAIT_S)
@@ -151,8 +158,13 @@ class ReplicatedScheduler:
                 scheduler.cache.publish_events()
                 if stopping:
                     break
+        except BaseException as error:
+            # The requests in flight end with the cause, not as if the server stopped.
+            reason = (f"tensor-parallel rank {self.tp.rank} failed ({type(error).__name__}: "
+                      f"{error}): the engine cannot go on")
+            raise
         finally:
-            scheduler._fail_all("server shutting down")
+            scheduler._fail_all(reason)
             scheduler.outputs.flush()
             scheduler.outputs.close()
 
@@ -171,7 +183,10 @@ class ReplicatedScheduler:
             tick = received
             local = [self._follow(event) for event in tick.events]
         for kind, payload in local:
-            scheduler.handle(kind, payload)
+            if kind == "gather":
+                self._gather(*payload)
+            else:
+                scheduler.handle(kind, payload)
         scheduler.now = tick.now
         agreed = agree(self.tp, self.observe())
         scheduler.cache.apply_progress(agreed.num_landed_writes)
@@ -200,8 +215,8 @@ class ReplicatedScheduler:
                 events.append(("add", AddRequest(req.request, req.rid, seed, req.arrived)))
             elif kind == "abort":
                 events.append(("abort", payload))
-            elif kind == "op":
-                events.append(("op", payload[0]))
+            elif kind in ("op", "gather"):
+                events.append((kind, payload[0]))
             local.append((kind, payload))
         return Tick(now=time.monotonic(), events=tuple(events), stop=stop)
 
@@ -210,6 +225,25 @@ class ReplicatedScheduler:
         kind, payload = event
         if kind == "add":
             return "add", self.make_req(payload)
-        if kind == "op":
-            return "op", (payload, None)
+        if kind in ("op", "gather"):
+            return kind, (payload, None)
         return kind, payload
+
+    def _gather(self, name: str, future: Future[list[Any]] | None) -> None:
+        """Every rank: answer the read ``name`` and gather the answers to rank 0, which
+        resolves ``future`` (None on the followers). A read that raises answers None: the
+        gather must happen on every rank whatever the read did."""
+        answer: Any = None
+        failure: Exception | None = None
+        try:
+            answer = RANK_READS[name](self.scheduler)
+        except Exception as error:
+            logger.exception("rank read %s failed on rank %d", name, self.tp.rank)
+            failure = error
+        answers = self.tp.gather_object(answer)
+        if future is None or not future.set_running_or_notify_cancel():
+            return
+        if failure is not None:
+            future.set_exception(failure)
+        else:
+            future.set_result(answers or [])

@@ -39,7 +39,7 @@ import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.api import CachedTokens
-from hicache.engine.cache_ops import CACHE_OPS
+from hicache.engine.cache_ops import CACHE_OPS, RANK_READS
 from hicache.engine.logprobs import position_logprobs
 from hicache.engine.model_runner import ModelRunner
 from hicache.engine.output_thread import DiscardedOutputs, OutputThread
@@ -154,6 +154,16 @@ class Scheduler:
         self._inbox.put(("op", (name, future)))
         return future
 
+    def gather(self, name: str) -> Future[list[Any]]:
+        """Every rank's answer to the read ``name`` (``cache_ops.RANK_READS``), in rank
+        order (alone: a list of one); under tensor parallelism a broadcast, gathered in
+        the tick every rank runs it (``ReplicatedScheduler``)."""
+        if name not in RANK_READS:
+            raise ValueError(f"no rank read {name!r}")
+        future: Future[list[Any]] = Future()
+        self._inbox.put(("gather", (name, future)))
+        return future
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -229,7 +239,7 @@ class Scheduler:
 
     def handle(self, kind: str, payload: Any) -> None:
         """Apply one inbox item: ``("add", Req)``, ``("abort", rid)``, ``("call", (fn,
-        future))`` or ``("op", (name, future or None))``."""
+        future))``, ``("op", (name, future or None))`` or ``("gather", (name, future))``."""
         if kind == "add":
             req: Req = payload
             self._by_rid[req.rid] = req
@@ -239,6 +249,13 @@ class Scheduler:
             target = self._by_rid.get(payload)
             if target is not None:
                 self._finish(target, "abort")
+        elif kind == "gather":  # alone; under tensor parallelism ReplicatedScheduler's
+            name, gather_future = payload
+            if gather_future.set_running_or_notify_cancel():
+                try:
+                    gather_future.set_result([RANK_READS[name](self)])
+                except BaseException as error:  # handed to the caller
+                    gather_future.set_exception(error)
         elif kind == "op":
             name, op_future = payload
             op = CACHE_OPS[name]

@@ -13,6 +13,9 @@ page (``corrupt``, ``missing``, ``no_space`` ...: ``StorageStats.failures``),
 ``controller`` for the L3 calls the cache gave up on, counted per call
 (``breaker_open``, ``get_raised``, ``timeout`` ...: ``StorageMetrics.failures``).
 The same reason may come from both (a store's own timeout, a call's deadline).
+Under tensor parallelism each rank has its own store: the L3 counters and failures
+are the sums over the ranks (gathered by the engine); the bandwidth gauges and the
+prefetch allowance are rank 0's.
 
 Each server owns its registry: several apps in one process (tests) never
 share or clash on series.

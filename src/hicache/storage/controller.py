@@ -30,8 +30,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -138,6 +138,19 @@ class StorageMetrics:
 
     def fail(self, reason: str, count: int = 1) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + count
+
+    @classmethod
+    def total(cls, parts: Sequence[StorageMetrics]) -> StorageMetrics:
+        """Field by field sums, failures by reason (the stores of a tensor-parallel
+        group's ranks: each holds its own KV shard)."""
+        out = cls()
+        for part in parts:
+            for f in fields(cls):
+                if f.name != "failures":
+                    setattr(out, f.name, getattr(out, f.name) + getattr(part, f.name))
+            for reason, count in part.failures.items():
+                out.fail(reason, count)
+        return out
 
 
 @dataclass(frozen=True)

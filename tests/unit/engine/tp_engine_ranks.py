@@ -7,7 +7,8 @@ finish, running a cache operation between steps; the followers run ``run_replica
 Given ``SINGLE_RANK`` it drives one plain scheduler the same way (the reference). A
 ``Scenario`` may make one rank's L2 copies look late for its first ticks (a fault on
 that rank alone), as a slow copy engine would, or one rank's L3 store find or return
-fewer pages than it holds (``L3Fault``), as a store missing or failing pages would.
+fewer pages than it holds, or answer its reads late (``L3Fault``), as a store missing or
+failing pages, or a slow or hung one, would.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -53,11 +55,15 @@ class Scenario:
 @dataclass(frozen=True)
 class L3Fault:
     """Rank ``rank``'s L3 backend reports ``num_pages`` fewer pages than it has, in its
-    lookups (``exists``) or its reads (``get``: the pages past the count are not verified)."""
+    lookups (``exists``) or its reads (``get``: the pages past the count are not verified);
+    with ``delay_s`` its first ``num_delayed_calls`` calls (``get`` or ``set``) answer that
+    late instead."""
 
     rank: int
-    call: str  # "exists" | "get"
+    call: str  # "exists" | "get" | "set" (with delay_s)
     num_pages: int = 2
+    delay_s: float = 0.0
+    num_delayed_calls: int = 1
 
 
 @dataclass
@@ -70,11 +76,17 @@ class RankResult:
     # Per tick, before its agreement: L2 writes not acknowledged yet (what earlier ticks'
     # agreed acknowledgements left; must be the same on every rank at every tick).
     unacknowledged: list[int] = field(default_factory=list)
+    # Per tick, before its agreement: free host pages, and tree nodes whose host copy is
+    # protected (in use by L3, so not evictable); alike on every rank at every tick.
+    free_host_pages: list[int] = field(default_factory=list)
+    host_protected_nodes: list[int] = field(default_factory=list)
     tree_device_pages: list[int] = field(default_factory=list)
     tree_host_pages: list[int] = field(default_factory=list)
     num_free_device_pages: int = 0
     num_free_host_pages: int = 0
     num_ticks: int = 0
+    num_stalled_calls: int = 0  # L3 calls that went past their deadline (io_timeout_s)
+    num_quarantined_pages: int = 0  # host pages still reserved for stalled calls at the end
 
 
 def greedy(max_new_tokens: int = 6) -> SamplingParams:
@@ -86,6 +98,9 @@ def run_scenario(tp: TPGroup, scenario: Scenario) -> RankResult:
     try:
         result = _drive(engine, tp, scenario)
         cache = engine.cache  # the tree as the agreed acknowledgements left it
+        if cache.storage is not None:
+            result.num_stalled_calls = cache.storage.metrics().failures.get("timeout", 0)
+            result.num_quarantined_pages = cache.storage.num_quarantined_pages
         result.tree_device_pages = sorted(int(p) for p in cache.tree.device_page_ids())
         result.tree_host_pages = sorted(int(p) for p in cache.tree.host_page_ids())
         result.num_free_device_pages = cache.device_pool.allocator.num_free_pages
@@ -101,7 +116,18 @@ def _inject_l3_fault(engine: Engine, fault: L3Fault) -> None:
     storage = engine.cache.storage
     assert storage is not None, "an L3 fault needs L3"
     backend = storage.backend
-    if fault.call == "exists":
+    if fault.delay_s > 0:
+        late_call = getattr(backend, fault.call)
+        num_calls = [0]
+
+        def slow(keys: Sequence[bytes], host_pages: PageIds) -> Any:
+            num_calls[0] += 1
+            if num_calls[0] <= fault.num_delayed_calls:
+                time.sleep(fault.delay_s)
+            return late_call(keys, host_pages)
+
+        setattr(backend, fault.call, slow)
+    elif fault.call == "exists":
         real_exists = backend.exists
 
         def exists(keys: Sequence[bytes]) -> int:
@@ -128,9 +154,15 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
 
         controller = engine.cache.controller
         assert controller is not None
+        host_pool = engine.cache.host_pool
 
         def observe() -> Progress:
             result.unacknowledged.append(controller.num_pending_writes)
+            if host_pool is not None:
+                result.free_host_pages.append(host_pool.allocator.num_free_pages)
+                result.host_protected_nodes.append(
+                    sum(node.host_ref > 0 for node in engine.cache.tree.iter_nodes())
+                )
             seen = real()
             result.observed.append(seen.num_landed_writes)
             if tp.rank == scenario.lagging_rank and replicated.num_ticks < scenario.lag_ticks:
@@ -180,6 +212,17 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
                 tick()
                 future.result(timeout=0)
     if replicated is not None:
+        # Prefetches still draining (a rank's read not returned) and backups not agreed
+        # settle on every rank before the group stops: a decision on agreed state, so
+        # every rank ticks alike.
+        storage = engine.cache.storage
+        for _ in range(MAX_TICKS):
+            agreement = storage.agreement if storage is not None else None
+            if agreement is None or not (
+                agreement.num_slots_in_use or agreement.num_pending_backups
+            ):
+                break
+            tick()
         stop.set()
         stopping, _ = replicated.tick(stop)
         assert stopping
