@@ -46,15 +46,16 @@ with a payload from another write) and over ``put_parts`` (it takes Python
 bytes and copies them into the client's local buffer first).
 
 Checksums cost a pass over every page, which the backend keeps in the CPU's
-cache (``cache_steps``): a batch moves in steps of about a quarter of the
+cache (``cache_steps``): a batch moves in steps of about half the
 last-level cache, one Mooncake call each; a helper thread hashes the next
 step to put (pulling it into the cache, where Mooncake's copy then reads
 it) or verifies the step just read (which the copy has just written into
 the cache) while Mooncake copies another, and each page is handed to
 Mooncake in pieces of ``COPY_PIECE_BYTES`` so its memcpy uses cacheable
-stores. Hashing then costs a read from cache instead of a second pass over
-DRAM; both threads release the GIL. Where no spare core is free (two busy
-vCPUs) the hash still adds its (in-cache) time to the copy's.
+stores. Hashing then reads from cache rather than making a second pass over
+DRAM; both threads release the GIL. That hides the hash where a spare core
+is free. Where none is (two busy vCPUs) the hash adds its time to the
+copy's: about 0.6x of the raw client's throughput there (docs/benchmarks.md).
 
 Failures. A page that is missing, fails its header or checksum, or has the
 wrong size is a miss counted under its reason (``frame.Fault`` values,
