@@ -45,12 +45,17 @@ page: twice the index entries and lookups, and a reader could pair a header
 with a payload from another write) and over ``put_parts`` (it takes Python
 bytes and copies them into the client's local buffer first).
 
-Checksums cost a pass over every page. Batches of many megabytes are moved in
-a few chunks, one Mooncake call each, and a helper thread hashes the next
-chunk to put (or checks the chunk just read) while Mooncake copies another;
-both release the GIL. That hides the hashing where a spare core is free; on a
-machine without one (two vCPUs sharing a core) it does not, and a put or a
-verified get costs the copy plus the hash.
+Checksums cost a pass over every page, which the backend keeps in the CPU's
+cache (``cache_steps``): a batch moves in steps of about half the
+last-level cache, one Mooncake call each; a helper thread hashes the next
+step to put (pulling it into the cache, where Mooncake's copy then reads
+it) or verifies the step just read (which the copy has just written into
+the cache) while Mooncake copies another, and each page is handed to
+Mooncake in pieces of ``COPY_PIECE_BYTES`` so its memcpy uses cacheable
+stores. Hashing then reads from cache rather than making a second pass over
+DRAM; both threads release the GIL. That hides the hash where a spare core
+is free. Where none is (two busy vCPUs) the hash adds its time to the
+copy's: about 0.6x of the raw client's throughput there (docs/benchmarks.md).
 
 Failures. A page that is missing, fails its header or checksum, or has the
 wrong size is a miss counted under its reason (``frame.Fault`` values,
@@ -101,6 +106,12 @@ from hicache.storage.base import (
     StorageBackend,
     StorageError,
 )
+from hicache.storage.cache_steps import (
+    COPY_PIECE_BYTES,
+    cache_step_bytes,
+    copy_pieces,
+    last_level_cache_bytes,
+)
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
@@ -125,12 +136,12 @@ from hicache.storage.page_regions import PageRegions
 
 logger = logging.getLogger(__name__)
 
-# Batches are moved in chunks of at least this many bytes (at most
-# PIPELINE_MAX_CHUNKS of them), hashing one chunk on a helper thread while
-# Mooncake moves another (see the module docstring). Each chunk is one Mooncake
-# batch call (a few master RPCs), hence chunks of megabytes, not single pages.
-PIPELINE_CHUNK_BYTES = 16 * 2**20
-PIPELINE_MAX_CHUNKS = 8
+# Batches are moved in chunks (cache steps) of about this many bytes, at least
+# one page each, hashing one chunk on a helper thread while Mooncake moves
+# another (see the module docstring and cache_steps).
+PIPELINE_CHUNK_BYTES = cache_step_bytes(last_level_cache_bytes())
+# Each page is handed to Mooncake cut into pieces of at most this many bytes.
+PAGE_PIECE_BYTES = COPY_PIECE_BYTES
 # Header staging slots: one batch each. The controller runs at most one get or
 # set at a time; the spare slots serve other callers (a benchmark) without waiting.
 _STAGING_SLOTS = 4
@@ -410,18 +421,23 @@ class MooncakeBackend(StorageBackend):
         ``part`` gives the header slots: page ``pages[j]`` uses slot ``part[j]``.
         """
         header = self._staging_address + slot_offset
-        object_sizes = [regions.region_bytes] * regions.num_regions + [HEADER_BYTES]
-        buffers = [
-            [*regions.addresses(page), header + slot * HEADER_BYTES]
-            for page, slot in zip(pages, part, strict=True)
-        ]
+        buffers: list[list[int]] = []
+        object_sizes: list[int] = []
+        for page, slot in zip(pages, part, strict=True):
+            # Pieces, not whole regions: each is one memcpy that leaves its bytes
+            # in the cache for the hash (cache_steps).
+            pieces, object_sizes = copy_pieces(
+                regions.addresses(page), regions.region_bytes, PAGE_PIECE_BYTES
+            )
+            pieces.append(header + slot * HEADER_BYTES)
+            buffers.append(pieces)
+        object_sizes = [*object_sizes, HEADER_BYTES]
         return buffers, [object_sizes] * len(pages)
 
     @staticmethod
     def _parts(count: int, page_bytes: int) -> list[range]:
         """Split a batch of ``count`` pages into the chunks it is moved in (see _read_ahead)."""
-        chunks = min(PIPELINE_MAX_CHUNKS, count, count * page_bytes // PIPELINE_CHUNK_BYTES)
-        chunks = max(1, chunks)
+        chunks = max(1, min(count, count * page_bytes // PIPELINE_CHUNK_BYTES))
         bounds = [round(k * count / chunks) for k in range(chunks + 1)]
         return [range(bounds[k], bounds[k + 1]) for k in range(chunks)]
 

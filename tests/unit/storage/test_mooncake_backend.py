@@ -61,6 +61,16 @@ class TestMooncakeContractInChunks(TestMooncakeContract):
         monkeypatch.setattr(mooncake_module, "PIPELINE_CHUNK_BYTES", 1)
 
 
+class TestMooncakeContractInPieces(TestMooncakeContract):
+    """The contract again with every page handed to Mooncake in small pieces that do not
+    divide its regions (what large pages get, so that copies stay in the cache)."""
+
+    @pytest.fixture(autouse=True)
+    def small_pieces(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(mooncake_module, "PAGE_PIECE_BYTES", 48)
+        monkeypatch.setattr(mooncake_module, "PIPELINE_CHUNK_BYTES", 1)
+
+
 GEOMETRY_SMALL = TestMooncakeContract.geometry
 
 
@@ -202,6 +212,7 @@ def damage_magic(data: bytes) -> bytes:
     return data[:-HEADER_BYTES] + b"XXXX" + data[-HEADER_BYTES + 4 :]
 
 
+@pytest.mark.parametrize("piece_bytes", [mooncake_module.PAGE_PIECE_BYTES, 48])
 @pytest.mark.parametrize("chunk_bytes", [mooncake_module.PIPELINE_CHUNK_BYTES, 1])
 @pytest.mark.parametrize(
     ("reason", "damage"),
@@ -213,9 +224,11 @@ def damage_magic(data: bytes) -> bytes:
     ],
 )
 def test_a_damaged_object_is_a_miss_counted_and_removed(
-    pair: Any, reason: str, damage: Any, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+    pair: Any, reason: str, damage: Any, chunk_bytes: int, piece_bytes: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(mooncake_module, "PIPELINE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(mooncake_module, "PAGE_PIECE_BYTES", piece_bytes)
     backend, host, keys = pair
     values = fill_random(host, page_range(0, 6), seed=1)
     assert backend.set(keys, page_range(0, 6)) == 6
