@@ -5,9 +5,10 @@ name a test asks for (``mooncake_master``, ``mooncake_extra``, ``mooncake_anchor
 
     from tests.mooncake_fixtures import extra_fixture, master_fixture  # noqa: F401
 
-Importing this module skips the importing test module (with the reason) when
+Importing this module fails the importing test module (with the reason) when
 the ``mooncake`` client cannot be imported here: the package is missing, or a
-system library it links against is (libibverbs, librdmacm, libnuma).
+system library it links against is (libibverbs, librdmacm, libnuma). It is a
+declared dev dependency (``tests/dev_dependency.py``).
 
 The Mooncake client listens on every interface (ports 15000-17000); the
 session's private network namespace (tests/network_namespace.py) leaves it only
@@ -32,10 +33,12 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip(
+from tests.dev_dependency import require_dev_dependency
+
+require_dev_dependency(
     "mooncake.store",
-    reason="the mooncake client (mooncake-transfer-engine-non-cuda and libibverbs1, "
-    "librdmacm1, libnuma1) cannot be imported here",
+    "pip install 'hicache[mooncake]' and, on Debian/Ubuntu, apt-get install libibverbs1 "
+    "librdmacm1 libnuma1 (scripts/bootstrap.sh does both)",
 )
 
 import torch

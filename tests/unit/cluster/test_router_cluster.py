@@ -22,7 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
-pytest.importorskip("mooncake.store", reason="the mooncake client cannot be imported here")
+from tests.dev_dependency import require_dev_dependency
+
+require_dev_dependency("mooncake.store", "pip install 'hicache[mooncake]'")
 
 from hicache.bench.cluster import (
     KV_EVENTS_TOPIC,
