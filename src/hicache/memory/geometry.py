@@ -95,3 +95,10 @@ TINY = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.float32
 # DeepSeek-V2-Lite: 27 layers, latent kv_lora_rank 512 + qk_rope_head_dim 64.
 DEEPSEEK_V2_LITE = KVGeometry.mla(num_layers=27, latent_dim=576, dtype=torch.bfloat16)
 TINY_MLA = KVGeometry.mla(num_layers=4, latent_dim=24, dtype=torch.float32)
+
+# Geometries by the name benchmarks take (``--geometry``).
+GEOMETRY_PRESETS: dict[str, KVGeometry] = {
+    "llama3-8b": LLAMA3_8B,
+    "qwen3-0.6b": QWEN3_0_6B,
+    "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+}
