@@ -66,7 +66,7 @@ def test_only_rank_0_writes_mla_pages_and_every_tp_size_reads_them() -> None:
         assert rank0.stats.num_storage_backed_up_pages == PAGES
         assert rank1.stats.num_storage_backed_up_pages == 0
         # Rank 1's backups are done: its host pages are no longer protected by them.
-        assert rank1.storage is not None and rank1.storage.observe().num_done_backups == 0
+        assert rank1.observe_l3_progress().num_done_backups == 0
         # A fresh rank 1 of tp 2 and an instance with tp 1 both hit every page, and
         # serve() checks the KV equals cold KV.
         for tp_rank, tp_size in ((1, 2), (0, 1)):

@@ -314,7 +314,7 @@ class StorageTier:
             if self.cache.replicated:
                 self.agreement.backup_finished(op)
             else:
-                self._on_backed_up(op)
+                self.settle_backup(op)
             return
         self.controller.submit_backup(op)
 
