@@ -1,0 +1,91 @@
+"""One forward step's MLA plan: which rows of the pool each sequence reads, and in which form.
+
+Built once per step from the ``ForwardBatch`` (shared by every layer). The form
+is chosen per sequence (``MLAForm``): by default a sequence with one new token
+(decode) attends in the absorbed form, all of a step's decodes in one batched
+call over their padded contexts; a sequence with several new tokens (prefill,
+extend, chunk) attends in the expanded form. Tests force either form everywhere.
+Every layer has written the step's new rows into the pool before attending, so
+all rows are read from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from hicache.model.batch import ForwardBatch
+from hicache.model.deepseek_config import MLAShape
+from hicache.model.mla_attention import attend_absorbed, attend_expanded
+
+
+class MLAForm(str, Enum):
+    AUTO = "auto"  # absorbed for decodes, expanded for prompts
+    ABSORBED = "absorbed"
+    EXPANDED = "expanded"
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Sequences attended to in one call, padded to the longest: B sequences, E new tokens
+    (E = 1 for batched decodes)."""
+
+    rows: torch.Tensor | slice  # their rows in the step, [B * E] in order
+    slots: torch.Tensor  # [B, L] int64: context slots (padding repeats a valid slot)
+    mask: torch.Tensor  # [B, E, L] bool
+    absorbed: bool
+
+
+class MLAStep:
+    def __init__(self, batch: ForwardBatch, form: MLAForm = MLAForm.AUTO) -> None:
+        device = batch.page_table.device
+        pages = batch.sequence_pages.long()
+        page_size = batch.page_size
+        groups: list[_Group] = []
+        decodes = [i for i, e in enumerate(batch.extend_lens) if e == 1]
+        if decodes and form is not MLAForm.EXPANDED:
+            longest = max(batch.seq_lens[i] for i in decodes)
+            pos = torch.arange(longest, device=device)
+            index = torch.tensor(decodes, device=device)
+            lens = batch.seq_lens_tensor[index].long()
+            valid = pos[None, :] < lens[:, None]  # [D, L]
+            slots = pages[index][:, pos // page_size] * page_size + pos % page_size
+            # Table entries past a context's last page may hold anything: pad with a
+            # real row (masked out) so the gather stays in the pool.
+            slots = torch.where(valid, slots, slots[:, :1])
+            rows = torch.tensor([batch.token_starts[i] for i in decodes], device=device)
+            groups.append(_Group(rows, slots, valid.unsqueeze(1), absorbed=True))
+        else:
+            decodes = []
+        batched = set(decodes)
+        for i, (start, extend) in enumerate(zip(batch.token_starts, batch.extend_lens,
+                                                 strict=True)):
+            if i in batched:
+                continue
+            total = batch.seq_lens[i]
+            pos = torch.arange(total, device=device)
+            slots = pages[i, pos // page_size] * page_size + pos % page_size
+            # Lower-right causal: new token at position p sees positions <= p.
+            mask = pos[None, :] <= pos[total - extend :, None]
+            groups.append(_Group(
+                slice(start, start + extend), slots.unsqueeze(0), mask.unsqueeze(0),
+                absorbed=form is MLAForm.ABSORBED,
+            ))
+        self.groups = tuple(groups)
+
+    def attend(
+        self, q: torch.Tensor, cache: torch.Tensor, kv_b_weight: torch.Tensor, mla: MLAShape
+    ) -> torch.Tensor:
+        """q [T, heads, qk_head_dim], one layer of the pool [slots, 1, latent_dim] ->
+        [T, heads, v_head_dim]."""
+        table = cache.view(cache.shape[0], -1)  # [slots, latent_dim]
+        out = q.new_empty(q.shape[0], q.shape[1], mla.v_head_dim)
+        for group in self.groups:
+            b, e = group.mask.shape[0], group.mask.shape[1]
+            group_q = q[group.rows].view(b, e, q.shape[1], q.shape[2])
+            attend = attend_absorbed if group.absorbed else attend_expanded
+            result = attend(group_q, table[group.slots], group.mask, kv_b_weight, mla)
+            out[group.rows] = result.reshape(b * e, q.shape[1], mla.v_head_dim)
+        return out
