@@ -130,11 +130,11 @@ class MLAttention(nn.Module):
 
 
 def attend_expanded(
-    q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, kv_b_weight: torch.Tensor,
+    q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None, kv_b_weight: torch.Tensor,
     mla: MLAShape,
 ) -> torch.Tensor:
     """q [B, E, heads, qk_head_dim], context rows [B, L, latent_dim], mask [B, E, L] bool
-    (True: may attend) -> [B, E, heads, v_head_dim]."""
+    (True: may attend; None: causal, E == L) -> [B, E, heads, v_head_dim]."""
     b, length, heads = rows.shape[0], rows.shape[1], q.shape[2]
     c, k_rope = rows.split((mla.kv_lora_rank, mla.qk_rope_head_dim), dim=-1)
     kv = linear(c, kv_b_weight).view(b, length, heads, mla.qk_nope_head_dim + mla.v_head_dim)
@@ -142,7 +142,8 @@ def attend_expanded(
     k = torch.cat((k_nope, k_rope.unsqueeze(2).expand(b, length, heads, -1)), dim=-1)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask.unsqueeze(1), scale=mla.softmax_scale,
+        attn_mask=None if mask is None else mask.unsqueeze(1), is_causal=mask is None,
+        scale=mla.softmax_scale,
     )  # [B, heads, E, v]
     return out.transpose(1, 2)
 

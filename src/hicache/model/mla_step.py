@@ -34,7 +34,10 @@ class _Group:
 
     rows: torch.Tensor | slice  # their rows in the step, [B * E] in order
     slots: torch.Tensor  # [B, L] int64: context slots (padding repeats a valid slot)
-    mask: torch.Tensor  # [B, E, L] bool
+    num_new: int  # E
+    # [B, E, L] bool; None: a cold prompt (E == L) in the expanded form, where SDPA
+    # applies the causal mask itself (no [L, L] mask is built).
+    mask: torch.Tensor | None
     absorbed: bool
 
 
@@ -56,7 +59,7 @@ class MLAStep:
             # real row (masked out) so the gather stays in the pool.
             slots = torch.where(valid, slots, slots[:, :1])
             rows = torch.tensor([batch.token_starts[i] for i in decodes], device=device)
-            groups.append(_Group(rows, slots, valid.unsqueeze(1), absorbed=True))
+            groups.append(_Group(rows, slots, 1, valid.unsqueeze(1), absorbed=True))
         else:
             decodes = []
         batched = set(decodes)
@@ -67,11 +70,13 @@ class MLAStep:
             total = batch.seq_lens[i]
             pos = torch.arange(total, device=device)
             slots = pages[i, pos // page_size] * page_size + pos % page_size
-            # Lower-right causal: new token at position p sees positions <= p.
-            mask = pos[None, :] <= pos[total - extend :, None]
+            absorbed = form is MLAForm.ABSORBED
+            mask = None
+            if absorbed or extend < total:
+                # Lower-right causal: the new token at position p sees positions <= p.
+                mask = (pos[None, :] <= pos[total - extend :, None]).unsqueeze(0)
             groups.append(_Group(
-                slice(start, start + extend), slots.unsqueeze(0), mask.unsqueeze(0),
-                absorbed=form is MLAForm.ABSORBED,
+                slice(start, start + extend), slots.unsqueeze(0), extend, mask, absorbed
             ))
         self.groups = tuple(groups)
 
@@ -83,9 +88,13 @@ class MLAStep:
         table = cache.view(cache.shape[0], -1)  # [slots, latent_dim]
         out = q.new_empty(q.shape[0], q.shape[1], mla.v_head_dim)
         for group in self.groups:
-            b, e = group.mask.shape[0], group.mask.shape[1]
+            b, e = group.slots.shape[0], group.num_new
             group_q = q[group.rows].view(b, e, q.shape[1], q.shape[2])
-            attend = attend_absorbed if group.absorbed else attend_expanded
-            result = attend(group_q, table[group.slots], group.mask, kv_b_weight, mla)
+            rows = table[group.slots]
+            if group.absorbed:
+                assert group.mask is not None
+                result = attend_absorbed(group_q, rows, group.mask, kv_b_weight, mla)
+            else:
+                result = attend_expanded(group_q, rows, group.mask, kv_b_weight, mla)
             out[group.rows] = result.reshape(b * e, q.shape[1], mla.v_head_dim)
         return out
