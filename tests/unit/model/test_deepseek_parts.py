@@ -3,6 +3,8 @@ the two MLA attention forms, and the deepseek-v2-lite preset."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,12 +13,15 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from hicache.model import CausalLM, load_model
 from hicache.model.config import ModelConfig, ModelConfigError
 from hicache.model.deepseek_config import MLAShape, MoEShape, RoutingMethod
 from hicache.model.mla_attention import attend_absorbed, attend_expanded
 from hicache.model.moe import MoE
 from hicache.model.moe_routing import route
 from hicache.model.presets import get_preset
+from hicache.model.safetensors_writer import SafetensorsWriter
+from hicache.model.weights import init_dummy_weights
 
 
 def _v3_raw(**changes: Any) -> dict[str, Any]:
@@ -174,3 +179,27 @@ def test_deepseek_v2_lite_preset_has_the_real_shape() -> None:
     # YaRN's softmax factor: (0.1 * 0.707 * ln 40 + 1)^2 over sqrt(192).
     assert config.mla.softmax_scale == pytest.approx(192**-0.5 * 1.2608**2, rel=1e-3)
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+
+
+# ---------------------------------------------------------------------- weights
+def test_dummy_weights_round_trip_through_a_safetensors_dir(tmp_path: Path) -> None:
+    """Our writer and loader agree on every DeepSeek tensor name (experts, router and
+    its correction bias, MLA projections): a dummy model written as a model dir loads
+    back into the same weights."""
+    raw = _v3_raw(dtype="float32", num_nextn_predict_layers=0, first_k_dense_replace=1)
+    config = ModelConfig.from_hf_dict(raw)
+    model = CausalLM(config)
+    init_dummy_weights(model, seed=5)
+    weights = model.hf_weights()
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in weights
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in weights
+    assert "model.layers.0.mlp.gate_proj.weight" in weights  # first_k_dense_replace = 1
+    layout = [(name, tuple(t.shape)) for name, t in weights.items()]
+    with SafetensorsWriter(tmp_path / "model.safetensors", layout, torch.float32) as writer:
+        for name, tensor in weights.items():
+            writer.write(name, tensor)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    loaded = load_model(tmp_path, "auto", None, "float32", "cpu").model
+    assert loaded.config == config
+    for name, tensor in loaded.hf_weights().items():
+        assert torch.equal(tensor, weights[name]), name
