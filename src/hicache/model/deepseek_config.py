@@ -191,21 +191,26 @@ def _moe(raw: Mapping[str, Any], v3: bool) -> MoEShape:
             f"topk_method {method_name!r} is not supported for "
             f"{'DeepseekV3' if v3 else 'DeepseekV2'}; supported: {', '.join(allowed)}"
         )
-    norm_topk_prob = bool(raw.get("norm_topk_prob", False))
+    # Keys whose absence transformers fills with per-version defaults (V3's differ from
+    # V2's) are required instead: real and transformers-written configs all state them.
+    norm_topk_prob = _bool(raw, "norm_topk_prob")
     if norm_topk_prob and not v3:
         # transformers' V2 ignores it, DeepSeek's own V2 code honours it: no released V2
         # sets it, and we will not pick one of two disagreeing meanings silently.
         raise ModelConfigError("norm_topk_prob=true is not supported for DeepseekV2")
+    routing = RoutingMethod(method_name)
+    grouped = routing is not RoutingMethod.GREEDY
     return MoEShape(
         num_routed_experts=_int(raw, "n_routed_experts"),
-        num_shared_experts=int(raw.get("n_shared_experts") or 0),
+        num_shared_experts=_int(raw, "n_shared_experts"),
         num_experts_per_tok=_int(raw, "num_experts_per_tok"),
         moe_intermediate_size=_int(raw, "moe_intermediate_size"),
-        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        routing=RoutingMethod(method_name),
-        n_group=int(raw.get("n_group") or 1),
-        topk_group=int(raw.get("topk_group") or 1),
+        first_k_dense_replace=_int(raw, "first_k_dense_replace"),
+        routed_scaling_factor=_float(raw, "routed_scaling_factor"),
+        routing=routing,
+        # Greedy routing ignores groups; the others need both.
+        n_group=_int(raw, "n_group") if grouped else 1,
+        topk_group=_int(raw, "topk_group") if grouped else 1,
         norm_topk_prob=norm_topk_prob,
     )
 
@@ -287,6 +292,20 @@ def _int(raw: Mapping[str, Any], key: str) -> int:
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ModelConfigError(f"config.json needs an integer {key!r}, got {value!r}")
+    return value
+
+
+def _float(raw: Mapping[str, Any], key: str) -> float:
+    value = raw.get(key)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ModelConfigError(f"config.json needs a number {key!r}, got {value!r}")
+    return float(value)
+
+
+def _bool(raw: Mapping[str, Any], key: str) -> bool:
+    value = raw.get(key)
+    if not isinstance(value, bool):
+        raise ModelConfigError(f"config.json needs a boolean {key!r}, got {value!r}")
     return value
 
 

@@ -203,3 +203,14 @@ def test_dummy_weights_round_trip_through_a_safetensors_dir(tmp_path: Path) -> N
     assert loaded.config == config
     for name, tensor in loaded.hf_weights().items():
         assert torch.equal(tensor, weights[name]), name
+
+
+@pytest.mark.parametrize(
+    "key", ["n_shared_experts", "first_k_dense_replace", "routed_scaling_factor",
+            "norm_topk_prob", "n_group", "kv_lora_rank"],
+)
+def test_keys_with_version_dependent_defaults_are_required(key: str) -> None:
+    raw = _v3_raw()
+    del raw[key]
+    with pytest.raises(ModelConfigError, match=key):
+        ModelConfig.from_hf_dict(raw)
