@@ -1,10 +1,11 @@
 """One forward step's MLA plan: which rows of the pool each sequence reads, and in which form.
 
 Built once per step from the ``ForwardBatch`` (shared by every layer). The form
-is chosen per sequence (``MLAForm``): by default a sequence with one new token
-(decode) attends in the absorbed form, all of a step's decodes in one batched
-call over their padded contexts; a sequence with several new tokens (prefill,
-extend, chunk) attends in the expanded form. Tests force either form everywhere.
+is chosen per sequence (``MLAForm``), by default by arithmetic cost
+(``absorbed_is_cheaper``): decodes (one new token) always attend in the absorbed
+form, all of a step's decodes in one batched call over their padded contexts; a
+cold prompt always in the expanded form; a chunk over a long cached context in
+whichever multiplies less. Tests force either form everywhere.
 Every layer has written the step's new rows into the pool before attending, so
 all rows are read from there.
 """
@@ -22,9 +23,24 @@ from hicache.model.mla_attention import attend_absorbed, attend_expanded
 
 
 class MLAForm(str, Enum):
-    AUTO = "auto"  # absorbed for decodes, expanded for prompts
+    AUTO = "auto"  # per sequence, the cheaper (``absorbed_is_cheaper``)
     ABSORBED = "absorbed"
     EXPANDED = "expanded"
+
+
+def absorbed_is_cheaper(num_new: int, context_len: int, mla: MLAShape) -> bool:
+    """Whether ``num_new`` queries over ``context_len`` rows multiply less in the absorbed
+    form. Per head, the expanded form decompresses every context row (latent x (nope + v))
+    and attends with widths qk + v; the absorbed form moves every query into latent space
+    and back (latent x (nope + v)) and attends with widths latent + rope and latent.
+    On DeepSeek-V2-Lite's shapes this picks the faster form of each measured case
+    (docs/benchmarks.md): decodes absorbed, cold prompts expanded, 64 new tokens over a
+    2048-token context absorbed, 256 over 256 expanded."""
+    rank = mla.kv_lora_rank
+    per_row = rank * (mla.qk_nope_head_dim + mla.v_head_dim)
+    expanded = context_len * (per_row + num_new * (mla.qk_head_dim + mla.v_head_dim))
+    absorbed = num_new * (per_row + context_len * (2 * rank + mla.qk_rope_head_dim))
+    return absorbed < expanded
 
 
 @dataclass(frozen=True)
@@ -42,7 +58,9 @@ class _Group:
 
 
 class MLAStep:
-    def __init__(self, batch: ForwardBatch, form: MLAForm = MLAForm.AUTO) -> None:
+    def __init__(
+        self, batch: ForwardBatch, mla: MLAShape, form: MLAForm = MLAForm.AUTO
+    ) -> None:
         device = batch.page_table.device
         pages = batch.sequence_pages.long()
         page_size = batch.page_size
@@ -70,7 +88,9 @@ class MLAStep:
             total = batch.seq_lens[i]
             pos = torch.arange(total, device=device)
             slots = pages[i, pos // page_size] * page_size + pos % page_size
-            absorbed = form is MLAForm.ABSORBED
+            absorbed = form is MLAForm.ABSORBED or (
+                form is MLAForm.AUTO and absorbed_is_cheaper(extend, total, mla)
+            )
             mask = None
             if absorbed or extend < total:
                 # Lower-right causal: the new token at position p sees positions <= p.

@@ -184,7 +184,7 @@ class CausalLM(nn.Module):
         # Vocab-parallel: the rank's rows of the vocabulary (all of them at TP=1).
         vocab_rows = self.shard.vocab.size
         self.embed_tokens = empty_parameter(vocab_rows, config.hidden_size, device=dev, dtype=dtype)
-        # MLA models: absorbed attention for decodes, expanded for prompts (``MLAForm``).
+        # MLA models: absorbed or expanded attention, per sequence (``MLAForm``).
         self.mla_form = MLAForm.AUTO
         self.layers = nn.ModuleList(
             DeepseekLayer(config, index, dev, dtype, self.shard, self.tp)
@@ -312,7 +312,8 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.lookup(batch.positions)
         h = self._embed(batch.input_ids)  # [T, hidden]
         if self.config.mla is not None:
-            mla_step = MLAStepInputs(cos, sin, batch.out_slots, MLAStep(batch, self.mla_form))
+            plan = MLAStep(batch, self.config.mla, self.mla_form)
+            mla_step = MLAStepInputs(cos, sin, batch.out_slots, plan)
             for index, layer in enumerate(self.layers):
                 if wait_layer is not None:
                     wait_layer(index)

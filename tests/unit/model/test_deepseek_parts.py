@@ -17,6 +17,7 @@ from hicache.model import CausalLM, load_model
 from hicache.model.config import ModelConfig, ModelConfigError
 from hicache.model.deepseek_config import MLAShape, MoEShape, RoutingMethod
 from hicache.model.mla_attention import attend_absorbed, attend_expanded
+from hicache.model.mla_step import absorbed_is_cheaper
 from hicache.model.moe import MoE
 from hicache.model.moe_routing import route
 from hicache.model.presets import get_preset
@@ -214,3 +215,13 @@ def test_keys_with_version_dependent_defaults_are_required(key: str) -> None:
     del raw[key]
     with pytest.raises(ModelConfigError, match=key):
         ModelConfig.from_hf_dict(raw)
+
+
+def test_auto_form_follows_the_arithmetic_cost() -> None:
+    mla = get_preset("deepseek-v2-lite").mla
+    assert mla is not None
+    assert all(absorbed_is_cheaper(1, length, mla) for length in (2, 100, 10**5))
+    assert not any(absorbed_is_cheaper(n, n, mla) for n in (2, 100, 10**4))  # cold prompts
+    # The cases measured in docs/benchmarks.md, each the faster form there.
+    assert absorbed_is_cheaper(64, 2048, mla)
+    assert not absorbed_is_cheaper(256, 256, mla)
