@@ -80,8 +80,9 @@ class MoE(nn.Module):
             gate, up = linear(rows[start:end], self.gate_up_weight[expert]).chunk(2, dim=-1)
             out[start:end] = linear(F.silu(gate) * up, self.down_weight[expert])
             start = end
-        out *= weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
-        result = torch.zeros_like(x).index_add_(0, tokens, out)
+        # Weighted in float32 (the router's precision), rounded once, as the reference does.
+        weighted = (out.float() * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
+        result = torch.zeros_like(x).index_add_(0, tokens, weighted)
         if self.shared is not None:
             gate, up = linear(x, self.shared.gate_up_weight).chunk(2, dim=-1)
             result += linear(F.silu(gate) * up, self.shared.down_weight)
