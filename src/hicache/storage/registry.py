@@ -29,6 +29,17 @@ MOONCAKE_INSTALL_HINT = (
     "libraries it links against: on Debian/Ubuntu apt-get install libibverbs1 librdmacm1 libnuma1"
 )
 
+AIBRIX_INSTALL_HINT = (
+    "pip install 'hicache[aibrix]' (its dependencies), then pip install --no-deps "
+    "aibrix-kvcache==0.8.0 (its own requirements would pull redis==6.0.0, netifaces and "
+    "profilers that we do not use); scripts/bootstrap.sh does both"
+)
+# Modules whose absence means the aibrix extra is not installed (AIBrix's and RocksDB's).
+_AIBRIX_MODULES = (
+    "aibrix_kvcache", "rocksdict", "farmhash", "uvloop", "zstandard", "more_itertools",
+    "sortedcontainers", "redis",
+)
+
 BACKENDS: dict[str, BackendEntry] = {
     "file": BackendEntry(
         "hicache.storage.file", "FileBackend", "one file per page in a local directory", {}
@@ -36,6 +47,11 @@ BACKENDS: dict[str, BackendEntry] = {
     "mooncake": BackendEntry(
         "hicache.storage.mooncake", "MooncakeBackend", "Mooncake Store (distributed memory pool)",
         {"mooncake": MOONCAKE_INSTALL_HINT},
+    ),
+    "aibrix": BackendEntry(
+        "hicache.storage.aibrix", "AibrixBackend",
+        "AIBrix KVCache (its host L1 cache over a RocksDB L2 in a local directory)",
+        dict.fromkeys(_AIBRIX_MODULES, AIBRIX_INSTALL_HINT),
     ),
     "dynamic": BackendEntry(
         "hicache.storage.dynamic", "DynamicBackend",
