@@ -80,10 +80,10 @@ def test_tp2_one_writer_both_read_and_tp1_hits_its_pages(
     for rank in (leader, follower):
         assert rank.tokens == alone.tokens
         assert rank.storage_tokens == alone.storage_tokens  # both read every page back
-    # Exactly one rank wrote, each page once, the pages one rank alone writes.
+    # Exactly one rank wrote: the pages one rank alone writes. (A page may be put again
+    # after the flush, as alone, depending on timing: the keys are compared as sets.)
     assert follower.l3_put_keys == []
-    assert len(set(leader.l3_put_keys)) == len(leader.l3_put_keys) > 0
-    assert len(leader.l3_put_keys) == len(alone.l3_put_keys)
+    assert set(leader.l3_put_keys) == set(alone.l3_put_keys) != set()
 
     # A single-rank instance over the L3 the two ranks filled: hits, same answers.
     tp1 = run_scenario(SINGLE_RANK, Scenario(_config(model_path, tmp_path, 1), (AGAIN,)))

@@ -13,6 +13,7 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from hicache.memory.geometry import DEEPSEEK_V2_LITE
 from hicache.model import CausalLM, load_model
 from hicache.model.config import ModelConfig, ModelConfigError
 from hicache.model.deepseek_config import MLAShape, MoEShape, RoutingMethod
@@ -180,6 +181,9 @@ def test_deepseek_v2_lite_preset_has_the_real_shape() -> None:
     # YaRN's softmax factor: (0.1 * 0.707 * ln 40 + 1)^2 over sqrt(192).
     assert config.mla.softmax_scale == pytest.approx(192**-0.5 * 1.2608**2, rel=1e-3)
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+    # Every rank caches the whole latent: the same geometry at any TP size.
+    assert config.kv_geometry() == DEEPSEEK_V2_LITE
+    assert config.kv_geometry(tp_rank=1, tp_size=4) == DEEPSEEK_V2_LITE
 
 
 # ---------------------------------------------------------------------- weights
