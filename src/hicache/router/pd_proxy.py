@@ -23,7 +23,8 @@ An instance that refuses the connection before anything was sent is marked
 down and the request goes to a fresh pair (a new room: the old one named the
 failed pair), as the ordinary proxy retries. Once the decode answer streams,
 a late prefill failure is only logged: the decode instance notices the missing
-KV on its own (its transfer timeout) and fails its answer.
+KV on its own (its transfer timeout) and fails its answer. A prefill answer
+still missing when the decode answer ended gets ``PREFILL_GRACE_S`` more.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 # SGLang's rooms are unsigned 63-bit: any int64 the decode side can keep.
 ROOM_LIMIT = 2**63
+# How long a prefill answer may still take once the decode answer ended.
+PREFILL_GRACE_S = 10.0
 _REFUSED = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
@@ -247,8 +250,10 @@ class PDProxy:
         def close() -> None:
             release_decode()
             if not prefill_task.done():
-                # The decode answer ended (or its client left) first: nobody needs it.
-                prefill_task.cancel()
+                # The decode answer ended (or its client left) before the prefill answer
+                # came: the KV has landed, so the prefill instance is finishing its copy.
+                # Leave it that long rather than abort a request that is done there.
+                asyncio.get_running_loop().call_later(PREFILL_GRACE_S, prefill_task.cancel)
 
         return UpstreamResponse(start.response, close, head=start.head, raw=start.rest)
 

@@ -4,10 +4,15 @@ either side, clients that leave, and the endpoints that list both pools."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
 
+from hicache.bench.server_process import ChildServer
 from hicache.events.hashing import page_hashes
+from hicache.net import free_port
 from hicache.router.index import PageIndex
 from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.settings import PrefillEndpoint
@@ -241,3 +246,23 @@ def test_models_flush_health_and_server_info_cover_both_pools() -> None:
         metrics = router.get("/metrics").text
         for url in (p, d):
             assert f'router_worker_up{{worker="{url}"}} 1.0' in metrics
+
+
+def test_the_hicache_router_command_serves_a_pair(tmp_path: Path) -> None:
+    prefill, decode = pair()
+    with fake_instances(prefill, decode) as (p, d):
+        port = free_port()
+        command = [sys.executable, "-m", "hicache", "router", "--port", str(port),
+                   "--pd-disaggregation", "--prefill", p, "9100", "--decode", d,
+                   "--policy", "cache_aware", "--worker-startup-timeout", "10"]
+        router = ChildServer(command, port, tmp_path / "router.log", startup_timeout_s=30,
+                             stop_timeout_s=10, ready_paths=("/health",), name="the router")
+        try:
+            router.start()
+            response = httpx.post(f"{router.url}/generate", json={"input_ids": IDS},
+                                  timeout=10)
+            assert response.status_code == 200, response.text
+            assert prefill.requests[-1][1]["bootstrap_port"] == 9100
+            assert response.json()["echo"] == decode.requests[-1][1]
+        finally:
+            router.stop()
