@@ -282,12 +282,8 @@ class Engine:
         self._on_scheduler(attach)
 
     def detach_storage(self) -> None:
-        def detach() -> None:
-            if not self.scheduler.is_idle():
-                raise StorageError("requests are running: detach L3 only when the server is idle")
-            self.cache.detach_storage()
-
-        self._on_scheduler(detach)
+        """Detach L3 (a cache operation: under tensor parallelism, on every rank)."""
+        self._run_op("detach_storage")
 
     def storage_status(self) -> dict[str, Any]:
         storage = self.cache.storage

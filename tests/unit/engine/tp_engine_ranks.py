@@ -80,6 +80,9 @@ class RankResult:
     # protected (in use by L3, so not evictable); alike on every rank at every tick.
     free_host_pages: list[int] = field(default_factory=list)
     host_protected_nodes: list[int] = field(default_factory=list)
+    # Per tick, before its agreement: host pages neither free nor in the tree (held for
+    # L3: prefetches, stalled calls, backups awaiting agreement); alike on every rank.
+    reserved_host_pages: list[int] = field(default_factory=list)
     tree_device_pages: list[int] = field(default_factory=list)
     tree_host_pages: list[int] = field(default_factory=list)
     num_free_device_pages: int = 0
@@ -96,11 +99,12 @@ def greedy(max_new_tokens: int = 6) -> SamplingParams:
 def run_scenario(tp: TPGroup, scenario: Scenario) -> RankResult:
     engine = build_engine(scenario.config, tp, start=False)
     try:
+        tier = engine.cache.storage  # read at the end even if a step detached it
         result = _drive(engine, tp, scenario)
         cache = engine.cache  # the tree as the agreed acknowledgements left it
-        if cache.storage is not None:
-            result.num_stalled_calls = cache.storage.metrics().failures.get("timeout", 0)
-            result.num_quarantined_pages = cache.storage.num_quarantined_pages
+        if tier is not None:
+            result.num_stalled_calls = tier.metrics().failures.get("timeout", 0)
+            result.num_quarantined_pages = tier.num_quarantined_pages
         result.tree_device_pages = sorted(int(p) for p in cache.tree.device_page_ids())
         result.tree_host_pages = sorted(int(p) for p in cache.tree.host_page_ids())
         result.num_free_device_pages = cache.device_pool.allocator.num_free_pages
@@ -159,7 +163,10 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
         def observe() -> Progress:
             result.unacknowledged.append(controller.num_pending_writes)
             if host_pool is not None:
-                result.free_host_pages.append(host_pool.allocator.num_free_pages)
+                free = host_pool.allocator.num_free_pages
+                result.free_host_pages.append(free)
+                in_tree = len(engine.cache.tree.host_page_ids())
+                result.reserved_host_pages.append(host_pool.num_pages - free - in_tree)
                 result.host_protected_nodes.append(
                     sum(node.host_ref > 0 for node in engine.cache.tree.iter_nodes())
                 )
@@ -213,14 +220,10 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
                 future.result(timeout=0)
     if replicated is not None:
         # Prefetches still draining (a rank's read not returned) and backups not agreed
-        # settle on every rank before the group stops: a decision on agreed state, so
-        # every rank ticks alike.
-        storage = engine.cache.storage
+        # (a detached tier's too) settle on every rank before the group stops: a decision
+        # on agreed state, so every rank ticks alike.
         for _ in range(MAX_TICKS):
-            agreement = storage.agreement if storage is not None else None
-            if agreement is None or not (
-                agreement.num_slots_in_use or agreement.num_pending_backups
-            ):
+            if not engine.cache.l3_awaits_agreement:
                 break
             tick()
         stop.set()
