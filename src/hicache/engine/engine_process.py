@@ -46,6 +46,7 @@ from typing import Any
 from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest
 from hicache.engine.config import EngineConfig
 from hicache.engine.output_thread import Delivery, Stream
+from hicache.engine.start_agreement import RankStartError
 from hicache.storage.base import StorageError
 
 logger = logging.getLogger(__name__)
@@ -55,11 +56,15 @@ CALLS = frozenset({
     "flush_cache", "is_idle", "metrics", "storage_status", "attach_storage", "detach_storage",
     "check_integrity", "evict_device_cache", "routing_info",
 })
-# What a failure to build the engine means for the user (bad flags, a file, memory),
-# reported as a message rather than a traceback, as an in-process build does.
-START_ERRORS = (ValueError, StorageError, OSError, MemoryError)
+# What a failure to build the engine means for the user (bad flags, a file, memory, a
+# rank that could not start), reported as a message rather than a traceback, as an
+# in-process build does.
+START_ERRORS = (ValueError, StorageError, OSError, MemoryError, RankStartError)
 # A rank's process ends with this when its tensor-parallel group failed.
 GROUP_FAILED_EXIT_CODE = 3
+# A follower rank's process ends with this when the group could not start (its own
+# failure or another rank's: rank 0 reports which).
+START_FAILED_EXIT_CODE = 4
 
 
 @dataclass(frozen=True)
@@ -163,12 +168,19 @@ def run_follower_process(
 ) -> None:
     """A tensor-parallel rank above 0: join the group, build this rank's engine, follow
     rank 0's ticks until it stops the group. Exits with ``GROUP_FAILED_EXIT_CODE`` when
-    the group fails (rank 0 died); a build failure raises (rank 0 reports its own)."""
+    the group fails (rank 0 died), with ``START_FAILED_EXIT_CODE`` when the group could
+    not start (every rank agrees on that, and rank 0 reports why)."""
     _set_up_process(log_level)
     from hicache.engine.engine import build_engine
 
-    tp = _join_group(config, rank, tp_init_method)
-    engine = build_engine(config, tp, start=False)
+    try:
+        tp = _join_group(config, rank, tp_init_method)
+        engine = build_engine(config, tp, start=False)
+    except Exception:
+        logger.exception("tensor-parallel rank %d could not start", rank)
+        # Whatever threads the failed build left, the process ends now.
+        logging.shutdown()
+        os._exit(START_FAILED_EXIT_CODE)
     logger.info("tensor-parallel rank %d of %d ready (pid %d)", rank, tp.size, os.getpid())
     try:
         engine.run_replica()
