@@ -27,8 +27,11 @@ gone, even killed): it never outlives its server. The server's side is
 Under tensor parallelism (``--tp-size N``) this process is rank 0 and N - 1 more
 processes run ``run_follower_process``: each joins the group, builds its rank's
 engine and follows rank 0's ticks (``hicache.engine.replication``) until rank 0
-stops the group. A failure of the group (a rank died) ends every rank's process
-with ``GROUP_FAILED_EXIT_CODE``; the server sees it and exits.
+stops the group. The ranks agree whether every rank built its part
+(``hicache.engine.start_agreement``): when one could not, rank 0 sends
+``start_failed`` naming it and the followers exit with ``START_FAILED_EXIT_CODE``.
+A failure of the group (a rank died) ends every rank's process with
+``GROUP_FAILED_EXIT_CODE``; the server sees it and exits.
 """
 
 from __future__ import annotations
