@@ -36,6 +36,7 @@ A failure of the group (a rank died) ends every rank's process with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -49,7 +50,7 @@ from typing import Any
 from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest
 from hicache.engine.config import EngineConfig
 from hicache.engine.output_thread import Delivery, Stream
-from hicache.engine.start_agreement import RankStartError
+from hicache.engine.start_agreement import RankStartError, describe
 from hicache.storage.base import StorageError
 
 logger = logging.getLogger(__name__)
@@ -167,23 +168,34 @@ def run_engine_process(
 
 
 def run_follower_process(
-    config: EngineConfig, rank: int, tp_init_method: str, log_level: int
+    config: EngineConfig, rank: int, tp_init_method: str, log_level: int,
+    start_report: Connection | None = None,
 ) -> None:
     """A tensor-parallel rank above 0: join the group, build this rank's engine, follow
     rank 0's ticks until it stops the group. Exits with ``GROUP_FAILED_EXIT_CODE`` when
     the group fails (rank 0 died), with ``START_FAILED_EXIT_CODE`` when the group could
-    not start (every rank agrees on that, and rank 0 reports why)."""
+    not start (every rank agrees on that, and rank 0 reports why). ``start_report``:
+    where a start failure's message goes first, for the server to read when this
+    process ended before the group could agree (it failed before joining it)."""
     _set_up_process(log_level)
     from hicache.engine.engine import build_engine
 
     try:
         tp = _join_group(config, rank, tp_init_method)
         engine = build_engine(config, tp, start=False)
-    except Exception:
+    except Exception as error:
         logger.exception("tensor-parallel rank %d could not start", rank)
+        if start_report is not None:
+            message = str(error) if isinstance(error, RankStartError) else (
+                f"tensor-parallel rank {rank} could not start: {describe(error)}"
+            )
+            with contextlib.suppress(OSError):
+                start_report.send(message)
         # Whatever threads the failed build left, the process ends now.
         logging.shutdown()
         os._exit(START_FAILED_EXIT_CODE)
+    if start_report is not None:
+        start_report.close()
     logger.info("tensor-parallel rank %d of %d ready (pid %d)", rank, tp.size, os.getpid())
     try:
         engine.run_replica()

@@ -6,7 +6,8 @@ that only one rank cannot reach at start leaves every rank without L3 (as one ra
 alone starts without it), never one rank with L3 and the other without.
 
 Rank 1's faults: its weights fail to load (before the ranks agree on the pools' sizes),
-its L3 store fails to attach (``tests/unit/engine/tp_start_faults.py``).
+its L3 store fails to attach (``tests/unit/engine/tp_start_faults.py``), or it fails
+before joining the group at all (then its process reports why to the server).
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from hicache.engine.engine_client import EngineClient, EngineStartError
 from hicache.storage.config import StorageConfig
 from tests.unit.distributed.ranks import run_ranks
 from tests.unit.engine import tp_start_faults
-from tests.unit.engine.tp_start_faults import ATTACH_FAULT, WEIGHTS_FAULT, BuildOutcome
+from tests.unit.engine.tp_start_faults import (
+    ATTACH_FAULT,
+    JOIN_FAULT,
+    WEIGHTS_FAULT,
+    BuildOutcome,
+)
 
 # Building the tiny model's rank takes about a second here; a failure must not add more
 # than a few (the group's collective timeout is minutes).
@@ -76,3 +82,18 @@ def test_a_store_rank_one_cannot_reach_leaves_every_rank_without_l3() -> None:
         assert outcome.error is None
         assert not outcome.l3_attached
         assert outcome.l3_error == f"tensor-parallel rank 1: {ATTACH_FAULT}"
+
+
+def test_rank_one_failing_before_joining_the_group_fails_the_engine_start_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("hicache.engine.engine_client.run_follower_process",
+                        tp_start_faults.follower_failing_before_the_group)
+    client = EngineClient(_config(), start_timeout_s=60)
+    began = time.monotonic()
+    with pytest.raises(EngineStartError) as failure:
+        client.start()  # rank 0 waits in the group's rendezvous meanwhile
+    assert time.monotonic() - began < FAILS_WITHIN_S + 10
+    assert str(failure.value) == f"tensor-parallel rank 1 could not start: OSError: {JOIN_FAULT}"
+    for process in [client._process, *client._followers]:
+        assert process is not None and not process.is_alive()

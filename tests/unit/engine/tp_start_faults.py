@@ -5,7 +5,8 @@ fails on rank 1 of a group (and works elsewhere), as a store whose path or crede
 only one rank's machine lacks would: with ``unavailable`` the store reads as
 unreachable (``StorageUnavailableError``), else as misconfigured (``StorageError``).
 ``build_rank`` builds one rank's engine in a ``run_ranks`` group, optionally with rank
-1's weights failing to load, and reports what it saw.
+1's weights failing to load, and reports what it saw. ``follower_failing_before_the_group``
+is a follower rank's process target that fails before it joins the group.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 import hicache.engine.engine as engine_module
+import hicache.engine.engine_process as engine_process
 from hicache.distributed.group import TPGroup
 from hicache.engine.config import EngineConfig
 from hicache.memory.allocator import PageIds
@@ -99,3 +101,19 @@ def build_rank(tp: TPGroup, args: tuple[EngineConfig, bool]) -> BuildOutcome:
                             cache.storage_error)
     finally:
         engine.shutdown()
+
+
+JOIN_FAULT = "injected: rank 1 fails before joining its group"
+
+
+def follower_failing_before_the_group(
+    config: EngineConfig, rank: int, tp_init_method: str, log_level: int,
+    start_report: Any = None,
+) -> None:
+    """``run_follower_process`` whose rank fails before it joins the group (as a model
+    file only its machine lacks would): rank 0 then waits in the group's rendezvous."""
+    def join(*_: Any) -> Any:
+        raise OSError(JOIN_FAULT)
+
+    engine_process._join_group = join  # type: ignore[assignment]
+    engine_process.run_follower_process(config, rank, tp_init_method, log_level, start_report)
