@@ -33,8 +33,10 @@ tree or the host allocator is taken from the values the ranks agreed: the tier's
 ``agreement`` (``cache/l3_agreement.py``) holds that bookkeeping, and the few places
 below that would act on a rank-local value (a lookup answered, a prefetch complete or
 past its deadline, how much it keeps, when its unkept pages and a stalled read's pages
-are freed, a backup finished) hand the decision to it when ``handle.replicated`` (or
-``cache.replicated`` for backups). Alone (tp 1) the local values are used as they come.
+are freed, a backup finished, when the pages of a backup whose node a flush dropped are
+freed) hand the decision to it when ``handle.replicated`` (or ``cache.replicated`` for
+backups). A detached tier goes on with that until nothing of it awaits agreement
+(``settled``). Alone (tp 1) the local values are used as they come.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from tests.unit.engine.tp_engine_ranks import (
 VOCAB = 500
 PAGE_SIZE = 4
 # The late rank's call answers this late, past its deadline (io_timeout_s): it stalls.
-LATE_CALL_S = 1.5
+LATE_CALL_S = 2.5
 IO_TIMEOUT_S = 0.2
 
 
@@ -78,6 +78,8 @@ def test_an_operation_while_a_rank_call_is_stalled_keeps_the_ranks_alike(
     leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
     assert isinstance(leader, RankResult) and isinstance(follower, RankResult)
     assert follower.num_stalled_calls == 1 and leader.num_stalled_calls == 0
+    # The operation under test (the last one) ended with rank 1's call still stalled.
+    assert follower.stalled_after_ops[-1] == 1 and leader.stalled_after_ops[-1] == 0
     # At every tick, before its agreement: the same free host pages and protected nodes.
     assert leader.free_host_pages == follower.free_host_pages
     assert leader.host_protected_nodes == follower.host_protected_nodes

@@ -90,6 +90,8 @@ class RankResult:
     num_ticks: int = 0
     num_stalled_calls: int = 0  # L3 calls that went past their deadline (io_timeout_s)
     num_quarantined_pages: int = 0  # host pages still reserved for stalled calls at the end
+    # This rank's L3 calls stalled (not returned) as each cache operation ended, in order.
+    stalled_after_ops: list[int] = field(default_factory=list)
 
 
 def greedy(max_new_tokens: int = 6) -> SamplingParams:
@@ -147,8 +149,27 @@ def _inject_l3_fault(engine: Engine, fault: L3Fault) -> None:
         backend.get = get  # type: ignore[method-assign]
 
 
+def _record_stalls_after_ops(engine: Engine, result: RankResult) -> None:
+    """Record, as each cache operation that changes the cache ends on this rank, its L3
+    calls then stalled (a flush or a detach waits for the calls in flight up to their
+    deadline; not the integrity checks, which run at the end too)."""
+    tier = engine.cache.storage
+    if tier is None:
+        return
+    for name, op in list(CACHE_OPS.items()):
+        if name == "check_integrity":
+            continue
+        def recorded(scheduler: Any, op: Any = op) -> Any:
+            value = op(scheduler)
+            result.stalled_after_ops.append(tier.controller.num_stalled_calls)
+            return value
+
+        CACHE_OPS[name] = recorded  # this rank's process only
+
+
 def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
     result = RankResult()
+    _record_stalls_after_ops(engine, result)
     if scenario.l3_fault is not None and scenario.l3_fault.rank == tp.rank:
         _inject_l3_fault(engine, scenario.l3_fault)
     replicated = engine.replicated
