@@ -191,9 +191,13 @@ class HierarchicalCache:
         if self.storage is None:
             return
         storage, self.storage = self.storage, None
-        storage.close()
-        if not storage.settled:
-            self._retired_storage.append(storage)
+        try:
+            storage.close()
+        finally:
+            # Even when its backend's close raised: what its stalled calls hold, and under
+            # tensor parallelism what awaits the ranks' agreement, is still released.
+            if not storage.settled:
+                self._retired_storage.append(storage)
         logger.info("L3 storage detached: %s", storage.backend.name)
 
     def prefetch(self, tokens: TokenIds, extra_key: str | None = None) -> PrefetchHandle | None:

@@ -487,8 +487,9 @@ class StorageTier:
                 self._stalled_backups
             ):
                 return False
-            self.backend.close()
+            # Marked first: a backend whose close raises is not closed again at every poll.
             self._backend_closed = True
+            self.backend.close()
         return True
 
     def _num_stalled_backup_pages(self) -> int:
