@@ -26,7 +26,7 @@ defers to it where a decision would otherwise rest on rank-local values:
   and on a rank where its ``set`` stalled, once that call returned: until then the
   stalled rank keeps the node protected, and so must every rank, or the node would be
   evictable on some ranks only;
-- a flush (or a detach) while backups await agreement: the tree forgets their nodes,
+- a flush while backups await agreement: the tree forgets their nodes,
   but every rank keeps their host pages reserved (``orphan_backups``) and frees them
   when the backup is agreed finished, the same tick everywhere, rather than when this
   rank's stalled ``set`` returns;
@@ -178,15 +178,12 @@ class L3Agreement:
     def orphan_backups(self) -> list[BackupOp]:
         """The tree is being dropped (a flush, at the same point of the same tick on every
         rank): the backups not agreed finished yet, alike on every rank, lose their nodes;
-        their host pages stay reserved until they are agreed finished (``is_orphan``).
+        their host pages stay reserved until they are agreed finished (``apply`` frees them).
 
         Returns the newly orphaned backups (whose pages the caller must not free)."""
         orphaned = [op for op in self._backup_order if id(op) not in self._orphans]
         self._orphans.update(id(op) for op in orphaned)
         return orphaned
-
-    def is_orphan(self, op: BackupOp) -> bool:
-        return id(op) in self._orphans
 
     def orphaned_pages(self) -> list[PageIds]:
         """Host pages reserved for orphaned backups (held outside the tree)."""
