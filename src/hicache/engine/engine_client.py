@@ -19,7 +19,10 @@ per rank: rank 0 is the engine process above, the others follow it
 (``engine_process.run_follower_process``) over a torch.distributed group on
 loopback. Any rank's death is the engine's death: a watcher thread waits on every
 follower's sentinel and, when one exits unasked, ends rank 0 too, so the server
-fails every request and exits as it does for rank 0 alone.
+fails every request and exits as it does for rank 0 alone. A rank that cannot start
+fails ``start()`` with its reason: rank 0 reports what the ranks agreed
+(``engine.start_agreement``), and a follower that failed before the group formed
+reports it down a one-way pipe of its own.
 """
 
 from __future__ import annotations
