@@ -19,6 +19,7 @@ import pytest
 from hicache.config import CacheConfig
 from hicache.engine.config import EngineConfig, ModelLoadConfig, ParallelConfig, SchedulingConfig
 from hicache.engine.engine_client import EngineClient, EngineStartError
+from hicache.engine.start_agreement import RankOutcome, failure_message
 from hicache.storage.config import StorageConfig
 from tests.unit.distributed.ranks import run_ranks
 from tests.unit.engine import tp_start_faults
@@ -97,3 +98,12 @@ def test_rank_one_failing_before_joining_the_group_fails_the_engine_start_with_i
     assert str(failure.value) == f"tensor-parallel rank 1 could not start: OSError: {JOIN_FAULT}"
     for process in [client._process, *client._followers]:
         assert process is not None and not process.is_alive()
+
+
+def test_ranks_that_failed_alike_are_named_together() -> None:
+    failed = [RankOutcome(0, "ConfigError: bad flag", None), RankOutcome(1, "OSError: disk", None),
+              RankOutcome(2, "ConfigError: bad flag", None)]
+    assert failure_message(failed) == (
+        "tensor-parallel ranks 0, 2 could not start: ConfigError: bad flag; "
+        "tensor-parallel rank 1 could not start: OSError: disk"
+    )
