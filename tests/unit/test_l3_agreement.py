@@ -2,7 +2,8 @@
 group runs are in ``tests/unit/engine/test_replication_l3.py``): prefetches take the
 agreement slots in order and wait for a free one, a prefetch settles with the agreed
 number of landed pages, the pages it did not keep stay held until every rank's I/O for
-it returned (a stalled read's included), and backups are acknowledged only when agreed.
+it returned (a stalled read's included), and backups are acknowledged only when agreed,
+a flush or a detach during a stalled backup included.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+
+import pytest
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.cache.l3 import PrefetchHandle
@@ -149,4 +152,57 @@ def test_a_stalled_read_keeps_its_slot_and_pages_until_it_returns() -> None:
         settle(cache)
     finally:
         first.close()
+        cache.close()
+
+
+def _stalled_backup(store: MemoryStore) -> tuple[HierarchicalCache, Callable[[], None]]:
+    """A rank alone whose first backup's ``set`` stalls past the call deadline (the
+    caller releases it with the returned function) once a conversation is served."""
+    cache, backend = make_cache(store, io_timeout_s=0.2)
+    cache.replicated = True
+    gate = backend.stall("set")
+    serve(cache, conversation(40))
+    cache.poll(wait=True)  # the device->host copies landed: backups queued
+    storage = cache.storage
+    assert storage is not None
+    assert storage.controller.wait_idle(WAIT_S)  # finished: the set stalled at its deadline
+    storage.poll()
+    assert storage.controller.num_stalled_calls == 1
+    return cache, gate.set
+
+
+@pytest.mark.parametrize("op", ["flush", "detach"])
+def test_a_flush_or_detach_keeps_a_stalled_backup_until_it_is_agreed(op: str) -> None:
+    """Every backup not agreed finished keeps its host pages (flush: outside the tree)
+    or its protected node (detach) until the ranks agree it finished, however long the
+    stalled call takes; then the next agreement releases it, on every rank alike."""
+    cache, release = _stalled_backup(MemoryStore())
+    try:
+        host, storage = cache.host_pool, cache.storage
+        assert host is not None and storage is not None
+        if op == "flush":
+            cache.flush()
+        else:
+            cache.detach_storage()
+        for _ in range(20):
+            _tick(cache)
+        assert cache.l3_awaits_agreement
+        if op == "flush":
+            assert storage.num_quarantined_pages == 10
+            assert host.allocator.num_free_pages == host.allocator.num_pages - 10
+        else:
+            assert cache.storage is None
+            assert cache.tree.num_host_pages == 10
+            assert any(node.host_ref > 0 for node in cache.tree.iter_nodes())
+        cache.check_integrity()
+        release()
+        _tick_until(cache, "the agreed backup", lambda: (
+            cache.poll() or not cache.l3_awaits_agreement
+        ))
+        assert storage.num_quarantined_pages == 0
+        assert all(node.host_ref == 0 for node in cache.tree.iter_nodes())
+        if op == "flush":
+            assert host.allocator.num_free_pages == host.allocator.num_pages
+        cache.check_integrity()
+    finally:
         cache.close()

@@ -197,9 +197,13 @@ class HierarchicalCache:
         if self.storage is None:
             return
         storage, self.storage = self.storage, None
-        storage.close()
-        if not storage.closed:
-            self._retired_storage.append(storage)
+        try:
+            storage.close()
+        finally:
+            # Even when its backend's close raised: what its stalled calls hold, and under
+            # tensor parallelism what awaits the ranks' agreement, is still released.
+            if not storage.settled:
+                self._retired_storage.append(storage)
         logger.info("L3 storage detached: %s", storage.backend.name)
 
     def prefetch(self, tokens: TokenIds, extra_key: str | None = None) -> PrefetchHandle | None:
@@ -334,10 +338,9 @@ class HierarchicalCache:
         """
         self.poll(wait=True)
         if self.storage is not None:
+            # Idle: every backup finishes (a stalled one at its deadline).
             self.storage.controller.wait_idle()
             self.storage.poll()
-            # Idle: every backup has finished; every rank of a group flushes at the same tick.
-            self.storage.agreement.acknowledge_finished_backups()
         if self.tree.num_protected_device_pages:
             raise RuntimeError("flush while requests hold cached prefixes")
         self.device_pool.allocator.free(self.tree.device_page_ids())
@@ -418,14 +421,33 @@ class HierarchicalCache:
 
     def observe_l3_progress(self) -> L3Progress:
         """Under tensor parallelism: this rank's L3 progress to agree on (changes nothing)."""
-        if self.storage is None:
+        tier = self._agreed_tier()
+        if tier is None:
             return L3Progress()
-        return self.storage.agreement.observe(self.clock())
+        return tier.agreement.observe(self.clock())
 
     def apply_l3_progress(self, agreed: L3Progress) -> None:
         """Take the L3 progress the ranks agreed on (after ``apply_progress``)."""
+        tier = self._agreed_tier()
+        if tier is not None:
+            tier.agreement.apply(agreed)
+
+    @property
+    def l3_awaits_agreement(self) -> bool:
+        """Under tensor parallelism: does L3 work await the ranks' agreement (a prefetch
+        draining, a backup not agreed finished), in the attached tier or a detached one?"""
+        tier = self._agreed_tier()
+        return tier is not None and tier.agreement.busy
+
+    def _agreed_tier(self) -> StorageTier | None:
+        """The tier whose L3 work the ranks agree on: the attached one, else a detached one
+        whose work still awaits agreement (under tensor parallelism L3 cannot be attached
+        again, so there is at most one; which one it is follows from agreed state)."""
         if self.storage is not None:
-            self.storage.agreement.apply(agreed)
+            return self.storage
+        busy = [tier for tier in self._retired_storage if tier.agreement.busy]
+        assert len(busy) <= 1, "two detached L3 tiers await agreement"
+        return busy[0] if busy else None
 
     def _acknowledge(self, tokens: list[int], wait: bool) -> int:
         assert self.controller is not None
@@ -443,7 +465,7 @@ class HierarchicalCache:
         if self._retired_storage:
             for tier in self._retired_storage:
                 tier.poll()
-            self._retired_storage = [t for t in self._retired_storage if not t.closed]
+            self._retired_storage = [t for t in self._retired_storage if not t.settled]
         return len(tokens)
 
     # ------------------------------------------------------------ internals

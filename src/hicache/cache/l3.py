@@ -35,8 +35,10 @@ tree or the host allocator is taken from the values the ranks agreed: the tier's
 ``agreement`` (``cache/l3_agreement.py``) holds that bookkeeping, and the few places
 below that would act on a rank-local value (a lookup answered, a prefetch complete or
 past its deadline, how much it keeps, when its unkept pages and a stalled read's pages
-are freed, a backup finished) hand the decision to it when ``handle.replicated`` (or
-``cache.replicated`` for backups). Alone (tp 1) the local values are used as they come.
+are freed, a backup finished, when the pages of a backup whose node a flush dropped are
+freed) hand the decision to it when ``handle.replicated`` (or ``cache.replicated`` for
+backups). A detached tier goes on with that until nothing of it awaits agreement
+(``settled``). Alone (tp 1) the local values are used as they come.
 """
 
 from __future__ import annotations
@@ -165,8 +167,11 @@ class StorageTier:
 
     @property
     def num_quarantined_pages(self) -> int:
-        """Host pages reserved for stalled calls (not in the tree, not free)."""
-        return sum(len(p) for p in (*self._quarantine.values(), *self._orphaned.values()))
+        """Host pages reserved for stalled calls, or for backups whose node a flush dropped
+        while the ranks had not agreed they finished (not in the tree, not free)."""
+        reserved = (*self._quarantine.values(), *self._orphaned.values(),
+                    *self.agreement.orphaned_pages())
+        return sum(len(p) for p in reserved)
 
     # ------------------------------------------------------------ prefetch
     def start(self, data: bytes, extra_key: str | None) -> PrefetchHandle | None:
@@ -348,16 +353,20 @@ class StorageTier:
         if self._closing:
             self._close_backend_when_idle()
 
-    def settle_backup(self, op: BackupOp) -> None:
+    def settle_backup(self, op: BackupOp, orphan: bool = False) -> None:
         """A finished backup releases its node (alone: when it finishes; under tensor
-        parallelism: once every rank finished it)."""
+        parallelism: once every rank finished it). ``orphan``: a flush dropped its node
+        meanwhile, so its host pages, kept until now, are freed."""
+        self.cache.stats.num_storage_backed_up_pages += op.num_stored - op.num_existing
+        if orphan:
+            self._free_host(op.host_pages)
+            return
         node = op.owner
         assert isinstance(node, TreeNode)
         del self._backups[node.id]
         self.cache.tree.unprotect_host(node)
         if self.cache.events is not None:
             self.cache.events.l3_put_done(node, op.num_stored)
-        self.cache.stats.num_storage_backed_up_pages += op.num_stored - op.num_existing
 
     def start_read(self, handle: PrefetchHandle, num_found_pages: int) -> bool:
         """Allocate host pages for ``num_found_pages`` (within the budget) and queue their
@@ -394,8 +403,8 @@ class StorageTier:
         node = self._stalled_backups.pop(call, None)
         if node is not None:
             self.cache.tree.unprotect_host(node)
-            if isinstance(call.op, BackupOp):
-                self.agreement.backup_returned(call.op)
+        if isinstance(call.op, BackupOp):  # under tensor parallelism, node flushed or not
+            self.agreement.backup_returned(call.op)
         pages = self._quarantine.pop(call, None)
         if pages is not None:
             handle = call.op.owner if isinstance(call.op, PrefetchOp) else None
@@ -449,19 +458,20 @@ class StorageTier:
 
         Calls that stalled keep their pages (and nodes) until they return: then
         ``closed`` is still False, and ``poll`` goes on settling them and closes
-        the backend once no call is inside it.
+        the backend once no call is inside it. Under tensor parallelism (every rank
+        detaches at the same tick, a broadcast operation) the prefetches keep their
+        slots and the backups await agreement as before: every rank's I/O stopped
+        but a stalled call may still run on one rank, so the ranks go on agreeing on
+        this tier (``agreement.busy``) until each rank's calls returned.
         """
         for handle in self._handles:
             handle.op.cancel()
         self.controller.stop()
         self.poll()
-        # Stopped: every backup has finished here; each rank of a group detaches at the
-        # same tick (a broadcast operation), so acknowledging them all keeps trees alike.
-        self.agreement.acknowledge_finished_backups()
         for handle in list(self._handles):
             self.finish(handle)
-        self.agreement.drop_all()
-        assert not self._handles and not self._backups, "L3 operations left unsettled"
+        if not self.cache.replicated:
+            assert not self._handles and not self._backups, "L3 operations left unsettled"
         self._closing = True
         if not self._close_backend_when_idle():
             logger.warning(
@@ -476,14 +486,20 @@ class StorageTier:
         """Closed and its backend released (no stalled call left inside it)."""
         return self._backend_closed
 
+    @property
+    def settled(self) -> bool:
+        """Closed, and nothing of it awaits the ranks' agreement: it holds nothing more."""
+        return self._backend_closed and not self.agreement.busy
+
     def _close_backend_when_idle(self) -> bool:
         if not self._backend_closed:
             if self.controller.num_stalled_calls or self._quarantine or self._orphaned or (
                 self._stalled_backups
             ):
                 return False
-            self.backend.close()
+            # Marked first: a backend whose close raises is not closed again at every poll.
             self._backend_closed = True
+            self.backend.close()
         return True
 
     def _num_stalled_backup_pages(self) -> int:
@@ -493,8 +509,22 @@ class StorageTier:
         """The tree is being dropped (flush) and ``host_pages`` freed: which may be.
 
         Pages a stalled ``set`` may still read stay reserved until it returns;
-        the others are returned for the caller to free.
+        the others are returned for the caller to free. Under tensor parallelism a
+        ``set`` may have stalled on another rank only: every backup the ranks have not
+        agreed finished keeps its pages, on every rank, until they agree it (the
+        agreement frees them then, the same tick everywhere).
         """
+        if self.cache.replicated:
+            for op in self.agreement.orphan_backups():
+                node = op.owner
+                assert isinstance(node, TreeNode)
+                del self._backups[node.id]
+            # Their nodes leave with the tree; a return still reaches the agreement.
+            self._stalled_backups.clear()
+            kept = self.agreement.orphaned_pages()
+            if not kept:
+                return host_pages
+            return host_pages[~np.isin(host_pages, np.concatenate(kept))]
         for call in self._stalled_backups:
             self._orphaned[call] = call.host_pages
         self._stalled_backups.clear()
@@ -519,4 +549,5 @@ class StorageTier:
         """
         parts = [handle.owned_pages() for handle in self._handles]
         parts += [*self._quarantine.values(), *self._orphaned.values()]
+        parts += self.agreement.orphaned_pages()
         return np.concatenate(parts) if parts else no_pages()

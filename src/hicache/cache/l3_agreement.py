@@ -25,7 +25,13 @@ defers to it where a decision would otherwise rest on rank-local values:
 - a finished backup: acknowledged (its node unprotected) once every rank finished it,
   and on a rank where its ``set`` stalled, once that call returned: until then the
   stalled rank keeps the node protected, and so must every rank, or the node would be
-  evictable on some ranks only.
+  evictable on some ranks only;
+- a flush while backups await agreement: the tree forgets their nodes,
+  but every rank keeps their host pages reserved (``orphan_backups``) and frees them
+  when the backup is agreed finished, the same tick everywhere, rather than when this
+  rank's stalled ``set`` returns;
+- a detach: the tier leaves the cache, but its slots keep draining and its backups keep
+  awaiting agreement (``busy``), and the cache goes on agreeing on them each tick.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hicache.cache.l3 import PrefetchHandle, StorageTier
+    from hicache.memory.allocator import PageIds
     from hicache.storage.controller import BackupOp
 
 # Prefetches agreed at once; fixed so that the per-tick collective has a fixed shape.
@@ -111,6 +118,9 @@ class L3Agreement:
         self._backup_order: deque[BackupOp] = deque()
         self._finished_backups: set[int] = set()
         self._awaiting_return: set[int] = set()
+        # Backups whose node a flush dropped (by id): their host pages stay reserved, on
+        # every rank, until they are agreed finished, then they are freed.
+        self._orphans: set[int] = set()
 
     # ---------------------------------------------------------- prefetches
     @property
@@ -165,19 +175,25 @@ class L3Agreement:
             self._awaiting_return.discard(id(op))
             self._finished_backups.add(id(op))
 
-    def acknowledge_finished_backups(self) -> None:
-        """Acknowledge every backup that finished here, agreed or not, stalled or not (the
-        tier keeps a stalled call's pages reserved): only where every rank does it at the
-        same point of the same tick (a flush, a detach)."""
-        finished = self._finished_backups | self._awaiting_return
-        pending, self._backup_order = self._backup_order, deque()
-        for op in pending:
-            if id(op) in finished:
-                self._tier.settle_backup(op)
-            else:
-                self._backup_order.append(op)
-        self._finished_backups.clear()
-        self._awaiting_return.clear()
+    def orphan_backups(self) -> list[BackupOp]:
+        """The tree is being dropped (a flush, at the same point of the same tick on every
+        rank): the backups not agreed finished yet, alike on every rank, lose their nodes;
+        their host pages stay reserved until they are agreed finished (``apply`` frees them).
+
+        Returns the newly orphaned backups (whose pages the caller must not free)."""
+        orphaned = [op for op in self._backup_order if id(op) not in self._orphans]
+        self._orphans.update(id(op) for op in orphaned)
+        return orphaned
+
+    def orphaned_pages(self) -> list[PageIds]:
+        """Host pages reserved for orphaned backups (held outside the tree)."""
+        return [op.host_pages for op in self._backup_order if id(op) in self._orphans]
+
+    @property
+    def busy(self) -> bool:
+        """Does L3 work still await agreement (a slot in use, a backup not agreed)? Agreed
+        state: alike on every rank at the start of a tick."""
+        return bool(self._slots or self._backup_order)
 
     # ------------------------------------------------------------ the tick
     def observe(self, now: float) -> L3Progress:
@@ -215,7 +231,9 @@ class L3Agreement:
         for _ in range(agreed.num_done_backups):
             op = self._backup_order.popleft()
             self._finished_backups.discard(id(op))
-            self._tier.settle_backup(op)
+            orphan = id(op) in self._orphans
+            self._orphans.discard(id(op))
+            self._tier.settle_backup(op, orphan=orphan)
         for handle, slot in zip(list(self._slots), agreed.slots, strict=False):
             if handle.finished:
                 if slot.complete:  # no rank's I/O touches its pages any more
@@ -229,11 +247,6 @@ class L3Agreement:
                     queried=1, num_found_pages=slot.num_found_pages, complete=1,
                     past_deadline=slot.past_deadline,
                 )
-
-    def drop_all(self) -> None:
-        """Every rank detaches at the same tick, its I/O stopped: drop the drained slots."""
-        for handle in list(self._slots):
-            self._drop(handle)
 
     def _drop(self, handle: PrefetchHandle) -> None:
         """A settled prefetch leaves its slot; the host pages it did not keep are freed."""

@@ -99,6 +99,14 @@ class TPGroup:
         dist.gather_object(obj, box, dst=dst, group=self.cpu_group)
         return box
 
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if self.group is None:
+            return [obj]
+        box: list[Any] = [None] * self.size
+        dist.all_gather_object(box, obj, group=self.cpu_group)
+        return box
+
     def barrier(self) -> None:
         if self.cpu_group is not None:
             dist.barrier(group=self.cpu_group)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hicache.storage.base import StorageError
 from hicache.storage.controller import StorageMetrics
 
 if TYPE_CHECKING:
@@ -45,10 +46,20 @@ def evict_device_cache(scheduler: Scheduler) -> int:
     return allocator.num_free_pages - before
 
 
+def detach_storage(scheduler: Scheduler) -> None:
+    """Drain in-flight L3 work and detach the L3 tier (only when idle). Under tensor
+    parallelism every rank detaches at the same tick, and what a call stalled on one
+    rank still holds is released when the ranks agree (``cache/l3_agreement.py``)."""
+    if not scheduler.is_idle():
+        raise StorageError("requests are running: detach L3 only when the server is idle")
+    scheduler.cache.detach_storage()
+
+
 CACHE_OPS: dict[str, Callable[[Scheduler], Any]] = {
     "flush": flush,
     "check_integrity": check_integrity,
     "evict_device_cache": evict_device_cache,
+    "detach_storage": detach_storage,
 }
 
 

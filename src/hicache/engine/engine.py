@@ -13,13 +13,13 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.config import CacheConfig, ConfigError
+from hicache.config import ConfigError
 from hicache.distributed.group import SINGLE_RANK, TPGroup
 from hicache.engine.api import GenerateOutput, GenerateRequest, validate_request
 from hicache.engine.cache_ops import CACHE_OPS
@@ -34,6 +34,7 @@ from hicache.engine.replication import AddRequest, ReplicatedScheduler
 from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
 from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from hicache.engine.start_agreement import run_phase
 from hicache.engine.thread_governor import ThreadGovernor
 from hicache.engine.threads import (
     adaptive_range,
@@ -282,12 +283,8 @@ class Engine:
         self._on_scheduler(attach)
 
     def detach_storage(self) -> None:
-        def detach() -> None:
-            if not self.scheduler.is_idle():
-                raise StorageError("requests are running: detach L3 only when the server is idle")
-            self.cache.detach_storage()
-
-        self._on_scheduler(detach)
+        """Detach L3 (a cache operation: under tensor parallelism, on every rank)."""
+        self._run_op("detach_storage")
 
     def storage_status(self) -> dict[str, Any]:
         storage = self.cache.storage
@@ -406,10 +403,44 @@ def build_engine(
     """Load the model, size the pools, attach L3, start the scheduler thread.
 
     Sets torch's intra-op threads for the whole process (``config.runtime``).
-    ``tp``: build that tensor-parallel rank's engine (every rank calls this; the ranks
-    agree on the pools' page counts, the smallest any rank asked for). ``start``
-    False: no scheduler thread (a follower rank calls ``run_replica``).
+    ``tp``: build that tensor-parallel rank's engine (every rank calls this). Under
+    tensor parallelism the build is two phases, each ending in an agreement of every
+    rank (``start_agreement``): after the model, the pools' page counts (the smallest
+    any rank asked for), after the cache and the engine, whether each rank's L3 store
+    attached. A failure on any rank raises ``RankStartError`` on every rank, naming it.
+    ``start`` False: no scheduler thread (a follower rank calls ``run_replica``).
     """
+    part, pages = run_phase(
+        tp, lambda: _load_part(config, tp), lambda p: (p.device_pages, p.host_pages)
+    )
+    device_pages = min(d for d, _ in pages)
+    host_pages = min(h for _, h in pages) if tp.size > 1 else None
+    if host_pages is not None and not config.cache.enable_hierarchical_cache:
+        host_pages = None
+    engine, l3_errors = run_phase(
+        tp, lambda: _assemble(config, tp, part, device_pages, host_pages, on_fatal),
+        _l3_error, lambda built: built.shutdown(),
+    )
+    _agree_l3(engine.cache, l3_errors)
+    return engine.start() if start else engine
+
+
+@dataclass(frozen=True)
+class _RankPart:
+    """What one rank builds before the ranks agree on the pools' sizes."""
+
+    device: torch.device
+    num_threads: int
+    loaded: LoadedModel
+    model_path: str | None  # the dir the weights came from (None: a preset's dummy weights)
+    weights_name: str
+    geometry: KVGeometry  # this rank's share of the KV heads
+    device_pages: int  # the pools' page counts this rank can afford
+    host_pages: int  # 0 without the host pool
+
+
+def _load_part(config: EngineConfig, tp: TPGroup) -> _RankPart:
+    """This rank's model and the pool sizes it can afford (no collective)."""
     model = config.model
     device = engine_device(config, tp.rank)
     threads = config.runtime.num_threads
@@ -418,7 +449,6 @@ def build_engine(
     num_threads = apply_num_threads(threads)
     load_format = model.resolved_load_format
     preset = model.preset if model.model_path is None else None
-    cache_config, storage, scheduling = config.cache, config.storage, config.scheduling
     model_dir = (
         resolve_model_dir(model.model_path, model.dtype, device) if model.model_path else None
     )
@@ -428,31 +458,49 @@ def build_engine(
         model_path, load_format, preset, model.dtype, device, tp=tp if tp.size > 1 else None
     )
     _set_up_compute(loaded.model, config.runtime, device)
-    model_config = loaded.config
     # This rank's share of the KV heads (all of them without tensor parallelism).
-    geometry = loaded.model.kv_geometry() if tp.size > 1 else model_config.kv_geometry()
-    page_size = cache_config.page_size
-    total_tokens = _kv_pool_tokens(scheduling, device, geometry.bytes_per_token)
-    device_pages = max(2, total_tokens // page_size)
-    host_pages = None
-    if tp.size > 1:
-        device_pages, host_pages = _agreed_page_counts(tp, cache_config, device_pages, geometry)
-    positions = model_config.max_position_embeddings
+    geometry = loaded.model.kv_geometry() if tp.size > 1 else loaded.config.kv_geometry()
+    cache_config = config.cache
+    total_tokens = _kv_pool_tokens(config.scheduling, device, geometry.bytes_per_token)
+    device_pages = max(2, total_tokens // cache_config.page_size)
+    host_pages = 0
+    if cache_config.enable_hierarchical_cache:
+        # Ranks may hold different numbers of KV heads (different page bytes), and a page
+        # id means the same tokens on every rank: the ranks take the smallest count.
+        host_pages = cache_config.host_num_pages(
+            device_pages, geometry.page_bytes(cache_config.page_size), host_memory_for_pools()
+        )
+    weights_name = model_dir.name if model_dir else f"dummy-{preset or DEFAULT_PRESET}"
+    return _RankPart(device, num_threads, loaded, model_path, weights_name, geometry,
+                     device_pages, host_pages)
+
+
+def _assemble(
+    config: EngineConfig, tp: TPGroup, part: _RankPart, device_pages: int,
+    host_pages: int | None, on_fatal: Callable[[], None] | None,
+) -> Engine:
+    """This rank's cache and engine over the agreed pool sizes (no collective; the
+    scheduler thread is not started)."""
+    model, cache_config = config.model, config.cache
+    storage, scheduling = config.storage, config.scheduling
+    device, page_size = part.device, cache_config.page_size
+    positions = part.loaded.config.max_position_embeddings
     if model.context_length is not None and model.context_length > positions:
         raise ConfigError(
             f"--context-length {model.context_length} exceeds the model's {positions} positions"
         )
     context = min(model.context_length or positions, (device_pages - 1) * page_size)
-    weights_name = model_dir.name if model_dir else f"dummy-{preset or DEFAULT_PRESET}"
-    model_name = model.served_model_name or weights_name
+    model_name = model.served_model_name or part.weights_name
+    preset = model.preset if model.model_path is None else None
     # KV events describe the cache as a whole: rank 0 publishes them.
     publisher = _start_event_publisher(config.events) if tp.rank == 0 else None
     try:
         # The L3 namespace names the weights (their bytes), not the served name: servers
         # of the same weights share pages whatever they are called, other weights never do.
         cache = HierarchicalCache(
-            cache_config, geometry, device_pages, device,
-            model_name=model_identity(model_path, load_format, preset, device),
+            cache_config, part.geometry, device_pages, device,
+            model_name=model_identity(part.model_path, model.resolved_load_format, preset,
+                                      device),
             storage=storage if storage.enabled and not scheduling.disable_radix_cache else None,
             events=KVEventEmitter(page_size, publisher) if publisher is not None else None,
             tp_rank=tp.rank, tp_size=tp.size, host_num_pages=host_pages,
@@ -466,32 +514,40 @@ def build_engine(
         "L2 %s, L3 %s, %d torch threads",
         model_name, device, tp.rank, tp.size, device_pages, page_size, context,
         "on" if cache.hierarchical else "off",
-        cache.storage.backend.name if cache.storage is not None else "off", num_threads,
+        cache.storage.backend.name if cache.storage is not None else "off", part.num_threads,
     )
-    engine = Engine(
-        loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
-        num_threads=num_threads, output_thread=config.runtime.output_thread,
-        event_publisher=publisher, model_dir=model_path, tp=tp, on_fatal=on_fatal,
-        # The ranks share the cores: a governor each would take them all.
-        governor=_thread_governor(config.runtime, device) if tp.size == 1 else None,
-    )
-    return engine.start() if start else engine
-
-
-def _agreed_page_counts(
-    tp: TPGroup, cache_config: CacheConfig, device_pages: int, geometry: KVGeometry
-) -> tuple[int, int | None]:
-    """The device and host pool page counts every rank uses: the smallest any rank can
-    afford. Ranks may hold different numbers of KV heads (different page bytes), and a
-    page id means the same tokens on every rank, so the counts must be one."""
-    host_pages = 0
-    if cache_config.enable_hierarchical_cache:
-        host_pages = cache_config.host_num_pages(
-            device_pages, geometry.page_bytes(cache_config.page_size), host_memory_for_pools()
+    try:
+        return Engine(
+            part.loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
+            num_threads=part.num_threads, output_thread=config.runtime.output_thread,
+            event_publisher=publisher, model_dir=part.model_path, tp=tp, on_fatal=on_fatal,
+            # The ranks share the cores: a governor each would take them all.
+            governor=_thread_governor(config.runtime, device) if tp.size == 1 else None,
         )
-    agreed = tp.all_reduce_min(torch.tensor([device_pages, host_pages], dtype=torch.int64))
-    device, host = (int(v) for v in agreed.tolist())
-    return device, (host if cache_config.enable_hierarchical_cache else None)
+    except BaseException:
+        cache.close()
+        if publisher is not None:
+            publisher.close()
+        raise
+
+
+def _l3_error(engine: Engine) -> str | None:
+    """Why this rank's configured L3 store is not attached (None: attached, or none)."""
+    return engine.cache.storage_error if engine.cache.storage is None else None
+
+
+def _agree_l3(cache: HierarchicalCache, l3_errors: list[str | None]) -> None:
+    """Under tensor parallelism the ranks' caches must hold the same tiers: when a rank's
+    store was unreachable at start (it starts without L3, as one rank alone would), every
+    rank starts without L3, its error naming that rank."""
+    failed = [(rank, error) for rank, error in enumerate(l3_errors) if error is not None]
+    if len(l3_errors) < 2 or not failed:
+        return
+    cache.detach_storage()  # nothing is in flight yet
+    cache.storage_error = "; ".join(
+        f"tensor-parallel rank {rank}: {error}" for rank, error in failed
+    )
+    logger.error("L3 off on every rank: %s", cache.storage_error)
 
 
 def _thread_governor(runtime: RuntimeConfig, device: torch.device) -> ThreadGovernor | None:

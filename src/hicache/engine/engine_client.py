@@ -19,7 +19,10 @@ per rank: rank 0 is the engine process above, the others follow it
 (``engine_process.run_follower_process``) over a torch.distributed group on
 loopback. Any rank's death is the engine's death: a watcher thread waits on every
 follower's sentinel and, when one exits unasked, ends rank 0 too, so the server
-fails every request and exits as it does for rank 0 alone.
+fails every request and exits as it does for rank 0 alone. A rank that cannot start
+fails ``start()`` with its reason: rank 0 reports what the ranks agreed
+(``engine.start_agreement``), and a follower that failed before the group formed
+reports it down a one-way pipe of its own.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ class EngineClient:
         # Tensor-parallel ranks 1.. (none without tensor parallelism), and why the engine
         # died when a follower's death ended it.
         self._followers: list[Any] = []
+        # Each follower's start failure message, if it sends one (rank order, from rank 1).
+        self._start_reports: list[Connection] = []
         self._death_cause: str | None = None
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
@@ -125,17 +130,23 @@ class EngineClient:
         theirs.close()  # the child holds its end: its death is then our end's EOF
         self._process, self._conn = process, ours
         for rank in range(1, tp_size):
+            report, report_end = context.Pipe(duplex=False)
             follower = context.Process(
                 target=run_follower_process, name=f"hicache-engine-tp{rank}",
-                args=(self.config, rank, init_method, level),
+                args=(self.config, rank, init_method, level, report_end),
             )
             follower.start()
+            report_end.close()
             self._followers.append(follower)
+            self._start_reports.append(report)
         try:
             message = self._first_message(ours)
         except BaseException:
             self._kill()
             raise
+        finally:
+            for report in self._start_reports:
+                report.close()
         if message[0] != "ready":
             self._kill()
             raise EngineStartError(str(message[1]))
@@ -163,13 +174,11 @@ class EngineClient:
                     f"{self._process.exitcode}); its log above says why"
                 )
             for rank, follower in enumerate(self._followers, start=1):
-                # Rank 0 fails alike in most cases (the same flags, the same model): its
-                # message, if it comes at once, says more than an exit code.
+                # Rank 0 reports a failure the ranks agreed on (or one of its own): its
+                # message, if it comes at once, names every rank that failed. Else the
+                # follower failed before the group could agree: its own report says why.
                 if not follower.is_alive() and not conn.poll(FOLLOWER_GRACE_S):
-                    raise EngineStartError(
-                        f"tensor-parallel rank {rank} exited while starting (exit code "
-                        f"{follower.exitcode}); its log above says why"
-                    )
+                    raise EngineStartError(self._follower_start_failure(rank, follower))
             if time.monotonic() > deadline:
                 raise EngineStartError(
                     f"the engine was not ready within {self._start_timeout_s:.0f} s"
@@ -178,6 +187,16 @@ class EngineClient:
             return conn.recv()
         except (EOFError, OSError):
             raise EngineStartError("the engine process exited while starting") from None
+
+    def _follower_start_failure(self, rank: int, follower: Any) -> str:
+        report = self._start_reports[rank - 1]
+        try:
+            if report.poll():
+                return str(report.recv())
+        except (EOFError, OSError):
+            pass  # it died without a word (killed, or a crash)
+        return (f"tensor-parallel rank {rank} exited while starting (exit code "
+                f"{follower.exitcode}); its log above says why")
 
     def shutdown(self) -> None:
         """Stop the engine process (its engine shuts down in order), then the reader."""

@@ -27,12 +27,16 @@ gone, even killed): it never outlives its server. The server's side is
 Under tensor parallelism (``--tp-size N``) this process is rank 0 and N - 1 more
 processes run ``run_follower_process``: each joins the group, builds its rank's
 engine and follows rank 0's ticks (``hicache.engine.replication``) until rank 0
-stops the group. A failure of the group (a rank died) ends every rank's process
-with ``GROUP_FAILED_EXIT_CODE``; the server sees it and exits.
+stops the group. The ranks agree whether every rank built its part
+(``hicache.engine.start_agreement``): when one could not, rank 0 sends
+``start_failed`` naming it and the followers exit with ``START_FAILED_EXIT_CODE``.
+A failure of the group (a rank died) ends every rank's process with
+``GROUP_FAILED_EXIT_CODE``; the server sees it and exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -46,6 +50,7 @@ from typing import Any
 from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest
 from hicache.engine.config import EngineConfig
 from hicache.engine.output_thread import Delivery, Stream
+from hicache.engine.start_agreement import RankStartError, describe
 from hicache.storage.base import StorageError
 
 logger = logging.getLogger(__name__)
@@ -55,11 +60,15 @@ CALLS = frozenset({
     "flush_cache", "is_idle", "metrics", "storage_status", "attach_storage", "detach_storage",
     "check_integrity", "evict_device_cache", "routing_info",
 })
-# What a failure to build the engine means for the user (bad flags, a file, memory),
-# reported as a message rather than a traceback, as an in-process build does.
-START_ERRORS = (ValueError, StorageError, OSError, MemoryError)
+# What a failure to build the engine means for the user (bad flags, a file, memory, a
+# rank that could not start), reported as a message rather than a traceback, as an
+# in-process build does.
+START_ERRORS = (ValueError, StorageError, OSError, MemoryError, RankStartError)
 # A rank's process ends with this when its tensor-parallel group failed.
 GROUP_FAILED_EXIT_CODE = 3
+# A follower rank's process ends with this when the group could not start (its own
+# failure or another rank's: rank 0 reports which).
+START_FAILED_EXIT_CODE = 4
 
 
 @dataclass(frozen=True)
@@ -159,16 +168,34 @@ def run_engine_process(
 
 
 def run_follower_process(
-    config: EngineConfig, rank: int, tp_init_method: str, log_level: int
+    config: EngineConfig, rank: int, tp_init_method: str, log_level: int,
+    start_report: Connection | None = None,
 ) -> None:
     """A tensor-parallel rank above 0: join the group, build this rank's engine, follow
     rank 0's ticks until it stops the group. Exits with ``GROUP_FAILED_EXIT_CODE`` when
-    the group fails (rank 0 died); a build failure raises (rank 0 reports its own)."""
+    the group fails (rank 0 died), with ``START_FAILED_EXIT_CODE`` when the group could
+    not start (every rank agrees on that, and rank 0 reports why). ``start_report``:
+    where a start failure's message goes first, for the server to read when this
+    process ended before the group could agree (it failed before joining it)."""
     _set_up_process(log_level)
     from hicache.engine.engine import build_engine
 
-    tp = _join_group(config, rank, tp_init_method)
-    engine = build_engine(config, tp, start=False)
+    try:
+        tp = _join_group(config, rank, tp_init_method)
+        engine = build_engine(config, tp, start=False)
+    except Exception as error:
+        logger.exception("tensor-parallel rank %d could not start", rank)
+        if start_report is not None:
+            message = str(error) if isinstance(error, RankStartError) else (
+                f"tensor-parallel rank {rank} could not start: {describe(error)}"
+            )
+            with contextlib.suppress(OSError):
+                start_report.send(message)
+        # Whatever threads the failed build left, the process ends now.
+        logging.shutdown()
+        os._exit(START_FAILED_EXIT_CODE)
+    if start_report is not None:
+        start_report.close()
     logger.info("tensor-parallel rank %d of %d ready (pid %d)", rank, tp.size, os.getpid())
     try:
         engine.run_replica()

@@ -19,9 +19,10 @@ def exercise_collectives(tp: TPGroup, widths: tuple[int, ...]) -> dict[str, Any]
     equal = tp.all_gather_last_dim(torch.full((1, 2), float(rank)))
     obj = tp.broadcast_object({"from": rank, "batch": [1, 2, 3]} if rank == 0 else None)
     from_last = tp.broadcast_object(f"rank {rank}", src=tp.size - 1)
+    everyone = tp.all_gather_object({"rank": rank, "word": "x" * rank})  # uneven sizes
     tp.barrier()
     return {"summed": summed, "gathered": gathered, "equal": equal, "obj": obj,
-            "from_last": from_last}
+            "from_last": from_last, "everyone": everyone}
 
 
 def fail_on_rank_one(tp: TPGroup, _: Any) -> None:

@@ -21,6 +21,7 @@ def test_collectives_between_three_ranks() -> None:
         assert got["equal"].tolist() == [[0.0, 0.0, 1.0, 1.0, 2.0, 2.0]], rank
         assert got["obj"] == {"from": 0, "batch": [1, 2, 3]}, rank
         assert got["from_last"] == "rank 2", rank
+        assert got["everyone"] == [{"rank": r, "word": "x" * r} for r in range(3)], rank
 
 
 def test_a_failing_rank_fails_the_run_with_its_traceback() -> None:
@@ -37,6 +38,7 @@ def test_size_one_joins_nothing_and_returns_its_inputs() -> None:
     assert tp.all_gather_last_dim(t) is t
     obj = object()
     assert tp.broadcast_object(obj) is obj
+    assert tp.all_gather_object(obj) == [obj]
 
 
 def test_group_invariants_and_backend_choice() -> None:

@@ -29,7 +29,9 @@ def raise_in_tick(engine: Any) -> None:
     scheduler.schedule = schedule  # type: ignore[method-assign]
 
 
-def raising_follower(config: Any, rank: int, tp_init_method: str, log_level: int) -> None:
+def raising_follower(
+    config: Any, rank: int, tp_init_method: str, log_level: int, start_report: Any = None
+) -> None:
     """``run_follower_process`` whose scheduler raises in a tick (``raise_in_tick``)."""
     real = Scheduler.schedule
 
@@ -39,4 +41,4 @@ def raising_follower(config: Any, rank: int, tp_init_method: str, log_level: int
         return real(self)
 
     Scheduler.schedule = schedule  # type: ignore[method-assign]
-    run_follower_process(config, rank, tp_init_method, log_level)
+    run_follower_process(config, rank, tp_init_method, log_level, start_report)

@@ -80,6 +80,9 @@ class RankResult:
     # protected (in use by L3, so not evictable); alike on every rank at every tick.
     free_host_pages: list[int] = field(default_factory=list)
     host_protected_nodes: list[int] = field(default_factory=list)
+    # Per tick, before its agreement: host pages neither free nor in the tree (held for
+    # L3: prefetches, stalled calls, backups awaiting agreement); alike on every rank.
+    reserved_host_pages: list[int] = field(default_factory=list)
     tree_device_pages: list[int] = field(default_factory=list)
     tree_host_pages: list[int] = field(default_factory=list)
     num_free_device_pages: int = 0
@@ -88,6 +91,8 @@ class RankResult:
     num_stalled_calls: int = 0  # L3 calls that went past their deadline (io_timeout_s)
     num_quarantined_pages: int = 0  # host pages still reserved for stalled calls at the end
     l3_put_keys: list[bytes] = field(default_factory=list)  # every key this rank wrote to L3
+    # This rank's L3 calls stalled (not returned) as each cache operation ended, in order.
+    stalled_after_ops: list[int] = field(default_factory=list)
 
 
 def greedy(max_new_tokens: int = 6) -> SamplingParams:
@@ -97,11 +102,12 @@ def greedy(max_new_tokens: int = 6) -> SamplingParams:
 def run_scenario(tp: TPGroup, scenario: Scenario) -> RankResult:
     engine = build_engine(scenario.config, tp, start=False)
     try:
+        tier = engine.cache.storage  # read at the end even if a step detached it
         result = _drive(engine, tp, scenario)
         cache = engine.cache  # the tree as the agreed acknowledgements left it
-        if cache.storage is not None:
-            result.num_stalled_calls = cache.storage.metrics().failures.get("timeout", 0)
-            result.num_quarantined_pages = cache.storage.num_quarantined_pages
+        if tier is not None:
+            result.num_stalled_calls = tier.metrics().failures.get("timeout", 0)
+            result.num_quarantined_pages = tier.num_quarantined_pages
         result.tree_device_pages = sorted(int(p) for p in cache.tree.device_page_ids())
         result.tree_host_pages = sorted(int(p) for p in cache.tree.host_page_ids())
         result.num_free_device_pages = cache.device_pool.allocator.num_free_pages
@@ -158,9 +164,28 @@ def _count_l3_puts(engine: Engine, result: RankResult) -> None:
     backend.set = counted_set  # type: ignore[method-assign]
 
 
+def _record_stalls_after_ops(engine: Engine, result: RankResult) -> None:
+    """Record, as each cache operation that changes the cache ends on this rank, its L3
+    calls then stalled (a flush or a detach waits for the calls in flight up to their
+    deadline; not the integrity checks, which run at the end too)."""
+    tier = engine.cache.storage
+    if tier is None:
+        return
+    for name, op in list(CACHE_OPS.items()):
+        if name == "check_integrity":
+            continue
+        def recorded(scheduler: Any, op: Any = op) -> Any:
+            value = op(scheduler)
+            result.stalled_after_ops.append(tier.controller.num_stalled_calls)
+            return value
+
+        CACHE_OPS[name] = recorded  # this rank's process only
+
+
 def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
     result = RankResult()
     _count_l3_puts(engine, result)
+    _record_stalls_after_ops(engine, result)
     if scenario.l3_fault is not None and scenario.l3_fault.rank == tp.rank:
         _inject_l3_fault(engine, scenario.l3_fault)
     replicated = engine.replicated
@@ -175,7 +200,10 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
         def observe() -> Progress:
             result.unacknowledged.append(controller.num_pending_writes)
             if host_pool is not None:
-                result.free_host_pages.append(host_pool.allocator.num_free_pages)
+                free = host_pool.allocator.num_free_pages
+                result.free_host_pages.append(free)
+                in_tree = len(engine.cache.tree.host_page_ids())
+                result.reserved_host_pages.append(host_pool.num_pages - free - in_tree)
                 result.host_protected_nodes.append(
                     sum(node.host_ref > 0 for node in engine.cache.tree.iter_nodes())
                 )
@@ -229,14 +257,10 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
                 future.result(timeout=0)
     if replicated is not None:
         # Prefetches still draining (a rank's read not returned) and backups not agreed
-        # settle on every rank before the group stops: a decision on agreed state, so
-        # every rank ticks alike.
-        storage = engine.cache.storage
+        # (a detached tier's too) settle on every rank before the group stops: a decision
+        # on agreed state, so every rank ticks alike.
         for _ in range(MAX_TICKS):
-            agreement = storage.agreement if storage is not None else None
-            if agreement is None or not (
-                agreement.num_slots_in_use or agreement.num_pending_backups
-            ):
+            if not engine.cache.l3_awaits_agreement:
                 break
             tick()
         stop.set()

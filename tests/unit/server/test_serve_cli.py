@@ -344,6 +344,31 @@ def test_serve_tp2_exits_nonzero_when_rank_one_dies(tmp_path: Path) -> None:
     assert "tensor-parallel rank 1 exited" in log
 
 
+def test_serve_tp2_fails_to_start_at_once_with_rank_ones_reason(tmp_path: Path) -> None:
+    """Rank 1's L3 store fails to attach (rank 0's works): serve exits 2 with rank 1's
+    reason, as soon as the ranks agree the start failed (not at a collective timeout)."""
+    extra = json.dumps({"module_path": "tests.unit.engine.tp_start_faults",
+                        "class_name": "RankOneFailsAttach"})
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hicache", "serve", "--port", str(free_port()), *SMALL,
+             "--tp-size", "2", "--hicache-storage-backend", "dynamic",
+             "--hicache-storage-backend-extra-config", extra],
+            stdout=log_file, stderr=subprocess.STDOUT,
+            env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
+        )
+    try:
+        code = process.wait(timeout=START_TIMEOUT_S)  # interpreters importing torch, then fast
+    finally:
+        _stop(process)
+    log = log_path.read_text()
+    assert code == 2, log
+    assert ("cannot start the engine: tensor-parallel rank 1 could not start: StorageError: "
+            "injected: rank 1 cannot attach its L3 store") in log
+    assert "engine processes ready" not in log
+
+
 def test_the_engine_process_never_outlives_its_server(tmp_path: Path) -> None:
     process, _, _ = _start_serve(tmp_path)
     try:
