@@ -22,7 +22,7 @@ class KVTransferError(RuntimeError):
     """A batch of KV chunks could not be written to the peer (gone, refused, I/O error)."""
 
 
-class TransferEngineUnavailableError(RuntimeError):
+class TransferEngineUnavailableError(OSError):
     """The Mooncake transfer engine cannot be imported or started here."""
 
 

@@ -29,6 +29,7 @@ from hicache.engine.config import (
     RuntimeConfig,
     SchedulingConfig,
 )
+from hicache.engine.disaggregation import DisaggregationRuntime
 from hicache.engine.output_thread import DroppedSink, LoopSink, Stream
 from hicache.engine.replication import AddRequest, ReplicatedScheduler
 from hicache.engine.request import Req
@@ -106,6 +107,8 @@ class Engine:
         self.scheduler.governor = governor
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Set by build_engine on a prefill or decode instance (disaggregation).
+        self.disaggregation: DisaggregationRuntime | None = None
         # Publishes the cache's KV events (None: off); closed after the cache.
         self.event_publisher = event_publisher
 
@@ -125,7 +128,11 @@ class Engine:
         """
         publisher = self.event_publisher
         layout = self.cache.config.mem_layout
+        pd = self.disaggregation
         return {
+            **(pd.info() if pd is not None else {
+                "disaggregation_mode": "null", "disaggregation_bootstrap_port": None,
+            }),
             "kv_events_endpoint": publisher.endpoint if publisher else None,
             "kv_events_replay_endpoint": publisher.replay_endpoint if publisher else None,
             "kv_events_topic": publisher.config.topic if publisher else None,
@@ -198,6 +205,9 @@ class Engine:
             self._stop.set()
             self._thread.join()
             self._thread = None
+        if self.disaggregation is not None:
+            self.disaggregation.close()
+            self.disaggregation = None
         self.cache.close()  # its last events go to the publisher first
         if self.event_publisher is not None:
             self.event_publisher.close()
@@ -475,6 +485,12 @@ def build_engine(
         # The ranks share the cores: a governor each would take them all.
         governor=_thread_governor(config.runtime, device) if tp.size == 1 else None,
     )
+    if config.disaggregation.enabled:
+        try:
+            engine.disaggregation = DisaggregationRuntime(config.disaggregation, engine.scheduler)
+        except BaseException:
+            engine.shutdown()
+            raise
     return engine.start() if start else engine
 
 
