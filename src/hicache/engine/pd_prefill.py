@@ -43,7 +43,8 @@ class PrefillHandoff:
         if req.rid in self.sending:
             return True  # an abort while its KV is sent: the transfer ends it
         bootstrap = req.request.bootstrap
-        if bootstrap is None or reason == "abort" or len(req.output_ids) != 1 \
+        if bootstrap is None or req.kv_handed_off or reason == "abort" \
+                or len(req.output_ids) != 1 \
                 or req.num_computed < req.prompt_len:
             return False
         scheduler = self.scheduler
@@ -63,6 +64,7 @@ class PrefillHandoff:
             logger.error("a KV transfer ended for request %s, which is not being sent", rid)
             return
         req, reason = entry
+        req.kv_handed_off = True
         scheduler = self.scheduler
         scheduler.running.append(req)  # _finish takes it out of the batch
         if error is None:
