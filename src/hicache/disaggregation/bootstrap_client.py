@@ -58,5 +58,6 @@ class BootstrapClient:
         return RoomStatus(RoomState(answer["state"]), answer.get("first_token"),
                           answer.get("error"))
 
-    def cancel(self, room: int) -> None:
-        self._call("DELETE", f"/rooms/{room}")
+    def cancel(self, room: int) -> RoomState:
+        """Give the room up; returns the state it was in (SENDING: it is still written to)."""
+        return RoomState(self._call("DELETE", f"/rooms/{room}")["state_before"])

@@ -5,12 +5,11 @@ prefill instance's bootstrap server, then long-polls the room until it ends: don
 (the first token) or failed. It gives up when ``timeout_s`` passed since it began,
 or when the prefill instance stops answering for ``UNREACHABLE_GRACE_S`` (it died).
 Pages are freed by the scheduler only after ``on_done``: a room being written to
-is waited for (until the deadline), so that no late write lands in freed pages.
+is waited for (one timeout more), so that no late write lands in freed pages.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -91,13 +90,17 @@ class KVReceiver:
         registration = Registration(self.session_id, self.pool, job.pages)
         unreachable_since: float | None = None
         registered = cancel_sent = False
+        timed_out = False
         while True:
             now = time.monotonic()
             if now >= deadline:
-                with contextlib.suppress(BootstrapUnreachableError, BootstrapRefusedError):
-                    client.cancel(job.room)
-                return None, (f"KV transfer timed out: {where} did not send this request's KV "
-                              f"within {self.timeout_s:g} s")
+                if timed_out or not self._still_sending(client, job.room):
+                    return None, (f"KV transfer timed out: {where} did not send this "
+                                  f"request's KV within {self.timeout_s:g} s")
+                # Its pages are being written to: freed now, they could be overwritten
+                # under their next owner. Wait (once more) for the sender to end.
+                timed_out = True
+                deadline = now + self.timeout_s
             try:
                 if not registered:
                     client.register(job.room, registration)
@@ -120,6 +123,14 @@ class KVReceiver:
                 return status.first_token, None
             if status.state.final:
                 return None, f"KV transfer failed on {where}: {status.error}"
+
+    @staticmethod
+    def _still_sending(client: BootstrapClient, room: int) -> bool:
+        """Give ``room`` up; True when the prefill side was sending it then."""
+        try:
+            return client.cancel(room) is RoomState.SENDING
+        except (BootstrapUnreachableError, BootstrapRefusedError):
+            return False  # nobody there writes any more
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)
