@@ -73,6 +73,8 @@ class RoomTable:
         with self._changed:
             self._drop_stale()
             entry = self._room(room)
+            if entry.state.final:
+                return  # the prefill side ended it already: the status read says how
             if entry.state is not RoomState.WAITING:
                 raise ValueError(f"room {room} is already {entry.state.value}")
             entry.registration = registration

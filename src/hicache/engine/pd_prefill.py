@@ -38,14 +38,21 @@ class PrefillHandoff:
         """The decode instance generates: here a request ends at its first token."""
         return min(req.length_limit, req.prompt_len + 1)
 
-    def intercept_finish(self, req: Req, reason: str) -> bool:
+    def intercept_finish(self, req: Req, reason: str, error: str | None) -> bool:
         """Called as ``req`` finishes; True when it is handed off (or already is) instead."""
         if req.rid in self.sending:
             return True  # an abort while its KV is sent: the transfer ends it
         bootstrap = req.request.bootstrap
-        if bootstrap is None or req.kv_handed_off or reason == "abort" \
-                or len(req.output_ids) != 1 \
-                or req.num_computed < req.prompt_len:
+        if bootstrap is None or req.kv_handed_off:
+            return False
+        if reason == "abort" or len(req.output_ids) != 1 or req.num_computed < req.prompt_len:
+            # It ends with no KV to send (aborted, failed, or no token asked for): the
+            # decode side learns it now rather than at its timeout.
+            why = f"{reason}: {error}" if error else reason
+            self.sender.rooms.finish(
+                bootstrap.room, None, f"the prefill instance ended the request without "
+                f"sending its KV ({why})",
+            )
             return False
         scheduler = self.scheduler
         page_size = scheduler.page_size

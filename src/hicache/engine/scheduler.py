@@ -732,7 +732,9 @@ class Scheduler:
     ) -> None:
         if req.phase is Phase.FINISHED:
             return
-        if self.prefill_handoff is not None and self.prefill_handoff.intercept_finish(req, reason):
+        if self.prefill_handoff is not None and self.prefill_handoff.intercept_finish(
+            req, reason, error
+        ):
             return  # its KV goes to a decode instance first (then on_sent finishes it)
         if flush_text and req.scheduler_text:
             # Text held back for an unfinished character is released at the end. First,

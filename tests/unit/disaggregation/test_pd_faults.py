@@ -71,6 +71,13 @@ def test_sides_that_never_meet_fail_alone_and_leak_nothing(pair: PDPair) -> None
     assert TRANSFER_TIMEOUT_S <= time.monotonic() - began < TRANSFER_TIMEOUT_S + 5
     prefill, _ = pair.send("/generate", BODY, to_decode=False)
     assert "no decode instance registered" in _error(prefill)
+    # A prefill that ends with no KV to send (no token asked for) tells decode at once.
+    began = time.monotonic()
+    nothing = {**BODY, "sampling_params": {"max_new_tokens": 0}}
+    prefill, decode = pair.send("/generate", nothing)
+    assert prefill is not None and prefill.status_code == 200
+    assert "without sending its KV" in _error(decode)
+    assert time.monotonic() - began < TRANSFER_TIMEOUT_S
     # Both still serve: a request sent to both succeeds.
     assert len(pair.generate(BODY)["output_ids"]) == 8
     check_integrity(pair.prefill)
