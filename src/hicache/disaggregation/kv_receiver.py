@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 # A prefill instance that does not answer for this long is taken for dead.
 UNREACHABLE_GRACE_S = 2.0
-POLL_WAIT_S = 1.0
+POLL_WAIT_S = 0.5
 RETRY_S = 0.1
 
 # on_done(rid, first_token, error): exactly one of the two is None.
