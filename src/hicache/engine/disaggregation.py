@@ -45,7 +45,11 @@ class DisaggregationRuntime:
                 assert handoff is not None
                 scheduler.call(lambda: handoff.on_sent(rid, error))
 
-            self.sender = KVSender(self.engine, descriptor, rooms, timeout_s, on_sent)
+            # A job holds its thread while it waits for the decode side to register.
+            self.sender = KVSender(
+                self.engine, descriptor, rooms, timeout_s, on_sent,
+                max_workers=max(8, scheduler.config.max_running_requests),
+            )
             scheduler.prefill_handoff = PrefillHandoff(scheduler, self.sender)
             try:
                 self.server = BootstrapServer(rooms, config.host, config.bootstrap_port).start()

@@ -8,6 +8,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
@@ -71,6 +72,17 @@ def test_greedy_output_equals_a_plain_server(
     answer = pair.generate(body)
     assert answer["output_ids"] == expected
     assert answer["meta_info"]["completion_tokens"] == 12
+
+
+def test_concurrent_requests_each_get_their_own_kv(
+    servers: tuple[ServerProcess, PDPair],
+) -> None:
+    plain, pair = servers
+    bodies = [_body(_prompt(10 + 13 * i, 100 + i), max_new_tokens=6 + i) for i in range(6)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(pair.generate, bodies))
+    for body, answer in zip(bodies, answers, strict=True):
+        assert answer["output_ids"] == _plain_generate(plain, body)["output_ids"]
 
 
 def test_the_prefill_instance_answers_its_first_token_only(
