@@ -21,9 +21,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+import torch
+
 from hicache.disaggregation.kv_receiver import KVReceiver, ReceiveJob
-from hicache.engine.penalties import ending_tokens
+from hicache.engine.penalties import PenaltyState, ending_tokens
 from hicache.engine.request import Phase, Req
+from hicache.engine.sampling import is_greedy
 from hicache.memory.allocator import OutOfPagesError
 
 if TYPE_CHECKING:
@@ -118,6 +121,18 @@ class DecodeIntake:
         req.length_limit = min(req.prompt_len + params.max_new_tokens,
                                scheduler.config.max_context_len)
         req.num_computed = req.prompt_len
+        if params.has_penalties:
+            # Made before the first token is appended, so that it counts that token too.
+            req.penalties = PenaltyState(
+                req.request.input_ids if params.repetition_penalty != 1.0 else (),
+                scheduler.model.config.vocab_size, scheduler.device,
+            )
+        generator = req.generator
+        if generator is not None and not is_greedy(params):
+            # The prefill instance drew the first token with the uniform a plain server
+            # takes first from the request's generator: skip it, so that a seeded request
+            # draws every later token as a plain server does.
+            torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
         if self.offload and scheduler.config.enable_prefix_cache:
             req.hit = scheduler.cache.acquire([], req.request.extra_key, record_hit=False)
         scheduler.counters.num_prompt_tokens += req.prompt_len

@@ -78,10 +78,10 @@ def sglext_of(output: GenerateOutput) -> SglExt:
 
 
 def _bootstrap(
-    state: ServerState, body: CompletionRequest | ChatCompletionRequest
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest, logprobs: bool
 ) -> Bootstrap | None:
     return request_bootstrap(state, body.bootstrap_host, body.bootstrap_port,
-                             body.bootstrap_room, num_samples=body.n)
+                             body.bootstrap_room, num_samples=body.n, logprobs=logprobs)
 
 
 def _model_card(state: ServerState) -> ModelCard:
@@ -131,7 +131,8 @@ async def create_completion(request: Request) -> Response:
         logprobs = LogprobParams(top_n=body.logprobs, input_from=0 if body.echo else -1)
     generations = await start_samples(state, sample_requests(
         GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
-                        logprobs=logprobs, bootstrap=_bootstrap(state, body)), body.n,
+                        logprobs=logprobs,
+                        bootstrap=_bootstrap(state, body, logprobs is not None)), body.n,
     ))
     echo = ""
     if body.echo:
@@ -299,7 +300,8 @@ async def create_chat_completion(request: Request) -> Response:
     logprobs = LogprobParams(top_n=body.top_logprobs or 0) if body.logprobs else None
     generations = await start_samples(state, sample_requests(
         GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
-                        logprobs=logprobs, bootstrap=_bootstrap(state, body)), body.n,
+                        logprobs=logprobs,
+                        bootstrap=_bootstrap(state, body, logprobs is not None)), body.n,
     ))
     texts = TokenTexts(state.engine.tokenizer) if body.logprobs else None
     tools = body.tools_enabled

@@ -85,6 +85,19 @@ def test_concurrent_requests_each_get_their_own_kv(
         assert answer["output_ids"] == _plain_generate(plain, body)["output_ids"]
 
 
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0, "repetition_penalty": 1.3, "frequency_penalty": 0.8},
+    {"temperature": 0.9, "top_k": 20, "sampling_seed": 1234},
+    {"temperature": 0, "min_new_tokens": 5},
+])
+def test_penalties_and_seeded_sampling_match_a_plain_server(
+    servers: tuple[ServerProcess, PDPair], sampling: dict[str, Any],
+) -> None:
+    plain, pair = servers
+    body = {"input_ids": _prompt(33, 5), "sampling_params": {"max_new_tokens": 10, **sampling}}
+    assert pair.generate(body)["output_ids"] == _plain_generate(plain, body)["output_ids"]
+
+
 def test_the_prefill_instance_answers_its_first_token_only(
     servers: tuple[ServerProcess, PDPair],
 ) -> None:
