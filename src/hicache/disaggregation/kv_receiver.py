@@ -10,6 +10,7 @@ is waited for (one timeout more), so that no late write lands in freed pages.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -58,6 +59,7 @@ class KVReceiver:
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="hicache-kv-recv")
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
+        self._closing = threading.Event()
 
     def receive(self, job: ReceiveJob) -> None:
         self._executor.submit(self._run, job)
@@ -93,6 +95,10 @@ class KVReceiver:
         timed_out = False
         while True:
             now = time.monotonic()
+            if self._closing.is_set():
+                with contextlib.suppress(BootstrapUnreachableError, BootstrapRefusedError):
+                    client.cancel(job.room)
+                return None, "the decode instance shut down"
             if now >= deadline:
                 if timed_out or not self._still_sending(client, job.room):
                     return None, (f"KV transfer timed out: {where} did not send this "
@@ -133,4 +139,6 @@ class KVReceiver:
             return False  # nobody there writes any more
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=False)
+        """Stop: every job gives its room up and ends within one poll."""
+        self._closing.set()
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -79,4 +79,6 @@ class KVSender:
         return None
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=False)
+        """Stop: jobs waiting for a registration end now; a transfer under way finishes."""
+        self.rooms.close()
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -62,6 +62,13 @@ class RoomTable:
         self._rooms: dict[int, Room] = {}
         self._changed = threading.Condition()
         self.stale_after_s = stale_after_s
+        self._closed = False
+
+    def close(self) -> None:
+        """Shutting down: every wait ends now (rooms still waiting fail)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def _room(self, room: int) -> Room:
         entry = self._rooms.get(room)
@@ -89,6 +96,9 @@ class RoomTable:
             entry = self._room(room)
             while entry.state is RoomState.WAITING:
                 left = deadline - time.monotonic()
+                if self._closed:
+                    entry.state, entry.error = RoomState.FAILED, "the prefill instance shut down"
+                    break
                 if left <= 0:
                     entry.state = RoomState.FAILED
                     entry.error = "no decode instance registered this request's bootstrap " \
@@ -131,7 +141,7 @@ class RoomTable:
             entry = self._room(room)
             while not entry.state.final:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._closed:
                     break
                 self._changed.wait(left)
             if entry.state.final:

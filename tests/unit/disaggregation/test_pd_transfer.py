@@ -184,3 +184,20 @@ def test_receiver_times_out(prefill: dict[str, Any]) -> None:
     receiver.close()
     assert "timed out" in str(got[0])
     assert prefill["rooms"].status(8, 0).state is RoomState.CANCELLED
+
+
+def test_closing_ends_waiting_jobs_at_once(prefill: dict[str, Any]) -> None:
+    got: list[str | None] = []
+    receiver = KVReceiver("127.0.0.1:1", PoolDescriptor.of(make_pool()), 60.0,
+                          lambda rid, token, error: got.append(error))
+    receiver.receive(ReceiveJob("r", "127.0.0.1", prefill["port"], 11, np.array([0])))
+    sender: KVSender = prefill["sender"]
+    sender.timeout_s = 60.0
+    sender.send(SendJob("s", 12, np.asarray([1]), first_token=1))
+    time.sleep(0.3)  # both jobs are waiting now
+    began = time.monotonic()
+    receiver.close()
+    sender.close()
+    assert time.monotonic() - began < 3
+    assert got == ["the decode instance shut down"]
+    assert prefill["results"]["s"] == "the prefill instance shut down"
