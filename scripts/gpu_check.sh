@@ -47,9 +47,10 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.ve
 assert torch.cuda.is_available(), 'CUDA is not available'; print(torch.cuda.get_device_name(0))"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
-# Budget (worst case, each step is killed at its limit): 60 + 540 + 2 x 120 + 2 x 40 + 2 x 240
+# Budget (worst case, each step is killed at its limit): 60 + 540 + 3 x 120 + 2 x 40 + 2 x 240
 # + 120 + 2 x 570 s; one device call allows 10 min, so split it with STEPS:
 #   STEPS="env pytest"    STEPS="env bench_transfer bench_attention bench_direct_dma bench_direct_gather"
+#   STEPS="env bench_transfer_mla"
 #   STEPS="env bench_prefill bench_l2_ttft"    STEPS="env compare_llama"
 #   STEPS="env bench_storage compare_qwen"
 # (default: every step). The benchmarks write their JSON as they go.
@@ -57,6 +58,9 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 # short by its limit still says what passed. The CPU unit suite runs in CI, not here.
 run pytest 540 "$PY" -m pytest -q -rA -p no:cacheprovider tests/gpu tests/unit/model
 run bench_transfer 120 "$PY" -m hicache bench transfer --json "$OUT/transfer.json"
+# MLA pages (one 576-element latent per layer, a quarter of Llama's bytes): more blocks per GB.
+run bench_transfer_mla 120 "$PY" -m hicache bench transfer --geometry deepseek-v2-lite \
+  --json "$OUT/transfer_mla.json"
 # Attention backends per layer (gather reference, triton, flashinfer when installed): decode at
 # B=1..256 and contexts 512..8K, and a prefix extend, Llama-3-8B heads (32 q / 8 kv, D=128), bf16.
 run bench_attention 120 "$PY" -m hicache bench attention --device cuda --dtype bfloat16 \

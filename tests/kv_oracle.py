@@ -18,18 +18,20 @@ from hicache.memory.geometry import KVGeometry
 
 
 def expected_kv(tokens: list[int], geometry: KVGeometry, page_size: int) -> torch.Tensor:
-    """KV a cold prefill writes: [pages, layers, 2, page_size, row], a function of each prefix."""
+    """KV a cold prefill writes: [pages, layers, planes, page_size, row], a function of each
+    prefix (planes: K and V, or the one MLA latent)."""
+    planes = geometry.kv_planes
     if not tokens:
-        shape = (0, geometry.num_layers, 2, page_size, geometry.row_elems)
+        shape = (0, geometry.num_layers, planes, page_size, geometry.row_elems)
         return torch.empty(shape, dtype=geometry.dtype)
     rows = []
     for i in range(len(tokens)):
         seed = zlib.crc32(np.asarray(tokens[: i + 1], dtype=np.int32).tobytes())
         gen = torch.Generator().manual_seed(seed)
-        rows.append(torch.randn(geometry.num_layers, 2, geometry.row_elems, generator=gen))
-    kv = torch.stack(rows, dim=2)  # [layers, 2, tokens, row]
+        rows.append(torch.randn(geometry.num_layers, planes, geometry.row_elems, generator=gen))
+    kv = torch.stack(rows, dim=2)  # [layers, planes, tokens, row]
     num_pages = len(tokens) // page_size
-    kv = kv.reshape(geometry.num_layers, 2, num_pages, page_size, geometry.row_elems)
+    kv = kv.reshape(geometry.num_layers, planes, num_pages, page_size, geometry.row_elems)
     return kv.permute(2, 0, 1, 3, 4).to(geometry.dtype)
 
 

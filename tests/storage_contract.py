@@ -20,7 +20,8 @@ each test, so a store that outlives one test (a server shared by a whole
 session) does not leak pages into the next one, except through ``clear``.
 
 The pool geometry is small (bf16, so pages are not a multiple of 4-byte
-elements) and can be overridden through the class attributes.
+elements) and can be overridden through the class attributes; ``MLA_GEOMETRY``
+is the one-latent-per-layer geometry every backend is also run with.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def page_range(start: int, stop: int) -> PageIds:
 def fill_random(host: HostPool, pages: PageIds, seed: int) -> torch.Tensor:
     """Write random KV into ``pages``; returns it (canonical view order) for comparison."""
     geometry = host.geometry
-    shape = (len(pages), geometry.num_layers, 2, host.page_size, geometry.row_elems)
+    shape = (
+        len(pages), geometry.num_layers, geometry.kv_planes, host.page_size, geometry.row_elems
+    )
     generator = torch.Generator().manual_seed(seed)
     values = torch.randn(shape, generator=generator).to(geometry.dtype)
     host.pages[torch.from_numpy(pages)] = values
@@ -70,6 +73,10 @@ def page_bytes_of(host: HostPool, pages: PageIds) -> bytes:
 
 def as_bytes(values: torch.Tensor) -> bytes:
     return values.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+# An MLA geometry: one latent plane per layer, a row of 24 bf16 elements (48 bytes).
+MLA_GEOMETRY = KVGeometry.mla(num_layers=2, latent_dim=24, dtype=torch.bfloat16)
 
 
 class StorageContract:

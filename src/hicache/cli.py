@@ -29,6 +29,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "l2-ttft": ("hicache.bench.l2_ttft", "TTFT of a full L2 prefix hit next to its physical bound"),
     "router": ("hicache.bench.router_bench", "multi-turn conversations over a cluster, per "
                "router policy"),
+    "pd": ("hicache.bench.pd_bench", "multi-turn conversations on one instance and on a "
+           "prefill-decode pair: TTFT and ITL side by side"),
 }
 
 

@@ -46,6 +46,7 @@ class IOBackendKind(str, Enum):
 class MemLayout(str, Enum):
     """Host pool memory layout (the device pool is always layer_first)."""
 
+    # k|v: the planes of a layer (K and V; an MLA model's single latent)
     LAYER_FIRST = "layer_first"  # [layers][k|v][tokens] like the device pool
     PAGE_FIRST = "page_first"  # [pages][tokens][layers][k|v]: a page is one object
     PAGE_FIRST_DIRECT = "page_first_direct"  # [pages][layers][k|v][tokens]

@@ -20,7 +20,8 @@ from hicache.server.args import add_cache_args, cache_config_from_args
 
 
 def synthetic_kv(tokens: list[int], geometry: KVGeometry, page_size: int) -> torch.Tensor:
-    """KV standing in for a prefill: [pages, layers, 2, page_size, row], a function of prefixes."""
+    """KV standing in for a prefill: [pages, layers, planes, page_size, row], a function of
+    prefixes (planes: K and V, or one MLA latent)."""
     prefix_hash = np.empty(len(tokens), dtype=np.int64)
     h = 1469598103
     for i, token in enumerate(tokens):
@@ -28,16 +29,17 @@ def synthetic_kv(tokens: list[int], geometry: KVGeometry, page_size: int) -> tor
         prefix_hash[i] = h
     base = torch.from_numpy(prefix_hash).to(torch.float64)  # [tokens]
     layer = torch.arange(geometry.num_layers, dtype=torch.float64)
-    kv = torch.arange(2, dtype=torch.float64)
+    planes = geometry.kv_planes
+    kv = torch.arange(planes, dtype=torch.float64)
     col = torch.arange(geometry.row_elems, dtype=torch.float64)
-    # [layers, 2, tokens, row]
+    # [layers, planes, tokens, row]
     values = torch.sin(
         base[None, None, :, None] * 1e-3 + layer[:, None, None, None] * 7.0
         + kv[None, :, None, None] * 3.0 + col[None, None, None, :] * 0.37
     ).to(geometry.dtype)
     num_pages = len(tokens) // page_size
     values = values[:, :, : num_pages * page_size]
-    values = values.reshape(geometry.num_layers, 2, num_pages, page_size, geometry.row_elems)
+    values = values.reshape(geometry.num_layers, planes, num_pages, page_size, geometry.row_elems)
     return values.permute(2, 0, 1, 3, 4).contiguous()
 
 

@@ -15,7 +15,7 @@ import torch
 
 from hicache.config import MemLayout
 from hicache.memory.device_pool import DevicePool
-from hicache.memory.geometry import LLAMA3_8B, KVGeometry
+from hicache.memory.geometry import DEEPSEEK_V2_LITE, LLAMA3_8B, KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.transfer import DirectBackend, IOBackend
 from hicache.transfer.kernel import KernelBackend
@@ -83,14 +83,29 @@ def test_cuda_odd_row_matches_reference(backend: str, layout: MemLayout, layer: 
     check_round_trip(geometry, layout, 16, layer, BACKENDS[backend], seed=5, device="cuda")
 
 
+@pytest.mark.parametrize("layer", [None, 1])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("layout", list(MemLayout))
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_cuda_mla_matches_reference(
+    backend: str, layout: MemLayout, page_size: int, layer: int | None
+) -> None:
+    # One latent plane per layer, 24 elements (masked in the kernel).
+    geometry = KVGeometry.mla(num_layers=3, latent_dim=24, dtype=torch.bfloat16)
+    check_round_trip(
+        geometry, layout, page_size, layer, BACKENDS[backend], seed=6, device="cuda"
+    )
+
+
 @pytest.mark.parametrize("layer", [None, 17])
 @pytest.mark.parametrize("layout", list(MemLayout))
 @pytest.mark.parametrize("backend", ["kernel", "direct"])
-def test_llama3_8b_geometry_128_scattered_pages(
-    backend: str, layout: MemLayout, layer: int | None
+@pytest.mark.parametrize("geometry", [LLAMA3_8B, DEEPSEEK_V2_LITE], ids=["llama3-8b", "dsv2-lite"])
+def test_real_geometry_128_scattered_pages(
+    backend: str, layout: MemLayout, layer: int | None, geometry: KVGeometry
 ) -> None:
     check_round_trip(
-        LLAMA3_8B, layout, 16, layer, BACKENDS[backend], seed=8,
+        geometry, layout, 16, layer, BACKENDS[backend], seed=8,
         host_pages=144, device_pages=136, moved=128, device="cuda",
     )
 

@@ -21,6 +21,7 @@ from hicache.memory.host_memory import available_host_memory, empty_host, host_m
 from tests.kv_oracle import serve
 
 GEOMETRY = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+MLA_GEOMETRY = KVGeometry.mla(num_layers=3, latent_dim=6, dtype=torch.float32)
 DEVICE_PAGES = 12
 
 
@@ -35,20 +36,22 @@ prompts = st.lists(
 )
 
 
+@pytest.mark.parametrize("geometry", [GEOMETRY, MLA_GEOMETRY], ids=["mha", "mla"])
 @pytest.mark.parametrize("layout", list(MemLayout))
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("policy", list(WritePolicy))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=prompts)
 def test_cached_kv_equals_cold_kv_under_pressure(
-    layout: MemLayout, page_size: int, policy: WritePolicy, requests: list[list[int]]
+    layout: MemLayout, page_size: int, policy: WritePolicy, geometry: KVGeometry,
+    requests: list[list[int]],
 ) -> None:
     config = CacheConfig(
         page_size=page_size, enable_hierarchical_cache=True, hicache_ratio=2.0,
         write_policy=policy, io_backend=IOBackendKind.DIRECT, mem_layout=layout,
         load_back_threshold_tokens=1,
     )
-    cache = HierarchicalCache(config, GEOMETRY, DEVICE_PAGES // page_size + 2)
+    cache = HierarchicalCache(config, geometry, DEVICE_PAGES // page_size + 2)
     try:
         for tokens in requests:
             serve(cache, tokens)

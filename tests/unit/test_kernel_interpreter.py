@@ -8,6 +8,7 @@ parametrized test then checks its own case's outcome.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -30,12 +31,15 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (layout, page size, dtype, kv heads, layer, token-major launch); kv heads 3 x
 # head dim 8 = rows of 24 elements: 6 eight-byte units in fp16, not a power of
 # two, so masked. 3 layers = 6 (layer, k|v) rows per token: masked when token-major.
+# kv heads 0 stands for an MLA geometry: one plane (a latent of 24) per layer, so 3
+# (layer, plane) rows per token.
+MLA_HEADS = 0
 Case = tuple[MemLayout, int, str, int, "int | None", bool]
 _CASES: list[Case] = [
     (layout, page_size, dtype, heads, layer, token_major)
     for layout in MemLayout
     for page_size in (1, 16, 64)
-    for dtype, heads in (("fp32", 2), ("bf16", 2), ("fp16", 3))
+    for dtype, heads in (("fp32", 2), ("bf16", 2), ("fp16", 3), ("bf16", MLA_HEADS))
     for layer in (None, 1)
     for token_major in (False, True)
     # Token-major runs one interpreted program per token: page 64 would add a
@@ -48,14 +52,21 @@ def _case_id(case: Case) -> str:
     layout, page_size, dtype, heads, layer, token_major = case
     where = "all" if layer is None else f"layer{layer}"
     order = "token" if token_major else "page"
-    return f"{layout.value}-p{page_size}-{dtype}-h{heads}-{where}-{order}"
+    kv = "mla" if heads == MLA_HEADS else f"h{heads}"
+    return f"{layout.value}-p{page_size}-{dtype}-{kv}-{where}-{order}"
+
+
+def _geometry(dtype: str, heads: int) -> KVGeometry:
+    if heads == MLA_HEADS:
+        return KVGeometry.mla(num_layers=3, latent_dim=24, dtype=_DTYPES[dtype])
+    return KVGeometry(num_layers=3, num_kv_heads=heads, head_dim=8, dtype=_DTYPES[dtype])
 
 
 def _run_case(case: Case) -> str | None:
     from hicache.transfer.kernel import KernelBackend
 
     layout, page_size, dtype, heads, layer, token_major = case
-    geometry = KVGeometry(num_layers=3, num_kv_heads=heads, head_dim=8, dtype=_DTYPES[dtype])
+    geometry = _geometry(dtype, heads)
     try:
         check_round_trip(
             geometry, layout, page_size, layer,
@@ -76,8 +87,11 @@ def _run_warm_up() -> str | None:
     from tests.transfer_reference import bits, fill_random, make_pools
 
     try:
-        geometry = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
-        for layout in MemLayout:
+        geometries = (
+            KVGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
+            KVGeometry.mla(num_layers=3, latent_dim=24, dtype=torch.bfloat16),
+        )
+        for geometry, layout in itertools.product(geometries, MemLayout):
             host, dev = make_pools(geometry, layout, 16, 6, 5, "cpu")
             fill_random(host.flat, 1)
             fill_random(dev.flat, 2)

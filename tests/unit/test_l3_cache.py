@@ -23,6 +23,7 @@ from tests.kv_oracle import conversation, serve, serve_with_l3, settle
 from tests.storage_reference import MemoryBackend, MemoryStore
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+MLA_GEOMETRY = KVGeometry.mla(num_layers=2, latent_dim=6, dtype=torch.float32)
 WAIT_S = 10.0
 
 
@@ -33,13 +34,14 @@ def make_cache(
     layout: MemLayout = MemLayout.PAGE_FIRST,
     device_pages: int = 64,
     policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+    geometry: KVGeometry = GEOMETRY,
     **storage: object,
 ) -> tuple[HierarchicalCache, MemoryBackend]:
     config = CacheConfig(
         page_size=page_size, enable_hierarchical_cache=True, write_policy=policy,
         io_backend=IOBackendKind.DIRECT, mem_layout=layout, load_back_threshold_tokens=1,
     )
-    cache = HierarchicalCache(config, GEOMETRY, device_pages)
+    cache = HierarchicalCache(config, geometry, device_pages)
     backend = MemoryBackend(store)
     defaults: dict[str, object] = {
         "prefetch_threshold": 1, "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE,
@@ -51,13 +53,16 @@ def make_cache(
 
 
 
+@pytest.mark.parametrize("geometry", [GEOMETRY, MLA_GEOMETRY], ids=["mha", "mla"])
 @pytest.mark.parametrize("layout", list(MemLayout))
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_a_second_instance_hits_what_the_first_backed_up(layout: MemLayout, page_size: int) -> None:
+def test_a_second_instance_hits_what_the_first_backed_up(
+    layout: MemLayout, page_size: int, geometry: KVGeometry
+) -> None:
     store = MemoryStore()
     tokens = conversation(40)
-    first, _ = make_cache(store, page_size=page_size, layout=layout)
-    second, _ = make_cache(store, page_size=page_size, layout=layout)
+    first, _ = make_cache(store, page_size=page_size, layout=layout, geometry=geometry)
+    second, _ = make_cache(store, page_size=page_size, layout=layout, geometry=geometry)
     try:
         assert serve_with_l3(first, tokens) == 0
         settle(first)

@@ -60,14 +60,36 @@ def test_direct_round_trip(
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("layer", [None, *range(LAYERS)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_direct_round_trip_mla(
+    layout: MemLayout, page_size: int, dtype: torch.dtype, layer: int | None, mode: str
+) -> None:
+    # One plane per layer (the MLA latent): every layout's strides and every
+    # staged-path block decision differ from the K/V case.
+    geometry = KVGeometry.mla(num_layers=LAYERS, latent_dim=16, dtype=dtype)
+    kwargs = MODES[mode]
+    check_round_trip(
+        geometry, layout, page_size, layer,
+        lambda host, device: DirectBackend(host, device, **kwargs), seed=page_size + 1,
+    )
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("layer", [None, 1])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("layout", list(MemLayout))
+@pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_direct_round_trip_odd_row(
-    layout: MemLayout, page_size: int, layer: int | None, mode: str
+    kind: str, layout: MemLayout, page_size: int, layer: int | None, mode: str
 ) -> None:
-    # kv_heads * head_dim = 24: rows that are not a power of two
-    geometry = KVGeometry(num_layers=LAYERS, num_kv_heads=3, head_dim=8, dtype=torch.float16)
+    # kv_heads * head_dim = 24 (or an MLA latent of 24): rows that are not a power of two
+    if kind == "mla":
+        geometry = KVGeometry.mla(num_layers=LAYERS, latent_dim=24, dtype=torch.float16)
+    else:
+        geometry = KVGeometry(num_layers=LAYERS, num_kv_heads=3, head_dim=8, dtype=torch.float16)
     kwargs = MODES[mode]
     check_round_trip(
         geometry, layout, page_size, layer,
@@ -202,18 +224,26 @@ class _CopyCounter:
 
 
 @pytest.mark.parametrize(
-    ("layout", "layer", "copies_per_run"),
+    ("planes", "layout", "layer", "copies_per_run"),
     [
-        (MemLayout.PAGE_FIRST, None, 1),  # a run of pages is one contiguous block
-        (MemLayout.PAGE_FIRST_DIRECT, None, 1),
-        (MemLayout.LAYER_FIRST, None, 2 * LAYERS),  # one block per (run, layer, k|v)
-        (MemLayout.LAYER_FIRST, 1, 2),  # one block per (run, k|v)
+        (2, MemLayout.PAGE_FIRST, None, 1),  # a run of pages is one contiguous block
+        (2, MemLayout.PAGE_FIRST_DIRECT, None, 1),
+        (2, MemLayout.LAYER_FIRST, None, 2 * LAYERS),  # one block per (run, layer, k|v)
+        (2, MemLayout.LAYER_FIRST, 1, 2),  # one block per (run, k|v)
+        (1, MemLayout.PAGE_FIRST, None, 1),  # MLA: one latent plane per layer
+        (1, MemLayout.PAGE_FIRST_DIRECT, None, 1),
+        (1, MemLayout.LAYER_FIRST, None, LAYERS),  # one block per (run, layer)
+        (1, MemLayout.LAYER_FIRST, 1, 1),
     ],
 )
 def test_staged_copies_scale_with_runs_not_pages(
-    monkeypatch: pytest.MonkeyPatch, layout: MemLayout, layer: int | None, copies_per_run: int
+    monkeypatch: pytest.MonkeyPatch, planes: int, layout: MemLayout, layer: int | None,
+    copies_per_run: int,
 ) -> None:
-    geometry = KVGeometry(num_layers=LAYERS, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    if planes == 1:
+        geometry = KVGeometry.mla(num_layers=LAYERS, latent_dim=16, dtype=torch.float32)
+    else:
+        geometry = KVGeometry(num_layers=LAYERS, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     host, device = make_pools(geometry, layout, 16, HOST_PAGES, DEVICE_PAGES)
     backend = DirectBackend(host, device, staged=True, min_dma_bytes=0)
     host_pages = torch.tensor([3, 4, 5, 6, 12, 13, 14, 0, 1, 2])  # 3 runs, 10 pages

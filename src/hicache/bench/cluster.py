@@ -10,6 +10,11 @@
   ``hicache_size_gb``, and each publishing its KV events on ports of its own;
 - ``hicache router`` in front of them, when ``router`` is given.
 
+With ``pd_decode_workers = N`` the cluster is prefill-decode disaggregated: the
+last N workers run ``--disaggregation-mode decode``, the others
+``--disaggregation-mode prefill`` (each with a bootstrap port of its own), and
+the router runs ``--pd-disaggregation --prefill URL PORT ... --decode URL ...``.
+
 Workers are launched side by side and then awaited; the router starts once
 every worker answers /health, since it asks each for /get_server_info at
 start-up. Leaving the block stops everything (router, workers, master), also
@@ -95,6 +100,13 @@ class ClusterConfig:
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
     cpu_limit: CpuLimit | None = None  # pins every worker and the router (see cpu_limit.py)
+    # Prefill-decode disaggregation: how many of the workers (the last ones) decode; 0: none
+    # (every worker is an ordinary one).
+    pd_decode_workers: int = 0
+    pd_transfer_backend: str = "mooncake"
+    # Decode workers back their finished requests' KV up to the L3 (the next turn's
+    # prefill finds it there).
+    pd_decode_offload: bool = False
     # The workers' HICACHE_CACHE_DIR (converted models, weight digests); None: this
     # process's, so a model converted once is not converted again for every cluster.
     cache_dir: Path | None = None
@@ -102,6 +114,10 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ClusterError(f"a cluster needs at least one worker, not {self.num_workers}")
+        if self.pd_decode_workers and not 0 < self.pd_decode_workers < self.num_workers:
+            raise ClusterError(
+                f"a disaggregated cluster needs at least one prefill and one decode worker: "
+                f"{self.pd_decode_workers} decode of {self.num_workers} workers")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ClusterError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if self.hicache_ratio is not None and not self.hicache_ratio > 1:
@@ -128,10 +144,15 @@ class EventEndpoints:
 class Worker:
     """One ``hicache serve`` of the cluster."""
 
-    def __init__(self, index: int, server: ServerProcess, events: EventEndpoints | None) -> None:
+    def __init__(
+        self, index: int, server: ServerProcess, events: EventEndpoints | None,
+        mode: str = "null", bootstrap_port: int | None = None,
+    ) -> None:
         self.index = index
         self.server = server
         self.events = events
+        self.mode = mode  # its --disaggregation-mode: null, prefill or decode
+        self.bootstrap_port = bootstrap_port  # a prefill worker's
 
     @property
     def url(self) -> str:
@@ -275,6 +296,14 @@ class Cluster:
         elif config.hicache_ratio is not None:
             flags += ["--hicache-ratio", f"{config.hicache_ratio:g}"]
         flags += l3_args
+        mode, bootstrap_port = self._pd_role(index)
+        if mode != "null":
+            flags += ["--disaggregation-mode", mode,
+                      "--disaggregation-transfer-backend", config.pd_transfer_backend]
+        if bootstrap_port is not None:
+            flags += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        if mode == "decode" and config.pd_decode_offload:
+            flags += ["--disaggregation-decode-enable-offload-kvcache"]
         events: EventEndpoints | None = None
         if config.kv_events:
             events = EventEndpoints(
@@ -289,8 +318,18 @@ class Cluster:
             startup_timeout_s=config.startup_timeout_s, stop_timeout_s=config.stop_timeout_s,
             cpu_limit=config.cpu_limit,
         )
-        server.name = f"worker {index}"
-        return Worker(index, server, events)
+        server.name = f"worker {index}" if mode == "null" else f"{mode} worker {index}"
+        return Worker(index, server, events, mode, bootstrap_port)
+
+    def _pd_role(self, index: int) -> tuple[str, int | None]:
+        """Worker ``index``'s disaggregation mode and, for a prefill one, a free bootstrap
+        port."""
+        config = self.config
+        if not config.pd_decode_workers:
+            return "null", None
+        if index >= config.num_workers - config.pd_decode_workers:
+            return "decode", None
+        return "prefill", free_port()
 
     def router_args(self, router: RouterConfig) -> list[str]:
         """The router's flags after ``--port``: workers, policy, then the caller's."""
@@ -305,6 +344,14 @@ class Cluster:
                     )
                 arg = arg.replace(MASTER_ADDRESS_FIELD, master)
             extra.append(arg)
+        if self.config.pd_decode_workers:
+            pools: list[str] = ["--pd-disaggregation"]
+            for worker in self.workers:
+                if worker.mode == "prefill":
+                    pools += ["--prefill", worker.url, str(worker.bootstrap_port)]
+                else:
+                    pools += ["--decode", worker.url]
+            return [*pools, "--policy", router.policy, *extra]
         return [
             "--worker-urls", *(w.url for w in self.workers), "--policy", router.policy, *extra,
         ]

@@ -1,10 +1,12 @@
 """``hicache bench storage``: batch put/get throughput of L3 backends, next to a plain baseline.
 
 Pages have the KV geometry of a model preset (default llama3-8b: 32 layers,
-8 KV heads, head dim 128, bf16) and ``--page-size`` tokens (default 64, so
-8 MiB a page). ``--num-pages`` pages of a host pool in ``--layout`` are stored
-(put) and read back (get) in batches of ``--batch-pages``, through the
-backend's own ``set``/``get``, exactly as the storage controller calls them.
+8 KV heads, head dim 128, bf16), or of ``--geometry`` (e.g. deepseek-v2-lite:
+MLA, 27 layers of one 576-element latent, 1.9 MiB a page of 64), and
+``--page-size`` tokens (default 64, so 8 MiB a Llama page). ``--num-pages``
+pages of a host pool in ``--layout`` are stored (put) and read back (get) in
+batches of ``--batch-pages``, through the backend's own ``set``/``get``,
+exactly as the storage controller calls them.
 Each round starts from an empty store (``clear``, not timed), so every put
 really writes; one warm-up round, then the median of ``--repeats``. The
 bytes read back are compared with the bytes stored once per backend.
@@ -45,7 +47,7 @@ import torch
 
 from hicache.config import MemLayout
 from hicache.memory.allocator import PageIds
-from hicache.memory.geometry import KVGeometry
+from hicache.memory.geometry import GEOMETRY_PRESETS, KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend, StorageError
@@ -121,6 +123,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset", type=str, default="llama3-8b",
         help="model preset whose KV geometry gives the page shape (hicache.model.presets)",
+    )
+    parser.add_argument(
+        "--geometry", choices=sorted(GEOMETRY_PRESETS), default=None,
+        help="KV geometry by name instead of --preset's (deepseek-v2-lite: MLA pages)",
     )
     parser.add_argument("--page-size", type=int, default=64, help="tokens per page")
     parser.add_argument("--num-pages", type=int, default=32, help="pages stored and read back")
@@ -430,7 +436,10 @@ def _make_workload(args: argparse.Namespace, geometry: KVGeometry, work_dir: Pat
     noise = torch.randint(
         0, 256, (args.num_pages * host.page_bytes,), dtype=torch.uint8, generator=generator
     )
-    shape = (args.num_pages, geometry.num_layers, 2, args.page_size, geometry.row_elems)
+    shape = (
+        args.num_pages, geometry.num_layers, geometry.kv_planes, args.page_size,
+        geometry.row_elems,
+    )
     host.pages[torch.from_numpy(source)] = noise.view(geometry.dtype).view(shape)
     # Keys of a namespace of this run only: a shared store never holds them already.
     namespace = KeyNamespace(f"bench-{uuid.uuid4().hex}", geometry.describe(), args.page_size)
@@ -483,7 +492,8 @@ def _print_table(args: argparse.Namespace, workload: Workload, results: list[Res
     geometry = workload.geometry
     page_mib = workload.host.page_bytes / 2**20
     print(
-        f"hicache bench storage: {args.preset} KV ({geometry.describe()}), page {args.page_size} "
+        f"hicache bench storage: {args.geometry or args.preset} KV ({geometry.describe()}), "
+        f"page {args.page_size} "
         f"tokens = {page_mib:.2f} MiB, {workload.num_pages} pages ({workload.nbytes / 1e9:.3f} GB) "
         f"in batches of {workload.batch_pages}, host layout {args.layout}"
         f"{', fsync' if args.fsync else ''}; median of {workload.repeats}"
@@ -516,12 +526,15 @@ def main(args: argparse.Namespace) -> int:
     if args.num_pages < 1 or args.repeats < 1 or args.page_size < 1:
         print("--num-pages, --repeats and --page-size must be >= 1")
         return 2
-    from hicache.model.presets import PRESETS
+    if args.geometry is not None:
+        geometry = GEOMETRY_PRESETS[args.geometry]
+    else:
+        from hicache.model.presets import PRESETS
 
-    if args.preset not in PRESETS:
-        print(f"--preset: unknown {args.preset!r}; choose from {', '.join(PRESETS)}")
-        return 2
-    geometry = PRESETS[args.preset].kv_geometry()
+        if args.preset not in PRESETS:
+            print(f"--preset: unknown {args.preset!r}; choose from {', '.join(PRESETS)}")
+            return 2
+        geometry = PRESETS[args.preset].kv_geometry()
     parent = Path(args.dir).expanduser() if args.dir else None
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
@@ -539,7 +552,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nskipped {name}: {reason}")
     if args.json:
         payload = {
-            "preset": args.preset, "geometry": geometry.describe(), "page_size": args.page_size,
+            "preset": None if args.geometry else args.preset, "geometry": geometry.describe(),
+            "page_size": args.page_size,
             "page_bytes": workload.host.page_bytes, "layout": args.layout,
             "batch_pages": args.batch_pages, "fsync": bool(args.fsync),
             "repeats": args.repeats, "warmup": _WARMUP, "skipped": skipped,

@@ -1,8 +1,10 @@
 """``hicache bench transfer``: L2 <-> L1 page bandwidth per host layout and io backend.
 
-With Llama-3-8B KV geometry (32 layers, 8 KV heads, head dim 128, bf16), for
-each page size, host layout and io backend, ``--pages`` scattered pages (a
-shuffled sample of pools twice that size; default 1 GiB worth on CUDA) are moved:
+With Llama-3-8B KV geometry (32 layers, 8 KV heads, head dim 128, bf16; or
+another ``--geometry``, e.g. deepseek-v2-lite: MLA, 27 layers of one 576-element
+latent, pages a quarter of Llama's), for each page size, host layout and io
+backend, ``--pages`` scattered pages (a shuffled sample of pools twice that
+size; default 1 GiB worth on CUDA) are moved:
 
 - load: L2 -> L1, all layers in one call;
 - load_layerwise: L2 -> L1, one call per layer, all layers (how prefill loads);
@@ -30,7 +32,7 @@ import torch
 
 from hicache.config import IOBackendKind, MemLayout
 from hicache.memory.device_pool import DevicePool
-from hicache.memory.geometry import LLAMA3_8B
+from hicache.memory.geometry import GEOMETRY_PRESETS, KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.transfer.base import IOBackend
 from hicache.transfer.direct import DirectBackend
@@ -61,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"pages moved per op (default: 1 GiB worth on CUDA, {_CPU_DEFAULT_PAGES} on CPU)",
     )
     parser.add_argument("--page-sizes", type=str, default="16,64", help="comma-separated")
+    parser.add_argument(
+        "--geometry", choices=sorted(GEOMETRY_PRESETS), default="llama3-8b",
+        help="KV geometry of the pools (deepseek-v2-lite: MLA, one latent per layer)",
+    )
     parser.add_argument(
         "--layouts", type=str, default=",".join(m.value for m in MemLayout),
         help="comma-separated host layouts",
@@ -175,7 +181,7 @@ def _run_page_size(
     args: argparse.Namespace, device: torch.device, page_size: int, timer: Timer,
     layouts: list[MemLayout], backends: list[str], skipped: dict[str, str],
 ) -> list[Result]:
-    geometry = LLAMA3_8B
+    geometry = GEOMETRY_PRESETS[args.geometry]
     page_bytes = geometry.page_bytes(page_size)
     default_pages = _GIB // page_bytes if device.type == "cuda" else _CPU_DEFAULT_PAGES
     pages = args.pages if args.pages is not None else max(1, default_pages)
@@ -205,9 +211,11 @@ def _run_page_size(
     return results
 
 
-def _print_table(results: list[Result], device_name: str, repeats: int) -> None:
+def _print_table(
+    results: list[Result], geometry: KVGeometry, device_name: str, repeats: int
+) -> None:
     print(
-        f"hicache bench transfer: {LLAMA3_8B.describe()} KV on {device_name}; "
+        f"hicache bench transfer: {geometry.describe()} KV on {device_name}; "
         f"GB/s (1e9 B/s), median of {repeats}; x = ratio to a contiguous pinned copy"
     )
     page_sizes = sorted({r.page_size for r in results})
@@ -215,9 +223,9 @@ def _print_table(results: list[Result], device_name: str, repeats: int) -> None:
         rows = [r for r in results if r.page_size == page_size]
         base = {r.op: r for r in rows if r.layout == "contiguous"}
         nbytes = rows[0].bytes
-        pages = nbytes // LLAMA3_8B.page_bytes(page_size)
+        page_bytes = geometry.page_bytes(page_size)
         print(
-            f"\npage {page_size}: {pages} pages x {LLAMA3_8B.page_bytes(page_size) / 2**20:.0f} MiB"
+            f"\npage {page_size}: {nbytes // page_bytes} pages x {page_bytes / 2**20:.2f} MiB"
             f" = {nbytes / 1e9:.2f} GB per op; contiguous H2D {base['load'].gbps:.1f} GB/s,"
             f" D2H {base['store'].gbps:.1f} GB/s"
         )
@@ -253,6 +261,7 @@ def main(args: argparse.Namespace) -> int:
         for name in args.backends.split(",")
         if name
     ]
+    geometry = GEOMETRY_PRESETS[args.geometry]
     timer = Timer(device, args.repeats)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     skipped: dict[str, str] = {}
@@ -260,18 +269,19 @@ def main(args: argparse.Namespace) -> int:
     for page_size in page_sizes:
         results += _run_page_size(args, device, page_size, timer, layouts, backends, skipped)
         if args.json:  # after every page size, so a run cut short keeps its results
-            _write_json(args.json, device_name, args.repeats, skipped, results)
-    _print_table(results, device_name, args.repeats)
+            _write_json(args.json, geometry, device_name, args.repeats, skipped, results)
+    _print_table(results, geometry, device_name, args.repeats)
     for name, reason in skipped.items():
         print(f"\nskipped io backend {name!r}: {reason}")
     return 0
 
 
 def _write_json(
-    path: str, device_name: str, repeats: int, skipped: dict[str, str], results: list[Result]
+    path: str, geometry: KVGeometry, device_name: str, repeats: int, skipped: dict[str, str],
+    results: list[Result],
 ) -> None:
     payload = {
-        "geometry": LLAMA3_8B.describe(),
+        "geometry": geometry.describe(),
         "device": device_name,
         "repeats": repeats,
         "warmup": _WARMUP,

@@ -85,15 +85,21 @@ class HierarchicalCache:
         host_num_pages: int | None = None,
     ) -> None:
         """``tp_rank``/``tp_size``: this cache holds that tensor-parallel rank's KV shard
-        (its L3 keys say so). ``host_num_pages``: the host pool's size when decided
-        elsewhere (ranks must agree on it); None: from ``config``."""
+        (its L3 keys say so; an MLA rank holds the whole latent, so its keys do not).
+        ``host_num_pages``: the host pool's size when decided elsewhere (ranks must
+        agree on it); None: from ``config``."""
         self.config = config
         # Turns tier transitions into KV events (None: events off, nothing is hashed).
         self.events = events
         self.page_size = config.page_size
         self.device_pool = DevicePool(geometry, device_num_pages, config.page_size, device)
+        # An MLA latent is the same on every tensor-parallel rank: its pages are named
+        # without the TP layout (instances of any TP size share them) and only rank 0
+        # writes them to L3; every rank reads them. MHA ranks hold different KV heads.
+        key_rank, key_size = (0, 1) if geometry.is_mla else (tp_rank, tp_size)
+        self.writes_to_l3 = tp_rank == 0 or not geometry.is_mla
         namespace = KeyNamespace(
-            model_name, geometry.describe(), config.page_size, tp_rank=tp_rank, tp_size=tp_size
+            model_name, geometry.describe(), config.page_size, tp_rank=key_rank, tp_size=key_size
         )
         self.tree = HiRadixTree(config.page_size, config.write_policy, namespace, events)
         self.stats = CacheStats()

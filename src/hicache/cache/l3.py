@@ -18,7 +18,9 @@ Prefetch of a request:
 
 Backup: when a device->host copy lands, the node's pages are queued for L3
 (keys = chained page keys; pages L3 already has are skipped); the host copy is
-protected until the write finishes.
+protected until the write finishes. A cache that does not write to L3
+(``writes_to_l3``: an MLA rank other than 0, whose pages rank 0 writes) marks
+its backups done at once.
 
 Stalled calls (past the controller's deadline, still running): a stalled
 ``get`` may write its host pages whenever it returns, so they are quarantined
@@ -306,6 +308,14 @@ class StorageTier:
         op = BackupOp(list(keys), node.host_pages.copy(), node)
         if self.cache.replicated:
             self.agreement.add_backup(op)
+        if not self.cache.writes_to_l3:
+            # Another rank writes these pages (MLA under TP: rank 0); for this one the
+            # backup is done now, and agreed like any other.
+            if self.cache.replicated:
+                self.agreement.backup_finished(op)
+            else:
+                self.settle_backup(op)
+            return
         self.controller.submit_backup(op)
 
     # ---------------------------------------------------------------- poll

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hicache.config import MemLayout
+from hicache.config import ConfigError, MemLayout
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.layout import PageStrides, canonical_view, page_strides
@@ -13,9 +13,10 @@ from hicache.memory.layout import PageStrides, canonical_view, page_strides
 class DevicePool:
     """KV of ``num_pages`` pages on ``device``.
 
-    Storage: one flat buffer viewed as ``kv[layers, 2, num_slots, kv_heads, head_dim]``
-    where slot = page * page_size + offset-in-page. Attention reads
-    ``k_buffer(layer)`` / ``v_buffer(layer)``: ``[num_slots, kv_heads, head_dim]``.
+    Storage: one flat buffer viewed as ``kv[layers, kv_planes, num_slots, kv_heads, head_dim]``
+    where slot = page * page_size + offset-in-page. MHA/GQA attention reads
+    ``k_buffer(layer)`` / ``v_buffer(layer)``: ``[num_slots, kv_heads, head_dim]``;
+    MLA attention reads ``latent_buffer(layer)``: ``[num_slots, 1, latent_dim]``.
     """
 
     layout = MemLayout.LAYER_FIRST
@@ -29,14 +30,15 @@ class DevicePool:
         self.page_size = page_size
         self.device = torch.device(device)
         self.num_slots = num_pages * page_size
-        numel = geometry.num_layers * 2 * self.num_slots * geometry.row_elems
+        planes = geometry.kv_planes
+        numel = geometry.num_layers * planes * self.num_slots * geometry.row_elems
         self.flat = torch.zeros(numel, dtype=geometry.dtype, device=self.device)
-        # kv: [layers, 2, num_slots, kv_heads, head_dim]
+        # kv: [layers, planes, num_slots, kv_heads, head_dim]
         self.kv = self.flat.view(
-            geometry.num_layers, 2, self.num_slots, geometry.num_kv_heads, geometry.head_dim
+            geometry.num_layers, planes, self.num_slots, geometry.num_kv_heads, geometry.head_dim
         )
         self.strides: PageStrides = page_strides(self.layout, geometry, num_pages, page_size)
-        # pages: [num_pages, layers, 2, page_size, row]
+        # pages: [num_pages, layers, planes, page_size, row]
         self.pages = canonical_view(self.flat, self.strides, geometry, num_pages, page_size)
         self.allocator = PageAllocator(num_pages, name="device pool")
 
@@ -49,10 +51,26 @@ class DevicePool:
         return self.flat.numel() * self.flat.element_size()
 
     def k_buffer(self, layer: int) -> torch.Tensor:
+        """Plane 0 of ``layer``: K, or for MLA the latent. [num_slots, kv_heads, head_dim]"""
         return self.kv[layer, 0]
 
     def v_buffer(self, layer: int) -> torch.Tensor:
+        """V of ``layer``: [num_slots, kv_heads, head_dim]. MLA caches no V."""
+        if self.geometry.is_mla:
+            raise ConfigError(
+                "an MLA KV pool caches one latent per token and no separate V: read "
+                "latent_buffer(layer) and project V out of it"
+            )
         return self.kv[layer, 1]
+
+    def latent_buffer(self, layer: int) -> torch.Tensor:
+        """The MLA latent of ``layer``: [num_slots, 1, latent_dim] (MLA pools only)."""
+        if not self.geometry.is_mla:
+            raise ConfigError(
+                f"latent_buffer is for MLA pools; this pool caches K and V "
+                f"({self.geometry.describe()}): read k_buffer / v_buffer"
+            )
+        return self.kv[layer, 0]
 
     def slots(self, pages: torch.Tensor) -> torch.Tensor:
         """Token slots of ``pages`` in order: [len(pages) * page_size] int64."""

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 class HostPool:
     """KV of ``num_pages`` pages in host memory.
 
-    ``pages`` is the canonical view ``[num_pages, layers, 2, page_size, row]``
+    ``pages`` is the canonical view ``[num_pages, layers, kv_planes, page_size, row]``
     whatever the layout. With page_first layouts ``page_span(p)`` is the page as
     one contiguous 1-D tensor: the unit handed to L3 storage without a copy.
     """
@@ -33,7 +33,7 @@ class HostPool:
         self.layout = MemLayout(layout)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        numel = num_pages * page_size * geometry.num_layers * 2 * geometry.row_elems
+        numel = num_pages * self.page_elems
         # Pinned memory is what lets the GPU DMA (and Triton kernels) read the pool
         # directly; without CUDA it is plain pageable memory.
         self.flat = empty_host(numel, geometry.dtype, pin_memory)
@@ -48,7 +48,8 @@ class HostPool:
 
     @property
     def page_elems(self) -> int:
-        return self.page_size * self.geometry.num_layers * 2 * self.geometry.row_elems
+        geometry = self.geometry
+        return self.page_size * geometry.num_layers * geometry.kv_planes * geometry.row_elems
 
     @property
     def page_bytes(self) -> int:

@@ -1,13 +1,14 @@
 """ModelConfig: the shape of a decoder-only transformer, parsed from a Hugging Face config.json.
 
 Supported: ``LlamaForCausalLM`` (with Llama-3.1 "llama3" RoPE scaling),
-``Qwen2ForCausalLM`` (q/k/v bias) and ``Qwen3ForCausalLM`` (RMSNorm on q and k per
-head before RoPE). Both config.json dialects are read: the classic one
-(``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and transformers 5's
-(``rope_parameters``, ``dtype``). Anything that would change the math and that we
-do not implement (another activation, sliding windows, quantization, other RoPE
-types) is refused with a message naming the field: silently ignoring it would
-serve wrong logits.
+``Qwen2ForCausalLM`` (q/k/v bias), ``Qwen3ForCausalLM`` (RMSNorm on q and k per
+head before RoPE), and ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (MLA
+attention and MoE FFN; their keys in ``hicache.model.deepseek_config``). Both
+config.json dialects are read: the classic one (``rope_theta`` + ``rope_scaling``,
+``torch_dtype``) and transformers 5's (``rope_parameters``, ``dtype``). Anything
+that would change the math and that we do not implement (another activation,
+sliding windows, quantization, other RoPE types) is refused with a message naming
+the field: silently ignoring it would serve wrong logits.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hicache.config import ConfigError
 from hicache.distributed.sharding import kv_head_span
 from hicache.memory.geometry import KVGeometry
+
+if TYPE_CHECKING:
+    from hicache.model.deepseek_config import MLAShape, MoEShape, YarnRopeScaling
 
 
 class ModelConfigError(ConfigError):
@@ -35,6 +39,8 @@ class Architecture(str, Enum):
     LLAMA = "LlamaForCausalLM"
     QWEN2 = "Qwen2ForCausalLM"
     QWEN3 = "Qwen3ForCausalLM"
+    DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
+    DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,10 @@ _TRAITS: dict[Architecture, _Traits] = {
     Architecture.LLAMA: _Traits("llama", qk_norm=False, qwen2_biases=False),
     Architecture.QWEN2: _Traits("qwen2", qk_norm=False, qwen2_biases=True),
     Architecture.QWEN3: _Traits("qwen3", qk_norm=True, qwen2_biases=False),
+    Architecture.DEEPSEEK_V2: _Traits("deepseek_v2", qk_norm=False, qwen2_biases=False),
+    Architecture.DEEPSEEK_V3: _Traits("deepseek_v3", qk_norm=False, qwen2_biases=False),
 }
+_DEEPSEEK = (Architecture.DEEPSEEK_V2, Architecture.DEEPSEEK_V3)
 _BY_MODEL_TYPE = {traits.model_type: arch for arch, traits in _TRAITS.items()}
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -113,7 +122,7 @@ class ModelConfig:
     head_dim: int
     max_position_embeddings: int
     rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: Llama3RopeScaling | YarnRopeScaling | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -122,6 +131,13 @@ class ModelConfig:
     dtype: torch.dtype = torch.bfloat16
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # DeepSeek: multi-head latent attention and the MoE FFN (None for the others).
+    # ``head_dim`` is then the rotary part of a head (qk_rope_head_dim), as transformers has it.
+    mla: MLAShape | None = None
+    moe: MoEShape | None = None
+    # Layers a checkpoint carries past ``num_layers`` that serving does not run
+    # (DeepSeek-V3's multi-token-prediction layer): their tensors are skipped on load.
+    extra_checkpoint_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -167,7 +183,13 @@ class ModelConfig:
         self, dtype: torch.dtype | None = None, *, tp_rank: int = 0, tp_size: int = 1
     ) -> KVGeometry:
         """The KV cache geometry of rank ``tp_rank`` of ``tp_size`` (its KV heads only;
-        see ``hicache.distributed.sharding``), in ``dtype`` or the model's dtype."""
+        see ``hicache.distributed.sharding``), in ``dtype`` or the model's dtype.
+
+        MLA: one latent per token per layer, the same whole latent on every rank."""
+        if self.mla is not None:
+            return KVGeometry.mla(
+                self.num_layers, self.mla.latent_dim, self.dtype if dtype is None else dtype
+            )
         num_kv_heads = (
             self.num_kv_heads
             if tp_size == 1
@@ -212,6 +234,10 @@ class ModelConfig:
         _refuse_unsupported(raw)
         num_heads = _require(raw, "num_attention_heads")
         hidden_size = _require(raw, "hidden_size")
+        if arch in _DEEPSEEK:
+            from hicache.model.deepseek_config import parse_deepseek
+
+            return cls(**_common_fields(raw, arch), **parse_deepseek(raw, arch))
         head_dim = raw.get("head_dim") or hidden_size // num_heads
         rope_theta, rope_scaling = _rope(raw)
         attention_bias = bool(raw.get("attention_bias", False))
@@ -263,7 +289,11 @@ class ModelConfig:
         }
         if not traits.qwen2_biases:
             raw["attention_bias"] = self.qkv_bias
-        if self.rope_scaling is not None:
+        if self.architecture in _DEEPSEEK:
+            from hicache.model.deepseek_config import deepseek_hf_fields
+
+            raw.update(deepseek_hf_fields(self))
+        elif isinstance(self.rope_scaling, Llama3RopeScaling):
             raw["rope_scaling"] = {
                 "rope_type": "llama3",
                 "factor": self.rope_scaling.factor,
@@ -277,6 +307,25 @@ class ModelConfig:
 
 
 # ------------------------------------------------------------------ helpers
+def _common_fields(raw: Mapping[str, Any], arch: Architecture) -> dict[str, Any]:
+    """The fields every architecture reads alike (DeepSeek adds its own)."""
+    dtype_value = raw.get("dtype") or raw.get("torch_dtype")
+    return {
+        "architecture": arch,
+        "vocab_size": _require(raw, "vocab_size"),
+        "hidden_size": _require(raw, "hidden_size"),
+        "intermediate_size": _require(raw, "intermediate_size"),
+        "num_layers": _require(raw, "num_hidden_layers"),
+        "num_heads": _require(raw, "num_attention_heads"),
+        "max_position_embeddings": _require(raw, "max_position_embeddings"),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "dtype": parse_dtype(dtype_value) if dtype_value else torch.bfloat16,
+        "bos_token_id": raw.get("bos_token_id"),
+        "eos_token_ids": _token_ids(raw.get("eos_token_id")),
+    }
+
+
 def _architecture(raw: Mapping[str, Any]) -> Architecture:
     supported = ", ".join(a.value for a in Architecture)
     names = raw.get("architectures")

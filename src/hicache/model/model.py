@@ -1,4 +1,4 @@
-"""CausalLM: a Llama / Qwen2 / Qwen3 decoder whose KV lives in the paged device pool.
+"""CausalLM: a Llama / Qwen2 / Qwen3 / DeepSeek-V2/V3 decoder whose KV lives in the paged pool.
 
 One ``forward`` computes one step of a continuous-batching engine: the new
 tokens of every sequence in a ``ForwardBatch`` (prefills, chunks, decodes,
@@ -12,6 +12,10 @@ every layer (``hicache.distributed.sharding`` says which) and its KV heads' part
 the pool; the ranks sum their partial products after the row-parallel o and down
 projections and after the vocab-parallel embedding, and gather the vocab-parallel
 logits, so every rank returns the full logits of the step.
+
+DeepSeek models (``config.mla``) have ``DeepseekLayer`` layers: multi-head latent
+attention over a pool of one latent row per token per layer, the same on every
+rank, and a MoE FFN; ``mla_form`` says how their attention is computed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from hicache.model.attention import Attention, StepInputs
 from hicache.model.attention_backend import AttentionBackend, make_attention_backend
 from hicache.model.batch import BatchError, ForwardBatch
 from hicache.model.config import ModelConfig, ModelConfigError
+from hicache.model.deepseek_layer import DeepseekLayer, MLAStepInputs
 from hicache.model.layer_blocks import (
     attention_output,
     feed_forward,
@@ -44,6 +49,7 @@ from hicache.model.linear import (
     linear,
     prepack,
 )
+from hicache.model.mla_step import MLAForm, MLAStep
 from hicache.model.mlp import SwiGLU
 from hicache.model.norm import RMSNorm
 from hicache.model.parameter import WeightShards, WeightViews, empty_parameter, part
@@ -178,8 +184,13 @@ class CausalLM(nn.Module):
         # Vocab-parallel: the rank's rows of the vocabulary (all of them at TP=1).
         vocab_rows = self.shard.vocab.size
         self.embed_tokens = empty_parameter(vocab_rows, config.hidden_size, device=dev, dtype=dtype)
+        # MLA models: absorbed or expanded attention, per sequence (``MLAForm``).
+        self.mla_form = MLAForm.AUTO
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dev, dtype, self.shard, self.tp) for _ in range(config.num_layers)
+            DeepseekLayer(config, index, dev, dtype, self.shard, self.tp)
+            if config.mla is not None
+            else DecoderLayer(config, dev, dtype, self.shard, self.tp)
+            for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dev, dtype)
         # Tied models (Qwen3-0.6B) project logits with the embedding matrix itself.
@@ -209,7 +220,10 @@ class CausalLM(nn.Module):
         the faster (``linear.column_major_is_faster``).
 
         Call it after the weights are loaded: a later change to a parameter is not seen.
+        MLA models are not packed (False).
         """
+        if self.config.mla is not None:
+            return False
         if one_row not in ("auto", "packed", "column-major"):
             raise ValueError(f"one_row must be auto, packed or column-major, not {one_row!r}")
         packed_head = prepack(self.lm_head_weight)
@@ -253,8 +267,10 @@ class CausalLM(nn.Module):
         the GEMMs. Attention stays the backend's (it reads the pool in place).
 
         It replaces prepacked weights (the compiler takes plain tensors): the two are
-        alternatives, chosen by measurement (docs/benchmarks.md).
+        alternatives, chosen by measurement (docs/benchmarks.md). MLA models stay eager.
         """
+        if self.config.mla is not None:
+            return
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.packed = None
@@ -293,16 +309,24 @@ class CausalLM(nn.Module):
         the pool through ``batch.page_table`` by the model's attention backend.
         """
         self._check(batch, kv)
-        step = StepInputs(
-            *self.rotary.lookup(batch.positions),
-            out_slots=batch.out_slots,
-            attention=self.attention_backend.prepare(batch),
-        )
+        cos, sin = self.rotary.lookup(batch.positions)
         h = self._embed(batch.input_ids)  # [T, hidden]
-        for index, layer in enumerate(self.layers):
-            if wait_layer is not None:
-                wait_layer(index)
-            h = layer(h, step, kv.k_buffer(index), kv.v_buffer(index), self.blocks)
+        if self.config.mla is not None:
+            plan = MLAStep(batch, self.config.mla, self.mla_form)
+            mla_step = MLAStepInputs(cos, sin, batch.out_slots, plan)
+            for index, layer in enumerate(self.layers):
+                if wait_layer is not None:
+                    wait_layer(index)
+                h = layer(h, mla_step, kv.latent_buffer(index))
+        else:
+            step = StepInputs(
+                cos, sin, out_slots=batch.out_slots,
+                attention=self.attention_backend.prepare(batch),
+            )
+            for index, layer in enumerate(self.layers):
+                if wait_layer is not None:
+                    wait_layer(index)
+                h = layer(h, step, kv.k_buffer(index), kv.v_buffer(index), self.blocks)
         rows = batch.logit_rows()
         if len(rows) != batch.num_tokens:
             # Mostly only the last token of each sequence is sampled from: skip the rest's
@@ -356,7 +380,7 @@ class CausalLM(nn.Module):
             "model.embed_tokens.weight": part(self.embed_tokens, table_shape, 0, vocab.start)
         }
         for index, layer in enumerate(self.layers):
-            assert isinstance(layer, DecoderLayer)
+            assert isinstance(layer, DecoderLayer | DeepseekLayer)
             shards.update(layer.hf_shards(f"model.layers.{index}"))
         shards.update(self.norm.hf_shards("model.norm"))
         if self.lm_head is not None:

@@ -13,6 +13,49 @@ import torch
 
 from hicache.model.config import Architecture, Llama3RopeScaling, ModelConfig, ModelConfigError
 
+# deepseek-ai/DeepSeek-V2-Lite's config.json (the keys that shape the model): MLA without
+# q_lora_rank, 64 routed experts (6 per token) + 2 shared, the first layer dense.
+_DEEPSEEK_V2_LITE: dict[str, object] = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
 PRESETS: dict[str, ModelConfig] = {
     # The CPU default: small enough for unit tests, with GQA (4 query heads over 2 KV heads)
     # and a vocab that holds the byte tokenizer's 256 bytes plus its specials.
@@ -70,6 +113,9 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-5,
         dtype=torch.bfloat16,
     ),
+    # deepseek-ai/DeepSeek-V2-Lite (15.7B parameters, 2.4B active per token).
+    # KV geometry = memory.geometry.DEEPSEEK_V2_LITE: one 576-element latent per layer.
+    "deepseek-v2-lite": ModelConfig.from_hf_dict(_DEEPSEEK_V2_LITE),
 }
 
 DEFAULT_PRESET = "tiny"

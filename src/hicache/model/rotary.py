@@ -1,8 +1,9 @@
-"""Rotary position embedding (RoPE), with Llama-3.1's frequency-dependent scaling.
+"""Rotary position embedding (RoPE), with Llama-3.1's and YaRN's frequency scaling.
 
 Convention: "rotate half", as in the Hugging Face checkpoints: dimension i of
 a head is paired with dimension i + head_dim / 2, and the pair is rotated by
-``position * inv_freq[i]``. cos/sin are precomputed for every position up to
+``position * inv_freq[i]``. DeepSeek pairs neighbours instead (2i with 2i + 1:
+``apply_rotary_interleaved``). cos/sin are precomputed for every position up to
 ``max_position_embeddings`` once, so a forward step only gathers rows.
 """
 
@@ -14,12 +15,16 @@ import torch
 from torch import nn
 
 from hicache.model.config import Llama3RopeScaling
+from hicache.model.deepseek_config import YarnRopeScaling
+from hicache.model.yarn import yarn_inv_freq
 
 
 def rope_inv_freq(
-    head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None
+    head_dim: int, theta: float, scaling: Llama3RopeScaling | YarnRopeScaling | None = None
 ) -> torch.Tensor:
     """Rotation speed of each dimension pair: [head_dim / 2] float32, fastest first."""
+    if isinstance(scaling, YarnRopeScaling):
+        return yarn_inv_freq(head_dim, theta, scaling)
     # float32 on purpose: the checkpoints were trained with frequencies and angles
     # computed in float32, and matching them beats being more exact.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
@@ -52,7 +57,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: Llama3RopeScaling | None,
+        scaling: Llama3RopeScaling | YarnRopeScaling | None,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
@@ -61,12 +66,14 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
         positions = torch.arange(max_positions, dtype=torch.float32, device=device)
         angles = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        # YaRN scales cos and sin themselves (so the rotary part of q.k by its square).
+        gain = scaling.attention_factor if isinstance(scaling, YarnRopeScaling) else 1.0
         # Rounded to the model dtype, as the q/k they multiply: the products then round
         # exactly as the reference models' do.
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
+        self.register_buffer("cos", (angles.cos() * gain).to(dtype), persistent=False)
+        self.register_buffer("sin", (angles.sin() * gain).to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions`` [T]: each [T, 1, head_dim / 2] (broadcast over heads)."""
@@ -76,4 +83,18 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [T, heads, head_dim] by the angles whose cos/sin are [T, 1, head_dim / 2]."""
     x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_interleaved(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """DeepSeek's RoPE: rotate the pairs (x[2i], x[2i + 1]) of ``x`` [..., rope_dim].
+
+    The result is laid out de-interleaved ([rotated evens | rotated odds]), as
+    transformers' DeepseekV3 returns it. q and k get the same layout, so their dot
+    product equals the interleaved one (transformers' DeepseekV2 keeps pairs in place):
+    the cached rotary keys are in this layout, and only this code reads them.
+    """
+    x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -91,6 +91,14 @@ def _check_names_and_shapes(
     model: CausalLM, targets: dict[str, WeightShard], shapes: dict[str, tuple[int, ...]]
 ) -> None:
     ignored = {n for n in shapes if n.endswith(_IGNORED_SUFFIXES)}
+    config = model.config
+    # Layers the checkpoint has past the ones served (DeepSeek-V3's multi-token prediction).
+    extra = tuple(
+        f"model.layers.{index}."
+        for index in range(config.num_layers, config.num_layers + config.extra_checkpoint_layers)
+    )
+    if extra:
+        ignored |= {n for n in shapes if n.startswith(extra)}
     if model.config.tie_word_embeddings:
         # Some tied checkpoints also store the (identical) output projection.
         ignored.add("lm_head.weight")

@@ -13,13 +13,20 @@ Each router owns its registry, so several in one process (tests) never clash.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hicache.router.types import TIERS, RouteDecision
-from hicache.router.workers import WorkerRegistry
+from hicache.router.workers import Worker
+
+
+class WorkerSource(Protocol):
+    """Where the live gauges read the workers from (a registry, or both PD pools)."""
+
+    def all(self) -> list[Worker]: ...
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -33,7 +40,7 @@ _TIER_FIELDS = dict(zip(TIERS, ("gpu", "host", "external"), strict=True))
 
 
 class RouterMetrics:
-    def __init__(self, workers: WorkerRegistry, indexed_pages: Callable[[], int]) -> None:
+    def __init__(self, workers: WorkerSource, indexed_pages: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.decision_latency = Histogram(
@@ -83,7 +90,7 @@ class RouterMetrics:
 
 
 class _LiveState(Collector):
-    def __init__(self, workers: WorkerRegistry, indexed_pages: Callable[[], int]) -> None:
+    def __init__(self, workers: WorkerSource, indexed_pages: Callable[[], int]) -> None:
         self._workers = workers
         self._indexed_pages = indexed_pages
 

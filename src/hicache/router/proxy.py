@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -47,14 +47,21 @@ def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 
 class UpstreamResponse(StreamingResponse):
-    """A worker's answer, streamed to the client while watching for the client leaving."""
+    """A worker's answer, streamed to the client while watching for the client leaving.
 
-    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None]) -> None:
-        self._raw = upstream.aiter_raw()
+    ``head`` and ``raw``: when the caller already read the answer's first bytes (the PD
+    proxy waits for them), those bytes and the iterator the rest comes from."""
+
+    def __init__(
+        self, upstream: httpx.Response, on_close: Callable[[], None], *, head: bytes = b"",
+        raw: AsyncIterator[bytes] | None = None,
+    ) -> None:
+        self._raw = raw if raw is not None else upstream.aiter_raw()
         super().__init__(self._raw, status_code=upstream.status_code,
                          headers=forwarded_headers(upstream.headers))
         self._upstream = upstream
         self._on_close = on_close
+        self._head = head
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -78,6 +85,8 @@ class UpstreamResponse(StreamingResponse):
             self._on_close()
 
     async def _pump(self, send: Send) -> None:
+        if self._head:
+            await send({"type": "http.response.body", "body": self._head, "more_body": True})
         async for chunk in self._raw:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

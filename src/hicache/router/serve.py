@@ -3,7 +3,11 @@
 Start-up fails (exit status 2, the reason logged) when a --worker-urls worker
 does not answer /get_server_info within --worker-startup-timeout, or when its
 page size or model differs from the first worker's: a router that silently
-served half its workers would be worse than none.
+served half its workers would be worse than none. With --pd-disaggregation the
+same holds over the --prefill and --decode instances together (the KV moves
+between them page by page), and an instance that reports the wrong
+``disaggregation_mode`` (a decode instance given as --prefill, or an ordinary
+one) is refused too.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import uvicorn
 
 from hicache.router.app import create_router_app
 from hicache.router.index import PageIndex
+from hicache.router.pd_app import create_pd_router_app
+from hicache.router.pd_pools import DisaggregationMode
 from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.settings import (
     RouterSettings,
@@ -80,17 +86,46 @@ def discover_workers(
     return infos
 
 
+def discover_pd_workers(
+    settings: RouterSettings, retry_s: float = _RETRY_S,
+) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+    """(prefill infos, decode infos), all checked against the first prefill instance and
+    against the mode each reports; RouterStartupError otherwise."""
+    prefill_urls = [p.url for p in settings.prefill]
+    infos = discover_workers([*prefill_urls, *settings.decode_urls],
+                             settings.worker_startup_timeout_s, retry_s)
+    prefill, decode = infos[:len(prefill_urls)], infos[len(prefill_urls):]
+    for expected, group in ((DisaggregationMode.PREFILL, prefill),
+                            (DisaggregationMode.DECODE, decode)):
+        for info in group:
+            # Servers that do not report a mode (SGLang's before it did) are taken on trust.
+            mode = info.server_info.get("disaggregation_mode")
+            if mode is not None and mode != expected.value:
+                raise RouterStartupError(
+                    f"{info.url} is given as --{expected.value} but runs with "
+                    f"--disaggregation-mode {mode}")
+    return prefill, decode
+
+
 def run_router(
     settings: RouterSettings, index_factory: IndexFactory, policy_factory: PolicyFactory,
 ) -> None:
     """Serve until stopped; RouterStartupError when the workers cannot be used."""
-    workers = discover_workers(settings.worker_urls, settings.worker_startup_timeout_s)
+    decode: list[WorkerInfo] = []
+    if settings.pd_disaggregation:
+        workers, decode = discover_pd_workers(settings)
+    else:
+        workers = discover_workers(settings.worker_urls, settings.worker_startup_timeout_s)
     index = index_factory()
     costs: dict[str, TierCosts] | None = None
     if settings.tier_costs is TierCostsMode.MEASURED:
         costs = {}
+    # With PD the policy chooses among the prefill instances: they compute the prefixes.
     policy = policy_factory(index, settings, workers, {} if costs is None else costs)
-    app = create_router_app(settings, index, policy, workers, tier_costs=costs)
+    if settings.pd_disaggregation:
+        app = create_pd_router_app(settings, index, policy, workers, decode, tier_costs=costs)
+    else:
+        app = create_router_app(settings, index, policy, workers, tier_costs=costs)
     level = logging.getLogger().getEffectiveLevel()
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, log_level=level,

@@ -3,13 +3,15 @@
 argparse lives only here (``add_arguments`` / ``settings_from_args``); every
 other part of the router reads the dataclass. Defaults are the dataclass's.
 Names follow seed 001 (Dynamo's ``--shared-cache-type``, ``--shared-cache-multiplier``,
-``--overlap-weight``) and SGLang's router (``--worker-urls``).
+``--overlap-weight``) and SGLang's router (``--worker-urls``; for prefill-decode
+disaggregation ``--pd-disaggregation --prefill URL [BOOTSTRAP_PORT] ... --decode URL ...``).
 """
 
 from __future__ import annotations
 
 import argparse
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from urllib.parse import urlsplit
 
@@ -29,6 +31,18 @@ class SharedCacheType(str, enum.Enum):
 class TierCostsMode(str, enum.Enum):
     FIXED = "fixed"  # one multiplier for every worker
     MEASURED = "measured"  # each worker's own bandwidths and prefill rate
+
+
+class DecodePolicyName(str, enum.Enum):
+    """How a decode instance is chosen: no prefix matters there (its KV comes from the
+    prefill instance), only load."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+
+
+# SGLang's default --disaggregation-bootstrap-port: a prefill instance named without one.
+DEFAULT_BOOTSTRAP_PORT = 8998
 
 
 class SettingsError(ValueError):
@@ -56,10 +70,19 @@ class RouterSettings:
     request_timeout_s: float = 600.0
     # How long start-up waits for the --worker-urls to answer /get_server_info.
     worker_startup_timeout_s: float = 300.0
+    # Prefill-decode disaggregation: each request goes to a prefill instance (chosen by
+    # --policy, from its cached prefix) and a decode instance (by --decode-policy).
+    pd_disaggregation: bool = False
+    prefill: tuple[PrefillEndpoint, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    decode_policy: DecodePolicyName = DecodePolicyName.LEAST_LOAD
 
     def __post_init__(self) -> None:
-        for url in self.worker_urls:
+        for url in (*self.worker_urls, *self.decode_urls):
             check_worker_url(url)
+        for endpoint in self.prefill:
+            check_worker_url(endpoint.url)
+        self._check_pd()
         if not 0 < self.port < 65536:
             raise SettingsError(f"--port must be in 1..65535, got {self.port}")
         if self.overlap_weight < 0:
@@ -74,6 +97,22 @@ class RouterSettings:
             if not value > 0:
                 raise SettingsError(f"{name} must be > 0 seconds, got {value}")
 
+    def _check_pd(self) -> None:
+        if not self.pd_disaggregation:
+            if self.prefill or self.decode_urls:
+                raise SettingsError("--prefill and --decode need --pd-disaggregation")
+            return
+        if self.worker_urls:
+            raise SettingsError("--pd-disaggregation routes over --prefill and --decode "
+                                "instances; --worker-urls cannot be used with it")
+        if not self.prefill or not self.decode_urls:
+            raise SettingsError("--pd-disaggregation needs at least one --prefill URL and "
+                                "one --decode URL")
+        overlap = {p.url for p in self.prefill} & set(self.decode_urls)
+        if overlap:
+            raise SettingsError(f"{sorted(overlap)[0]} is given as both --prefill and "
+                                "--decode: an instance runs in one disaggregation mode")
+
     def public(self) -> dict[str, object]:
         """The settings as /get_server_info shows them (the admin key only as set or not)."""
         out: dict[str, object] = {}
@@ -83,10 +122,54 @@ class RouterSettings:
                 value = value is not None
             elif isinstance(value, enum.Enum):
                 value = value.value
+            elif f.name == "prefill":
+                value = [p.public() for p in value]
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value
         return out
+
+
+@dataclass(frozen=True)
+class PrefillEndpoint:
+    """A prefill instance: its HTTP url and the port of its bootstrap server (where
+    decode instances register the pages a request's KV goes to)."""
+
+    url: str
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+
+    def __post_init__(self) -> None:
+        if not 0 < self.bootstrap_port < 65536:
+            raise SettingsError(f"--prefill {self.url}: the bootstrap port must be in "
+                                f"1..65535, got {self.bootstrap_port}")
+
+    def public(self) -> dict[str, object]:
+        return {"url": self.url, "bootstrap_port": self.bootstrap_port}
+
+
+def parse_prefill_args(groups: Sequence[Sequence[str]]) -> tuple[PrefillEndpoint, ...]:
+    """``--prefill URL [BOOTSTRAP_PORT]`` groups (SGLang's form) as endpoints; a port left
+    out, or SGLang's ``none``, is the default bootstrap port. Repeats of a URL are one."""
+    endpoints: dict[str, PrefillEndpoint] = {}
+    for group in groups:
+        if not 1 <= len(group) <= 2:
+            raise SettingsError(f"--prefill takes a URL and an optional bootstrap port, got "
+                                f"{' '.join(group)!r}")
+        url = check_worker_url(group[0])
+        port = DEFAULT_BOOTSTRAP_PORT
+        if len(group) == 2 and group[1].lower() != "none":
+            try:
+                port = int(group[1])
+            except ValueError:
+                raise SettingsError(f"--prefill {url}: bootstrap port {group[1]!r} is not a "
+                                    "number (give a port, or none for the default "
+                                    f"{DEFAULT_BOOTSTRAP_PORT})") from None
+        endpoint = PrefillEndpoint(url, port)
+        known = endpoints.setdefault(url, endpoint)
+        if known != endpoint:
+            raise SettingsError(f"--prefill {url} is given twice with different bootstrap "
+                                f"ports ({known.bootstrap_port} and {port})")
+    return tuple(endpoints.values())
 
 
 def normalize_worker_url(url: str) -> str:
@@ -168,6 +251,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-startup-timeout", type=float, default=d.worker_startup_timeout_s,
         help="seconds start-up waits for --worker-urls to answer (default: %(default)s)",
     )
+    pd = parser.add_argument_group("prefill-decode disaggregation")
+    pd.add_argument(
+        "--pd-disaggregation", action="store_true",
+        help="send each request to a prefill instance and a decode instance together "
+        "(hicache serve --disaggregation-mode prefill|decode); the decode one answers",
+    )
+    pd.add_argument(
+        "--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill instance and, optionally, its --disaggregation-bootstrap-port "
+        f"(default {DEFAULT_BOOTSTRAP_PORT}); repeat for more. Chosen by --policy",
+    )
+    pd.add_argument(
+        "--decode", nargs=1, action="append", default=[], metavar="URL",
+        help="a decode instance; repeat for more",
+    )
+    pd.add_argument(
+        "--decode-policy", choices=[p.value for p in DecodePolicyName],
+        default=d.decode_policy.value,
+        help="how a decode instance is chosen (default: %(default)s)",
+    )
     # SUPPRESS: when not given here, ``hicache --log-level`` (before the subcommand) stands.
     group.add_argument("--log-level", default=argparse.SUPPRESS,
                        help="python logging level (default: info)")
@@ -185,4 +288,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         admin_api_key=args.admin_api_key or None,  # an empty key would let anyone in
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
         worker_startup_timeout_s=args.worker_startup_timeout,
+        pd_disaggregation=args.pd_disaggregation, prefill=parse_prefill_args(args.prefill),
+        decode_urls=tuple(dict.fromkeys(normalize_worker_url(u) for (u,) in args.decode)),
+        decode_policy=DecodePolicyName(args.decode_policy),
     )

@@ -25,6 +25,9 @@ Two host layouts store a page's rows in different orders (page_first is
 token-major, layer_first and page_first_direct are layer-major). The order is
 part of both the header and the object name, so instances that use different
 layouts never read each other's pages as garbage; they simply do not share.
+The geometry (MHA K and V, or one MLA latent per layer) is not in the header:
+it is in the page key's namespace (``KVGeometry.describe``), so an MLA page and
+an MHA page never share a key; the payload length double-checks it.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ Buffer = bytes | bytearray | memoryview
 class PayloadOrder(IntEnum):
     """How the rows of one page follow each other in the payload."""
 
-    LAYER_MAJOR = 1  # [layers][k|v][page_size][row]: layer_first, page_first_direct
-    TOKEN_MAJOR = 2  # [page_size][layers][k|v][row]: page_first
+    # A plane is K or V; an MLA page has one plane (the latent) per layer.
+    LAYER_MAJOR = 1  # [layers][planes][page_size][row]: layer_first, page_first_direct
+    TOKEN_MAJOR = 2  # [page_size][layers][planes][row]: page_first
 
     @classmethod
     def of_layout(cls, layout: MemLayout) -> PayloadOrder:

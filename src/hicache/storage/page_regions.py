@@ -2,7 +2,7 @@
 
 A page is never copied to move it to or from L3: backends hand the store the
 page's own memory. With page_first layouts a page is one contiguous region.
-With layer_first it is ``2 * layers`` regions, one per (layer, k|v), each the
+With layer_first it is ``planes * layers`` regions, one per (layer, plane), each the
 page's ``page_size`` consecutive rows (contiguous because a row follows the
 previous token's row in every layout). Backends pass these regions as one
 scatter/gather list (``readv``/``writev`` for files, multi-buffer batch calls
@@ -38,11 +38,11 @@ class PageRegions:
             self.region_offsets = [0]
             self.region_bytes = self.page_bytes
         elif strides.token == geometry.row_elems:
-            # layer_first: one region per (layer, k|v), in layer-major order.
+            # layer_first: one region per (layer, plane), in layer-major order.
             self.region_offsets = [
                 (layer * strides.layer + kv * strides.kv) * element_bytes
                 for layer in range(geometry.num_layers)
-                for kv in range(2)
+                for kv in range(geometry.kv_planes)
             ]
             self.region_bytes = host.page_size * geometry.row_elems * element_bytes
         else:

@@ -1,7 +1,8 @@
 """DirectBackend: page copies with torch operations only, no custom kernels.
 
 Same device (CPU pools, as in CI): one ``index_select`` + ``index_copy_`` through
-the canonical ``[pages, layers, 2, page_size, row]`` views, whatever the layout.
+the canonical ``[pages, layers, planes, page_size, row]`` views, whatever the layout
+(planes: K and V, or the one MLA latent).
 
 Device pool on CUDA: the host pool is only reachable by DMA, and torch copies a
 strided (non-contiguous) host tensor through a pageable temporary. So every copy
@@ -13,8 +14,8 @@ order, which turns each host-side piece into one contiguous DMA:
 
 A block is the largest piece of a request that is contiguous in host memory:
 a run of consecutive host pages (page_first, page_first_direct), or a run's
-slice of one (layer, k|v) (layer_first). Python loops over blocks, so the cost
-is O(runs) or O(runs x layers x 2) DMA calls, never O(pages x layers) when
+slice of one (layer, plane) (layer_first). Python loops over blocks, so the cost
+is O(runs) or O(runs x layers x planes) DMA calls, never O(pages x layers) when
 pages are allocated in runs. Where a load's blocks would be tiny, or a page's
 selected part is not contiguous (see ``_use_dma``), the host side goes through a
 pinned staging buffer instead: one CPU ``index_select`` and one DMA per chunk.
@@ -78,7 +79,7 @@ class _Plan:
     permuted so that the host's strides decrease: a staging tensor of shape
     ``stage_shape(n)`` then has the host's memory order, so a run of host pages
     maps to contiguous staging memory. Dims before ``page_axis`` are "outer"
-    (only layer_first has them: [layers, k|v]).
+    (only layer_first has them: [layers, planes]).
     """
 
     host: torch.Tensor  # [*outer, host_pages, *inner] (a view of host.flat)
@@ -182,7 +183,7 @@ class DirectBackend(IOBackend):
             self._staged_copy(self._plan(layer), host_pages, device_pages, to_device=True)
             return
         src, dst = self._views(layer)
-        # [n, layers, 2, page_size, row] (or [n, 2, page_size, row] for one layer)
+        # [n, layers, planes, page_size, row] (or [n, planes, page_size, row] for one layer)
         dst.index_copy_(0, device_pages, src.index_select(0, host_pages))
 
     def store(
@@ -253,10 +254,10 @@ class DirectBackend(IOBackend):
     ) -> bool:
         """One DMA per contiguous host block, unless blocks are too small to be worth it.
 
-        Not contiguous within a page (page_first, one layer: P rows of 2 x row
-        elements, L x 2 x row apart) always goes through the CPU: a DMA per row
+        Not contiguous within a page (page_first, one layer: P rows of planes x row
+        elements, L x planes x row apart) always goes through the CPU: a DMA per row
         would be O(tokens) calls. page_first_direct, one layer, is one block of
-        2 x page_size x row per page (pages are L x that apart): O(pages) DMAs.
+        planes x page_size x row per page (pages are L x that apart): O(pages) DMAs.
         Stores always use DMA where they can: the CPU scatter path has to wait
         for the stream, and the controller issues stores from its own thread.
         """

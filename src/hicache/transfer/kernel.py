@@ -2,7 +2,7 @@
 
 No staging and no DMA engine: GPU threads load from (or store to) the pinned
 host pool over PCIe and write (read) the device pool, one program per
-(page, layer, k|v). Any mix of host layout, direction, page order and layer
+(page, layer, plane: K, V or MLA latent). Any mix of host layout, direction, page order and layer
 selection is one launch. Triton is imported only when a KernelBackend is built,
 so this module imports on CPU-only machines without Triton.
 
@@ -177,7 +177,7 @@ class KernelBackend(IOBackend):
         target = self.device.device
         args = (
             src, src_strides, dst, dst_strides, src_idx, dst_idx, first, count,
-            self.host.page_size, self._row_units, self.token_major,
+            self.host.page_size, self._row_units, self.token_major, self.host.geometry.kv_planes,
         )
         if target.type == "cuda":
             # Triton launches on the current device's current stream.

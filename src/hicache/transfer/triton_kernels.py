@@ -51,18 +51,19 @@ def _copy_pages_kernel(
     dst_kv_stride,
     dst_token_stride,
     PAGE_SIZE: tl.constexpr,
+    KV_PLANES: tl.constexpr,  # 2 (K and V) or 1 (MLA latent)
     ROW: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
     EVEN: tl.constexpr,  # ROW == BLOCK_ROW and BLOCK_TOKENS divides PAGE_SIZE: no masks
 ):
-    # One program per (page-list entry, layer, k|v): PAGE_SIZE rows of ROW units,
+    # One program per (page-list entry, layer, plane): PAGE_SIZE rows of ROW units,
     # each row contiguous on both sides; rows are token_stride apart.
     entry = tl.program_id(0)
     layer_kv = tl.program_id(1)
     # 64-bit offsets throughout: a host pool easily exceeds 2**31 elements.
-    layer = (first_layer + layer_kv // 2).to(tl.int64)
-    kv = (layer_kv % 2).to(tl.int64)
+    layer = (first_layer + layer_kv // KV_PLANES).to(tl.int64)
+    kv = (layer_kv % KV_PLANES).to(tl.int64)
     src_page = tl.load(src_pages + entry)
     dst_page = tl.load(dst_pages + entry)
     src_base = (
@@ -99,14 +100,15 @@ def _copy_pages_token_major_kernel(
     dst_layer_stride,
     dst_kv_stride,
     dst_token_stride,
-    NUM_LAYER_KV: tl.constexpr,  # 2 x layers copied
+    NUM_LAYER_KV: tl.constexpr,  # planes x layers copied
+    KV_PLANES: tl.constexpr,  # 2 (K and V) or 1 (MLA latent)
     ROW: tl.constexpr,
     BLOCK_LAYER_KV: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
     EVEN: tl.constexpr,  # ROW == BLOCK_ROW and BLOCK_LAYER_KV divides NUM_LAYER_KV: no masks
 ):
     # One program per (page-list entry, token): NUM_LAYER_KV rows of ROW units.
-    # For a token-major layout (page_first: [page][token][layer][k|v][row]) these
+    # For a token-major layout (page_first: [page][token][layer][plane][row]) these
     # rows are one contiguous span of the host buffer, so each tile reads or
     # writes contiguous host memory over PCIe instead of rows a layer apart.
     entry = tl.program_id(0)
@@ -119,8 +121,8 @@ def _copy_pages_token_major_kernel(
     cols = tl.arange(0, BLOCK_ROW)
     for first in tl.range(0, NUM_LAYER_KV, BLOCK_LAYER_KV):
         index = first + lkv
-        layer = first_layer + index // 2
-        kv = index % 2
+        layer = first_layer + index // KV_PLANES
+        kv = index % KV_PLANES
         src_rows = layer * src_layer_stride + kv * src_kv_stride
         dst_rows = layer * dst_layer_stride + kv * dst_kv_stride
         src_ptrs = src_base + src_rows[:, None] + cols[None, :]
@@ -144,32 +146,36 @@ def copy_pages(
     page_size: int,
     row: int,
     token_major: bool = False,
+    kv_planes: int = 2,
 ) -> None:
     """Copy layers [first_layer, first_layer + num_layers) of src_pages[i] to dst_pages[i].
 
     ``src``/``dst`` are flat unit buffers; strides, ``row`` in units. Enqueued on
     the current stream of the current device; returns without waiting.
     ``token_major`` gives each program one token's rows of every copied layer
-    (for page_first host pools) instead of one (layer, k|v)'s rows of every token.
+    (for page_first host pools) instead of one (layer, plane)'s rows of every token.
+    ``kv_planes``: rows per (token, layer), 2 for K and V, 1 for an MLA latent.
     """
     unit_bytes = src.element_size()
     block_row = triton.next_power_of_2(row)
     tile_units = _TILE_BYTES // unit_bytes
     if token_major:
-        num_layer_kv = 2 * num_layers
+        num_layer_kv = kv_planes * num_layers
         block_lkv = min(triton.next_power_of_2(num_layer_kv), max(1, tile_units // block_row))
         even_lkv = block_row == row and num_layer_kv % block_lkv == 0
         _copy_pages_token_major_kernel[(src_pages.numel(), page_size)](
             src, dst, src_pages, dst_pages, first_layer, *src_strides, *dst_strides,
-            NUM_LAYER_KV=num_layer_kv, ROW=row, BLOCK_LAYER_KV=block_lkv, BLOCK_ROW=block_row,
+            NUM_LAYER_KV=num_layer_kv, KV_PLANES=kv_planes, ROW=row, BLOCK_LAYER_KV=block_lkv,
+            BLOCK_ROW=block_row,
             EVEN=even_lkv, num_warps=_NUM_WARPS,
         )
         return
     block_tokens = min(triton.next_power_of_2(page_size), max(1, tile_units // block_row))
     even = block_row == row and page_size % block_tokens == 0
-    grid = (src_pages.numel(), 2 * num_layers)
+    grid = (src_pages.numel(), kv_planes * num_layers)
     _copy_pages_kernel[grid](
         src, dst, src_pages, dst_pages, first_layer, *src_strides, *dst_strides,
-        PAGE_SIZE=page_size, ROW=row, BLOCK_TOKENS=block_tokens, BLOCK_ROW=block_row,
+        PAGE_SIZE=page_size, KV_PLANES=kv_planes, ROW=row, BLOCK_TOKENS=block_tokens,
+        BLOCK_ROW=block_row,
         EVEN=even, num_warps=_NUM_WARPS,
     )

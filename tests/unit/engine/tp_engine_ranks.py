@@ -87,6 +87,7 @@ class RankResult:
     num_ticks: int = 0
     num_stalled_calls: int = 0  # L3 calls that went past their deadline (io_timeout_s)
     num_quarantined_pages: int = 0  # host pages still reserved for stalled calls at the end
+    l3_put_keys: list[bytes] = field(default_factory=list)  # every key this rank wrote to L3
 
 
 def greedy(max_new_tokens: int = 6) -> SamplingParams:
@@ -143,8 +144,23 @@ def _inject_l3_fault(engine: Engine, fault: L3Fault) -> None:
         backend.get = get  # type: ignore[method-assign]
 
 
+def _count_l3_puts(engine: Engine, result: RankResult) -> None:
+    storage = engine.cache.storage
+    if storage is None:
+        return
+    backend = storage.backend
+    real_set = backend.set
+
+    def counted_set(keys: Sequence[bytes], host_pages: PageIds) -> int:
+        result.l3_put_keys.extend(keys)
+        return real_set(keys, host_pages)
+
+    backend.set = counted_set  # type: ignore[method-assign]
+
+
 def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
     result = RankResult()
+    _count_l3_puts(engine, result)
     if scenario.l3_fault is not None and scenario.l3_fault.rank == tp.rank:
         _inject_l3_fault(engine, scenario.l3_fault)
     replicated = engine.replicated

@@ -4,13 +4,17 @@ refuses mismatched workers exits 2 naming both values."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
 from hicache.cli import build_parser
 from hicache.router.serve import main as router_main
 from hicache.router.settings import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DecodePolicyName,
     PolicyName,
+    PrefillEndpoint,
     RouterSettings,
     SettingsError,
     SharedCacheType,
@@ -18,6 +22,7 @@ from hicache.router.settings import (
     settings_from_args,
 )
 from tests.unit.router.fakes import DictIndex, FakeWorker, FirstPolicy, fake_workers
+from tests.unit.router.pd_fakes import FakeInstance, Rooms, fake_instances
 
 
 def parse(*argv: str) -> RouterSettings:
@@ -73,3 +78,67 @@ def test_start_up_with_mismatched_workers_exits_2_naming_both(
     assert f"{b} has page size 32, but {a} has page size 4" in caplog.text
     args = build_parser().parse_args(["router", "--port", "70000"])
     assert router_main(args, factories()) == 2
+
+
+def test_pd_flags_take_sglangs_url_and_optional_bootstrap_port() -> None:
+    settings = parse("--pd-disaggregation", "--prefill", "http://p1:30000", "9001",
+                     "--prefill", "http://p2:30000/", "--prefill", "http://p3:30000", "none",
+                     "--decode", "http://d1:30000", "--decode", "http://d2:30000",
+                     "--decode-policy", "round_robin", "--policy", "cache_aware")
+    assert settings.pd_disaggregation is True
+    assert settings.prefill == (PrefillEndpoint("http://p1:30000", 9001),
+                                PrefillEndpoint("http://p2:30000", DEFAULT_BOOTSTRAP_PORT),
+                                PrefillEndpoint("http://p3:30000", DEFAULT_BOOTSTRAP_PORT))
+    assert settings.decode_urls == ("http://d1:30000", "http://d2:30000")
+    assert settings.decode_policy is DecodePolicyName.ROUND_ROBIN
+    assert settings.policy is PolicyName.CACHE_AWARE
+    assert DEFAULT_BOOTSTRAP_PORT == 8998
+    assert parse().decode_policy is DecodePolicyName.LEAST_LOAD
+
+
+@pytest.mark.parametrize(("argv", "what"), [
+    (("--prefill", "http://p:1", "--decode", "http://d:1"), "need --pd-disaggregation"),
+    (("--pd-disaggregation", "--prefill", "http://p:1"), "at least one --prefill URL and one"),
+    (("--pd-disaggregation", "--decode", "http://d:1"), "at least one --prefill URL and one"),
+    (("--pd-disaggregation", "--prefill", "http://p:1", "x", "--decode", "http://d:1"),
+     "bootstrap port 'x' is not a number"),
+    (("--pd-disaggregation", "--prefill", "http://p:1", "70000", "--decode", "http://d:1"),
+     "bootstrap port must be in 1..65535"),
+    (("--pd-disaggregation", "--prefill", "http://p:1", "1", "2", "--decode", "http://d:1"),
+     "a URL and an optional bootstrap port"),
+    (("--pd-disaggregation", "--prefill", "p:1", "--decode", "http://d:1"), "http://host:port"),
+    (("--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1/x"),
+     "only scheme, host and port"),
+    (("--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://p:1"),
+     "both --prefill and --decode"),
+    (("--pd-disaggregation", "--prefill", "http://p:1", "1", "--prefill", "http://p:1", "2",
+      "--decode", "http://d:1"), "twice with different bootstrap ports"),
+    (("--pd-disaggregation", "--worker-urls", "http://w:1", "--prefill", "http://p:1",
+      "--decode", "http://d:1"), "--worker-urls cannot be used"),
+])
+def test_bad_pd_flags_are_refused_saying_why(argv: tuple[str, ...], what: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(what)):
+        parse(*argv)
+
+
+def test_pd_start_up_refuses_an_instance_in_the_wrong_mode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def factories() -> tuple[object, object]:
+        return DictIndex, lambda index, settings, workers, costs: FirstPolicy(index)
+
+    rooms = Rooms()
+    wrong = (FakeInstance("decode", rooms), FakeInstance("decode", rooms))
+    with fake_instances(*wrong) as (a, b), caplog.at_level(logging.ERROR):
+        args = build_parser().parse_args(
+            ["router", "--pd-disaggregation", "--prefill", a, "--decode", b,
+             "--worker-startup-timeout", "5"])
+        assert router_main(args, factories()) == 2
+    assert f"{a} is given as --prefill but runs with --disaggregation-mode decode" in caplog.text
+    mismatched = (FakeInstance("prefill", rooms), FakeInstance("decode", rooms, page_size=16))
+    with fake_instances(*mismatched) as (a, b), caplog.at_level(logging.ERROR):
+        args = build_parser().parse_args(
+            ["router", "--pd-disaggregation", "--prefill", a, "--decode", b,
+             "--worker-startup-timeout", "5"])
+        assert router_main(args, factories()) == 2
+    assert f"{b} has page size 16, but {a} has page size 4" in caplog.text

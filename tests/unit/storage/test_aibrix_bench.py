@@ -33,7 +33,7 @@ def workload(layout: MemLayout, tmp_path: Path) -> Workload:
     host = HostPool(GEOMETRY, 2 * NUM_PAGES, PAGE_SIZE, layout, pin_memory=False)
     source = np.arange(NUM_PAGES, dtype=np.int64)
     target = np.arange(NUM_PAGES, 2 * NUM_PAGES, dtype=np.int64)
-    shape = (NUM_PAGES, GEOMETRY.num_layers, 2, PAGE_SIZE, GEOMETRY.row_elems)
+    shape = (NUM_PAGES, GEOMETRY.num_layers, GEOMETRY.kv_planes, PAGE_SIZE, GEOMETRY.row_elems)
     generator = torch.Generator().manual_seed(1)
     host.pages[torch.from_numpy(source)] = torch.randn(shape, generator=generator).to(
         GEOMETRY.dtype

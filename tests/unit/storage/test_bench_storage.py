@@ -80,3 +80,16 @@ def test_bad_arguments_are_refused(
 def test_it_is_a_hicache_bench_subcommand() -> None:
     module, help_text = _BENCHMARKS["storage"]
     assert module == bench.__name__ and help_text
+
+
+def test_the_mla_geometry_moves_mla_pages(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    args = parse(
+        *TINY, "--geometry", "deepseek-v2-lite", "--dir", str(tmp_path), "--json", str(out)
+    )
+    assert bench.main(args) == 0
+    results = json.loads(out.read_text())
+    assert results["geometry"] == "MLA-L27-D576-bfloat16"
+    # 4 tokens x 27 layers x one 576-element bf16 latent: no K/V pair.
+    assert results["page_bytes"] == 4 * 27 * 576 * 2
+    assert {r["backend"] for r in results["results"]} == {"file", "file baseline"}

@@ -10,7 +10,7 @@ from typing import Any
 
 from hicache.storage.base import StorageBackend
 from tests.dev_dependency import require_dev_dependency
-from tests.storage_contract import StorageContract
+from tests.storage_contract import MLA_GEOMETRY, StorageContract
 
 require_dev_dependency("aibrix_kvcache", "pip install 'hicache[aibrix]' (see scripts/bootstrap.sh)")
 
@@ -27,3 +27,9 @@ class TestAibrixContractWithoutL1(StorageContract):
 
     def make_backend(self, store: Any) -> StorageBackend:
         return AibrixBackend({"path": str(store), "l1": False})
+
+
+class TestAibrixContractMLA(TestAibrixContract):
+    """The contract with MLA pages: one latent plane per layer."""
+
+    geometry = MLA_GEOMETRY

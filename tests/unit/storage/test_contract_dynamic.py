@@ -6,7 +6,7 @@ from typing import Any
 
 from hicache.storage.base import StorageBackend
 from hicache.storage.dynamic import DynamicBackend
-from tests.storage_contract import StorageContract
+from tests.storage_contract import MLA_GEOMETRY, StorageContract
 
 
 class TestDynamicContract(StorageContract):
@@ -18,3 +18,9 @@ class TestDynamicContract(StorageContract):
             "class_name": "DictStore",
             "store": str(store),
         })
+
+
+class TestDynamicContractMLA(TestDynamicContract):
+    """The contract with MLA pages: one latent plane per layer."""
+
+    geometry = MLA_GEOMETRY

@@ -6,7 +6,7 @@ from typing import Any
 
 from hicache.storage.base import StorageBackend
 from hicache.storage.file import FileBackend
-from tests.storage_contract import StorageContract
+from tests.storage_contract import MLA_GEOMETRY, StorageContract
 
 
 class TestFileContract(StorageContract):
@@ -19,3 +19,9 @@ class TestFileContractWithFsync(StorageContract):
 
     def make_backend(self, store: Any) -> StorageBackend:
         return FileBackend({"path": str(store), "fsync": True})
+
+
+class TestFileContractMLA(TestFileContract):
+    """The contract with MLA pages: one latent plane per layer."""
+
+    geometry = MLA_GEOMETRY

@@ -30,6 +30,7 @@ KEY = bytes(range(16))
 OTHER_KEY = bytes(range(1, 17))
 ORDER = PayloadOrder.LAYER_MAJOR
 GEOMETRY = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float16)
+MLA_GEOMETRY = KVGeometry.mla(num_layers=3, latent_dim=12, dtype=torch.float16)
 
 
 def test_a_header_checks_out_against_what_was_asked_for() -> None:
@@ -83,18 +84,22 @@ def test_object_names_carry_the_key_and_the_row_order() -> None:
 
 def _payload(host: HostPool, page: int) -> bytes:
     """What the payload of ``page`` must be, from the canonical view and the layout's order."""
-    canonical = host.pages[page]  # [layers, 2, page_size, row]
+    canonical = host.pages[page]  # [layers, planes, page_size, row]
     if PayloadOrder.of_layout(host.layout) is PayloadOrder.TOKEN_MAJOR:
-        canonical = canonical.permute(2, 0, 1, 3)  # [page_size, layers, 2, row]
+        canonical = canonical.permute(2, 0, 1, 3)  # [page_size, layers, planes, row]
     return canonical.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 @pytest.mark.parametrize("layout", list(MemLayout))
-def test_page_regions_are_the_page_in_payload_order(layout: MemLayout) -> None:
-    host = HostPool(GEOMETRY, 5, 4, layout, pin_memory=False)
+@pytest.mark.parametrize("geometry", [GEOMETRY, MLA_GEOMETRY], ids=["mha", "mla"])
+def test_page_regions_are_the_page_in_payload_order(
+    geometry: KVGeometry, layout: MemLayout
+) -> None:
+    host = HostPool(geometry, 5, 4, layout, pin_memory=False)
     fill_random(host, page_range(0, 5), seed=1)
     regions = PageRegions(host)
-    expected_regions = 1 if layout is not MemLayout.LAYER_FIRST else 2 * GEOMETRY.num_layers
+    planes = geometry.kv_planes
+    expected_regions = 1 if layout is not MemLayout.LAYER_FIRST else planes * geometry.num_layers
     assert regions.num_regions == expected_regions
     assert regions.page_bytes == host.page_bytes
     for page in range(5):

@@ -35,6 +35,7 @@ from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     master_fixture,
 )
 from tests.storage_contract import (
+    MLA_GEOMETRY,
     StorageContract,
     as_bytes,
     fill_random,
@@ -69,6 +70,12 @@ class TestMooncakeContractInPieces(TestMooncakeContract):
     def small_pieces(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(mooncake_module, "PAGE_PIECE_BYTES", 48)
         monkeypatch.setattr(mooncake_module, "PIPELINE_CHUNK_BYTES", 1)
+
+
+class TestMooncakeContractMLA(TestMooncakeContract):
+    """The contract with MLA pages: one latent plane per layer."""
+
+    geometry = MLA_GEOMETRY
 
 
 GEOMETRY_SMALL = TestMooncakeContract.geometry
