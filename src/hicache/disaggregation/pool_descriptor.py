@@ -1,8 +1,9 @@
 """Where a device pool's pages lie in memory, in bytes: what a peer needs to write them.
 
 The pool is one flat buffer (``memory/layout.py``): for each page, each layer and
-K or V, the page's ``page_size`` rows are one contiguous chunk. A chunk's address is
-``base + page * page_stride + layer * layer_stride + kv * kv_stride``; the decode side
+each KV plane (K and V, or MLA's one latent), the page's ``page_size`` rows are one
+contiguous chunk. A chunk's address is
+``base + page * page_stride + layer * layer_stride + plane * kv_stride``; the decode side
 sends this descriptor and its page ids, and the prefill side computes both ends'
 addresses, merging runs of consecutive pages into one chunk each.
 """
@@ -27,10 +28,11 @@ class PoolDescriptor:
     base_address: int
     num_pages: int
     num_layers: int
+    kv_planes: int  # 2: K and V; 1: an MLA latent
     page_stride_bytes: int
     layer_stride_bytes: int
     kv_stride_bytes: int
-    # One page's rows of one layer's K (or V): page_size * row bytes, contiguous.
+    # One page's rows of one layer's plane: page_size * row bytes, contiguous.
     chunk_bytes: int
     geometry: str  # KVGeometry.describe() and the page size, to refuse a foreign pool
 
@@ -42,7 +44,7 @@ class PoolDescriptor:
             raise ValueError("a page's rows must be contiguous within a layer to be sent")
         return cls(
             base_address=pool.flat.data_ptr(), num_pages=pool.num_pages,
-            num_layers=pool.geometry.num_layers,
+            num_layers=pool.geometry.num_layers, kv_planes=pool.geometry.kv_planes,
             page_stride_bytes=strides.page * element, layer_stride_bytes=strides.layer * element,
             kv_stride_bytes=strides.kv * element,
             chunk_bytes=pool.page_size * pool.geometry.row_elems * element,
@@ -86,7 +88,7 @@ def transfer_plan(
     destination: PoolDescriptor, destination_pages: PageIds,
 ) -> TransferPlan:
     """Chunks that copy ``source_pages`` of one pool onto ``destination_pages`` of another,
-    page i onto page i, every layer, K and V."""
+    page i onto page i, every layer and plane."""
     source.check_compatible(destination)
     if len(source_pages) != len(destination_pages):
         raise ValueError(
@@ -103,7 +105,7 @@ def transfer_plan(
     ]
     plan = TransferPlan([], [], [])
     for layer in range(source.num_layers):
-        for kv in (0, 1):
+        for kv in range(source.kv_planes):
             src_base = source.base_address + layer * source.layer_stride_bytes \
                 + kv * source.kv_stride_bytes
             dst_base = destination.base_address + layer * destination.layer_stride_bytes \

@@ -3,6 +3,7 @@ processes' device pools by the Mooncake TransferEngine (loopback, TCP), bit for 
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import threading
 import time
@@ -48,6 +49,20 @@ def test_plan_merges_runs_and_addresses_every_layer_and_kv() -> None:
             row = pool.pages[3, layer, kv]  # [page_size, row]
             assert row.data_ptr() - base in {s - base for s in plan.sources}
     assert all(length % element == 0 for length in plan.lengths)
+
+
+def test_plan_of_an_mla_pool_copies_its_one_latent_plane() -> None:
+    mla = DevicePool(KVGeometry.mla(num_layers=2, latent_dim=24, dtype=GEOMETRY.dtype), 8, 4)
+    mla.flat.copy_(torch.randn(mla.flat.numel()).to(mla.flat.dtype))
+    other = DevicePool(mla.geometry, 8, 4)
+    plan = transfer_plan(PoolDescriptor.of(mla), np.array([1, 6]),
+                         PoolDescriptor.of(other), np.array([3, 4]))
+    assert len(plan.sources) == 2 * 2 * 1 and plan.num_bytes == 2 * mla.page_bytes
+    # Applied here with memmove, the plan puts exactly those pages there.
+    for src, dst, length in zip(plan.sources, plan.destinations, plan.lengths, strict=True):
+        ctypes.memmove(dst, src, length)
+    assert torch.equal(other.pages[torch.tensor([3, 4])], mla.pages[torch.tensor([1, 6])])
+    assert not other.pages[torch.tensor([0, 1, 2, 5, 6, 7])].any()
 
 
 def test_plan_refuses_a_foreign_pool() -> None:
