@@ -64,6 +64,16 @@ class KVReceiver:
     def receive(self, job: ReceiveJob) -> None:
         self._executor.submit(self._run, job)
 
+    def give_up(self, host: str, port: int, room: int) -> None:
+        """Tell the prefill instance (on a thread of the pool) that a room it may be
+        computing will never be registered: its request there fails now, not at its
+        timeout. Best effort: a prefill instance that does not answer times out."""
+        def cancel() -> None:
+            with contextlib.suppress(BootstrapUnreachableError, BootstrapRefusedError):
+                BootstrapClient(host, port).cancel(room)
+
+        self._executor.submit(cancel)
+
     def cancel(self, rid: str) -> None:
         """The request was aborted: give its room up (its job still reports on_done)."""
         with self._lock:

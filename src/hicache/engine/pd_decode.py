@@ -89,6 +89,9 @@ class DecodeIntake:
         for req in self.pending:
             if req.rid == rid:
                 self.pending.remove(req)
+                bootstrap = req.request.bootstrap
+                assert bootstrap is not None
+                self.receiver.give_up(bootstrap.host, bootstrap.port, bootstrap.room)
                 self._end(req, "abort", None)
                 return True
         if rid in self.awaiting:

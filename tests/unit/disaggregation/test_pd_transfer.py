@@ -216,3 +216,19 @@ def test_closing_ends_waiting_jobs_at_once(prefill: dict[str, Any]) -> None:
     assert time.monotonic() - began < 3
     assert got == ["the decode instance shut down"]
     assert prefill["results"]["s"] == "the prefill instance shut down"
+
+
+def test_a_decode_side_giving_up_fails_the_prefill_request_at_once(
+    prefill: dict[str, Any],
+) -> None:
+    sender: KVSender = prefill["sender"]
+    sender.timeout_s = 60.0
+    sender.send(SendJob("computed", 21, np.asarray([1]), first_token=1))
+    receiver = KVReceiver("127.0.0.1:1", PoolDescriptor.of(make_pool()), 60.0,
+                          lambda rid, token, error: None)
+    began = time.monotonic()
+    receiver.give_up("127.0.0.1", prefill["port"], 21)
+    assert prefill["finished"].wait(WAIT_S)
+    receiver.close()
+    assert "gave up" in str(prefill["results"]["computed"])
+    assert time.monotonic() - began < 5
