@@ -130,6 +130,16 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    """Where a disaggregated request's KV is handed over (SGLang's bootstrap_* fields): the
+    prefill instance's bootstrap server and the room both instances know the request by."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     input_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -137,6 +147,8 @@ class GenerateRequest:
     # Cache salt: requests with different keys never share cached KV.
     extra_key: str | None = None
     logprobs: LogprobParams | None = None  # None: no log probabilities
+    # Set on the requests a router sends to a prefill and a decode instance (disaggregation).
+    bootstrap: Bootstrap | None = None
 
 
 @dataclass(frozen=True)

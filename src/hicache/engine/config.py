@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.config import CacheConfig, ConfigError, parse_enum
+from hicache.disaggregation.config import DisaggregationConfig
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.events.config import KVEventsConfig
 from hicache.model.attention_backend import ATTENTION_BACKENDS
@@ -199,8 +200,11 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     events: KVEventsConfig = field(default_factory=KVEventsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
     def __post_init__(self) -> None:
+        if self.disaggregation.enabled and self.parallel.enabled:
+            raise ConfigError("--disaggregation-mode does not support --tp-size > 1 yet")
         if self.scheduling.disable_radix_cache and (
             self.cache.enable_hierarchical_cache or self.storage.enabled
         ):

@@ -29,6 +29,7 @@ from hicache.engine.config import (
     RuntimeConfig,
     SchedulingConfig,
 )
+from hicache.engine.disaggregation import DisaggregationRuntime
 from hicache.engine.output_thread import DroppedSink, LoopSink, Stream
 from hicache.engine.replication import AddRequest, ReplicatedScheduler
 from hicache.engine.request import Req
@@ -107,6 +108,8 @@ class Engine:
         self.scheduler.governor = governor
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Set by build_engine on a prefill or decode instance (disaggregation).
+        self.disaggregation: DisaggregationRuntime | None = None
         # Publishes the cache's KV events (None: off); closed after the cache.
         self.event_publisher = event_publisher
 
@@ -126,7 +129,11 @@ class Engine:
         """
         publisher = self.event_publisher
         layout = self.cache.config.mem_layout
+        pd = self.disaggregation
         return {
+            **(pd.info() if pd is not None else {
+                "disaggregation_mode": "null", "disaggregation_bootstrap_port": None,
+            }),
             "kv_events_endpoint": publisher.endpoint if publisher else None,
             "kv_events_replay_endpoint": publisher.replay_endpoint if publisher else None,
             "kv_events_topic": publisher.config.topic if publisher else None,
@@ -199,6 +206,9 @@ class Engine:
             self._stop.set()
             self._thread.join()
             self._thread = None
+        if self.disaggregation is not None:
+            self.disaggregation.close()
+            self.disaggregation = None
         self.cache.close()  # its last events go to the publisher first
         if self.event_publisher is not None:
             self.event_publisher.close()
@@ -517,7 +527,7 @@ def _assemble(
         cache.storage.backend.name if cache.storage is not None else "off", part.num_threads,
     )
     try:
-        return Engine(
+        engine = Engine(
             part.loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
             num_threads=part.num_threads, output_thread=config.runtime.output_thread,
             event_publisher=publisher, model_dir=part.model_path, tp=tp, on_fatal=on_fatal,
@@ -529,6 +539,13 @@ def _assemble(
         if publisher is not None:
             publisher.close()
         raise
+    if config.disaggregation.enabled:
+        try:
+            engine.disaggregation = DisaggregationRuntime(config.disaggregation, engine.scheduler)
+        except BaseException:
+            engine.shutdown()
+            raise
+    return engine
 
 
 def _l3_error(engine: Engine) -> str | None:

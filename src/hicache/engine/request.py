@@ -77,6 +77,9 @@ class Req:
     # that end it once min_new_tokens are out, and the context length at which it stops.
     stop_ids: frozenset[int] = frozenset()
     length_limit: int = 0
+    # Prefill instance (disaggregation): its KV was handed to a decode instance (or that
+    # failed); it finishes now like any request.
+    kv_handed_off: bool = False
 
     def __post_init__(self) -> None:
         self._prompt_len = len(self.request.input_ids)  # read several times per step

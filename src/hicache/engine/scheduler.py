@@ -43,6 +43,8 @@ from hicache.engine.cache_ops import CACHE_OPS, RANK_READS
 from hicache.engine.logprobs import position_logprobs
 from hicache.engine.model_runner import ModelRunner
 from hicache.engine.output_thread import DiscardedOutputs, OutputThread
+from hicache.engine.pd_decode import DecodeIntake
+from hicache.engine.pd_prefill import PrefillHandoff
 from hicache.engine.penalties import PenaltyState, RowAdjustment, adjust_logits, ending_tokens
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
@@ -127,6 +129,10 @@ class Scheduler:
         self._threads = 0  # the count last set for a step (0: none yet)
         # Sees the logits each sampled token came from (tests compare cold and cached runs).
         self.logits_observer: Callable[[str, torch.Tensor], None] | None = None
+        # Disaggregation (engine/disaggregation.py sets one of them): a prefill instance
+        # hands its requests' KV off, a decode instance takes requests whose KV comes.
+        self.prefill_handoff: PrefillHandoff | None = None
+        self.decode_intake: DecodeIntake | None = None
 
     # ------------------------------------------------------- thread-safe API
     def submit(self, req: Req) -> None:
@@ -173,7 +179,11 @@ class Scheduler:
         return len(self.waiting)
 
     def is_idle(self) -> bool:
-        return not self.running and not self.waiting
+        if self.running or self.waiting:
+            return False
+        if self.decode_intake is not None and self.decode_intake.num_held:
+            return False
+        return self.prefill_handoff is None or not self.prefill_handoff.num_sending
 
     # -------------------------------------------------------------- the loop
     def run(self, stop: threading.Event) -> None:
@@ -200,6 +210,8 @@ class Scheduler:
     def schedule(self) -> bool:
         """The tick after its inputs and the cache's progress are applied: admission and
         one forward; False when there was nothing to compute."""
+        if self.decode_intake is not None:
+            self.decode_intake.advance()
         self._admit()
         if not self.running:
             return False
@@ -243,9 +255,14 @@ class Scheduler:
         if kind == "add":
             req: Req = payload
             self._by_rid[req.rid] = req
-            self.waiting.append(req)
             self.counters.num_requests += 1
+            if self.decode_intake is not None and req.request.bootstrap is not None:
+                self.decode_intake.add(req)  # its KV comes from a prefill instance
+            else:
+                self.waiting.append(req)
         elif kind == "abort":
+            if self.decode_intake is not None and self.decode_intake.abort(payload):
+                return
             target = self._by_rid.get(payload)
             if target is not None:
                 self._finish(target, "abort")
@@ -281,8 +298,10 @@ class Scheduler:
     # ------------------------------------------------------------- admission
     def _admit(self) -> None:
         self.prefetcher.advance(self.waiting)
+        # Requests waiting for their KV from a prefill instance take a row when it lands.
+        held = len(self.decode_intake.awaiting) if self.decode_intake is not None else 0
         for req in list(self.waiting):
-            if len(self.running) >= self.config.max_running_requests:
+            if len(self.running) + held >= self.config.max_running_requests:
                 return
             if not self.prefetcher.settled(req):
                 continue
@@ -320,6 +339,8 @@ class Scheduler:
             req.stop_ids = frozenset(ending_tokens(params, self.eos_token_ids))
             req.length_limit = min(req.prompt_len + params.max_new_tokens,
                                    self.config.max_context_len)
+            if self.prefill_handoff is not None and req.request.bootstrap is not None:
+                req.length_limit = self.prefill_handoff.length_limit(req)
         hit = None
         if self.config.enable_prefix_cache:
             hit = cache.acquire(match_tokens, req.request.extra_key, record_hit=first_admission)
@@ -711,6 +732,10 @@ class Scheduler:
     ) -> None:
         if req.phase is Phase.FINISHED:
             return
+        if self.prefill_handoff is not None and self.prefill_handoff.intercept_finish(
+            req, reason, error
+        ):
+            return  # its KV goes to a decode instance first (then on_sent finishes it)
         if flush_text and req.scheduler_text:
             # Text held back for an unfinished character is released at the end. First,
             # before anything is freed: a detokenizer failing here leaves the request
@@ -739,6 +764,10 @@ class Scheduler:
         self.outputs.add(req, final=True)
 
     def _fail_all(self, message: str) -> None:
+        if self.decode_intake is not None:
+            self.decode_intake.fail_all(message)
+        if self.prefill_handoff is not None:
+            self.prefill_handoff.fail_all(message)
         for req in [*self.running, *self.waiting]:
             try:
                 self._finish(req, "abort", error=message)

@@ -106,3 +106,24 @@ async def detach_storage(request: Request) -> dict[str, Any]:
     authorize(state, request)
     await _change_storage(state, state.engine.detach_storage)
     return await run_in_threadpool(state.engine.storage_status)
+
+
+INTEGRITY_ROUTE = "/hicache/check-integrity"
+
+
+@router.post(INTEGRITY_ROUTE)
+async def check_integrity(request: Request) -> dict[str, Any]:
+    """Assert the radix tree and every pool are consistent and no page leaked (an idle
+    server only: 409 while requests run, 500 with the broken invariant)."""
+    state = get_state(request)
+    authorize(state, request)
+    engine: Any = state.engine  # the engine API has it, the protocol does not promise it
+    if not await run_in_threadpool(engine.is_idle):
+        raise APIError(409, "requests are running: check integrity on an idle server")
+    try:
+        await run_in_threadpool(engine.check_integrity)
+    except AssertionError as error:
+        raise APIError(500, f"integrity check failed: {error}") from None
+    except RuntimeError as error:  # a request slipped in meanwhile
+        raise APIError(409, str(error)) from None
+    return {"ok": True}

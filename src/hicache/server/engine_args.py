@@ -9,7 +9,15 @@ The engine itself never sees argparse.
 from __future__ import annotations
 
 import argparse
+import socket
 
+from hicache.disaggregation.config import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_TRANSFER_TIMEOUT_S,
+    DisaggregationConfig,
+    DisaggregationMode,
+    TransferBackend,
+)
 from hicache.engine.config import (
     CPU_CHUNKED_PREFILL_SIZE,
     CPU_KV_POOL_TOKENS,
@@ -123,6 +131,59 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_cache_args(parser)
     add_storage_args(parser)
     add_kv_events_args(parser)
+    add_disaggregation_args(parser)
+
+
+def add_disaggregation_args(parser: argparse.ArgumentParser) -> None:
+    """SGLang's prefill-decode disaggregation flags."""
+    group = parser.add_argument_group("prefill-decode disaggregation")
+    group.add_argument(
+        "--disaggregation-mode", choices=[m.value for m in DisaggregationMode],
+        default=DisaggregationMode.NULL.value,
+        help="prefill: compute prompts and send their KV to decode instances; decode: "
+        "generate from KV prefill instances send; null: both (default). Requests to a "
+        "prefill or decode instance need bootstrap_host, bootstrap_port and bootstrap_room "
+        "(a PD router adds them)",
+    )
+    group.add_argument(
+        "--disaggregation-transfer-backend", choices=[b.value for b in TransferBackend],
+        default=TransferBackend.MOONCAKE.value,
+        help="how KV moves between instances (the Mooncake TransferEngine; TCP here)",
+    )
+    group.add_argument(
+        "--disaggregation-bootstrap-port", type=int, default=DEFAULT_BOOTSTRAP_PORT,
+        metavar="PORT",
+        help="prefill: the port of the bootstrap server decode instances register their "
+        "requests' pages with (default: %(default)s)",
+    )
+    group.add_argument(
+        "--disaggregation-transfer-timeout-s", type=float, default=DEFAULT_TRANSFER_TIMEOUT_S,
+        metavar="S",
+        help="a request whose KV has not been handed over in S seconds fails, on both sides "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--disaggregation-decode-enable-offload-kvcache", action="store_true",
+        help="decode: a finished request's KV (prompt and output) goes to the cache tree and "
+        "from there to L2 and L3, so the next turn's prefill finds it in a shared L3",
+    )
+
+
+def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationConfig:
+    if not hasattr(args, "disaggregation_mode"):  # a parser without the flags
+        return DisaggregationConfig()
+    host = getattr(args, "host", "127.0.0.1")
+    if host in ("", "0.0.0.0", "::"):
+        # Peers need an address to reach: this machine's name, resolved.
+        host = socket.gethostbyname(socket.gethostname())
+    return DisaggregationConfig(
+        mode=DisaggregationMode(args.disaggregation_mode),
+        transfer_backend=TransferBackend(args.disaggregation_transfer_backend),
+        bootstrap_port=args.disaggregation_bootstrap_port,
+        host=host,
+        transfer_timeout_s=args.disaggregation_transfer_timeout_s,
+        decode_offload_kvcache=args.disaggregation_decode_enable_offload_kvcache,
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -157,4 +218,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             output_thread=not args.disable_output_thread,
         ),
         parallel=ParallelConfig(tp_size=args.tp_size),
+        disaggregation=disaggregation_config_from_args(args),
     )

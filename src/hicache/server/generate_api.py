@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from hicache.engine.api import GenerateOutput, GenerateRequest, LogprobParams, TokenLogprob
 from hicache.server import tokenization
+from hicache.server.bootstrap_fields import request_bootstrap
 from hicache.server.choices import merged, sample_requests, start_samples
 from hicache.server.errors import APIError, error_payload, parse_body
 from hicache.server.generate_protocol import (
@@ -132,6 +133,8 @@ async def _start(state: ServerState, body: GenerateReqInput, index: int) -> list
     engine_request = GenerateRequest(
         tuple(input_ids), sampling, rid=rid, extra_key=body.item_cache_key(index),
         logprobs=logprobs,
+        bootstrap=request_bootstrap(state, *body.item_bootstrap(index), num_samples=params.n or 1,
+                                    logprobs=logprobs is not None),
     )
     if not 1 <= (params.n or 1) <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {params.n}",

@@ -161,9 +161,10 @@ class GenerateReqInput(StrictModel):
     lora_id: Annotated[Any, neutral(None, "")] = None
     custom_logit_processor: Annotated[Any, OFF] = None
     positional_embed_overrides: Annotated[Any, OFF] = None
-    bootstrap_host: Annotated[Any, OFF] = None
-    bootstrap_port: Annotated[Any, OFF] = None
-    bootstrap_room: Annotated[Any, OFF] = None
+    # Prefill-decode disaggregation, one or one per item (server/bootstrap_fields.py).
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
     bootstrap_pair_key: Annotated[Any, OFF] = None
     decode_tp_size: Annotated[Any, OFF] = None
     routed_dp_rank: Annotated[Any, neutral(None, 0)] = None
@@ -241,6 +242,11 @@ class GenerateReqInput(StrictModel):
             top_n=top or 0, token_ids=tuple(ids or ()),  # type: ignore[arg-type]
             input_from=-1 if start is None else start,
         )
+
+    def item_bootstrap(self, index: int) -> tuple[Any, Any, Any]:
+        """The item's (bootstrap_host, bootstrap_port, bootstrap_room), as given."""
+        return (_per_item(self.bootstrap_host, index), _per_item(self.bootstrap_port, index),
+                _per_item(self.bootstrap_room, index))
 
     def item_cache_key(self, index: int) -> str | None:
         return cache_key(_per_item(self.extra_key, index), _per_item(self.cache_salt, index))

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from hicache.engine.api import (
+    Bootstrap,
     GenerateOutput,
     GenerateRequest,
     LogprobParams,
@@ -36,6 +37,7 @@ from hicache.engine.api import (
     TokenLogprob,
 )
 from hicache.server import tokenization
+from hicache.server.bootstrap_fields import request_bootstrap
 from hicache.server.chat_protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -73,6 +75,13 @@ def sglext_of(output: GenerateOutput) -> SglExt:
     return SglExt(cached_tokens_details=CachedTokensDetails(
         device=cached.device, host=cached.host, storage=cached.storage
     ))
+
+
+def _bootstrap(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest, logprobs: bool
+) -> Bootstrap | None:
+    return request_bootstrap(state, body.bootstrap_host, body.bootstrap_port,
+                             body.bootstrap_room, num_samples=body.n, logprobs=logprobs)
 
 
 def _model_card(state: ServerState) -> ModelCard:
@@ -122,7 +131,8 @@ async def create_completion(request: Request) -> Response:
         logprobs = LogprobParams(top_n=body.logprobs, input_from=0 if body.echo else -1)
     generations = await start_samples(state, sample_requests(
         GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
-                        logprobs=logprobs), body.n,
+                        logprobs=logprobs,
+                        bootstrap=_bootstrap(state, body, logprobs is not None)), body.n,
     ))
     echo = ""
     if body.echo:
@@ -290,7 +300,8 @@ async def create_chat_completion(request: Request) -> Response:
     logprobs = LogprobParams(top_n=body.top_logprobs or 0) if body.logprobs else None
     generations = await start_samples(state, sample_requests(
         GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
-                        logprobs=logprobs), body.n,
+                        logprobs=logprobs,
+                        bootstrap=_bootstrap(state, body, logprobs is not None)), body.n,
     ))
     texts = TokenTexts(state.engine.tokenizer) if body.logprobs else None
     tools = body.tools_enabled

@@ -177,9 +177,10 @@ class _OpenAISampling(StrictModel):
     return_prompt_token_ids: Annotated[Any, OFF_FALSE] = False
     priority: Annotated[Any, neutral(None, 0)] = None
     ngram_corpus_id: Annotated[Any, OFF] = None
-    bootstrap_host: Annotated[Any, OFF] = None
-    bootstrap_port: Annotated[Any, OFF] = None
-    bootstrap_room: Annotated[Any, OFF] = None
+    # Prefill-decode disaggregation (server/bootstrap_fields.py checks them).
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
     routed_dp_rank: Annotated[Any, neutral(None, 0)] = None
     data_parallel_rank: Annotated[Any, neutral(None, 0)] = None
     disagg_prefill_dp_rank: Annotated[Any, OFF] = None

@@ -53,6 +53,11 @@ _ARGS = {
     "hicache_io_backend": "hicache_io_backend",
     "hicache_mem_layout": "hicache_mem_layout",
     "hicache_storage_prefetch_policy": "hicache_storage_prefetch_policy",
+    "disaggregation_mode": "disaggregation_mode",
+    "disaggregation_transfer_backend": "disaggregation_transfer_backend",
+    "disaggregation_bootstrap_port": "disaggregation_bootstrap_port",
+    "disaggregation_decode_enable_offload_kvcache":
+        "disaggregation_decode_enable_offload_kvcache",
 }
 
 

@@ -1,0 +1,164 @@
+"""The decode instance's side of disaggregation, on the scheduler thread.
+
+A request with a bootstrap room is not computed here: it gets device pages for
+its prompt (``advance``, in arrival order, while the pool has room) and waits,
+held out of the batch, while the receiver's thread tells the prefill instance
+where those pages are and waits for them to be written. When the receiver
+reports (``on_received``, run between steps) the request joins the decode batch
+with the prompt's KV in place and the prefill instance's first token as its first
+output; if the transfer failed it finishes aborted and its pages are freed.
+
+With ``offload`` the request holds an (empty) prefix of the radix tree, so that
+when it finishes its whole KV, prompt and output, goes to the tree like any
+request's: written through to L2 and backed up to L3 under the page keys a
+prefill instance computes for the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.disaggregation.kv_receiver import KVReceiver, ReceiveJob
+from hicache.engine.penalties import PenaltyState, ending_tokens
+from hicache.engine.request import Phase, Req
+from hicache.engine.sampling import is_greedy
+from hicache.memory.allocator import OutOfPagesError
+
+if TYPE_CHECKING:
+    from hicache.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeIntake:
+    def __init__(self, scheduler: Scheduler, receiver: KVReceiver, offload: bool) -> None:
+        self.scheduler = scheduler
+        self.receiver = receiver
+        self.offload = offload
+        self.pending: deque[Req] = deque()  # not yet given pages
+        self.awaiting: dict[str, Req] = {}  # pages given, KV on its way
+        self.aborted: set[str] = set()  # awaiting requests the client gave up
+
+    @property
+    def num_held(self) -> int:
+        return len(self.pending) + len(self.awaiting)
+
+    def add(self, req: Req) -> None:
+        self.pending.append(req)
+
+    def advance(self) -> None:
+        """Give pages to pending requests, first come first served, while the pool and
+        the page table have room for them beside the running requests."""
+        scheduler = self.scheduler
+        cache = scheduler.cache
+        limit = scheduler.config.max_running_requests
+        while self.pending:
+            if len(scheduler.running) + len(self.awaiting) >= limit:
+                return
+            req = self.pending[0]
+            num_pages = -(-req.prompt_len // scheduler.page_size)
+            # Running requests keep a page each to grow into.
+            reserve = len(scheduler.running)
+            room = cache.device_pool.allocator.num_free_pages \
+                + cache.tree.num_evictable_device_pages
+            if num_pages + reserve > room and (scheduler.running or self.awaiting):
+                return
+            try:
+                pages = cache.alloc_device(num_pages)
+            except OutOfPagesError:
+                return
+            self.pending.popleft()
+            req.pages = pages
+            req.owned_from = 0
+            req.num_computed = 0
+            req.phase = Phase.PREFILL  # its prompt is being filled in, from afar
+            self.awaiting[req.rid] = req
+            bootstrap = req.request.bootstrap
+            assert bootstrap is not None
+            self.receiver.receive(
+                ReceiveJob(req.rid, bootstrap.host, bootstrap.port, bootstrap.room, pages)
+            )
+
+    def abort(self, rid: str) -> bool:
+        """True when ``rid`` is held here (then it ends here, soon)."""
+        for req in self.pending:
+            if req.rid == rid:
+                self.pending.remove(req)
+                bootstrap = req.request.bootstrap
+                assert bootstrap is not None
+                self.receiver.give_up(bootstrap.host, bootstrap.port, bootstrap.room)
+                self._end(req, "abort", None)
+                return True
+        if rid in self.awaiting:
+            # Its pages may be being written to: the receiver gives the room up, and the
+            # request ends when it reports.
+            self.aborted.add(rid)
+            self.receiver.cancel(rid)
+            return True
+        return False
+
+    def on_received(self, rid: str, first_token: int | None, error: str | None) -> None:
+        """The receiver's report, on the scheduler thread."""
+        req = self.awaiting.pop(rid, None)
+        if req is None:
+            logger.error("KV arrived for request %s, which is not waiting for it", rid)
+            return
+        if rid in self.aborted:
+            self.aborted.discard(rid)
+            self._end(req, "abort", None)
+            return
+        if error is not None or first_token is None:
+            self._end(req, "abort", error or "the prefill instance sent no first token")
+            return
+        self._join_batch(req, first_token)
+
+    def _join_batch(self, req: Req, first_token: int) -> None:
+        scheduler = self.scheduler
+        params = req.request.sampling
+        req.stop_ids = frozenset(ending_tokens(params, scheduler.eos_token_ids))
+        req.length_limit = min(req.prompt_len + params.max_new_tokens,
+                               scheduler.config.max_context_len)
+        req.num_computed = req.prompt_len
+        if params.has_penalties:
+            # Made before the first token is appended, so that it counts that token too.
+            req.penalties = PenaltyState(
+                req.request.input_ids if params.repetition_penalty != 1.0 else (),
+                scheduler.model.config.vocab_size, scheduler.device,
+            )
+        generator = req.generator
+        if generator is not None and not is_greedy(params):
+            # The prefill instance drew the first token with the uniform a plain server
+            # takes first from the request's generator: skip it, so that a seeded request
+            # draws every later token as a plain server does.
+            torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
+        if self.offload and scheduler.config.enable_prefix_cache:
+            req.hit = scheduler.cache.acquire([], req.request.extra_key, record_hit=False)
+        scheduler.counters.num_prompt_tokens += req.prompt_len
+        scheduler.runner.admit(req)
+        scheduler.running.append(req)
+        req.phase = Phase.DECODE
+        req.first_token_at = time.monotonic()
+        try:
+            scheduler._append_token(req, first_token)
+        except Exception as error:  # one request's fault must not fail the others
+            scheduler._token_failed(req, error)
+
+    def _end(self, req: Req, reason: str, error: str | None) -> None:
+        """Finish a request that never joined the batch; its pages (if any) are freed."""
+        scheduler = self.scheduler
+        if req.phase is Phase.WAITING:
+            scheduler.waiting.append(req)  # _finish takes a waiting request from there
+        else:
+            scheduler.running.append(req)  # _finish frees its pages and takes it out
+        scheduler._finish(req, reason, error=error, flush_text=False)
+
+    def fail_all(self, message: str) -> None:
+        for req in [*self.pending, *self.awaiting.values()]:
+            self._end(req, "abort", message)
+        self.pending.clear()
+        self.awaiting.clear()

@@ -1,0 +1,53 @@
+"""SGLang's ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` request fields.
+
+A PD router adds them to the request it sends to a prefill and a decode instance
+(both get the same body): they name the prefill instance's bootstrap server and the
+room the two instances know the request by. A prefill or decode instance refuses a
+request without them (it cannot run it alone); a plain instance ignores them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hicache.engine.api import Bootstrap
+from hicache.server.errors import APIError
+from hicache.server.state import ServerState
+
+MAX_ROOM = 2**63 - 1
+
+
+def disaggregation_mode(state: ServerState) -> str:
+    return str(state.info.server_args.get("disaggregation_mode") or "null")
+
+
+def request_bootstrap(state: ServerState, host: Any, port: Any, room: Any,
+                      num_samples: int = 1, logprobs: bool = False) -> Bootstrap | None:
+    """The request's Bootstrap on a prefill or decode instance (400 when missing or
+    malformed); None on a plain instance."""
+    mode = disaggregation_mode(state)
+    if mode == "null":
+        return None
+    if host is None or port is None or room is None:
+        raise APIError(
+            400, f"this server is the {mode} side of a prefill-decode deployment: a request "
+            "needs bootstrap_host, bootstrap_port and bootstrap_room (send it through a PD "
+            "router, e.g. hicache router --pd-disaggregation)", param="bootstrap_room",
+        )
+    if not isinstance(host, str) or not host:
+        raise APIError(400, "bootstrap_host must be a host name or address",
+                       param="bootstrap_host")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise APIError(400, f"bootstrap_port must be a port number, got {port!r}",
+                       param="bootstrap_port")
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
+        raise APIError(400, f"bootstrap_room must be an integer in [0, 2**63 - 1], got {room!r}",
+                       param="bootstrap_room")
+    if num_samples != 1:
+        raise APIError(400, "a disaggregated request has one bootstrap room: n must be 1",
+                       param="n")
+    if logprobs:
+        # The first token's logprobs are the prefill instance's, which it does not send.
+        raise APIError(400, "log probabilities are not supported with prefill-decode "
+                       "disaggregation yet", param="logprobs")
+    return Bootstrap(host, port, room)

@@ -1,0 +1,46 @@
+"""SmolLM2 (the default model) served by a prefill and a decode instance answers exactly
+as one plain ``hicache serve`` does, greedy."""
+
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hicache.model.gguf_cache import ConvertedModel
+from tests.pd_fixtures import TIMEOUT_S, check_integrity, pd_pair, plain_server
+
+pytest.importorskip("mooncake.engine")
+
+ARGS = ["--device", "cpu", "--max-total-tokens", "4096", "--hicache-storage-backend", "none"]
+CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 24, "temperature": 0}
+
+
+def test_smollm2_through_prefill_and_decode_equals_one_server(
+    smollm2: ConvertedModel, tmp_path: Path
+) -> None:
+    env = {**os.environ, "HICACHE_CACHE_DIR": str(smollm2.path.parent.parent)}
+    with ExitStack() as stack:
+        plain = plain_server(ARGS, tmp_path / "plain.log", env=env, startup_timeout_s=240)
+        stack.callback(plain.stop)
+        plain.launch()
+        pair = stack.enter_context(pd_pair(ARGS, tmp_path, env=env, startup_timeout_s=240))
+        plain.wait_ready()
+        expected = httpx.post(f"{plain.url}/v1/chat/completions", json=CHAT, timeout=TIMEOUT_S)
+        assert expected.status_code == 200, expected.text
+        _, got = pair.send("/v1/chat/completions", CHAT)
+        assert got is not None and got.status_code == 200, got and got.text
+        answer = got.json()["choices"][0]
+        assert answer["message"] == expected.json()["choices"][0]["message"]
+        assert "Paris" in answer["message"]["content"]
+        # A prompt over several pages, by token ids.
+        body = {"input_ids": list(range(100, 180)),
+                "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+        alone = httpx.post(f"{plain.url}/generate", json=body, timeout=TIMEOUT_S).json()
+        assert pair.generate(body)["output_ids"] == alone["output_ids"]
+        for server in (pair.prefill, pair.decode):
+            check_integrity(server)
