@@ -14,10 +14,11 @@ from hicache.disaggregation.bootstrap_server import BootstrapServer
 from hicache.disaggregation.rooms import RoomState, RoomTable
 from hicache.engine.api import Bootstrap, GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
+from tests.dev_dependency import require_dev_dependency
 from tests.engine_helpers import collect
 from tests.server_fixtures import build_test_engine
 
-pytest.importorskip("mooncake.engine")
+require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
 TIMEOUT_S = 20.0
 

@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.dev_dependency import require_dev_dependency
 from tests.pd_fixtures import TIMEOUT_S, PDPair, check_integrity, pd_pair
 
-pytest.importorskip("mooncake.engine")
+require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
 TRANSFER_TIMEOUT_S = 3.0
 ARGS = ["--device", "cpu", "--max-total-tokens", "1024", "--model-preset", "tiny",

@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 from hicache.bench.server_process import ServerProcess
+from tests.dev_dependency import require_dev_dependency
 from tests.pd_fixtures import TIMEOUT_S, PDPair, check_integrity, pd_pair, plain_server
 
-pytest.importorskip("mooncake.engine")
+require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
 PAGE = 16
 ARGS = ["--device", "cpu", "--max-total-tokens", "2048", "--model-preset", "tiny",

@@ -8,12 +8,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-import pytest
 
 from hicache.model.gguf_cache import ConvertedModel
+from tests.dev_dependency import require_dev_dependency
 from tests.pd_fixtures import TIMEOUT_S, check_integrity, pd_pair, plain_server
 
-pytest.importorskip("mooncake.engine")
+require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
 ARGS = ["--device", "cpu", "--max-total-tokens", "4096", "--hicache-storage-backend", "none"]
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}],

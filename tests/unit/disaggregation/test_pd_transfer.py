@@ -27,9 +27,10 @@ from hicache.disaggregation.transfer_engine import KVTransferEngine
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.net import free_port
+from tests.dev_dependency import require_dev_dependency
 from tests.unit.disaggregation.decode_peer import GEOMETRY, decode_peer_main, make_pool
 
-pytest.importorskip("mooncake.engine")
+require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
 WAIT_S = 20.0
 

@@ -19,9 +19,10 @@ from hicache.bench.server_process import ServerProcess
 from hicache.router.index import PageIndex
 from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.settings import PrefillEndpoint
+from tests.dev_dependency import require_dev_dependency
 from tests.unit.router.router_fixtures import RunningRouter, running_pd_router
 
-pytest.importorskip("mooncake.engine")
+require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 pd_fixtures = pytest.importorskip(
     "tests.pd_fixtures", reason="the engine side of prefill-decode disaggregation is not here")
 
