@@ -20,7 +20,8 @@ from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.frame import PayloadOrder, object_name
 from tests.dev_dependency import require_dev_dependency
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
-from tests.unit.engine.test_engine_cache_reuse import PAGE, PROMPT_LEN, prompt
+from tests.l3_engine_checks import ENGINE_FLAGS, assert_hit_after_flush
+from tests.unit.engine.test_engine_cache_reuse import prompt
 from tests.unit.storage.test_storage_e2e import GEOMETRY, PAGE_SIZE
 from tests.unit.test_l3_cache import conversation, serve_with_l3, settle
 
@@ -28,8 +29,6 @@ require_dev_dependency("aibrix_kvcache", "pip install 'hicache[aibrix]' (see scr
 rocksdict = require_dev_dependency("rocksdict", "pip install 'hicache[aibrix]'")
 
 from hicache.storage.aibrix import AibrixBackend  # noqa: E402 - after the dependency check
-
-REUSED = (PROMPT_LEN - 1) // PAGE * PAGE
 
 
 def make_cache(root: Path, layout: MemLayout = MemLayout.PAGE_FIRST) -> HierarchicalCache:
@@ -117,9 +116,7 @@ def test_a_corrupted_page_in_rocksdb_ends_the_reused_prefix(tmp_path: Path) -> N
 def test_the_engine_answers_as_cold_with_aibrix_attached_by_name(
     make_engine: Callable[..., Engine], tmp_path: Path
 ) -> None:
-    engine = make_engine(
-        "--page-size", str(PAGE), "--max-total-tokens", "2048", "--enable-hierarchical-cache"
-    )
+    engine = make_engine(*ENGINE_FLAGS)
     extra = {"path": str(tmp_path), "l1_capacity": "64MiB", "prefetch_threshold": 64}
     # The admin endpoint's path: by name, with the extra config a user would send.
     engine.attach_storage("aibrix", extra, "wait_complete")
@@ -127,16 +124,10 @@ def test_the_engine_answers_as_cold_with_aibrix_attached_by_name(
 
     ids = prompt(21)
     cold = run(engine, ids, ignore_eos=True)
-    assert engine.flush_cache()  # the device and host caches forget it; AIBrix keeps it
-    warm = run(engine, ids, ignore_eos=True)
-    assert warm.last.cached_tokens.storage == REUSED
-    assert warm.token_ids == cold.token_ids
+    assert_hit_after_flush(engine, ids, cold.token_ids)  # from AIBrix
 
     # Detached (AIBrix closed) and attached again: the pages come back from RocksDB.
     engine.detach_storage()
     engine.attach_storage("aibrix", extra, "wait_complete")
-    assert engine.flush_cache()
-    again = run(engine, ids, ignore_eos=True)
-    assert again.last.cached_tokens.storage == REUSED
-    assert again.token_ids == cold.token_ids
+    assert_hit_after_flush(engine, ids, cold.token_ids)
     engine.check_integrity()
