@@ -5,15 +5,18 @@ requests, then is used again once it is back.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from hicache.config import MemLayout
-from hicache.storage.breaker import BreakerState
 from hicache.storage.lmcache_server import ServerProcess, start_server
 from tests.kv_oracle import conversation, serve_with_l3, settle
+from tests.l3_outage_checks import (
+    assert_another_cache_finds,
+    serve_until_backed_up_again,
+    serve_while_the_store_is_down,
+)
 from tests.lmcache_fixtures import PROGRAM, backend_of, make_cache
 
 FAST_S = 0.5
@@ -64,32 +67,10 @@ def test_a_dead_server_opens_the_breaker_and_l3_returns_after_restart(
         assert cache.stats.num_storage_backed_up_pages == 10
 
         server.kill()
-        durations = []
-        for seed in range(100, 106):  # new conversations: lookups miss, backups fail
-            began = time.monotonic()
-            assert serve_with_l3(cache, conversation(40, seed=seed)) == 0
-            settle(cache)
-            durations.append(time.monotonic() - began)
-        assert max(durations) < FAST_S, durations
-        assert cache.storage.breaker.state is BreakerState.OPEN
-        assert backend_of(cache).stats().failures.get("unreachable", 0) > 0
-        assert cache.stats.num_storage_backed_up_pages == 10
+        serve_while_the_store_is_down(cache, FAST_S)
 
         server.restart()  # empty: keep serving new conversations until one is backed up
-        deadline = time.monotonic() + RECOVERY_S
-        seed = 200
-        while cache.stats.num_storage_backed_up_pages == 10:
-            assert time.monotonic() < deadline, backend_of(cache).stats().failures
-            seed += 1
-            serve_with_l3(cache, conversation(40, seed=seed))
-            settle(cache)
-            time.sleep(0.05)
-        assert cache.storage.breaker.state is BreakerState.CLOSED
-        other = make_cache(extra)
-        try:
-            assert serve_with_l3(other, conversation(40, seed=seed)) == 40
-            settle(other)
-        finally:
-            other.close()
+        seed = serve_until_backed_up_again(cache, RECOVERY_S)
+        assert_another_cache_finds(make_cache(extra), seed)
     finally:
         cache.close()
