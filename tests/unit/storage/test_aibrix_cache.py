@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.config import MemLayout
 from hicache.engine.engine import Engine
-from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.frame import PayloadOrder, object_name
 from tests.dev_dependency import require_dev_dependency
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
+from tests.l3_caches import l3_backend_of, make_l3_cache
 from tests.l3_engine_checks import ENGINE_FLAGS, assert_hit_after_flush
 from tests.unit.engine.test_engine_cache_reuse import prompt
 from tests.unit.storage.test_storage_e2e import GEOMETRY, PAGE_SIZE
@@ -32,26 +32,14 @@ from hicache.storage.aibrix import AibrixBackend  # noqa: E402 - after the depen
 
 
 def make_cache(root: Path, layout: MemLayout = MemLayout.PAGE_FIRST) -> HierarchicalCache:
-    config = CacheConfig(
-        page_size=PAGE_SIZE, enable_hierarchical_cache=True,
-        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
-        mem_layout=layout, load_back_threshold_tokens=1,
-    )
-    storage = StorageConfig(
-        backend="aibrix", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=1,
-        backend_extra={"path": str(root), "l1_capacity": "8MiB"},
-    )
-    # Built by name through the registry, as the server does.
-    cache = HierarchicalCache(config, GEOMETRY, 64, storage=storage)
+    extra = {"path": str(root), "l1_capacity": "8MiB"}
+    cache = make_l3_cache("aibrix", extra, GEOMETRY, page_size=PAGE_SIZE, layout=layout)
     assert cache.storage is not None, cache.storage_error
     return cache
 
 
 def backend_of(cache: HierarchicalCache) -> AibrixBackend:
-    assert cache.storage is not None
-    backend = cache.storage.backend
-    assert isinstance(backend, AibrixBackend)
-    return backend
+    return l3_backend_of(cache, AibrixBackend)
 
 
 @pytest.mark.parametrize("layout", [MemLayout.PAGE_FIRST, MemLayout.LAYER_FIRST])

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.config import MemLayout
 from hicache.engine.engine import Engine
 from hicache.memory.geometry import KVGeometry
 from hicache.storage.breaker import BreakerState
-from hicache.storage.config import PrefetchPolicy, StorageConfig
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.kv_oracle import conversation, serve_with_l3, settle
+from tests.l3_caches import l3_backend_of, make_l3_cache
 from tests.l3_engine_checks import assert_hit_after_flush, l3_engine_flags
 from tests.nixl_fixtures import require_nixl
 from tests.unit.engine.test_engine_cache_reuse import prompt
@@ -42,18 +42,11 @@ def make_cache(
     root: Path, layout: MemLayout, geometry: KVGeometry = GEOMETRY, page_size: int = 4,
     breaker_failures: int = 3, **extra: Any,
 ) -> HierarchicalCache:
-    config = CacheConfig(
-        page_size=page_size, enable_hierarchical_cache=True,
-        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
-        mem_layout=layout, load_back_threshold_tokens=1,
+    cache = make_l3_cache(
+        "nixl", {"path": str(root), **extra}, geometry, page_size=page_size, layout=layout,
+        breaker_failures=breaker_failures,
     )
-    storage = StorageConfig(
-        backend="nixl", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=1,
-        breaker_failures=breaker_failures, backend_extra={"path": str(root), **extra},
-    )
-    cache = HierarchicalCache(config, geometry, 64, storage=storage)  # by name, as the server
-    assert cache.storage is not None, cache.storage_error
-    assert isinstance(cache.storage.backend, NixlBackend)
+    l3_backend_of(cache, NixlBackend)  # it attached, and is NIXL
     return cache
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
-from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.file import FileBackend
 from hicache.storage.frame import PayloadOrder, object_name
+from tests.l3_caches import l3_backend_of, make_l3_cache
 from tests.unit.test_l3_cache import conversation, serve_with_l3, settle
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
@@ -26,26 +26,13 @@ PAGE_SIZE = 4
 
 
 def make_cache(root: Path, layout: MemLayout = MemLayout.PAGE_FIRST) -> HierarchicalCache:
-    config = CacheConfig(
-        page_size=PAGE_SIZE, enable_hierarchical_cache=True,
-        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
-        mem_layout=layout, load_back_threshold_tokens=1,
-    )
-    storage = StorageConfig(
-        backend="file", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=1,
-        backend_extra={"path": str(root)},
-    )
-    # Built by name through the registry, as the server does.
-    cache = HierarchicalCache(config, GEOMETRY, 64, storage=storage)
-    assert cache.storage is not None and isinstance(cache.storage.backend, FileBackend)
+    cache = make_l3_cache("file", {"path": str(root)}, GEOMETRY, page_size=PAGE_SIZE, layout=layout)
+    backend_of(cache)  # it attached, and is the file backend
     return cache
 
 
 def backend_of(cache: HierarchicalCache) -> FileBackend:
-    assert cache.storage is not None
-    backend = cache.storage.backend
-    assert isinstance(backend, FileBackend)
-    return backend
+    return l3_backend_of(cache, FileBackend)
 
 
 def page_file(cache: HierarchicalCache, root: Path, tokens: list[int], page: int) -> Path:
