@@ -61,12 +61,21 @@ def assert_stored_and_hit_again(engine: Engine, recovery_s: float) -> None:
     ``recovery_s``."""
     other = prompt(12)
     other_cold = run(engine, other, ignore_eos=True)
-    deadline = time.monotonic() + recovery_s
+    wait_for_hit(engine, other, other_cold.token_ids, recovery_s)
+
+
+def wait_for_hit(
+    engine: Engine, ids: list[int], cold_tokens: list[int], timeout_s: float,
+    reused_tokens: int = REUSED, poll_s: float = 0.1,
+) -> None:
+    """Flush and run ``ids`` until L3 gives ``reused_tokens`` back (within ``timeout_s``),
+    e.g. while a breaker's backoff runs out; every run's output is cold's."""
+    deadline = time.monotonic() + timeout_s
     while True:
         assert engine.flush_cache()
-        back = run(engine, other, ignore_eos=True)
-        assert back.token_ids == other_cold.token_ids
-        if back.last.cached_tokens.storage == REUSED:
+        back = run(engine, ids, ignore_eos=True)
+        assert back.token_ids == cold_tokens
+        if back.last.cached_tokens.storage == reused_tokens:
             break
         assert time.monotonic() < deadline, engine.storage_status()
-        time.sleep(0.1)
+        time.sleep(poll_s)
