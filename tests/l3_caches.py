@@ -1,7 +1,9 @@
-"""A hierarchical cache with a given L3 backend, as the cache tests of every backend build it."""
+"""A hierarchical cache with a given L3 backend, as the cache tests of every backend build it,
+and the check every backend passes: a new cache reuses the KV the last one stored."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
@@ -9,6 +11,7 @@ from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
 from hicache.memory.geometry import KVGeometry
 from hicache.storage.base import StorageBackend
 from hicache.storage.config import PrefetchPolicy, StorageConfig
+from tests.kv_oracle import serve_with_l3, settle
 
 Backend = TypeVar("Backend", bound=StorageBackend)
 
@@ -40,3 +43,36 @@ def l3_backend_of(cache: HierarchicalCache, kind: type[Backend]) -> Backend:
     backend = cache.storage.backend
     assert isinstance(backend, kind)
     return backend
+
+
+def assert_a_new_cache_reuses(
+    make_cache: Callable[[], HierarchicalCache], tokens: list[int]
+) -> None:
+    """One cache computes ``tokens`` and backs all their pages up; a new one on the same store
+    (``make_cache`` again) gets every token from L3, writes nothing, and gets them from L3
+    again after forgetting L1 and L2. The KV oracle checks every hit equals cold KV."""
+    first = make_cache()
+    try:
+        assert serve_with_l3(first, tokens) == 0  # cold: computed, then backed up
+        settle(first)
+        num_pages = len(tokens) // first.config.page_size
+        assert first.stats.num_storage_backed_up_pages == num_pages
+        assert l3_backend_of(first, StorageBackend).stats().pages_written == num_pages
+    finally:
+        first.close()
+
+    second = make_cache()
+    try:
+        assert serve_with_l3(second, tokens) == len(tokens)  # nothing local: all from L3
+        assert second.stats.num_storage_hit_tokens == len(tokens)
+        settle(second)
+        backend = l3_backend_of(second, StorageBackend)
+        assert backend.stats().pages_written == 0  # found, not rewritten
+        second.flush()  # forget L1 and L2: L3 answers again
+        assert second.tree.num_host_pages == 0
+        assert serve_with_l3(second, tokens) == len(tokens)
+        assert second.stats.num_storage_hit_tokens == 2 * len(tokens)
+        settle(second)
+        assert backend.stats().failures == {}
+    finally:
+        second.close()

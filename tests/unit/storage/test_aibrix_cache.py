@@ -19,7 +19,7 @@ from hicache.engine.engine import Engine
 from hicache.storage.frame import PayloadOrder, object_name
 from tests.dev_dependency import require_dev_dependency
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
-from tests.l3_caches import l3_backend_of, make_l3_cache
+from tests.l3_caches import assert_a_new_cache_reuses, l3_backend_of, make_l3_cache
 from tests.l3_engine_checks import ENGINE_FLAGS, assert_hit_after_flush
 from tests.unit.engine.test_engine_cache_reuse import prompt
 from tests.unit.storage.test_storage_e2e import GEOMETRY, PAGE_SIZE
@@ -46,27 +46,9 @@ def backend_of(cache: HierarchicalCache) -> AibrixBackend:
 def test_a_new_instance_reuses_the_kv_the_last_one_stored(
     tmp_path: Path, layout: MemLayout
 ) -> None:
-    tokens = conversation(40)
-    first = make_cache(tmp_path, layout)
-    try:
-        assert serve_with_l3(first, tokens) == 0  # cold: computed, then backed up
-        settle(first)
-        assert backend_of(first).stats().pages_written == 10
-    finally:
-        first.close()  # AIBrix's manager and its RocksDB are closed with it
-
-    second = make_cache(tmp_path, layout)
-    try:
-        # Nothing local and AIBrix's L1 is new: all 40 tokens come from RocksDB.
-        assert serve_with_l3(second, tokens) == 40
-        settle(second)
-        assert backend_of(second).stats().pages_written == 0  # found, not rewritten
-        second.flush()  # forget L1 and L2: L3 answers again (now from AIBrix's L1)
-        assert serve_with_l3(second, tokens) == 40
-        settle(second)
-        assert backend_of(second).stats().failures == {}
-    finally:
-        second.close()
+    # Closing the first cache closes AIBrix's manager and its RocksDB: the second one's
+    # AIBrix L1 is new, so its hits come from RocksDB, then (after a flush) from that L1.
+    assert_a_new_cache_reuses(lambda: make_cache(tmp_path, layout), conversation(40))
 
 
 def test_a_corrupted_page_in_rocksdb_ends_the_reused_prefix(tmp_path: Path) -> None:

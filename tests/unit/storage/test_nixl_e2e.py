@@ -24,7 +24,7 @@ from hicache.memory.geometry import KVGeometry
 from hicache.storage.breaker import BreakerState
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.kv_oracle import conversation, serve_with_l3, settle
-from tests.l3_caches import l3_backend_of, make_l3_cache
+from tests.l3_caches import assert_a_new_cache_reuses, l3_backend_of, make_l3_cache
 from tests.l3_engine_checks import assert_hit_after_flush, l3_engine_flags
 from tests.nixl_fixtures import require_nixl
 from tests.unit.engine.test_engine_cache_reuse import prompt
@@ -54,23 +54,9 @@ def reuse_across_instances(
     root: Path, layout: MemLayout, num_tokens: int, **cache_args: Any
 ) -> None:
     """One instance stores a conversation's KV; a fresh one reuses all of it, equal to cold."""
-    tokens = conversation(num_tokens)
-    first = make_cache(root, layout, **cache_args)
-    try:
-        assert serve_with_l3(first, tokens) == 0  # cold: computed, then backed up
-        settle(first)
-    finally:
-        first.close()
-    second = make_cache(root, layout, **cache_args)
-    try:
-        assert serve_with_l3(second, tokens) == num_tokens  # every token from the files
-        second.flush()
-        assert serve_with_l3(second, tokens) == num_tokens
-        settle(second)
-        assert second.storage is not None
-        assert second.storage.backend.stats().failures == {}
-    finally:
-        second.close()
+    assert_a_new_cache_reuses(
+        lambda: make_cache(root, layout, **cache_args), conversation(num_tokens)
+    )
 
 
 @pytest.mark.parametrize("layout", list(MemLayout))

@@ -18,7 +18,7 @@ from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.storage.file import FileBackend
 from hicache.storage.frame import PayloadOrder, object_name
-from tests.l3_caches import l3_backend_of, make_l3_cache
+from tests.l3_caches import assert_a_new_cache_reuses, l3_backend_of, make_l3_cache
 from tests.unit.test_l3_cache import conversation, serve_with_l3, settle
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
@@ -46,32 +46,7 @@ def page_file(cache: HierarchicalCache, root: Path, tokens: list[int], page: int
 def test_a_new_instance_reuses_the_kv_the_last_one_stored(
     tmp_path: Path, layout: MemLayout
 ) -> None:
-    tokens = conversation(40)
-    first = make_cache(tmp_path, layout)
-    try:
-        assert serve_with_l3(first, tokens) == 0  # cold: computed, then backed up
-        settle(first)
-        assert backend_of(first).stats().pages_written == 10
-        assert first.stats.num_storage_backed_up_pages == 10
-    finally:
-        first.close()
-
-    second = make_cache(tmp_path, layout)
-    try:
-        # Nothing local: all 40 tokens come back from the files, equal to cold KV.
-        assert serve_with_l3(second, tokens) == 40
-        assert second.stats.num_storage_hit_tokens == 40
-        settle(second)
-        assert backend_of(second).stats().pages_written == 0  # found, not rewritten
-        # Forget L1 and L2: the same instance gets everything back from L3 again.
-        second.flush()
-        assert second.tree.num_host_pages == 0
-        assert serve_with_l3(second, tokens) == 40
-        assert second.stats.num_storage_hit_tokens == 80
-        settle(second)
-        assert backend_of(second).stats().failures == {}
-    finally:
-        second.close()
+    assert_a_new_cache_reuses(lambda: make_cache(tmp_path, layout), conversation(40))
 
 
 def test_a_corrupted_page_file_ends_the_reused_prefix(tmp_path: Path) -> None:
