@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hicache.bench import storage as bench_storage
-from hicache.bench.storage import Workload
+from hicache.bench.storage import BaselineRun, Workload
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
@@ -41,6 +41,21 @@ def bench_workload(layout: MemLayout, tmp_path: Path) -> Workload:
     )
     keys = [i.to_bytes(16, "little") for i in range(NUM_PAGES)]
     return Workload(GEOMETRY, host, keys, source, target, 10, 2, tmp_path)
+
+
+def assert_timed_each_repeat(run: BaselineRun, load: Workload) -> None:
+    """Each repeat of the workload timed one put and one get."""
+    assert len(run.put_s) == len(run.get_s) == load.repeats
+    assert all(t > 0 for t in run.put_s + run.get_s)
+
+
+def assert_read_into_the_targets(load: Workload) -> None:
+    """The target pages hold the source pages' bytes (compared as bytes, whatever the dtype)."""
+    pages = load.host.pages
+    assert torch.equal(
+        pages[torch.from_numpy(load.target)].view(torch.uint8),
+        pages[torch.from_numpy(load.source)].view(torch.uint8),
+    )
 
 
 def assert_baseline_refuses_the_file_backend(

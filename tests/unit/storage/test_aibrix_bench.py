@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from hicache.bench.aibrix_baseline import LABEL, aibrix_baseline
 from hicache.config import MemLayout
 from tests.bench_storage_checks import (
     assert_baseline_refuses_the_file_backend,
+    assert_read_into_the_targets,
     assert_reported_next_to_baseline,
+    assert_timed_each_repeat,
     bench_workload,
     tiny_bench_result,
 )
@@ -32,13 +33,8 @@ def test_the_baseline_moves_the_workloads_pages_through_aibrix_s_manager(
     try:
         run = aibrix_baseline(load, backend)
         assert run.label == LABEL
-        assert len(run.put_s) == len(run.get_s) == 2
-        assert all(t > 0 for t in run.put_s + run.get_s)
-        pages = load.host.pages
-        assert torch.equal(
-            pages[torch.from_numpy(load.target)].view(torch.uint8),
-            pages[torch.from_numpy(load.source)].view(torch.uint8),
-        )
+        assert_timed_each_repeat(run, load)
+        assert_read_into_the_targets(load)
         assert backend.stats().pages_written == 0  # the backend itself stored nothing
         assert backend.exists(load.keys) == 0
     finally:
