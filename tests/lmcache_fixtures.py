@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
-from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.lmcache import LMCacheBackend
 from hicache.storage.lmcache_server import (
     INSTALL_HINT,
@@ -30,6 +29,7 @@ from hicache.storage.lmcache_server import (
     start_server,
 )
 from tests.dev_dependency import require_found
+from tests.l3_caches import l3_backend_of, make_l3_cache
 
 PROGRAM: Path = require_found("program 'lmcache_server'", find_server_program(), INSTALL_HINT)
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -53,25 +53,13 @@ def make_cache(
     device_pages: int = 64, **storage: Any,
 ) -> HierarchicalCache:
     """A write-through cache with L3 on LMCache, built by name through the registry."""
-    config = CacheConfig(
-        page_size=page_size, enable_hierarchical_cache=True,
-        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
-        mem_layout=layout, load_back_threshold_tokens=1,
+    cache = make_l3_cache(
+        "lmcache", extra, GEOMETRY, page_size=page_size, layout=layout,
+        device_pages=device_pages, **storage,
     )
-    settings: dict[str, Any] = {
-        "prefetch_threshold": 1, "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE, **storage,
-    }
-    cache = HierarchicalCache(
-        config, GEOMETRY, device_pages,
-        storage=StorageConfig(backend="lmcache", backend_extra=extra, **settings),
-    )
-    assert cache.storage is not None, cache.storage_error
-    assert isinstance(cache.storage.backend, LMCacheBackend)
+    backend_of(cache)  # it attached, and is LMCache
     return cache
 
 
 def backend_of(cache: HierarchicalCache) -> LMCacheBackend:
-    assert cache.storage is not None
-    backend = cache.storage.backend
-    assert isinstance(backend, LMCacheBackend)
-    return backend
+    return l3_backend_of(cache, LMCacheBackend)

@@ -44,13 +44,13 @@ require_dev_dependency(
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
-from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.mooncake import MooncakeBackend
 from hicache.storage.mooncake_master import MasterProcess, start_master
 from tests.kv_oracle import conversation, serve_with_l3, settle
+from tests.l3_caches import make_l3_cache
 from tests.network_namespace import enter_private_network
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -91,17 +91,9 @@ def make_cache(
     device_pages: int = 64, **storage: Any,
 ) -> HierarchicalCache:
     """A write-through cache with L3 on Mooncake (through the registry, as a server does)."""
-    config = CacheConfig(
-        page_size=page_size, enable_hierarchical_cache=True,
-        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
-        mem_layout=layout, load_back_threshold_tokens=1,
-    )
-    settings: dict[str, Any] = {
-        "prefetch_threshold": 1, "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE, **storage,
-    }
-    return HierarchicalCache(
-        config, GEOMETRY, device_pages,
-        storage=StorageConfig(backend="mooncake", backend_extra=extra, **settings),
+    return make_l3_cache(
+        "mooncake", extra, GEOMETRY, page_size=page_size, layout=layout,
+        device_pages=device_pages, **storage,
     )
 
 

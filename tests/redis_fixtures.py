@@ -29,15 +29,15 @@ require_program(
 )
 
 from hicache.cache.hierarchical_cache import HierarchicalCache  # noqa: E402
-from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy  # noqa: E402
+from hicache.config import MemLayout  # noqa: E402
 from hicache.memory.geometry import KVGeometry  # noqa: E402
-from hicache.storage.config import PrefetchPolicy, StorageConfig  # noqa: E402
 from hicache.storage.redis_server import (  # noqa: E402
     RedisServerError,
     RedisServerProcess,
     find_server_binary,
     start_redis_server,
 )
+from tests.l3_caches import make_l3_cache  # noqa: E402
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 
@@ -77,15 +77,7 @@ def make_cache(
 ) -> HierarchicalCache:
     """A write-through cache with L3 on Redis, built by name through the registry as a
     server does (``StorageConfig(backend="redis", backend_extra=...)``)."""
-    config = CacheConfig(
-        page_size=page_size, enable_hierarchical_cache=True,
-        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
-        mem_layout=layout, load_back_threshold_tokens=1,
-    )
-    settings: dict[str, Any] = {
-        "prefetch_threshold": 1, "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE, **storage,
-    }
-    return HierarchicalCache(
-        config, GEOMETRY, device_pages,
-        storage=StorageConfig(backend="redis", backend_extra=extra, **settings),
+    return make_l3_cache(
+        "redis", extra, GEOMETRY, page_size=page_size, layout=layout,
+        device_pages=device_pages, **storage,
     )

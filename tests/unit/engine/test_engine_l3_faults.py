@@ -18,6 +18,7 @@ from hicache.engine.api import GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
 from hicache.storage.config import PrefetchPolicy, StorageConfig
 from tests.engine_helpers import on_scheduler, run
+from tests.l3_engine_checks import wait_for_hit
 from tests.storage_reference import MemoryBackend
 
 PAGE = 16
@@ -100,15 +101,7 @@ def test_failing_store_costs_a_recomputation_only(make_engine: Callable[..., Eng
     assert failed.token_ids == cold.token_ids
     backend.raise_errors = False
     # The failures opened the circuit breaker: L3 is skipped until its backoff ends.
-    deadline = time.monotonic() + 5
-    while True:
-        assert engine.flush_cache()
-        back = run(engine, ids, ignore_eos=True)
-        assert back.token_ids == cold.token_ids
-        if back.last.cached_tokens.storage == REUSED:
-            break
-        assert time.monotonic() < deadline, engine.storage_status()
-        time.sleep(0.05)
+    wait_for_hit(engine, ids, cold.token_ids, timeout_s=5, reused_tokens=REUSED, poll_s=0.05)
     engine.check_integrity()
 
 

@@ -2,63 +2,39 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-from hicache.bench import storage as bench_storage
 from hicache.bench.aibrix_baseline import LABEL, aibrix_baseline
-from hicache.bench.storage import Workload
 from hicache.config import MemLayout
-from hicache.memory.geometry import KVGeometry
-from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageError
-from hicache.storage.file import FileBackend
+from tests.bench_storage_checks import (
+    assert_baseline_refuses_the_file_backend,
+    assert_read_into_the_targets,
+    assert_reported_next_to_baseline,
+    assert_timed_each_repeat,
+    bench_workload,
+    tiny_bench_result,
+)
 from tests.dev_dependency import require_dev_dependency
 
 require_dev_dependency("aibrix_kvcache", "pip install 'hicache[aibrix]' (see scripts/bootstrap.sh)")
 
 from hicache.storage.aibrix import AibrixBackend  # noqa: E402 - after the dependency check
 
-GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
-PAGE_SIZE = 16
-NUM_PAGES = 24
-
-
-def workload(layout: MemLayout, tmp_path: Path) -> Workload:
-    host = HostPool(GEOMETRY, 2 * NUM_PAGES, PAGE_SIZE, layout, pin_memory=False)
-    source = np.arange(NUM_PAGES, dtype=np.int64)
-    target = np.arange(NUM_PAGES, 2 * NUM_PAGES, dtype=np.int64)
-    shape = (NUM_PAGES, GEOMETRY.num_layers, GEOMETRY.kv_planes, PAGE_SIZE, GEOMETRY.row_elems)
-    generator = torch.Generator().manual_seed(1)
-    host.pages[torch.from_numpy(source)] = torch.randn(shape, generator=generator).to(
-        GEOMETRY.dtype
-    )
-    keys = [i.to_bytes(16, "little") for i in range(NUM_PAGES)]
-    return Workload(GEOMETRY, host, keys, source, target, 10, 2, tmp_path)
-
 
 @pytest.mark.parametrize("layout", [MemLayout.PAGE_FIRST, MemLayout.LAYER_FIRST])
 def test_the_baseline_moves_the_workloads_pages_through_aibrix_s_manager(
     layout: MemLayout, tmp_path: Path
 ) -> None:
-    load = workload(layout, tmp_path)
+    load = bench_workload(layout, tmp_path)
     backend = AibrixBackend({"path": str(tmp_path / "l3"), "l1_capacity": "16MiB"})
     backend.attach(load.host)
     try:
         run = aibrix_baseline(load, backend)
         assert run.label == LABEL
-        assert len(run.put_s) == len(run.get_s) == 2
-        assert all(t > 0 for t in run.put_s + run.get_s)
-        pages = load.host.pages
-        assert torch.equal(
-            pages[torch.from_numpy(load.target)].view(torch.uint8),
-            pages[torch.from_numpy(load.source)].view(torch.uint8),
-        )
+        assert_timed_each_repeat(run, load)
+        assert_read_into_the_targets(load)
         assert backend.stats().pages_written == 0  # the backend itself stored nothing
         assert backend.exists(load.keys) == 0
     finally:
@@ -66,34 +42,14 @@ def test_the_baseline_moves_the_workloads_pages_through_aibrix_s_manager(
 
 
 def test_the_baseline_needs_the_aibrix_backend(tmp_path: Path) -> None:
-    load = workload(MemLayout.PAGE_FIRST, tmp_path)
-    backend = FileBackend({"path": str(tmp_path / "l3")})
-    backend.attach(load.host)
-    try:
-        with pytest.raises(StorageError, match="needs the aibrix backend"):
-            aibrix_baseline(load, backend)
-    finally:
-        backend.close()
+    assert_baseline_refuses_the_file_backend(aibrix_baseline, "aibrix", tmp_path)
 
 
 def test_bench_storage_reports_aibrix_next_to_its_baseline(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    parser = argparse.ArgumentParser()
-    bench_storage.add_arguments(parser)
-    out = tmp_path / "result.json"
-    args = parser.parse_args([
-        "--backends", "aibrix", "--preset", "tiny", "--page-size", "16", "--num-pages", "12",
-        "--batch-pages", "5", "--repeats", "1", "--dir", str(tmp_path), "--json", str(out),
-    ])
-    assert bench_storage.main(args) == 0
-    result = json.loads(out.read_text())
-    assert result["skipped"] == {}
-    rows = {(r["backend"], r["op"]): r for r in result["results"]}
-    assert set(rows) == {
-        ("aibrix", "put"), ("aibrix", "get"),
-        ("aibrix baseline", "put"), ("aibrix baseline", "get"),
-    }
-    assert all(r["bytes"] == 12 * result["page_bytes"] for r in rows.values())
-    table = capsys.readouterr().out
-    assert "| aibrix | put |" in table and "| aibrix | get |" in table
+    result = tiny_bench_result(
+        tmp_path, "--backends", "aibrix", "--page-size", "16", "--num-pages", "12",
+        "--batch-pages", "5", "--dir", str(tmp_path),
+    )
+    assert_reported_next_to_baseline(result, capsys.readouterr().out, "aibrix", 12)

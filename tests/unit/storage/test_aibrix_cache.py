@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.config import MemLayout
 from hicache.engine.engine import Engine
-from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.frame import PayloadOrder, object_name
 from tests.dev_dependency import require_dev_dependency
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
-from tests.unit.engine.test_engine_cache_reuse import PAGE, PROMPT_LEN, prompt
+from tests.l3_caches import assert_a_new_cache_reuses, l3_backend_of, make_l3_cache
+from tests.l3_engine_checks import ENGINE_FLAGS, assert_hit_after_flush
+from tests.unit.engine.test_engine_cache_reuse import prompt
 from tests.unit.storage.test_storage_e2e import GEOMETRY, PAGE_SIZE
 from tests.unit.test_l3_cache import conversation, serve_with_l3, settle
 
@@ -29,57 +30,25 @@ rocksdict = require_dev_dependency("rocksdict", "pip install 'hicache[aibrix]'")
 
 from hicache.storage.aibrix import AibrixBackend  # noqa: E402 - after the dependency check
 
-REUSED = (PROMPT_LEN - 1) // PAGE * PAGE
-
 
 def make_cache(root: Path, layout: MemLayout = MemLayout.PAGE_FIRST) -> HierarchicalCache:
-    config = CacheConfig(
-        page_size=PAGE_SIZE, enable_hierarchical_cache=True,
-        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
-        mem_layout=layout, load_back_threshold_tokens=1,
-    )
-    storage = StorageConfig(
-        backend="aibrix", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=1,
-        backend_extra={"path": str(root), "l1_capacity": "8MiB"},
-    )
-    # Built by name through the registry, as the server does.
-    cache = HierarchicalCache(config, GEOMETRY, 64, storage=storage)
+    extra = {"path": str(root), "l1_capacity": "8MiB"}
+    cache = make_l3_cache("aibrix", extra, GEOMETRY, page_size=PAGE_SIZE, layout=layout)
     assert cache.storage is not None, cache.storage_error
     return cache
 
 
 def backend_of(cache: HierarchicalCache) -> AibrixBackend:
-    assert cache.storage is not None
-    backend = cache.storage.backend
-    assert isinstance(backend, AibrixBackend)
-    return backend
+    return l3_backend_of(cache, AibrixBackend)
 
 
 @pytest.mark.parametrize("layout", [MemLayout.PAGE_FIRST, MemLayout.LAYER_FIRST])
 def test_a_new_instance_reuses_the_kv_the_last_one_stored(
     tmp_path: Path, layout: MemLayout
 ) -> None:
-    tokens = conversation(40)
-    first = make_cache(tmp_path, layout)
-    try:
-        assert serve_with_l3(first, tokens) == 0  # cold: computed, then backed up
-        settle(first)
-        assert backend_of(first).stats().pages_written == 10
-    finally:
-        first.close()  # AIBrix's manager and its RocksDB are closed with it
-
-    second = make_cache(tmp_path, layout)
-    try:
-        # Nothing local and AIBrix's L1 is new: all 40 tokens come from RocksDB.
-        assert serve_with_l3(second, tokens) == 40
-        settle(second)
-        assert backend_of(second).stats().pages_written == 0  # found, not rewritten
-        second.flush()  # forget L1 and L2: L3 answers again (now from AIBrix's L1)
-        assert serve_with_l3(second, tokens) == 40
-        settle(second)
-        assert backend_of(second).stats().failures == {}
-    finally:
-        second.close()
+    # Closing the first cache closes AIBrix's manager and its RocksDB: the second one's
+    # AIBrix L1 is new, so its hits come from RocksDB, then (after a flush) from that L1.
+    assert_a_new_cache_reuses(lambda: make_cache(tmp_path, layout), conversation(40))
 
 
 def test_a_corrupted_page_in_rocksdb_ends_the_reused_prefix(tmp_path: Path) -> None:
@@ -117,9 +86,7 @@ def test_a_corrupted_page_in_rocksdb_ends_the_reused_prefix(tmp_path: Path) -> N
 def test_the_engine_answers_as_cold_with_aibrix_attached_by_name(
     make_engine: Callable[..., Engine], tmp_path: Path
 ) -> None:
-    engine = make_engine(
-        "--page-size", str(PAGE), "--max-total-tokens", "2048", "--enable-hierarchical-cache"
-    )
+    engine = make_engine(*ENGINE_FLAGS)
     extra = {"path": str(tmp_path), "l1_capacity": "64MiB", "prefetch_threshold": 64}
     # The admin endpoint's path: by name, with the extra config a user would send.
     engine.attach_storage("aibrix", extra, "wait_complete")
@@ -127,16 +94,10 @@ def test_the_engine_answers_as_cold_with_aibrix_attached_by_name(
 
     ids = prompt(21)
     cold = run(engine, ids, ignore_eos=True)
-    assert engine.flush_cache()  # the device and host caches forget it; AIBrix keeps it
-    warm = run(engine, ids, ignore_eos=True)
-    assert warm.last.cached_tokens.storage == REUSED
-    assert warm.token_ids == cold.token_ids
+    assert_hit_after_flush(engine, ids, cold.token_ids)  # from AIBrix
 
     # Detached (AIBrix closed) and attached again: the pages come back from RocksDB.
     engine.detach_storage()
     engine.attach_storage("aibrix", extra, "wait_complete")
-    assert engine.flush_cache()
-    again = run(engine, ids, ignore_eos=True)
-    assert again.last.cached_tokens.storage == REUSED
-    assert again.token_ids == cold.token_ids
+    assert_hit_after_flush(engine, ids, cold.token_ids)
     engine.check_integrity()

@@ -5,16 +5,20 @@ requests, then is used again once it is back.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from hicache.config import MemLayout
-from hicache.storage.breaker import BreakerState
 from hicache.storage.lmcache_server import ServerProcess, start_server
 from tests.kv_oracle import conversation, serve_with_l3, settle
-from tests.lmcache_fixtures import PROGRAM, backend_of, make_cache
+from tests.l3_caches import assert_a_new_cache_reuses
+from tests.l3_outage_checks import (
+    assert_another_cache_finds,
+    serve_until_backed_up_again,
+    serve_while_the_store_is_down,
+)
+from tests.lmcache_fixtures import PROGRAM, make_cache
 
 FAST_S = 0.5
 RECOVERY_S = 15.0
@@ -31,23 +35,7 @@ def test_a_new_instance_reuses_the_kv_the_last_one_stored(
     server: ServerProcess, layout: MemLayout
 ) -> None:
     extra = {"remote_url": server.url, "namespace": f"reuse-{layout.value}"}
-    tokens = conversation(40, seed=7)
-    first = make_cache(extra, layout=layout)
-    try:
-        assert serve_with_l3(first, tokens) == 0
-        settle(first)
-        assert first.stats.num_storage_backed_up_pages == 10
-    finally:
-        first.close()
-    second = make_cache(extra, layout=layout)
-    try:
-        assert serve_with_l3(second, tokens) == 40  # the oracle checks it equals cold KV
-        assert second.stats.num_storage_hit_tokens == 40
-        settle(second)
-        assert backend_of(second).stats().pages_written == 0
-        assert backend_of(second).stats().failures == {}
-    finally:
-        second.close()
+    assert_a_new_cache_reuses(lambda: make_cache(extra, layout=layout), conversation(40, seed=7))
 
 
 def test_a_dead_server_opens_the_breaker_and_l3_returns_after_restart(
@@ -64,32 +52,10 @@ def test_a_dead_server_opens_the_breaker_and_l3_returns_after_restart(
         assert cache.stats.num_storage_backed_up_pages == 10
 
         server.kill()
-        durations = []
-        for seed in range(100, 106):  # new conversations: lookups miss, backups fail
-            began = time.monotonic()
-            assert serve_with_l3(cache, conversation(40, seed=seed)) == 0
-            settle(cache)
-            durations.append(time.monotonic() - began)
-        assert max(durations) < FAST_S, durations
-        assert cache.storage.breaker.state is BreakerState.OPEN
-        assert backend_of(cache).stats().failures.get("unreachable", 0) > 0
-        assert cache.stats.num_storage_backed_up_pages == 10
+        serve_while_the_store_is_down(cache, FAST_S)
 
         server.restart()  # empty: keep serving new conversations until one is backed up
-        deadline = time.monotonic() + RECOVERY_S
-        seed = 200
-        while cache.stats.num_storage_backed_up_pages == 10:
-            assert time.monotonic() < deadline, backend_of(cache).stats().failures
-            seed += 1
-            serve_with_l3(cache, conversation(40, seed=seed))
-            settle(cache)
-            time.sleep(0.05)
-        assert cache.storage.breaker.state is BreakerState.CLOSED
-        other = make_cache(extra)
-        try:
-            assert serve_with_l3(other, conversation(40, seed=seed)) == 40
-            settle(other)
-        finally:
-            other.close()
+        seed = serve_until_backed_up_again(cache, RECOVERY_S)
+        assert_another_cache_finds(make_cache(extra), seed)
     finally:
         cache.close()

@@ -11,10 +11,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hicache.storage.breaker import BreakerState
 from hicache.storage.mooncake import MooncakeBackend
 from hicache.storage.mooncake_client import WATCH_INTERVAL_S
 from hicache.storage.mooncake_master import MasterProcess
+from tests.l3_outage_checks import (
+    assert_another_cache_finds,
+    serve_until_backed_up_again,
+    serve_while_the_store_is_down,
+)
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     anchor_fixture,
     conversation,
@@ -52,38 +56,14 @@ def test_a_dead_master_fails_fast_opens_the_breaker_and_l3_returns_after_restart
         while backend.reachable:
             assert time.monotonic() < deadline, "the dead master went unnoticed"
             time.sleep(0.01)
-        durations = []
-        for seed in range(100, 106):  # new conversations: lookups miss, backups fail
-            began = time.monotonic()
-            assert serve_with_l3(cache, conversation(40, seed=seed)) == 0
-            settle(cache)
-            durations.append(time.monotonic() - began)
-        assert max(durations) < FAST_S, durations
-        assert cache.storage.breaker.state is BreakerState.OPEN
-        assert backend.stats().failures.get("unreachable", 0) > 0
-        assert cache.storage.metrics().failures.get("breaker_open", 0) > 0
-        assert cache.stats.num_storage_backed_up_pages == 10
+        serve_while_the_store_is_down(cache, FAST_S)
 
         mooncake_master.restart()
         # The restarted master has an empty store, and the client re-registers its
         # memory on its own: keep serving new conversations until one is backed up.
-        deadline = time.monotonic() + RECOVERY_S
-        seed = 200
-        while cache.stats.num_storage_backed_up_pages == 10:
-            assert time.monotonic() < deadline, backend.stats().failures
-            seed += 1
-            serve_with_l3(cache, conversation(40, seed=seed))
-            settle(cache)
-            time.sleep(0.05)
-        assert cache.storage.breaker.state is BreakerState.CLOSED
+        seed = serve_until_backed_up_again(cache, RECOVERY_S)
         assert cache.stats.num_storage_backed_up_pages == 20
         # Another cache finds that conversation in Mooncake.
-        other = make_cache(mooncake_extra)
-        try:
-            assert serve_with_l3(other, conversation(40, seed=seed)) == 40
-            assert other.stats.num_storage_hit_tokens == 40
-            settle(other)
-        finally:
-            other.close()
+        assert_another_cache_finds(make_cache(mooncake_extra), seed)
     finally:
         cache.close()

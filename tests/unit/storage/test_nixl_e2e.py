@@ -9,7 +9,6 @@ backend by name through the engine's admin path (detach, then attach), as
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -19,15 +18,16 @@ import pytest
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.config import MemLayout
 from hicache.engine.engine import Engine
 from hicache.memory.geometry import KVGeometry
 from hicache.storage.breaker import BreakerState
-from hicache.storage.config import PrefetchPolicy, StorageConfig
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.kv_oracle import conversation, serve_with_l3, settle
+from tests.l3_caches import assert_a_new_cache_reuses, l3_backend_of, make_l3_cache
+from tests.l3_engine_checks import assert_hit_after_flush, l3_engine_flags
 from tests.nixl_fixtures import require_nixl
-from tests.unit.engine.test_engine_cache_reuse import PAGE, PROMPT_LEN, prompt
+from tests.unit.engine.test_engine_cache_reuse import prompt
 
 require_nixl()
 
@@ -36,25 +36,17 @@ from hicache.storage.nixl import NixlBackend  # noqa: E402
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
 # O_DIRECT needs 4096-byte page regions: 8 tokens x 2 heads x 128 x bf16 = 4096 bytes.
 ALIGNED_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
-REUSED = (PROMPT_LEN - 1) // PAGE * PAGE
 
 
 def make_cache(
     root: Path, layout: MemLayout, geometry: KVGeometry = GEOMETRY, page_size: int = 4,
     breaker_failures: int = 3, **extra: Any,
 ) -> HierarchicalCache:
-    config = CacheConfig(
-        page_size=page_size, enable_hierarchical_cache=True,
-        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
-        mem_layout=layout, load_back_threshold_tokens=1,
+    cache = make_l3_cache(
+        "nixl", {"path": str(root), **extra}, geometry, page_size=page_size, layout=layout,
+        breaker_failures=breaker_failures,
     )
-    storage = StorageConfig(
-        backend="nixl", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=1,
-        breaker_failures=breaker_failures, backend_extra={"path": str(root), **extra},
-    )
-    cache = HierarchicalCache(config, geometry, 64, storage=storage)  # by name, as the server
-    assert cache.storage is not None, cache.storage_error
-    assert isinstance(cache.storage.backend, NixlBackend)
+    l3_backend_of(cache, NixlBackend)  # it attached, and is NIXL
     return cache
 
 
@@ -62,23 +54,9 @@ def reuse_across_instances(
     root: Path, layout: MemLayout, num_tokens: int, **cache_args: Any
 ) -> None:
     """One instance stores a conversation's KV; a fresh one reuses all of it, equal to cold."""
-    tokens = conversation(num_tokens)
-    first = make_cache(root, layout, **cache_args)
-    try:
-        assert serve_with_l3(first, tokens) == 0  # cold: computed, then backed up
-        settle(first)
-    finally:
-        first.close()
-    second = make_cache(root, layout, **cache_args)
-    try:
-        assert serve_with_l3(second, tokens) == num_tokens  # every token from the files
-        second.flush()
-        assert serve_with_l3(second, tokens) == num_tokens
-        settle(second)
-        assert second.storage is not None
-        assert second.storage.backend.stats().failures == {}
-    finally:
-        second.close()
+    assert_a_new_cache_reuses(
+        lambda: make_cache(root, layout, **cache_args), conversation(num_tokens)
+    )
 
 
 @pytest.mark.parametrize("layout", list(MemLayout))
@@ -116,30 +94,17 @@ def test_a_directory_that_breaks_under_the_cache_opens_the_breaker_and_serves_co
         cache.close()
 
 
-def nixl_flags(extra: dict[str, Any]) -> tuple[str, ...]:
-    return (
-        "--page-size", str(PAGE), "--max-total-tokens", "2048", "--enable-hierarchical-cache",
-        "--hicache-storage-backend", "nixl",
-        "--hicache-storage-prefetch-policy", "wait_complete",
-        "--hicache-storage-backend-extra-config",
-        json.dumps({**extra, "prefetch_threshold": 64}),
-    )
-
-
 def test_engine_outputs_from_nixl_equal_cold_and_survive_detach_and_attach(
     make_engine: Callable[..., Engine], tmp_path: Path,
 ) -> None:
     extra = {"path": str(tmp_path / "l3")}
-    engine = make_engine(*nixl_flags(extra))
+    engine = make_engine(*l3_engine_flags("nixl", extra))
     assert engine.cache.storage is not None, engine.cache.storage_error
     assert isinstance(engine.cache.storage.backend, NixlBackend)
 
     ids = prompt(21)
     cold = run(engine, ids, ignore_eos=True)
-    assert engine.flush_cache()  # L1 and L2 forget it; the files keep it
-    warm = run(engine, ids, ignore_eos=True)
-    assert warm.last.cached_tokens.storage == REUSED
-    assert warm.token_ids == cold.token_ids
+    assert_hit_after_flush(engine, ids, cold.token_ids)  # from the files
 
     engine.detach_storage()
     assert engine.storage_status()["attached"] is False
@@ -150,8 +115,5 @@ def test_engine_outputs_from_nixl_equal_cold_and_survive_detach_and_attach(
     engine.attach_storage("nixl", {**extra, "io_queue": "uring"}, "wait_complete")
     status = engine.storage_status()
     assert status["attached"] is True and status["backend"] == "nixl"
-    assert engine.flush_cache()
-    again = run(engine, ids, ignore_eos=True)
-    assert again.last.cached_tokens.storage == REUSED  # the files outlived the detach
-    assert again.token_ids == cold.token_ids
+    assert_hit_after_flush(engine, ids, cold.token_ids)  # the files outlived the detach
     engine.check_integrity()

@@ -9,8 +9,6 @@ recomputed while it is down or after it evicted them.
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,68 +19,41 @@ from hicache.engine.engine import Engine
 from hicache.storage.redis import RedisBackend
 from hicache.storage.redis_server import RedisServerProcess, start_redis_server
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
+from tests.l3_engine_checks import (
+    FAST_BREAKER,
+    assert_hit_after_flush,
+    assert_recomputed_while_down,
+    assert_stored_and_hit_again,
+    l3_engine_flags,
+)
 from tests.redis_fixtures import (  # noqa: F401 - fixtures, used by name
     extra_fixture,
     fresh_prefix,
     server_fixture,
 )
-from tests.unit.engine.test_engine_cache_reuse import PAGE, PROMPT_LEN, prompt
+from tests.unit.engine.test_engine_cache_reuse import prompt
 from tests.unit.engine.test_engine_soak import soak, soak_engine_flags
 
-REUSED = (PROMPT_LEN - 1) // PAGE * PAGE
 RECOVERY_S = 10.0
-
-
-def redis_flags(extra: dict[str, Any]) -> tuple[str, ...]:
-    config = {
-        **extra, "prefetch_threshold": 64,
-        "breaker_failures": 2, "breaker_backoff_base": 0.2, "breaker_backoff_max": 0.2,
-    }
-    return (
-        "--page-size", str(PAGE), "--max-total-tokens", "2048", "--enable-hierarchical-cache",
-        "--hicache-storage-backend", "redis",
-        "--hicache-storage-prefetch-policy", "wait_complete",
-        "--hicache-storage-backend-extra-config", json.dumps(config),
-    )
 
 
 def test_engine_outputs_stay_identical_while_the_server_dies_and_returns(
     make_engine: Callable[..., Engine], redis_server: RedisServerProcess,
     redis_extra: dict[str, Any],
 ) -> None:
-    engine = make_engine(*redis_flags(redis_extra))
+    engine = make_engine(*l3_engine_flags("redis", {**redis_extra, **FAST_BREAKER}))
     assert engine.cache.storage is not None, engine.cache.storage_error
     assert isinstance(engine.cache.storage.backend, RedisBackend)
 
     ids = prompt(11)
     cold = run(engine, ids, ignore_eos=True)
-    assert engine.flush_cache()  # L1 and L2 forget it; Redis keeps it
-    warm = run(engine, ids, ignore_eos=True)
-    assert warm.last.cached_tokens.storage == REUSED
-    assert warm.token_ids == cold.token_ids
+    assert_hit_after_flush(engine, ids, cold.token_ids)  # from Redis
 
     redis_server.kill()
-    for _ in range(3):  # each flush sends the request to L3, which cannot answer
-        assert engine.flush_cache()
-        began = time.monotonic()
-        down = run(engine, ids, ignore_eos=True)
-        assert time.monotonic() - began < 2.0  # recomputed, not waiting on the dead server
-        assert down.last.finish_reason == "length"
-        assert down.last.cached_tokens.total == 0
-        assert down.token_ids == cold.token_ids
+    assert_recomputed_while_down(engine, ids, cold.token_ids, max_s=2.0)
 
     redis_server.restart()  # an empty server: the next prompt is stored again, then hit
-    other = prompt(12)
-    other_cold = run(engine, other, ignore_eos=True)
-    deadline = time.monotonic() + RECOVERY_S
-    while True:
-        assert engine.flush_cache()
-        back = run(engine, other, ignore_eos=True)
-        assert back.token_ids == other_cold.token_ids
-        if back.last.cached_tokens.storage == REUSED:
-            break
-        assert time.monotonic() < deadline, engine.storage_status()
-        time.sleep(0.1)
+    assert_stored_and_hit_again(engine, RECOVERY_S)
     engine.check_integrity()
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
-from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
+from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
-from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.file import FileBackend
 from hicache.storage.frame import PayloadOrder, object_name
+from tests.l3_caches import assert_a_new_cache_reuses, l3_backend_of, make_l3_cache
 from tests.unit.test_l3_cache import conversation, serve_with_l3, settle
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
@@ -26,26 +26,13 @@ PAGE_SIZE = 4
 
 
 def make_cache(root: Path, layout: MemLayout = MemLayout.PAGE_FIRST) -> HierarchicalCache:
-    config = CacheConfig(
-        page_size=PAGE_SIZE, enable_hierarchical_cache=True,
-        write_policy=WritePolicy.WRITE_THROUGH, io_backend=IOBackendKind.DIRECT,
-        mem_layout=layout, load_back_threshold_tokens=1,
-    )
-    storage = StorageConfig(
-        backend="file", prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=1,
-        backend_extra={"path": str(root)},
-    )
-    # Built by name through the registry, as the server does.
-    cache = HierarchicalCache(config, GEOMETRY, 64, storage=storage)
-    assert cache.storage is not None and isinstance(cache.storage.backend, FileBackend)
+    cache = make_l3_cache("file", {"path": str(root)}, GEOMETRY, page_size=PAGE_SIZE, layout=layout)
+    backend_of(cache)  # it attached, and is the file backend
     return cache
 
 
 def backend_of(cache: HierarchicalCache) -> FileBackend:
-    assert cache.storage is not None
-    backend = cache.storage.backend
-    assert isinstance(backend, FileBackend)
-    return backend
+    return l3_backend_of(cache, FileBackend)
 
 
 def page_file(cache: HierarchicalCache, root: Path, tokens: list[int], page: int) -> Path:
@@ -59,32 +46,7 @@ def page_file(cache: HierarchicalCache, root: Path, tokens: list[int], page: int
 def test_a_new_instance_reuses_the_kv_the_last_one_stored(
     tmp_path: Path, layout: MemLayout
 ) -> None:
-    tokens = conversation(40)
-    first = make_cache(tmp_path, layout)
-    try:
-        assert serve_with_l3(first, tokens) == 0  # cold: computed, then backed up
-        settle(first)
-        assert backend_of(first).stats().pages_written == 10
-        assert first.stats.num_storage_backed_up_pages == 10
-    finally:
-        first.close()
-
-    second = make_cache(tmp_path, layout)
-    try:
-        # Nothing local: all 40 tokens come back from the files, equal to cold KV.
-        assert serve_with_l3(second, tokens) == 40
-        assert second.stats.num_storage_hit_tokens == 40
-        settle(second)
-        assert backend_of(second).stats().pages_written == 0  # found, not rewritten
-        # Forget L1 and L2: the same instance gets everything back from L3 again.
-        second.flush()
-        assert second.tree.num_host_pages == 0
-        assert serve_with_l3(second, tokens) == 40
-        assert second.stats.num_storage_hit_tokens == 80
-        settle(second)
-        assert backend_of(second).stats().failures == {}
-    finally:
-        second.close()
+    assert_a_new_cache_reuses(lambda: make_cache(tmp_path, layout), conversation(40))
 
 
 def test_a_corrupted_page_file_ends_the_reused_prefix(tmp_path: Path) -> None:
