@@ -55,7 +55,7 @@ from hicache.storage.aibrix_store import (
     acquire_store,
     release_store,
 )
-from hicache.storage.base import StorageBackend, StorageError
+from hicache.storage.base import StorageBackend, StorageError, first_gap
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
@@ -127,8 +127,7 @@ class AibrixBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         store, regions = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         if not keys:
             return 0
         found = store.exists([object_name(key, regions.order) for key in keys])
@@ -165,10 +164,7 @@ class AibrixBackend(StorageBackend):
             self._fail(done.reason)
             if done.reason in _FAULTS:  # a bad page: dropped, so that a backup stores it anew
                 store.delete(names[done.count : done.count + 1])
-        with self._lock:
-            self._stats.pages_read += done.count
-            self._stats.bytes_read += done.count * payload_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        self._count_read(done.count, payload_bytes, began)
         return done.count
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -201,12 +197,8 @@ class AibrixBackend(StorageBackend):
             num_written = written.count
             for i in todo[:num_written]:
                 stored[i] = True
-        num_stored = next((i for i, done in enumerate(stored) if not done), len(keys))
-        with self._lock:
-            self._stats.pages_skipped_existing += len(keys) - len(todo)
-            self._stats.pages_written += num_written
-            self._stats.bytes_written += num_written * payload_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+        num_stored = first_gap(stored)
+        self._count_write(num_written, len(keys) - len(todo), payload_bytes, began)
         return num_stored
 
     def clear(self) -> None:
@@ -224,10 +216,6 @@ class AibrixBackend(StorageBackend):
         if self._store is None or self._regions is None:
             raise StorageError("storage backend 'aibrix' used before attach()")
         return self._store, self._regions
-
-    def _fail(self, reason: str, pages: int = 1) -> None:
-        with self._lock:
-            self._stats.fail(reason, pages)
 
     def _stored(self, store: AibrixStore, names: list[str]) -> list[bool]:
         """Which pages are stored already: the leading run in one call, then page by page.

@@ -142,8 +142,7 @@ class FileBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         regions = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         for i, key in enumerate(keys):
             if not self._known(object_name(key, regions.order)):
                 return i
@@ -156,27 +155,22 @@ class FileBackend(StorageBackend):
         for key, page in zip(keys, np.asarray(host_pages).tolist(), strict=True):
             fault = self._read_page(regions, key, page)
             if fault is not None:
-                with self._lock:
-                    self._stats.fail(fault)
+                self._fail(fault)
                 break
             num_read += 1
-        with self._lock:
-            self._stats.pages_read += num_read
-            self._stats.bytes_read += num_read * regions.page_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
         regions = self._ready(keys, host_pages)
         began = time.perf_counter()
-        num_stored = num_written = 0
+        num_stored = num_written = num_skipped = 0
         names = [object_name(key, regions.order) for key in keys]
         made_room = False  # one eviction round per batch when the file system is full
         pages = np.asarray(host_pages).tolist()
         for index, (name, key, page) in enumerate(zip(names, keys, pages, strict=True)):
             if self._known(name, on_disk=True):
-                with self._lock:
-                    self._stats.pages_skipped_existing += 1
+                num_skipped += 1
                 num_stored += 1
                 continue
             reason = self._write_page(regions, name, key, page)
@@ -187,15 +181,11 @@ class FileBackend(StorageBackend):
                 if self._evict_for_space(needed_bytes, keep=frozenset(names)):
                     reason = self._write_page(regions, name, key, page)
             if reason is not None:
-                with self._lock:
-                    self._stats.fail(reason)
+                self._fail(reason)
                 break
             num_stored += 1
             num_written += 1
-        with self._lock:
-            self._stats.pages_written += num_written
-            self._stats.bytes_written += num_written * regions.page_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+        self._count_write(num_written, num_skipped, regions.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:

@@ -65,7 +65,12 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.base import (
+    StorageBackend,
+    StorageError,
+    StorageUnavailableError,
+    first_gap,
+)
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
@@ -161,8 +166,7 @@ class LMCacheBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         client, _ = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         if not keys:
             return 0
         try:
@@ -234,10 +238,7 @@ class LMCacheBackend(StorageBackend):
                 self._mark_bad(names[current], Fault.SHORT_READ)
             elif not broken:
                 self._count_error(error, 1)
-        with self._lock:
-            self._stats.pages_read += good
-            self._stats.bytes_read += good * regions.page_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        self._count_read(good, regions.page_bytes, began)
         return good
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -258,7 +259,7 @@ class LMCacheBackend(StorageBackend):
                 stored = [ok and name not in bad for ok, name in zip(present, names, strict=True)]
                 todo = [i for i, done in enumerate(stored) if not done]
                 skipped = len(keys) - len(todo)
-                num_stored = stored.index(False) if todo else len(keys)
+                num_stored = first_gap(stored)
                 if todo:
 
                     def values() -> Iterator[tuple[str, list[Buffer]]]:
@@ -280,11 +281,7 @@ class LMCacheBackend(StorageBackend):
                 self._remember_bad([names[i] for i in todo])
         if written:
             self._forget_bad([names[i] for i in todo])
-        with self._lock:
-            self._stats.pages_skipped_existing += skipped
-            self._stats.pages_written += written
-            self._stats.bytes_written += written * regions.page_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+        self._count_write(written, skipped, regions.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:
@@ -343,10 +340,6 @@ class LMCacheBackend(StorageBackend):
             if changed:
                 self._bad.clear()
         return changed
-
-    def _fail(self, reason: str, pages: int = 1) -> None:
-        with self._lock:
-            self._stats.fail(reason, pages)
 
     def _count_error(self, error: BaseException, pages: int) -> None:
         if isinstance(error, ConnectionError):  # refused, reset, closed, or ServerUnreachable

@@ -227,8 +227,7 @@ class MooncakeBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         client, regions = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         if not keys:
             return 0
         names = [object_name(key, regions.order) for key in keys]
@@ -277,10 +276,7 @@ class MooncakeBackend(StorageBackend):
                 return len(part)
 
             num_read = self._read_ahead(self._parts(len(keys), regions.page_bytes), read, verify)
-        with self._lock:
-            self._stats.pages_read += num_read
-            self._stats.bytes_read += num_read * regions.page_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -341,11 +337,7 @@ class MooncakeBackend(StorageBackend):
                     self._fail(failure_reason(codes[i]))
                 break
             num_stored += 1
-        with self._lock:
-            self._stats.pages_skipped_existing += len(keys) - len(todo)
-            self._stats.pages_written += num_written
-            self._stats.bytes_written += num_written * regions.page_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+        self._count_write(num_written, len(keys) - len(todo), regions.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:
@@ -374,10 +366,6 @@ class MooncakeBackend(StorageBackend):
         if self._client is None or self._regions is None:
             raise StorageError("storage backend 'mooncake' used before attach()")
         return self._client, self._regions
-
-    def _fail(self, reason: str, pages: int = 1) -> None:
-        with self._lock:
-            self._stats.fail(reason, pages)
 
     def _call(
         self, client: MooncakeClient, pages: int, fn: Callable[[Any], Sequence[int]]

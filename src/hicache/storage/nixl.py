@@ -65,7 +65,12 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.base import (
+    StorageBackend,
+    StorageError,
+    StorageUnavailableError,
+    first_gap,
+)
 from hicache.storage.file import is_stale_temp, temp_name
 from hicache.storage.frame import (
     HEADER_BYTES,
@@ -139,8 +144,7 @@ class NixlBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         regions = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         for i, key in enumerate(keys):
             try:
                 if not self._stored(self._path(object_name(key, regions.order))):
@@ -148,8 +152,7 @@ class NixlBackend(StorageBackend):
             except OSError:
                 # Not a missing page but a directory that cannot be searched (gone bad,
                 # no permission): an outage, which the L3 tier's breaker must hear of.
-                with self._lock:
-                    self._stats.fail("io_error")
+                self._fail("io_error")
                 return i
         return len(keys)
 
@@ -176,12 +179,9 @@ class NixlBackend(StorageBackend):
         finally:
             for fd in fds:
                 os.close(fd)
-        with self._lock:
-            if fault is not None:
-                self._stats.fail(fault, failed_pages)
-            self._stats.pages_read += num_read
-            self._stats.bytes_read += num_read * regions.page_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        if fault is not None:
+            self._fail(fault, failed_pages)
+        self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -202,14 +202,9 @@ class NixlBackend(StorageBackend):
                 for i in todo:
                     stored[i] = True
             else:
-                with self._lock:
-                    self._stats.fail(reason, len(todo))
-        num_stored = next((i for i, done in enumerate(stored) if not done), len(keys))
-        with self._lock:
-            self._stats.pages_skipped_existing += len(keys) - len(todo)
-            self._stats.pages_written += num_written
-            self._stats.bytes_written += num_written * regions.page_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+                self._fail(reason, len(todo))
+        num_stored = first_gap(stored)
+        self._count_write(num_written, len(keys) - len(todo), regions.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:

@@ -73,7 +73,12 @@ from redis.retry import Retry
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.base import (
+    StorageBackend,
+    StorageError,
+    StorageUnavailableError,
+    first_gap,
+)
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
@@ -169,8 +174,7 @@ class RedisBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         client, regions = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         if not keys:
             return 0
         found = self._stored(client, self._names(keys, regions))
@@ -198,10 +202,7 @@ class RedisBackend(StorageBackend):
             num_read += good
             if good < len(part):
                 break
-        with self._lock:
-            self._stats.pages_read += num_read
-            self._stats.bytes_read += num_read * regions.page_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -243,12 +244,8 @@ class RedisBackend(StorageBackend):
                     num_written += 1
             if failed:
                 break
-        num_stored = next((i for i, done in enumerate(stored) if not done), len(keys))
-        with self._lock:
-            self._stats.pages_skipped_existing += len(keys) - len(todo)
-            self._stats.pages_written += num_written
-            self._stats.bytes_written += num_written * regions.page_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+        num_stored = first_gap(stored)
+        self._count_write(num_written, len(keys) - len(todo), regions.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:
@@ -284,10 +281,6 @@ class RedisBackend(StorageBackend):
     def _names(self, keys: Sequence[bytes], regions: PageRegions) -> list[bytes]:
         prefix, order = self._prefix, regions.order
         return [prefix + object_name(key, order).encode() for key in keys]
-
-    def _fail(self, reason: str, pages: int = 1) -> None:
-        with self._lock:
-            self._stats.fail(reason, pages)
 
     def _call(self, pages: int, fn: Callable[[], T]) -> T | None:
         """``fn()``, or None when the server failed it (counted against ``pages``)."""
