@@ -74,10 +74,10 @@ from hicache.storage.base import (
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
-    check_header,
-    check_payload,
+    check_page,
     checksum,
     encode_header,
+    length_fault,
 )
 from hicache.storage.lmcache_client import Buffer, Client, Connection
 from hicache.storage.lmcache_protocol import (
@@ -210,22 +210,23 @@ class LMCacheBackend(StorageBackend):
                 conn.send([encode_request(Command.GET, name) for name in names])
                 for current in range(len(keys)):
                     reply = conn.read_reply()
-                    if broken or not reply.ok or reply.value_bytes != expected:
+                    fault = length_fault(reply.value_bytes, expected) if reply.ok else None
+                    if broken or not reply.ok or fault is not None:
                         conn.discard(reply.value_bytes)
                         if not broken:
                             broken = True
-                            if not reply.ok:
+                            if fault is None:
                                 self._fail("missing")
                             else:
-                                self._mark_bad(names[current], _length_fault(
-                                    reply.value_bytes, expected))
+                                self._mark_bad(names[current], fault)
                         continue
                     in_value = True
                     conn.read_into([*regions.views(pages[current]), header])
                     in_value = False
-                    fault = check_header(header, keys[current], regions.order, regions.page_bytes)
-                    if fault is None and self.verify_checksum:
-                        fault = check_payload(header, regions.views(pages[current]))
+                    fault = check_page(
+                        header, regions.views(pages[current]), keys[current], regions.order,
+                        regions.page_bytes, self.verify_checksum,
+                    )
                     if fault is not None:
                         broken = True
                         self._mark_bad(names[current], fault)
@@ -370,8 +371,4 @@ class LMCacheBackend(StorageBackend):
     def _bad_snapshot(self) -> frozenset[str]:
         with self._lock:
             return frozenset(self._bad)
-
-
-def _length_fault(value_bytes: int, expected: int) -> Fault:
-    return Fault.SHORT_READ if value_bytes < expected else Fault.WRONG_LENGTH
 

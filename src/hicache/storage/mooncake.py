@@ -114,10 +114,9 @@ from hicache.storage.cache_steps import (
 )
 from hicache.storage.frame import (
     HEADER_BYTES,
-    Fault,
-    check_header,
-    check_payload,
+    check_page,
     checksum,
+    length_fault,
     object_name,
     pack_header_into,
 )
@@ -510,21 +509,19 @@ class MooncakeBackend(StorageBackend):
                 return failure_reason(code)
             if size < 0:
                 return failure_reason(size)
-            if size == expected:
+            fault = length_fault(size, expected)
+            if fault is None:
                 return failure_reason(code)
-            fault = Fault.SHORT_READ if size < expected else Fault.WRONG_LENGTH
-        elif code < expected:
-            fault = Fault.SHORT_READ
-        elif code > expected:
-            fault = Fault.WRONG_LENGTH
         else:
-            header = self._staging_view[header_offset : header_offset + HEADER_BYTES]
-            found = check_header(header, key, regions.order, regions.page_bytes)
-            if found is None and self.verify_checksum:
-                found = check_payload(header, regions.views(page))
-            if found is None:
+            fault = length_fault(code, expected)
+            if fault is None:
+                header = self._staging_view[header_offset : header_offset + HEADER_BYTES]
+                fault = check_page(
+                    header, regions.views(page), key, regions.order, regions.page_bytes,
+                    self.verify_checksum,
+                )
+            if fault is None:
                 return None
-            fault = found
         self._remove(client, name)
         return fault.value
 

@@ -74,11 +74,10 @@ from hicache.storage.base import (
 from hicache.storage.file import is_stale_temp, temp_name
 from hicache.storage.frame import (
     HEADER_BYTES,
-    Fault,
     PayloadOrder,
-    check_header,
-    check_payload,
+    check_page,
     checksum,
+    length_fault,
     object_name,
     pack_header_into,
 )
@@ -272,11 +271,11 @@ class NixlBackend(StorageBackend):
         if not S_ISREG(info.st_mode):
             os.close(fd)
             return None, "not_regular_file"
-        if info.st_size != self._file_bytes:
+        fault = length_fault(info.st_size, self._file_bytes)
+        if fault is not None:
             os.close(fd)
             _unlink(path)  # not a file of ours (or of the other mode): make room for one
-            short = info.st_size < self._file_bytes
-            return None, (Fault.SHORT_READ if short else Fault.WRONG_LENGTH).value
+            return None, fault.value
         return fd, None
 
     def _read_batch(
@@ -294,9 +293,10 @@ class NixlBackend(StorageBackend):
                 return 0, failure.reason
             for i in range(len(fds)):
                 header = slots.view(i)[:HEADER_BYTES]
-                fault = check_header(header, keys[i], regions.order, regions.page_bytes)
-                if fault is None and self.settings.verify_checksum:
-                    fault = check_payload(header, regions.views(pages[i]))
+                fault = check_page(
+                    header, regions.views(pages[i]), keys[i], regions.order, regions.page_bytes,
+                    self.settings.verify_checksum,
+                )
                 if fault is not None:
                     _unlink(self._path(object_name(keys[i], regions.order)))
                     return i, fault.value

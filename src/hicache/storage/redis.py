@@ -81,11 +81,10 @@ from hicache.storage.base import (
 )
 from hicache.storage.frame import (
     HEADER_BYTES,
-    Fault,
-    check_header,
-    check_payload,
+    check_page,
     checksum,
     encode_header,
+    length_fault,
     object_name,
 )
 from hicache.storage.options import Options
@@ -341,15 +340,12 @@ class RedisBackend(StorageBackend):
                 return j
             data = memoryview(value)
             payload, header = data[:page_bytes], data[page_bytes:]
-            fault: Fault | None
-            if len(data) < page_bytes + HEADER_BYTES:
-                fault = Fault.SHORT_READ
-            elif len(data) > page_bytes + HEADER_BYTES:
-                fault = Fault.WRONG_LENGTH  # trailing bytes: not a value we wrote
-            else:
-                fault = check_header(header, keys[i], regions.order, page_bytes)
-                if fault is None and self.settings.verify_checksum:
-                    fault = check_payload(header, [payload])
+            fault = length_fault(len(data), page_bytes + HEADER_BYTES)
+            if fault is None:
+                fault = check_page(
+                    header, [payload], keys[i], regions.order, page_bytes,
+                    self.settings.verify_checksum,
+                )
             if fault is not None:
                 self._fail(fault.value)
                 self._delete(client, names[i])

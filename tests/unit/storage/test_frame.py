@@ -10,15 +10,17 @@ import torch
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageError
+from hicache.storage.base import StorageError, first_gap
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
     PayloadOrder,
     check_header,
+    check_page,
     check_payload,
     checksum,
     encode_header,
+    length_fault,
     object_name,
     pack_header_into,
 )
@@ -72,6 +74,28 @@ def test_a_changed_payload_fails_its_checksum() -> None:
     header = encode_header(KEY, ORDER, 8, checksum([b"abcdefgh"]))
     assert check_payload(header, [b"abcdefgH"]) is Fault.CORRUPT
     assert check_payload(header, [b"abcd", memoryview(b"efgh")]) is None
+
+
+def test_a_page_read_whole_is_checked_header_first_then_checksum_if_asked() -> None:
+    header = encode_header(KEY, ORDER, 8, checksum([b"abcdefgh"]))
+    assert check_page(header, [b"abcd", b"efgh"], KEY, ORDER, 8, True) is None
+    assert check_page(header, [b"abcdefgH"], KEY, ORDER, 8, True) is Fault.CORRUPT
+    # Without verification a damaged payload passes; the header is still checked.
+    assert check_page(header, [b"abcdefgH"], KEY, ORDER, 8, False) is None
+    assert check_page(header, [b"abcdefgH"], OTHER_KEY, ORDER, 8, True) is Fault.WRONG_KEY
+
+
+def test_an_object_of_the_wrong_size_is_short_or_too_long() -> None:
+    assert length_fault(55, 56) is Fault.SHORT_READ
+    assert length_fault(57, 56) is Fault.WRONG_LENGTH
+    assert length_fault(56, 56) is None
+
+
+def test_a_stored_prefix_ends_at_the_first_gap() -> None:
+    assert first_gap([True, True, False, True]) == 2
+    assert first_gap([False, True]) == 0
+    assert first_gap([True, True]) == 2
+    assert first_gap([]) == 0
 
 
 def test_object_names_carry_the_key_and_the_row_order() -> None:
