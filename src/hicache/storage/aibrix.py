@@ -55,7 +55,7 @@ from hicache.storage.aibrix_store import (
     acquire_store,
     release_store,
 )
-from hicache.storage.base import StorageBackend, StorageError, first_gap
+from hicache.storage.base import StorageBackend, first_gap
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
@@ -97,14 +97,10 @@ class AibrixBackend(StorageBackend):
         self.verify_checksum = options.boolean("verify_checksum", True)
         self._store: AibrixStore | None = None
         self._regions: PageRegions | None = None
-        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
-        if self._closed:
-            raise StorageError("aibrix storage used after close()")
-        if self._store is not None:
-            raise StorageError("aibrix storage is already attached")
+        self._check_attachable(self._store is not None)
         regions = PageRegions(host)
         geometry = BlockGeometry(host.page_size, host.page_bytes)
         self._store = acquire_store(self.settings, geometry, tp_shard())
@@ -210,11 +206,9 @@ class AibrixBackend(StorageBackend):
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
     ) -> tuple[AibrixStore, PageRegions]:
-        if self._closed:
-            raise StorageError("aibrix storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._store is None or self._regions is None:
-            raise StorageError("storage backend 'aibrix' used before attach()")
+            raise self._not_attached()
         return self._store, self._regions
 
     def _stored(self, store: AibrixStore, names: list[str]) -> list[bool]:

@@ -80,6 +80,8 @@ class StorageBackend(ABC):
         self._host: HostPool | None = None
         self._lock = threading.Lock()
         self._stats = StorageStats()
+        # Set by a backend's close(); every later call is misuse (``_check_open``).
+        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
@@ -93,7 +95,7 @@ class StorageBackend(ABC):
     @property
     def host(self) -> HostPool:
         if self._host is None:
-            raise StorageError(f"storage backend {self.name!r} used before attach()")
+            raise self._not_attached()
         return self._host
 
     @property
@@ -163,6 +165,22 @@ class StorageBackend(ABC):
             self._stats.pages_written += num_written
             self._stats.bytes_written += num_written * page_bytes
             self._stats.write_seconds += time.perf_counter() - began
+
+    def _check_attachable(self, attached: bool) -> None:
+        """``attach`` is misuse after close() or a second time (``attached``)."""
+        if self._closed:
+            raise StorageError(f"{self.name} storage used after close()")
+        if attached:
+            raise StorageError(f"{self.name} storage is already attached")
+
+    def _check_open(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> None:
+        """What every operation checks first: not closed, and sound arguments."""
+        if self._closed:
+            raise StorageError(f"{self.name} storage used after close()")
+        self._check_args(keys, host_pages)
+
+    def _not_attached(self) -> StorageError:
+        return StorageError(f"storage backend {self.name!r} used before attach()")
 
     def _check_args(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> None:
         if len(keys) > MAX_BATCH_PAGES:

@@ -51,7 +51,7 @@ import numpy as np
 from hicache.local_cache import local_cache_dir
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.base import StorageBackend, StorageUnavailableError
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
@@ -105,7 +105,6 @@ class FileBackend(StorageBackend):
         self._index: OrderedDict[str, int] = OrderedDict()
         self._total_bytes = 0
         self._regions: PageRegions | None = None
-        self._closed = False
         self._last_stamp_ns = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -204,11 +203,9 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------ internals
     def _ready(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> PageRegions:
-        if self._closed:
-            raise StorageError("file storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._regions is None:
-            raise StorageError("storage backend 'file' used before attach()")
+            raise self._not_attached()
         return self._regions
 
     def _dir(self, name: str) -> str:

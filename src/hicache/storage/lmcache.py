@@ -112,14 +112,10 @@ class LMCacheBackend(StorageBackend):
         # Keys (strings) of pages found bad: treated as missing until rewritten.
         self._bad: OrderedDict[str, None] = OrderedDict()
         self._control_key = key_string(f"{self.settings.namespace}.generation", b"\0")
-        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
-        if self._closed:
-            raise StorageError("lmcache storage used after close()")
-        if self._client is not None:
-            raise StorageError("lmcache storage is already attached")
+        self._check_attachable(self._client is not None)
         regions = PageRegions(host)
         if regions.page_bytes + HEADER_BYTES > MAX_VALUE_BYTES:
             raise StorageError(
@@ -304,11 +300,9 @@ class LMCacheBackend(StorageBackend):
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
     ) -> tuple[Client, PageRegions]:
-        if self._closed:
-            raise StorageError("lmcache storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._client is None or self._regions is None:
-            raise StorageError("storage backend 'lmcache' used before attach()")
+            raise self._not_attached()
         return self._client, self._regions
 
     def _names(self, keys: Sequence[bytes]) -> list[str]:

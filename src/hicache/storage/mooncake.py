@@ -104,7 +104,6 @@ from hicache.memory.host_pool import HostPool
 from hicache.storage.base import (
     MAX_BATCH_PAGES,
     StorageBackend,
-    StorageError,
 )
 from hicache.storage.cache_steps import (
     COPY_PIECE_BYTES,
@@ -172,14 +171,10 @@ class MooncakeBackend(StorageBackend):
         for slot in range(_STAGING_SLOTS):
             self._free_slots.put(slot)
         self._executor: ThreadPoolExecutor | None = None
-        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
-        if self._closed:
-            raise StorageError("mooncake storage used after close()")
-        if self._client is not None:
-            raise StorageError("mooncake storage is already attached")
+        self._check_attachable(self._client is not None)
         regions = PageRegions(host)
         client = acquire_client(self.settings)
         try:
@@ -359,11 +354,9 @@ class MooncakeBackend(StorageBackend):
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
     ) -> tuple[MooncakeClient, PageRegions]:
-        if self._closed:
-            raise StorageError("mooncake storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._client is None or self._regions is None:
-            raise StorageError("storage backend 'mooncake' used before attach()")
+            raise self._not_attached()
         return self._client, self._regions
 
     def _call(

@@ -106,7 +106,6 @@ class NixlBackend(StorageBackend):
         self._agent = NixlAgent(self.settings.plugin, self.settings.plugin_params)
         self._regions: PageRegions | None = None
         self._trailers: TrailerPool | None = None
-        self._closed = False
 
     @property
     def raw_agent(self) -> NixlAgent:
@@ -222,11 +221,9 @@ class NixlBackend(StorageBackend):
 
     # ------------------------------------------------------------ internals
     def _ready(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> PageRegions:
-        if self._closed:
-            raise StorageError("nixl storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._regions is None:
-            raise StorageError("storage backend 'nixl' used before attach()")
+            raise self._not_attached()
         return self._regions
 
     def _path(self, name: str) -> str:

@@ -114,14 +114,10 @@ class RedisBackend(StorageBackend):
         )
         self._client: redis.Redis | None = None
         self._regions: PageRegions | None = None
-        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
-        if self._closed:
-            raise StorageError("redis storage used after close()")
-        if self._client is not None:
-            raise StorageError("redis storage is already attached")
+        self._check_attachable(self._client is not None)
         regions = PageRegions(host)
         settings = self.settings
         try:
@@ -270,11 +266,9 @@ class RedisBackend(StorageBackend):
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
     ) -> tuple[redis.Redis, PageRegions]:
-        if self._closed:
-            raise StorageError("redis storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._client is None or self._regions is None:
-            raise StorageError("storage backend 'redis' used before attach()")
+            raise self._not_attached()
         return self._client, self._regions
 
     def _names(self, keys: Sequence[bytes], regions: PageRegions) -> list[bytes]:
