@@ -24,7 +24,7 @@ from hicache.storage.frame import (
     object_name,
     pack_header_into,
 )
-from hicache.storage.options import Options, parse_size
+from hicache.storage.options import Options, parse_bool, parse_size
 from hicache.storage.page_regions import PageRegions
 from tests.storage_contract import fill_random, page_range
 
@@ -157,3 +157,23 @@ def test_sizes_and_options_are_read_with_clear_errors(monkeypatch: pytest.Monkey
     monkeypatch.setenv("HICACHE_TEST_SIZE", "2KiB")
     assert options.size_bytes("missing", 7, env=("HICACHE_TEST_SIZE",)) == 2048
     assert options.string("missing", "d") == "d"
+
+
+def test_counts_flags_and_where_a_value_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = Options({"c": 3.0, "half": 2.5, "low": 0, "flag": " True "}, "test store")
+    assert options.whole_number("c", 1, minimum=1) == 3
+    assert options.whole_number("missing", 4, minimum=1) == 4
+    with pytest.raises(StorageError, match=r"test store: half must be a whole number, got 2\.5"):
+        options.whole_number("half", 1)
+    with pytest.raises(StorageError, match="low must be a number >= 1"):
+        options.whole_number("low", 1, minimum=1)
+    assert options.boolean("flag", False) is True
+    assert parse_bool("0", "x") is False and parse_bool(True, "x") is True
+    with pytest.raises(StorageError, match="x must be true or false"):
+        parse_bool(1, "x")
+    monkeypatch.setenv("HICACHE_TEST_FLAG", "1")
+    assert options.where("c", ("HICACHE_TEST_FLAG",)) == "test store: c"
+    assert options.where("other", ("HICACHE_TEST_FLAG",)) == (
+        "test store: environment variable HICACHE_TEST_FLAG"
+    )
+    assert options.where("other") == "test store: other"
