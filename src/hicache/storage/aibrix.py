@@ -145,14 +145,9 @@ class AibrixBackend(StorageBackend):
             header = block[payload_bytes : payload_bytes + HEADER_BYTES].data
             fault = check_header(header, keys[i], regions.order, payload_bytes)
             if fault is None:
-                views = regions.views(pages[i])
-                offset = 0
-                for view in views:
-                    target = np.frombuffer(view, dtype=np.uint8)
-                    target[:] = block[offset : offset + len(target)]
-                    offset += len(target)
+                regions.copy_in(pages[i], block.data)
                 if self.verify_checksum:
-                    fault = check_payload(header, views)
+                    fault = check_payload(header, regions.views(pages[i]))
             return None if fault is None else fault.value
 
         done = store.read(names, land)
@@ -176,14 +171,12 @@ class AibrixBackend(StorageBackend):
 
         def fill(j: int, block: np.ndarray) -> None:
             i = todo[j]
-            views = regions.views(pages[i])
-            offset = 0
-            for view in views:
-                block[offset : offset + len(view)] = np.frombuffer(view, dtype=np.uint8)
-                offset += len(view)
-            header = encode_header(keys[i], regions.order, payload_bytes, checksum(views))
-            block[offset : offset + HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-            block[offset + HEADER_BYTES :] = 0  # the padding to AIBrix's block size
+            regions.copy_out(pages[i], block.data)
+            digest = checksum(regions.views(pages[i]))
+            header = encode_header(keys[i], regions.order, payload_bytes, digest)
+            end = payload_bytes + HEADER_BYTES
+            block[payload_bytes:end] = np.frombuffer(header, dtype=np.uint8)
+            block[end:] = 0  # the padding to AIBrix's block size
 
         num_written = 0
         if todo:

@@ -344,10 +344,7 @@ class RedisBackend(StorageBackend):
                 self._fail(fault.value)
                 self._delete(client, names[i])
                 return j
-            offset = 0
-            for view in regions.views(pages[i]):
-                view[:] = payload[offset : offset + len(view)]
-                offset += len(view)
+            regions.copy_in(pages[i], payload)
         return len(part)
 
 

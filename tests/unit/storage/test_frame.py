@@ -141,6 +141,24 @@ def test_page_regions_are_the_page_in_payload_order(
     assert torch.count_nonzero(host.pages[1]) > 0 and torch.count_nonzero(host.pages[3]) > 0
 
 
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_a_payload_is_copied_into_and_out_of_a_page(layout: MemLayout) -> None:
+    host = HostPool(GEOMETRY, 4, 4, layout, pin_memory=False)
+    fill_random(host, page_range(0, 4), seed=2)
+    regions = PageRegions(host)
+    payload = _payload(host, 1)
+    # Out into a longer buffer (a store's block with room for the header after the payload).
+    block = bytearray(len(payload) + HEADER_BYTES)
+    regions.copy_out(1, memoryview(block))
+    assert bytes(block[: len(payload)]) == payload and not any(block[len(payload) :])
+    # In, from a longer buffer: only page 3 changes, and it becomes page 1.
+    others = [host.pages[p].clone() for p in (0, 1, 2)]
+    regions.copy_in(3, memoryview(block))
+    assert _payload(host, 3) == payload
+    for page, before in zip((0, 1, 2), others, strict=True):
+        assert torch.equal(host.pages[page], before)
+
+
 def test_sizes_and_options_are_read_with_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_size(123, "x") == 123
     assert parse_size("16GB", "x") == 16 * 10**9
