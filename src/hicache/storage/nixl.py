@@ -71,10 +71,8 @@ from hicache.storage.base import (
     StorageUnavailableError,
     first_gap,
 )
-from hicache.storage.file import is_stale_temp, temp_name
 from hicache.storage.frame import (
     HEADER_BYTES,
-    PayloadOrder,
     check_page,
     checksum,
     length_fault,
@@ -85,9 +83,16 @@ from hicache.storage.nixl_agent import NixlAgent, TransferFailed
 from hicache.storage.nixl_settings import DIRECT_ALIGN_BYTES, NixlSettings
 from hicache.storage.nixl_trailers import TrailerPool, TrailerSlots
 from hicache.storage.options import Options
+from hicache.storage.page_files import (
+    create_file,
+    is_page_name,
+    is_stale_temp,
+    page_path,
+    temp_name,
+    unlink_quietly,
+)
 from hicache.storage.page_regions import PageRegions
 
-_ORDER_TAGS = frozenset(order.tag for order in PayloadOrder)
 _BATCH_FAULTS = ("io_error", "timeout")  # TransferFailed reasons: the whole batch failed
 
 
@@ -215,8 +220,8 @@ class NixlBackend(StorageBackend):
         for sub in self._fan_out_dirs():
             with os.scandir(sub) as entries:
                 for entry in entries:
-                    if _is_page_name(entry.name):
-                        _unlink(entry.path)
+                    if is_page_name(entry.name):
+                        unlink_quietly(entry.path)
         self._remove_stale_temporaries()
 
     # ------------------------------------------------------------ internals
@@ -227,7 +232,7 @@ class NixlBackend(StorageBackend):
         return self._regions
 
     def _path(self, name: str) -> str:
-        return f"{self._root_text}/{name[:2]}/{name}"
+        return page_path(self._root_text, name)
 
     @property
     def _file_bytes(self) -> int:
@@ -271,7 +276,7 @@ class NixlBackend(StorageBackend):
         fault = length_fault(info.st_size, self._file_bytes)
         if fault is not None:
             os.close(fd)
-            _unlink(path)  # not a file of ours (or of the other mode): make room for one
+            unlink_quietly(path)  # not a file of ours (or of the other mode): make room for one
             return None, fault.value
         return fd, None
 
@@ -295,7 +300,7 @@ class NixlBackend(StorageBackend):
                     self.settings.verify_checksum,
                 )
                 if fault is not None:
-                    _unlink(self._path(object_name(keys[i], regions.order)))
+                    unlink_quietly(self._path(object_name(keys[i], regions.order)))
                     return i, fault.value
         return len(fds), None
 
@@ -312,12 +317,12 @@ class NixlBackend(StorageBackend):
         fds: list[int] = []
         try:
             for temp in temps:
-                fds.append(_create(temp, self._open_flags))
+                fds.append(create_file(temp, self._open_flags))
         except OSError:
             for fd in fds:
                 os.close(fd)
             for temp in temps[: len(fds)]:
-                _unlink(temp)
+                unlink_quietly(temp)
             return "io_error"
         reason: str | None = None
         with self._trailers.borrow() as slots:
@@ -345,7 +350,7 @@ class NixlBackend(StorageBackend):
                 reason = "io_error"
         if reason is not None:
             for temp in temps:
-                _unlink(temp)
+                unlink_quietly(temp)
         return reason
 
     def _descriptors(
@@ -373,7 +378,7 @@ class NixlBackend(StorageBackend):
         page would otherwise be an I/O error."""
         probe = f"{self._root_text}/.direct-io-probe-{os.getpid()}-{threading.get_ident()}"
         try:
-            os.close(_create(probe, self._open_flags))
+            os.close(create_file(probe, self._open_flags))
         except OSError as error:
             raise StorageError(
                 f"nixl storage: direct_io: the file system of {self.settings.path} refuses "
@@ -381,7 +386,7 @@ class NixlBackend(StorageBackend):
                 f"({error}); use direct_io false or another directory"
             ) from error
         finally:
-            _unlink(probe)
+            unlink_quietly(probe)
 
     def _fan_out_dirs(self) -> list[str]:
         try:
@@ -402,7 +407,7 @@ class NixlBackend(StorageBackend):
                     with contextlib.suppress(OSError):
                         age_s = now - entry.stat(follow_symlinks=False).st_mtime
                         if is_stale_temp(entry.name, age_s):
-                            _unlink(entry.path)
+                            unlink_quietly(entry.path)
 
 
 def _check_direct_alignment(regions: PageRegions) -> None:
@@ -418,29 +423,4 @@ def _check_direct_alignment(regions: PageRegions) -> None:
             f"whose regions are {align}-byte multiples"
         )
 
-
-def _is_page_name(name: str) -> bool:
-    """``frame.object_name``'s shape: 32 hex digits, a dot and a payload-order tag."""
-    stem, dot, tag = name.partition(".")
-    if len(stem) != 32 or not dot or tag not in _ORDER_TAGS:
-        return False
-    try:
-        bytes.fromhex(stem)
-    except ValueError:
-        return False
-    return True
-
-
-def _create(path: str, extra_flags: int) -> int:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | extra_flags
-    try:
-        return os.open(path, flags, 0o644)
-    except FileNotFoundError:  # the fan-out directory is created on first use
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return os.open(path, flags, 0o644)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
 
