@@ -183,10 +183,7 @@ class LMCacheBackend(StorageBackend):
             self._count_error(error, 1)
             return 0
         bad = self._bad_snapshot()
-        for i, (name, ok) in enumerate(zip(names, found, strict=True)):
-            if not ok or name in bad:
-                return i
-        return len(keys)
+        return first_gap([ok and name not in bad for name, ok in zip(names, found, strict=True)])
 
     def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
         client, regions = self._ready(keys, host_pages)

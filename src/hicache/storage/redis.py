@@ -173,12 +173,7 @@ class RedisBackend(StorageBackend):
         if not keys:
             return 0
         found = self._stored(client, self._names(keys, regions))
-        if found is None:
-            return 0
-        for i, present in enumerate(found):
-            if not present:
-                return i
-        return len(keys)
+        return 0 if found is None else first_gap(found)
 
     def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
         client, regions = self._ready(keys, host_pages)
