@@ -84,6 +84,7 @@ from hicache.storage.nixl_settings import DIRECT_ALIGN_BYTES, NixlSettings
 from hicache.storage.nixl_trailers import TrailerPool, TrailerSlots
 from hicache.storage.options import Options
 from hicache.storage.page_files import (
+    TEMP_SUFFIX,
     create_file,
     is_page_name,
     is_stale_temp,
@@ -402,7 +403,7 @@ class NixlBackend(StorageBackend):
         for sub in self._fan_out_dirs():
             with os.scandir(sub) as entries:
                 for entry in entries:
-                    if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                    if not (entry.name.startswith(".") and entry.name.endswith(TEMP_SUFFIX)):
                         continue  # temp_name's shape: anything else is not ours to judge
                     with contextlib.suppress(OSError):
                         age_s = now - entry.stat(follow_symlinks=False).st_mtime
