@@ -76,7 +76,6 @@ class DynamicBackend(StorageBackend):
         check_instance(instance, self.target)
         self.inner: Any = instance
         self._has_stats = callable(getattr(instance, "stats", None))
-        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
