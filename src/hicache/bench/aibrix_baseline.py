@@ -45,21 +45,14 @@ def aibrix_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
     batches = workload.batches()
 
     def copy_in(pages: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """Host pages into AIBrix's blocks."""
         for page, tensor in zip(pages, tensors, strict=True):
-            block = tensor.reshape(-1).numpy()
-            offset = 0
-            for view in regions.views(page):
-                block[offset : offset + len(view)] = np.frombuffer(view, dtype=np.uint8)
-                offset += len(view)
+            regions.copy_out(page, tensor.reshape(-1).numpy().data)
 
     def copy_out(pages: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """AIBrix's blocks into host pages."""
         for page, tensor in zip(pages, tensors, strict=True):
-            block = tensor.reshape(-1).numpy()
-            offset = 0
-            for view in regions.views(page):
-                landing = np.frombuffer(view, dtype=np.uint8)
-                landing[:] = block[offset : offset + len(landing)]
-                offset += len(landing)
+            regions.copy_in(page, tensor.reshape(-1).numpy().data)
 
     page_tokens = workload.host.page_size
 

@@ -55,7 +55,7 @@ from hicache.storage.aibrix_store import (
     acquire_store,
     release_store,
 )
-from hicache.storage.base import StorageBackend, StorageError
+from hicache.storage.base import StorageBackend, first_gap
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
@@ -97,14 +97,10 @@ class AibrixBackend(StorageBackend):
         self.verify_checksum = options.boolean("verify_checksum", True)
         self._store: AibrixStore | None = None
         self._regions: PageRegions | None = None
-        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
-        if self._closed:
-            raise StorageError("aibrix storage used after close()")
-        if self._store is not None:
-            raise StorageError("aibrix storage is already attached")
+        self._check_attachable(self._store is not None)
         regions = PageRegions(host)
         geometry = BlockGeometry(host.page_size, host.page_bytes)
         self._store = acquire_store(self.settings, geometry, tp_shard())
@@ -127,8 +123,7 @@ class AibrixBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         store, regions = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         if not keys:
             return 0
         found = store.exists([object_name(key, regions.order) for key in keys])
@@ -150,14 +145,9 @@ class AibrixBackend(StorageBackend):
             header = block[payload_bytes : payload_bytes + HEADER_BYTES].data
             fault = check_header(header, keys[i], regions.order, payload_bytes)
             if fault is None:
-                views = regions.views(pages[i])
-                offset = 0
-                for view in views:
-                    target = np.frombuffer(view, dtype=np.uint8)
-                    target[:] = block[offset : offset + len(target)]
-                    offset += len(target)
+                regions.copy_in(pages[i], block.data)
                 if self.verify_checksum:
-                    fault = check_payload(header, views)
+                    fault = check_payload(header, regions.views(pages[i]))
             return None if fault is None else fault.value
 
         done = store.read(names, land)
@@ -165,10 +155,7 @@ class AibrixBackend(StorageBackend):
             self._fail(done.reason)
             if done.reason in _FAULTS:  # a bad page: dropped, so that a backup stores it anew
                 store.delete(names[done.count : done.count + 1])
-        with self._lock:
-            self._stats.pages_read += done.count
-            self._stats.bytes_read += done.count * payload_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        self._count_read(done.count, payload_bytes, began)
         return done.count
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -184,14 +171,12 @@ class AibrixBackend(StorageBackend):
 
         def fill(j: int, block: np.ndarray) -> None:
             i = todo[j]
-            views = regions.views(pages[i])
-            offset = 0
-            for view in views:
-                block[offset : offset + len(view)] = np.frombuffer(view, dtype=np.uint8)
-                offset += len(view)
-            header = encode_header(keys[i], regions.order, payload_bytes, checksum(views))
-            block[offset : offset + HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-            block[offset + HEADER_BYTES :] = 0  # the padding to AIBrix's block size
+            regions.copy_out(pages[i], block.data)
+            digest = checksum(regions.views(pages[i]))
+            header = encode_header(keys[i], regions.order, payload_bytes, digest)
+            end = payload_bytes + HEADER_BYTES
+            block[payload_bytes:end] = np.frombuffer(header, dtype=np.uint8)
+            block[end:] = 0  # the padding to AIBrix's block size
 
         num_written = 0
         if todo:
@@ -201,12 +186,8 @@ class AibrixBackend(StorageBackend):
             num_written = written.count
             for i in todo[:num_written]:
                 stored[i] = True
-        num_stored = next((i for i, done in enumerate(stored) if not done), len(keys))
-        with self._lock:
-            self._stats.pages_skipped_existing += len(keys) - len(todo)
-            self._stats.pages_written += num_written
-            self._stats.bytes_written += num_written * payload_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+        num_stored = first_gap(stored)
+        self._count_write(num_written, len(keys) - len(todo), payload_bytes, began)
         return num_stored
 
     def clear(self) -> None:
@@ -218,16 +199,10 @@ class AibrixBackend(StorageBackend):
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
     ) -> tuple[AibrixStore, PageRegions]:
-        if self._closed:
-            raise StorageError("aibrix storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._store is None or self._regions is None:
-            raise StorageError("storage backend 'aibrix' used before attach()")
+            raise self._not_attached()
         return self._store, self._regions
-
-    def _fail(self, reason: str, pages: int = 1) -> None:
-        with self._lock:
-            self._stats.fail(reason, pages)
 
     def _stored(self, store: AibrixStore, names: list[str]) -> list[bool]:
         """Which pages are stored already: the leading run in one call, then page by page.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hicache.local_cache import local_cache_dir
 from hicache.storage.base import StorageError
-from hicache.storage.options import Options, parse_size
+from hicache.storage.options import Options, parse_bool, parse_size
 
 # Our key -> the AIBrix variable it falls back to.
 ENV = {
@@ -131,13 +131,7 @@ def _raw(options: Options, key: str) -> object | None:
 
 
 def _boolean(value: object | None, default: bool, key: str) -> bool:
-    if value is None:
-        return default
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
-        return value.strip().lower() in ("true", "1")
-    raise StorageError(f"aibrix storage: {key} must be true or false, got {value!r}")
+    return default if value is None else parse_bool(value, f"aibrix storage: {key}")
 
 
 def _l2_enabled(value: object | None) -> bool:

@@ -24,6 +24,7 @@ stalled call has returned).
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +80,8 @@ class StorageBackend(ABC):
         self._host: HostPool | None = None
         self._lock = threading.Lock()
         self._stats = StorageStats()
+        # Set by a backend's close(); every later call is misuse (``_check_open``).
+        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
@@ -92,7 +95,7 @@ class StorageBackend(ABC):
     @property
     def host(self) -> HostPool:
         if self._host is None:
-            raise StorageError(f"storage backend {self.name!r} used before attach()")
+            raise self._not_attached()
         return self._host
 
     @property
@@ -135,6 +138,50 @@ class StorageBackend(ABC):
             return self._stats.snapshot()
 
     # ------------------------------------------------------------ helpers
+    # Every backend counts the same way: a whole call's pages and time once it is done,
+    # a failure as soon as it is seen (``failures`` reasons, per page).
+    def _fail(self, reason: str, pages: int = 1) -> None:
+        with self._lock:
+            self._stats.fail(reason, pages)
+
+    def _count_exists_query(self) -> None:
+        with self._lock:
+            self._stats.exists_queries += 1
+
+    def _count_read(self, num_read: int, page_bytes: int, began: float) -> None:
+        """A ``get`` that started at ``began`` (``time.perf_counter``) read ``num_read`` pages."""
+        with self._lock:
+            self._stats.pages_read += num_read
+            self._stats.bytes_read += num_read * page_bytes
+            self._stats.read_seconds += time.perf_counter() - began
+
+    def _count_write(
+        self, num_written: int, num_skipped: int, page_bytes: int, began: float
+    ) -> None:
+        """A ``set`` that started at ``began`` wrote ``num_written`` pages and skipped
+        ``num_skipped`` found stored already."""
+        with self._lock:
+            self._stats.pages_skipped_existing += num_skipped
+            self._stats.pages_written += num_written
+            self._stats.bytes_written += num_written * page_bytes
+            self._stats.write_seconds += time.perf_counter() - began
+
+    def _check_attachable(self, attached: bool) -> None:
+        """``attach`` is misuse after close() or a second time (``attached``)."""
+        if self._closed:
+            raise StorageError(f"{self.name} storage used after close()")
+        if attached:
+            raise StorageError(f"{self.name} storage is already attached")
+
+    def _check_open(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> None:
+        """What every operation checks first: not closed, and sound arguments."""
+        if self._closed:
+            raise StorageError(f"{self.name} storage used after close()")
+        self._check_args(keys, host_pages)
+
+    def _not_attached(self) -> StorageError:
+        return StorageError(f"storage backend {self.name!r} used before attach()")
+
     def _check_args(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> None:
         if len(keys) > MAX_BATCH_PAGES:
             raise StorageError(f"a batch holds at most {MAX_BATCH_PAGES} pages, got {len(keys)}")
@@ -152,6 +199,11 @@ class StorageBackend(ABC):
                     f"host pages must lie in [0, {self.host.num_pages}), "
                     f"got [{pages.min()}, {pages.max()}]"
                 )
+
+
+def first_gap(stored: Sequence[bool]) -> int:
+    """How many leading pages are stored: a chain is usable only up to its first gap."""
+    return next((i for i, done in enumerate(stored) if not done), len(stored))
 
 
 class StorageUnavailableError(StorageError):

@@ -76,7 +76,6 @@ class DynamicBackend(StorageBackend):
         check_instance(instance, self.target)
         self.inner: Any = instance
         self._has_stats = callable(getattr(instance, "stats", None))
-        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
@@ -96,8 +95,7 @@ class DynamicBackend(StorageBackend):
         self._ready(keys)
         found = self._clamp(self.inner.exists(keys), keys, "exists")
         if not self._has_stats:
-            with self._lock:
-                self._stats.exists_queries += 1
+            self._count_exists_query()
         return found
 
     def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -105,12 +103,9 @@ class DynamicBackend(StorageBackend):
         began = time.perf_counter()
         num_read = self._clamp(self.inner.get(keys, host_pages), keys, "get")
         if not self._has_stats:
-            with self._lock:
-                self._stats.pages_read += num_read
-                self._stats.bytes_read += num_read * self.page_bytes
-                self._stats.read_seconds += time.perf_counter() - began
-                if num_read < len(keys):
-                    self._stats.fail("missing")
+            self._count_read(num_read, self.page_bytes, began)
+            if num_read < len(keys):
+                self._fail("missing")
         return num_read
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -118,10 +113,7 @@ class DynamicBackend(StorageBackend):
         began = time.perf_counter()
         num_stored = self._clamp(self.inner.set(keys, host_pages), keys, "set")
         if not self._has_stats:
-            with self._lock:
-                self._stats.pages_written += num_stored
-                self._stats.bytes_written += num_stored * self.page_bytes
-                self._stats.write_seconds += time.perf_counter() - began
+            self._count_write(num_stored, 0, self.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:

@@ -36,10 +36,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import socket
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -51,11 +49,10 @@ import numpy as np
 from hicache.local_cache import local_cache_dir
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.base import StorageBackend, StorageUnavailableError
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
-    PayloadOrder,
     check_header,
     check_payload,
     checksum,
@@ -63,19 +60,19 @@ from hicache.storage.frame import (
     object_name,
 )
 from hicache.storage.options import Options
+from hicache.storage.page_files import (
+    TEMP_SUFFIX,
+    create_file,
+    is_page_name,
+    is_stale_temp,
+    page_path,
+    temp_name,
+    unlink_quietly,
+)
 from hicache.storage.page_regions import PageRegions
 
 DEFAULT_MAX_BYTES = 16 * 10**9
-# A temporary file whose writer is still running is only stale past this age (a
-# page write takes milliseconds; this only guards against a recycled pid).
-STALE_TEMP_AGE_S = 300.0
-_TEMP_SUFFIX = ".tmp"
 _KNOWN_KEYS = {"path", "max_bytes", "fsync", "verify_checksum"}
-_NAME_TAILS = tuple(f".{order.tag}" for order in PayloadOrder)
-_NAME_CHARS = 32 + 3  # hex key + ".lm" / ".tm"
-# Names the writing machine in temporaries: a process id means nothing on another host
-# sharing the directory (over NFS, say), so there only age makes a temporary stale.
-_HOST_TAG = format(zlib.crc32(socket.gethostname().encode()), "08x")
 try:
     _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
 except (AttributeError, ValueError, OSError):
@@ -105,7 +102,6 @@ class FileBackend(StorageBackend):
         self._index: OrderedDict[str, int] = OrderedDict()
         self._total_bytes = 0
         self._regions: PageRegions | None = None
-        self._closed = False
         self._last_stamp_ns = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -142,8 +138,7 @@ class FileBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         regions = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         for i, key in enumerate(keys):
             if not self._known(object_name(key, regions.order)):
                 return i
@@ -156,27 +151,22 @@ class FileBackend(StorageBackend):
         for key, page in zip(keys, np.asarray(host_pages).tolist(), strict=True):
             fault = self._read_page(regions, key, page)
             if fault is not None:
-                with self._lock:
-                    self._stats.fail(fault)
+                self._fail(fault)
                 break
             num_read += 1
-        with self._lock:
-            self._stats.pages_read += num_read
-            self._stats.bytes_read += num_read * regions.page_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
         regions = self._ready(keys, host_pages)
         began = time.perf_counter()
-        num_stored = num_written = 0
+        num_stored = num_written = num_skipped = 0
         names = [object_name(key, regions.order) for key in keys]
         made_room = False  # one eviction round per batch when the file system is full
         pages = np.asarray(host_pages).tolist()
         for index, (name, key, page) in enumerate(zip(names, keys, pages, strict=True)):
             if self._known(name, on_disk=True):
-                with self._lock:
-                    self._stats.pages_skipped_existing += 1
+                num_skipped += 1
                 num_stored += 1
                 continue
             reason = self._write_page(regions, name, key, page)
@@ -187,15 +177,11 @@ class FileBackend(StorageBackend):
                 if self._evict_for_space(needed_bytes, keep=frozenset(names)):
                     reason = self._write_page(regions, name, key, page)
             if reason is not None:
-                with self._lock:
-                    self._stats.fail(reason)
+                self._fail(reason)
                 break
             num_stored += 1
             num_written += 1
-        with self._lock:
-            self._stats.pages_written += num_written
-            self._stats.bytes_written += num_written * regions.page_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+        self._count_write(num_written, num_skipped, regions.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:
@@ -203,7 +189,7 @@ class FileBackend(StorageBackend):
         self._ready([])
         with self._lock:
             for _, name, _ in self._scan():
-                self._unlink(self._path(name))
+                unlink_quietly(self._path(name))
             self._index.clear()
             self._total_bytes = 0
 
@@ -214,18 +200,16 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------ internals
     def _ready(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> PageRegions:
-        if self._closed:
-            raise StorageError("file storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._regions is None:
-            raise StorageError("storage backend 'file' used before attach()")
+            raise self._not_attached()
         return self._regions
 
     def _dir(self, name: str) -> str:
         return f"{self._root_text}/{name[:2]}"
 
     def _path(self, name: str) -> str:
-        return f"{self._root_text}/{name[:2]}/{name}"
+        return page_path(self._root_text, name)
 
     def _known(self, name: str, on_disk: bool = False) -> bool:
         """Is the page stored? Adopts a file another instance wrote (one stat).
@@ -301,7 +285,7 @@ class FileBackend(StorageBackend):
             if fault is not None:
                 # A bad object is dropped so that a later set() can store it again.
                 self._forget_locked(name)
-                self._unlink(path)
+                unlink_quietly(path)
                 return fault.value
             if name in self._index:
                 self._index.move_to_end(name)
@@ -334,7 +318,7 @@ class FileBackend(StorageBackend):
             if self.fsync:
                 _fsync_directory(self._dir(name))
         except OSError as error:
-            self._unlink(temp)
+            unlink_quietly(temp)
             return "no_space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
         with self._lock:
             self._forget_locked(name)  # a concurrent writer of the same page won the race
@@ -344,12 +328,7 @@ class FileBackend(StorageBackend):
         return None
 
     def _write_file(self, path: str, buffers: list[Any]) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(path, flags, 0o644)
-        except FileNotFoundError:  # the fan-out directory is created on first use
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, flags, 0o644)
+        fd = create_file(path, getattr(os, "O_CLOEXEC", 0))
         try:
             _writev_full(fd, buffers)
             if self.fsync:
@@ -368,7 +347,7 @@ class FileBackend(StorageBackend):
             name, size = self._index.popitem(last=False)
             self._total_bytes -= size
             self._stats.fail("evicted")
-            self._unlink(self._path(name))
+            unlink_quietly(self._path(name))
 
     def _evict_for_space(self, needed_bytes: int, keep: frozenset[str]) -> int:
         """The file system is full: drop least recently used pages (except ``keep``) until
@@ -384,7 +363,7 @@ class FileBackend(StorageBackend):
                     freed_bytes += size
             for name in victims:
                 self._forget_locked(name)
-                self._unlink(self._path(name))
+                unlink_quietly(self._path(name))
             if victims:
                 self._stats.fail("evicted_no_space", len(victims))
         return len(victims)
@@ -402,56 +381,13 @@ class FileBackend(StorageBackend):
                         stat = entry.stat(follow_symlinks=False)
                     except OSError:
                         continue  # removed meanwhile
-                    if entry.name.endswith(_TEMP_SUFFIX):
+                    if entry.name.endswith(TEMP_SUFFIX):
                         if is_stale_temp(entry.name, now - stat.st_mtime):
-                            self._unlink(entry.path)
-                    elif _is_page_name(entry.name) and S_ISREG(stat.st_mode):
+                            unlink_quietly(entry.path)
+                    elif is_page_name(entry.name) and S_ISREG(stat.st_mode):
                         found.append((stat.st_mtime_ns, entry.name, stat.st_size))
         return found
 
-    @staticmethod
-    def _unlink(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            pass  # best effort: an undeletable file is simply not ours to manage
-
-
-def temp_name(name: str, pid: int, thread: int, host_tag: str = _HOST_TAG) -> str:
-    """The temporary a writer (process ``pid``, thread ``thread``) fills before the rename."""
-    return f".{name}.{host_tag}-{pid}-{thread}{_TEMP_SUFFIX}"
-
-
-def _is_page_name(name: str) -> bool:
-    if len(name) != _NAME_CHARS or not name.endswith(_NAME_TAILS):
-        return False
-    try:
-        bytes.fromhex(name[:32])
-    except ValueError:
-        return False
-    return True
-
-
-def is_stale_temp(name: str, age_s: float) -> bool:
-    """A temporary is stale when its writer process is gone (or it is very old)."""
-    if age_s > STALE_TEMP_AGE_S:
-        return True
-    try:
-        host, pid_text, _ = name.rsplit(".", 2)[-2].split("-")
-        pid = int(pid_text)
-    except ValueError:
-        return True  # not a name we write: left by something else, and unusable
-    if host != _HOST_TAG:
-        return False  # another machine's writer: we cannot tell whether it still runs
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, owned by another user
-    return False
 
 
 def _fsync_directory(path: str) -> None:

@@ -156,3 +156,28 @@ def header_checksum(header: Buffer) -> bytes:
 def check_payload(header: Buffer, fragments: Iterable[Buffer]) -> Fault | None:
     """CORRUPT when the payload does not hash to the header's checksum."""
     return None if checksum(fragments) == header_checksum(header) else Fault.CORRUPT
+
+
+def length_fault(object_bytes: int, expected_bytes: int) -> Fault | None:
+    """SHORT_READ or WRONG_LENGTH when a stored object is not ``expected_bytes`` long.
+
+    Backends that learn an object's size before (or instead of) reading it check
+    this first: a longer object has trailing bytes, so it is not one we wrote.
+    """
+    if object_bytes < expected_bytes:
+        return Fault.SHORT_READ
+    if object_bytes > expected_bytes:
+        return Fault.WRONG_LENGTH
+    return None
+
+
+def check_page(
+    header: Buffer, payload: Iterable[Buffer], key: bytes, order: PayloadOrder,
+    payload_bytes: int, verify_checksum: bool,
+) -> Fault | None:
+    """The fault of a page read back whole (``payload`` its fragments in payload order):
+    the header's, then, when ``verify_checksum``, the payload's. None if it is good."""
+    fault = check_header(header, key, order, payload_bytes)
+    if fault is None and verify_checksum:
+        fault = check_payload(header, payload)
+    return fault

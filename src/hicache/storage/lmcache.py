@@ -65,14 +65,19 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.base import (
+    StorageBackend,
+    StorageError,
+    StorageUnavailableError,
+    first_gap,
+)
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
-    check_header,
-    check_payload,
+    check_page,
     checksum,
     encode_header,
+    length_fault,
 )
 from hicache.storage.lmcache_client import Buffer, Client, Connection
 from hicache.storage.lmcache_protocol import (
@@ -107,14 +112,10 @@ class LMCacheBackend(StorageBackend):
         # Keys (strings) of pages found bad: treated as missing until rewritten.
         self._bad: OrderedDict[str, None] = OrderedDict()
         self._control_key = key_string(f"{self.settings.namespace}.generation", b"\0")
-        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
-        if self._closed:
-            raise StorageError("lmcache storage used after close()")
-        if self._client is not None:
-            raise StorageError("lmcache storage is already attached")
+        self._check_attachable(self._client is not None)
         regions = PageRegions(host)
         if regions.page_bytes + HEADER_BYTES > MAX_VALUE_BYTES:
             raise StorageError(
@@ -161,8 +162,7 @@ class LMCacheBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         client, _ = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         if not keys:
             return 0
         try:
@@ -183,10 +183,7 @@ class LMCacheBackend(StorageBackend):
             self._count_error(error, 1)
             return 0
         bad = self._bad_snapshot()
-        for i, (name, ok) in enumerate(zip(names, found, strict=True)):
-            if not ok or name in bad:
-                return i
-        return len(keys)
+        return first_gap([ok and name not in bad for name, ok in zip(names, found, strict=True)])
 
     def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
         client, regions = self._ready(keys, host_pages)
@@ -206,22 +203,23 @@ class LMCacheBackend(StorageBackend):
                 conn.send([encode_request(Command.GET, name) for name in names])
                 for current in range(len(keys)):
                     reply = conn.read_reply()
-                    if broken or not reply.ok or reply.value_bytes != expected:
+                    fault = length_fault(reply.value_bytes, expected) if reply.ok else None
+                    if broken or not reply.ok or fault is not None:
                         conn.discard(reply.value_bytes)
                         if not broken:
                             broken = True
-                            if not reply.ok:
+                            if fault is None:
                                 self._fail("missing")
                             else:
-                                self._mark_bad(names[current], _length_fault(
-                                    reply.value_bytes, expected))
+                                self._mark_bad(names[current], fault)
                         continue
                     in_value = True
                     conn.read_into([*regions.views(pages[current]), header])
                     in_value = False
-                    fault = check_header(header, keys[current], regions.order, regions.page_bytes)
-                    if fault is None and self.verify_checksum:
-                        fault = check_payload(header, regions.views(pages[current]))
+                    fault = check_page(
+                        header, regions.views(pages[current]), keys[current], regions.order,
+                        regions.page_bytes, self.verify_checksum,
+                    )
                     if fault is not None:
                         broken = True
                         self._mark_bad(names[current], fault)
@@ -234,10 +232,7 @@ class LMCacheBackend(StorageBackend):
                 self._mark_bad(names[current], Fault.SHORT_READ)
             elif not broken:
                 self._count_error(error, 1)
-        with self._lock:
-            self._stats.pages_read += good
-            self._stats.bytes_read += good * regions.page_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        self._count_read(good, regions.page_bytes, began)
         return good
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -258,7 +253,7 @@ class LMCacheBackend(StorageBackend):
                 stored = [ok and name not in bad for ok, name in zip(present, names, strict=True)]
                 todo = [i for i, done in enumerate(stored) if not done]
                 skipped = len(keys) - len(todo)
-                num_stored = stored.index(False) if todo else len(keys)
+                num_stored = first_gap(stored)
                 if todo:
 
                     def values() -> Iterator[tuple[str, list[Buffer]]]:
@@ -280,11 +275,7 @@ class LMCacheBackend(StorageBackend):
                 self._remember_bad([names[i] for i in todo])
         if written:
             self._forget_bad([names[i] for i in todo])
-        with self._lock:
-            self._stats.pages_skipped_existing += skipped
-            self._stats.pages_written += written
-            self._stats.bytes_written += written * regions.page_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+        self._count_write(written, skipped, regions.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:
@@ -306,11 +297,9 @@ class LMCacheBackend(StorageBackend):
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
     ) -> tuple[Client, PageRegions]:
-        if self._closed:
-            raise StorageError("lmcache storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._client is None or self._regions is None:
-            raise StorageError("storage backend 'lmcache' used before attach()")
+            raise self._not_attached()
         return self._client, self._regions
 
     def _names(self, keys: Sequence[bytes]) -> list[str]:
@@ -344,10 +333,6 @@ class LMCacheBackend(StorageBackend):
                 self._bad.clear()
         return changed
 
-    def _fail(self, reason: str, pages: int = 1) -> None:
-        with self._lock:
-            self._stats.fail(reason, pages)
-
     def _count_error(self, error: BaseException, pages: int) -> None:
         if isinstance(error, ConnectionError):  # refused, reset, closed, or ServerUnreachable
             reason = "unreachable"
@@ -377,8 +362,4 @@ class LMCacheBackend(StorageBackend):
     def _bad_snapshot(self) -> frozenset[str]:
         with self._lock:
             return frozenset(self._bad)
-
-
-def _length_fault(value_bytes: int, expected: int) -> Fault:
-    return Fault.SHORT_READ if value_bytes < expected else Fault.WRONG_LENGTH
 

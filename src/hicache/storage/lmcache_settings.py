@@ -52,11 +52,9 @@ class LMCacheSettings:
             check_name_field(namespace, f"{source}: namespace")
         except ValueError as error:
             raise StorageError(str(error)) from None
-        connections = options.number("connections", 4, minimum=1)
-        if connections != int(connections):
-            raise StorageError(f"{source}: connections must be a whole number, got {connections}")
+        connections = options.whole_number("connections", 4, minimum=1)
         return cls(
-            host=host, port=port, namespace=namespace, connections=int(connections),
+            host=host, port=port, namespace=namespace, connections=connections,
             timeout_s=_positive(options, "timeout_s", 5.0),
             connect_timeout_s=_positive(options, "connect_timeout_s", 2.0),
             retry_interval_s=options.number("retry_interval_s", 1.0),

@@ -104,7 +104,6 @@ from hicache.memory.host_pool import HostPool
 from hicache.storage.base import (
     MAX_BATCH_PAGES,
     StorageBackend,
-    StorageError,
 )
 from hicache.storage.cache_steps import (
     COPY_PIECE_BYTES,
@@ -114,10 +113,9 @@ from hicache.storage.cache_steps import (
 )
 from hicache.storage.frame import (
     HEADER_BYTES,
-    Fault,
-    check_header,
-    check_payload,
+    check_page,
     checksum,
+    length_fault,
     object_name,
     pack_header_into,
 )
@@ -173,14 +171,10 @@ class MooncakeBackend(StorageBackend):
         for slot in range(_STAGING_SLOTS):
             self._free_slots.put(slot)
         self._executor: ThreadPoolExecutor | None = None
-        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
-        if self._closed:
-            raise StorageError("mooncake storage used after close()")
-        if self._client is not None:
-            raise StorageError("mooncake storage is already attached")
+        self._check_attachable(self._client is not None)
         regions = PageRegions(host)
         client = acquire_client(self.settings)
         try:
@@ -227,8 +221,7 @@ class MooncakeBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         client, regions = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         if not keys:
             return 0
         names = [object_name(key, regions.order) for key in keys]
@@ -277,10 +270,7 @@ class MooncakeBackend(StorageBackend):
                 return len(part)
 
             num_read = self._read_ahead(self._parts(len(keys), regions.page_bytes), read, verify)
-        with self._lock:
-            self._stats.pages_read += num_read
-            self._stats.bytes_read += num_read * regions.page_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -341,11 +331,7 @@ class MooncakeBackend(StorageBackend):
                     self._fail(failure_reason(codes[i]))
                 break
             num_stored += 1
-        with self._lock:
-            self._stats.pages_skipped_existing += len(keys) - len(todo)
-            self._stats.pages_written += num_written
-            self._stats.bytes_written += num_written * regions.page_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+        self._count_write(num_written, len(keys) - len(todo), regions.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:
@@ -368,16 +354,10 @@ class MooncakeBackend(StorageBackend):
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
     ) -> tuple[MooncakeClient, PageRegions]:
-        if self._closed:
-            raise StorageError("mooncake storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._client is None or self._regions is None:
-            raise StorageError("storage backend 'mooncake' used before attach()")
+            raise self._not_attached()
         return self._client, self._regions
-
-    def _fail(self, reason: str, pages: int = 1) -> None:
-        with self._lock:
-            self._stats.fail(reason, pages)
 
     def _call(
         self, client: MooncakeClient, pages: int, fn: Callable[[Any], Sequence[int]]
@@ -522,21 +502,19 @@ class MooncakeBackend(StorageBackend):
                 return failure_reason(code)
             if size < 0:
                 return failure_reason(size)
-            if size == expected:
+            fault = length_fault(size, expected)
+            if fault is None:
                 return failure_reason(code)
-            fault = Fault.SHORT_READ if size < expected else Fault.WRONG_LENGTH
-        elif code < expected:
-            fault = Fault.SHORT_READ
-        elif code > expected:
-            fault = Fault.WRONG_LENGTH
         else:
-            header = self._staging_view[header_offset : header_offset + HEADER_BYTES]
-            found = check_header(header, key, regions.order, regions.page_bytes)
-            if found is None and self.verify_checksum:
-                found = check_payload(header, regions.views(page))
-            if found is None:
+            fault = length_fault(code, expected)
+            if fault is None:
+                header = self._staging_view[header_offset : header_offset + HEADER_BYTES]
+                fault = check_page(
+                    header, regions.views(page), key, regions.order, regions.page_bytes,
+                    self.verify_checksum,
+                )
+            if fault is None:
                 return None
-            fault = found
         self._remove(client, name)
         return fault.value
 

@@ -6,7 +6,6 @@ The keys are documented in ``hicache.storage.mooncake``.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from hicache.storage.base import StorageError
@@ -90,12 +89,7 @@ class MooncakeSettings:
 
 def _where(options: Options, key: str) -> str:
     """Where ``key``'s value came from, for error messages (the key or its variable)."""
-    if options.extra.get(key) is not None:
-        return f"{options.source}: {key}"
-    for name in ENV.get(key, ()):
-        if os.environ.get(name):
-            return f"{options.source}: environment variable {name}"
-    return f"{options.source}: {key}"
+    return options.where(key, ENV[key])
 
 
 def split_host_port(address: str, where: str) -> tuple[str, int]:

@@ -65,15 +65,17 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
-from hicache.storage.file import is_stale_temp, temp_name
+from hicache.storage.base import (
+    StorageBackend,
+    StorageError,
+    StorageUnavailableError,
+    first_gap,
+)
 from hicache.storage.frame import (
     HEADER_BYTES,
-    Fault,
-    PayloadOrder,
-    check_header,
-    check_payload,
+    check_page,
     checksum,
+    length_fault,
     object_name,
     pack_header_into,
 )
@@ -81,9 +83,17 @@ from hicache.storage.nixl_agent import NixlAgent, TransferFailed
 from hicache.storage.nixl_settings import DIRECT_ALIGN_BYTES, NixlSettings
 from hicache.storage.nixl_trailers import TrailerPool, TrailerSlots
 from hicache.storage.options import Options
+from hicache.storage.page_files import (
+    TEMP_SUFFIX,
+    create_file,
+    is_page_name,
+    is_stale_temp,
+    page_path,
+    temp_name,
+    unlink_quietly,
+)
 from hicache.storage.page_regions import PageRegions
 
-_ORDER_TAGS = frozenset(order.tag for order in PayloadOrder)
 _BATCH_FAULTS = ("io_error", "timeout")  # TransferFailed reasons: the whole batch failed
 
 
@@ -102,7 +112,6 @@ class NixlBackend(StorageBackend):
         self._agent = NixlAgent(self.settings.plugin, self.settings.plugin_params)
         self._regions: PageRegions | None = None
         self._trailers: TrailerPool | None = None
-        self._closed = False
 
     @property
     def raw_agent(self) -> NixlAgent:
@@ -139,8 +148,7 @@ class NixlBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         regions = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         for i, key in enumerate(keys):
             try:
                 if not self._stored(self._path(object_name(key, regions.order))):
@@ -148,8 +156,7 @@ class NixlBackend(StorageBackend):
             except OSError:
                 # Not a missing page but a directory that cannot be searched (gone bad,
                 # no permission): an outage, which the L3 tier's breaker must hear of.
-                with self._lock:
-                    self._stats.fail("io_error")
+                self._fail("io_error")
                 return i
         return len(keys)
 
@@ -176,12 +183,9 @@ class NixlBackend(StorageBackend):
         finally:
             for fd in fds:
                 os.close(fd)
-        with self._lock:
-            if fault is not None:
-                self._stats.fail(fault, failed_pages)
-            self._stats.pages_read += num_read
-            self._stats.bytes_read += num_read * regions.page_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        if fault is not None:
+            self._fail(fault, failed_pages)
+        self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -202,14 +206,9 @@ class NixlBackend(StorageBackend):
                 for i in todo:
                     stored[i] = True
             else:
-                with self._lock:
-                    self._stats.fail(reason, len(todo))
-        num_stored = next((i for i, done in enumerate(stored) if not done), len(keys))
-        with self._lock:
-            self._stats.pages_skipped_existing += len(keys) - len(todo)
-            self._stats.pages_written += num_written
-            self._stats.bytes_written += num_written * regions.page_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+                self._fail(reason, len(todo))
+        num_stored = first_gap(stored)
+        self._count_write(num_written, len(keys) - len(todo), regions.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:
@@ -222,21 +221,19 @@ class NixlBackend(StorageBackend):
         for sub in self._fan_out_dirs():
             with os.scandir(sub) as entries:
                 for entry in entries:
-                    if _is_page_name(entry.name):
-                        _unlink(entry.path)
+                    if is_page_name(entry.name):
+                        unlink_quietly(entry.path)
         self._remove_stale_temporaries()
 
     # ------------------------------------------------------------ internals
     def _ready(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> PageRegions:
-        if self._closed:
-            raise StorageError("nixl storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._regions is None:
-            raise StorageError("storage backend 'nixl' used before attach()")
+            raise self._not_attached()
         return self._regions
 
     def _path(self, name: str) -> str:
-        return f"{self._root_text}/{name[:2]}/{name}"
+        return page_path(self._root_text, name)
 
     @property
     def _file_bytes(self) -> int:
@@ -277,11 +274,11 @@ class NixlBackend(StorageBackend):
         if not S_ISREG(info.st_mode):
             os.close(fd)
             return None, "not_regular_file"
-        if info.st_size != self._file_bytes:
+        fault = length_fault(info.st_size, self._file_bytes)
+        if fault is not None:
             os.close(fd)
-            _unlink(path)  # not a file of ours (or of the other mode): make room for one
-            short = info.st_size < self._file_bytes
-            return None, (Fault.SHORT_READ if short else Fault.WRONG_LENGTH).value
+            unlink_quietly(path)  # not a file of ours (or of the other mode): make room for one
+            return None, fault.value
         return fd, None
 
     def _read_batch(
@@ -299,11 +296,12 @@ class NixlBackend(StorageBackend):
                 return 0, failure.reason
             for i in range(len(fds)):
                 header = slots.view(i)[:HEADER_BYTES]
-                fault = check_header(header, keys[i], regions.order, regions.page_bytes)
-                if fault is None and self.settings.verify_checksum:
-                    fault = check_payload(header, regions.views(pages[i]))
+                fault = check_page(
+                    header, regions.views(pages[i]), keys[i], regions.order, regions.page_bytes,
+                    self.settings.verify_checksum,
+                )
                 if fault is not None:
-                    _unlink(self._path(object_name(keys[i], regions.order)))
+                    unlink_quietly(self._path(object_name(keys[i], regions.order)))
                     return i, fault.value
         return len(fds), None
 
@@ -320,12 +318,12 @@ class NixlBackend(StorageBackend):
         fds: list[int] = []
         try:
             for temp in temps:
-                fds.append(_create(temp, self._open_flags))
+                fds.append(create_file(temp, self._open_flags))
         except OSError:
             for fd in fds:
                 os.close(fd)
             for temp in temps[: len(fds)]:
-                _unlink(temp)
+                unlink_quietly(temp)
             return "io_error"
         reason: str | None = None
         with self._trailers.borrow() as slots:
@@ -353,7 +351,7 @@ class NixlBackend(StorageBackend):
                 reason = "io_error"
         if reason is not None:
             for temp in temps:
-                _unlink(temp)
+                unlink_quietly(temp)
         return reason
 
     def _descriptors(
@@ -381,7 +379,7 @@ class NixlBackend(StorageBackend):
         page would otherwise be an I/O error."""
         probe = f"{self._root_text}/.direct-io-probe-{os.getpid()}-{threading.get_ident()}"
         try:
-            os.close(_create(probe, self._open_flags))
+            os.close(create_file(probe, self._open_flags))
         except OSError as error:
             raise StorageError(
                 f"nixl storage: direct_io: the file system of {self.settings.path} refuses "
@@ -389,7 +387,7 @@ class NixlBackend(StorageBackend):
                 f"({error}); use direct_io false or another directory"
             ) from error
         finally:
-            _unlink(probe)
+            unlink_quietly(probe)
 
     def _fan_out_dirs(self) -> list[str]:
         try:
@@ -405,12 +403,12 @@ class NixlBackend(StorageBackend):
         for sub in self._fan_out_dirs():
             with os.scandir(sub) as entries:
                 for entry in entries:
-                    if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                    if not (entry.name.startswith(".") and entry.name.endswith(TEMP_SUFFIX)):
                         continue  # temp_name's shape: anything else is not ours to judge
                     with contextlib.suppress(OSError):
                         age_s = now - entry.stat(follow_symlinks=False).st_mtime
                         if is_stale_temp(entry.name, age_s):
-                            _unlink(entry.path)
+                            unlink_quietly(entry.path)
 
 
 def _check_direct_alignment(regions: PageRegions) -> None:
@@ -426,29 +424,4 @@ def _check_direct_alignment(regions: PageRegions) -> None:
             f"whose regions are {align}-byte multiples"
         )
 
-
-def _is_page_name(name: str) -> bool:
-    """``frame.object_name``'s shape: 32 hex digits, a dot and a payload-order tag."""
-    stem, dot, tag = name.partition(".")
-    if len(stem) != 32 or not dot or tag not in _ORDER_TAGS:
-        return False
-    try:
-        bytes.fromhex(stem)
-    except ValueError:
-        return False
-    return True
-
-
-def _create(path: str, extra_flags: int) -> int:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | extra_flags
-    try:
-        return os.open(path, flags, 0o644)
-    except FileNotFoundError:  # the fan-out directory is created on first use
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return os.open(path, flags, 0o644)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
 

@@ -50,6 +50,12 @@ class Options:
                 return value, f"{self.source}: environment variable {name}"
         return None
 
+    def where(self, key: str, env: tuple[str, ...] = ()) -> str:
+        """Where ``key``'s value comes from, for an error found after reading it: the key,
+        or the environment variable it fell back to."""
+        found = self._raw(key, env)
+        return f"{self.source}: {key}" if found is None else found[1]
+
     def string(self, key: str, default: str | None, env: tuple[str, ...] = ()) -> str | None:
         found = self._raw(key, env)
         if found is None:
@@ -64,11 +70,7 @@ class Options:
         if found is None:
             return default
         value, where = found
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        raise StorageError(f"{where} must be true or false, got {value!r}")
+        return parse_bool(value, where)
 
     def size_bytes(self, key: str, default: int, env: tuple[str, ...] = ()) -> int:
         """A byte count: an integer, or a string such as "16GB", "512MiB" (GB = 1e9 B)."""
@@ -86,6 +88,22 @@ class Options:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
             raise StorageError(f"{where} must be a number >= {minimum}, got {value!r}")
         return float(value)
+
+    def whole_number(self, key: str, default: int, minimum: int = 0) -> int:
+        """A count (connections, say): a number >= ``minimum`` with nothing after the point."""
+        value = self.number(key, default, minimum)
+        if value != int(value):
+            raise StorageError(f"{self.source}: {key} must be a whole number, got {value}")
+        return int(value)
+
+
+def parse_bool(value: object, where: str) -> bool:
+    """A flag from a bool or a string ("true", "false", "1", "0"; any case, spaces around)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise StorageError(f"{where} must be true or false, got {value!r}")
 
 
 def parse_size(value: object, where: str) -> int:

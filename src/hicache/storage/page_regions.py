@@ -19,7 +19,7 @@ import torch
 
 from hicache.memory.host_pool import HostPool
 from hicache.storage.base import StorageError
-from hicache.storage.frame import PayloadOrder
+from hicache.storage.frame import Buffer, PayloadOrder
 
 
 class PageRegions:
@@ -72,3 +72,16 @@ class PageRegions:
         """The page's regions as absolute addresses (for stores that take pointers)."""
         base = self.base_address
         return [base + offset for offset in self.offsets(page)]
+
+    def copy_in(self, page: int, payload: Buffer) -> None:
+        """Copy ``payload`` (at least ``page_bytes``, in payload order) into page ``page``,
+        for stores that hand back their own copy of an object instead of filling ours."""
+        size = self.region_bytes
+        for k, view in enumerate(self.views(page)):
+            view[:] = payload[k * size : (k + 1) * size]
+
+    def copy_out(self, page: int, target: memoryview) -> None:
+        """Copy page ``page``'s payload into ``target[:page_bytes]`` (a store's buffer)."""
+        size = self.region_bytes
+        for k, view in enumerate(self.views(page)):
+            target[k * size : (k + 1) * size] = view

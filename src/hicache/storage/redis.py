@@ -73,14 +73,18 @@ from redis.retry import Retry
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.base import (
+    StorageBackend,
+    StorageError,
+    StorageUnavailableError,
+    first_gap,
+)
 from hicache.storage.frame import (
     HEADER_BYTES,
-    Fault,
-    check_header,
-    check_payload,
+    check_page,
     checksum,
     encode_header,
+    length_fault,
     object_name,
 )
 from hicache.storage.options import Options
@@ -110,14 +114,10 @@ class RedisBackend(StorageBackend):
         )
         self._client: redis.Redis | None = None
         self._regions: PageRegions | None = None
-        self._closed = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
-        if self._closed:
-            raise StorageError("redis storage used after close()")
-        if self._client is not None:
-            raise StorageError("redis storage is already attached")
+        self._check_attachable(self._client is not None)
         regions = PageRegions(host)
         settings = self.settings
         try:
@@ -169,17 +169,11 @@ class RedisBackend(StorageBackend):
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
         client, regions = self._ready(keys)
-        with self._lock:
-            self._stats.exists_queries += 1
+        self._count_exists_query()
         if not keys:
             return 0
         found = self._stored(client, self._names(keys, regions))
-        if found is None:
-            return 0
-        for i, present in enumerate(found):
-            if not present:
-                return i
-        return len(keys)
+        return 0 if found is None else first_gap(found)
 
     def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
         client, regions = self._ready(keys, host_pages)
@@ -198,10 +192,7 @@ class RedisBackend(StorageBackend):
             num_read += good
             if good < len(part):
                 break
-        with self._lock:
-            self._stats.pages_read += num_read
-            self._stats.bytes_read += num_read * regions.page_bytes
-            self._stats.read_seconds += time.perf_counter() - began
+        self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -243,12 +234,8 @@ class RedisBackend(StorageBackend):
                     num_written += 1
             if failed:
                 break
-        num_stored = next((i for i, done in enumerate(stored) if not done), len(keys))
-        with self._lock:
-            self._stats.pages_skipped_existing += len(keys) - len(todo)
-            self._stats.pages_written += num_written
-            self._stats.bytes_written += num_written * regions.page_bytes
-            self._stats.write_seconds += time.perf_counter() - began
+        num_stored = first_gap(stored)
+        self._count_write(num_written, len(keys) - len(todo), regions.page_bytes, began)
         return num_stored
 
     def clear(self) -> None:
@@ -274,20 +261,14 @@ class RedisBackend(StorageBackend):
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
     ) -> tuple[redis.Redis, PageRegions]:
-        if self._closed:
-            raise StorageError("redis storage used after close()")
-        self._check_args(keys, host_pages)
+        self._check_open(keys, host_pages)
         if self._client is None or self._regions is None:
-            raise StorageError("storage backend 'redis' used before attach()")
+            raise self._not_attached()
         return self._client, self._regions
 
     def _names(self, keys: Sequence[bytes], regions: PageRegions) -> list[bytes]:
         prefix, order = self._prefix, regions.order
         return [prefix + object_name(key, order).encode() for key in keys]
-
-    def _fail(self, reason: str, pages: int = 1) -> None:
-        with self._lock:
-            self._stats.fail(reason, pages)
 
     def _call(self, pages: int, fn: Callable[[], T]) -> T | None:
         """``fn()``, or None when the server failed it (counted against ``pages``)."""
@@ -348,23 +329,17 @@ class RedisBackend(StorageBackend):
                 return j
             data = memoryview(value)
             payload, header = data[:page_bytes], data[page_bytes:]
-            fault: Fault | None
-            if len(data) < page_bytes + HEADER_BYTES:
-                fault = Fault.SHORT_READ
-            elif len(data) > page_bytes + HEADER_BYTES:
-                fault = Fault.WRONG_LENGTH  # trailing bytes: not a value we wrote
-            else:
-                fault = check_header(header, keys[i], regions.order, page_bytes)
-                if fault is None and self.settings.verify_checksum:
-                    fault = check_payload(header, [payload])
+            fault = length_fault(len(data), page_bytes + HEADER_BYTES)
+            if fault is None:
+                fault = check_page(
+                    header, [payload], keys[i], regions.order, page_bytes,
+                    self.settings.verify_checksum,
+                )
             if fault is not None:
                 self._fail(fault.value)
                 self._delete(client, names[i])
                 return j
-            offset = 0
-            for view in regions.views(pages[i]):
-                view[:] = payload[offset : offset + len(view)]
-                offset += len(view)
+            regions.copy_in(pages[i], payload)
         return len(part)
 
 

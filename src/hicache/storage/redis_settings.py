@@ -63,13 +63,11 @@ class RedisSettings:
             raise StorageError(f"{source}: max_batch_bytes must be >= 1 byte")
         connect_timeout_s = options.number("connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S, 0.001)
         socket_timeout_s = options.number("socket_timeout_s", DEFAULT_SOCKET_TIMEOUT_S, 0.001)
-        max_connections = options.number("max_connections", DEFAULT_MAX_CONNECTIONS, 1)
-        if max_connections != int(max_connections):
-            raise StorageError(f"{source}: max_connections must be a whole number")
+        max_connections = options.whole_number("max_connections", DEFAULT_MAX_CONNECTIONS, 1)
         return cls(
             url=url, prefix=prefix, ttl_s=ttl_s or None, max_batch_bytes=max_batch_bytes,
             connect_timeout_s=connect_timeout_s, socket_timeout_s=socket_timeout_s,
-            max_connections=int(max_connections),
+            max_connections=max_connections,
             verify_checksum=options.boolean("verify_checksum", True),
         )
 

@@ -10,19 +10,21 @@ import torch
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import StorageError
+from hicache.storage.base import StorageError, first_gap
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
     PayloadOrder,
     check_header,
+    check_page,
     check_payload,
     checksum,
     encode_header,
+    length_fault,
     object_name,
     pack_header_into,
 )
-from hicache.storage.options import Options, parse_size
+from hicache.storage.options import Options, parse_bool, parse_size
 from hicache.storage.page_regions import PageRegions
 from tests.storage_contract import fill_random, page_range
 
@@ -74,6 +76,28 @@ def test_a_changed_payload_fails_its_checksum() -> None:
     assert check_payload(header, [b"abcd", memoryview(b"efgh")]) is None
 
 
+def test_a_page_read_whole_is_checked_header_first_then_checksum_if_asked() -> None:
+    header = encode_header(KEY, ORDER, 8, checksum([b"abcdefgh"]))
+    assert check_page(header, [b"abcd", b"efgh"], KEY, ORDER, 8, True) is None
+    assert check_page(header, [b"abcdefgH"], KEY, ORDER, 8, True) is Fault.CORRUPT
+    # Without verification a damaged payload passes; the header is still checked.
+    assert check_page(header, [b"abcdefgH"], KEY, ORDER, 8, False) is None
+    assert check_page(header, [b"abcdefgH"], OTHER_KEY, ORDER, 8, True) is Fault.WRONG_KEY
+
+
+def test_an_object_of_the_wrong_size_is_short_or_too_long() -> None:
+    assert length_fault(55, 56) is Fault.SHORT_READ
+    assert length_fault(57, 56) is Fault.WRONG_LENGTH
+    assert length_fault(56, 56) is None
+
+
+def test_a_stored_prefix_ends_at_the_first_gap() -> None:
+    assert first_gap([True, True, False, True]) == 2
+    assert first_gap([False, True]) == 0
+    assert first_gap([True, True]) == 2
+    assert first_gap([]) == 0
+
+
 def test_object_names_carry_the_key_and_the_row_order() -> None:
     assert object_name(KEY, PayloadOrder.LAYER_MAJOR) == KEY.hex() + ".lm"
     assert object_name(KEY, PayloadOrder.TOKEN_MAJOR) == KEY.hex() + ".tm"
@@ -117,6 +141,24 @@ def test_page_regions_are_the_page_in_payload_order(
     assert torch.count_nonzero(host.pages[1]) > 0 and torch.count_nonzero(host.pages[3]) > 0
 
 
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_a_payload_is_copied_into_and_out_of_a_page(layout: MemLayout) -> None:
+    host = HostPool(GEOMETRY, 4, 4, layout, pin_memory=False)
+    fill_random(host, page_range(0, 4), seed=2)
+    regions = PageRegions(host)
+    payload = _payload(host, 1)
+    # Out into a longer buffer (a store's block with room for the header after the payload).
+    block = bytearray(len(payload) + HEADER_BYTES)
+    regions.copy_out(1, memoryview(block))
+    assert bytes(block[: len(payload)]) == payload and not any(block[len(payload) :])
+    # In, from a longer buffer: only page 3 changes, and it becomes page 1.
+    others = [host.pages[p].clone() for p in (0, 1, 2)]
+    regions.copy_in(3, memoryview(block))
+    assert _payload(host, 3) == payload
+    for page, before in zip((0, 1, 2), others, strict=True):
+        assert torch.equal(host.pages[page], before)
+
+
 def test_sizes_and_options_are_read_with_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_size(123, "x") == 123
     assert parse_size("16GB", "x") == 16 * 10**9
@@ -133,3 +175,23 @@ def test_sizes_and_options_are_read_with_clear_errors(monkeypatch: pytest.Monkey
     monkeypatch.setenv("HICACHE_TEST_SIZE", "2KiB")
     assert options.size_bytes("missing", 7, env=("HICACHE_TEST_SIZE",)) == 2048
     assert options.string("missing", "d") == "d"
+
+
+def test_counts_flags_and_where_a_value_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = Options({"c": 3.0, "half": 2.5, "low": 0, "flag": " True "}, "test store")
+    assert options.whole_number("c", 1, minimum=1) == 3
+    assert options.whole_number("missing", 4, minimum=1) == 4
+    with pytest.raises(StorageError, match=r"test store: half must be a whole number, got 2\.5"):
+        options.whole_number("half", 1)
+    with pytest.raises(StorageError, match="low must be a number >= 1"):
+        options.whole_number("low", 1, minimum=1)
+    assert options.boolean("flag", False) is True
+    assert parse_bool("0", "x") is False and parse_bool(True, "x") is True
+    with pytest.raises(StorageError, match="x must be true or false"):
+        parse_bool(1, "x")
+    monkeypatch.setenv("HICACHE_TEST_FLAG", "1")
+    assert options.where("c", ("HICACHE_TEST_FLAG",)) == "test store: c"
+    assert options.where("other", ("HICACHE_TEST_FLAG",)) == (
+        "test store: environment variable HICACHE_TEST_FLAG"
+    )
+    assert options.where("other") == "test store: other"

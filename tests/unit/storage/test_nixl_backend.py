@@ -21,8 +21,9 @@ from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.base import StorageError
-from hicache.storage.file import FileBackend, temp_name
+from hicache.storage.file import FileBackend
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
+from hicache.storage.page_files import temp_name
 from hicache.storage.registry import create_storage_backend
 from tests.nixl_fixtures import require_nixl
 from tests.storage_contract import as_bytes, fill_random, page_bytes_of, page_range
@@ -325,7 +326,7 @@ def test_direct_io_on_a_file_system_without_o_direct_is_refused_at_attach(
     def refuse(path: str, flags: int) -> int:
         raise OSError(22, "Invalid argument")  # what open(O_DIRECT) says on such a mount
 
-    monkeypatch.setattr(nixl_module, "_create", refuse)
+    monkeypatch.setattr(nixl_module, "create_file", refuse)
     backend = NixlBackend({"path": str(tmp_path), "direct_io": True})
     try:
         host = make_host(geometry=ALIGNED_GEOMETRY, page_size=ALIGNED_PAGE_SIZE)
