@@ -42,6 +42,42 @@ INSTALL_HINT = (
 DEFAULT_READY_TIMEOUT_S = 30.0
 
 
+# LMCache's server binds its port without SO_REUSEADDR. Killed while a client
+# is connected, it leaves that connection in TIME_WAIT on the server's port for
+# a minute, and a restart on the same port fails with "Address already in
+# use". The launcher turns the option on for every bind, then runs the
+# server's own entry point (its argv: host, port, storage).
+_REUSE_ADDRESS_LAUNCHER = """
+import socket
+_bind = socket.socket.bind
+def _bind_reusing_address(self, address):
+    self.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return _bind(self, address)
+socket.socket.bind = _bind_reusing_address
+from lmcache.v1.server.__main__ import main
+main()
+"""
+
+
+def python_of(program: Path) -> str | None:
+    """The interpreter named by ``program``'s ``#!`` line if it is a Python
+    script (a console-script entry point), else None."""
+    try:
+        with open(program, "rb") as script:
+            first = script.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode(errors="replace").split()
+    if not words:
+        return None
+    if Path(words[0]).name == "env" and len(words) > 1:
+        found = shutil.which(words[1])
+        return found if found and "python" in words[1] else None
+    return words[0] if "python" in Path(words[0]).name else None
+
+
 class ServerError(LocalServerError):
     """The server program is missing, or the server did not come up."""
 
@@ -85,7 +121,11 @@ class ServerProcess(LocalServer):
         return f"lm://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        return [str(self.program), self.host, str(self.port), "cpu"]
+        arguments = [self.host, str(self.port), "cpu"]
+        interpreter = python_of(self.program)
+        if interpreter is None:
+            return [str(self.program), *arguments]
+        return [interpreter, "-c", _REUSE_ADDRESS_LAUNCHER, *arguments]
 
     def close(self) -> None:
         """Kill the server (it keeps nothing worth a clean shutdown) and remove its log."""

@@ -28,7 +28,7 @@ from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES
 from hicache.storage.lmcache import LMCacheBackend
 from hicache.storage.lmcache_client import Client, Connection
-from hicache.storage.lmcache_protocol import Command, encode_request
+from hicache.storage.lmcache_protocol import Command, encode_request, key_string
 from hicache.storage.lmcache_server import ServerProcess, start_server
 from hicache.storage.registry import create_storage_backend, unavailable_reason
 from tests.lmcache_fixtures import GEOMETRY, PROGRAM, extra_fixture, server_fixture  # noqa: F401
@@ -274,6 +274,22 @@ def test_a_dead_server_gives_fast_misses_and_the_backend_recovers_on_restart(
         assert page_bytes_of(host, page_range(10, 14)) == page_bytes_of(host, page_range(0, 4))
     finally:
         backend.close()
+
+
+def test_a_server_killed_under_a_connected_client_restarts_on_its_port(
+    own_server: ServerProcess,
+) -> None:
+    # The killed server's side of the open connection sits in TIME_WAIT on the
+    # server's port; LMCache binds without SO_REUSEADDR, so only our launcher
+    # lets the restart bind that port again (it failed with errno 98 before).
+    with socket.create_connection((own_server.host, own_server.port), timeout=5) as client:
+        time.sleep(0.2)  # the server accepted it
+        own_server.kill()
+        client.settimeout(5)
+        assert client.recv(1) == b""  # the server's end closed first
+    own_server.restart()
+    assert own_server.running
+    assert raw_get(own_server.url, key_string("restart", b"\x01")) is None  # and it serves
 
 
 def wait_stopped(pid: int) -> None:
