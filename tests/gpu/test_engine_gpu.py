@@ -29,3 +29,30 @@ def test_tiers_equal_cold_on_cuda(
     # Same KV in, same suffix computed: tokens must match exactly; logits to the
     # precision of the dtype (cold is one long prefill, the hits a short one).
     check_tiers_equal_cold(engine, tolerance=1e-4 if dtype == "float32" else 5e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_decode_equals_eager(make_engine: Callable[..., Engine], dtype: str) -> None:
+    from hicache.engine.api import GenerateRequest, SamplingParams
+    from tests.engine_helpers import run, run_many
+
+    flags = ("--device", "cuda", "--model-preset", "tiny", "--dtype", dtype,
+             "--max-running-requests", "8")
+    graphs = make_engine(*flags)
+    eager = make_engine(*flags, "--disable-cuda-graph")
+    recorded = graphs.scheduler.runner.decode_graphs
+    assert recorded is not None, "the engine recorded no CUDA graphs"
+    assert recorded.buckets == (1, 2, 3, 4, 6, 8)
+    assert eager.scheduler.runner.decode_graphs is None
+    params = SamplingParams(temperature=0.0, max_new_tokens=7, ignore_eos=True)
+    prompts = [GenerateRequest(tuple(range(3 + i, 20 + 7 * i)), params) for i in range(5)]
+    together = [r.token_ids for r in run_many(graphs, prompts)]
+    alone = run(graphs, list(range(40, 75)), logits=True, max_new_tokens=9, ignore_eos=True)
+    assert together == [r.token_ids for r in run_many(eager, prompts)]
+    reference = run(eager, list(range(40, 75)), logits=True, max_new_tokens=9, ignore_eos=True)
+    assert alone.token_ids == reference.token_ids
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    for a, b in zip(alone.logits, reference.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
+    assert recorded.replays[6] >= 1 and recorded.replays[1] >= 8, recorded.replays
+    graphs.check_integrity()

@@ -134,6 +134,11 @@ class SchedulingConfig:
         )
 
 
+# The largest decode batch recorded by default: larger batches run eagerly, where
+# launching kernels costs little next to the work of so many rows.
+CUDA_GRAPH_MAX_BS = 160
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """How the engine computes.
@@ -152,6 +157,9 @@ class RuntimeConfig:
     math around attention instead (it replaces packing). ``output_thread``: detokenize
     and stream outputs on their own thread, beside the scheduler (False: on the
     scheduler thread, after each step; ``hicache.engine.output_thread``).
+    ``cuda_graph``: on CUDA, record the decode step once per batch-size bucket up to
+    ``cuda_graph_max_bs`` sequences (None: the scheduler's running-request limit,
+    at most ``CUDA_GRAPH_MAX_BS``) and replay it (``hicache.engine.decode_graphs``).
     """
 
     num_threads: int | None = None
@@ -159,10 +167,14 @@ class RuntimeConfig:
     prepack_weights: bool = True
     enable_torch_compile: bool = False
     output_thread: bool = True
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"--attention-backend {self.attention_backend!r}: choose one of "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -25,6 +26,7 @@ from hicache.engine.api import GenerateOutput, GenerateRequest, validate_request
 from hicache.engine.cache_ops import CACHE_OPS
 from hicache.engine.config import (
     CPU_KV_POOL_TOKENS,
+    CUDA_GRAPH_MAX_BS,
     EngineConfig,
     RuntimeConfig,
     SchedulingConfig,
@@ -539,6 +541,11 @@ def _assemble(
         if publisher is not None:
             publisher.close()
         raise
+    try:
+        _record_decode_graphs(engine, config, device)
+    except BaseException:
+        engine.shutdown()
+        raise
     if config.disaggregation.enabled:
         try:
             engine.disaggregation = DisaggregationRuntime(config.disaggregation, engine.scheduler)
@@ -546,6 +553,44 @@ def _assemble(
             engine.shutdown()
             raise
     return engine
+
+
+def _record_decode_graphs(engine: Engine, config: EngineConfig, device: torch.device) -> None:
+    """On CUDA, the decode step as CUDA graphs (``engine.decode_graphs``) where they apply:
+    one rank, an MHA/GQA model, Triton present (its decode kernel reads the lengths on
+    the device). A recording that fails or disagrees with the eager step is dropped
+    with a warning: the engine then decodes eagerly, as with --disable-cuda-graph."""
+    runtime = config.runtime
+    if device.type != "cuda" or not runtime.cuda_graph:
+        return
+    why_not = _decode_graphs_unavailable(engine, device)
+    if why_not is None:
+        limit = engine.scheduler.config.max_running_requests
+        max_bs = runtime.cuda_graph_max_bs or min(limit, CUDA_GRAPH_MAX_BS)
+        began = time.perf_counter()
+        try:
+            why_not = engine.scheduler.runner.record_decode_graphs(min(max_bs, limit))
+        except (RuntimeError, ValueError) as error:  # a capture CUDA refused
+            why_not = f"recording failed: {error}"
+        if why_not is None:
+            graphs = engine.scheduler.runner.decode_graphs
+            assert graphs is not None
+            logger.info(
+                "decode: CUDA graphs for batches of up to %d (%d buckets) in %.1f s",
+                graphs.max_batch, len(graphs.buckets), time.perf_counter() - began,
+            )
+            return
+    logger.warning("decode: no CUDA graphs (%s); decoding eagerly", why_not)
+
+
+def _decode_graphs_unavailable(engine: Engine, device: torch.device) -> str | None:
+    from hicache.kernels.availability import triton_unavailable_reason
+
+    if engine.tp.size > 1:
+        return "tensor parallelism: not recorded across ranks yet"
+    if engine.model_config.mla is not None:
+        return "MLA models plan their attention on the host"
+    return triton_unavailable_reason(device)
 
 
 def _l3_error(engine: Engine) -> str | None:

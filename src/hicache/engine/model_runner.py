@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hicache.engine.decode_graphs import DecodeGraphs
 from hicache.engine.page_table import ReqToPageTable
 from hicache.engine.request import Req
 from hicache.memory.allocator import PageIds
@@ -35,7 +36,23 @@ class ModelRunner:
         self.device = pool.device
         # One page beyond the context: a request may hold a page its last token will not fill.
         max_pages = -(-max_context_len // self.page_size) + 1
-        self.table = ReqToPageTable(max_running_requests, max_pages, self.device)
+        self.max_context_len = max_context_len
+        # One row more than requests: recorded decode steps keep one for their padding.
+        self.table = ReqToPageTable(max_running_requests + 1, max_pages, self.device)
+        self.decode_graphs: DecodeGraphs | None = None  # see record_decode_graphs
+
+    def record_decode_graphs(self, max_batch: int, *, capture: bool = True) -> str | None:
+        """Record the decode step for batches of up to ``max_batch`` sequences (CUDA
+        graphs; ``capture=False``: the same static-buffer step run eagerly, for tests)
+        and use it from now on. Returns why not, and records nothing, if a replay does
+        not agree with the eager step."""
+        graphs = DecodeGraphs(
+            self.model, self.pool, self.table, max_batch, self.max_context_len, capture=capture
+        )
+        problem = graphs.self_check()
+        if problem is None:
+            self.decode_graphs = graphs
+        return problem
 
     # ------------------------------------------------------ page bookkeeping
     def admit(self, req: Req) -> None:
@@ -70,6 +87,16 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Compute ``n`` new tokens of each (request, n) in ``plan``; the model's logits
         (rows as ``ForwardBatch.logit_rows``)."""
+        graphs = self.decode_graphs
+        if (
+            graphs is not None and logits_from is None and graphs.fits(len(plan))
+            and all(n == 1 for _, n in plan)
+        ):
+            self.table.flush()
+            positions = [req.num_computed for req, _ in plan]
+            ids = [req.token_at(start) for (req, _), start in zip(plan, positions, strict=True)]
+            rows: list[int] = [req.row for req, _ in plan]  # type: ignore[misc]
+            return graphs.replay(ids, positions, rows, wait_layer)
         return self.model.forward(self.build_batch(plan, logits_from), self.pool,
                                   wait_layer=wait_layer)
 

@@ -35,6 +35,7 @@ class PageAllocator:
         self._released: list[PageIds] = []
         self._num_released = 0
         self._allocated = np.zeros(num_pages, dtype=np.bool_)
+        self.num_reserved_pages = 0  # see reserve
 
     @property
     def num_free_pages(self) -> int:
@@ -42,7 +43,16 @@ class PageAllocator:
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - self.num_free_pages
+        """Pages handed out by ``allocate`` and not freed (reserved ones not counted)."""
+        return self.num_pages - self.num_free_pages - self.num_reserved_pages
+
+    def reserve(self, num_pages: int) -> PageIds:
+        """Take ``num_pages`` pages out of circulation for good (scratch space of the
+        engine's own, never cached or freed): allocated, but not among the used pages
+        whose owners ``num_used_pages`` accounts for."""
+        pages = self.allocate(num_pages)
+        self.num_reserved_pages += num_pages
+        return pages
 
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= self.num_free_pages

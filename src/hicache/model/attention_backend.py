@@ -54,6 +54,10 @@ class AttentionStep(ABC):
 
 class AttentionBackend(ABC):
     name: str
+    # Does a decode step read the sequences' lengths from ``batch.seq_lens_tensor``
+    # alone, taking the host-side ``seq_lens`` only as bounds? Then a decode step can
+    # be captured once and replayed for any lengths (``engine.decode_graphs``).
+    reads_device_lengths: bool = False
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> AttentionStep:

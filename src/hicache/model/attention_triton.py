@@ -18,6 +18,9 @@ from hicache.model.batch import ForwardBatch
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    # Decode: lengths from the device tensor, max(seq_lens) only sizes the key splits
+    # (the last split of a sequence runs to its true end).
+    reads_device_lengths = True
 
     def prepare(self, batch: ForwardBatch) -> TritonStep:
         return TritonStep(batch)

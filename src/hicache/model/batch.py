@@ -57,6 +57,12 @@ class ForwardBatch:
     # positions, and only those: projecting a whole chunk onto the vocabulary is the
     # step's largest tensor ([T, vocab]).
     logits_from: tuple[int, ...] | None = None
+    # Captured steps (``hicache.engine.decode_graphs``): the sequences' true lengths,
+    # int32 [B] on the device, filled in before every replay. ``seq_lens`` then holds
+    # host-side upper bounds, which size the work (table width, key splits) and
+    # nothing else; only attention backends with ``reads_device_lengths`` take such
+    # a batch.
+    device_seq_lens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.check()
@@ -144,7 +150,9 @@ class ForwardBatch:
 
     @cached_property
     def seq_lens_tensor(self) -> torch.Tensor:
-        """``seq_lens`` as int32 [B] on the batch's device."""
+        """``seq_lens`` as int32 [B] on the batch's device (``device_seq_lens`` if set)."""
+        if self.device_seq_lens is not None:
+            return self.device_seq_lens
         return torch.tensor(self.seq_lens, dtype=torch.int32, device=self.page_table.device)
 
     @cached_property

@@ -298,6 +298,7 @@ class CausalLM(nn.Module):
         batch: ForwardBatch,
         kv: DevicePool,
         wait_layer: Callable[[int], None] | None = None,
+        attention: AttentionBackend | None = None,
     ) -> torch.Tensor:
         """Compute one step; returns float32 logits [len(batch.logit_rows()), vocab]: the
         last new token of each sequence, every new token with ``batch.return_all_logits``,
@@ -306,7 +307,8 @@ class CausalLM(nn.Module):
         Per layer l: ``wait_layer(l)`` first (the cache orders this layer after any
         load of its K/V from host memory), then q/k/v, the new K/V written to the pool
         at ``batch.out_slots``, and attention over each sequence's context read from
-        the pool through ``batch.page_table`` by the model's attention backend.
+        the pool through ``batch.page_table`` by the model's attention backend
+        (``attention``, if given, instead: a recorded decode step's).
         """
         self._check(batch, kv)
         cos, sin = self.rotary.lookup(batch.positions)
@@ -321,7 +323,7 @@ class CausalLM(nn.Module):
         else:
             step = StepInputs(
                 cos, sin, out_slots=batch.out_slots,
-                attention=self.attention_backend.prepare(batch),
+                attention=(attention or self.attention_backend).prepare(batch),
             )
             for index, layer in enumerate(self.layers):
                 if wait_layer is not None:

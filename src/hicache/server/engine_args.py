@@ -124,6 +124,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "start; replaces the CPU weight prepacking)",
     )
     compute.add_argument(
+        "--disable-cuda-graph", action="store_true",
+        help="CUDA: run every decode step eagerly instead of replaying it from CUDA graphs "
+        "recorded at start-up (one per batch-size bucket)",
+    )
+    compute.add_argument(
+        "--cuda-graph-max-bs", type=int, default=None, metavar="N",
+        help="CUDA: the largest decode batch recorded as a graph (default: the running-"
+        "request limit, at most 160); larger batches run eagerly",
+    )
+    compute.add_argument(
         "--disable-output-thread", action="store_true",
         help="detokenize and stream outputs on the scheduler thread after each step instead "
         "of on a thread of their own beside it",
@@ -216,6 +226,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             prepack_weights=not args.disable_weight_prepack,
             enable_torch_compile=args.enable_torch_compile,
             output_thread=not args.disable_output_thread,
+            cuda_graph=not args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
         ),
         parallel=ParallelConfig(tp_size=args.tp_size),
         disaggregation=disaggregation_config_from_args(args),
