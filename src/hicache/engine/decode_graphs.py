@@ -137,8 +137,8 @@ class DecodeGraphs:
         wait_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Decode token ``ids[i]`` at ``positions[i]`` of page-table row ``rows[i]``;
-        logits [len(ids), vocab] (a view of the graph's output: read it before the
-        next replay)."""
+        logits [len(ids), vocab], a tensor of their own (the graph's output buffer is
+        overwritten by the next replay, and rows of logits may be kept past it)."""
         count = len(ids)
         size = self.bucket(count)
         pad = size - count
@@ -154,7 +154,7 @@ class DecodeGraphs:
             for layer in range(self.model.config.num_layers):
                 wait_layer(layer)
         self.replays[size] += 1
-        return self._recordings[size].replay()[:count]
+        return self._recordings[size].replay()[:count].clone()
 
     def self_check(self) -> str | None:
         """Replay each bucket on padding rows and compare with the eager step; None if

@@ -570,7 +570,8 @@ def _record_decode_graphs(engine: Engine, config: EngineConfig, device: torch.de
         began = time.perf_counter()
         try:
             why_not = engine.scheduler.runner.record_decode_graphs(min(max_bs, limit))
-        except (RuntimeError, ValueError) as error:  # a capture CUDA refused
+        except Exception as error:  # a capture CUDA refused, a kernel that did not build
+            logger.exception("decode: recording the CUDA graphs failed")
             why_not = f"recording failed: {error}"
         if why_not is None:
             graphs = engine.scheduler.runner.decode_graphs
