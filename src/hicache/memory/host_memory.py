@@ -20,6 +20,8 @@ import weakref
 import numpy as np
 import torch
 
+from hicache.memory.prefault import committed_pageable
+
 logger = logging.getLogger(__name__)
 
 # Registration covers whole pages anyway; a page-aligned start wastes nothing.
@@ -67,16 +69,20 @@ def empty_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
     Unpinned pools are page aligned too (torch's allocator only aligns to 64 bytes):
     O_DIRECT file I/O straight into the pool (the nixl L3 backend's ``direct_io``)
-    needs block-aligned addresses.
+    needs block-aligned addresses. They are committed up front as a pinned pool is
+    (``committed_pageable``).
     """
     if numel == 0:
         return torch.empty(numel, dtype=dtype)
     nbytes = numel * dtype.itemsize
+    if not pin:
+        memory = committed_pageable(
+            nbytes, available=available_host_memory, reserve=HOST_MEMORY_RESERVE_BYTES
+        )
+        return torch.from_numpy(memory).view(dtype)
     owner = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     start = -owner.ctypes.data % _ALIGN
     window = owner[start : start + nbytes]
-    if not pin:
-        return torch.from_numpy(window).view(dtype)
     address = int(window.ctypes.data)
     cudart = torch.cuda.cudart()
     flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
