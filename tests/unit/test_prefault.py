@@ -1,77 +1,76 @@
-"""Host memory committed up front (``memory.prefault``): resident before use, content untouched."""
+"""Host memory faulted in ahead of use (``memory.prefault``, ``HostPool``): the pages the
+allocator hands out first are resident before any write, and populating writes nothing."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
-import threading
-import time
 
 import numpy as np
 import pytest
+import torch
 
+from hicache.config import MemLayout
+from hicache.memory import host_pool as host_pool_module
 from hicache.memory import prefault
-from hicache.memory.prefault import committed_pageable
+from hicache.memory.geometry import KVGeometry
+from hicache.memory.host_pool import HostPool
 
 _PAGE = mmap.PAGESIZE
 
 
-def resident_fraction(array: np.ndarray) -> float:
-    """Share of ``array``'s memory pages that are resident (``mincore``)."""
+def resident(address: int, length: int) -> float:
+    """Share of the memory pages of [address, address + length) that are resident."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    start = array.ctypes.data
-    assert start % _PAGE == 0
-    pages = -(-array.nbytes // _PAGE)
+    first = address - address % _PAGE
+    pages = -(-(address + length - first) // _PAGE)
     vec = ctypes.create_string_buffer(pages)
-    assert libc.mincore(start, array.nbytes, vec) == 0, ctypes.get_errno()
+    assert libc.mincore(first, pages * _PAGE, vec) == 0, ctypes.get_errno()
     return sum(b & 1 for b in vec.raw) / pages
 
 
-def prefault_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "hicache-host-prefault"]
-
-
-def wait_until(condition: object, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def test_the_first_part_is_resident_at_once_and_the_rest_soon() -> None:
-    sync = 8 << 20
-    memory = committed_pageable(64 << 20, sync)
-    assert memory.nbytes == 64 << 20 and memory.ctypes.data % (2 << 20) == 0
-    if not prefault._populate_works:
+@pytest.fixture(autouse=True)
+def _needs_populate() -> None:
+    probe = prefault.pageable(_PAGE)
+    if not prefault.populate(probe.ctypes.data, _PAGE):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
-    assert resident_fraction(memory[:sync]) == 1.0
-    wait_until(lambda: resident_fraction(memory) == 1.0)
-    memory[:] = 7  # writable, and populating wrote nothing over it
-    assert int(memory.sum()) == 7 * memory.nbytes
 
 
-def test_populating_in_the_background_keeps_what_is_written_meanwhile(
-    monkeypatch: pytest.MonkeyPatch,
+def test_pageable_is_aligned_for_huge_pages_and_untouched() -> None:
+    memory = prefault.pageable(32 << 20)
+    assert memory.nbytes == 32 << 20 and memory.ctypes.data % (2 << 20) == 0
+    assert resident(memory.ctypes.data, memory.nbytes) < 0.5  # reserved, not faulted in
+
+
+def test_prefault_populates_the_ranges_given_and_writes_nothing() -> None:
+    memory = prefault.pageable(16 << 20)
+    memory[: 1 << 20] = 9  # already written: populating must keep it
+    base = memory.ctypes.data
+    ranges = [(base, 2 << 20), (base + (8 << 20), 2 << 20)]
+    assert prefault.prefault(ranges) == 4 << 20
+    assert resident(base, 2 << 20) == 1.0 and resident(base + (8 << 20), 2 << 20) == 1.0
+    assert resident(base + (4 << 20), 2 << 20) < 0.5  # between the ranges: untouched
+    assert (memory[: 1 << 20] == 9).all() and not memory[1 << 20 : 2 << 20].any()
+
+
+@pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST])
+def test_a_host_pool_has_its_first_pages_resident(
+    monkeypatch: pytest.MonkeyPatch, layout: MemLayout
 ) -> None:
-    monkeypatch.setattr(prefault, "STEP_BYTES", 1 << 20)
-    memory = committed_pageable(48 << 20, 1 << 20)
-    pattern = np.arange(memory.nbytes, dtype=np.uint64).view(np.uint8)[: memory.nbytes]
-    memory[:] = pattern  # races the background thread on purpose
-    wait_until(lambda: not prefault_threads())
-    assert np.array_equal(memory, pattern)
-
-
-def test_a_freed_pool_and_a_short_machine_stop_the_background_work(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    if not prefault._populate_works:
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
-    # No memory to spare: nothing beyond the synchronous part is populated.
-    memory = committed_pageable(32 << 20, 4 << 20, available=lambda: 1 << 30, reserve=2 << 30)
-    wait_until(lambda: not prefault_threads())
-    assert resident_fraction(memory[4 << 20 :]) < 0.5
-    # A pool dropped right away: the thread ends without keeping it alive.
-    monkeypatch.setattr(prefault, "STEP_BYTES", 1 << 20)
-    committed_pageable(256 << 20, 1 << 20)
-    wait_until(lambda: not prefault_threads(), timeout_s=10.0)
+    geometry = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    page_bytes = geometry.page_bytes(16)  # 64 KiB
+    monkeypatch.setattr(host_pool_module, "PREFAULT_BYTES", 64 * page_bytes)
+    pool = HostPool(geometry, 1024, 16, layout=layout, pin_memory=False)
+    first = pool.pages[:64]
+    later = pool.pages[512:]
+    # Every byte of pages 0..63 (wherever the layout puts them) is resident ...
+    for page in range(64):
+        for layer in range(geometry.num_layers):
+            for plane in range(geometry.kv_planes):
+                piece = first[page, layer, plane]
+                assert resident(piece.data_ptr(), piece.numel() * 4) == 1.0
+    # ... and most of the pool is not (it is faulted in on use, as before).
+    flat_later = [later[:, layer, plane] for layer in range(4) for plane in range(2)]
+    fractions = [resident(t.data_ptr(), 512 * page_bytes // 8) for t in flat_later]
+    assert np.mean(fractions) < 0.5, fractions

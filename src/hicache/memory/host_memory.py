@@ -20,7 +20,7 @@ import weakref
 import numpy as np
 import torch
 
-from hicache.memory.prefault import committed_pageable
+from hicache.memory.prefault import pageable
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +69,13 @@ def empty_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
     Unpinned pools are page aligned too (torch's allocator only aligns to 64 bytes):
     O_DIRECT file I/O straight into the pool (the nixl L3 backend's ``direct_io``)
-    needs block-aligned addresses. They are committed up front as a pinned pool is
-    (``committed_pageable``).
+    needs block-aligned addresses (``prefault.pageable``: 2 MiB, for huge pages).
     """
     if numel == 0:
         return torch.empty(numel, dtype=dtype)
     nbytes = numel * dtype.itemsize
     if not pin:
-        memory = committed_pageable(
-            nbytes, available=available_host_memory, reserve=HOST_MEMORY_RESERVE_BYTES
-        )
-        return torch.from_numpy(memory).view(dtype)
+        return torch.from_numpy(pageable(nbytes)).view(dtype)
     owner = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     start = -owner.ctypes.data % _ALIGN
     window = owner[start : start + nbytes]

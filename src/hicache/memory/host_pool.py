@@ -11,8 +11,14 @@ from hicache.memory.allocator import PageAllocator
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_memory import empty_host
 from hicache.memory.layout import PageStrides, canonical_view, page_strides
+from hicache.memory.prefault import prefault
 
 logger = logging.getLogger(__name__)
+
+# Without pinning, the memory of this many bytes of the lowest page ids is faulted in
+# when the pool is made (``memory.prefault``): a write-through into fresh memory pays the
+# kernel's page faults on the controller's thread, several times the copy itself.
+PREFAULT_BYTES = 512 << 20
 
 
 class HostPool:
@@ -41,10 +47,33 @@ class HostPool:
         self.strides: PageStrides = page_strides(self.layout, geometry, num_pages, page_size)
         self.pages = canonical_view(self.flat, self.strides, geometry, num_pages, page_size)
         self.allocator = PageAllocator(num_pages, name="host pool")
+        if not pin_memory:
+            # A pinned pool is committed whole; this one gets the pages handed out first.
+            prefault(self._first_pages(PREFAULT_BYTES))
         logger.info(
             "host pool: %d pages x %d tokens, %s, %.3f GB%s", num_pages, page_size,
             self.layout.value, self.size_bytes / 1e9, " pinned" if pin_memory else "",
         )
+
+    def _first_pages(self, nbytes: int) -> list[tuple[int, int]]:
+        """(address, length) of the memory of the lowest page ids, ``nbytes`` of them (the
+        allocator hands them out first), in address order within each piece."""
+        count = min(self.num_pages, nbytes // self.page_bytes)
+        if count == 0:
+            return []
+        base, elem = self.flat.data_ptr(), self.flat.element_size()
+        strides, geometry = self.strides, self.geometry
+        if strides.page_contiguous:
+            return [(base, count * self.page_bytes)]
+        if strides.page != self.page_size * geometry.row_elems:
+            return []  # no layout is like this today; nothing to gain from guessing
+        # layer_first: in each (layer, plane) region a page's rows follow the previous page's.
+        run = count * strides.page * elem
+        return [
+            (base + (layer * strides.layer + plane * strides.kv) * elem, run)
+            for layer in range(geometry.num_layers)
+            for plane in range(geometry.kv_planes)
+        ]
 
     @property
     def page_elems(self) -> int:
