@@ -4,9 +4,7 @@ torch has no CPU attention that reads a paged pool in place, and gathering every
 sequence's context into a padded tensor per layer per step costs as much as the
 attention itself on long contexts. ``cpu_paged_attention.cpp`` walks each context
 through its page table instead. It is compiled at first use (about a second:
-it needs no torch headers) with ``-march=native`` into
-``$HICACHE_CACHE_DIR/kernels/``, under a name that hashes the source, the flags,
-the compiler and this CPU, so a changed source or another machine rebuilds.
+it needs no torch headers; ``kernels.cpu_build``).
 
 ``load_cpu_kernel()`` returns None (and says why in the log, once) where no C++
 compiler works: the engine then falls back to the gathering path.
@@ -15,19 +13,14 @@ compiler works: the engine then falls back to the gathering path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from hicache.local_cache import local_cache_dir
+from hicache.kernels.cpu_build import CpuBuildError, build_and_load
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +28,6 @@ _SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _ABI_VERSION = 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_COMPILE_TIMEOUT_S = 120.0
-DISABLE_ENV = "HICACHE_DISABLE_CPU_KERNEL"
 
 
 class CpuKernelError(RuntimeError):
@@ -73,17 +64,12 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL:
-    if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        raise CpuKernelError(f"{DISABLE_ENV} is set")
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise CpuKernelError("no C++ compiler (g++) found")
-    path = _library_path(compiler)
-    if not path.exists():
-        _compile(compiler, path)
-    library = ctypes.CDLL(str(path))
+    try:
+        library = build_and_load(_SOURCE, _FLAGS)
+    except CpuBuildError as error:
+        raise CpuKernelError(str(error)) from error
     if library.hicache_kernel_abi_version() != _ABI_VERSION:
-        raise CpuKernelError(f"{path} has another ABI version")
+        raise CpuKernelError(f"{library._name} has another ABI version")
     fn = library.hicache_paged_decode
     fn.restype = ctypes.c_int
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -92,47 +78,6 @@ def _load() -> ctypes.CDLL:
         i32, i32, i32, i32, i32, ctypes.c_float, i32,
     ]
     return library
-
-
-def _library_path(compiler: str) -> Path:
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-    ).stdout.splitlines()[0]
-    key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(),
-                 _cpu_signature().encode(), platform.machine().encode()):
-        key.update(part)
-        key.update(b"\0")
-    return local_cache_dir() / "kernels" / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags")
-    lines = [line for line in text.splitlines() if line.split(":")[0].strip() in wanted]
-    return "\n".join(sorted(set(lines)))
-
-
-def _compile(compiler: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and renamed: concurrent builders never load half a file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(_SOURCE)],
-            capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, check=False,
-        )
-        if done.returncode != 0:
-            raise CpuKernelError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def paged_decode(

@@ -333,7 +333,7 @@ class CausalLM(nn.Module):
         if len(rows) != batch.num_tokens:
             # Mostly only the last token of each sequence is sampled from: skip the rest's
             # final norm and vocabulary projection (the largest GEMM of a decode step).
-            h = h[torch.tensor(rows, device=h.device)]
+            h = h.index_select(0, torch.tensor(rows, device=h.device))
         head = self.lm_head_weight
         if self.packed_lm_head is not None and h.shape[0] >= self.packed_from_rows:
             head = self.packed_lm_head

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from hicache.kernels import cpu_layer_ops
 from hicache.model.config import Llama3RopeScaling
 from hicache.model.deepseek_config import YarnRopeScaling
 from hicache.model.yarn import yarn_inv_freq
@@ -77,11 +78,15 @@ class RotaryEmbedding(nn.Module):
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions`` [T]: each [T, 1, head_dim / 2] (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return (self.cos.index_select(0, positions).unsqueeze(1),
+                self.sin.index_select(0, positions).unsqueeze(1))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [T, heads, head_dim] by the angles whose cos/sin are [T, 1, head_dim / 2]."""
+    fused = cpu_layer_ops.rotary(x, cos, sin)  # float32 on the CPU: one pass, same values
+    if fused is not None:
+        return fused
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

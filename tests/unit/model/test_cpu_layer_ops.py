@@ -1,0 +1,74 @@
+"""The one-pass CPU layer ops equal torch's versions, and step aside where they do not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hicache.kernels import cpu_layer_ops
+from hicache.model.norm import rms_norm
+from hicache.model.rotary import apply_rotary
+
+pytestmark = pytest.mark.skipif(
+    cpu_layer_ops._library() is None, reason="no C++ compiler for the CPU layer ops"
+)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 83, 300])
+@pytest.mark.parametrize("dim", [64, 576, 4096])
+def test_rms_norm_equals_torch(rows: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = torch.randn(rows, dim, generator=gen) * 5
+    weight = torch.randn(dim, generator=gen)
+    got = cpu_layer_ops.rms_norm(x, weight, 1e-6)
+    assert got is not None
+    torch.testing.assert_close(got, torch_rms_norm(x, weight, 1e-6), rtol=2e-6, atol=2e-6)
+    assert torch.equal(rms_norm(x, weight, 1e-6), got)  # the model's norm takes this path
+
+
+def test_rms_norm_reads_strided_rows() -> None:
+    wide = torch.randn(7, 1000)
+    x = wide[:, 100:676]  # rows 1000 apart
+    weight = torch.randn(576)
+    got = cpu_layer_ops.rms_norm(x, weight, 1e-5)
+    assert got is not None and got.is_contiguous()
+    torch.testing.assert_close(got, torch_rms_norm(x, weight, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 84])
+def test_rotary_equals_torch_exactly_on_a_view_of_qkv(tokens: int) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 15, 64, generator=gen)  # 9 q heads, 3 k, 3 v
+    angles = torch.rand(tokens, 1, 32, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    x = qkv[:, :12]  # q and k: token stride 15 heads
+    got = cpu_layer_ops.rotary(x, cos, sin)
+    assert got is not None and got.shape == (tokens, 12, 64) and got.is_contiguous()
+    assert torch.equal(got, torch_rotary(x, cos, sin))  # same products, same rounding
+    assert torch.equal(apply_rotary(x, cos, sin), got)
+
+
+def test_the_ops_step_aside_where_they_do_not_apply() -> None:
+    x = torch.randn(4, 64)
+    weight = torch.randn(64)
+    assert cpu_layer_ops.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6) is None
+    assert cpu_layer_ops.rms_norm(x.view(4, 2, 32), weight[:32], 1e-6) is None  # per head
+    assert cpu_layer_ops.rms_norm(x.t(), weight[:4], 1e-6) is None  # columns
+    heads = torch.randn(4, 3, 64)
+    cos, sin = torch.randn(4, 1, 32), torch.randn(4, 1, 32)
+    assert cpu_layer_ops.rotary(heads.bfloat16(), cos.bfloat16(), sin.bfloat16()) is None
+    assert cpu_layer_ops.rotary(heads, torch.randn(4, 1, 16), torch.randn(4, 1, 16)) is None
+    # The model's functions then run torch's ops, with the same results as always.
+    bf = heads.bfloat16()
+    assert torch.equal(apply_rotary(bf, cos.bfloat16(), sin.bfloat16()),
+                       torch_rotary(bf, cos.bfloat16(), sin.bfloat16()))
