@@ -48,11 +48,11 @@ assert torch.cuda.is_available(), 'CUDA is not available'; print(torch.cuda.get_
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 # Budget (worst case, each step is killed at its limit): 60 + 540 + 3 x 120 + 2 x 40 + 2 x 240
-# + 120 + 2 x 570 s; one device call allows 10 min, so split it with STEPS:
+# + 120 + 3 x 570 s; one device call allows 10 min, so split it with STEPS:
 #   STEPS="env pytest"    STEPS="env bench_transfer bench_attention bench_direct_dma bench_direct_gather"
 #   STEPS="env bench_transfer_mla"
 #   STEPS="env bench_prefill bench_l2_ttft"    STEPS="env compare_llama"
-#   STEPS="env bench_storage compare_qwen"
+#   STEPS="env bench_storage compare_qwen"    STEPS="env compare_cuda_graph"
 # (default: every step). The benchmarks write their JSON as they go.
 # The GPU tests (and the model tests with CUDA cases); -rA lists every outcome, so a run cut
 # short by its limit still says what passed. The CPU unit suite runs in CI, not here.
@@ -106,4 +106,14 @@ compare compare_qwen --server-args "--model-preset qwen3-0.6b --device cuda --hi
   --sub-question-length 2048 --output-length 1 --max-inflight 8 \
   --file-extra-config '{"max_bytes": "40GB"}' \
   --mooncake-extra-config '{"global_segment_size": "40GiB"}'
+# Decode recorded as CUDA graphs (the default) against eager decode (--disable-cuda-graph) in
+# one invocation: a small model whose decode step is launch-bound, 4 clients decoding 256 tokens.
+compare compare_cuda_graph --configs l1 \
+  --server-args "--model-preset qwen3-0.6b --device cuda" \
+  --baseline-name eager --baseline-api generate --baseline-model qwen3 \
+  --baseline-command "$PY -m hicache serve --model-preset qwen3-0.6b --device cuda \
+    --host {host} --port {port} --disable-hierarchical-cache --hicache-storage-backend none \
+    --disable-cuda-graph" \
+  --repeats 2 --num-clients 4 --num-rounds 2 --request-length 512 --sub-question-length 64 \
+  --output-length 256 --max-inflight 4
 exit $status
