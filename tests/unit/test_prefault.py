@@ -74,3 +74,11 @@ def test_a_host_pool_has_its_first_pages_resident(
     flat_later = [later[:, layer, plane] for layer in range(4) for plane in range(2)]
     fractions = [resident(t.data_ptr(), 512 * page_bytes // 8) for t in flat_later]
     assert np.mean(fractions) < 0.5, fractions
+
+
+def test_ranges_that_start_mid_page_are_populated_too() -> None:
+    memory = prefault.pageable(4 << 20)
+    base = memory.ctypes.data
+    assert prefault.populate(base + 100, 3 * _PAGE)  # not page aligned: still done
+    assert resident(base, 4 * _PAGE) == 1.0
+    assert prefault._populate_works  # and it did not switch populating off for the process

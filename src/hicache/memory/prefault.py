@@ -73,7 +73,10 @@ def populate(address: int, length: int) -> bool:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc.madvise.restype = ctypes.c_int
-    if _libc.madvise(address, length, _MADV_POPULATE_WRITE) == 0:
+    # madvise takes whole pages (EINVAL otherwise): a piece of a pool may start mid-page.
+    start = address - address % mmap.PAGESIZE
+    length += address - start
+    if _libc.madvise(start, length, _MADV_POPULATE_WRITE) == 0:
         return True
     error = ctypes.get_errno()
     if error in (0, 22, 38):  # EINVAL/ENOSYS: an older kernel; never retry
