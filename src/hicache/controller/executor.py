@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from hicache.openmp import one_openmp_thread_here
+
 Work = Callable[[], None]
 
 
@@ -115,6 +117,7 @@ class ThreadExecutor(Executor):
         return completion
 
     def _run(self) -> None:
+        one_openmp_thread_here()
         while True:
             item = self._queue.get()
             if item is None:

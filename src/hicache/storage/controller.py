@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from hicache.memory.allocator import PageIds
+from hicache.openmp import one_openmp_thread_here
 from hicache.radix.results import no_pages
 from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend, StorageStats
 from hicache.storage.breaker import CircuitBreaker
@@ -198,7 +199,10 @@ class StorageController:
             ("query", self._query_loop), ("read", self._read_loop), ("write", self._write_loop)
         )
         for name, target in loops:
-            thread = threading.Thread(target=target, name=f"hicache-l3-{name}", daemon=True)
+            thread = threading.Thread(
+                target=_on_one_openmp_thread, args=(target,), name=f"hicache-l3-{name}",
+                daemon=True,
+            )
             thread.start()
             self._threads.append(thread)
 
@@ -512,3 +516,10 @@ class StorageController:
 
 def _outages(stats: StorageStats) -> int:
     return sum(stats.failures.get(reason, 0) for reason in OUTAGE_REASONS)
+
+
+def _on_one_openmp_thread(loop: Callable[[], None]) -> None:
+    """Run a storage loop with its torch ops on its own thread only (``hicache.openmp``)."""
+    one_openmp_thread_here()
+    loop()
+

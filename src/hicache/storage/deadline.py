@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.openmp import one_openmp_thread_here
+
 
 @dataclass(eq=False)
 class Call:
@@ -90,6 +92,7 @@ class DeadlineCaller:
         return inbox
 
     def _serve(self, inbox: queue.SimpleQueue[Call | None]) -> None:
+        one_openmp_thread_here()  # the backend's copies beside the forward (hicache.openmp)
         while True:
             call = inbox.get()
             if call is None:
