@@ -59,7 +59,9 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 # (default: every step); LIMIT_<step>=S sets one step's limit in seconds. The benchmarks write their JSON as they go.
 # The GPU tests (and the model tests with CUDA cases); -rA lists every outcome, so a run cut
 # short by its limit still says what passed. The CPU unit suite runs in CI, not here.
-run pytest 540 "$PY" -m pytest -q -rA -p no:cacheprovider tests/gpu tests/unit/model
+# PYTEST_PATHS narrows it (say, to tests/gpu alone when the call is short).
+read -r -a pytest_paths <<< "${PYTEST_PATHS:-tests/gpu tests/unit/model}"
+run pytest 540 "$PY" -m pytest -q -rA -p no:cacheprovider "${pytest_paths[@]}"
 run bench_transfer 120 "$PY" -m hicache bench transfer --json "$OUT/transfer.json"
 # MLA pages (one 576-element latent per layer, a quarter of Llama's bytes): more blocks per GB.
 run bench_transfer_mla 120 "$PY" -m hicache bench transfer --geometry deepseek-v2-lite \
