@@ -43,5 +43,30 @@ def test_check_integrity_detects_corruption() -> None:
     alloc = PageAllocator(4)
     alloc.allocate(1)
     alloc._allocated[0] = False  # simulate a lost page
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="free \\+ 0 allocated"):
         alloc.check_integrity()
+
+
+def test_check_integrity_detects_a_page_free_twice() -> None:
+    alloc = PageAllocator(6)
+    pages = alloc.allocate(3)
+    alloc.free(pages[:1])
+    alloc._released.append(pages[:1].copy())  # the same page released again, unnoticed
+    with pytest.raises(AssertionError, match="free twice"):
+        alloc.check_integrity()
+
+
+def test_check_integrity_detects_a_free_page_marked_allocated() -> None:
+    alloc = PageAllocator(6)
+    alloc.allocate(2)
+    alloc._allocated[4] = True  # page 4 is still on the free list
+    with pytest.raises(AssertionError, match="free page is marked allocated"):
+        alloc.check_integrity()
+
+
+def test_all_allocated_checks_every_page() -> None:
+    alloc = PageAllocator(8)
+    pages = alloc.allocate(3)
+    assert alloc.all_allocated(pages)
+    assert not alloc.all_allocated(np.append(pages, 5))
+    assert alloc.all_allocated(pages[:0])

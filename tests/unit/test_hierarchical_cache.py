@@ -8,6 +8,7 @@ pressure, for every host layout, page size and write policy.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -79,6 +80,24 @@ def test_l2_hit_after_l1_eviction_is_loaded_back() -> None:
         assert cache.stats.num_host_hit_tokens >= 10
         # The copies' time is measured (a router prices host hits with it).
         assert cache.controller.load_seconds > 0
+    finally:
+        cache.close()
+
+
+def test_check_integrity_names_a_page_owned_twice_or_owned_while_free() -> None:
+    config = CacheConfig(page_size=1, enable_hierarchical_cache=True, io_backend="direct")
+    cache = HierarchicalCache(config, GEOMETRY, device_num_pages=8)
+    try:
+        serve(cache, [1, 2, 3])
+        cache.poll(wait=True)
+        cache.check_integrity()
+        allocator = cache.device_pool.allocator
+        tree_pages = cache.tree.device_page_ids()
+        with pytest.raises(AssertionError, match="two owners"):  # a request holds a tree page
+            cache.check_integrity(held_device_pages=tree_pages[:1])
+        free_page = next(p for p in range(allocator.num_pages) if not allocator.is_allocated(p))
+        with pytest.raises(AssertionError, match="owned page is free"):
+            cache.check_integrity(held_device_pages=np.array([free_page], dtype=np.int64))
     finally:
         cache.close()
 

@@ -548,8 +548,10 @@ class HierarchicalCache:
     ) -> None:
         allocator.check_integrity()
         owned = np.concatenate([tree_pages, held])
-        assert len(np.unique(owned)) == len(owned), f"{name}: a page has two owners"
-        assert all(allocator.is_allocated(int(p)) for p in owned), f"{name}: owned page is free"
+        seen = np.zeros(allocator.num_pages, dtype=np.bool_)  # linear: no sort of a big pool
+        seen[owned] = True
+        assert int(np.count_nonzero(seen)) == len(owned), f"{name}: a page has two owners"
+        assert allocator.all_allocated(owned), f"{name}: owned page is free"
         assert len(owned) == allocator.num_used_pages, (
             f"{name}: {allocator.num_used_pages} pages allocated but {len(owned)} owned (leak)"
         )
