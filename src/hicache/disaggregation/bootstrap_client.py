@@ -55,8 +55,9 @@ class BootstrapClient:
     def status(self, room: int, wait_s: float) -> RoomStatus:
         answer = self._call("GET", f"/rooms/{room}?wait_s={wait_s}",
                             timeout_s=wait_s + CONNECT_TIMEOUT_S)
+        logprobs = answer.get("logprobs")
         return RoomStatus(RoomState(answer["state"]), answer.get("first_token"),
-                          answer.get("error"))
+                          answer.get("error"), logprobs if isinstance(logprobs, dict) else None)
 
     def cancel(self, room: int) -> RoomState:
         """Give the room up; returns the state it was in (SENDING: it is still written to)."""

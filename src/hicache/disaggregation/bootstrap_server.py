@@ -93,7 +93,7 @@ class _Handler(BaseHTTPRequestHandler):
         status = self.rooms.status(room, wait_s)
         self._reply(HTTPStatus.OK, {
             "state": status.state.value, "first_token": status.first_token,
-            "error": status.error,
+            "error": status.error, "logprobs": status.logprobs,
         })
 
     def do_PUT(self) -> None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from hicache.disaggregation.bootstrap_client import (
     BootstrapClient,
@@ -24,7 +25,7 @@ from hicache.disaggregation.bootstrap_client import (
     BootstrapUnreachableError,
 )
 from hicache.disaggregation.pool_descriptor import PoolDescriptor
-from hicache.disaggregation.rooms import Registration, RoomState
+from hicache.disaggregation.rooms import Registration, RoomState, RoomStatus
 from hicache.memory.allocator import PageIds
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,9 @@ UNREACHABLE_GRACE_S = 2.0
 POLL_WAIT_S = 0.5
 RETRY_S = 0.1
 
-# on_done(rid, first_token, error): exactly one of the two is None.
-ReceiveDone = Callable[[str, "int | None", "str | None"], None]
+# on_done(rid, first_token, logprobs, error): exactly one of first_token and error is
+# None; logprobs (the prefill instance's JSON) only with a first token, when asked for.
+ReceiveDone = Callable[[str, "int | None", "dict[str, Any] | None", "str | None"], None]
 
 
 @dataclass(frozen=True)
@@ -84,18 +86,23 @@ class KVReceiver:
             return rid in self._cancelled
 
     def _run(self, job: ReceiveJob) -> None:
+        status: RoomStatus | None = None
         try:
-            token, error = self._wait_for_kv(job)
+            status, error = self._wait_for_kv(job)
         except Exception as unexpected:  # a bug here must still end the request
             logger.exception("receiving the KV of request %s failed", job.rid)
-            token, error = None, f"internal error receiving the KV: {unexpected}"
+            error = f"internal error receiving the KV: {unexpected}"
         with self._lock:
             self._cancelled.discard(job.rid)
         if error is not None:
             logger.warning("request %s (room %d): %s", job.rid, job.room, error)
-        self.on_done(job.rid, token, error)
+            self.on_done(job.rid, None, None, error)
+        else:
+            assert status is not None
+            self.on_done(job.rid, status.first_token, status.logprobs, None)
 
-    def _wait_for_kv(self, job: ReceiveJob) -> tuple[int | None, str | None]:
+    def _wait_for_kv(self, job: ReceiveJob) -> tuple[RoomStatus | None, str | None]:
+        """The room's final status once its KV landed, or why it did not."""
         client = BootstrapClient(job.host, job.port)
         deadline = time.monotonic() + self.timeout_s
         where = f"the prefill instance at {job.host}:{job.port}"
@@ -136,7 +143,7 @@ class KVReceiver:
                 return None, f"KV transfer failed: {where} refused the handshake ({error})"
             unreachable_since = None
             if status.state is RoomState.DONE:
-                return status.first_token, None
+                return status, None
             if status.state.final:
                 return None, f"KV transfer failed on {where}: {status.error}"
 

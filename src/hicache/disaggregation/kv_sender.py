@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from hicache.disaggregation.pool_descriptor import (
     IncompatiblePoolError,
@@ -35,6 +36,7 @@ class SendJob:
     room: int
     pages: PageIds  # the prompt's pages in this pool, in order
     first_token: int
+    logprobs: dict[str, Any] | None = None  # the first token's and the prompt's, if asked
 
 
 class KVSender:
@@ -59,7 +61,8 @@ class KVSender:
         except Exception as unexpected:  # a bug here must still end the room and the request
             logger.exception("sending the KV of request %s failed", job.rid)
             error = f"internal error sending the KV: {type(unexpected).__name__}: {unexpected}"
-        self.rooms.finish(job.room, job.first_token if error is None else None, error)
+        self.rooms.finish(job.room, job.first_token if error is None else None, error,
+                          job.logprobs)
         if error is not None:
             logger.warning("request %s (room %d): %s", job.rid, job.room, error)
         self.on_done(job.rid, error)

@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from hicache.disaggregation.pool_descriptor import PoolDescriptor
 from hicache.memory.allocator import PageIds
@@ -47,6 +48,9 @@ class Room:
     registration: Registration | None = None
     first_token: int | None = None
     error: str | None = None
+    # The first token's (and the prompt's) log probabilities, when the request asked for
+    # them: JSON the engine encodes and decodes (``engine.logprobs.handoff_logprobs``).
+    logprobs: dict[str, Any] | None = None
     made_at: float = field(default_factory=time.monotonic)
 
 
@@ -55,6 +59,7 @@ class RoomStatus:
     state: RoomState
     first_token: int | None = None
     error: str | None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class RoomTable:
@@ -111,14 +116,19 @@ class RoomTable:
                 return entry.registration
             return RoomStatus(entry.state, entry.first_token, entry.error)
 
-    def finish(self, room: int, first_token: int | None, error: str | None) -> None:
-        """End a room: done with ``first_token`` or failed with ``error``."""
+    def finish(
+        self, room: int, first_token: int | None, error: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> None:
+        """End a room: done with ``first_token`` (and its ``logprobs``, when asked for) or
+        failed with ``error``."""
         with self._changed:
             entry = self._room(room)
             if entry.state.final:
                 return
             entry.state = RoomState.FAILED if error is not None else RoomState.DONE
             entry.first_token, entry.error = first_token, error
+            entry.logprobs = logprobs if error is None else None
             self._changed.notify_all()
 
     def cancel(self, room: int, reason: str) -> RoomState:
@@ -146,7 +156,7 @@ class RoomTable:
                 self._changed.wait(left)
             if entry.state.final:
                 del self._rooms[room]
-            return RoomStatus(entry.state, entry.first_token, entry.error)
+            return RoomStatus(entry.state, entry.first_token, entry.error, entry.logprobs)
 
     def _drop_stale(self) -> None:
         cutoff = time.monotonic() - self.stale_after_s

@@ -60,10 +60,13 @@ class DisaggregationRuntime:
                     f"{error} (pick another with --disaggregation-bootstrap-port)"
                 ) from error
         elif config.mode is DisaggregationMode.DECODE:
-            def on_received(rid: str, token: int | None, error: str | None) -> None:
+            def on_received(
+                rid: str, token: int | None, logprobs: dict[str, Any] | None,
+                error: str | None,
+            ) -> None:
                 intake = scheduler.decode_intake
                 assert intake is not None
-                scheduler.call(lambda: intake.on_received(rid, token, error))
+                scheduler.call(lambda: intake.on_received(rid, token, logprobs, error))
 
             self.receiver = KVReceiver(
                 self.engine.session_id, descriptor, timeout_s, on_received,

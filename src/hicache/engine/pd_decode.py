@@ -19,11 +19,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hicache.disaggregation.kv_receiver import KVReceiver, ReceiveJob
+from hicache.engine.api import LogprobParams, TokenLogprob
+from hicache.engine.logprobs import received_logprobs
 from hicache.engine.penalties import PenaltyState, ending_tokens
 from hicache.engine.request import Phase, Req
 from hicache.engine.sampling import is_greedy
@@ -102,7 +104,10 @@ class DecodeIntake:
             return True
         return False
 
-    def on_received(self, rid: str, first_token: int | None, error: str | None) -> None:
+    def on_received(
+        self, rid: str, first_token: int | None, logprobs: dict[str, Any] | None,
+        error: str | None,
+    ) -> None:
         """The receiver's report, on the scheduler thread."""
         req = self.awaiting.pop(rid, None)
         if req is None:
@@ -115,9 +120,38 @@ class DecodeIntake:
         if error is not None or first_token is None:
             self._end(req, "abort", error or "the prefill instance sent no first token")
             return
-        self._join_batch(req, first_token)
+        first_logprob: TokenLogprob | None = None
+        params = req.request.logprobs
+        if params is not None:
+            try:
+                first_logprob = self._take_logprobs(req, params, logprobs, first_token)
+            except ValueError as bad:
+                self._end(req, "abort", str(bad))
+                return
+        self._join_batch(req, first_token, first_logprob)
 
-    def _join_batch(self, req: Req, first_token: int) -> None:
+    @staticmethod
+    def _take_logprobs(
+        req: Req, params: LogprobParams, data: dict[str, Any] | None, first_token: int
+    ) -> TokenLogprob:
+        """The prompt's logprobs (into ``req``) and the first token's, as the prefill
+        instance computed them; ValueError when it sent none or not the ones asked for."""
+        if data is None:
+            raise ValueError("the request asked for logprobs, and the prefill instance sent "
+                             "none (is it an older hicache?)")
+        input_logprobs, first = received_logprobs(data, params)
+        if first.token_id != first_token:
+            raise ValueError(f"the prefill instance sent the logprobs of token {first.token_id} "
+                             f"with first token {first_token}")
+        expected = req.prompt_len - params.input_from if params.wants_input(req.prompt_len) else 0
+        if len(input_logprobs) != expected:
+            raise ValueError(f"the prefill instance sent {len(input_logprobs)} prompt logprobs "
+                             f"where this request asks for {expected}")
+        req.input_logprobs = input_logprobs
+        req.logprob_next = req.prompt_len  # none left to compute here
+        return first
+
+    def _join_batch(self, req: Req, first_token: int, first_logprob: TokenLogprob | None) -> None:
         scheduler = self.scheduler
         params = req.request.sampling
         req.stop_ids = frozenset(ending_tokens(params, scheduler.eos_token_ids))
@@ -143,6 +177,8 @@ class DecodeIntake:
         scheduler.running.append(req)
         req.phase = Phase.DECODE
         req.first_token_at = time.monotonic()
+        if first_logprob is not None:
+            req.output_logprobs.append(first_logprob)
         try:
             scheduler._append_token(req, first_token)
         except Exception as error:  # one request's fault must not fail the others

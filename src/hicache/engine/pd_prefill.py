@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from hicache.disaggregation.kv_sender import KVSender, SendJob
+from hicache.engine.logprobs import handoff_logprobs
 from hicache.engine.request import Req
 
 if TYPE_CHECKING:
@@ -61,7 +62,12 @@ class PrefillHandoff:
         scheduler.running.remove(req)
         scheduler.runner.release(req)
         self.sending[req.rid] = (req, reason)
-        self.sender.send(SendJob(req.rid, bootstrap.room, prompt_pages, req.output_ids[0]))
+        logprobs = None
+        if req.request.logprobs is not None:  # the decode instance answers with them
+            logprobs = handoff_logprobs(req.input_logprobs, req.output_logprobs[0])
+        self.sender.send(
+            SendJob(req.rid, bootstrap.room, prompt_pages, req.output_ids[0], logprobs)
+        )
         return True
 
     def on_sent(self, rid: str, error: str | None) -> None:

@@ -22,7 +22,7 @@ def disaggregation_mode(state: ServerState) -> str:
 
 
 def request_bootstrap(state: ServerState, host: Any, port: Any, room: Any,
-                      num_samples: int = 1, logprobs: bool = False) -> Bootstrap | None:
+                      num_samples: int = 1) -> Bootstrap | None:
     """The request's Bootstrap on a prefill or decode instance (400 when missing or
     malformed); None on a plain instance."""
     mode = disaggregation_mode(state)
@@ -46,8 +46,4 @@ def request_bootstrap(state: ServerState, host: Any, port: Any, room: Any,
     if num_samples != 1:
         raise APIError(400, "a disaggregated request has one bootstrap room: n must be 1",
                        param="n")
-    if logprobs:
-        # The first token's logprobs are the prefill instance's, which it does not send.
-        raise APIError(400, "log probabilities are not supported with prefill-decode "
-                       "disaggregation yet", param="logprobs")
     return Bootstrap(host, port, room)

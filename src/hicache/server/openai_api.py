@@ -78,10 +78,10 @@ def sglext_of(output: GenerateOutput) -> SglExt:
 
 
 def _bootstrap(
-    state: ServerState, body: CompletionRequest | ChatCompletionRequest, logprobs: bool
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest
 ) -> Bootstrap | None:
     return request_bootstrap(state, body.bootstrap_host, body.bootstrap_port,
-                             body.bootstrap_room, num_samples=body.n, logprobs=logprobs)
+                             body.bootstrap_room, num_samples=body.n)
 
 
 def _model_card(state: ServerState) -> ModelCard:
@@ -132,7 +132,7 @@ async def create_completion(request: Request) -> Response:
     generations = await start_samples(state, sample_requests(
         GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
                         logprobs=logprobs,
-                        bootstrap=_bootstrap(state, body, logprobs is not None)), body.n,
+                        bootstrap=_bootstrap(state, body)), body.n,
     ))
     echo = ""
     if body.echo:
@@ -301,7 +301,7 @@ async def create_chat_completion(request: Request) -> Response:
     generations = await start_samples(state, sample_requests(
         GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
                         logprobs=logprobs,
-                        bootstrap=_bootstrap(state, body, logprobs is not None)), body.n,
+                        bootstrap=_bootstrap(state, body)), body.n,
     ))
     texts = TokenTexts(state.engine.tokenizer) if body.logprobs else None
     tools = body.tools_enabled

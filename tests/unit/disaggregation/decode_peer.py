@@ -2,7 +2,8 @@
 
 ``decode_peer_main`` builds a device pool (zeros) with its own transfer engine and
 receiver, allocates pages for a room and waits for the KV; it puts on ``results``
-the first token (or the error) and the received pages' KV, then exits.
+the first token and the logprobs sent with it (or the error) and the received pages'
+KV, then exits.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ def decode_peer_main(
     engine = KVTransferEngine(pool, "127.0.0.1")
     done: Queue[Any] = results
 
-    def on_done(rid: str, token: int | None, error: str | None) -> None:
+    def on_done(
+        rid: str, token: int | None, logprobs: dict[str, Any] | None, error: str | None
+    ) -> None:
         page_ids = torch.tensor(pages)
         # As numpy: a torch tensor crosses a queue in shared memory that dies with us.
-        done.put((token, error, pool.pages[page_ids].view(torch.int16).numpy().copy()))
+        done.put((token, logprobs, error,
+                  pool.pages[page_ids].view(torch.int16).numpy().copy()))
 
     receiver = KVReceiver(engine.session_id, PoolDescriptor.of(pool), timeout_s, on_done)
     receiver.receive(ReceiveJob("r", "127.0.0.1", port, room, np.asarray(pages, np.int64)))

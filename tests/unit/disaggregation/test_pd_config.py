@@ -68,12 +68,6 @@ def test_bootstrap_fields_are_required_on_either_side_and_ignored_on_a_plain_ser
         assert refused.value.status == 400
 
 
-def test_logprobs_are_refused_with_disaggregation() -> None:
-    with pytest.raises(APIError, match="log probabilities"):
-        request_bootstrap(_state("decode"), "h", 1, 1, logprobs=True)
-    assert request_bootstrap(_state("null"), "h", 1, 1, logprobs=True) is None
-
-
 @pytest.mark.parametrize("host, port, room, samples", [
     ("", 1, 1, 1), ("h", 0, 1, 1), ("h", "80", 1, 1), ("h", 1, -1, 1), ("h", 1, 2**63, 1),
     ("h", 1, True, 1), ("h", 1, 1, 2),

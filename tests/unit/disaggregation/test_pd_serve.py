@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from hicache.bench.server_process import ServerProcess
+from hicache.bench.server_process import ChildServer, ServerProcess
+from hicache.net import free_port
 from tests.dev_dependency import require_dev_dependency
 from tests.pd_fixtures import TIMEOUT_S, PDPair, check_integrity, pd_pair, plain_server
 
@@ -97,6 +100,106 @@ def test_penalties_and_seeded_sampling_match_a_plain_server(
     plain, pair = servers
     body = {"input_ids": _prompt(33, 5), "sampling_params": {"max_new_tokens": 10, **sampling}}
     assert pair.generate(body)["output_ids"] == _plain_generate(plain, body)["output_ids"]
+
+
+def _close(got: Any, expected: Any, path: str = "") -> None:
+    """Equal structures, floats within 1e-4 (the same model on the same machine)."""
+    if isinstance(expected, float):
+        assert got == pytest.approx(expected, abs=1e-4), path
+    elif isinstance(expected, list | tuple):
+        assert isinstance(got, list | tuple) and len(got) == len(expected), path
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            _close(a, b, f"{path}[{i}]")
+    elif isinstance(expected, dict):
+        assert set(got) == set(expected), path
+        for key in expected:
+            _close(got[key], expected[key], f"{path}.{key}")
+    else:
+        assert got == expected, path
+
+
+_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
+                 "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
+
+
+@pytest.mark.parametrize("start", [0, 5, -1])
+def test_logprobs_equal_a_plain_server(
+    servers: tuple[ServerProcess, PDPair], start: int
+) -> None:
+    """The prompt's and the first token's logprobs are the prefill instance's, handed to
+    the decode instance with the first token; the rest are the decode instance's."""
+    plain, pair = servers
+    body = _body(_prompt(21, 8), max_new_tokens=7, return_logprob=True, top_logprobs_num=3,
+                 token_ids_logprob=[5, 9], logprob_start_len=start)
+    expected = _plain_generate(plain, body)
+    answer = pair.generate(body)
+    assert answer["output_ids"] == expected["output_ids"]
+    for key in _LOGPROB_KEYS:
+        _close(answer["meta_info"].get(key), expected["meta_info"].get(key), key)
+    assert len(answer["meta_info"]["output_token_logprobs"]) == 7
+    wanted = 0 if start == -1 else 21 - start
+    assert len(answer["meta_info"].get("input_token_logprobs") or []) == wanted
+    if start == 0:
+        assert answer["meta_info"]["input_token_logprobs"][0][0] is None
+
+
+def test_openai_logprobs_streamed_through_the_pair(
+    servers: tuple[ServerProcess, PDPair],
+) -> None:
+    plain, pair = servers
+    chat = {"messages": [{"role": "user", "content": "name a page size"}], "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    expected = httpx.post(f"{plain.url}/v1/chat/completions", json=chat, timeout=TIMEOUT_S)
+    _, got = pair.send("/v1/chat/completions", chat)
+    assert got is not None and got.status_code == 200, got and got.text
+    _close(got.json()["choices"][0]["logprobs"], expected.json()["choices"][0]["logprobs"])
+    completion = {"prompt": "pages of KV", "max_tokens": 5, "temperature": 0, "logprobs": 2,
+                  "ignore_eos": True, "stream": True}
+    streams = [pair.send("/v1/completions", completion)[1],
+               httpx.post(f"{plain.url}/v1/completions", json=completion, timeout=TIMEOUT_S)]
+    tokens: list[list[Any]] = []
+    for stream in streams:
+        assert stream is not None and stream.status_code == 200
+        chunks = [json.loads(line.removeprefix("data: ")) for line in stream.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        tokens.append([(c["choices"][0]["logprobs"]["tokens"],
+                        c["choices"][0]["logprobs"]["token_logprobs"],
+                        c["choices"][0]["logprobs"]["top_logprobs"])
+                       for c in chunks if c["choices"] and c["choices"][0].get("logprobs")])
+    assert sum(len(t[0]) for t in tokens[1]) == 5
+    _close(tokens[0], tokens[1])
+
+
+def test_logprobs_through_the_real_pd_router(
+    servers: tuple[ServerProcess, PDPair], tmp_path: Path
+) -> None:
+    """``hicache router --pd-disaggregation`` in front of the pair: it adds the bootstrap
+    fields and answers with the decode instance's reply, logprobs included."""
+    plain, pair = servers
+    port = free_port()
+    command = [sys.executable, "-m", "hicache", "router", "--port", str(port),
+               "--pd-disaggregation", "--prefill", pair.prefill.url, str(pair.bootstrap_port),
+               "--decode", pair.decode.url, "--worker-startup-timeout", "30"]
+    router = ChildServer(command, port, tmp_path / "router.log", startup_timeout_s=60,
+                         stop_timeout_s=10, ready_paths=("/health",), name="the PD router")
+    try:
+        router.start()
+        body = _body(_prompt(40, 9), max_new_tokens=5, return_logprob=True,
+                     top_logprobs_num=2, logprob_start_len=30)
+        got = httpx.post(f"{router.url}/generate", json=body, timeout=TIMEOUT_S)
+        assert got.status_code == 200, got.text
+        expected = _plain_generate(plain, body)
+        assert got.json()["output_ids"] == expected["output_ids"]
+        for key in _LOGPROB_KEYS:
+            _close(got.json()["meta_info"].get(key), expected["meta_info"].get(key), key)
+        chat = {"messages": [{"role": "user", "content": "and the page table?"}],
+                "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+        got = httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=TIMEOUT_S)
+        assert got.status_code == 200, got.text
+        reference = httpx.post(f"{plain.url}/v1/chat/completions", json=chat, timeout=TIMEOUT_S)
+        _close(got.json()["choices"][0]["logprobs"], reference.json()["choices"][0]["logprobs"])
+    finally:
+        router.stop()
 
 
 def test_the_prefill_instance_answers_its_first_token_only(

@@ -8,6 +8,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hicache.model.gguf_cache import ConvertedModel
 from tests.dev_dependency import require_dev_dependency
@@ -37,6 +38,19 @@ def test_smollm2_through_prefill_and_decode_equals_one_server(
         answer = got.json()["choices"][0]
         assert answer["message"] == expected.json()["choices"][0]["message"]
         assert "Paris" in answer["message"]["content"]
+        # Logprobs: the first token's from the prefill instance, the rest from the decode one.
+        with_logprobs = {**CHAT, "max_tokens": 6, "logprobs": True, "top_logprobs": 3}
+        expected = httpx.post(f"{plain.url}/v1/chat/completions", json=with_logprobs,
+                              timeout=TIMEOUT_S)
+        _, got = pair.send("/v1/chat/completions", with_logprobs)
+        assert got is not None and got.status_code == 200, got and got.text
+        mine = got.json()["choices"][0]["logprobs"]["content"]
+        theirs = expected.json()["choices"][0]["logprobs"]["content"]
+        assert [t["token"] for t in mine] == [t["token"] for t in theirs] and len(mine) == 6
+        for a, b in zip(mine, theirs, strict=True):
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+            tops = [[t["token"] for t in x["top_logprobs"]] for x in (a, b)]
+            assert tops[0] == tops[1] and len(tops[0]) == 3
         # A prompt over several pages, by token ids.
         body = {"input_ids": list(range(100, 180)),
                 "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}

@@ -93,6 +93,11 @@ def test_a_room_being_sent_is_not_cancelled_under_the_sender() -> None:
     assert (status.state, status.first_token) == (RoomState.DONE, 42)
 
 
+# What a prefill instance sends with a first token when logprobs were asked for.
+LOGPROBS = {"input": [[3, None, [], []], [8, -1.25, [[8, -1.25], [2, -2.5]], [-7.0]]],
+            "first": [1234, -0.5, [[1234, -0.5], [9, -3.0]], [-6.5]]}
+
+
 @pytest.fixture(name="prefill")
 def prefill_fixture() -> Iterator[dict[str, Any]]:
     """A prefill side in this process: a pool of random KV, its engine, rooms, server, sender."""
@@ -136,11 +141,13 @@ def test_kv_lands_bit_exact_in_another_process(prefill: dict[str, Any]) -> None:
     peer_pages = [30, 1, 2, 3, 11]  # runs on neither side line up with the other's
     peer, results = _start_peer(prefill["port"], 99, peer_pages, WAIT_S)
     try:
-        prefill["sender"].send(SendJob("p", 99, np.asarray(source_pages), first_token=1234))
-        token, error, received = results.get(timeout=WAIT_S)
+        prefill["sender"].send(SendJob("p", 99, np.asarray(source_pages), first_token=1234,
+                                       logprobs=LOGPROBS))
+        token, logprobs, error, received = results.get(timeout=WAIT_S)
     finally:
         _stop(peer)
     assert error is None and token == 1234
+    assert logprobs == LOGPROBS  # through the bootstrap server's JSON, to the other process
     assert prefill["finished"].wait(WAIT_S) and prefill["results"]["p"] is None
     expected = prefill["pool"].pages[torch.tensor(source_pages)]
     assert np.array_equal(received, expected.view(torch.int16).numpy())
@@ -172,7 +179,7 @@ def test_receiver_notices_a_dead_prefill_instance_quickly() -> None:
     got: list[tuple[int | None, str | None]] = []
     done = threading.Event()
 
-    def on_done(rid: str, token: int | None, error: str | None) -> None:
+    def on_done(rid: str, token: int | None, logprobs: Any, error: str | None) -> None:
         got.append((token, error))
         done.set()
 
@@ -189,7 +196,7 @@ def test_receiver_times_out(prefill: dict[str, Any]) -> None:
     got: list[str | None] = []
     done = threading.Event()
 
-    def on_done(rid: str, token: int | None, error: str | None) -> None:
+    def on_done(rid: str, token: int | None, logprobs: Any, error: str | None) -> None:
         got.append(error)
         done.set()
 
@@ -205,7 +212,7 @@ def test_receiver_times_out(prefill: dict[str, Any]) -> None:
 def test_closing_ends_waiting_jobs_at_once(prefill: dict[str, Any]) -> None:
     got: list[str | None] = []
     receiver = KVReceiver("127.0.0.1:1", PoolDescriptor.of(make_pool()), 60.0,
-                          lambda rid, token, error: got.append(error))
+                          lambda rid, token, logprobs, error: got.append(error))
     receiver.receive(ReceiveJob("r", "127.0.0.1", prefill["port"], 11, np.array([0])))
     sender: KVSender = prefill["sender"]
     sender.timeout_s = 60.0
@@ -226,7 +233,7 @@ def test_a_decode_side_giving_up_fails_the_prefill_request_at_once(
     sender.timeout_s = 60.0
     sender.send(SendJob("computed", 21, np.asarray([1]), first_token=1))
     receiver = KVReceiver("127.0.0.1:1", PoolDescriptor.of(make_pool()), 60.0,
-                          lambda rid, token, error: None)
+                          lambda rid, token, logprobs, error: None)
     began = time.monotonic()
     receiver.give_up("127.0.0.1", prefill["port"], 21)
     assert prefill["finished"].wait(WAIT_S)
