@@ -7,7 +7,9 @@ connection closed: uvicorn re-raises a caught SIGTERM once it has stopped, so
 code after ``uvicorn.run`` may never run. Routes:
 
     POST /v1/completions, /v1/chat/completions   GET /v1/models     (openai_api)
-    POST /generate                                                   (generate_api)
+    POST (or PUT) /generate                                          (generate_api)
+    POST /tokenize, /detokenize (and /v1/...), /abort_request;
+    GET /health_generate                                             (native_api)
     PUT/GET/DELETE /hicache/storage-backend                          (admin_api)
     POST /flush_cache   GET /health   GET /metrics
     GET /get_model_info, /model_info, /get_server_info, /server_info  (server_info)
@@ -27,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from hicache import __version__
-from hicache.server import admin_api, generate_api, openai_api
+from hicache.server import admin_api, generate_api, native_api, openai_api
 from hicache.server.errors import APIError, install_error_handlers
 from hicache.server.metrics import ServerMetrics
 from hicache.server.server_info import ServerInfo, l3_description, model_info, server_info
@@ -67,6 +69,7 @@ def create_app(
     app.include_router(openai_api.router)
     app.include_router(generate_api.router)
     app.include_router(admin_api.router)
+    app.include_router(native_api.router)
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:

@@ -87,6 +87,7 @@ class _Running:
 
 
 @router.post("/generate")
+@router.put("/generate")  # SGLang answers both
 async def generate(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, GenerateReqInput)

@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -42,6 +43,13 @@ def test_default_model_answers_and_reuses_the_prompt_cache(
             )
             for _ in range(2)
         ]
+        # SGLang's native tokenizer and health endpoints, with the model's own tokenizer.
+        text = "What is the capital of France?"
+        ids = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, timeout=30).json()
+        assert 5 <= ids["count"] == len(ids["tokens"]) <= 12  # SmolLM2's BPE, not bytes
+        back = httpx.post(f"{server.url}/detokenize", json={"tokens": ids["tokens"]}, timeout=30)
+        assert back.json() == {"text": text}
+        assert httpx.get(f"{server.url}/health_generate", timeout=60).status_code == 200
         log = server.log_text()
     for answer in answers:
         assert "Paris" in (answer.choices[0].message.content or "")
