@@ -206,6 +206,13 @@ class HierarchicalCache:
                 self._retired_storage.append(storage)
         logger.info("L3 storage detached: %s", storage.backend.name)
 
+    def clear_storage(self) -> None:
+        """Remove every page of the attached L3 store; StorageError without one, or when
+        the store could not be cleared. L1 and L2 are unchanged."""
+        if self.storage is None:
+            raise StorageError("no L3 storage backend is attached")
+        self.storage.clear()
+
     def prefetch(self, tokens: TokenIds, extra_key: str | None = None) -> PrefetchHandle | None:
         """Start fetching from L3 what the local tiers miss of ``tokens``; None if not worth it.
 

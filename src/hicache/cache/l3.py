@@ -71,6 +71,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Deadline of an L3 clear: one call for the whole store (a file per page, say), which may
+# take longer than a batch call's io_timeout_s.
+CLEAR_TIMEOUT_S = 60.0
+
 
 @dataclass(eq=False)
 class PrefetchHandle:
@@ -453,6 +457,12 @@ class StorageTier:
             host.allocator.free(pages)
 
     # -------------------------------------------------------------- detach
+    def clear(self) -> None:
+        """Remove every page of the store (StorageError when it could not). The tree keeps
+        no record of what L3 holds, so nothing else changes: a page cleared away is a
+        miss the next time it is looked for, as if the store had evicted it."""
+        self.controller.clear_store(max(CLEAR_TIMEOUT_S, self.config.io_timeout_s))
+
     def close(self) -> None:
         """Drain: finish in-flight calls (by their deadline), cancel queued ones, settle.
 

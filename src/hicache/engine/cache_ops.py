@@ -55,11 +55,21 @@ def detach_storage(scheduler: Scheduler) -> None:
     scheduler.cache.detach_storage()
 
 
+def clear_storage(scheduler: Scheduler) -> None:
+    """Remove every page of the attached L3 store (only when idle; L1 and L2 stay). Under
+    tensor parallelism every rank clears its store at the same tick (where the ranks
+    share one store, the later clears find it empty)."""
+    if not scheduler.is_idle():
+        raise StorageError("requests are running: clear L3 only when the server is idle")
+    scheduler.cache.clear_storage()
+
+
 CACHE_OPS: dict[str, Callable[[Scheduler], Any]] = {
     "flush": flush,
     "check_integrity": check_integrity,
     "evict_device_cache": evict_device_cache,
     "detach_storage": detach_storage,
+    "clear_storage": clear_storage,
 }
 
 

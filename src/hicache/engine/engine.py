@@ -298,6 +298,10 @@ class Engine:
         """Detach L3 (a cache operation: under tensor parallelism, on every rank)."""
         self._run_op("detach_storage")
 
+    def clear_storage(self) -> None:
+        """Remove every page of the L3 store (a cache operation, on every rank)."""
+        self._run_op("clear_storage")
+
     def storage_status(self) -> dict[str, Any]:
         storage = self.cache.storage
         if storage is None:

@@ -335,6 +335,9 @@ class EngineClient:
     def detach_storage(self) -> None:
         self._call("detach_storage")
 
+    def clear_storage(self) -> None:
+        self._call("clear_storage")
+
     def check_integrity(self) -> None:
         self._call("check_integrity")
 

@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 # The Engine methods the server may call across the pipe (anything else is refused).
 CALLS = frozenset({
     "flush_cache", "is_idle", "metrics", "storage_status", "attach_storage", "detach_storage",
+    "clear_storage",
     "check_integrity", "evict_device_cache", "routing_info",
 })
 # What a failure to build the engine means for the user (bad flags, a file, memory, a

@@ -7,7 +7,9 @@ attached); ``GET`` shows the engine's storage status. Every call needs
 ``Authorization: Bearer <--admin-api-key>``: without a configured key the
 admin API is off (400), a wrong or missing key is a 401. Attaching and
 detaching only happen while no request runs (409 otherwise), so no request
-ever sees L3 change under it.
+ever sees L3 change under it. SGLang's ``/clear_hicache_storage_backend``
+(GET or POST) empties the attached store, under the same key and the same
+idle rule; L1 and L2 keep their pages.
 
 The ``dynamic`` backend imports the Python module its extra config names and
 runs it: through this API that would turn the admin key into a key to run any
@@ -106,6 +108,19 @@ async def detach_storage(request: Request) -> dict[str, Any]:
     authorize(state, request)
     await _change_storage(state, state.engine.detach_storage)
     return await run_in_threadpool(state.engine.storage_status)
+
+
+# SGLang's name; GET or POST, with the admin key like the rest of this API: clearing
+# a store that other instances share is not for anyone who can reach the port.
+CLEAR_ROUTE = "/clear_hicache_storage_backend"
+
+
+@router.api_route(CLEAR_ROUTE, methods=["GET", "POST"])
+async def clear_storage(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    authorize(state, request)
+    await _change_storage(state, state.engine.clear_storage)
+    return {"cleared": True, "message": "Hierarchical cache storage backend cleared."}
 
 
 INTEGRITY_ROUTE = "/hicache/check-integrity"

@@ -39,7 +39,7 @@ import numpy as np
 from hicache.memory.allocator import PageIds
 from hicache.openmp import one_openmp_thread_here
 from hicache.radix.results import no_pages
-from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend, StorageStats
+from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend, StorageError, StorageStats
 from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.deadline import Call, DeadlineCaller
 from hicache.storage.failure_log import FailureLog
@@ -256,6 +256,30 @@ class StorageController:
                 events.append(self._done.get_nowait())
             except queue.Empty:
                 return events
+
+    def clear_store(self, timeout_s: float) -> None:
+        """Remove every page of the store (``backend.clear``), once no call is in flight,
+        within ``timeout_s``; StorageError when it could not (busy, failed, too slow: an
+        abandoned clear goes on in the background and logs its end)."""
+        if not self.wait_idle(timeout_s):
+            raise StorageError("L3 calls are still in flight: clear it again in a moment")
+
+        def late(call: Call) -> None:
+            outcome = "failed" if call.error is not None else "finished"
+            logger.warning("L3 (%s) clear %s after its deadline", self.backend.name, outcome)
+
+        clearing = DeadlineCaller("hicache-l3-clear", late)
+        try:
+            call = clearing.run(self.backend.clear, timeout_s, lambda call: None)
+        finally:
+            clearing.close()
+        if call.abandoned:
+            raise StorageError(f"clearing L3 ({self.backend.name}) did not finish in "
+                               f"{timeout_s:g} s; it goes on in the background")
+        if call.error is not None:
+            raise StorageError(f"clearing L3 ({self.backend.name}) failed: "
+                               f"{type(call.error).__name__}: {call.error}")
+        logger.info("L3 (%s) cleared", self.backend.name)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every submitted operation has finished (tests, detach, shutdown).

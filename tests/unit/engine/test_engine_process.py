@@ -97,6 +97,8 @@ def test_control_calls_cross_the_pipe(client: EngineClient) -> None:
     # The engine's own exceptions come back as themselves.
     with pytest.raises((StorageError, ValueError)):
         client.attach_storage("no-such-backend", {}, "best_effort")
+    with pytest.raises(StorageError, match="no L3 storage backend is attached"):
+        client.clear_storage()
     assert client.flush_cache() is True
     assert client.metrics()["device_pool_used_pages"] == 0
 

@@ -16,6 +16,7 @@ from tests.server_fixtures import RunningServer, long_stream, serve_in_thread
 
 KEY = "test-admin-key"
 ROUTE = "/hicache/storage-backend"
+CLEAR = "/clear_hicache_storage_backend"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -111,6 +112,40 @@ def test_attach_update_detach(
     server.engine.check_integrity()
 
 
+def _page_files(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file() and p.suffix in (".lm", ".tm")]
+
+
+def test_clear_empties_the_store_and_later_turns_recompute(
+    client: httpx.Client, server: RunningServer, tmp_path: Path
+) -> None:
+    assert client.post(CLEAR, headers=AUTH).status_code == 400  # nothing attached
+    assert "no L3 storage backend" in message(client.post(CLEAR, headers=AUTH))
+    assert client.put(ROUTE, headers=AUTH, json=file_backend(tmp_path)).status_code == 200
+    body = {"input_ids": list(range(3, 60)),
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    first = client.post("/generate", json=body).json()
+    assert server.wait_until(
+        lambda: server.engine.storage_status()["metrics"]["backup_pages_stored"] >= 3
+    )
+    assert server.wait_idle() and _page_files(tmp_path)
+    for method in ("GET", "POST"):
+        assert client.request(method, CLEAR).status_code == 401  # the admin key is needed
+    assert _page_files(tmp_path)
+    cleared = client.post(CLEAR, headers=AUTH)
+    assert cleared.status_code == 200, cleared.text
+    assert cleared.json()["cleared"] is True
+    assert not _page_files(tmp_path)
+    # L1 and L2 flushed too: the same prompt finds nothing anywhere and is recomputed.
+    assert client.post("/flush_cache").status_code == 200
+    again = client.post("/generate", json=body).json()
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == 0
+    assert client.get(CLEAR, headers=AUTH).status_code == 200  # an empty store clears too
+    assert client.delete(ROUTE, headers=AUTH).status_code == 200
+    server.engine.check_integrity()
+
+
 @pytest.mark.parametrize(
     ("body", "words"),
     [
@@ -140,6 +175,7 @@ def test_busy_server_refuses_l3_changes_and_flush(
             client.put(ROUTE, headers=AUTH, json=file_backend(tmp_path)),
             client.delete(ROUTE, headers=AUTH),
             client.post("/flush_cache"),
+            client.post(CLEAR, headers=AUTH),
         ):
             assert response.status_code == 409, response.text
             assert "running" in message(response)
