@@ -171,6 +171,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lm://host:port of a running lmcache_server; without it a local one is started "
         "from .venv-lmcache (scripts/bootstrap.sh) when it is there",
     )
+    parser.add_argument(
+        "--no-verify-checksum", action="store_true",
+        help="backends skip the checksum of the pages they read (verify_checksum: false; "
+        "puts still hash, for the header): what verification costs, next to a default run",
+    )
     parser.add_argument("--json", type=str, default=None, help="write raw results here")
 
 
@@ -458,6 +463,8 @@ def _run_backend(
         if isinstance(extra, str):
             skipped[name] = extra
             return []
+        if args.no_verify_checksum:
+            extra = {**extra, "verify_checksum": False}
         try:
             backend = create_storage_backend(name, extra)
             backend.attach(workload.host)
@@ -496,7 +503,9 @@ def _print_table(args: argparse.Namespace, workload: Workload, results: list[Res
         f"page {args.page_size} "
         f"tokens = {page_mib:.2f} MiB, {workload.num_pages} pages ({workload.nbytes / 1e9:.3f} GB) "
         f"in batches of {workload.batch_pages}, host layout {args.layout}"
-        f"{', fsync' if args.fsync else ''}; median of {workload.repeats}"
+        f"{', fsync' if args.fsync else ''}"
+        f"{', reads not verified' if args.no_verify_checksum else ''}; "
+        f"median of {workload.repeats}"
     )
     print()
     print("| backend | op | GB/s | pages/s | baseline GB/s | x baseline |")

@@ -48,6 +48,25 @@ def test_a_tiny_run_prints_the_backend_next_to_its_baseline(
     assert list((tmp_path / "work").iterdir()) == []
 
 
+def test_reads_can_go_unverified_to_show_what_verification_costs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[dict[str, object]] = []
+    real = bench.create_storage_backend
+
+    def spy(name: str, extra: dict[str, object]) -> object:
+        made.append(dict(extra))
+        return real(name, extra)
+
+    monkeypatch.setattr(bench, "create_storage_backend", spy)
+    assert bench.main(parse(*TINY, "--dir", str(tmp_path), "--no-verify-checksum")) == 0
+    assert "reads not verified" in capsys.readouterr().out
+    assert made and made[0]["verify_checksum"] is False
+    made.clear()
+    assert bench.main(parse(*TINY, "--dir", str(tmp_path))) == 0
+    assert "verify_checksum" not in made[0]  # the backend's default: verified
+
+
 def test_a_backend_that_cannot_run_is_reported_as_skipped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
