@@ -8,6 +8,7 @@ request without them (it cannot run it alone); a plain instance ignores them.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from hicache.engine.api import Bootstrap
@@ -21,8 +22,7 @@ def disaggregation_mode(state: ServerState) -> str:
     return str(state.info.server_args.get("disaggregation_mode") or "null")
 
 
-def request_bootstrap(state: ServerState, host: Any, port: Any, room: Any,
-                      num_samples: int = 1) -> Bootstrap | None:
+def request_bootstrap(state: ServerState, host: Any, port: Any, room: Any) -> Bootstrap | None:
     """The request's Bootstrap on a prefill or decode instance (400 when missing or
     malformed); None on a plain instance."""
     mode = disaggregation_mode(state)
@@ -43,7 +43,16 @@ def request_bootstrap(state: ServerState, host: Any, port: Any, room: Any,
     if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
         raise APIError(400, f"bootstrap_room must be an integer in [0, 2**63 - 1], got {room!r}",
                        param="bootstrap_room")
-    if num_samples != 1:
-        raise APIError(400, "a disaggregated request has one bootstrap room: n must be 1",
-                       param="n")
     return Bootstrap(host, port, room)
+
+
+def sample_room(room: int, index: int) -> int:
+    """The bootstrap room of sample ``index`` of a request with ``n`` samples: each sample's
+    KV moves on its own, so each needs a room, and the two instances (both given the
+    request's one room) must derive the same ones. Sample 0 keeps the request's room; the
+    others take a hash of (room, index), so that they collide with another request's
+    rooms no more often than random rooms do, however a router picks its rooms."""
+    if index == 0:
+        return room
+    digest = hashlib.blake2b(f"{room}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & MAX_ROOM

@@ -1,7 +1,8 @@
 """Several samples of one prompt (OpenAI's and SGLang's ``n``).
 
 Each sample is its own engine request (``<rid>-<i>``, seed ``seed + i`` when a
-seed is given, so the samples differ yet are reproducible). The first starts
+seed is given, so the samples differ yet are reproducible; with disaggregation,
+bootstrap room ``sample_room(room, i)``). The first starts
 alone: ``start_generation`` returns once it has produced its first token, by
 when its prompt is in the radix tree (write-through after prefill), so the
 others, started then together, reuse the prompt's cached pages rather than
@@ -15,6 +16,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 from hicache.engine.api import GenerateOutput, GenerateRequest
+from hicache.server.bootstrap_fields import sample_room
 from hicache.server.generation import Generation, start_generation
 from hicache.server.protocol import PromptTokensDetails, Usage
 from hicache.server.state import ServerState
@@ -29,7 +31,11 @@ def sample_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
         sampling = dataclasses.replace(
             request.sampling, seed=None if seed is None else (seed + index) % 2**63
         )
-        out.append(dataclasses.replace(request, rid=f"{request.rid}-{index}", sampling=sampling))
+        bootstrap = request.bootstrap  # disaggregated: a room of its own (sample_room)
+        if bootstrap is not None:
+            bootstrap = dataclasses.replace(bootstrap, room=sample_room(bootstrap.room, index))
+        out.append(dataclasses.replace(request, rid=f"{request.rid}-{index}", sampling=sampling,
+                                       bootstrap=bootstrap))
     return out
 
 

@@ -134,7 +134,7 @@ async def _start(state: ServerState, body: GenerateReqInput, index: int) -> list
     engine_request = GenerateRequest(
         tuple(input_ids), sampling, rid=rid, extra_key=body.item_cache_key(index),
         logprobs=logprobs,
-        bootstrap=request_bootstrap(state, *body.item_bootstrap(index), num_samples=params.n or 1),
+        bootstrap=request_bootstrap(state, *body.item_bootstrap(index)),
     )
     if not 1 <= (params.n or 1) <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {params.n}",

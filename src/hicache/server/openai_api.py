@@ -81,7 +81,7 @@ def _bootstrap(
     state: ServerState, body: CompletionRequest | ChatCompletionRequest
 ) -> Bootstrap | None:
     return request_bootstrap(state, body.bootstrap_host, body.bootstrap_port,
-                             body.bootstrap_room, num_samples=body.n)
+                             body.bootstrap_room)
 
 
 def _model_card(state: ServerState) -> ModelCard:

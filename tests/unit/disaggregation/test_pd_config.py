@@ -10,9 +10,10 @@ import pytest
 
 from hicache.config import ConfigError
 from hicache.disaggregation.config import DisaggregationConfig, DisaggregationMode
-from hicache.engine.api import Bootstrap
+from hicache.engine.api import Bootstrap, GenerateRequest, SamplingParams
 from hicache.engine.config import EngineConfig, ParallelConfig
-from hicache.server.bootstrap_fields import request_bootstrap
+from hicache.server.bootstrap_fields import MAX_ROOM, request_bootstrap, sample_room
+from hicache.server.choices import sample_requests
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.errors import APIError
 
@@ -68,12 +69,31 @@ def test_bootstrap_fields_are_required_on_either_side_and_ignored_on_a_plain_ser
         assert refused.value.status == 400
 
 
-@pytest.mark.parametrize("host, port, room, samples", [
-    ("", 1, 1, 1), ("h", 0, 1, 1), ("h", "80", 1, 1), ("h", 1, -1, 1), ("h", 1, 2**63, 1),
-    ("h", 1, True, 1), ("h", 1, 1, 2),
+@pytest.mark.parametrize("host, port, room", [
+    ("", 1, 1), ("h", 0, 1), ("h", "80", 1), ("h", 1, -1), ("h", 1, 2**63), ("h", 1, True),
 ])
-def test_malformed_bootstrap_fields_are_a_400(host: Any, port: Any, room: Any,
-                                              samples: int) -> None:
+def test_malformed_bootstrap_fields_are_a_400(host: Any, port: Any, room: Any) -> None:
     with pytest.raises(APIError) as refused:
-        request_bootstrap(_state("prefill"), host, port, room, num_samples=samples)
+        request_bootstrap(_state("prefill"), host, port, room)
     assert refused.value.status == 400
+
+
+def test_each_sample_gets_its_own_room_both_sides_agree_on() -> None:
+    rooms = [sample_room(7, i) for i in range(4)]
+    assert rooms[0] == 7 and len(set(rooms)) == 4
+    assert rooms == [sample_room(7, i) for i in range(4)]  # the same on every instance
+    assert all(0 <= r <= MAX_ROOM for r in rooms)
+    # Adjacent request rooms (a router counting) do not share sample rooms.
+    neighbours = {sample_room(r, i) for r in range(1000, 1100) for i in range(8)}
+    assert len(neighbours) == 100 * 8
+
+
+def test_samples_of_a_disaggregated_request_take_their_own_rooms() -> None:
+    request = GenerateRequest((1, 2, 3), SamplingParams(seed=5), rid="r",
+                              bootstrap=Bootstrap("h", 1, 99))
+    samples = sample_requests(request, 3)
+    assert [s.rid for s in samples] == ["r-0", "r-1", "r-2"]
+    assert [s.bootstrap.room for s in samples if s.bootstrap] == [sample_room(99, i)
+                                                                    for i in range(3)]
+    assert [s.sampling.seed for s in samples] == [5, 6, 7]
+    assert sample_requests(request, 1) == [request]

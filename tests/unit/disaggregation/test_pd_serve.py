@@ -198,8 +198,47 @@ def test_logprobs_through_the_real_pd_router(
         assert got.status_code == 200, got.text
         reference = httpx.post(f"{plain.url}/v1/chat/completions", json=chat, timeout=TIMEOUT_S)
         _close(got.json()["choices"][0]["logprobs"], reference.json()["choices"][0]["logprobs"])
+        samples = {**chat, "n": 2, "temperature": 0.8, "seed": 11, "logprobs": False}
+        del samples["top_logprobs"]
+        got = httpx.post(f"{router.url}/v1/chat/completions", json=samples, timeout=TIMEOUT_S)
+        assert got.status_code == 200, got.text
+        reference = httpx.post(f"{plain.url}/v1/chat/completions", json=samples,
+                               timeout=TIMEOUT_S)
+        assert [c["message"] for c in got.json()["choices"]] == [
+            c["message"] for c in reference.json()["choices"]]
     finally:
         router.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_samples_equal_a_plain_servers(
+    servers: tuple[ServerProcess, PDPair], stream: bool
+) -> None:
+    """Each sample moves its KV in a room of its own, both instances deriving the same."""
+    plain, pair = servers
+    body = {"input_ids": _prompt(26, 4), "stream": stream, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0.9, "top_k": 20, "sampling_seed": 99, "n": 3,
+        "ignore_eos": True}}
+    expected = httpx.post(f"{plain.url}/generate", json=body, timeout=TIMEOUT_S)
+    prefill, decode = pair.send("/generate", body)
+    assert prefill is not None and prefill.status_code == 200, prefill and prefill.text
+    assert decode is not None and decode.status_code == 200, decode and decode.text
+
+    def samples(response: httpx.Response) -> list[list[int]]:
+        if not stream:
+            return [item["output_ids"] for item in response.json()]
+        by_index: dict[int, list[int]] = {}
+        for line in response.text.splitlines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                by_index[chunk["index"]] = chunk["output_ids"]
+        return [by_index[i] for i in sorted(by_index)]
+
+    got = samples(decode)
+    assert got == samples(expected) and len(got) == 3
+    assert all(len(ids) == 6 for ids in got)
+    assert len({tuple(ids) for ids in got}) > 1  # seeds 99, 100, 101: not one sample thrice
+    assert [ids[:1] for ids in got] == [ids[:1] for ids in samples(prefill)]
 
 
 def test_the_prefill_instance_answers_its_first_token_only(
