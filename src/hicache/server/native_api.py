@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
@@ -56,12 +56,21 @@ class AbortRequest(StrictModel):
     abort_all: bool = False
 
 
+_Body = TypeVar("_Body", TokenizeRequest, DetokenizeRequest)
+
+
+async def _for_model(request: Request, kind: type[_Body]) -> tuple[ServerState, _Body]:
+    """The server's state and the request's body, which may name the served model only."""
+    state = get_state(request)
+    body = await parse_body(request, kind)
+    state.check_model(body.model)
+    return state, body
+
+
 @router.post("/tokenize")
 @router.post("/v1/tokenize")
 async def tokenize(request: Request) -> dict[str, Any]:
-    state = get_state(request)
-    body = await parse_body(request, TokenizeRequest)
-    state.check_model(body.model)
+    state, body = await _for_model(request, TokenizeRequest)
     tokenizer = state.engine.tokenizer
     texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
 
@@ -79,9 +88,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 @router.post("/detokenize")
 @router.post("/v1/detokenize")
 async def detokenize(request: Request) -> dict[str, Any]:
-    state = get_state(request)
-    body = await parse_body(request, DetokenizeRequest)
-    state.check_model(body.model)
+    state, body = await _for_model(request, DetokenizeRequest)
     single = not body.tokens or isinstance(body.tokens[0], int)
     lists = [cast(list[int], body.tokens)] if single else cast(list[list[int]], body.tokens)
     vocab = state.engine.vocab_size
