@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions, /v1/completions, /generate   routed by the policy
     GET  /v1/models, /get_model_info                        any healthy worker's answer
-    POST /flush_cache                                       every healthy worker's cache
+    POST /tokenize, /detokenize (and /v1/...)               any healthy worker's answer
+    POST /flush_cache, /abort_request                       every healthy worker
     GET  /health, /get_server_info, /metrics                the router's own
     GET/POST/DELETE /workers                                the worker list (admin)
 
@@ -31,6 +32,7 @@ from starlette.responses import Response
 
 from hicache import __version__
 from hicache.model.tokenizer import Tokenizer
+from hicache.router.fan_out import fan_out_answer
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.prompt import PromptKind, PromptTokenizer, prompt_pages
 from hicache.router.proxy import Proxy
@@ -174,14 +176,26 @@ def create_router_app(
         return await state.proxy.forward_any("GET", request.url.path, request.headers,
                                              request.receive)
 
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def tokenizer_route(request: Request) -> Response:
+        state = get_router_state(request)
+        return await state.proxy.forward_any("POST", request.url.path, request.headers,
+                                             request.receive, await request.body())
+
     @app.api_route("/flush_cache", methods=["POST", "GET"])
     async def flush_cache(request: Request) -> JSONResponse:
         results = await get_router_state(request).proxy.fan_out("POST", "/flush_cache")
-        failed = [status for status, _ in results.values() if status != 200]
-        body = {"flushed": not failed,
-                "workers": {url: {"status": status, "response": answer}
-                            for url, (status, answer) in results.items()}}
-        return JSONResponse(body, status_code=failed[0] if failed else 200)
+        return fan_out_answer(results, "flushed")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        # The router does not keep which worker runs a rid: every worker is asked.
+        results = await get_router_state(request).proxy.fan_out(
+            "POST", "/abort_request", await request.body())
+        return fan_out_answer(results, "sent")
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions, /v1/completions, /generate   a prefill + decode pair
     GET  /v1/models, /get_model_info                        any healthy decode instance
-    POST /flush_cache                                       every healthy instance of both pools
+    POST /tokenize, /detokenize (and /v1/...)               any healthy decode instance
+    POST /flush_cache, /abort_request                       every healthy instance of both pools
     GET  /health, /get_server_info, /metrics, /workers      the router's own, both pools
 
 A routed request's body is read as in the ordinary router (``app``): its
@@ -29,6 +30,7 @@ from starlette.responses import Response
 from hicache import __version__
 from hicache.model.tokenizer import Tokenizer
 from hicache.router.app import OVERRIDE_FIELD, parse_json_object, pop_override
+from hicache.router.fan_out import fan_out_answer
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.pd_pools import NullIndex, PDPools, create_decode_chooser
 from hicache.router.pd_proxy import PDProxy
@@ -140,19 +142,33 @@ def create_pd_router_app(
         return await get_pd_state(request).decode_proxy.forward_any(
             "GET", request.url.path, request.headers, request.receive)
 
-    @app.api_route("/flush_cache", methods=["POST", "GET"])
-    async def flush_cache(request: Request) -> JSONResponse:
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def tokenizer_route(request: Request) -> Response:
+        return await get_pd_state(request).decode_proxy.forward_any(
+            "POST", request.url.path, request.headers, request.receive, await request.body())
+
+    async def both_pools(request: Request, path: str,
+                         content: bytes | None = None) -> dict[str, tuple[int, Any]]:
         state = get_pd_state(request)
-        results = {}
+        results: dict[str, tuple[int, Any]] = {}
         for registry in (state.pools.prefill, state.pools.decode):
             proxy = Proxy(registry, state.policy, state.metrics, client,
                           settings.request_timeout_s)
-            results.update(await proxy.fan_out("POST", "/flush_cache"))
-        failed = [status for status, _ in results.values() if status != 200]
-        body = {"flushed": not failed,
-                "workers": {url: {"status": status, "response": answer}
-                            for url, (status, answer) in results.items()}}
-        return JSONResponse(body, status_code=failed[0] if failed else 200)
+            results.update(await proxy.fan_out("POST", path, content))
+        return results
+
+    @app.api_route("/flush_cache", methods=["POST", "GET"])
+    async def flush_cache(request: Request) -> JSONResponse:
+        return fan_out_answer(await both_pools(request, "/flush_cache"), "flushed")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        # A request runs on a prefill and a decode instance alike: both pools are asked.
+        results = await both_pools(request, "/abort_request", await request.body())
+        return fan_out_answer(results, "sent")
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -149,28 +149,33 @@ class Proxy:
             self._metrics.retries.inc()
 
     async def forward_any(self, method: str, path: str, headers: Mapping[str, str],
-                          receive: Receive) -> UpstreamResponse:
-        """A request any worker answers alike (/v1/models): the first healthy one."""
+                          receive: Receive, content: bytes = b"") -> UpstreamResponse:
+        """A request any worker answers alike (/v1/models, /tokenize): the first healthy
+        one."""
         tried: list[str] = []
         for worker in self._workers.healthy():
-            response = await self._try(worker, method, path, b"", headers, pages=0,
+            response = await self._try(worker, method, path, content, headers, pages=0,
                                        receive=receive)
             if response is not None:
                 return response
             tried.append(worker.url)
         raise self._unavailable(tried)
 
-    async def fan_out(self, method: str, path: str) -> dict[str, tuple[int, Any]]:
-        """The same request to every healthy worker: url -> (status, JSON answer or text);
-        status 502 for a worker that could not be reached."""
+    async def fan_out(
+        self, method: str, path: str, content: bytes | None = None
+    ) -> dict[str, tuple[int, Any]]:
+        """The same request (``content``: a JSON body) to every healthy worker: url ->
+        (status, JSON answer or text); status 502 for a worker that could not be reached."""
         workers = self._workers.healthy()
         if not workers:
             raise self._unavailable([])
 
         async def one(worker: Worker) -> tuple[int, Any]:
             try:
-                response = await self._client.request(method, f"{worker.url}{path}",
-                                                      timeout=self._timeout)
+                response = await self._client.request(
+                    method, f"{worker.url}{path}", content=content, timeout=self._timeout,
+                    headers={"content-type": "application/json"} if content else None,
+                )
             except httpx.HTTPError as error:
                 return 502, f"{type(error).__name__}: {error}"
             try:

@@ -219,6 +219,7 @@ class FakeWorker:
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     flushed: int = 0
+    aborts: list[dict[str, Any]] = field(default_factory=list)
     extra_info: dict[str, Any] = field(default_factory=dict)  # more /get_server_info fields
 
     def info(self) -> dict[str, Any]:
@@ -255,6 +256,19 @@ def fake_worker_app(worker: FakeWorker) -> FastAPI:
     async def flush() -> dict[str, Any]:
         worker.flushed += 1
         return {"flushed": True}
+
+    @app.post("/abort_request")
+    async def abort(request: Request) -> Response:
+        worker.aborts.append(await request.json())
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        worker.requests.append((request.url.path, body))
+        ids = list(str(body["prompt"]).encode())
+        return {"tokens": ids, "count": len(ids), "max_model_len": 64}
 
     async def answer(request: Request) -> Response:
         body = await request.json()

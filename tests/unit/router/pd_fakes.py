@@ -62,6 +62,7 @@ class FakeInstance:
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     flushed: int = 0
+    aborts: list[dict[str, Any]] = field(default_factory=list)
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"page_size": self.page_size, "served_model_name": self.model,
@@ -94,6 +95,16 @@ def fake_instance_app(instance: FakeInstance) -> FastAPI:
     async def flush() -> dict[str, Any]:
         instance.flushed += 1
         return {"flushed": True}
+
+    @app.post("/abort_request")
+    async def abort(request: Request) -> Response:
+        instance.aborts.append(await request.json())
+        return Response(status_code=200)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        return {"text": bytes(body["tokens"]).decode(), "mode": instance.mode}
 
     async def answer(request: Request) -> Response:
         body = await request.json()

@@ -235,6 +235,11 @@ def test_models_flush_health_and_server_info_cover_both_pools() -> None:
         response = router.post("/flush_cache")
         assert response.status_code == 200 and set(response.json()["workers"]) == {p, d}
         assert prefill.flushed == decode.flushed == 1
+        aborted = router.post("/abort_request", json={"abort_all": True})
+        assert aborted.status_code == 200 and set(aborted.json()["workers"]) == {p, d}
+        assert prefill.aborts == decode.aborts == [{"abort_all": True}]
+        text = router.post("/detokenize", json={"tokens": [104, 105]}).json()
+        assert text == {"text": "hi", "mode": "decode"}
         assert router.get("/health").json() == {
             "status": "ok", "healthy_prefill": 1, "prefill": 1, "healthy_decode": 1,
             "decode": 1}

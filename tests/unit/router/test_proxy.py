@@ -206,6 +206,19 @@ def test_metrics_record_overlap_and_the_shared_pool() -> None:
         assert 'router_overlap_pages_sum{tier="GPU"} 1.0' in metrics
 
 
+def test_tokenize_goes_to_a_worker_and_abort_to_every_worker() -> None:
+    a, b = FakeWorker(), FakeWorker()
+    with fake_workers(a, b) as urls, running_router(urls) as router:
+        response = router.post("/v1/tokenize", json={"prompt": "hi"})
+        assert response.status_code == 200, response.text
+        assert response.json() == {"tokens": [104, 105], "count": 2, "max_model_len": 64}
+        assert len(a.requests) + len(b.requests) == 1  # one worker answered
+        aborted = router.post("/abort_request", json={"rid": "r-7"})
+        assert aborted.status_code == 200 and aborted.json()["sent"] is True
+        assert set(aborted.json()["workers"]) == set(urls)
+        assert a.aborts == b.aborts == [{"rid": "r-7"}]
+
+
 def test_models_flush_health_and_server_info() -> None:
     a, b = FakeWorker(), FakeWorker()
     with fake_workers(a, b) as urls, running_router(urls) as router:
