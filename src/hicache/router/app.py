@@ -171,18 +171,13 @@ def create_router_app(
     @app.get("/v1/models/{model_id:path}")
     @app.get("/get_model_info")
     @app.get("/model_info")
-    async def any_worker(request: Request) -> Response:
-        state = get_router_state(request)
-        return await state.proxy.forward_any("GET", request.url.path, request.headers,
-                                             request.receive)
-
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
-    async def tokenizer_route(request: Request) -> Response:
+    async def any_worker(request: Request) -> Response:
         state = get_router_state(request)
-        return await state.proxy.forward_any("POST", request.url.path, request.headers,
+        return await state.proxy.forward_any(request.method, request.url.path, request.headers,
                                              request.receive, await request.body())
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])

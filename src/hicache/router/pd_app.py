@@ -138,17 +138,14 @@ def create_pd_router_app(
     @app.get("/v1/models/{model_id:path}")
     @app.get("/get_model_info")
     @app.get("/model_info")
-    async def any_decode(request: Request) -> Response:
-        return await get_pd_state(request).decode_proxy.forward_any(
-            "GET", request.url.path, request.headers, request.receive)
-
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
-    async def tokenizer_route(request: Request) -> Response:
+    async def any_decode(request: Request) -> Response:
         return await get_pd_state(request).decode_proxy.forward_any(
-            "POST", request.url.path, request.headers, request.receive, await request.body())
+            request.method, request.url.path, request.headers, request.receive,
+            await request.body())
 
     async def both_pools(request: Request, path: str,
                          content: bytes | None = None) -> dict[str, tuple[int, Any]]:
