@@ -52,6 +52,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class LoadBack:
+    """What a load-back moved: device pages, the last node they cover (None: nothing
+    loaded), and the node whose first page failed its check, if one did."""
+
+    device_pages: PageIds
+    last_node: TreeNode | None
+    corrupt: TreeNode | None = None
+
+
+@dataclass(frozen=True)
 class PrefixHit:
     """A locked, usable cached prefix of a request.
 
@@ -114,6 +124,11 @@ class HierarchicalCache:
             io = create_io_backend(config.io_backend, self.host_pool, self.device_pool)
             self.controller = CacheController(io)
             self.controller.start()
+            # With a CPU device the load can check L3 pages while copying them
+            # (memory.page_digests); under tensor parallelism the ranks would have to
+            # agree on every verdict, so there each L3 read verifies its pages itself.
+            if self.controller.copier is not None and tp_size == 1:
+                self.host_pool.digests.defer_checks = True
         self._writing: dict[int, TreeNode] = {}
         self.storage: StorageTier | None = None
         # Under tensor parallelism (set by the replicated scheduler before any request):
@@ -291,16 +306,24 @@ class HierarchicalCache:
         self.tree.lock(node)
         pages = match.device_pages
         loaded = 0
+        corrupt: TreeNode | None = None
         if match.num_host_tokens and self._worth_loading(match.num_host_tokens):
-            new_pages = self._load_back(match.host_pages, self.tree.host_path(match))
-            if new_pages is not None:
-                pages = np.concatenate([pages, new_pages])
-                loaded = match.num_host_tokens
+            load = self._load_back(match.host_pages, self.tree.host_path(match))
+            corrupt = load.corrupt
+            if load.last_node is not None:
+                pages = np.concatenate([pages, load.device_pages])
+                loaded = len(load.device_pages) * self.page_size
+                if load.last_node is not node:  # a page failed its check: hold the good part
+                    self.tree.lock(load.last_node)
+                    self.tree.unlock(node)
+                    node = load.last_node
         if loaded == 0 and node is not match.last_device_node:
             # Not loading: hold only the device part.
             self.tree.lock(match.last_device_node)
             self.tree.unlock(node)
             node = match.last_device_node
+        if corrupt is not None:  # unlocked by now (unless another request holds it)
+            self._drop_corrupt(corrupt)
         if record_hit:
             self.stats.record_hit(len(data) // 4, match.num_device_tokens, loaded)
         return PrefixHit(pages, match.num_device_tokens, loaded, node)
@@ -484,21 +507,71 @@ class HierarchicalCache:
     def _worth_loading(self, num_host_tokens: int) -> bool:
         return num_host_tokens >= self.config.load_back_threshold_tokens
 
-    def _load_back(self, host_pages: PageIds, nodes: list[TreeNode]) -> PageIds | None:
-        assert self.controller is not None
+    def _load_back(self, host_pages: PageIds, nodes: list[TreeNode]) -> LoadBack:
+        """Load the host-only ``nodes`` (their pages ``host_pages``) to the device.
+
+        Pages read from L3 whose payload is not verified yet are checked while they
+        are copied (a whole-page copy, waited for); from the first page that fails,
+        nothing is loaded (its node is split there) and those tokens are recomputed.
+        """
+        assert self.controller is not None and self.host_pool is not None
         try:
             device_pages = self.alloc_device(len(host_pages))
         except OutOfPagesError:
             logger.debug("no device room to load %d host pages; recomputing", len(host_pages))
-            return None
+            return LoadBack(no_pages(), None)
+        sizes = [len(node.tokens) // self.tree.page_bytes for node in nodes]
+        corrupt: TreeNode | None = None
+        if self.host_pool.digests.expected(host_pages).any():
+            good = self.controller.load_verified(host_pages, device_pages)
+            if good < len(host_pages):
+                nodes, sizes, corrupt = self._cut_at_bad_page(host_pages, nodes, sizes, good)
+                keep = sum(sizes)
+                self.free_device(device_pages[keep:])
+                device_pages = device_pages[:keep]
+        else:
+            self.controller.load(host_pages, device_pages)
         offset = 0
-        for node in nodes:
-            n = len(node.tokens) // self.tree.page_bytes
+        for node, n in zip(nodes, sizes, strict=True):
             self.tree.set_device_pages(node, device_pages[offset : offset + n])
             offset += n
-        self.controller.load(host_pages, device_pages)
         self.stats.num_loaded_pages += len(device_pages)
-        return device_pages
+        return LoadBack(device_pages, nodes[-1] if nodes else None, corrupt)
+
+    def _cut_at_bad_page(
+        self, host_pages: PageIds, nodes: list[TreeNode], sizes: list[int], good: int
+    ) -> tuple[list[TreeNode], list[int], TreeNode]:
+        """The nodes (and their sizes in pages) that hold the pages before page ``good``,
+        the first that failed its check, and the node that now starts with that page (a
+        node holding good pages and bad ones is split at the first bad one)."""
+        self.stats.num_corrupt_pages += 1
+        logger.warning(
+            "a page read from L3 failed its checksum when loaded (host page %d): its prefix "
+            "is recomputed from there", int(host_pages[good]),
+        )
+        kept, end = 0, 0
+        while end + sizes[kept] <= good:
+            end += sizes[kept]
+            kept += 1
+        bad = nodes[kept]
+        if good == end:
+            return nodes[:kept], sizes[:kept], bad
+        upper = self.tree.split(bad, good - end)
+        return [*nodes[:kept], upper], [*sizes[:kept], good - end], bad
+
+    def _drop_corrupt(self, node: TreeNode) -> None:
+        """Forget ``node`` (its first page failed its check) and what hangs from it, in
+        the tree and in L3, so that the recomputed KV is stored in their place.
+
+        When something still uses them (another request, an L3 call), they stay: their
+        pages are still unverified, so every load checks and refuses them again.
+        """
+        assert self.host_pool is not None
+        if self.storage is not None and self.writes_to_l3:
+            self.storage.discard(self.tree.page_keys(node)[:1])
+        freed = self.tree.drop_host_subtree(node)
+        if freed is not None:
+            self.host_pool.allocator.free(freed)
 
     def alloc_host(self, num_pages: int) -> PageIds:
         """Up to ``num_pages`` free host pages, evicting host-only LRU leaves for room."""
@@ -508,7 +581,9 @@ class HierarchicalCache:
             freed = self.tree.evict_host(num_pages - allocator.num_free_pages)
             allocator.free(freed)
             self.stats.num_host_evicted_pages += len(freed)
-        return allocator.allocate(min(num_pages, allocator.num_free_pages))
+        pages = allocator.allocate(min(num_pages, allocator.num_free_pages))
+        self.host_pool.digests.forget(pages)  # whatever the pages held before is gone
+        return pages
 
     def backup_node(self, node: TreeNode) -> bool:
         """Start copying device-only ``node`` to the host; False when there is no room."""
@@ -529,7 +604,10 @@ class HierarchicalCache:
         self._writing[node.id] = node
         if self.events is not None:
             self.events.host_copy_issued(node)
-        self.controller.write(node.device_pages, host_pages, node.id)
+        # Checksummed on the way when L3 will store the page (its frame needs it).
+        self.controller.write(
+            node.device_pages, host_pages, node.id, digest=self.storage is not None
+        )
         self.stats.num_backed_up_pages += need
         return True
 

@@ -60,6 +60,7 @@ from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.controller import (
     BackupOp,
+    DiscardOp,
     PrefetchOp,
     StalledCall,
     StorageController,
@@ -327,9 +328,15 @@ class StorageTier:
             return
         self.controller.submit_backup(op)
 
+    def discard(self, keys: list[bytes]) -> None:
+        """Drop ``keys`` from L3 (pages the cache found damaged), on the write thread."""
+        self.controller.submit_discard(DiscardOp(list(keys)))
+
     # ---------------------------------------------------------------- poll
     def poll(self) -> None:
         for kind, op in self.controller.poll():
+            if isinstance(op, DiscardOp):
+                continue
             if isinstance(op, StalledCall):
                 if kind == "stalled":
                     self._on_stalled(op)

@@ -19,6 +19,8 @@ class CacheStats:
     # L3: tokens a prefetch put into the tree, pages written to L3 by backups.
     num_storage_hit_tokens: int = 0
     num_storage_backed_up_pages: int = 0
+    # Pages read from L3 that failed their payload check when loaded to the device.
+    num_corrupt_pages: int = 0
 
     def record_hit(self, num_prompt_tokens: int, device_tokens: int, host_tokens: int) -> None:
         self.num_requests += 1

@@ -21,6 +21,7 @@ import torch
 from hicache.controller.executor import Completion, Executor, create_executor
 from hicache.memory.allocator import PageIds
 from hicache.transfer.base import IOBackend
+from hicache.transfer.digesting import DigestingCopier
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ def _as_tensor(pages: PageIds) -> torch.Tensor:
 class CacheController:
     def __init__(self, io: IOBackend) -> None:
         self.io = io
+        # On a CPU device: copies that checksum host pages on the way (L3's frame
+        # checksum, taken while the bytes are in cache; transfer.digesting).
+        self.copier = (
+            DigestingCopier(io.host, io.device) if io.device.device.type == "cpu" else None
+        )
         self.num_layers = io.host.geometry.num_layers
         self._device = io.device.device
         self._write_executor: Executor | None = None
@@ -90,11 +96,22 @@ class CacheController:
         return self._write_executor, self._load_executor
 
     # ----------------------------------------------------------------- write
-    def write(self, device_pages: PageIds, host_pages: PageIds, token: int) -> None:
-        """Copy device pages to host pages; ``token`` comes back from poll_writes once landed."""
+    def write(
+        self, device_pages: PageIds, host_pages: PageIds, token: int, digest: bool = False
+    ) -> None:
+        """Copy device pages to host pages; ``token`` comes back from poll_writes once landed.
+
+        ``digest``: also checksum each host page (for L3) while copying, where the
+        device is the CPU; otherwise the host pages' digests are left unknown.
+        """
         write_executor, _ = self._executors()
-        src, dst = _as_tensor(device_pages), _as_tensor(host_pages)
-        completion = write_executor.submit(lambda: self.io.store(src, dst))
+        self.io.host.digests.forget(host_pages)
+        copier = self.copier if digest else None
+        if copier is not None:
+            completion = write_executor.submit(lambda: copier.store(device_pages, host_pages))
+        else:
+            src, dst = _as_tensor(device_pages), _as_tensor(host_pages)
+            completion = write_executor.submit(lambda: self.io.store(src, dst))
         self._writes.append(PendingWrite(token, len(device_pages), completion))
 
     def poll_writes(self) -> list[int]:
@@ -174,6 +191,31 @@ class CacheController:
         self._last_load = batch
         self.num_loaded_pages += len(host_pages)
         return batch
+
+    def load_verified(self, host_pages: PageIds, device_pages: PageIds) -> int:
+        """Copy host pages into device pages whole, checking the pages read from L3 whose
+        payload is unverified (EXPECTED digests) on the way; waits for the copy.
+
+        Returns how many leading pages are good (``DigestingCopier.load_verified``); the
+        device pages past them must not be used. CPU devices only (``copier``).
+        """
+        _, load_executor = self._executors()
+        copier = self.copier
+        if copier is None:
+            raise RuntimeError("verified loads need a CPU device pool")
+        result: list[int] = []
+
+        def run() -> None:
+            start = time.perf_counter()
+            result.append(copier.load_verified(host_pages, device_pages))
+            with self._timing_lock:
+                self._load_seconds += time.perf_counter() - start
+
+        completion = load_executor.submit(run)  # after every load issued before it
+        completion.wait()
+        self._last_load = LoadBatch(len(host_pages), (completion,) * self.num_layers)
+        self.num_loaded_pages += result[0]
+        return result[0]
 
     def wait_layer(self, layer: int) -> None:
         """Before computing ``layer``: order it after every load issued so far.

@@ -11,6 +11,7 @@ from hicache.memory.allocator import PageAllocator
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_memory import empty_host
 from hicache.memory.layout import PageStrides, canonical_view, page_strides
+from hicache.memory.page_digests import PageDigests
 from hicache.memory.prefault import prefault
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class HostPool:
         self.strides: PageStrides = page_strides(self.layout, geometry, num_pages, page_size)
         self.pages = canonical_view(self.flat, self.strides, geometry, num_pages, page_size)
         self.allocator = PageAllocator(num_pages, name="host pool")
+        # Each page's L3 payload checksum, where known (memory.page_digests).
+        self.digests = PageDigests(num_pages)
         if not pin_memory:
             # A pinned pool is committed whole; this one gets the pages handed out first.
             prefault(self._first_pages(PREFAULT_BYTES))

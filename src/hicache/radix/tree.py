@@ -379,6 +379,34 @@ class HiRadixTree:
             raise TreeError("device_pages must have one page per node page")
         self._adopt_device_pages(node, np.asarray(device_pages, dtype=np.int64))
 
+    def split(self, node: TreeNode, num_pages: int) -> TreeNode:
+        """Cut ``node`` after its first ``num_pages`` pages; returns the new upper node
+        (``node`` keeps the rest). Locks and protections cover both halves."""
+        if node.parent is None or not 0 < num_pages < len(node.tokens) // self.page_bytes:
+            raise TreeError(f"cannot split {node!r} after {num_pages} pages")
+        return self._split(node, num_pages)
+
+    def drop_host_subtree(self, node: TreeNode) -> PageIds | None:
+        """Delete host-only ``node`` and everything below it; returns their host pages to
+        free, or None (nothing deleted) when one of them is on the device, locked or
+        protected."""
+        below: list[TreeNode] = []
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            if (
+                current.parent is None
+                or current.device_pages is not None
+                or current.host_pages is None
+                or current.lock_ref
+                or current.host_ref
+            ):
+                return None
+            below.append(current)
+            stack.extend(current.children.values())
+        # Children before parents: each is a childless leaf when deleted.
+        return np.concatenate([self._delete(current) for current in reversed(below)])
+
     # ------------------------------------------------------------ eviction
     def evict_device(self, num_pages: int) -> DeviceEviction:
         """Free at least ``num_pages`` device pages if possible, least recently used first.

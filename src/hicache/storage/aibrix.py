@@ -60,8 +60,6 @@ from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
     check_header,
-    check_payload,
-    checksum,
     encode_header,
     object_name,
 )
@@ -146,8 +144,7 @@ class AibrixBackend(StorageBackend):
             fault = check_header(header, keys[i], regions.order, payload_bytes)
             if fault is None:
                 regions.copy_in(pages[i], block.data)
-                if self.verify_checksum:
-                    fault = check_payload(header, regions.views(pages[i]))
+                fault = regions.check_landed(header, pages[i], self.verify_checksum)
             return None if fault is None else fault.value
 
         done = store.read(names, land)
@@ -172,7 +169,7 @@ class AibrixBackend(StorageBackend):
         def fill(j: int, block: np.ndarray) -> None:
             i = todo[j]
             regions.copy_out(pages[i], block.data)
-            digest = checksum(regions.views(pages[i]))
+            digest = regions.checksum(pages[i])
             header = encode_header(keys[i], regions.order, payload_bytes, digest)
             end = payload_bytes + HEADER_BYTES
             block[payload_bytes:end] = np.frombuffer(header, dtype=np.uint8)
@@ -189,6 +186,10 @@ class AibrixBackend(StorageBackend):
         num_stored = first_gap(stored)
         self._count_write(num_written, len(keys) - len(todo), payload_bytes, began)
         return num_stored
+
+    def _drop(self, keys: Sequence[bytes]) -> None:
+        store, regions = self._ready(keys)
+        store.delete([object_name(key, regions.order) for key in keys])
 
     def clear(self) -> None:
         """Remove every page of this geometry: AIBrix's L1 and its RocksDB directory."""

@@ -129,6 +129,22 @@ class StorageBackend(ABC):
         complete or invisible: a reader never sees a torn page.
         """
 
+    def discard(self, keys: Sequence[bytes]) -> int:
+        """Drop the pages stored under ``keys``, found damaged after they were read (the
+        cache verifies L3 pages' payload while loading them, ``memory.page_digests``), so
+        that a later ``set`` stores them anew. Each counts as a "corrupt" failure; keys
+        not stored are ignored; a store error is logged, never raised. Returns len(keys).
+        """
+        self._check_open(keys)
+        if keys:
+            self._fail("corrupt", len(keys))
+            self._drop(keys)
+        return len(keys)
+
+    def _drop(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional hook
+        """Delete the objects of ``keys`` (for ``discard``). A backend that cannot delete
+        leaves them: a damaged page then stays a miss, refused at every load."""
+
     @abstractmethod
     def clear(self) -> None:
         """Remove every page this backend's store holds (for its namespace/directory)."""

@@ -109,6 +109,13 @@ class BackupOp:
 
 
 @dataclass(eq=False)
+class DiscardOp:
+    """Drop pages from L3 that the cache found damaged after reading them."""
+
+    keys: list[bytes]
+
+
+@dataclass(eq=False)
 class StalledCall:
     """A backend call that missed its deadline and still runs (a thread cannot be stopped).
 
@@ -163,7 +170,7 @@ class _Answer:
 
 
 _STOP = object()
-_Event = tuple[str, "PrefetchOp | BackupOp | StalledCall"]
+_Event = tuple[str, "PrefetchOp | BackupOp | DiscardOp | StalledCall"]
 
 
 class StorageController:
@@ -241,6 +248,10 @@ class StorageController:
         self._read_q.put(op)
 
     def submit_backup(self, op: BackupOp) -> None:
+        self._begin()
+        self._write_q.put(op)
+
+    def submit_discard(self, op: DiscardOp) -> None:
         self._begin()
         self._write_q.put(op)
 
@@ -328,6 +339,11 @@ class StorageController:
             if op is _STOP:
                 self._drain(self._write_q)
                 return
+            if isinstance(op, DiscardOp):
+                if not self._stopping.is_set():
+                    self._call("write", "discard", self.backend.discard, op.keys)
+                self._finish(("discarded", op))
+                continue
             assert isinstance(op, BackupOp)
             if not self._stopping.is_set():
                 self._write(op)
@@ -342,7 +358,9 @@ class StorageController:
                 op = q.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(op, BackupOp):
+            if isinstance(op, DiscardOp):
+                self._finish(("discarded", op))
+            elif isinstance(op, BackupOp):
                 self._note_backup_failed(op, "detached")
                 self._finish(("backed_up", op))
             elif isinstance(op, PrefetchOp):

@@ -116,6 +116,15 @@ class DynamicBackend(StorageBackend):
             self._count_write(num_stored, 0, self.page_bytes, began)
         return num_stored
 
+    def discard(self, keys: Sequence[bytes]) -> int:
+        self._ready(keys)
+        if not self._has_stats and keys:
+            self._fail("corrupt", len(keys))
+        discard = getattr(self.inner, "discard", None)
+        if callable(discard) and keys:
+            discard(keys)
+        return len(keys)
+
     def clear(self) -> None:
         self._ready([])
         self.inner.clear()

@@ -54,8 +54,6 @@ from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
     check_header,
-    check_payload,
-    checksum,
     encode_header,
     object_name,
 )
@@ -199,6 +197,14 @@ class FileBackend(StorageBackend):
             assert self._total_bytes <= self.max_bytes or not self._index, "over the cap"
 
     # ------------------------------------------------------------ internals
+    def _drop(self, keys: Sequence[bytes]) -> None:
+        regions = self._ready(keys)
+        for key in keys:
+            name = object_name(key, regions.order)
+            with self._lock:
+                self._forget_locked(name)
+                unlink_quietly(self._path(name))
+
     def _ready(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> PageRegions:
         self._check_open(keys, host_pages)
         if self._regions is None:
@@ -279,8 +285,8 @@ class FileBackend(StorageBackend):
             fault = check_header(header, key, regions.order, regions.page_bytes)
             if fault is None and size != expected:
                 fault = Fault.WRONG_LENGTH  # trailing bytes: not a file we wrote
-            if fault is None and self.verify_checksum:
-                fault = check_payload(header, views)
+            if fault is None:
+                fault = regions.check_landed(header, page, self.verify_checksum)
         with self._lock:
             if fault is not None:
                 # A bad object is dropped so that a later set() can store it again.
@@ -305,7 +311,7 @@ class FileBackend(StorageBackend):
         if file_bytes > self.max_bytes:
             return "over_capacity"
         views = regions.views(page)
-        header = encode_header(key, regions.order, regions.page_bytes, checksum(views))
+        header = encode_header(key, regions.order, regions.page_bytes, regions.checksum(page))
         path = self._path(name)
         temp = f"{self._dir(name)}/{temp_name(name, os.getpid(), threading.get_ident())}"
         with self._lock:

@@ -74,8 +74,6 @@ from hicache.storage.base import (
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
-    check_page,
-    checksum,
     encode_header,
     length_fault,
 )
@@ -216,9 +214,8 @@ class LMCacheBackend(StorageBackend):
                     in_value = True
                     conn.read_into([*regions.views(pages[current]), header])
                     in_value = False
-                    fault = check_page(
-                        header, regions.views(pages[current]), keys[current], regions.order,
-                        regions.page_bytes, self.verify_checksum,
+                    fault = regions.check_read(
+                        header, pages[current], keys[current], self.verify_checksum
                     )
                     if fault is not None:
                         broken = True
@@ -260,7 +257,8 @@ class LMCacheBackend(StorageBackend):
                         for i in todo:  # hashed one by one while the server takes the last
                             views = regions.views(pages[i])
                             frame = encode_header(
-                                keys[i], regions.order, regions.page_bytes, checksum(views)
+                                keys[i], regions.order, regions.page_bytes,
+                                regions.checksum(pages[i]),
                             )
                             yield names[i], [*views, frame]
 
@@ -341,6 +339,10 @@ class LMCacheBackend(StorageBackend):
         else:
             reason = "io_error"
         self._fail(reason, pages)
+
+    def _drop(self, keys: Sequence[bytes]) -> None:
+        self._ready(keys)
+        self._remember_bad(self._names(keys))
 
     def _mark_bad(self, name: str, fault: Fault) -> None:
         self._fail(fault.value)

@@ -113,8 +113,6 @@ from hicache.storage.cache_steps import (
 )
 from hicache.storage.frame import (
     HEADER_BYTES,
-    check_page,
-    checksum,
     length_fault,
     object_name,
     pack_header_into,
@@ -293,7 +291,7 @@ class MooncakeBackend(StorageBackend):
                 def pack(part: range) -> None:
                     for j in part:
                         i = todo[j]
-                        digest = checksum(regions.views(pages[i]))
+                        digest = regions.checksum(pages[i])
                         pack_header_into(
                             self._staging_view, base + j * HEADER_BYTES, keys[i], regions.order,
                             regions.page_bytes, digest,
@@ -509,10 +507,7 @@ class MooncakeBackend(StorageBackend):
             fault = length_fault(code, expected)
             if fault is None:
                 header = self._staging_view[header_offset : header_offset + HEADER_BYTES]
-                fault = check_page(
-                    header, regions.views(page), key, regions.order, regions.page_bytes,
-                    self.verify_checksum,
-                )
+                fault = regions.check_read(header, page, key, self.verify_checksum)
             if fault is None:
                 return None
         self._remove(client, name)
@@ -523,6 +518,12 @@ class MooncakeBackend(StorageBackend):
             return int(client.store.get_size(name))
         except Exception:
             return None
+
+    def _drop(self, keys: Sequence[bytes]) -> None:
+        client, regions = self._ready(keys)
+        if client.usable():
+            for key in keys:
+                self._remove(client, object_name(key, regions.order))
 
     def _remove(self, client: MooncakeClient, name: str) -> None:
         """Drop a bad object, even while leased to readers (it must not be read again)."""

@@ -73,8 +73,6 @@ from hicache.storage.base import (
 )
 from hicache.storage.frame import (
     HEADER_BYTES,
-    check_page,
-    checksum,
     length_fault,
     object_name,
     pack_header_into,
@@ -226,6 +224,11 @@ class NixlBackend(StorageBackend):
         self._remove_stale_temporaries()
 
     # ------------------------------------------------------------ internals
+    def _drop(self, keys: Sequence[bytes]) -> None:
+        regions = self._ready(keys)
+        for key in keys:
+            unlink_quietly(self._path(object_name(key, regions.order)))
+
     def _ready(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> PageRegions:
         self._check_open(keys, host_pages)
         if self._regions is None:
@@ -296,10 +299,7 @@ class NixlBackend(StorageBackend):
                 return 0, failure.reason
             for i in range(len(fds)):
                 header = slots.view(i)[:HEADER_BYTES]
-                fault = check_page(
-                    header, regions.views(pages[i]), keys[i], regions.order, regions.page_bytes,
-                    self.settings.verify_checksum,
-                )
+                fault = regions.check_read(header, pages[i], keys[i], self.settings.verify_checksum)
                 if fault is not None:
                     unlink_quietly(self._path(object_name(keys[i], regions.order)))
                     return i, fault.value
@@ -328,7 +328,7 @@ class NixlBackend(StorageBackend):
         reason: str | None = None
         with self._trailers.borrow() as slots:
             for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
-                digest = checksum(regions.views(page))
+                digest = regions.checksum(page)
                 slot = slots.view(i)
                 pack_header_into(slot, 0, key, regions.order, regions.page_bytes, digest)
                 if len(slot) > HEADER_BYTES:  # O_DIRECT's padding: a read may have left bytes

@@ -11,6 +11,11 @@ memory copy of every page moved, and needs no extra memory.
 
 Regions are listed in payload order (``frame.PayloadOrder``): the concatenation
 of a page's regions is its payload.
+
+The payload checksum goes through here too (``checksum``, ``check_read``): a
+page the cache checksummed while copying it into the pool is not hashed again
+for its frame, and a page read from L3 is verified by the cache's load when the
+cache does that (``memory.page_digests``), not by a hash pass of its own here.
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ import torch
 
 from hicache.memory.host_pool import HostPool
 from hicache.storage.base import StorageError
-from hicache.storage.frame import Buffer, PayloadOrder
+from hicache.storage.frame import (
+    Buffer,
+    Fault,
+    PayloadOrder,
+    check_header,
+    checksum,
+    header_checksum,
+)
 
 
 class PageRegions:
@@ -53,6 +65,7 @@ class PageRegions:
         self._pool: memoryview = host.flat.view(torch.uint8).numpy().data
         self.base_address = host.flat.data_ptr()
         self.pool_bytes = host.size_bytes
+        self.digests = host.digests
 
     @property
     def num_regions(self) -> int:
@@ -85,3 +98,38 @@ class PageRegions:
         size = self.region_bytes
         for k, view in enumerate(self.views(page)):
             target[k * size : (k + 1) * size] = view
+
+    # ------------------------------------------------------------ checksums
+    def checksum(self, page: int) -> bytes:
+        """Page ``page``'s payload checksum for its frame: the one the cache took while
+        copying the page into the pool when it did, else hashed now."""
+        digest = self.digests.digest(page)
+        return digest if digest is not None else checksum(self.views(page))
+
+    def check_read(
+        self, header: Buffer, page: int, key: bytes, verify_checksum: bool
+    ) -> Fault | None:
+        """The fault of page ``page``, just read into the pool with frame ``header``: the
+        header's (magic, version, order, key, length), then ``check_landed``'s."""
+        fault = check_header(header, key, self.order, self.page_bytes)
+        return fault if fault is not None else self.check_landed(header, page, verify_checksum)
+
+    def check_landed(self, header: Buffer, page: int, verify_checksum: bool) -> Fault | None:
+        """The payload's fault, if any, of page ``page`` read into the pool with a checked
+        ``header``. Without ``verify_checksum`` nothing is checked (and nothing known of
+        the page's checksum); when the cache's loads check L3 pages
+        (``digests.defer_checks``) the header's checksum is recorded for that check;
+        otherwise the page is hashed here."""
+        digests = self.digests
+        if not verify_checksum:
+            digests.forget([page])
+            return None
+        digest = header_checksum(header)
+        if digests.defer_checks:
+            digests.expect(page, digest)
+            return None
+        if checksum(self.views(page)) != digest:
+            digests.forget([page])
+            return Fault.CORRUPT
+        digests.set_known(page, digest)
+        return None

@@ -81,8 +81,7 @@ from hicache.storage.base import (
 )
 from hicache.storage.frame import (
     HEADER_BYTES,
-    check_page,
-    checksum,
+    check_header,
     encode_header,
     length_fault,
     object_name,
@@ -280,6 +279,11 @@ class RedisBackend(StorageBackend):
             self._fail(reason, pages)
             return None
 
+    def _drop(self, keys: Sequence[bytes]) -> None:
+        client, regions = self._ready(keys)
+        for name in self._names(keys, regions):
+            self._delete(client, name)
+
     @staticmethod
     def _delete(client: redis.Redis, name: bytes) -> None:
         """Drop a damaged page so the next backup stores it again (best effort: the miss
@@ -309,7 +313,7 @@ class RedisBackend(StorageBackend):
     def _fragments(regions: PageRegions, key: bytes, page: int) -> list[Fragment]:
         """``payload || header`` of host page ``page``: its regions in the pool, then its header."""
         views = regions.views(page)
-        header = encode_header(key, regions.order, regions.page_bytes, checksum(views))
+        header = encode_header(key, regions.order, regions.page_bytes, regions.checksum(page))
         return [*views, header]
 
     def _land(
@@ -331,15 +335,14 @@ class RedisBackend(StorageBackend):
             payload, header = data[:page_bytes], data[page_bytes:]
             fault = length_fault(len(data), page_bytes + HEADER_BYTES)
             if fault is None:
-                fault = check_page(
-                    header, [payload], keys[i], regions.order, page_bytes,
-                    self.settings.verify_checksum,
-                )
+                fault = check_header(header, keys[i], regions.order, page_bytes)
+            if fault is None:
+                regions.copy_in(pages[i], payload)
+                fault = regions.check_landed(header, pages[i], self.settings.verify_checksum)
             if fault is not None:
                 self._fail(fault.value)
                 self._delete(client, names[i])
                 return j
-            regions.copy_in(pages[i], payload)
         return len(part)
 
 

@@ -1,0 +1,148 @@
+"""Copies between a CPU device pool and the host pool that checksum the host page on the way.
+
+The L3 frame's checksum (``storage.frame``: xxh3_128 of the page's payload, in
+payload order) is taken here while each piece of a page is in the CPU cache
+(``memory.page_digests`` says why): the page is copied a piece at a time, small
+enough that the copy leaves it cached, and each piece is hashed right after it
+was copied. Writing to the host (L1 -> L2) records the page's digest as KNOWN;
+loading an EXPECTED page (one read from L3) to the device checks it.
+
+A piece is one (layer, plane) run of a page's rows for layer-major host
+layouts, and a run of whole tokens for page_first (token-major), cut to at
+most ``PIECE_BYTES``: the host side of every piece is contiguous, in payload
+order, so hashing the pieces in turn is hashing the payload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from hicache.memory.allocator import PageIds
+from hicache.memory.device_pool import DevicePool
+from hicache.memory.host_pool import HostPool
+from hicache.memory.page_digests import DigestState
+from hicache.transfer.base import TransferError
+
+# Below glibc's non-temporal memcpy threshold on the machines measured: a copy this
+# size leaves its destination (and source) in the cache for the hash that follows.
+PIECE_BYTES = 256 * 2**10
+
+
+class DigestingCopier:
+    """Page copies between a CPU device pool and the host pool that checksum the host page."""
+
+    def __init__(self, host: HostPool, device: DevicePool, piece_bytes: int = PIECE_BYTES) -> None:
+        if device.device.type != "cpu":
+            raise TransferError(f"digesting copies need a CPU device pool, not {device.device}")
+        if host.geometry != device.geometry or host.page_size != device.page_size:
+            raise TransferError("host and device pools do not match")
+        if piece_bytes < 1:
+            raise TransferError(f"piece_bytes must be >= 1, got {piece_bytes}")
+        self.host = host
+        self.device = device
+        self.digests = host.digests
+        geometry = host.geometry
+        elem = geometry.element_bytes
+        row_bytes = geometry.row_elems * elem
+        hs, ds = host.strides, device.strides
+        self._host_page_bytes = hs.page * elem
+        self._device_page_bytes = ds.page * elem
+        self._host_bytes = host.flat.view(torch.uint8).numpy()
+        self._device_bytes = device.flat.view(torch.uint8).numpy()
+        self._token_major = hs.token != geometry.row_elems
+        if ds.token != geometry.row_elems:
+            raise TransferError("the device pool must keep a page's rows of a layer together")
+        # Per piece: offsets (bytes) from the page's start in each pool, and its size.
+        self._pieces: list[tuple[int, int, int]] = []
+        # token-major: per piece, its tokens (the device side is not contiguous).
+        self._token_runs: list[tuple[int, int]] = []
+        if self._token_major:
+            token_bytes = hs.token * elem
+            per_piece = max(1, piece_bytes // token_bytes)
+            for t0 in range(0, host.page_size, per_piece):
+                t1 = min(host.page_size, t0 + per_piece)
+                self._token_runs.append((t0, t1))
+                self._pieces.append((t0 * token_bytes, 0, (t1 - t0) * token_bytes))
+        else:
+            rows_per_piece = max(1, piece_bytes // row_bytes)
+            for layer in range(geometry.num_layers):
+                for plane in range(geometry.kv_planes):
+                    host_run = (layer * hs.layer + plane * hs.kv) * elem
+                    device_run = (layer * ds.layer + plane * ds.kv) * elem
+                    for t0 in range(0, host.page_size, rows_per_piece):
+                        n = min(rows_per_piece, host.page_size - t0) * row_bytes
+                        offset = t0 * row_bytes
+                        self._pieces.append((host_run + offset, device_run + offset, n))
+
+    # ------------------------------------------------------------------ L1 -> L2
+    def store(self, device_pages: PageIds, host_pages: PageIds) -> None:
+        """Copy device pages into host pages; each host page's digest becomes KNOWN."""
+        for device_page, host_page in zip(_ids(device_pages), _ids(host_pages), strict=True):
+            digest = self._copy_page(host_page, device_page, to_device=False)
+            self.digests.set_known(host_page, digest)
+
+    # ------------------------------------------------------------------ L2 -> L1
+    def load_verified(self, host_pages: PageIds, device_pages: PageIds) -> int:
+        """Copy host pages into device pages, checking every EXPECTED page against its
+        digest as it goes; returns how many leading pages were copied and are good.
+
+        Stops at the first page that fails (its device page holds garbage then); a page
+        that passes becomes KNOWN. Other pages are copied without a check.
+        """
+        digests = self.digests
+        for i, (host_page, device_page) in enumerate(
+            zip(_ids(host_pages), _ids(device_pages), strict=True)
+        ):
+            if digests.state(host_page) is not DigestState.EXPECTED:
+                self._copy_page(host_page, device_page, to_device=True, hash_it=False)
+                continue
+            digest = self._copy_page(host_page, device_page, to_device=True)
+            if digest != digests.digest(host_page):
+                return i
+            digests.set_known(host_page, digest)
+        return len(host_pages)
+
+    # ------------------------------------------------------------------ internals
+    def _copy_page(
+        self, host_page: int, device_page: int, *, to_device: bool, hash_it: bool = True
+    ) -> bytes:
+        """Copy one page piece by piece, hashing each host piece right after its copy."""
+        hasher = xxhash.xxh3_128()
+        update: Callable[[Any], None] = hasher.update if hash_it else _skip
+        host_base = host_page * self._host_page_bytes
+        if self._token_major:
+            host_view, device_view = self.host.pages[host_page], self.device.pages[device_page]
+            for (t0, t1), (offset, _, size) in zip(self._token_runs, self._pieces, strict=True):
+                if to_device:
+                    device_view[:, :, t0:t1].copy_(host_view[:, :, t0:t1])
+                else:
+                    host_view[:, :, t0:t1].copy_(device_view[:, :, t0:t1])
+                start = host_base + offset
+                update(self._host_bytes[start : start + size])
+            return hasher.digest()
+        device_base = device_page * self._device_page_bytes
+        host_bytes, device_bytes = self._host_bytes, self._device_bytes
+        for host_offset, device_offset, size in self._pieces:
+            h = host_bytes[host_base + host_offset : host_base + host_offset + size]
+            d = device_bytes[device_base + device_offset : device_base + device_offset + size]
+            if to_device:
+                d[:] = h
+            else:
+                h[:] = d
+            update(h)
+        return hasher.digest()
+
+
+def _ids(pages: PageIds | torch.Tensor) -> list[int]:
+    if isinstance(pages, torch.Tensor):
+        return [int(page) for page in pages.tolist()]
+    return [int(page) for page in np.asarray(pages).tolist()]
+
+
+def _skip(_: Any) -> None:
+    return None
