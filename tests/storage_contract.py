@@ -40,8 +40,11 @@ from hicache.config import MemLayout
 from hicache.memory.allocator import PageIds
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
+from hicache.memory.page_digests import DigestState
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend, StorageError
+from hicache.storage.frame import checksum
+from hicache.storage.page_regions import PageRegions
 
 OpenBackend = Callable[..., tuple[StorageBackend, HostPool]]
 
@@ -88,6 +91,9 @@ class StorageContract:
     page_size: ClassVar[int] = 4
     # Room for two full batches (source and destination) plus a few spare pages.
     host_num_pages: ClassVar[int] = 2 * MAX_BATCH_PAGES + 16
+    # Whether the backend stores pages in checksummed frames (storage.frame); the
+    # test doubles keep them bare.
+    frames_pages: ClassVar[bool] = True
 
     def make_backend(self, store: Any) -> StorageBackend:
         """A new, unattached backend over ``store``; backends over one store share pages."""
@@ -311,6 +317,56 @@ class StorageContract:
         assert backend.set(keys, page_range(0, 5)) == 5
         assert backend.get(keys, page_range(10, 15)) == 5
         assert page_bytes_of(host, page_range(10, 15)) == as_bytes(values)
+
+    def test_discard_drops_pages_so_that_set_stores_them_anew(
+        self, open_backend: OpenBackend, namespace: KeyNamespace
+    ) -> None:
+        backend, host = open_backend()
+        keys = self.keys(namespace, 4)
+        fill_random(host, page_range(0, 4), seed=11)
+        assert backend.set(keys, page_range(0, 4)) == 4
+        before = backend.stats()
+        # Page 1 was found damaged after a read (the cache's load): it must go.
+        assert backend.discard(keys[1:2]) == 1
+        assert backend.discard([]) == 0
+        assert backend.exists(keys) == 1
+        assert backend.get(keys[1:2], page_range(10, 11)) == 0
+        other, _ = open_backend()
+        assert other.exists(keys[1:2]) == 0, "another instance still sees a discarded page"
+        after = backend.stats()
+        assert after.failures.get("corrupt", 0) == before.failures.get("corrupt", 0) + 1
+        # The recomputed page is stored in its place; the others are skipped.
+        fresh = fill_random(host, page_range(0, 4), seed=12)
+        assert backend.set(keys, page_range(0, 4)) == 4
+        assert backend.stats().pages_written == after.pages_written + 1
+        assert backend.get(keys[1:2], page_range(10, 11)) == 1
+        assert page_bytes_of(host, page_range(10, 11)) == as_bytes(fresh[1:2])
+
+    def test_puts_take_the_caches_checksum_and_reads_can_leave_the_check_to_it(
+        self, open_backend: OpenBackend, namespace: KeyNamespace
+    ) -> None:
+        """A page the cache checksummed while copying it in is not hashed again for its
+        frame, and with ``defer_checks`` a read records the frame's checksum for the
+        cache's load to verify instead of hashing the page (memory.page_digests)."""
+        if not self.frames_pages:
+            pytest.skip("a test double without frames: nothing is checksummed")
+        backend, host = open_backend()
+        keys = self.keys(namespace, 3)
+        fill_random(host, page_range(0, 3), seed=13)
+        wrong = bytes(range(16))
+        host.digests.set_known(1, wrong)  # what the put must use, right or not
+        assert backend.set(keys, page_range(0, 3)) == 3
+        host.digests.defer_checks = True
+        assert backend.get(keys, page_range(10, 13)) == 3
+        assert [host.digests.state(p) for p in (10, 11, 12)] == [DigestState.EXPECTED] * 3
+        assert host.digests.digest(11) == wrong
+        right = checksum(PageRegions(host).views(0))
+        assert host.digests.digest(10) == right
+        # Verified here instead: the page whose frame carries the wrong checksum fails.
+        host.digests.defer_checks = False
+        assert backend.get(keys, page_range(10, 13)) == 1
+        assert host.digests.state(10) is DigestState.KNOWN
+        assert backend.stats().failures.get("corrupt", 0) >= 1
 
     def test_stats_count_what_happened(
         self, open_backend: OpenBackend, namespace: KeyNamespace

@@ -128,9 +128,15 @@ class MemoryBackend(StorageBackend):
         with self.store.lock:
             self.store.pages.clear()
 
-    def _check_open(self) -> None:
+    def _drop(self, keys: Sequence[bytes]) -> None:
+        with self.store.lock:
+            for key in keys:
+                self.store.pages.pop(key, None)
+
+    def _check_open(self, keys: Sequence[bytes] = (), host_pages: PageIds | None = None) -> None:
         if self.closed:
             raise StorageError("memory backend used after close()")
+        self._check_args(keys, host_pages)
 
     # ----------------------------------------------------------- test hooks
     def stall(self, what: str) -> threading.Event:

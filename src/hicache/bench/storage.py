@@ -21,6 +21,15 @@ it), so get numbers are memory-bound rather than disk-bound unless the
 pages exceed free memory. For nixl: NIXL transfers of the same pages with the
 backend's own agent, one payload-only file per page (``bench/nixl_baseline.py``).
 
+Pages are checksummed where the cache does it on a CPU device with one rank
+(``memory.page_digests``): the stored pages were copied into the host pool
+through the checksumming write, so puts take their checksum from there, and
+gets leave the payload check to the load, which verifies it while copying.
+The run also times those two copies with and without the checksum
+(``bench.page_copies``), so the cost that moved there is in the same table.
+``--verify-at-get`` measures the other way (what a CUDA device or tensor
+parallelism does): puts hash every page and gets verify it.
+
 Throughput is GB/s (1 GB = 1e9 B) of KV payload (headers not counted) and
 pages/s; "x" is the backend's throughput over the baseline's.
 """
@@ -45,8 +54,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.bench import page_copies
 from hicache.config import MemLayout
 from hicache.memory.allocator import PageIds
+from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import GEOMETRY_PRESETS, KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
@@ -69,6 +80,8 @@ class Workload:
     batch_pages: int
     repeats: int
     work_dir: Path  # a fresh directory of this run, removed at the end
+    # The CPU device pool the stored pages came from (None with --verify-at-get).
+    device: DevicePool | None = None
 
     @property
     def num_pages(self) -> int:
@@ -175,6 +188,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-verify-checksum", action="store_true",
         help="backends skip the checksum of the pages they read (verify_checksum: false; "
         "puts still hash, for the header): what verification costs, next to a default run",
+    )
+    parser.add_argument(
+        "--verify-at-get", action="store_true",
+        help="puts hash every page and gets verify it (what a CUDA device or tensor "
+        "parallelism does) instead of the checksum moving into a CPU device's page copies",
     )
     parser.add_argument("--json", type=str, default=None, help="write raw results here")
 
@@ -445,13 +463,19 @@ def _make_workload(args: argparse.Namespace, geometry: KVGeometry, work_dir: Pat
         args.num_pages, geometry.num_layers, geometry.kv_planes, args.page_size,
         geometry.row_elems,
     )
-    host.pages[torch.from_numpy(source)] = noise.view(geometry.dtype).view(shape)
+    data = noise.view(geometry.dtype).view(shape)
+    device: DevicePool | None = None
+    if args.verify_at_get:
+        host.pages[torch.from_numpy(source)] = data
+    else:  # as the cache on a CPU device: checksummed on the way in, verified on the way out
+        device = page_copies.fill_through_device(host, source, data)
+        host.digests.defer_checks = True
     # Keys of a namespace of this run only: a shared store never holds them already.
     namespace = KeyNamespace(f"bench-{uuid.uuid4().hex}", geometry.describe(), args.page_size)
     tokens = np.random.default_rng(0).integers(0, 100_000, args.num_pages * args.page_size)
     keys = chain_page_keys(pack_tokens(tokens), args.page_size, namespace.seed())
     return Workload(
-        geometry, host, keys, source, target, args.batch_pages, args.repeats, work_dir
+        geometry, host, keys, source, target, args.batch_pages, args.repeats, work_dir, device
     )
 
 
@@ -495,6 +519,22 @@ def _run_backend(
         return results
 
 
+def _measure_copies(workload: Workload) -> list[Result]:
+    """The checked page copies next to plain ones (``bench.page_copies``)."""
+    assert workload.device is not None
+    timed = page_copies.measure_copies(
+        workload.host, workload.device, workload.source, workload.target, workload.repeats
+    )
+    print(f"{page_copies.NAME} baseline: {page_copies.BASELINE_LABEL}", file=sys.stderr)
+    results: list[Result] = []
+    for kind, name in (("checked", page_copies.NAME), ("plain", f"{page_copies.NAME} baseline")):
+        write_s, load_s = timed[kind]
+        results += [
+            _result(name, "write", workload, write_s), _result(name, "load", workload, load_s)
+        ]
+    return results
+
+
 def _print_table(args: argparse.Namespace, workload: Workload, results: list[Result]) -> None:
     geometry = workload.geometry
     page_mib = workload.host.page_bytes / 2**20
@@ -504,7 +544,8 @@ def _print_table(args: argparse.Namespace, workload: Workload, results: list[Res
         f"tokens = {page_mib:.2f} MiB, {workload.num_pages} pages ({workload.nbytes / 1e9:.3f} GB) "
         f"in batches of {workload.batch_pages}, host layout {args.layout}"
         f"{', fsync' if args.fsync else ''}"
-        f"{', reads not verified' if args.no_verify_checksum else ''}; "
+        f"{', reads not verified' if args.no_verify_checksum else ''}"
+        f"{', checksums at put and get' if args.verify_at_get else ', checksums in the copies'}; "
         f"median of {workload.repeats}"
     )
     print()
@@ -554,6 +595,8 @@ def main(args: argparse.Namespace) -> int:
         workload = _make_workload(args, geometry, work_dir)
         for name in names:
             results += _run_backend(args, name, workload, skipped)
+        if results and workload.device is not None and not args.no_verify_checksum:
+            results += _measure_copies(workload)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     _print_table(args, workload, results)
@@ -565,6 +608,8 @@ def main(args: argparse.Namespace) -> int:
             "page_size": args.page_size,
             "page_bytes": workload.host.page_bytes, "layout": args.layout,
             "batch_pages": args.batch_pages, "fsync": bool(args.fsync),
+            "verify_at_get": bool(args.verify_at_get),
+            "verify_checksum": not args.no_verify_checksum,
             "repeats": args.repeats, "warmup": _WARMUP, "skipped": skipped,
             "results": [asdict(r) for r in results],
         }

@@ -245,9 +245,12 @@ class MooncakeBackend(StorageBackend):
         with self._staging_slot() as slot:
             base = self._slot_offset(slot)
 
+            # Hashing here (not left to the cache's load): in cache steps, in pieces.
+            hashing = self.verify_checksum and not regions.digests.defer_checks
+
             def read(part: range) -> list[int] | None:
                 buffers, sizes = self._buffer_lists(
-                    regions, pages[part.start : part.stop], base, part
+                    regions, pages[part.start : part.stop], base, part, hashing
                 )
                 part_names = names[part.start : part.stop]
                 return self._call(
@@ -267,7 +270,8 @@ class MooncakeBackend(StorageBackend):
                         return i - part.start
                 return len(part)
 
-            num_read = self._read_ahead(self._parts(len(keys), regions.page_bytes), read, verify)
+            parts = self._parts(len(keys), regions.page_bytes, hashing)
+            num_read = self._read_ahead(parts, read, verify)
         self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
@@ -285,6 +289,8 @@ class MooncakeBackend(StorageBackend):
         todo = [i for i, done in enumerate(stored) if not done]
         codes: dict[int, int] = {}
         if todo:
+            # Pages the cache checksummed while copying them in need no hash here.
+            hashing = any(regions.digests.digest(pages[i]) is None for i in todo)
             with self._staging_slot() as slot:
                 base = self._slot_offset(slot)
 
@@ -300,7 +306,7 @@ class MooncakeBackend(StorageBackend):
                 def put(part: range) -> bool:
                     chosen = todo[part.start : part.stop]
                     buffers, sizes = self._buffer_lists(
-                        regions, [pages[i] for i in chosen], base, part
+                        regions, [pages[i] for i in chosen], base, part, hashing
                     )
                     chosen_names = [names[i] for i in chosen]
                     results = self._call(
@@ -315,7 +321,7 @@ class MooncakeBackend(StorageBackend):
                         code in (0, OBJECT_ALREADY_EXISTS) for code in results
                     )
 
-                self._write_behind(self._parts(len(todo), regions.page_bytes), pack, put)
+                self._write_behind(self._parts(len(todo), regions.page_bytes, hashing), pack, put)
         num_written = 0
         for i, code in codes.items():
             if code == 0:
@@ -392,11 +398,14 @@ class MooncakeBackend(StorageBackend):
         return slot * MAX_BATCH_PAGES * HEADER_BYTES
 
     def _buffer_lists(
-        self, regions: PageRegions, pages: list[int], slot_offset: int, part: range
+        self, regions: PageRegions, pages: list[int], slot_offset: int, part: range,
+        hashing: bool,
     ) -> tuple[list[list[int]], list[list[int]]]:
         """Per object: [page regions..., its header slot] addresses and sizes.
 
         ``part`` gives the header slots: page ``pages[j]`` uses slot ``part[j]``.
+        ``hashing``: the pages are hashed here, so they move in pieces that leave them
+        in the cache (cache_steps); otherwise in whole regions, as a plain client would.
         """
         header = self._staging_address + slot_offset
         buffers: list[list[int]] = []
@@ -405,7 +414,8 @@ class MooncakeBackend(StorageBackend):
             # Pieces, not whole regions: each is one memcpy that leaves its bytes
             # in the cache for the hash (cache_steps).
             pieces, object_sizes = copy_pieces(
-                regions.addresses(page), regions.region_bytes, PAGE_PIECE_BYTES
+                regions.addresses(page), regions.region_bytes,
+                PAGE_PIECE_BYTES if hashing else regions.region_bytes,
             )
             pieces.append(header + slot * HEADER_BYTES)
             buffers.append(pieces)
@@ -413,8 +423,11 @@ class MooncakeBackend(StorageBackend):
         return buffers, [object_sizes] * len(pages)
 
     @staticmethod
-    def _parts(count: int, page_bytes: int) -> list[range]:
-        """Split a batch of ``count`` pages into the chunks it is moved in (see _read_ahead)."""
+    def _parts(count: int, page_bytes: int, hashing: bool) -> list[range]:
+        """Split a batch of ``count`` pages into the chunks it is moved in (see _read_ahead):
+        one when nothing is hashed here (a chunk would only add a call)."""
+        if not hashing:
+            return [range(count)]
         chunks = max(1, min(count, count * page_bytes // PIPELINE_CHUNK_BYTES))
         bounds = [round(k * count / chunks) for k in range(chunks + 1)]
         return [range(bounds[k], bounds[k + 1]) for k in range(chunks)]

@@ -10,6 +10,8 @@ from tests.storage_contract import MLA_GEOMETRY, StorageContract
 
 
 class TestDynamicContract(StorageContract):
+    frames_pages = False
+
     def make_backend(self, store: Any) -> StorageBackend:
         # DictStore keeps its pages in a module-level dict named by "store" (the
         # test's directory): backends made over one store share them.

@@ -13,6 +13,8 @@ from tests.storage_reference import MemoryBackend, MemoryStore
 
 
 class TestReferenceContract(StorageContract):
+    frames_pages = False
+
     @pytest.fixture
     def store(self, tmp_path: Path) -> Any:
         return MemoryStore()

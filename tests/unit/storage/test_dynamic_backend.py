@@ -88,6 +88,13 @@ class DictStore:
         with self.lock:
             self.pages.clear()
 
+    def discard(self, keys: Sequence[bytes]) -> int:
+        with self.lock:
+            for key in keys:
+                self.counters.fail("corrupt")
+                self.pages.pop(key, None)
+        return len(keys)
+
     def stats(self) -> StorageStats:
         with self.lock:
             return self.counters.snapshot()

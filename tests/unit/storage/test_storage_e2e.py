@@ -8,6 +8,7 @@ integrity check after each step.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ import torch
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
+from hicache.storage import page_regions
 from hicache.storage.file import FileBackend
+from hicache.storage.frame import Buffer
 from hicache.storage.frame import PayloadOrder, object_name
 from tests.l3_caches import assert_a_new_cache_reuses, l3_backend_of, make_l3_cache
 from tests.unit.test_l3_cache import conversation, serve_with_l3, settle
@@ -49,13 +52,14 @@ def test_a_new_instance_reuses_the_kv_the_last_one_stored(
     assert_a_new_cache_reuses(lambda: make_cache(tmp_path, layout), conversation(40))
 
 
-def test_a_corrupted_page_file_ends_the_reused_prefix(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad_page", [0, 5, 9])
+def test_a_corrupted_page_file_ends_the_reused_prefix(tmp_path: Path, bad_page: int) -> None:
     tokens = conversation(40)
     first = make_cache(tmp_path)
     try:
         serve_with_l3(first, tokens)
         settle(first)
-        damaged = page_file(first, tmp_path, tokens, 5)
+        damaged = page_file(first, tmp_path, tokens, bad_page)
     finally:
         first.close()
     data = bytearray(damaged.read_bytes())
@@ -64,9 +68,12 @@ def test_a_corrupted_page_file_ends_the_reused_prefix(tmp_path: Path) -> None:
 
     second = make_cache(tmp_path)
     try:
-        # Pages 0..4 are reused; page 5 fails its checksum, so it and everything
-        # after it are recomputed. serve() checks the KV equals cold KV.
-        assert serve_with_l3(second, tokens) == 20
+        # The pages before the bad one are reused; it fails its checksum (when the
+        # cache loads it), so it and everything after it are recomputed. serve()
+        # checks the KV equals cold KV.
+        assert serve_with_l3(second, tokens) == bad_page * PAGE_SIZE
+        assert second.stats.num_corrupt_pages == 1
+        settle(second)
         assert backend_of(second).stats().failures == {"corrupt": 1}
         settle(second)
         # The bad file was dropped and the recomputed pages were backed up again.
@@ -81,6 +88,41 @@ def test_a_corrupted_page_file_ends_the_reused_prefix(tmp_path: Path) -> None:
         settle(third)
     finally:
         third.close()
+
+
+def test_pages_are_hashed_in_the_caches_copies_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU device the L3 put takes the checksum the write took while copying each
+    page in, and the get leaves the payload check to the load: neither hashes a page."""
+    hashed: list[int] = []
+    real = page_regions.checksum
+
+    def counting(fragments: Iterable[Buffer]) -> bytes:
+        hashed.append(1)
+        return real(fragments)
+
+    monkeypatch.setattr(page_regions, "checksum", counting)
+    tokens = conversation(40)
+    first = make_cache(tmp_path)
+    try:
+        serve_with_l3(first, tokens)
+        settle(first)
+        assert backend_of(first).stats().pages_written == 10
+    finally:
+        first.close()
+    second = make_cache(tmp_path)
+    try:
+        assert serve_with_l3(second, tokens) == 40
+        assert second.stats.num_corrupt_pages == 0
+        assert backend_of(second).stats().pages_read == 10
+        host = second.host_pool
+        assert host is not None and host.digests.defer_checks
+        pages = second.tree.match_prefix(tokens).host_pages
+        assert len(pages) == 0  # loaded: on the device now, their host copies verified
+    finally:
+        second.close()
+    assert hashed == []
 
 
 def test_a_page_file_removed_after_the_lookup_is_a_miss_not_an_error(tmp_path: Path) -> None:
