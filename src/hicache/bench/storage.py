@@ -527,7 +527,10 @@ def _measure_copies(workload: Workload) -> list[Result]:
     )
     print(f"{page_copies.NAME} baseline: {page_copies.BASELINE_LABEL}", file=sys.stderr)
     results: list[Result] = []
-    for kind, name in (("checked", page_copies.NAME), ("plain", f"{page_copies.NAME} baseline")):
+    for kind, name in (
+        ("checked", page_copies.NAME), ("unchecked", f"{page_copies.NAME} baseline"),
+        ("direct", page_copies.DIRECT),
+    ):
         write_s, load_s = timed[kind]
         results += [
             _result(name, "write", workload, write_s), _result(name, "load", workload, load_s)

@@ -409,14 +409,16 @@ class MooncakeBackend(StorageBackend):
         """
         header = self._staging_address + slot_offset
         buffers: list[list[int]] = []
-        object_sizes: list[int] = []
+        object_sizes = [regions.region_bytes] * regions.num_regions
         for page, slot in zip(pages, part, strict=True):
-            # Pieces, not whole regions: each is one memcpy that leaves its bytes
-            # in the cache for the hash (cache_steps).
-            pieces, object_sizes = copy_pieces(
-                regions.addresses(page), regions.region_bytes,
-                PAGE_PIECE_BYTES if hashing else regions.region_bytes,
-            )
+            if hashing:
+                # Pieces, not whole regions: each is one memcpy that leaves its bytes
+                # in the cache for the hash (cache_steps).
+                pieces, object_sizes = copy_pieces(
+                    regions.addresses(page), regions.region_bytes, PAGE_PIECE_BYTES
+                )
+            else:
+                pieces = regions.addresses(page)
             pieces.append(header + slot * HEADER_BYTES)
             buffers.append(pieces)
         object_sizes = [*object_sizes, HEADER_BYTES]

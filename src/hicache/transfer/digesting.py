@@ -80,11 +80,15 @@ class DigestingCopier:
                         self._pieces.append((host_run + offset, device_run + offset, n))
 
     # ------------------------------------------------------------------ L1 -> L2
-    def store(self, device_pages: PageIds, host_pages: PageIds) -> None:
-        """Copy device pages into host pages; each host page's digest becomes KNOWN."""
+    def store(self, device_pages: PageIds, host_pages: PageIds, checksum: bool = True) -> None:
+        """Copy device pages into host pages; each host page's digest becomes KNOWN
+        (UNKNOWN without ``checksum``: the same copy, nothing hashed)."""
         for device_page, host_page in zip(_ids(device_pages), _ids(host_pages), strict=True):
-            digest = self._copy_page(host_page, device_page, to_device=False)
-            self.digests.set_known(host_page, digest)
+            digest = self._copy_page(host_page, device_page, to_device=False, hash_it=checksum)
+            if checksum:
+                self.digests.set_known(host_page, digest)
+            else:
+                self.digests.forget([host_page])
 
     # ------------------------------------------------------------------ L2 -> L1
     def load_verified(self, host_pages: PageIds, device_pages: PageIds) -> int:
