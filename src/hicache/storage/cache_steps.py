@@ -1,11 +1,14 @@
 """Sizing L3 copies so that a page is hashed while it is still in the CPU's last-level cache.
 
-Every page a backend stores is hashed (the frame checksum), and every page it
-reads is hashed again to verify it. xxh3 hashes about 85 GB/s from cache but
-only at DRAM speed (~35 GB/s on a 2-vCPU EPYC) from memory, and a hash pass
-from DRAM also competes with the store's own copy for memory bandwidth. So
-the Mooncake backend moves a batch in *cache steps*: a few pages at a time,
-hashing each step while its bytes are in the last-level cache:
+A page a backend stores is hashed for its frame checksum unless the cache took
+that checksum already (``memory.page_digests``: it does while copying a page in
+from a CPU device), and a page it reads is hashed again to verify it unless the
+cache's load verifies it (again with a CPU device). When the backend hashes:
+xxh3 hashes about 85 GB/s from cache but only at DRAM speed (~35 GB/s on a
+2-vCPU EPYC) from memory, and a hash pass from DRAM also competes with the
+store's own copy for memory bandwidth. So the Mooncake backend then moves a
+batch in *cache steps*: a few pages at a time, hashing each step while its
+bytes are in the last-level cache:
 
 - put: the helper thread hashes step k+1 (one DRAM read that leaves it in
   the cache) while Mooncake copies step k, which it then reads from cache;
