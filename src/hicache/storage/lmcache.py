@@ -93,6 +93,9 @@ BAD_KEYS_REMEMBERED = 4096
 _GENERATION_BYTES = 8
 
 
+# What a discarded page is overwritten with (see _drop).
+_TOMBSTONE = b"\0"
+
 class LMCacheBackend(StorageBackend):
     """See the module docstring."""
 
@@ -190,6 +193,14 @@ class LMCacheBackend(StorageBackend):
         began = time.perf_counter()
         pages = np.asarray(host_pages).tolist()
         names = self._names(keys)
+        bad = self._bad_snapshot()  # found bad (or discarded): missing until stored anew
+        known_bad = next((i for i, name in enumerate(names) if name in bad), None)
+        if known_bad is not None:
+            names = names[:known_bad]
+            if not names:
+                self._fail("missing")
+                self._count_read(0, regions.page_bytes, began)
+                return 0
         expected = regions.page_bytes + HEADER_BYTES
         header = bytearray(HEADER_BYTES)
         good = 0  # leading pages read and verified
@@ -199,7 +210,7 @@ class LMCacheBackend(StorageBackend):
         try:
             with client.connection() as conn:
                 conn.send([encode_request(Command.GET, name) for name in names])
-                for current in range(len(keys)):
+                for current in range(len(names)):
                     reply = conn.read_reply()
                     fault = length_fault(reply.value_bytes, expected) if reply.ok else None
                     if broken or not reply.ok or fault is not None:
@@ -229,6 +240,8 @@ class LMCacheBackend(StorageBackend):
                 self._mark_bad(names[current], Fault.SHORT_READ)
             elif not broken:
                 self._count_error(error, 1)
+        if known_bad is not None and good == known_bad:
+            self._fail("missing")  # the chain reached a page known bad
         self._count_read(good, regions.page_bytes, began)
         return good
 
@@ -341,8 +354,17 @@ class LMCacheBackend(StorageBackend):
         self._fail(reason, pages)
 
     def _drop(self, keys: Sequence[bytes]) -> None:
-        self._ready(keys)
-        self._remember_bad(self._names(keys))
+        """lmcache_server cannot delete: this instance remembers the pages as bad (missing
+        until it stores them anew) and overwrites each with a one-byte tombstone, which
+        any other instance reads as a short page, a miss."""
+        client, _ = self._ready(keys)
+        names = self._names(keys)
+        self._remember_bad(names)
+        try:
+            with client.connection() as conn:
+                conn.put(((name, [_TOMBSTONE]) for name in names), self._control_key)
+        except (OSError, ProtocolError) as error:
+            self._count_error(error, 1)
 
     def _mark_bad(self, name: str, fault: Fault) -> None:
         self._fail(fault.value)

@@ -32,10 +32,18 @@ def test_a_tiny_run_prints_the_backend_next_to_its_baseline(
     results = json.loads(out.read_text())
     assert results["skipped"] == {}
     measured = {(r["backend"], r["op"]): r for r in results["results"]}
+    # The checksum's cost where it moved: the cache's page copies, checked and not.
+    copies = {
+        (name, op)
+        for name in ("copy + checksum", "copy + checksum baseline", "direct copy")
+        for op in ("write", "load")
+    }
     assert set(measured) == {
         ("file", "put"), ("file", "get"), ("file baseline", "put"), ("file baseline", "get"),
+        *copies,
     }
     assert all(r["pages"] == 6 and r["gbps"] > 0 for r in measured.values())
+    assert "| copy + checksum | load |" in printed
     rows = [line for line in printed.splitlines() if line.startswith("| file |")]
     assert [row.split("|")[2].strip() for row in rows] == ["put", "get"]
     for row in rows:
@@ -111,4 +119,6 @@ def test_the_mla_geometry_moves_mla_pages(tmp_path: Path) -> None:
     assert results["geometry"] == "MLA-L27-D576-bfloat16"
     # 4 tokens x 27 layers x one 576-element bf16 latent: no K/V pair.
     assert results["page_bytes"] == 4 * 27 * 576 * 2
-    assert {r["backend"] for r in results["results"]} == {"file", "file baseline"}
+    assert {r["backend"] for r in results["results"]} == {
+        "file", "file baseline", "copy + checksum", "copy + checksum baseline", "direct copy",
+    }
