@@ -95,6 +95,9 @@ def _scenario(engine: Any, vocab: int) -> Run:
     requests at once, and a repeat after a flush (from L3, which keeps the pages)."""
     base = [(7 * i + 3) % vocab for i in range(29)]
     other = [(11 * i + 5) % vocab for i in range(21)]
+    # Its own prompt: one shared with "other", sent at the same time, would hit the pages
+    # "other" inserts or not depending on which step each arrives in (a race, not TP).
+    third = [(13 * i + 7) % vocab for i in range(19)]
     got: dict[str, Outcome] = {}
     logprobs: dict[str, Logprobs] = {}
 
@@ -110,7 +113,7 @@ def _scenario(engine: Any, vocab: int) -> Run:
     asyncio.run(one("l2", _request("l2", base)))
     asyncio.run(together([
         _request("extends", [*base, 1, 2, 3]), _request("other", other),
-        _request("sampled", other, sampled=True),
+        _request("sampled", third, sampled=True),
     ]))
     engine.check_integrity()
     assert engine.flush_cache()

@@ -164,6 +164,16 @@ class WriteGate:
             return real_store(*args, **kwargs)
 
         self.io.store = gated_store  # type: ignore[method-assign]
+        copier = controller.copier  # a CPU device's writes for L3 go through it instead
+        if copier is not None:
+            real_copier_store = copier.store
+
+            def gated_copier_store(*args: Any, **kwargs: Any) -> Any:
+                self.num_waiting += 1
+                assert self.opened.wait(WAIT_S), "the gate was never opened"
+                return real_copier_store(*args, **kwargs)
+
+            copier.store = gated_copier_store  # type: ignore[method-assign]
 
 
 @pytest.fixture(name="context")
