@@ -18,7 +18,7 @@ import torch
 
 from hicache.config import IOBackendKind, MemLayout
 from hicache.memory.geometry import KVGeometry
-from hicache.transfer import DirectBackend, TransferError, create_io_backend
+from hicache.transfer import DirectBackend, TransferError, create_io_backend, direct
 from hicache.transfer.direct import page_runs
 from hicache.transfer.kernel import KernelBackend, KernelUnavailableError
 from tests.transfer_reference import (
@@ -41,6 +41,28 @@ MODES: dict[str, dict[str, Any]] = {
     "staged_gather": {"staged": True, "min_dma_bytes": 1 << 40},  # loads: CPU gather
     "staged_chunked": {"staged": True, "min_dma_bytes": 0, "staging_bytes": 1},  # 1 page/chunk
 }
+
+
+@pytest.mark.parametrize("per_page", [True, False])
+@pytest.mark.parametrize("layer", [None, 0, LAYERS - 1])
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_same_device_copies_page_by_page_or_all_at_once(
+    layout: MemLayout, layer: int | None, per_page: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU pools: large page parts are copied one page at a time, small ones with one
+    index_select + index_copy_; both give the reference's bytes."""
+    monkeypatch.setattr(direct, "PER_PAGE_COPY_MIN_BYTES", 0 if per_page else 1 << 40)
+    batched: list[int] = []
+    real = torch.Tensor.index_select
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        batched.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", counting)
+    geometry = KVGeometry(num_layers=LAYERS, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    check_round_trip(geometry, layout, 4, layer, DirectBackend, seed=7)
+    assert (not batched) == per_page
 
 
 @pytest.mark.parametrize("mode", list(MODES))
