@@ -26,8 +26,11 @@ import torch
 
 from hicache.distributed.group import TPGroup, init_tp_group
 
-# Collectives fail (not hang) after this long without the other ranks.
-COLLECTIVE_TIMEOUT_S = 30.0
+# Collectives fail (not hang) after this long without the other ranks: long enough for a
+# rank that a loaded machine slows (a busy 2-core machine builds a rank in tens of seconds).
+COLLECTIVE_TIMEOUT_S = 120.0
+# A group that has not finished by then failed: a guard against a hang, not a bound on speed.
+RUN_TIMEOUT_S = 600.0
 
 
 def free_port() -> int:
@@ -38,7 +41,8 @@ def free_port() -> int:
 
 
 def run_ranks(
-    target: Callable[[TPGroup, Any], Any], size: int, arg: Any = None, timeout_s: float = 60.0
+    target: Callable[[TPGroup, Any], Any], size: int, arg: Any = None,
+    timeout_s: float = RUN_TIMEOUT_S,
 ) -> list[Any]:
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue[tuple[int, bool, bytes | str]] = context.Queue()

@@ -26,7 +26,7 @@ def test_collectives_between_three_ranks() -> None:
 
 def test_a_failing_rank_fails_the_run_with_its_traceback() -> None:
     with pytest.raises(AssertionError, match="rank one fails on purpose"):
-        run_ranks(fail_on_rank_one, 2, timeout_s=60)
+        run_ranks(fail_on_rank_one, 2)
 
 
 def test_size_one_joins_nothing_and_returns_its_inputs() -> None:

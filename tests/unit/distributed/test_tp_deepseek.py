@@ -42,7 +42,7 @@ def _dummy_config() -> ModelConfig:
 
 def _run(cases: list[Case], size: int) -> Results:
     alone = {case.name: run_case(case, None) for case in cases}
-    ranks = run_ranks(run_cases, size, cases, timeout_s=120)
+    ranks = run_ranks(run_cases, size, cases)
     return {name: (alone[name], [r[name] for r in ranks]) for name in alone}
 
 

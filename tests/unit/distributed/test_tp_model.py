@@ -75,7 +75,7 @@ def _alone_and_ranks(cases: list[Case], size: int) -> Results:
     # Alone first: it builds the CPU attention kernel (if the cache lacks it) before the
     # ranks start, so they only load it.
     alone = {case.name: run_case(case, None) for case in cases}
-    ranks = run_ranks(run_cases, size, cases, timeout_s=120)
+    ranks = run_ranks(run_cases, size, cases)
     return {name: (alone[name], [r[name] for r in ranks]) for name in alone}
 
 
@@ -150,7 +150,7 @@ def test_tp3_equals_one_rank(tp3: Results, name: str) -> None:
 def test_smollm2_gguf_tp2_equals_one_rank(smollm2_dir: Path) -> None:
     case = Case("smollm2", str(smollm2_dir), keep_weights=False)
     alone = run_case(case, None)
-    ranks = run_ranks(run_cases, 2, [case], timeout_s=180)
+    ranks = run_ranks(run_cases, 2, [case])
     assert_same_run(alone, [r["smollm2"] for r in ranks])
 
 
@@ -170,5 +170,5 @@ def test_tp2_compiled_blocks_equal_one_rank_eager() -> None:
     config = small_qwen3_style(num_layers=2)
     alone = run_case(Case("eager", config=config, keep_weights=False), None)
     compiled = Case("compiled", config=config, compile=True, keep_weights=False)
-    ranks = run_ranks(run_cases, 2, [compiled], timeout_s=300)
+    ranks = run_ranks(run_cases, 2, [compiled])
     assert_same_run(alone, [r["compiled"] for r in ranks])

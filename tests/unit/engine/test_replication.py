@@ -66,7 +66,7 @@ def alone() -> RankResult:
 @pytest.mark.parametrize("lagging_rank", [None, 0, 1])
 def test_ranks_agree_and_match_one_rank(alone: RankResult, lagging_rank: int | None) -> None:
     scenario = Scenario(TP2, _steps(), lagging_rank=lagging_rank, lag_ticks=LAG_TICKS)
-    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    leader, follower = run_ranks(run_scenario, 2, scenario)
     # Every rank drew the same tokens, even where no seed was given.
     assert follower.tokens == leader.tokens
     # The outputs and what came from which tier are the single-rank engine's.
@@ -101,7 +101,7 @@ def _agree_min(tp: TPGroup, value: int) -> list[int]:
 
 
 def test_agreement_is_the_minimum_on_every_rank() -> None:
-    results = run_ranks(_agree_min, 2, 7, timeout_s=60)
+    results = run_ranks(_agree_min, 2, 7)
     assert results == [[7, 2], [7, 2]]
     assert Progress.from_tensor(Progress(9).to_tensor()) == Progress(9)
     assert Progress(4).to_tensor().dtype == torch.int64

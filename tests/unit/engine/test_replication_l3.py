@@ -91,7 +91,7 @@ def _assert_ranks_alike(leader: RankResult, follower: RankResult) -> None:
 def test_tp2_reads_back_from_l3_like_one_rank(alone: RankResult, tmp_path: Path) -> None:
     assert all(alone.storage_tokens[rid] > 0 for rid in FROM_L3)  # L3 served them alone
     scenario = Scenario(_config(tmp_path, 2), STEPS)
-    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    leader, follower = run_ranks(run_scenario, 2, scenario)
     _assert_ranks_alike(leader, follower)
     assert leader.tokens == alone.tokens
     assert leader.storage_tokens == alone.storage_tokens
@@ -104,7 +104,7 @@ def test_a_rank_whose_l3_falls_short_shortens_the_prefix_for_all(
 ) -> None:
     fault = L3Fault(rank=rank, call=call, num_pages=SHORT_PAGES)
     scenario = dataclasses.replace(Scenario(_config(tmp_path, 2), STEPS), l3_fault=fault)
-    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    leader, follower = run_ranks(run_scenario, 2, scenario)
     _assert_ranks_alike(leader, follower)
     # The prefix every rank took is what the short rank had; the outputs do not change.
     for rid in FROM_L3:
@@ -135,7 +135,7 @@ def test_a_rank_whose_l3_reads_late_gives_the_same_prefix_on_every_rank(
     fault = L3Fault(rank=rank, call="get", delay_s=LATE_READ_S, num_delayed_calls=2)
     config = _config(tmp_path, 2, **storage_options)
     scenario = dataclasses.replace(Scenario(config, STEPS), l3_fault=fault)
-    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    leader, follower = run_ranks(run_scenario, 2, scenario)
     _assert_ranks_alike(leader, follower)
     late, other = (leader, follower) if rank == 0 else (follower, leader)
     assert late.num_stalled_calls == (1 if stalls else 0) and other.num_stalled_calls == 0
@@ -170,7 +170,7 @@ def test_every_prefetch_policy_gives_the_same_prefix_on_every_rank(
         fault = L3Fault(rank=late_rank, call="get", delay_s=LATE_READ_S, num_delayed_calls=2)
     config = _config(tmp_path, 2, prefetch_policy=policy, **storage_options)
     scenario = dataclasses.replace(Scenario(config, STEPS), l3_fault=fault)
-    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    leader, follower = run_ranks(run_scenario, 2, scenario)
     _assert_ranks_alike(leader, follower)
     assert leader.tokens == alone.tokens
     for rid in FROM_L3:
@@ -202,7 +202,7 @@ def test_a_rank_whose_l3_write_stalls_keeps_the_node_protected_on_every_rank(
     fault = L3Fault(rank=1, call="set", delay_s=LATE_READ_S)
     config = _config(tmp_path / "tp2", 2, io_timeout_s=0.2)
     scenario = dataclasses.replace(Scenario(config, BACKUP_STEPS), l3_fault=fault)
-    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    leader, follower = run_ranks(run_scenario, 2, scenario)
     _assert_ranks_alike(leader, follower)
     assert leader.host_protected_nodes == follower.host_protected_nodes  # at every tick
     assert follower.num_stalled_calls == 1 and leader.num_stalled_calls == 0
@@ -219,7 +219,7 @@ def _agree_l3(tp: TPGroup, _: None) -> Progress:
 def test_l3_progress_is_agreed_field_by_field() -> None:
     slots = (SlotProgress(1, 5, 3, 1, 0), SlotProgress(0, 0, 0, 0, 1))
     expected = Progress(1, L3Progress(2, slots))
-    assert run_ranks(_agree_l3, 2, None, timeout_s=60) == [expected, expected]
+    assert run_ranks(_agree_l3, 2, None) == [expected, expected]
     # Fixed shape whatever the slots in use (the collective never changes shape).
     tensor = expected.to_tensor()
     num_fields = 2 + NUM_SLOTS * SlotProgress.NUM_FIELDS

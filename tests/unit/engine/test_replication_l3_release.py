@@ -75,7 +75,7 @@ def test_an_operation_while_a_rank_call_is_stalled_keeps_the_ranks_alike(
 ) -> None:
     fault = L3Fault(rank=1, call=call, delay_s=LATE_CALL_S)
     scenario = Scenario(_config(tmp_path), _steps(call, op), l3_fault=fault)
-    leader, follower = run_ranks(run_scenario, 2, scenario, timeout_s=120)
+    leader, follower = run_ranks(run_scenario, 2, scenario)
     assert isinstance(leader, RankResult) and isinstance(follower, RankResult)
     assert follower.num_stalled_calls == 1 and leader.num_stalled_calls == 0
     # The operation under test (the last one) ended with rank 1's call still stalled.

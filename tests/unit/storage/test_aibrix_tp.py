@@ -32,7 +32,7 @@ def test_tp2_over_aibrix_reads_back_from_l3_like_one_rank(tmp_path: Path) -> Non
     alone = run_scenario(SINGLE_RANK, _aibrix_scenario(tmp_path / "alone", 1))
     assert all(alone.storage_tokens[rid] > 0 for rid in FROM_L3)  # L3 served them alone
     path = tmp_path / "tp2"
-    leader, follower = run_ranks(run_scenario, 2, _aibrix_scenario(path, 2), timeout_s=120)
+    leader, follower = run_ranks(run_scenario, 2, _aibrix_scenario(path, 2))
     _assert_ranks_alike(leader, follower)
     assert leader.tokens == alone.tokens
     assert leader.storage_tokens == alone.storage_tokens
