@@ -75,6 +75,11 @@ class EngineCounters:
     num_requests: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    # The same aborts by the phase each request was in: waiting ones cost no prefill,
+    # so these show whether abandoned requests are dropped before any compute.
+    num_aborted_waiting: int = 0
+    num_aborted_prefill: int = 0
+    num_aborted_decode: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_cached_device_tokens: int = 0
@@ -745,7 +750,8 @@ class Scheduler:
             if self._cut_at_stop(req):
                 reason = "stop"
         self.prefetcher.cancel(req)
-        if req.phase is not Phase.WAITING:
+        phase = req.phase
+        if phase is not Phase.WAITING:
             # Keep the KV of a request that finished (or was aborted) mid-way: it
             # is valid, and the next turn of the conversation will want it.
             self._release(req, keep_kv=True)
@@ -759,9 +765,19 @@ class Scheduler:
         self._by_rid.pop(req.rid, None)
         if reason == "abort":
             self.counters.num_aborted += 1
+            self._count_abort(phase)
         else:
             self.counters.num_finished += 1
         self.outputs.add(req, final=True)
+
+    def _count_abort(self, phase: Phase) -> None:
+        counters = self.counters
+        if phase is Phase.WAITING:
+            counters.num_aborted_waiting += 1
+        elif phase is Phase.PREFILL:
+            counters.num_aborted_prefill += 1
+        else:
+            counters.num_aborted_decode += 1
 
     def _fail_all(self, message: str) -> None:
         if self.decode_intake is not None:

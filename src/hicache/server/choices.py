@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from hicache.engine.api import GenerateOutput, GenerateRequest
 from hicache.server.bootstrap_fields import sample_room
+from hicache.server.client_watch import ClientWatch
 from hicache.server.generation import Generation, start_generation
 from hicache.server.protocol import PromptTokensDetails, Usage
 from hicache.server.state import ServerState
@@ -40,13 +41,14 @@ def sample_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
 
 
 async def start_samples(
-    state: ServerState, requests: Sequence[GenerateRequest], log_metrics: bool = True
+    state: ServerState, requests: Sequence[GenerateRequest], log_metrics: bool = True,
+    watch: ClientWatch | None = None,
 ) -> list[Generation]:
-    """Start the first, then (its prompt cached) the rest; if one is refused, the started
-    ones are closed and the error raised."""
-    first = await start_generation(state, requests[0], log_metrics)
+    """Start the first, then (its prompt cached) the rest; if one is refused (or the
+    client behind ``watch`` left), the started ones are closed and the error raised."""
+    first = await start_generation(state, requests[0], log_metrics, watch)
     outcomes = await asyncio.gather(
-        *(start_generation(state, r, log_metrics) for r in requests[1:]),
+        *(start_generation(state, r, log_metrics, watch) for r in requests[1:]),
         return_exceptions=True,
     )
     started = [first, *(o for o in outcomes if isinstance(o, Generation))]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from hicache.engine.api import GenerateOutput, GenerateRequest, LogprobParams, T
 from hicache.server import tokenization
 from hicache.server.bootstrap_fields import request_bootstrap
 from hicache.server.choices import merged, sample_requests, start_samples
+from hicache.server.client_watch import ClientWatch
 from hicache.server.errors import APIError, error_payload, parse_body
 from hicache.server.generate_protocol import (
     GenerateMetaInfo,
@@ -93,29 +94,32 @@ async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateReqInput)
     state.check_model(body.model)
     samples = [body.item_sampling(i).n or 1 for i in range(body.batch_size)]
+    # The client may leave while its prompts wait in the engine's queue: they are
+    # dropped there, never prefilled.
+    watch = ClientWatch(request.receive)
     if not body.is_batch and samples[0] == 1:
-        running = (await _start(state, body, 0))[0]
+        running = (await _start(state, body, 0, watch))[0]
         if body.stream:
             return EventStreamResponse(_events(running))
-        result = await _complete(running, request.is_disconnected)
+        result = await _complete(running, watch)
         return JSONResponse(result.dump())
     # A batch, or n samples of one prompt: a list of results, prompt by prompt and each
     # prompt's samples in order (as SGLang answers); streamed, each chunk names its "index"
     # in that order.
-    batch = await _start_batch(state, body)
+    batch = await _start_batch(state, body, watch)
     if body.stream:
         return EventStreamResponse(_batch_events(batch))
     try:
-        results = await asyncio.gather(
-            *(_complete(item, request.is_disconnected) for item in batch)
-        )
+        results = await asyncio.gather(*(_complete(item, watch) for item in batch))
     finally:  # a failed item: the others stop too (they hold pages nobody will read)
         for item in batch:
             await item.generation.aclose()
     return JSONResponse([result.dump() for result in results])
 
 
-async def _start(state: ServerState, body: GenerateReqInput, index: int) -> list[_Running]:
+async def _start(
+    state: ServerState, body: GenerateReqInput, index: int, watch: ClientWatch
+) -> list[_Running]:
     """The prompt's samples (one unless ``n``), started (see choices.start_samples)."""
     prompt = body.item_prompt(index)
     if isinstance(prompt, str):
@@ -140,7 +144,8 @@ async def _start(state: ServerState, body: GenerateReqInput, index: int) -> list
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {params.n}",
                        param="sampling_params.n")
     requests = sample_requests(engine_request, params.n or 1)
-    generations = await start_samples(state, requests, log_metrics=body.log_metrics)
+    generations = await start_samples(state, requests, log_metrics=body.log_metrics,
+                                      watch=watch)
     tokenizer = state.engine.tokenizer
     options = TextOptions(params.skip_special_tokens, params.no_stop_trim)
     texts = TokenTexts(tokenizer) if body.return_text_in_logprobs else None
@@ -152,11 +157,14 @@ async def _start(state: ServerState, body: GenerateReqInput, index: int) -> list
     ]
 
 
-async def _start_batch(state: ServerState, body: GenerateReqInput) -> list[_Running]:
+async def _start_batch(
+    state: ServerState, body: GenerateReqInput, watch: ClientWatch
+) -> list[_Running]:
     """Submit every prompt at once (each waits for its first token); if one is refused,
     the others are stopped and the error names the refused prompt."""
     outcomes = await asyncio.gather(
-        *(_start(state, body, i) for i in range(body.batch_size)), return_exceptions=True
+        *(_start(state, body, i, watch) for i in range(body.batch_size)),
+        return_exceptions=True,
     )
     started = [r for o in outcomes if isinstance(o, list) for r in o]
     for index, outcome in enumerate(outcomes):
@@ -169,10 +177,8 @@ async def _start_batch(state: ServerState, body: GenerateReqInput) -> list[_Runn
     return started
 
 
-async def _complete(
-    running: _Running, disconnected: Callable[[], Awaitable[bool]]
-) -> GenerateResponse:
-    done = await running.generation.collect(disconnected)
+async def _complete(running: _Running, watch: ClientWatch) -> GenerateResponse:
+    done = await running.generation.collect(watch)
     # The whole output at once: the text is decoded (or taken) in one go.
     whole = done.whole()
     running.push(whole)

@@ -3,29 +3,28 @@
 ``start_generation`` waits for the engine's first output before the route
 answers: the engine validates a request when its stream is first read, so a
 refused request (``RequestError``) is still a plain 400 rather than an error
-inside an already-started 200 stream. ``Generation`` then yields the outputs,
-records the finished request's latencies, and closes the engine's stream in
-every case — closing it early is what aborts the request and frees its pages.
-The request's id is held (``ServerState.claim_rid``) from submission until the
-stream is closed. ``first_token_s`` is when the first generated token reached
-the server, in seconds after arrival (SGLang's ``ttft``, known from the first
-streamed chunk on).
+inside an already-started 200 stream. That wait, and ``collect``'s, end as soon
+as the client leaves (``client_watch``): a request queued behind others is then
+dropped from the queue before it is prefilled, a running one before its next
+step. ``Generation`` then yields the outputs, records the finished request's
+latencies, and closes the engine's stream in every case — closing it early is
+what aborts the request and frees its pages. The request's id is held
+(``ServerState.claim_rid``) from submission until the stream is closed.
+``first_token_s`` is when the first generated token reached the server, in
+seconds after arrival (SGLang's ``ttft``, known from the first streamed chunk on).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError, TokenLogprob
+from hicache.server.client_watch import ClientWatch, until_client_leaves
 from hicache.server.errors import APIError
 from hicache.server.state import ServerState
-
-# How often a non-streaming request checks that its client is still there.
-DISCONNECT_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -92,29 +91,14 @@ class Generation:
                 self._state.release_rid(self._rid)
                 self._rid = None
 
-    async def collect(
-        self, disconnected: Callable[[], Awaitable[bool]] | None = None
-    ) -> Completed:
+    async def collect(self, watch: ClientWatch | None = None) -> Completed:
         """Read to the end; a request the engine failed is an APIError(500).
 
-        With ``disconnected`` (the HTTP request's ``is_disconnected``), a client
-        that goes away before the answer is ready aborts the request: its pages
-        are freed instead of computing tokens nobody will read.
+        With ``watch``, a client that goes away before the answer is ready aborts the
+        request (``ClientGone``, a 499): its pages are freed before its next step
+        instead of computing tokens nobody will read.
         """
-        if disconnected is None:
-            return await self._read_all()
-        reading = asyncio.ensure_future(self._read_all())
-        try:
-            while True:
-                done, _ = await asyncio.wait({reading}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return reading.result()
-                if await disconnected():
-                    raise APIError(499, "the client closed the connection")
-        finally:
-            if not reading.done():
-                reading.cancel()  # closes the engine stream: the engine aborts the request
-                await asyncio.gather(reading, return_exceptions=True)
+        return await until_client_leaves(self._read_all(), watch)
 
     async def _read_all(self) -> Completed:
         texts: list[str] = []
@@ -137,15 +121,17 @@ class Generation:
 
 
 async def start_generation(
-    state: ServerState, request: GenerateRequest, log_metrics: bool = True
+    state: ServerState, request: GenerateRequest, log_metrics: bool = True,
+    watch: ClientWatch | None = None,
 ) -> Generation:
     """Submit ``request`` (its rid set) and wait for its first output; RequestError
-    becomes a 400, a rid already in flight too."""
+    becomes a 400, a rid already in flight too. With ``watch``, a client that leaves
+    meanwhile ends the wait (``ClientGone``) and the engine drops the request."""
     started = time.monotonic()
     state.claim_rid(request.rid)
     stream = state.engine.generate(request)
     try:
-        first = await anext(stream)
+        first = await until_client_leaves(anext(stream), watch)
     except BaseException as error:
         try:
             close = getattr(stream, "aclose", None)

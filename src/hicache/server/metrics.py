@@ -61,12 +61,23 @@ def _gauge(name: str, text: str) -> Series:
 
 _CACHED = "prompt tokens whose KV was reused, by the tier it came from"
 _EVICTED = "pages evicted from the cache, by tier"
+_ABORTED = ("requests aborted, by the phase they were in: waiting (queued, nothing computed), "
+            "prefill, decode")
 
 # engine.metrics() key -> series.
 SERIES: dict[str, Series] = {
     "engine_num_requests": _counter("requests", "requests the engine accepted"),
     "engine_num_finished": _counter("requests_finished", "requests that ran to the end"),
     "engine_num_aborted": _counter("requests_aborted", "requests aborted (client gone, failure)"),
+    "engine_num_aborted_waiting": _counter(
+        "requests_aborted_by_phase", _ABORTED, ("phase", "waiting")
+    ),
+    "engine_num_aborted_prefill": _counter(
+        "requests_aborted_by_phase", _ABORTED, ("phase", "prefill")
+    ),
+    "engine_num_aborted_decode": _counter(
+        "requests_aborted_by_phase", _ABORTED, ("phase", "decode")
+    ),
     "engine_num_prompt_tokens": _counter("prompt_tokens", "prompt tokens of accepted requests"),
     "engine_num_generated_tokens": _counter("generation_tokens", "tokens generated"),
     "engine_num_cached_device_tokens": _counter("cached_tokens", _CACHED, ("source", "device")),

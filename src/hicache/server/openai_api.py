@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from hicache.server.chat_protocol import (
     ToolCallOut,
 )
 from hicache.server.choices import merged, sample_requests, start_samples, usage_of_samples
+from hicache.server.client_watch import ClientWatch
 from hicache.server.errors import APIError, error_payload, parse_body
 from hicache.server.generation import Generation
 from hicache.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
@@ -129,11 +130,13 @@ async def create_completion(request: Request) -> Response:
     if body.logprobs is not None:
         # Echoed, the prompt's tokens come with their logprobs too (the first has none).
         logprobs = LogprobParams(top_n=body.logprobs, input_from=0 if body.echo else -1)
+    # A client that leaves while its request is queued drops it there (never prefilled).
+    watch = ClientWatch(request.receive)
     generations = await start_samples(state, sample_requests(
         GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
                         logprobs=logprobs,
                         bootstrap=_bootstrap(state, body)), body.n,
-    ))
+    ), watch=watch)
     echo = ""
     if body.echo:
         echo = body.prompt if isinstance(body.prompt, str) else \
@@ -153,7 +156,7 @@ async def create_completion(request: Request) -> Response:
         return EventStreamResponse(_completion_events(
             choices, head, body.include_usage, echo, body.return_cached_tokens_details
         ))
-    wholes = await _collect_all(generations, request.is_disconnected)
+    wholes = await _collect_all(generations, watch)
     out = []
     for choice, whole in zip(choices, wholes, strict=True):
         choice.text.push(whole)
@@ -172,11 +175,12 @@ async def create_completion(request: Request) -> Response:
 
 
 async def _collect_all(
-    generations: list[Generation], disconnected: Callable[[], Awaitable[bool]]
+    generations: list[Generation], watch: ClientWatch
 ) -> list[GenerateOutput]:
-    """Every sample to its end, as one output each; a failure stops the others too."""
+    """Every sample to its end, as one output each; a failure (or the client leaving)
+    stops the others too."""
     try:
-        done = await asyncio.gather(*(g.collect(disconnected) for g in generations))
+        done = await asyncio.gather(*(g.collect(watch) for g in generations))
     finally:
         for generation in generations:
             await generation.aclose()
@@ -298,11 +302,13 @@ async def create_chat_completion(request: Request) -> Response:
     rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
     sampling = body.sampling_params(max_tokens)
     logprobs = LogprobParams(top_n=body.top_logprobs or 0) if body.logprobs else None
+    # A client that leaves while its request is queued drops it there (never prefilled).
+    watch = ClientWatch(request.receive)
     generations = await start_samples(state, sample_requests(
         GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
                         logprobs=logprobs,
                         bootstrap=_bootstrap(state, body)), body.n,
-    ))
+    ), watch=watch)
     texts = TokenTexts(state.engine.tokenizer) if body.logprobs else None
     tools = body.tools_enabled
     # Tool-call tags may be special tokens: kept in the text to be parsed (as SGLang does).
@@ -319,7 +325,7 @@ async def create_chat_completion(request: Request) -> Response:
         return EventStreamResponse(_chat_events(
             choices, head, body.include_usage, texts, body.return_cached_tokens_details
         ))
-    wholes = await _collect_all(generations, request.is_disconnected)
+    wholes = await _collect_all(generations, watch)
     out = []
     for choice, whole in zip(choices, wholes, strict=True):
         text = choice.text
