@@ -195,11 +195,9 @@ def validate_request(request: GenerateRequest, vocab_size: int, max_context_len:
     ids = request.input_ids
     if not ids:
         raise RequestError("the prompt is empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(f"input_ids out of the vocabulary [0, {vocab_size}): {bad[:8]}")
-    if request.logprobs is not None:
-        request.logprobs.validate(vocab_size, len(ids))
+    # The length first: it is one comparison, and it bounds the per-id scan below to a
+    # context's worth (a megabytes-long prompt is refused without a pass over its ids,
+    # which runs where the server's event loop runs).
     total = len(ids) + request.sampling.max_new_tokens
     if total > max_context_len:
         raise RequestError(
@@ -207,6 +205,11 @@ def validate_request(request: GenerateRequest, vocab_size: int, max_context_len:
             f"{len(ids)} and max_tokens asks for {request.sampling.max_new_tokens} more "
             f"({total}): shorten the prompt or lower max_tokens"
         )
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"input_ids out of the vocabulary [0, {vocab_size}): {bad[:8]}")
+    if request.logprobs is not None:
+        request.logprobs.validate(vocab_size, len(ids))
 
 
 class EngineProtocol(Protocol):

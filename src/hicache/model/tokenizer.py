@@ -58,6 +58,11 @@ class Tokenizer(ABC):
 
 
 # ---------------------------------------------------------------------- HF tokenizer.json
+# Longer id lists are decoded through the batch call (see HFTokenizer.decode); shorter ones,
+# a streamed chunk's, through the single call, which costs less per call.
+_LONG_DECODE_IDS = 4096
+
+
 class HFTokenizer(Tokenizer):
     """A ``tokenizers`` fast tokenizer (tokenizer.json) plus tokenizer_config.json's
     special tokens and Jinja chat template."""
@@ -124,10 +129,18 @@ class HFTokenizer(Tokenizer):
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # Through the batch call, which releases the interpreter lock while it tokenizes:
+        # the single-text ``encode`` holds it throughout (seconds for megabytes of text),
+        # so no other thread ran meanwhile, the server's event loop included, even with
+        # the call on a worker thread. Same ids; the fast variant skips character offsets.
+        batch = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
+        return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        ids = [t for t in token_ids if 0 <= t < self.vocab_size]
+        vocab_size = self.vocab_size  # once: the property asks the Rust tokenizer each time
+        ids = [t for t in token_ids if 0 <= t < vocab_size]
+        if len(ids) > _LONG_DECODE_IDS:  # as in encode: the batch call lets other threads run
+            return str(self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(

@@ -150,6 +150,19 @@ def test_encode_decode_round_trip_as_transformers(
     assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
 
 
+def test_long_texts_encode_and_decode_as_transformers(
+    ours: HFTokenizer, reference: PreTrainedTokenizerBase
+) -> None:
+    """Long inputs take the batch calls (which let other threads run): same ids, same text,
+    special tokens inside the text included."""
+    text = "".join(TEXTS) + "<|im_start|>user\nhi<|im_end|>" + " ".join(CORPUS) * 20
+    ids = ours.encode(text)
+    assert len(ids) > 4096
+    assert ids == reference(text).input_ids
+    assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids)
+
+
 def test_characters_span_several_tokens(ours: HFTokenizer) -> None:
     """What makes streaming detokenization hard is really there."""
     ids = ours.encode("🚀", add_special_tokens=False)
