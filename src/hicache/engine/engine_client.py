@@ -9,6 +9,9 @@ a 4xx without a round trip; the tokenizer is loaded here from the dir the engine
 names, so tokenizing and chat templates run beside the event loop, never in the
 engine's interpreter.
 
+Every process it starts follows this one's life (``engine.parent_death``, told
+this process's pid): killed, even with SIGKILL, this process takes them along.
+
 If the engine process dies, every request in flight ends at once with an error
 (finish reason ``abort``), later requests fail, control calls raise
 ``EngineDeadError``, and ``on_death`` is called (``hicache serve`` then exits
@@ -33,6 +36,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 import uuid
@@ -125,6 +129,7 @@ class EngineClient:
         process = context.Process(
             target=run_engine_process, name="hicache-engine",
             args=(self.config, theirs, level, self._on_built, init_method),
+            kwargs={"parent_pid": os.getpid()},
         )
         process.start()
         theirs.close()  # the child holds its end: its death is then our end's EOF
@@ -134,6 +139,7 @@ class EngineClient:
             follower = context.Process(
                 target=run_follower_process, name=f"hicache-engine-tp{rank}",
                 args=(self.config, rank, init_method, level, report_end),
+                kwargs={"parent_pid": os.getpid()},
             )
             follower.start()
             report_end.close()

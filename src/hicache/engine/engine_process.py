@@ -20,9 +20,15 @@ under a lock:
   once at start, then ``("outputs", [GenerateOutput, ...])`` once per step (the
   output thread's ``PipeSink``), ``("reply", call_id, ok, value or exception)``.
 
-The engine process ends when told to, or when the pipe closes (the server is
-gone, even killed): it never outlives its server. The server's side is
-``hicache.engine.engine_client``.
+The engine process ends when told to, or as soon as its server is gone (killed,
+even with SIGKILL): its pipe's end, or the parent-death signal and the parent
+poll of ``engine.parent_death``, whichever comes first (the pipe is read only
+between messages and after the build; the signal comes even while the engine is
+being built). An orphaned engine first closes its KV event sockets (a server
+started again at once binds the same ports), then shuts down in order within
+``ORPHAN_EXIT_S`` (a store's client released, threads stopped), then ends with
+``ORPHANED_EXIT_CODE`` whether or not that finished. One of the two ends runs,
+never both: ``_Lifetime``. The server's side is ``hicache.engine.engine_client``.
 
 Under tensor parallelism (``--tp-size N``) this process is rank 0 and N - 1 more
 processes run ``run_follower_process``: each joins the group, builds its rank's
@@ -31,7 +37,9 @@ stops the group. The ranks agree whether every rank built its part
 (``hicache.engine.start_agreement``): when one could not, rank 0 sends
 ``start_failed`` naming it and the followers exit with ``START_FAILED_EXIT_CODE``.
 A failure of the group (a rank died) ends every rank's process with
-``GROUP_FAILED_EXIT_CODE``; the server sees it and exits.
+``GROUP_FAILED_EXIT_CODE``; the server sees it and exits. A follower whose server
+is gone ends at once with ``ORPHANED_EXIT_CODE`` (its main thread may be waiting in
+a collective for a rank 0 that is ending too).
 """
 
 from __future__ import annotations
@@ -44,12 +52,14 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
 from multiprocessing.connection import Connection
 from typing import Any
 
 from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest
 from hicache.engine.config import EngineConfig
 from hicache.engine.output_thread import Delivery, Stream
+from hicache.engine.parent_death import follow_parent
 from hicache.engine.start_agreement import RankStartError, describe
 from hicache.storage.base import StorageError
 
@@ -70,6 +80,10 @@ GROUP_FAILED_EXIT_CODE = 3
 # A follower rank's process ends with this when the group could not start (its own
 # failure or another rank's: rank 0 reports which).
 START_FAILED_EXIT_CODE = 4
+# A rank's process ends with this when its server died without stopping it.
+ORPHANED_EXIT_CODE = 5
+# How long an orphaned engine process may take to shut down in order before it ends anyway.
+ORPHAN_EXIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +124,60 @@ def _set_up_process(log_level: int) -> None:
     )
 
 
+class _Ended(Enum):
+    """Why the engine's side of the pipe stopped serving."""
+
+    SHUTDOWN = "shutdown"  # the server said so: it waits for the process to end
+    PIPE_CLOSED = "pipe closed"  # the server is gone
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    os._exit(code)
+
+
+class _Lifetime:
+    """How rank 0's process ends, once: an orderly shutdown the server asked for, or the
+    end of an orphan (its server gone), whichever claims it first. The other one then
+    waits for the process to end: two shutdowns of one engine must never run together."""
+
+    def __init__(self) -> None:
+        self._claim = threading.Lock()
+        self.engine: Any = None  # set once built: before that an orphan has nothing to stop
+
+    def claim(self) -> None:
+        """The orderly end: returns when it is this thread's to run, else never."""
+        if not self._claim.acquire(blocking=False):
+            threading.Event().wait()  # the orphan's end runs, and ends the process
+
+    def orphaned(self, reason: str) -> None:
+        """The server is gone: release the ports, stop in order within ``ORPHAN_EXIT_S``,
+        end the process. Never returns."""
+        # Armed before anything else: whatever hangs below (or an orderly shutdown already
+        # running, when the server died during it), the process ends in bounded time.
+        watchdog = threading.Timer(ORPHAN_EXIT_S, _exit_now, args=(ORPHANED_EXIT_CODE,))
+        watchdog.daemon = True
+        watchdog.start()
+        if not self._claim.acquire(blocking=False):
+            threading.Event().wait()  # the orderly end runs, the watchdog bounds it
+        logger.warning("%s: the engine process stops", reason)
+        engine = self.engine
+        if engine is not None:
+            try:
+                # The sockets a restarted server binds again, before anything slower.
+                if engine.event_publisher is not None:
+                    engine.event_publisher.close()
+                engine.shutdown()
+            except Exception:
+                logger.exception("the orphaned engine did not shut down cleanly")
+        _exit_now(ORPHANED_EXIT_CODE)
+
+
+def _follower_orphaned(reason: str) -> None:
+    logger.warning("%s: this tensor-parallel rank stops", reason)
+    _exit_now(ORPHANED_EXIT_CODE)
+
+
 def _join_group(config: EngineConfig, rank: int, init_method: str | None) -> Any:
     """This process's TPGroup (a single rank without tensor parallelism)."""
     from hicache.distributed.group import SINGLE_RANK, init_tp_group
@@ -138,14 +206,19 @@ def _group_failed() -> None:
 def run_engine_process(
     config: EngineConfig, conn: Connection, log_level: int,
     on_built: Callable[[Any], None] | None = None, tp_init_method: str | None = None,
+    parent_pid: int | None = None,
 ) -> None:
     """The engine process's main: build the engine, serve the pipe until told to stop.
 
     ``on_built(engine)`` runs once the engine is built (``hicache serve`` logs its
     tiers there); it must be a module-level function (it is pickled by name).
     ``tp_init_method``: where the tensor-parallel group meets (with ``--tp-size`` > 1);
-    this process is its rank 0.
+    this process is its rank 0. ``parent_pid``: the server's pid; the process ends
+    when that is no longer its parent (None: only the pipe's end tells).
     """
+    lifetime = _Lifetime()
+    if parent_pid is not None:
+        follow_parent(parent_pid, lifetime.orphaned)
     _set_up_process(log_level)
     from hicache.engine.engine import build_engine  # torch and the model: in this process only
 
@@ -158,11 +231,18 @@ def run_engine_process(
     except BaseException as error:
         conn.send(("start_failed", f"{type(error).__name__}: {error}"))
         raise
+    lifetime.engine = engine
+    ended: _Ended | None = None  # None: an exception, raised on after the shutdown
     try:
         if on_built is not None:
             on_built(engine)
-        _EngineServer(engine, conn).serve()
+        ended = _EngineServer(engine, conn).serve()
+    except (EOFError, OSError):  # the "ready" message found the pipe closed
+        ended = _Ended.PIPE_CLOSED
     finally:
+        if ended is _Ended.PIPE_CLOSED:
+            lifetime.orphaned("the server closed the engine's pipe")
+        lifetime.claim()
         engine.shutdown()
         conn.close()
         tp.destroy()
@@ -170,14 +250,18 @@ def run_engine_process(
 
 def run_follower_process(
     config: EngineConfig, rank: int, tp_init_method: str, log_level: int,
-    start_report: Connection | None = None,
+    start_report: Connection | None = None, parent_pid: int | None = None,
 ) -> None:
     """A tensor-parallel rank above 0: join the group, build this rank's engine, follow
     rank 0's ticks until it stops the group. Exits with ``GROUP_FAILED_EXIT_CODE`` when
     the group fails (rank 0 died), with ``START_FAILED_EXIT_CODE`` when the group could
     not start (every rank agrees on that, and rank 0 reports why). ``start_report``:
     where a start failure's message goes first, for the server to read when this
-    process ended before the group could agree (it failed before joining it)."""
+    process ended before the group could agree (it failed before joining it).
+    ``parent_pid``: the server's pid; the process ends at once when that is no longer
+    its parent."""
+    if parent_pid is not None:
+        follow_parent(parent_pid, _follower_orphaned)
     _set_up_process(log_level)
     from hicache.engine.engine import build_engine
 
@@ -221,7 +305,7 @@ class _EngineServer:
         with self._send_lock:
             self.conn.send(message)
 
-    def serve(self) -> None:
+    def serve(self) -> _Ended:
         engine = self.engine
         tokenizer = engine.tokenizer
         self.send(("ready", EngineInfo(
@@ -239,8 +323,7 @@ class _EngineServer:
                 try:
                     message = self.conn.recv()
                 except (EOFError, OSError):
-                    logger.info("the server closed the engine's pipe: stopping")
-                    return
+                    return _Ended.PIPE_CLOSED
                 kind = message[0]
                 if kind == "generate":
                     self._generate(message[1])
@@ -249,7 +332,7 @@ class _EngineServer:
                 elif kind == "call":
                     self._calls.submit(self._call, *message[1:])
                 elif kind == "shutdown":
-                    return
+                    return _Ended.SHUTDOWN
                 else:
                     logger.error("the engine process got an unknown message %r", kind)
         finally:

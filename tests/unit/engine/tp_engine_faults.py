@@ -30,7 +30,8 @@ def raise_in_tick(engine: Any) -> None:
 
 
 def raising_follower(
-    config: Any, rank: int, tp_init_method: str, log_level: int, start_report: Any = None
+    config: Any, rank: int, tp_init_method: str, log_level: int, start_report: Any = None,
+    parent_pid: int | None = None,
 ) -> None:
     """``run_follower_process`` whose scheduler raises in a tick (``raise_in_tick``)."""
     real = Scheduler.schedule
@@ -41,4 +42,5 @@ def raising_follower(
         return real(self)
 
     Scheduler.schedule = schedule  # type: ignore[method-assign]
-    run_follower_process(config, rank, tp_init_method, log_level, start_report)
+    run_follower_process(config, rank, tp_init_method, log_level, start_report,
+                         parent_pid=parent_pid)

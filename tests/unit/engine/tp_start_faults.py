@@ -108,7 +108,7 @@ JOIN_FAULT = "injected: rank 1 fails before joining its group"
 
 def follower_failing_before_the_group(
     config: EngineConfig, rank: int, tp_init_method: str, log_level: int,
-    start_report: Any = None,
+    start_report: Any = None, parent_pid: int | None = None,
 ) -> None:
     """``run_follower_process`` whose rank fails before it joins the group (as a model
     file only its machine lacks would): rank 0 then waits in the group's rendezvous."""
@@ -116,4 +116,5 @@ def follower_failing_before_the_group(
         raise OSError(JOIN_FAULT)
 
     engine_process._join_group = join  # type: ignore[assignment]
-    engine_process.run_follower_process(config, rank, tp_init_method, log_level, start_report)
+    engine_process.run_follower_process(config, rank, tp_init_method, log_level, start_report,
+                                        parent_pid=parent_pid)

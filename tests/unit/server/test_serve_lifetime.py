@@ -1,0 +1,162 @@
+"""``hicache serve`` killed with SIGKILL takes its engine processes along, and starts
+again at once on the same ports.
+
+Real servers in child processes (the tiny preset on the CPU), KV events on fixed
+loopback ports, and an L3 store that hangs on demand (``tests.stalling_l3``): a
+store that does not answer keeps an orphaned engine from finishing its shutdown,
+which must not keep the ports, nor the process, for longer than a bounded time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hicache.net import free_port
+from tests.processes import is_gone, spawned_children, start_time
+
+START_TIMEOUT_S = 120.0  # a cold interpreter imports torch first, on a busy machine
+# Well past the engine's own bound on an orphan's shutdown (engine_process.ORPHAN_EXIT_S,
+# 5 s), for a loaded machine; well short of the stalls, which last until the test ends.
+GONE_WITHIN_S = 30.0
+# Kill and restart this many times (the full check: HICACHE_RESTART_LOOPS=20).
+RESTART_LOOPS = int(os.environ.get("HICACHE_RESTART_LOOPS", "3"))
+TINY = ["--device", "cpu", "--max-total-tokens", "1024", "--model-preset", "tiny"]
+
+
+def _serve(tmp_path: Path, port: int, flags: Sequence[str], log_name: str,
+           ) -> subprocess.Popen[bytes]:
+    with (tmp_path / log_name).open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "hicache", "serve", "--port", str(port), *TINY, *flags],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
+        )
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"serve exited ({process.returncode}):\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"serve did not come up:\n{log.read_text()}")
+        time.sleep(0.1)
+
+
+def _wait_gone(processes: Sequence[tuple[int, int | None]], what: str) -> None:
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while not all(is_gone(pid, started) for pid, started in processes):
+        assert time.monotonic() < deadline, f"{what} outlived its server"
+        time.sleep(0.05)
+
+
+def _identities(pids: Sequence[int]) -> list[tuple[int, int | None]]:
+    return [(pid, start_time(pid)) for pid in pids]
+
+
+def _kill_left_over(processes: Sequence[tuple[int, int | None]]) -> None:
+    for pid, started in processes:  # only those this test's servers started
+        if not is_gone(pid, started):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _stalling_l3(tmp_path: Path, **gates: Path) -> list[str]:
+    extra = {"module_path": "tests.stalling_l3", "class_name": "StallingFileBackend",
+             "path": str(tmp_path / "l3"), **{name: str(path) for name, path in gates.items()}}
+    return ["--hicache-storage-backend", "dynamic",
+            "--hicache-storage-backend-extra-config", json.dumps(extra)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120 + 90 * RESTART_LOOPS)
+def test_kill_9_then_restart_at_once_on_the_same_ports(tmp_path: Path) -> None:
+    """Each time: the server answers, is killed with SIGKILL while its engine's store would
+    hang its shutdown, and a new server on the same HTTP and KV event ports, started at
+    once, comes up and answers; the old engine process ends within a bounded time."""
+    port, events_port, replay_port = free_port(), free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    events = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}",
+              "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": "kv"}
+    close_gate = tmp_path / "close-gate"
+    close_gate.touch()  # every store's close hangs until the end of the test
+    flags = ["--kv-events-config", json.dumps(events), *_stalling_l3(tmp_path,
+                                                                     close_gate=close_gate)]
+    engines: list[tuple[int, int | None]] = []
+    process = _serve(tmp_path, port, flags, "serve-0.log")
+    try:
+        _wait_healthy(process, url, tmp_path / "serve-0.log")
+        for loop in range(1, RESTART_LOOPS + 1):
+            reply = httpx.post(f"{url}/generate", timeout=60.0, json={
+                "input_ids": list(range(3, 40)), "sampling_params": {"max_new_tokens": 3}})
+            assert reply.status_code == 200, reply.text
+            info = httpx.get(f"{url}/get_server_info", timeout=30.0).json()
+            assert info["kv_events_endpoint"] == events["endpoint"]
+            ours = _identities(spawned_children(process.pid))
+            assert len(ours) == 1, ours
+            engines += ours
+            process.kill()
+            process.wait(timeout=30)
+            process = _serve(tmp_path, port, flags, f"serve-{loop}.log")  # at once
+            _wait_healthy(process, url, tmp_path / f"serve-{loop}.log")
+            _wait_gone(ours, "the engine process")
+        reply = httpx.post(f"{url}/generate", timeout=60.0, json={
+            "input_ids": list(range(3, 40)), "sampling_params": {"max_new_tokens": 3}})
+        assert reply.status_code == 200, reply.text
+    finally:
+        close_gate.unlink()
+        _stop(process)
+        _kill_left_over(engines)
+    log = (tmp_path / "serve-1.log").read_text()
+    assert "cannot bind the KV event sockets" not in log
+
+
+@pytest.mark.slow
+def test_killed_while_its_ranks_are_starting_they_end_too(tmp_path: Path) -> None:
+    """Both tensor-parallel ranks hang in their store's attach (the engine is not built,
+    nothing reads the pipe): SIGKILL of the server ends them all the same."""
+    attach_gate = tmp_path / "attach-gate"
+    attach_gate.touch()
+    flags = ["--tp-size", "2", *_stalling_l3(tmp_path, attach_gate=attach_gate)]
+    process = _serve(tmp_path, free_port(), flags, "serve.log")
+    ranks: list[tuple[int, int | None]] = []
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(list(tmp_path.glob("attach-gate.*"))) < 2:  # each rank inside attach
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        pids = sorted(int(marker.suffix[1:]) for marker in tmp_path.glob("attach-gate.*"))
+        assert sorted(spawned_children(process.pid)) == pids
+        ranks = _identities(pids)
+        process.kill()
+        process.wait(timeout=30)
+        _wait_gone(ranks, "a rank stuck in its build")
+    finally:
+        attach_gate.unlink()
+        _stop(process)
+        _kill_left_over(ranks)
