@@ -5,27 +5,30 @@ nothing: the server sees a client waiting for its answer until the test closes
 the socket (``leave``), which is a disconnect at a moment the test chooses (once
 the request is queued, say) rather than after a client-side timeout. ``scrape``
 reads a /metrics page as ``{series with its labels: value}``, for counters
-compared before and after. ``long_prompt`` gives distinct token-id prompts, so
-that no abandoned prompt can be served from another's cached prefix.
+compared before and after, and ``sample`` finds one series in it by its labels.
+``long_prompt`` gives distinct token-id prompts, so that no abandoned prompt can
+be served from another's cached prefix.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 # The tiny preset's vocabulary is 512 ids; 0 is left out (some tokenizers' padding).
 _VOCAB = 511
 
 
 def long_prompt(index: int, num_tokens: int) -> list[int]:
     """``num_tokens`` token ids, different for every ``index`` from the first token on."""
-    return [1 + (index * 131 + position * 7) % _VOCAB for position in range(num_tokens)]
+    return [1 + (index * 131 + position * 3) % _VOCAB for position in range(num_tokens)]
 
 
 def held_request(base_url: str, path: str, payload: dict[str, Any]) -> socket.socket:
@@ -45,6 +48,17 @@ def leave(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):  # the server closed it first
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
+
+
+def sample(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The value of series ``name`` with exactly ``labels`` in ``samples`` (from ``scrape``),
+    in whatever order the page writes the labels; 0.0 when the page has none."""
+    wanted = sorted(labels.items())
+    for key, value in samples.items():
+        series, _, rest = key.partition("{")
+        if series == name and sorted(_LABEL.findall(rest)) == wanted:
+            return value
+    return 0.0
 
 
 def scrape(base_url: str) -> dict[str, float]:

@@ -7,6 +7,13 @@ the shared pool holds) and ``router_shared_cache_beyond_blocks`` (shared pages
 past the chosen worker's device prefix). Read at scrape time from the
 registry: each worker's up/down state and load, its event subscriber's
 counts (batches, gaps, replays, restarts, malformed), and the index's size.
+The proxies count what went wrong on the way: worker failures by stage
+(``before_answer``: refused or dropped before a status line, the request retried
+elsewhere; ``timeout``: silent past ``--request-timeout``; ``mid_answer``: the
+answer broke off), retries, and clients that left before their answer was whole
+(``before_answer``: the worker's request was dropped with them; ``answering``:
+during a streamed answer). A ``worker`` label never carries the credentials of a
+worker's URL (``credentials.redact``).
 Each router owns its registry, so several in one process (tests) never clash.
 """
 
@@ -19,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hicache.router.credentials import redact
 from hicache.router.types import TIERS, RouteDecision
 from hicache.router.workers import Worker
 
@@ -73,7 +81,28 @@ class RouterMetrics:
         self.unavailable = Counter(
             "router_unavailable", "requests refused with 503: no healthy worker", registry=r,
         )
+        self.worker_failures = Counter(
+            "router_worker_failures", "requests a worker failed, by stage: before_answer "
+            "(refused, or dropped before its status line), timeout (silent past "
+            "--request-timeout), mid_answer (the answer broke off)", ["worker", "stage"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "router_client_disconnects", "clients that left before their answer was whole, "
+            "by stage: before_answer (the worker's request was dropped with them), "
+            "answering (during the answer)", ["stage"], registry=r,
+        )
         r.register(_LiveState(workers, indexed_pages))
+
+    def sent(self, worker_url: str) -> None:
+        """A request went to the worker."""
+        self.requests.labels(worker=redact(worker_url)).inc()
+
+    def worker_failed(self, worker_url: str, stage: str) -> None:
+        self.worker_failures.labels(worker=redact(worker_url), stage=stage).inc()
+
+    def client_left(self, stage: str) -> None:
+        self.client_disconnects.labels(stage=stage).inc()
 
     def observe_decision(self, decision: RouteDecision, num_pages: int, latency_s: float) -> None:
         self.decision_latency.observe(latency_s)
@@ -111,10 +140,11 @@ class _LiveState(Collector):
             )
         }
         for worker in self._workers.all():
-            up.add_metric([worker.url], 1.0 if worker.healthy else 0.0)
-            active.add_metric([worker.url], worker.active_requests)
+            label = redact(worker.url)
+            up.add_metric([label], 1.0 if worker.healthy else 0.0)
+            active.add_metric([label], worker.active_requests)
             for name, family in counters.items():
-                family.add_metric([worker.url], getattr(worker.event_counts, name))
+                family.add_metric([label], getattr(worker.event_counts, name))
         yield up
         yield active
         yield from counters.values()

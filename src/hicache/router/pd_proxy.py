@@ -25,6 +25,10 @@ failed pair), as the ordinary proxy retries. Once the decode answer streams,
 a late prefill failure is only logged: the decode instance notices the missing
 KV on its own (its transfer timeout) and fails its answer. A prefill answer
 still missing when the decode answer ended gets ``PREFILL_GRACE_S`` more.
+
+The router's /metrics counts these outcomes as the plain proxy's are (instance
+failures by stage, retries, clients that left), and no message, log line or
+label carries the credentials of an instance's URL (``credentials.redact``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive
 
+from hicache.router.credentials import redact
 from hicache.router.metrics import RouterMetrics
 from hicache.router.pd_pools import DecodeChooser, PDPools
 from hicache.router.proxy import ClientGoneError, UpstreamResponse, client_gone, forwarded_headers
@@ -157,7 +162,7 @@ class PDProxy:
         for worker in candidates:
             if worker.url == decision.worker:
                 return worker
-        raise APIError(500, f"the {self._policy.name} policy chose {decision.worker!r}, "
+        raise APIError(500, f"the {self._policy.name} policy chose {redact(decision.worker)!r}, "
                        "which is not one of the healthy prefill instances it was given")
 
     def _choose_decode(self, tried: list[str]) -> Worker:
@@ -170,7 +175,7 @@ class PDProxy:
         self._metrics.unavailable.inc()
         if tried:
             return APIError(503, f"no healthy {role} instance could take the request: "
-                            f"{', '.join(tried)} refused the connection")
+                            f"{', '.join(map(redact, tried))} refused the connection")
         return APIError(503, f"no healthy {role} instance: all {known} registered {role} "
                         "instances are down (failing /health)")
 
@@ -183,8 +188,8 @@ class PDProxy:
         """Both requests at once; the response to give the client (or _Refused)."""
         release_prefill = _hold(prefill, pages)
         release_decode = _hold(decode, pages)
-        self._metrics.requests.labels(worker=prefill.url).inc()
-        self._metrics.requests.labels(worker=decode.url).inc()
+        self._metrics.sent(prefill.url)
+        self._metrics.sent(decode.url)
         sent_headers = forwarded_headers(headers)
         prefill_task = asyncio.ensure_future(self._prefill(prefill, path, content,
                                                            sent_headers))
@@ -198,6 +203,7 @@ class PDProxy:
                 pending = {t for t in (prefill_task, decode_task, watch) if not t.done()}
                 await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if watch.done():
+                    self._metrics.client_left("before_answer")  # both requests dropped
                     raise ClientGoneError
                 if prefill_task.done() and not decode_task.done():
                     failure = await self._prefill_failure(prefill, prefill_task)
@@ -228,7 +234,7 @@ class PDProxy:
             if answer.ok:
                 return None
             logger.warning("prefill instance %s answered %d: dropping the decode request",
-                           prefill.url, answer.status)
+                           redact(prefill.url), answer.status)
             return Response(answer.content, status_code=answer.status,
                             headers=forwarded_headers(answer.headers))
         return await self._connection_failure("prefill", prefill, error)
@@ -243,7 +249,7 @@ class PDProxy:
         start = task.result()
         if start.rest is None:  # an error status, read whole
             logger.warning("decode instance %s answered %d: dropping the prefill request",
-                           decode.url, start.response.status_code)
+                           redact(decode.url), start.response.status_code)
             return Response(start.head, status_code=start.response.status_code,
                             headers=forwarded_headers(start.response.headers))
 
@@ -255,20 +261,25 @@ class PDProxy:
                 # Leave it that long rather than abort a request that is done there.
                 asyncio.get_running_loop().call_later(PREFILL_GRACE_S, prefill_task.cancel)
 
-        return UpstreamResponse(start.response, close, head=start.head, raw=start.rest)
+        return UpstreamResponse(start.response, close, head=start.head, raw=start.rest,
+                                metrics=self._metrics, worker=decode.url)
 
     async def _connection_failure(self, role: str, worker: Worker,
                                   error: BaseException) -> Response:
+        if isinstance(error, httpx.TimeoutException):
+            self._metrics.worker_failed(worker.url, "timeout")
+        elif isinstance(error, httpx.HTTPError):
+            self._metrics.worker_failed(worker.url, "before_answer")
         if isinstance(error, _REFUSED):
             await (self._pools.prefill if role == "prefill" else self._pools.decode).mark_down(
                 worker.url, type(error).__name__)
             raise _Refused(worker.url)
         if isinstance(error, httpx.TimeoutException):
-            raise APIError(504, f"{role} instance {worker.url} did not answer within the "
-                           "request timeout (--request-timeout)")
+            raise APIError(504, f"{role} instance {redact(worker.url)} did not answer within "
+                           "the request timeout (--request-timeout)")
         if isinstance(error, httpx.HTTPError):
-            raise APIError(502, f"{role} instance {worker.url} failed: "
-                           f"{type(error).__name__}: {error}")
+            raise APIError(502, redact(f"{role} instance {worker.url} failed: "
+                                       f"{type(error).__name__}: {error}"))
         raise error
 
     # -- the two requests
@@ -329,9 +340,10 @@ def _note_prefill(url: str, task: asyncio.Future[PrefillAnswer]) -> None:
         return
     error = task.exception()
     if error is not None:
-        logger.info("prefill instance %s: %s: %s", url, type(error).__name__, error)
+        logger.info("prefill instance %s: %s: %s", redact(url), type(error).__name__,
+                    redact(str(error)))
     elif not task.result().ok:
-        logger.info("prefill instance %s answered %d", url, task.result().status)
+        logger.info("prefill instance %s answered %d", redact(url), task.result().status)
 
 
 async def _drop(task: asyncio.Future[Any]) -> None:

@@ -8,7 +8,10 @@ connection, connection dropped before the status line) is left out and the
 request goes to the next choice; once a byte came back, a failure is the
 client's to see (the router closes the connection rather than end the answer
 as if it were whole). A worker silent past ``--request-timeout`` is a 504, not
-retried: it may still be working on the request.
+retried: it may still be working on the request. Each of these outcomes is
+counted in the router's /metrics (``RouterMetrics``: worker failures by stage,
+retries, clients that left), and no message, log line or label carries the
+credentials of a worker's URL (``credentials.redact``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import httpx
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from hicache.router.credentials import redact
 from hicache.router.metrics import RouterMetrics
 from hicache.router.types import RouteDecision, RouteRequest, RoutingPolicy
 from hicache.router.workers import Worker, WorkerRegistry
@@ -50,11 +54,13 @@ class UpstreamResponse(StreamingResponse):
     """A worker's answer, streamed to the client while watching for the client leaving.
 
     ``head`` and ``raw``: when the caller already read the answer's first bytes (the PD
-    proxy waits for them), those bytes and the iterator the rest comes from."""
+    proxy waits for them), those bytes and the iterator the rest comes from. ``metrics``
+    and ``worker``: where a client leaving mid-answer, or the worker failing, is counted."""
 
     def __init__(
         self, upstream: httpx.Response, on_close: Callable[[], None], *, head: bytes = b"",
-        raw: AsyncIterator[bytes] | None = None,
+        raw: AsyncIterator[bytes] | None = None, metrics: RouterMetrics | None = None,
+        worker: str = "",
     ) -> None:
         self._raw = raw if raw is not None else upstream.aiter_raw()
         super().__init__(self._raw, status_code=upstream.status_code,
@@ -62,6 +68,8 @@ class UpstreamResponse(StreamingResponse):
         self._upstream = upstream
         self._on_close = on_close
         self._head = head
+        self._metrics = metrics
+        self._worker = worker
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -75,7 +83,13 @@ class UpstreamResponse(StreamingResponse):
                 for task in (pump, watch):
                     task.cancel()
                 await asyncio.gather(pump, watch, return_exceptions=True)
-            if pump.done() and not pump.cancelled() and pump.exception() is not None:
+            failed = pump.done() and not pump.cancelled() and pump.exception() is not None
+            if self._metrics is not None:
+                if failed:
+                    self._metrics.worker_failed(self._worker, "mid_answer")
+                elif watch.done() and not watch.cancelled():
+                    self._metrics.client_left("answering")
+            if failed:
                 # The worker failed mid-answer: end the connection, not the body, so the
                 # client cannot take a cut answer for a whole one.
                 raise pump.exception()  # type: ignore[misc]
@@ -177,7 +191,8 @@ class Proxy:
                     headers={"content-type": "application/json"} if content else None,
                 )
             except httpx.HTTPError as error:
-                return 502, f"{type(error).__name__}: {error}"
+                self._metrics.worker_failed(worker.url, "before_answer")
+                return 502, redact(f"{type(error).__name__}: {error}")
             try:
                 return response.status_code, response.json()
             except ValueError:
@@ -190,7 +205,7 @@ class Proxy:
         for worker in candidates:
             if worker.url == decision.worker:
                 return worker
-        raise APIError(500, f"the {self._policy.name} policy chose {decision.worker!r}, "
+        raise APIError(500, f"the {self._policy.name} policy chose {redact(decision.worker)!r}, "
                        "which is not one of the healthy workers it was given")
 
     async def _try(
@@ -219,20 +234,26 @@ class Proxy:
             upstream = await self._send_unless_gone(request, receive)
         except _BEFORE_ANSWER as error:
             release()
-            logger.warning("worker %s failed before answering %s: %s: %s", worker.url, path,
-                           type(error).__name__, error)
+            self._metrics.worker_failed(worker.url, "before_answer")
+            logger.warning("worker %s failed before answering %s: %s: %s", redact(worker.url),
+                           path, type(error).__name__, redact(str(error)))
             if isinstance(error, _REFUSED):
                 await self._workers.mark_down(worker.url, f"{type(error).__name__}")
             return None
         except httpx.TimeoutException:
             release()
-            raise APIError(504, f"worker {worker.url} did not answer within the request "
-                           "timeout (--request-timeout)") from None
-        except BaseException:
+            self._metrics.worker_failed(worker.url, "timeout")
+            raise APIError(504, f"worker {redact(worker.url)} did not answer within the "
+                           "request timeout (--request-timeout)") from None
+        except ClientGoneError:
             release()  # the client left while waiting: the request is dropped with it
+            self._metrics.client_left("before_answer")
             raise
-        self._metrics.requests.labels(worker=worker.url).inc()
-        return UpstreamResponse(upstream, release)
+        except BaseException:
+            release()
+            raise
+        self._metrics.sent(worker.url)
+        return UpstreamResponse(upstream, release, metrics=self._metrics, worker=worker.url)
 
     async def _send_unless_gone(self, request: httpx.Request, receive: Receive,
                                 ) -> httpx.Response:
@@ -254,7 +275,7 @@ class Proxy:
         known = len(self._workers.all())
         if tried:
             return APIError(503, f"no healthy worker could take the request: "
-                            f"{', '.join(tried)} failed before answering")
+                            f"{', '.join(map(redact, tried))} failed before answering")
         if known:
             return APIError(503, f"no healthy worker: all {known} registered workers are "
                             "down (failing /health)")

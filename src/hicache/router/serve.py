@@ -7,7 +7,8 @@ served half its workers would be worse than none. With --pd-disaggregation the
 same holds over the --prefill and --decode instances together (the KV moves
 between them page by page), and an instance that reports the wrong
 ``disaggregation_mode`` (a decode instance given as --prefill, or an ordinary
-one) is refused too.
+one) is refused too. Every log line passes ``credentials.RedactingFilter``: a
+worker URL's user and password never reach the log.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 import uvicorn
 
 from hicache.router.app import create_router_app
+from hicache.router.credentials import install_log_redaction
 from hicache.router.index import PageIndex
 from hicache.router.pd_app import create_pd_router_app
 from hicache.router.pd_pools import DisaggregationMode
@@ -167,6 +169,7 @@ def main(
     args: argparse.Namespace, factories: tuple[IndexFactory, PolicyFactory] | None = None,
 ) -> int:
     """``factories``: the index and policy to route with (default: the project's)."""
+    install_log_redaction()  # before the first line that may name a worker
     try:
         settings = settings_from_args(args)
         index_factory, policy_factory = factories or _default_factories()

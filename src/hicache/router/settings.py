@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from urllib.parse import urlsplit
 
+from hicache.router.credentials import redact
+
 
 class PolicyName(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
@@ -114,7 +116,8 @@ class RouterSettings:
                                 "--decode: an instance runs in one disaggregation mode")
 
     def public(self) -> dict[str, object]:
-        """The settings as /get_server_info shows them (the admin key only as set or not)."""
+        """The settings as /get_server_info shows them (the admin key only as set or not,
+        worker URLs without their credentials)."""
         out: dict[str, object] = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -124,6 +127,8 @@ class RouterSettings:
                 value = value.value
             elif f.name == "prefill":
                 value = [p.public() for p in value]
+            elif f.name in ("worker_urls", "decode_urls"):
+                value = [redact(url) for url in value]
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value
@@ -144,7 +149,7 @@ class PrefillEndpoint:
                                 f"1..65535, got {self.bootstrap_port}")
 
     def public(self) -> dict[str, object]:
-        return {"url": self.url, "bootstrap_port": self.bootstrap_port}
+        return {"url": redact(self.url), "bootstrap_port": self.bootstrap_port}
 
 
 def parse_prefill_args(groups: Sequence[Sequence[str]]) -> tuple[PrefillEndpoint, ...]:

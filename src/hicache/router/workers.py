@@ -29,6 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import zmq.asyncio
 
+from hicache.router.credentials import redact
 from hicache.router.settings import normalize_worker_url
 from hicache.router.subscriber import EventEndpoints, EventSubscriber, SubscriberCounts
 from hicache.router.tier_costs import measured_tier_costs
@@ -43,9 +44,13 @@ _ANY_HOST = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
 
 class WorkerError(Exception):
-    """A worker the registry cannot take; ``status`` is the admin API's answer."""
+    """A worker the registry cannot take; ``status`` is the admin API's answer. Its message
+    names workers without the credentials of their URLs: it reaches clients and logs."""
 
     status = 400
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
 
 
 class WorkerUnreachableError(WorkerError):
@@ -81,7 +86,7 @@ class WorkerInfo:
     def public(self) -> dict[str, Any]:
         events = self.events
         return {
-            "url": self.url, "page_size": self.page_size, "model": self.model,
+            "url": redact(self.url), "page_size": self.page_size, "model": self.model,
             "model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
             "kv_events_endpoint": events.endpoint if events else None,
             "kv_events_replay_endpoint": events.replay_endpoint if events else None,
