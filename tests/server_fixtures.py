@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from hicache.engine.engine import Engine, build_engine
 from hicache.server.app import create_app
+from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
 
@@ -98,6 +99,7 @@ def serve_app_in_thread(app: FastAPI, *, lifespan: str = "off") -> Iterator[str]
 def serve_in_thread(
     engine_args: Sequence[str] = (), *, admin_api_key: str | None = None,
     admin_allow_dynamic_backend: bool = False, served_model_name: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> Iterator[RunningServer]:
     args = parse_test_args(engine_args)
     engine = build_engine(engine_config_from_args(args))
@@ -108,6 +110,7 @@ def serve_in_thread(
             served_model_name=served_model_name,
             info=server_info_from_args(args, client_tokenizer_path(
                 args.model_path, engine.tokenizer, args.dtype, args.device)),
+            max_request_bytes=max_request_bytes,
         )
         with serve_app_in_thread(app) as url:
             yield RunningServer(url, engine)

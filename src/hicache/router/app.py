@@ -11,8 +11,11 @@ A routed request's JSON body is read once: its prompt is hashed into pages
 (``prompt``), ``router_config_override`` (the router's, seed 001's per-request
 ``shared_cache_multiplier``) is taken out, and the rest goes to the worker as
 sent. A body that is not a JSON object is a 400 and no worker hears of it.
-With ``--admin-api-key``, changing the worker list needs ``Authorization:
-Bearer <key>``, as the worker's own admin API.
+A body over ``--max-request-bytes`` is a 413 before it is read, and a large one
+is parsed off the event loop. With ``--admin-api-key``, changing the worker
+list, /flush_cache and /abort_request with ``abort_all`` need ``Authorization:
+Bearer <key>``, as on the workers; the client's key goes on to the workers of
+a fan-out, which check their own.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from hicache.router.settings import RouterSettings, SettingsError, check_worker_
 from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
 from hicache.router.workers import WorkerError, WorkerInfo, WorkerRegistry
 from hicache.server.admin_api import check_bearer
+from hicache.server.body import sized_off_loop
+from hicache.server.body_limit import BodyLimitMiddleware
 from hicache.server.errors import APIError, install_error_handlers
 
 OVERRIDE_FIELD = "router_config_override"
@@ -60,6 +65,22 @@ class RouterState:
 def get_router_state(request: Request) -> RouterState:
     state: RouterState = request.app.state.router
     return state
+
+
+async def read_json_object(raw: bytes) -> dict[str, Any]:
+    """``parse_json_object``, off the event loop for a large body (``server.body``)."""
+    return await sized_off_loop(len(raw), lambda: parse_json_object(raw))
+
+
+def aborts_all(body: dict[str, Any]) -> bool:
+    """Does an /abort_request body stop every request (the part that needs the key)?"""
+    return body.get("abort_all") is True
+
+
+def admin_headers(request: Request) -> dict[str, str] | None:
+    """The client's admin key, passed on to the workers of a fan-out (they check it)."""
+    key = request.headers.get("authorization")
+    return {"authorization": key} if key else None
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -135,15 +156,17 @@ def create_router_app(
                   "cheapest", lifespan=lifespan)
     app.state.router = state
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
 
     async def routed(request: Request, kind: PromptKind) -> Response:
         state = get_router_state(request)
         raw = await request.body()
-        body = parse_json_object(raw)
+        body = await read_json_object(raw)
         multiplier = None
         if OVERRIDE_FIELD in body:
             multiplier = pop_override(body)
-            raw = json.dumps(body, ensure_ascii=False).encode()
+            raw = await sized_off_loop(
+                len(raw), lambda: json.dumps(body, ensure_ascii=False).encode())
         reference = state.workers.reference
         if reference is None or not state.workers.healthy():
             # Answered before tokenizing: there is nowhere to send it.
@@ -182,14 +205,21 @@ def create_router_app(
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])
     async def flush_cache(request: Request) -> JSONResponse:
-        results = await get_router_state(request).proxy.fan_out("POST", "/flush_cache")
+        state = get_router_state(request)
+        _authorize(state, request)
+        results = await state.proxy.fan_out("POST", "/flush_cache",
+                                            headers=admin_headers(request))
         return fan_out_answer(results, "flushed")
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> JSONResponse:
+        state = get_router_state(request)
+        raw = await request.body()
+        if state.settings.admin_api_key is not None and aborts_all(await read_json_object(raw)):
+            _authorize(state, request)
         # The router does not keep which worker runs a rid: every worker is asked.
-        results = await get_router_state(request).proxy.fan_out(
-            "POST", "/abort_request", await request.body())
+        results = await state.proxy.fan_out("POST", "/abort_request", raw,
+                                            headers=admin_headers(request))
         return fan_out_answer(results, "sent")
 
     @app.get("/health")
@@ -263,8 +293,13 @@ async def _tokenizer(state: RouterState) -> Tokenizer:
 
 
 def _authorize(state: RouterState, request: Request) -> None:
-    if state.settings.admin_api_key is not None:
-        check_bearer(state.settings.admin_api_key, request)
+    authorize_admin(state.settings, request)
+
+
+def authorize_admin(settings: RouterSettings, request: Request) -> None:
+    """APIError(401) unless the request carries ``--admin-api-key`` (when one is set)."""
+    if settings.admin_api_key is not None:
+        check_bearer(settings.admin_api_key, request)
 
 
 def _workers_view(state: RouterState) -> list[dict[str, Any]]:

@@ -11,7 +11,8 @@ prompt is hashed into pages for the prefill choice and ``router_config_override`
 is taken out; :class:`~hicache.router.pd_proxy.PDProxy` adds the bootstrap
 fields. /health is 200 only while each pool has a healthy instance: with either
 pool empty no request can be served. The worker list is fixed at start-up
-(no POST /workers in this mode).
+(no POST /workers in this mode). The body limit and ``--admin-api-key`` guard
+the same routes as in the ordinary router.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from starlette.responses import Response
 
 from hicache import __version__
 from hicache.model.tokenizer import Tokenizer
-from hicache.router.app import OVERRIDE_FIELD, parse_json_object, pop_override
+from hicache.router.app import (
+    OVERRIDE_FIELD,
+    aborts_all,
+    admin_headers,
+    authorize_admin,
+    pop_override,
+    read_json_object,
+)
 from hicache.router.fan_out import fan_out_answer
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.pd_pools import NullIndex, PDPools, create_decode_chooser
@@ -39,6 +47,7 @@ from hicache.router.proxy import Proxy
 from hicache.router.settings import RouterSettings
 from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
 from hicache.router.workers import Worker, WorkerInfo, WorkerRegistry
+from hicache.server.body_limit import BodyLimitMiddleware
 from hicache.server.errors import install_error_handlers
 
 
@@ -107,10 +116,11 @@ def create_pd_router_app(
                   lifespan=lifespan)
     app.state.router = state
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
 
     async def routed(request: Request, kind: PromptKind) -> Response:
         state = get_pd_state(request)
-        body = parse_json_object(await request.body())
+        body = await read_json_object(await request.body())
         multiplier = pop_override(body) if OVERRIDE_FIELD in body else None
         ids: list[int] = []
         hashes: list[int] = []
@@ -154,17 +164,22 @@ def create_pd_router_app(
         for registry in (state.pools.prefill, state.pools.decode):
             proxy = Proxy(registry, state.policy, state.metrics, client,
                           settings.request_timeout_s)
-            results.update(await proxy.fan_out("POST", path, content))
+            results.update(await proxy.fan_out("POST", path, content,
+                                               headers=admin_headers(request)))
         return results
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])
     async def flush_cache(request: Request) -> JSONResponse:
+        authorize_admin(settings, request)
         return fan_out_answer(await both_pools(request, "/flush_cache"), "flushed")
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> JSONResponse:
+        raw = await request.body()
+        if settings.admin_api_key is not None and aborts_all(await read_json_object(raw)):
+            authorize_admin(settings, request)
         # A request runs on a prefill and a decode instance alike: both pools are asked.
-        results = await both_pools(request, "/abort_request", await request.body())
+        results = await both_pools(request, "/abort_request", raw)
         return fan_out_answer(results, "sent")
 
     @app.get("/health")

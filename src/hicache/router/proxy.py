@@ -176,10 +176,13 @@ class Proxy:
         raise self._unavailable(tried)
 
     async def fan_out(
-        self, method: str, path: str, content: bytes | None = None
+        self, method: str, path: str, content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> dict[str, tuple[int, Any]]:
-        """The same request (``content``: a JSON body) to every healthy worker: url ->
-        (status, JSON answer or text); status 502 for a worker that could not be reached."""
+        """The same request (``content``: a JSON body; ``headers``: the client's admin key)
+        to every healthy worker: url -> (status, JSON answer or text); status 502 for a
+        worker that could not be reached."""
+        sent = {**(headers or {}), **({"content-type": "application/json"} if content else {})}
         workers = self._workers.healthy()
         if not workers:
             raise self._unavailable([])
@@ -188,7 +191,7 @@ class Proxy:
             try:
                 response = await self._client.request(
                     method, f"{worker.url}{path}", content=content, timeout=self._timeout,
-                    headers={"content-type": "application/json"} if content else None,
+                    headers=sent or None,
                 )
             except httpx.HTTPError as error:
                 self._metrics.worker_failed(worker.url, "before_answer")

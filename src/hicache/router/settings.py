@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from urllib.parse import urlsplit
 
 from hicache.router.credentials import redact
+from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, add_max_request_bytes_arg
 
 
 class PolicyName(str, enum.Enum):
@@ -67,7 +68,11 @@ class RouterSettings:
     shared_cache_type: SharedCacheType = SharedCacheType.NONE
     tier_costs: TierCostsMode = TierCostsMode.FIXED
     tokenizer: str | None = None  # None: the workers' model (their /get_server_info)
-    admin_api_key: str | None = None  # None: the admin routes need no key
+    # None: the admin routes need no key. Set, it guards the worker list, /flush_cache and
+    # /abort_request with abort_all (the client's key is passed on to the workers).
+    admin_api_key: str | None = None
+    # Largest request body accepted (a 413 beyond it, before it is read), as the workers'.
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0
     # How long start-up waits for the --worker-urls to answer /get_server_info.
@@ -98,6 +103,8 @@ class RouterSettings:
                             ("--worker-startup-timeout", self.worker_startup_timeout_s)):
             if not value > 0:
                 raise SettingsError(f"{name} must be > 0 seconds, got {value}")
+        if self.max_request_bytes <= 0:
+            raise SettingsError(f"--max-request-bytes must be > 0, got {self.max_request_bytes}")
 
     def _check_pd(self) -> None:
         if not self.pd_disaggregation:
@@ -242,8 +249,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--admin-api-key", default=None,
-        help="bearer key for POST/DELETE /workers (default: no key needed)",
+        help="bearer key for POST/DELETE /workers, /flush_cache and /abort_request with "
+        "abort_all; the key a client sends is passed on to the workers, so give them the same "
+        "--admin-api-key (default: no key needed)",
     )
+    add_max_request_bytes_arg(group, d.max_request_bytes)
     group.add_argument(
         "--health-interval", type=float, default=d.health_interval_s,
         help="seconds between GET /health probes of each worker (default: %(default)s)",
@@ -293,6 +303,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         admin_api_key=args.admin_api_key or None,  # an empty key would let anyone in
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
         worker_startup_timeout_s=args.worker_startup_timeout,
+        max_request_bytes=args.max_request_bytes,
         pd_disaggregation=args.pd_disaggregation, prefill=parse_prefill_args(args.prefill),
         decode_urls=tuple(dict.fromkeys(normalize_worker_url(u) for (u,) in args.decode)),
         decode_policy=DecodePolicyName(args.decode_policy),

@@ -9,7 +9,10 @@ admin API is off (400), a wrong or missing key is a 401. Attaching and
 detaching only happen while no request runs (409 otherwise), so no request
 ever sees L3 change under it. SGLang's ``/clear_hicache_storage_backend``
 (GET or POST) empties the attached store, under the same key and the same
-idle rule; L1 and L2 keep their pages.
+idle rule; L1 and L2 keep their pages. Two of SGLang's routes that act on
+every client's requests, ``/flush_cache`` and ``/abort_request`` with
+``abort_all``, are open on a server without a key (as in SGLang) and need
+this key on a server with one (``authorize_if_keyed``).
 
 The ``dynamic`` backend imports the Python module its extra config names and
 runs it: through this API that would turn the admin key into a key to run any
@@ -28,7 +31,8 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from hicache.config import ConfigError
-from hicache.server.errors import APIError, parse_body
+from hicache.server.body import parse_body
+from hicache.server.errors import APIError
 from hicache.server.protocol import StorageBackendRequest
 from hicache.server.server_info import public_config
 from hicache.server.state import ServerState, get_state
@@ -47,6 +51,14 @@ def authorize(state: ServerState, request: Request) -> None:
     if state.admin_api_key is None:
         raise APIError(400, "the admin API is disabled: start the server with --admin-api-key")
     check_bearer(state.admin_api_key, request)
+
+
+def authorize_if_keyed(state: ServerState, request: Request) -> None:
+    """For routes open to all on a server without a key (SGLang's /flush_cache, /abort_request
+    with abort_all) that act on everyone's requests: with ``--admin-api-key`` set they need
+    it too (401 otherwise)."""
+    if state.admin_api_key is not None:
+        check_bearer(state.admin_api_key, request)
 
 
 def check_bearer(key: str, request: Request) -> None:

@@ -14,7 +14,9 @@ code after ``uvicorn.run`` may never run. Routes:
     POST /flush_cache   GET /health   GET /metrics
     GET /get_model_info, /model_info, /get_server_info, /server_info  (server_info)
 
-The served model name defaults to the engine's; ``hicache serve`` passes
+Every request body is limited to ``max_request_bytes`` (``--max-request-bytes``,
+a 413 beyond it: ``body_limit``) and parsed off the event loop when large
+(``body``). The served model name defaults to the engine's; ``hicache serve`` passes
 ``--served-model-name``, else ``--model-path`` as given (as SGLang does).
 """
 
@@ -30,6 +32,8 @@ from starlette.responses import Response
 
 from hicache import __version__
 from hicache.server import admin_api, generate_api, native_api, openai_api
+from hicache.server.admin_api import authorize_if_keyed
+from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from hicache.server.errors import APIError, install_error_handlers
 from hicache.server.metrics import ServerMetrics
 from hicache.server.server_info import ServerInfo, l3_description, model_info, server_info
@@ -43,6 +47,7 @@ def create_app(
     admin_allow_dynamic_backend: bool = False, served_model_name: str | None = None,
     info: ServerInfo | None = None,
     on_shutdown: Callable[[], None] | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,6 +71,7 @@ def create_app(
         admin_allow_dynamic_backend=admin_allow_dynamic_backend,
     )
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.include_router(openai_api.router)
     app.include_router(generate_api.router)
     app.include_router(admin_api.router)
@@ -86,8 +92,10 @@ def create_app(
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])
     async def flush_cache(request: Request) -> dict[str, Any]:
-        """Drop every cached prefix in L1 and L2 (L3 keeps its pages); only when idle."""
+        """Drop every cached prefix in L1 and L2 (L3 keeps its pages); only when idle.
+        With --admin-api-key set, it needs the key."""
         state = get_state(request)
+        authorize_if_keyed(state, request)
         # The engine runs the flush on its scheduler thread; wait for it off the event loop.
         if not await run_in_threadpool(state.engine.flush_cache):
             raise APIError(409, "requests are running: flush the cache when the server is idle")

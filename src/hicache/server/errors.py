@@ -2,20 +2,24 @@
 
 Every failure the server reports — bad JSON, a wrong field, an engine
 ``RequestError``, an unknown route, a bug — leaves in this shape, so clients
-(the OpenAI SDK included) show the message instead of a bare status line.
+(the OpenAI SDK included) show the message instead of a bare status line. A
+bug is a 500 like any other error: the client's keep-alive connection stays
+usable for its next request (``UnexpectedErrorMiddleware``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hicache.engine.api import RequestError
 
@@ -33,7 +37,7 @@ _TYPES = {
 # At most this many validation problems are spelt out in one message.
 _MAX_LISTED = 3
 
-ModelT = TypeVar("ModelT", bound=BaseModel)
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -108,18 +112,6 @@ def _short(value: Any) -> str | None:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
-    """The request's JSON body as ``model``; APIError(400) with a readable message if not."""
-    raw = await request.body()
-    if not raw.strip():
-        raise APIError(400, "the request body is empty: send a JSON object")
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as error:
-        message, param = describe_validation_error(error)
-        raise APIError(400, message, param=param) from None
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -139,7 +131,45 @@ def install_error_handlers(app: FastAPI) -> None:
         detail = error.detail if isinstance(error.detail, str) else json.dumps(error.detail)
         return error_response(error.status_code, detail, headers=error.headers)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-        # Starlette re-raises after sending this, so the server logs the traceback.
-        return error_response(500, f"internal server error: {type(error).__name__}: {error}")
+    app.add_middleware(UnexpectedErrorMiddleware)
+
+
+class UnexpectedErrorMiddleware:
+    """A bug in a route is a 500 in this module's shape, and the connection stays usable.
+
+    Starlette's own last-resort handler sends the 500 and then re-raises, and
+    uvicorn closes the connection of any request whose app raised: a client
+    reusing its keep-alive connection then fails its next request with a reset.
+    Here the error is logged with its traceback and answered, and nothing is
+    re-raised, unless the response had already begun: then its head is gone and
+    only closing the connection tells the client it was cut short.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = finished = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as error:
+            route = f"{scope.get('method', '')} {scope.get('path', '')}"
+            logger.error("unhandled error in %s", route, exc_info=error)
+            if finished:
+                return  # the client has its whole answer; the error came after it
+            if started:
+                raise
+            message = f"internal server error: {type(error).__name__}: {error}"
+            await error_response(500, message)(scope, receive, send)

@@ -25,10 +25,11 @@ from starlette.responses import Response
 
 from hicache.engine.api import GenerateOutput, GenerateRequest, LogprobParams, TokenLogprob
 from hicache.server import tokenization
+from hicache.server.body import parse_body
 from hicache.server.bootstrap_fields import request_bootstrap
 from hicache.server.choices import merged, sample_requests, start_samples
 from hicache.server.client_watch import ClientWatch
-from hicache.server.errors import APIError, error_payload, parse_body
+from hicache.server.errors import APIError, error_payload
 from hicache.server.generate_protocol import (
     GenerateMetaInfo,
     GenerateReqInput,

@@ -6,7 +6,8 @@
     POST /abort_request                 abort one request by rid, or all in flight
 
 Shapes follow SGLang's: a list in gives a list out, an unknown rid aborts nothing
-and still answers 200. ``/health_generate`` runs a one-token request (prompt
+and still answers 200; ``abort_all`` needs the admin key on a server started with
+``--admin-api-key``. ``/health_generate`` runs a one-token request (prompt
 ``[0]``, greedy, left out of the server's request metrics) and answers 503 when no
 token comes within ``HEALTH_GENERATE_TIMEOUT_S``; ``/health`` stays the cheap probe
 that only says the server is up.
@@ -24,7 +25,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from hicache.engine.api import GenerateRequest, SamplingParams
-from hicache.server.errors import APIError, parse_body
+from hicache.server.admin_api import authorize_if_keyed
+from hicache.server.body import parse_body
+from hicache.server.errors import APIError
 from hicache.server.generation import start_generation
 from hicache.server.protocol import StrictModel
 from hicache.server.state import ServerState, get_state
@@ -138,6 +141,7 @@ async def abort_request(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, AbortRequest)
     if body.abort_all:
+        authorize_if_keyed(state, request)  # every client's requests: not for anyone
         targets = list(state.rids_in_flight)
     elif body.rid:
         prefix = body.rid + _SAMPLE_SEPARATOR

@@ -37,6 +37,7 @@ from hicache.engine.api import (
     TokenLogprob,
 )
 from hicache.server import tokenization
+from hicache.server.body import parse_body
 from hicache.server.bootstrap_fields import request_bootstrap
 from hicache.server.chat_protocol import (
     ChatChoice,
@@ -48,7 +49,7 @@ from hicache.server.chat_protocol import (
 )
 from hicache.server.choices import merged, sample_requests, start_samples, usage_of_samples
 from hicache.server.client_watch import ClientWatch
-from hicache.server.errors import APIError, error_payload, parse_body
+from hicache.server.errors import APIError, error_payload
 from hicache.server.generation import Generation
 from hicache.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from hicache.server.output_text import OutputText, TextOptions

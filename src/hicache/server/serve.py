@@ -27,6 +27,7 @@ from hicache.model.loader import LoadFormat
 from hicache.server.admin_api import ADMIN_ALLOW_DYNAMIC_FLAG
 from hicache.server.app import create_app
 from hicache.server.args import NO_STORAGE_BACKEND
+from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, add_max_request_bytes_arg
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
 from hicache.storage.base import StorageError
@@ -65,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "any code as this server's user. Off by default (a 403); "
         "--hicache-storage-backend dynamic at start-up needs no such flag",
     )
+    add_max_request_bytes_arg(group, DEFAULT_MAX_REQUEST_BYTES)
     # SUPPRESS: when not given here, ``hicache --log-level`` (before the subcommand) stands.
     group.add_argument(
         "--log-level", default=argparse.SUPPRESS,
@@ -205,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
             admin_allow_dynamic_backend=args.admin_allow_dynamic_backend,
             served_model_name=args.served_model_name or args.model_path,
             info=server_info_from_args(args, _tokenizer_path(resolved, engine)),
-            on_shutdown=stop_engine,
+            on_shutdown=stop_engine, max_request_bytes=args.max_request_bytes,
         )
         level = logging.getLogger().getEffectiveLevel()
         config = uvicorn.Config(

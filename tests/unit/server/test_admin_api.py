@@ -137,7 +137,7 @@ def test_clear_empties_the_store_and_later_turns_recompute(
     assert cleared.json()["cleared"] is True
     assert not _page_files(tmp_path)
     # L1 and L2 flushed too: the same prompt finds nothing anywhere and is recomputed.
-    assert client.post("/flush_cache").status_code == 200
+    assert client.post("/flush_cache", headers=AUTH).status_code == 200
     again = client.post("/generate", json=body).json()
     assert again["output_ids"] == first["output_ids"]
     assert again["meta_info"]["cached_tokens"] == 0
@@ -174,14 +174,14 @@ def test_busy_server_refuses_l3_changes_and_flush(
         for response in (
             client.put(ROUTE, headers=AUTH, json=file_backend(tmp_path)),
             client.delete(ROUTE, headers=AUTH),
-            client.post("/flush_cache"),
+            client.post("/flush_cache", headers=AUTH),
             client.post(CLEAR, headers=AUTH),
         ):
             assert response.status_code == 409, response.text
             assert "running" in message(response)
         assert client.get(ROUTE, headers=AUTH).status_code == 200  # reading is always fine
     assert server.wait_idle()
-    assert client.post("/flush_cache").status_code == 200
+    assert client.post("/flush_cache", headers=AUTH).status_code == 200
     assert client.get(ROUTE, headers=AUTH).json()["attached"] is False
 
 
