@@ -99,7 +99,7 @@ def serve_app_in_thread(app: FastAPI, *, lifespan: str = "off") -> Iterator[str]
 def serve_in_thread(
     engine_args: Sequence[str] = (), *, admin_api_key: str | None = None,
     admin_allow_dynamic_backend: bool = False, served_model_name: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, l3_path_root: str | None = None,
 ) -> Iterator[RunningServer]:
     args = parse_test_args(engine_args)
     engine = build_engine(engine_config_from_args(args))
@@ -110,7 +110,7 @@ def serve_in_thread(
             served_model_name=served_model_name,
             info=server_info_from_args(args, client_tokenizer_path(
                 args.model_path, engine.tokenizer, args.dtype, args.device)),
-            max_request_bytes=max_request_bytes,
+            max_request_bytes=max_request_bytes, l3_path_root=l3_path_root,
         )
         with serve_app_in_thread(app) as url:
             yield RunningServer(url, engine)

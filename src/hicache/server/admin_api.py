@@ -19,7 +19,9 @@ runs it: through this API that would turn the admin key into a key to run any
 code as the server's user. So ``PUT`` refuses it (403) unless the server was
 started with ``--admin-allow-dynamic-backend``. An operator who names it at
 start-up (``--hicache-storage-backend dynamic``) chose the module themselves
-and needs no flag.
+and needs no flag. The directory of a backend that keeps files (``file``,
+``nixl``, ``aibrix``) must lie under ``--l3-path-root`` (403 otherwise;
+``l3_path_root``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from starlette.concurrency import run_in_threadpool
 from hicache.config import ConfigError
 from hicache.server.body import parse_body
 from hicache.server.errors import APIError
+from hicache.server.l3_path_root import confined_extra_config
 from hicache.server.protocol import StorageBackendRequest
 from hicache.server.server_info import public_config
 from hicache.server.state import ServerState, get_state
@@ -107,10 +110,12 @@ async def attach_storage(request: Request) -> dict[str, Any]:
             f"names, so the admin API attaches it only on a server started with "
             f"{ADMIN_ALLOW_DYNAMIC_FLAG}", param="backend",
         )
+    # Files go only under --l3-path-root (403 otherwise), checked before anything is created.
+    extra_config = confined_extra_config(name, body.extra_config, state.l3_path_root)
     await _change_storage(
-        state, state.engine.attach_storage, body.backend, body.extra_config, body.prefetch_policy
+        state, state.engine.attach_storage, body.backend, extra_config, body.prefetch_policy
     )
-    state.storage_config = public_config(body.extra_config)  # for /get_server_info
+    state.storage_config = public_config(extra_config)  # for /get_server_info
     return await run_in_threadpool(state.engine.storage_status)
 
 

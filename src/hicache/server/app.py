@@ -16,7 +16,8 @@ code after ``uvicorn.run`` may never run. Routes:
 
 Every request body is limited to ``max_request_bytes`` (``--max-request-bytes``,
 a 413 beyond it: ``body_limit``) and parsed off the event loop when large
-(``body``). The served model name defaults to the engine's; ``hicache serve`` passes
+(``body``). Admin-attached L3 files stay under ``l3_path_root``
+(``--l3-path-root``). The served model name defaults to the engine's; ``hicache serve`` passes
 ``--served-model-name``, else ``--model-path`` as given (as SGLang does).
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,6 +37,7 @@ from hicache.server import admin_api, generate_api, native_api, openai_api
 from hicache.server.admin_api import authorize_if_keyed
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from hicache.server.errors import APIError, install_error_handlers
+from hicache.server.l3_path_root import resolve_root
 from hicache.server.metrics import ServerMetrics
 from hicache.server.server_info import ServerInfo, l3_description, model_info, server_info
 from hicache.server.state import ServedEngine, ServerState, get_state
@@ -48,6 +51,7 @@ def create_app(
     info: ServerInfo | None = None,
     on_shutdown: Callable[[], None] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    l3_path_root: str | Path | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -69,6 +73,7 @@ def create_app(
         info=info,
         storage_config=dict(info.storage_config),
         admin_allow_dynamic_backend=admin_allow_dynamic_backend,
+        l3_path_root=resolve_root(l3_path_root),
     )
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)

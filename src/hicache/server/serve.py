@@ -29,6 +29,7 @@ from hicache.server.app import create_app
 from hicache.server.args import NO_STORAGE_BACKEND
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, add_max_request_bytes_arg
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
+from hicache.server.l3_path_root import FLAG as L3_PATH_ROOT_FLAG
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
 from hicache.storage.base import StorageError
 
@@ -67,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hicache-storage-backend dynamic at start-up needs no such flag",
     )
     add_max_request_bytes_arg(group, DEFAULT_MAX_REQUEST_BYTES)
+    group.add_argument(
+        L3_PATH_ROOT_FLAG, default=None, metavar="DIR",
+        help="the directory under which the admin API may attach file, nixl or aibrix L3 "
+        "stores (their extra_config path; relative paths are taken under it, anything that "
+        "resolves outside is a 403). Default: the local cache dir ($HICACHE_CACHE_DIR, else "
+        "~/.cache/hicache)",
+    )
     # SUPPRESS: when not given here, ``hicache --log-level`` (before the subcommand) stands.
     group.add_argument(
         "--log-level", default=argparse.SUPPRESS,
@@ -208,6 +216,7 @@ def main(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name or args.model_path,
             info=server_info_from_args(args, _tokenizer_path(resolved, engine)),
             on_shutdown=stop_engine, max_request_bytes=args.max_request_bytes,
+            l3_path_root=args.l3_path_root,
         )
         level = logging.getLogger().getEffectiveLevel()
         config = uvicorn.Config(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -12,6 +13,7 @@ from fastapi import Request
 from hicache.engine.api import EngineProtocol
 from hicache.model.tokenizer import Tokenizer
 from hicache.server.errors import APIError
+from hicache.server.l3_path_root import resolve_root
 from hicache.server.metrics import ServerMetrics
 from hicache.server.server_info import ServerInfo
 
@@ -40,6 +42,8 @@ class ServerState:
     # Whether the admin API may attach the "dynamic" backend, which imports and runs
     # any Python module it is given (--admin-allow-dynamic-backend).
     admin_allow_dynamic_backend: bool = False
+    # Where the admin API may put an L3 store's files (--l3-path-root), resolved.
+    l3_path_root: Path = field(default_factory=resolve_root)
     created: int = field(default_factory=lambda: int(time.time()))
     rids_in_flight: set[str] = field(default_factory=set)
 

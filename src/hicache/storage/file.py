@@ -61,6 +61,7 @@ from hicache.storage.options import Options
 from hicache.storage.page_files import (
     TEMP_SUFFIX,
     create_file,
+    holds_our_page,
     is_page_name,
     is_stale_temp,
     page_path,
@@ -183,11 +184,14 @@ class FileBackend(StorageBackend):
         return num_stored
 
     def clear(self) -> None:
-        """Remove every page file in the directory (any instance's) and stale temporaries."""
+        """Remove every page file in the directory (any instance's) and stale temporaries;
+        a file with a page's name but not our header is left alone (``holds_our_page``)."""
         self._ready([])
         with self._lock:
             for _, name, _ in self._scan():
-                unlink_quietly(self._path(name))
+                path = self._path(name)
+                if holds_our_page(path, name):
+                    unlink_quietly(path)
             self._index.clear()
             self._total_bytes = 0
 

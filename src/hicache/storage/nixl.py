@@ -84,7 +84,7 @@ from hicache.storage.options import Options
 from hicache.storage.page_files import (
     TEMP_SUFFIX,
     create_file,
-    is_page_name,
+    holds_our_page,
     is_stale_temp,
     page_path,
     temp_name,
@@ -213,13 +213,14 @@ class NixlBackend(StorageBackend):
         """Remove every page file in the directory (any instance's) and stale temporaries.
 
         A live writer's temporary stays (its rename would fail otherwise), and so does
-        anything that is not ours.
+        anything that is not ours: a page file goes only when it holds our header
+        (``holds_our_page``), whatever its name.
         """
         self._ready([])
         for sub in self._fan_out_dirs():
             with os.scandir(sub) as entries:
                 for entry in entries:
-                    if is_page_name(entry.name):
+                    if holds_our_page(entry.path, entry.name):
                         unlink_quietly(entry.path)
         self._remove_stale_temporaries()
 

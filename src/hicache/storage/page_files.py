@@ -5,6 +5,11 @@ Both keep one file per page at ``<root>/<first two hex digits>/<frame.object_nam
 same directory and rename it into place (atomic, so a reader sees a whole page
 or none). The two backends read each other's files, so the names, the
 temporaries and when a temporary is stale are defined once, here.
+
+``clear`` removes a page file only when it holds a page as we write it: a
+regular file whose trailer starts with our ``frame`` header for the key and row
+order its name says (``holds_our_page``). A file that merely has a page-shaped
+name (something else's, in a directory the store was pointed at) is left alone.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import contextlib
 import os
 import socket
 import zlib
+from stat import S_ISREG
 
-from hicache.storage.frame import PayloadOrder
+from hicache.storage.frame import HEADER_BYTES, PayloadOrder, check_header
 
 # A temporary file whose writer is still running is only stale past this age (a
 # page write takes milliseconds; this only guards against a recycled pid).
@@ -22,6 +28,9 @@ STALE_TEMP_AGE_S = 300.0
 TEMP_SUFFIX = ".tmp"
 _NAME_TAILS = tuple(f".{order.tag}" for order in PayloadOrder)
 _NAME_CHARS = 32 + 3  # hex key + ".lm" / ".tm"
+# Bytes after the payload in a page file: the header alone (file, buffered nixl) or the
+# header padded to a 4096-byte block (nixl with O_DIRECT).
+TRAILER_SIZES = (HEADER_BYTES, 4096)
 # Names the writing machine in temporaries: a process id means nothing on another host
 # sharing the directory (over NFS, say), so there only age makes a temporary stale.
 _HOST_TAG = format(zlib.crc32(socket.gethostname().encode()), "08x")
@@ -41,6 +50,36 @@ def is_page_name(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def holds_our_page(path: str, name: str) -> bool:
+    """Is ``path`` (page file ``name``) a page as these backends write it: a regular file
+    (not a link) whose trailer starts with our header, naming the key and row order of
+    ``name``, for a payload that fills the rest of the file? Unreadable: no."""
+    if not is_page_name(name):
+        return False
+    key = bytes.fromhex(name[:32])
+    order = PayloadOrder.of_tag(name[33:])
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return False  # gone, a symlink (O_NOFOLLOW), or not ours to read
+    try:
+        info = os.fstat(fd)
+        size = info.st_size if S_ISREG(info.st_mode) else -1
+        for trailer in TRAILER_SIZES:
+            payload = size - trailer
+            if payload >= 0 and check_header(
+                os.pread(fd, HEADER_BYTES, payload), key, order, payload
+            ) is None:
+                return True
+        return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def temp_name(name: str, pid: int, thread: int, host_tag: str = _HOST_TAG) -> str:

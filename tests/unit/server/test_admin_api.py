@@ -21,8 +21,11 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    with serve_in_thread(["--enable-hierarchical-cache"], admin_api_key=KEY) as running:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    # The tests' stores live in their tmp_path: under pytest's base temp dir.
+    root = str(tmp_path_factory.getbasetemp())
+    with serve_in_thread(["--enable-hierarchical-cache"], admin_api_key=KEY,
+                         l3_path_root=root) as running:
         yield running
 
 
@@ -186,7 +189,7 @@ def test_busy_server_refuses_l3_changes_and_flush(
 
 
 def test_l3_without_the_host_tier_is_refused(tmp_path: Path) -> None:
-    with serve_in_thread(admin_api_key=KEY) as no_l2, httpx.Client(
+    with serve_in_thread(admin_api_key=KEY, l3_path_root=str(tmp_path)) as no_l2, httpx.Client(
         base_url=no_l2.url, timeout=30.0
     ) as http:
         response = http.put(ROUTE, headers=AUTH, json=file_backend(tmp_path))

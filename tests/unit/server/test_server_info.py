@@ -29,7 +29,8 @@ def server(l3_dir: Path) -> Iterator[RunningServer]:
     extra = json.dumps({"path": str(l3_dir), "prefetch_threshold": 32})
     args = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
             "--hicache-storage-backend-extra-config", extra]
-    with serve_in_thread(args, served_model_name=SERVED, admin_api_key=KEY) as running:
+    with serve_in_thread(args, served_model_name=SERVED, admin_api_key=KEY,
+                         l3_path_root=str(l3_dir)) as running:
         yield running
 
 
@@ -87,7 +88,7 @@ def test_server_info_has_sglangs_arguments_and_the_live_l3(
                        json={"backend": "file", "extra_config": {"path": str(other)}})
     assert attach.status_code == 200, attach.text
     again = get(server, "/get_server_info")
-    assert again["l3"]["config"] == {"path": str(other)}
+    assert again["l3"]["config"] == {"path": str(other.resolve())}
 
 
 @pytest.mark.parametrize("name", [SERVED, "Tiny-Chat-1B"])
