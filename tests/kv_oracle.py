@@ -64,7 +64,9 @@ def serve(cache: HierarchicalCache, tokens: list[int]) -> int:
 
 
 # ------------------------------------------------------------- with an L3 tier
-L3_WAIT_S = 10.0
+# How long a prefetch or the L3 traffic after a request may take to finish: a guard against
+# a hang, far above what a machine busy with other work needs.
+L3_WAIT_S = 60.0
 
 
 def settle(cache: HierarchicalCache) -> None:

@@ -22,15 +22,26 @@ ENGINE_FLAGS = ("--page-size", str(PAGE), "--max-total-tokens", "2048",
                 "--enable-hierarchical-cache")
 # A breaker that opens after two failures and probes again soon: outages stay short.
 FAST_BREAKER = {"breaker_failures": 2, "breaker_backoff_base": 0.2, "breaker_backoff_max": 0.2}
+# A request recomputed while the store is down must not wait on it. What waiting would cost
+# is made far longer than DOWN_S: the call deadline and the prefetch wait here, and the
+# backends' own timeouts (a minute, set by each module; Mooncake's library retries a dead
+# master for over a minute). A busy machine stays far under the bound, a wait on the store
+# is far over it.
+PATIENT_WAITS = {"io_timeout_s": 120.0, "prefetch_timeout_max": 120.0}
+DOWN_S = 20.0
+# Until a prompt is hit in L3 again after the store came back: a guard against a store
+# that is never used again, not a bound on how soon.
+RECOVERY_S = 60.0
 
 
 def l3_engine_flags(backend: str, extra: dict[str, Any]) -> tuple[str, ...]:
-    """Engine flags for ``backend`` as L3 (``extra`` its config), waiting for whole prefetches."""
+    """Engine flags for ``backend`` as L3 (``extra`` its config, over PATIENT_WAITS), waiting
+    for whole prefetches."""
     return (
         *ENGINE_FLAGS, "--hicache-storage-backend", backend,
         "--hicache-storage-prefetch-policy", "wait_complete",
         "--hicache-storage-backend-extra-config",
-        json.dumps({**extra, "prefetch_threshold": 64}),
+        json.dumps({**PATIENT_WAITS, **extra, "prefetch_threshold": 64}),
     )
 
 
@@ -43,7 +54,7 @@ def assert_hit_after_flush(engine: Engine, ids: list[int], cold_tokens: list[int
 
 
 def assert_recomputed_while_down(
-    engine: Engine, ids: list[int], cold_tokens: list[int], max_s: float
+    engine: Engine, ids: list[int], cold_tokens: list[int], max_s: float = DOWN_S
 ) -> None:
     """With the store down, ``ids`` is recomputed within ``max_s``, not waiting on the store."""
     for _ in range(3):  # each flush sends the request to L3, which cannot answer
@@ -56,7 +67,7 @@ def assert_recomputed_while_down(
         assert down.token_ids == cold_tokens
 
 
-def assert_stored_and_hit_again(engine: Engine, recovery_s: float) -> None:
+def assert_stored_and_hit_again(engine: Engine, recovery_s: float = RECOVERY_S) -> None:
     """After the store came back (empty), a new prompt is stored again, then hit within
     ``recovery_s``."""
     other = prompt(12)

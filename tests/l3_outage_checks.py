@@ -21,8 +21,19 @@ _DOWN_SEEDS = range(100, 106)
 _BACK_SEED = 200
 _TOKENS = 40
 
+# A request served while the store is down must not wait on it. What waiting would cost is
+# made far longer than FAST_S: the cache's call deadline and prefetch wait (OUTAGE_STORAGE,
+# for the caches these checks serve) and the backends' own timeouts (a minute, set by each
+# module; Mooncake's library retries a dead master for over a minute). So a machine slowed
+# by other work stays far under the bound, and a request that waits on the store is far over.
+FAST_S = 10.0
+OUTAGE_STORAGE = {"io_timeout_s": 120.0, "prefetch_timeout_max": 120.0}
+# Serving until a conversation is backed up again after the restart: a guard against a
+# store that is never used again, not a bound on how soon.
+RECOVERY_S = 60.0
 
-def serve_while_the_store_is_down(cache: HierarchicalCache, fast_s: float) -> None:
+
+def serve_while_the_store_is_down(cache: HierarchicalCache, fast_s: float = FAST_S) -> None:
     """New conversations miss and their backups fail, each request within ``fast_s``;
     the breaker opens and nothing more is backed up."""
     assert cache.storage is not None
@@ -40,7 +51,9 @@ def serve_while_the_store_is_down(cache: HierarchicalCache, fast_s: float) -> No
     assert cache.stats.num_storage_backed_up_pages == backed_up
 
 
-def serve_until_backed_up_again(cache: HierarchicalCache, recovery_s: float) -> int:
+def serve_until_backed_up_again(
+    cache: HierarchicalCache, recovery_s: float = RECOVERY_S
+) -> int:
     """After the store came back: serve new conversations until one is backed up (within
     ``recovery_s``); the breaker is closed again. The seed of that conversation."""
     assert cache.storage is not None

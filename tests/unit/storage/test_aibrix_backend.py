@@ -316,7 +316,7 @@ def test_rocksdb_failing_under_aibrix_is_a_miss_not_an_exception(
     assert backend.exists(chain) == 0
     assert backend.get(chain, page_range(10, 14)) == 0
     assert backend.set(chain[2:], page_range(2, 4)) == 0
-    assert time.monotonic() - began < 5.0
+    assert time.monotonic() - began < 30.0  # failed, not retried for long (a busy machine)
     failures = backend.stats().failures
     assert failures.get("io_error", 0) >= 3, failures
 
@@ -412,7 +412,7 @@ def test_clear_while_other_threads_read_and_write(
     finally:
         stop.set()
         for thread in threads:
-            thread.join(timeout=10)
+            thread.join(timeout=60)  # a guard against a hang
     assert not any(thread.is_alive() for thread in threads)
     assert not errors, errors
     assert answers and all(0 <= n <= 8 for n in answers)

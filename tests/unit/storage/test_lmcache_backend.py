@@ -35,6 +35,11 @@ from tests.lmcache_fixtures import GEOMETRY, PROGRAM, extra_fixture, server_fixt
 from tests.storage_contract import page_bytes_of, page_range
 
 PAGE_SIZE = 4
+# "At once" for a call to a dead or frozen server: far under what a client that waited on
+# the server would wait (PATIENT_CLIENT's timeouts, a minute; a frozen server answers only
+# once the test resumes it), generous for a machine busy with other work.
+AT_ONCE_S = 20.0
+PATIENT_CLIENT = {"timeout_s": 60.0, "connect_timeout_s": 60.0}
 
 
 def host_pool(layout: MemLayout = MemLayout.PAGE_FIRST) -> HostPool:
@@ -131,11 +136,11 @@ def test_the_registry_builds_it_by_name_without_lmcache_installed(
 
 
 def test_an_unreachable_server_fails_attach_at_once() -> None:
-    backend = LMCacheBackend({"remote_url": f"127.0.0.1:{free_port()}"})
+    backend = LMCacheBackend({"remote_url": f"127.0.0.1:{free_port()}", **PATIENT_CLIENT})
     began = time.monotonic()
     with pytest.raises(StorageUnavailableError, match="cannot reach lmcache_server"):
         backend.attach(host_pool())
-    assert time.monotonic() - began < 2.0
+    assert time.monotonic() - began < AT_ONCE_S
     backend.close()
 
 
@@ -249,7 +254,9 @@ def test_a_dead_server_gives_fast_misses_and_the_backend_recovers_on_restart(
     own_server: ServerProcess,
 ) -> None:
     host = host_pool()
-    backend = LMCacheBackend({"remote_url": own_server.url, "retry_interval_s": 0.2})
+    backend = LMCacheBackend(
+        {"remote_url": own_server.url, "retry_interval_s": 0.2, **PATIENT_CLIENT}
+    )
     backend.attach(host)
     try:
         keys = new_keys(4)
@@ -261,7 +268,7 @@ def test_a_dead_server_gives_fast_misses_and_the_backend_recovers_on_restart(
         assert backend.get(keys, page_range(10, 14)) == 0
         assert backend.set(keys, page_range(0, 4)) == 0
         backend.clear()  # counted, not raised
-        assert time.monotonic() - began < 1.0
+        assert time.monotonic() - began < AT_ONCE_S
         assert not backend.reachable
         assert backend.stats().failures.get("unreachable", 0) >= 3
 
@@ -282,10 +289,10 @@ def test_a_server_killed_under_a_connected_client_restarts_on_its_port(
     # The killed server's side of the open connection sits in TIME_WAIT on the
     # server's port; LMCache binds without SO_REUSEADDR, so only our launcher
     # lets the restart bind that port again (it failed with errno 98 before).
-    with socket.create_connection((own_server.host, own_server.port), timeout=5) as client:
+    with socket.create_connection((own_server.host, own_server.port), timeout=60) as client:
         time.sleep(0.2)  # the server accepted it
         own_server.kill()
-        client.settimeout(5)
+        client.settimeout(60)
         assert client.recv(1) == b""  # the server's end closed first
     own_server.restart()
     assert own_server.running
@@ -294,7 +301,7 @@ def test_a_server_killed_under_a_connected_client_restarts_on_its_port(
 
 def wait_stopped(pid: int) -> None:
     """Until the process is stopped (a signal is delivered asynchronously)."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     stat = Path(f"/proc/{pid}/stat")
     while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
         assert time.monotonic() < deadline, "the server did not stop"
@@ -316,7 +323,9 @@ def test_a_frozen_server_times_out_and_is_used_again_once_it_answers(
         wait_stopped(own_server.pid)
         began = time.monotonic()
         assert backend.get(keys, page_range(10, 12)) == 0
-        assert 0.25 < time.monotonic() - began < 2.0
+        # Its 0.3 s timeout: not the frozen server (which answers only once the test resumes
+        # it) nor the default timeout (5 s); the rest is room for a busy machine.
+        assert 0.25 < time.monotonic() - began < 0.3 + 3.0
         assert backend.stats().failures == {"timeout": 1}
         # A backup while it is frozen times out and reports nothing stored.
         unconfirmed = new_keys(2)

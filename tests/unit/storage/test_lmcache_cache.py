@@ -14,14 +14,16 @@ from hicache.storage.lmcache_server import ServerProcess, start_server
 from tests.kv_oracle import conversation, serve_with_l3, settle
 from tests.l3_caches import assert_a_new_cache_reuses
 from tests.l3_outage_checks import (
+    OUTAGE_STORAGE,
     assert_another_cache_finds,
     serve_until_backed_up_again,
     serve_while_the_store_is_down,
 )
 from tests.lmcache_fixtures import PROGRAM, make_cache
 
-FAST_S = 0.5
-RECOVERY_S = 15.0
+# A client that waited on the dead server would wait out these timeouts, far past the
+# bound on a request while it is down (l3_outage_checks.FAST_S).
+PATIENT_CLIENT = {"timeout_s": 60.0, "connect_timeout_s": 60.0}
 
 
 @pytest.fixture(scope="module", name="server")
@@ -41,9 +43,11 @@ def test_a_new_instance_reuses_the_kv_the_last_one_stored(
 def test_a_dead_server_opens_the_breaker_and_l3_returns_after_restart(
     server: ServerProcess,
 ) -> None:
-    extra = {"remote_url": server.url, "namespace": "outage", "retry_interval_s": 0.1}
+    extra = {"remote_url": server.url, "namespace": "outage", "retry_interval_s": 0.1,
+             **PATIENT_CLIENT}
     cache = make_cache(
         extra, breaker_failures=2, breaker_backoff_base=0.2, breaker_backoff_max=0.2,
+        **OUTAGE_STORAGE,
     )
     try:
         assert cache.storage is not None
@@ -52,10 +56,10 @@ def test_a_dead_server_opens_the_breaker_and_l3_returns_after_restart(
         assert cache.stats.num_storage_backed_up_pages == 10
 
         server.kill()
-        serve_while_the_store_is_down(cache, FAST_S)
+        serve_while_the_store_is_down(cache)
 
         server.restart()  # empty: keep serving new conversations until one is backed up
-        seed = serve_until_backed_up_again(cache, RECOVERY_S)
+        seed = serve_until_backed_up_again(cache)
         assert_another_cache_finds(make_cache(extra), seed)
     finally:
         cache.close()

@@ -28,7 +28,7 @@ _LISTENER = (
 
 
 class Listener(LocalServer):
-    ready_timeout_s = 10.0
+    ready_timeout_s = 60.0  # a guard: the listener starts in well under a second
 
     def __init__(self, port: int, log_path: Path, owned: Path | None = None,
                  script: str = _LISTENER) -> None:

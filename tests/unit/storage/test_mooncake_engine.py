@@ -27,7 +27,9 @@ from tests.mooncake_fixtures import extra_fixture, master_fixture  # noqa: F401 
 from tests.unit.engine.test_engine_cache_reuse import prompt
 from tests.unit.engine.test_engine_soak import soak, soak_engine_flags
 
-RECOVERY_S = 20.0
+# The client's watcher checks the master every WATCH_INTERVAL_S: a guard against a dead
+# master that goes unnoticed, generous for a busy machine.
+NOTICE_S = 40 * WATCH_INTERVAL_S
 
 
 def test_engine_outputs_stay_identical_while_the_master_dies_and_returns(
@@ -44,14 +46,14 @@ def test_engine_outputs_stay_identical_while_the_master_dies_and_returns(
     assert_hit_after_flush(engine, ids, cold.token_ids)  # from Mooncake
 
     mooncake_master.kill()
-    deadline = time.monotonic() + 5 * WATCH_INTERVAL_S
+    deadline = time.monotonic() + NOTICE_S
     while backend.reachable:
         assert time.monotonic() < deadline, "the dead master went unnoticed"
         time.sleep(0.01)
-    assert_recomputed_while_down(engine, ids, cold.token_ids, max_s=2.0)
+    assert_recomputed_while_down(engine, ids, cold.token_ids)
 
     mooncake_master.restart()  # an empty store: the next prompt is stored again, then hit
-    assert_stored_and_hit_again(engine, RECOVERY_S)
+    assert_stored_and_hit_again(engine)
     engine.check_integrity()
 
 

@@ -15,6 +15,7 @@ from hicache.storage.mooncake import MooncakeBackend
 from hicache.storage.mooncake_client import WATCH_INTERVAL_S
 from hicache.storage.mooncake_master import MasterProcess
 from tests.l3_outage_checks import (
+    OUTAGE_STORAGE,
     assert_another_cache_finds,
     serve_until_backed_up_again,
     serve_while_the_store_is_down,
@@ -29,9 +30,9 @@ from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     settle,
 )
 
-# Per request while the master is down: lookups and backups must not wait on it.
-FAST_S = 0.5
-RECOVERY_S = 15.0
+# The client's watcher checks the master every WATCH_INTERVAL_S: a guard against a dead
+# master that goes unnoticed, generous for a busy machine.
+NOTICE_S = 40 * WATCH_INTERVAL_S
 
 
 def test_a_dead_master_fails_fast_opens_the_breaker_and_l3_returns_after_restart(
@@ -40,6 +41,7 @@ def test_a_dead_master_fails_fast_opens_the_breaker_and_l3_returns_after_restart
 ) -> None:
     cache = make_cache(
         mooncake_extra, breaker_failures=2, breaker_backoff_base=0.2, breaker_backoff_max=0.2,
+        **OUTAGE_STORAGE,
     )
     try:
         assert cache.storage is not None
@@ -52,16 +54,16 @@ def test_a_dead_master_fails_fast_opens_the_breaker_and_l3_returns_after_restart
         mooncake_master.kill()
         # The client's watcher notices within its interval; from then on no call
         # enters the library (whose own retries would block each one for seconds).
-        deadline = time.monotonic() + 5 * WATCH_INTERVAL_S
+        deadline = time.monotonic() + NOTICE_S
         while backend.reachable:
             assert time.monotonic() < deadline, "the dead master went unnoticed"
             time.sleep(0.01)
-        serve_while_the_store_is_down(cache, FAST_S)
+        serve_while_the_store_is_down(cache)
 
         mooncake_master.restart()
         # The restarted master has an empty store, and the client re-registers its
         # memory on its own: keep serving new conversations until one is backed up.
-        seed = serve_until_backed_up_again(cache, RECOVERY_S)
+        seed = serve_until_backed_up_again(cache)
         assert cache.stats.num_storage_backed_up_pages == 20
         # Another cache finds that conversation in Mooncake.
         assert_another_cache_finds(make_cache(mooncake_extra), seed)

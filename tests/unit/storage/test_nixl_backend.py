@@ -233,7 +233,8 @@ def test_a_transfer_past_its_deadline_fails_the_batch(tmp_path: Path) -> None:
         began = time.monotonic()
         assert backend.get(keys, page_range(10, 14)) == 0
         assert backend.set(keys_of(2, seed=9), page_range(0, 2)) == 0
-        assert time.monotonic() - began < 2.0
+        # The transfers never finish: only their deadline ends them (a busy machine's margin).
+        assert time.monotonic() - began < 20.0
         assert backend.stats().failures == {"timeout": 6}
         assert stuck.released == 2  # each request was cancelled and freed
         # No temporary of the failed write is left behind.
