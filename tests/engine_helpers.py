@@ -73,8 +73,9 @@ def run_many(engine: Engine, requests: list[GenerateRequest]) -> list[Run]:
     return asyncio.run(all_of())
 
 
-def wait_idle(engine: Engine, timeout_s: float = 10.0) -> None:
-    """Until nothing runs or waits (an aborted request finishes on the scheduler's time)."""
+def wait_idle(engine: Engine, timeout_s: float = 60.0) -> None:
+    """Until nothing runs or waits (an aborted request finishes on the scheduler's time);
+    ``timeout_s`` guards against a hang, far above what a busy machine needs."""
     deadline = time.monotonic() + timeout_s
     while not engine.is_idle():
         assert time.monotonic() < deadline, "requests are still running"

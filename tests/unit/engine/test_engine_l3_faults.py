@@ -3,7 +3,9 @@
 A slow store is bounded by the timeout policy (and wait_complete by
 prefetch_timeout_max), a failing one costs a recomputation, and a request
 aborted while its prefetch is in flight frees every host page the prefetch
-held. Outputs never change. (A store that hangs: test_engine_l3_stall.py.)
+held. Outputs never change. A slow store here answers when the test releases
+it, within the call deadline: as slow as a test needs, at no cost in time.
+(A store that hangs past the call deadline: test_engine_l3_stall.py.)
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ from tests.storage_reference import MemoryBackend
 PAGE = 16
 PROMPT = 200
 REUSED = (PROMPT - 1) // PAGE * PAGE
+# A request bounded by a prefetch deadline of a fraction of a second, over a store that
+# answers only when the test lets it (far later than that, and within the call deadline
+# IO_TIMEOUT_S): it finishes within SLOW_BOUND_S even on a machine busy with other work,
+# while one that waited for the store would not finish before the test released it.
+SLOW_BOUND_S = 20.0
+IO_TIMEOUT_S = 120.0
+# Waits for what the engine does in the background: guards against a hang, not bounds.
+SETTLE_S = 60.0
 
 
 def prompt(seed: int) -> list[int]:
@@ -50,44 +60,59 @@ def engine_with_store(
 
 def test_slow_store_is_bounded_by_the_timeout_policy(make_engine: Callable[..., Engine]) -> None:
     engine, backend = engine_with_store(
-        make_engine, PrefetchPolicy.TIMEOUT,
+        make_engine, PrefetchPolicy.TIMEOUT, io_timeout_s=IO_TIMEOUT_S,
         prefetch_timeout_base=0.2, prefetch_timeout_per_ki_token=0.0,
     )
     ids = prompt(1)
     cold = run(engine, ids, ignore_eos=True)
     assert engine.flush_cache()
     assert backend.store.pages  # backed up
-    backend.delay_per_batch = 3.0  # far past the 0.2 s deadline
-    began = time.monotonic()
-    slow = run(engine, ids, ignore_eos=True)
-    assert time.monotonic() - began < 2.0
+    answer = backend.stall("get")  # reads answer when the test says: far past 0.2 s
+    try:
+        began = time.monotonic()
+        slow = run(engine, ids, ignore_eos=True)
+        assert time.monotonic() - began < SLOW_BOUND_S
+    finally:
+        answer.set()
     assert slow.last.cached_tokens.storage == 0
     assert slow.token_ids == cold.token_ids
-    backend.delay_per_batch = 0.0
+    wait_for_no_prefetch(engine)  # the late read returned; its pages are freed
+    engine.check_integrity()
 
 
 def test_wait_complete_gives_up_at_prefetch_timeout_max(
     make_engine: Callable[..., Engine],
 ) -> None:
     engine, backend = engine_with_store(
-        make_engine, PrefetchPolicy.WAIT_COMPLETE, prefetch_timeout_max=0.3
+        make_engine, PrefetchPolicy.WAIT_COMPLETE, prefetch_timeout_max=0.3,
+        io_timeout_s=IO_TIMEOUT_S,
     )
     ids = prompt(4)
     cold = run(engine, ids, ignore_eos=True)
     assert engine.flush_cache()
-    backend.delay_per_batch = 3.0  # slow, not hung: within the call deadline
-    began = time.monotonic()
-    slow = run(engine, ids, ignore_eos=True)
-    assert time.monotonic() - began < 2.0
+    # Slow, not hung: the read answers when the test says, within the call deadline.
+    answer = backend.stall("get")
+    try:
+        began = time.monotonic()
+        slow = run(engine, ids, ignore_eos=True)
+        assert time.monotonic() - began < SLOW_BOUND_S
+        # Given up on, not failed: the read is still in flight, holding its host pages.
+        assert on_scheduler(engine, lambda: engine.cache.storage.num_in_flight_prefetch_pages)  # type: ignore[union-attr]
+    finally:
+        answer.set()
     assert slow.last.cached_tokens.storage == 0
     assert slow.token_ids == cold.token_ids
-    backend.delay_per_batch = 0.0
     # The read it gave up on returns later; its pages are freed then.
-    deadline = time.monotonic() + 10
+    wait_for_no_prefetch(engine)
+    engine.check_integrity()
+
+
+def wait_for_no_prefetch(engine: Engine) -> None:
+    """Until no prefetch read is in flight (late ones returned, their pages freed)."""
+    deadline = time.monotonic() + SETTLE_S
     while on_scheduler(engine, lambda: engine.cache.storage.num_in_flight_prefetch_pages):  # type: ignore[union-attr]
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    engine.check_integrity()
 
 
 def test_failing_store_costs_a_recomputation_only(make_engine: Callable[..., Engine]) -> None:
@@ -101,26 +126,31 @@ def test_failing_store_costs_a_recomputation_only(make_engine: Callable[..., Eng
     assert failed.token_ids == cold.token_ids
     backend.raise_errors = False
     # The failures opened the circuit breaker: L3 is skipped until its backoff ends.
-    wait_for_hit(engine, ids, cold.token_ids, timeout_s=5, reused_tokens=REUSED, poll_s=0.05)
+    wait_for_hit(engine, ids, cold.token_ids, timeout_s=SETTLE_S, reused_tokens=REUSED,
+                 poll_s=0.05)
     engine.check_integrity()
 
 
 def test_abort_during_prefetch_frees_the_prefetched_host_pages(
     make_engine: Callable[..., Engine],
 ) -> None:
-    engine, backend = engine_with_store(make_engine, PrefetchPolicy.WAIT_COMPLETE)
+    engine, backend = engine_with_store(
+        make_engine, PrefetchPolicy.WAIT_COMPLETE, io_timeout_s=IO_TIMEOUT_S,
+        prefetch_timeout_max=IO_TIMEOUT_S,
+    )
     ids = prompt(3)
     run(engine, ids, ignore_eos=True)
     assert engine.flush_cache()
     host = engine.cache.host_pool
     assert host is not None
-    backend.delay_per_batch = 0.5
+    # Reads answer when the test says (after the client left), within the call deadline.
+    answer = backend.stall("get")
 
     async def leave_while_prefetching() -> None:
         params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
         stream = engine.generate(GenerateRequest(tuple(ids), params))
         reader = asyncio.ensure_future(anext(stream))
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + SETTLE_S
         while not (engine.scheduler.num_waiting == 1 and host.allocator.num_used_pages > 0):
             assert time.monotonic() < deadline, "the prefetch never started"
             await asyncio.sleep(0.01)
@@ -128,9 +158,11 @@ def test_abort_during_prefetch_frees_the_prefetched_host_pages(
         await asyncio.gather(reader, return_exceptions=True)
         await stream.aclose()
 
-    asyncio.run(leave_while_prefetching())
-    backend.delay_per_batch = 0.0
-    deadline = time.monotonic() + 10
+    try:
+        asyncio.run(leave_while_prefetching())
+    finally:
+        answer.set()
+    deadline = time.monotonic() + SETTLE_S
     while not engine.is_idle() or host.allocator.num_used_pages:
         assert time.monotonic() < deadline, (engine.is_idle(), host.allocator.num_used_pages)
         on_scheduler(engine, engine.cache.poll)

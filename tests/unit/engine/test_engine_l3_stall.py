@@ -27,11 +27,16 @@ from tests.engine_helpers import Run, collect, on_scheduler, run
 from tests.unit.engine.test_engine_l3_faults import PROMPT, engine_with_store, prompt
 
 IO_TIMEOUT_S = 0.5
-MARGIN_S = 3.0  # compute and scheduling on a busy machine
+# Compute and scheduling on a machine busy with other work. The stalls these tests bound
+# end only when the test releases them, so a request that waited on one would never finish
+# (run_bounded fails it): the margin can be generous and still tell the two apart.
+MARGIN_S = 30.0
 BACKOFF_S = 0.2
+# Waits for what the engine does in the background: guards against a hang, not bounds.
+SETTLE_S = 60.0
 
 
-def run_bounded(engine: Engine, ids: list[int], timeout_s: float = 15.0) -> Run:
+def run_bounded(engine: Engine, ids: list[int], timeout_s: float = 2 * MARGIN_S) -> Run:
     """One greedy request that fails the test instead of hanging."""
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
@@ -50,7 +55,7 @@ def tier(engine: Engine) -> StorageTier:
 
 
 def until(
-    engine: Engine, condition: Callable[[], bool], what: str, timeout_s: float = 10.0
+    engine: Engine, condition: Callable[[], bool], what: str, timeout_s: float = SETTLE_S
 ) -> None:
     """Wait until ``condition`` holds on the scheduler thread (which polls L3 each tick)."""
     deadline = time.monotonic() + timeout_s
@@ -80,7 +85,7 @@ def logged(caplog: pytest.LogCaptureFixture, level: int, *parts: str) -> bool:
 
 def serves_from_l3_again(engine: Engine, ids: list[int], cold: Run, tokens: int) -> None:
     """After its backoff the breaker lets a call through, and L3 hits come back."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + SETTLE_S
     while True:
         assert engine.flush_cache()
         back = run_bounded(engine, ids)
@@ -192,15 +197,19 @@ def test_a_hung_set_keeps_its_host_pages_until_it_returns(
 
 
 def test_a_hung_backup_does_not_delay_a_prefetch_read(make_engine: Callable[..., Engine]) -> None:
-    # A deadline far away: the set hangs throughout, the breaker stays closed.
-    engine, backend = engine_with_store(make_engine, PrefetchPolicy.WAIT_COMPLETE, io_timeout_s=60)
+    # A deadline far away: the set hangs throughout, the breaker stays closed, and a read
+    # that waited behind the set would wait past run_bounded's limit.
+    engine, backend = engine_with_store(
+        make_engine, PrefetchPolicy.WAIT_COMPLETE, io_timeout_s=240,
+        prefetch_timeout_max=240,
+    )
     ids = prompt(31)
     cold = run(engine, ids, ignore_eos=True)
     assert engine.flush_cache()
     gate = backend.stall("set")
     try:
         run_bounded(engine, prompt(32))  # its backup hangs in set
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + SETTLE_S
         while not backend.stalled_pages("set"):
             assert time.monotonic() < deadline, "the backup never started"
             time.sleep(0.01)

@@ -17,7 +17,12 @@ from hicache.config import CacheConfig
 from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from hicache.engine.config import EngineConfig, ModelLoadConfig, SchedulingConfig
 from hicache.engine.engine import build_engine
-from hicache.engine.engine_client import EngineClient, EngineDeadError, EngineStartError
+from hicache.engine.engine_client import (
+    CALL_TIMEOUT_S,
+    EngineClient,
+    EngineDeadError,
+    EngineStartError,
+)
 from hicache.storage.base import StorageError
 
 CONFIG = EngineConfig(
@@ -26,6 +31,11 @@ CONFIG = EngineConfig(
     cache=CacheConfig(page_size=16, enable_hierarchical_cache=True),
 )
 PROMPTS = [tuple(range(3, 40)), (*range(3, 40), 7, 8, 9), tuple(range(50, 90))]
+# A dead engine's streams end when its pipe closes, not at a call's timeout
+# (CALL_TIMEOUT_S): the bound sits between the two, generous for a busy machine.
+FAILS_WITHIN_S = CALL_TIMEOUT_S / 2
+# Waits for what follows in the background: guards against a hang, not bounds.
+SETTLE_S = 60.0
 
 
 def _requests() -> list[GenerateRequest]:
@@ -114,7 +124,7 @@ def test_a_caller_that_leaves_aborts_its_request(client: EngineClient) -> None:
         await stream.aclose()  # type: ignore[attr-defined]
 
     asyncio.run(leave_early())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + SETTLE_S
     while client.metrics()["engine_num_aborted"] == aborted:
         assert time.monotonic() < deadline, "the engine never aborted the abandoned request"
         time.sleep(0.05)
@@ -143,13 +153,11 @@ def test_a_dead_engine_fails_its_requests_and_says_so() -> None:
                 outputs.append(out)
             return outputs
 
-        started = time.monotonic()
-        outputs = asyncio.run(asyncio.wait_for(run(), timeout=30))
-        assert time.monotonic() - started < 15
+        outputs = asyncio.run(asyncio.wait_for(run(), timeout=FAILS_WITHIN_S))
         last = outputs[-1]
         assert last.finished and last.finish_reason == "abort"
         assert last.error is not None and "engine process exited" in last.error
-        deadline = time.monotonic() + 5  # told right after the streams are failed
+        deadline = time.monotonic() + SETTLE_S  # told right after the streams are failed
         while not deaths and time.monotonic() < deadline:
             time.sleep(0.02)
         assert deaths == [-signal.SIGKILL]
