@@ -19,6 +19,12 @@ from tests.pd_fixtures import TIMEOUT_S, PDPair, check_integrity, pd_pair
 require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
 TRANSFER_TIMEOUT_S = 3.0
+# Above a failure's own wait (its transfer timeout, where it has one): scheduling on a
+# machine busy with other work. What these bounds tell apart is a request that fails at
+# all from one that hangs; which wait ended it, the error message says.
+LATE_S = 30.0
+# Until the decode instance registered a room: a guard against a hang, not a bound.
+REGISTER_S = 60.0
 ARGS = ["--device", "cpu", "--max-total-tokens", "1024", "--model-preset", "tiny",
         "--page-size", "16", "--hicache-storage-backend", "none",
         "--disaggregation-transfer-timeout-s", str(TRANSFER_TIMEOUT_S)]
@@ -33,7 +39,7 @@ def pair(tmp_path: Path) -> Iterator[PDPair]:
 
 
 def _rooms(pair: PDPair) -> int:
-    answer = httpx.get(f"http://127.0.0.1:{pair.bootstrap_port}/health", timeout=5).json()
+    answer = httpx.get(f"http://127.0.0.1:{pair.bootstrap_port}/health", timeout=LATE_S).json()
     return int(answer["rooms"])
 
 
@@ -59,7 +65,7 @@ def _in_background(pair: PDPair, **kwargs: Any) -> tuple[threading.Thread, list[
 
 
 def _wait_for_a_room(pair: PDPair) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + REGISTER_S
     while _rooms(pair) == 0:
         assert time.monotonic() < deadline, "the decode instance never registered its room"
         time.sleep(0.02)
@@ -69,16 +75,16 @@ def test_sides_that_never_meet_fail_alone_and_leak_nothing(pair: PDPair) -> None
     began = time.monotonic()
     _, decode = pair.send("/generate", BODY, to_prefill=False)
     assert "timed out" in _error(decode)
-    assert TRANSFER_TIMEOUT_S <= time.monotonic() - began < TRANSFER_TIMEOUT_S + 5
+    assert TRANSFER_TIMEOUT_S <= time.monotonic() - began < TRANSFER_TIMEOUT_S + LATE_S
     prefill, _ = pair.send("/generate", BODY, to_decode=False)
     assert "no decode instance registered" in _error(prefill)
-    # A prefill that ends with no KV to send (no token asked for) tells decode at once.
-    began = time.monotonic()
+    # A prefill that ends with no KV to send (no token asked for) tells decode at once:
+    # decode answers with the prefill's reason, where one left to its transfer timeout
+    # would say "timed out" (a wall-clock bound here would only measure the machine).
     nothing = {**BODY, "sampling_params": {"max_new_tokens": 0}}
     prefill, decode = pair.send("/generate", nothing)
     assert prefill is not None and prefill.status_code == 200
     assert "without sending its KV" in _error(decode)
-    assert time.monotonic() - began < TRANSFER_TIMEOUT_S
     # Both still serve: a request sent to both succeeds.
     assert len(pair.generate(BODY)["output_ids"]) == 8
     check_integrity(pair.prefill)
@@ -95,7 +101,7 @@ def test_decode_killed_after_its_handshake(pair: PDPair) -> None:
     began = time.monotonic()
     prefill, _ = pair.send("/generate", BODY, room=room, to_decode=False)
     assert "KV transfer to the decode instance failed" in _error(prefill)
-    assert time.monotonic() - began < TRANSFER_TIMEOUT_S + 5
+    assert time.monotonic() - began < TRANSFER_TIMEOUT_S + LATE_S
     check_integrity(pair.prefill)
 
 
@@ -108,5 +114,5 @@ def test_prefill_killed_while_decode_waits(pair: PDPair) -> None:
     assert not thread.is_alive()
     _, decode = answers[0]
     assert "unreachable" in _error(decode)
-    assert time.monotonic() - killed < TRANSFER_TIMEOUT_S + 2
+    assert time.monotonic() - killed < TRANSFER_TIMEOUT_S + LATE_S
     check_integrity(pair.decode)
