@@ -33,7 +33,7 @@ ARGS = ["--device", "cpu", "--max-total-tokens", "40000", "--model-preset", "tin
         "--page-size", "16"]
 # Each holder's prompt takes the prefill instance hundreds of steps (seconds).
 PREFILL_ARGS = ["--max-running-requests", "1", "--chunked-prefill-size", "16"]
-HOLDERS = 2
+HOLDERS = 3
 HOLDER_TOKENS = 8000
 ABANDONED = 4
 PROMPT_TOKENS = 1500
