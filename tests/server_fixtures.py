@@ -30,8 +30,11 @@ from hicache.server.server_info import client_tokenizer_path, server_info_from_a
 # On CPU even where a GPU is present: the same numbers, hence the same greedy outputs,
 # on every machine.
 TINY_ENGINE_ARGS = ("--device", "cpu", "--max-total-tokens", "2048", "--page-size", "16")
-START_TIMEOUT_S = 15.0
-STOP_TIMEOUT_S = 15.0
+# Guards against a hang, far above what a machine busy with other work needs; they cost
+# nothing when the server starts, stops or settles in time.
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 60.0
+WAIT_S = 60.0
 
 
 @dataclass
@@ -39,7 +42,7 @@ class RunningServer:
     url: str
     engine: Engine
 
-    def wait_until(self, condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float = WAIT_S) -> bool:
         """Poll ``condition`` until it holds; False if it never did within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while not condition():
@@ -48,7 +51,7 @@ class RunningServer:
             time.sleep(0.01)
         return True
 
-    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+    def wait_idle(self, timeout_s: float = WAIT_S) -> bool:
         return self.wait_until(self.engine.is_idle, timeout_s)
 
 

@@ -62,7 +62,7 @@ def setup():
     controller.stop()
 
 
-def wait_until(predicate, timeout_s: float = 5.0) -> None:
+def wait_until(predicate, timeout_s: float = 60.0) -> None:  # a guard against a hang
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out"

@@ -21,7 +21,8 @@ from tests.kv_oracle import conversation, serve, serve_with_l3, settle
 from tests.storage_reference import MemoryStore
 from tests.unit.test_l3_cache import make_cache
 
-WAIT_S = 10.0
+# A guard against a hang, far above what a machine busy with other work needs.
+WAIT_S = 60.0
 
 
 def _replicated(store: MemoryStore) -> HierarchicalCache:

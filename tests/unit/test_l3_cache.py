@@ -24,7 +24,8 @@ from tests.storage_reference import MemoryBackend, MemoryStore
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 MLA_GEOMETRY = KVGeometry.mla(num_layers=2, latent_dim=6, dtype=torch.float32)
-WAIT_S = 10.0
+# A guard against a hang, far above what a machine busy with other work needs.
+WAIT_S = 60.0
 
 
 def make_cache(

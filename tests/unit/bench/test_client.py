@@ -105,9 +105,11 @@ def test_chunks_with_several_tokens_spread_the_gap(
     state.itl_s = 0.01
     result = send(url, ApiStyle.GENERATE, [1, 2, 3], 9)
     assert result.ok and result.output_tokens == 9
-    # 3 chunks: 2 gaps of ~30 ms, each counted for its 3 tokens as ~10 ms.
+    # 3 chunks: 2 gaps between them (about 30 ms; how long exactly, a busy machine decides),
+    # each counted for its 3 tokens as three equal thirds.
     assert len(result.itl_s) == 6
-    assert all(0.005 < gap < 0.1 for gap in result.itl_s)
+    for spread in (result.itl_s[:3], result.itl_s[3:]):
+        assert spread[0] > 0 and spread == [spread[0]] * 3, result.itl_s
     assert result.text == "ABCDEFGHI"
 
 

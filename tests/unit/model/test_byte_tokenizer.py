@@ -75,7 +75,9 @@ def test_a_megabyte_full_of_specials_encodes_in_linear_time() -> None:
     started = time.perf_counter()
     ids = tokenizer.encode(text, add_special_tokens=False)
     elapsed_s = time.perf_counter() - started
-    assert elapsed_s < 5.0, f"encoding 1 MB took {elapsed_s:.1f} s"
+    # About 0.1 s on a quiet machine, a few times that on a busy one: far under the bound,
+    # which a quadratic encoder (minutes) is far over.
+    assert elapsed_s < 20.0, f"encoding 1 MB took {elapsed_s:.1f} s"
     assert ids == ([97] * 4 + [257] + [98] * 2 + [261]) * (len(text) // len(unit))
 
 

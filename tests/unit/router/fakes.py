@@ -35,7 +35,8 @@ from hicache.events.messages import (
 from hicache.router.types import RouteDecision, RouteRequest, TierOverlap
 from tests.server_fixtures import serve_app_in_thread
 
-WAIT_S = 10.0
+# A guard against a hang, far above what a machine busy with other work needs.
+WAIT_S = 60.0
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> bool:

