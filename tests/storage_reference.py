@@ -21,6 +21,7 @@ import torch
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
+from hicache.storage.failure_reasons import FailureReason
 
 
 class MemoryStore:
@@ -66,7 +67,7 @@ class MemoryBackend(StorageBackend):
             raise ConnectionError(f"{what}: injected")
         if self.down:
             with self._lock:
-                self._stats.fail("unreachable", pages)
+                self._stats.fail(FailureReason.UNREACHABLE, pages)
             return True
         return False
 
@@ -98,7 +99,8 @@ class MemoryBackend(StorageBackend):
                 value = self.store.pages.get(key)
             if value is None or key in self.corrupt_keys:
                 with self._lock:
-                    self._stats.fail("missing" if value is None else "corrupt")
+                    self._stats.fail(
+                        FailureReason.MISSING if value is None else FailureReason.CORRUPT)
                 return i
             self.host.pages[int(page)] = value
             with self._lock:

@@ -56,6 +56,7 @@ from hicache.storage.aibrix_store import (
     release_store,
 )
 from hicache.storage.base import StorageBackend, first_gap
+from hicache.storage.failure_reasons import CountedReason
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
@@ -80,7 +81,7 @@ def tp_shard() -> str:
 
 
 # Reasons a page read back was rejected (as opposed to not found, or a failed call).
-_FAULTS = frozenset(fault.value for fault in Fault)
+_FAULTS = frozenset(Fault)
 
 
 class AibrixBackend(StorageBackend):
@@ -138,14 +139,14 @@ class AibrixBackend(StorageBackend):
         names = [object_name(key, regions.order) for key in keys]
         payload_bytes = regions.page_bytes
 
-        def land(i: int, block: np.ndarray) -> str | None:
+        def land(i: int, block: np.ndarray) -> CountedReason | None:
             """Copy block ``i``'s payload into its host page; the fault, or None."""
             header = block[payload_bytes : payload_bytes + HEADER_BYTES].data
             fault = check_header(header, keys[i], regions.order, payload_bytes)
             if fault is None:
                 regions.copy_in(pages[i], block.data)
                 fault = regions.check_landed(header, pages[i], self.verify_checksum)
-            return None if fault is None else fault.value
+            return fault
 
         done = store.read(names, land)
         if done.reason is not None:

@@ -58,6 +58,7 @@ import torch
 
 from hicache.storage.aibrix_settings import FIXED_ENV, AibrixSettings
 from hicache.storage.base import MAX_BATCH_PAGES, StorageError, StorageUnavailableError
+from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import HEADER_BYTES
 
 logger = logging.getLogger(__name__)
@@ -126,12 +127,12 @@ class Outcome:
     """How many leading blocks a call did, and why it stopped short (None: it did not)."""
 
     count: int
-    reason: str | None = None
+    reason: CountedReason | None = None
 
 
 # A block's bytes, as a writable uint8 array over AIBrix's memory: [block_bytes].
 BlockFiller = Callable[[int, np.ndarray], None]
-BlockReader = Callable[[int, np.ndarray], str | None]
+BlockReader = Callable[[int, np.ndarray], CountedReason | None]
 
 
 class AibrixStore:
@@ -162,10 +163,10 @@ class AibrixStore:
         with self._gate.shared():
             manager = self._manager
             if manager is None:
-                return Outcome(0, "unavailable")
+                return Outcome(0, FailureReason.UNAVAILABLE)
             status = self._call("exists", lambda: manager.exists(None, self.hashes(names)))
             if status is None:
-                return Outcome(0, "io_error")
+                return Outcome(0, FailureReason.IO_ERROR)
             return self._blocks(status)
 
     def read(self, names: Sequence[str], consume: BlockReader) -> Outcome:
@@ -173,10 +174,10 @@ class AibrixStore:
         with self._gate.shared():
             manager = self._manager
             if manager is None:
-                return Outcome(0, "unavailable")
+                return Outcome(0, FailureReason.UNAVAILABLE)
             status = self._call("acquire", lambda: manager.acquire(None, self.hashes(names)))
             if status is None:
-                return Outcome(0, "io_error")
+                return Outcome(0, FailureReason.IO_ERROR)
             if not status.is_ok():
                 return Outcome(0, _reason(status))
             num_tokens, handle = status.get()
@@ -188,18 +189,19 @@ class AibrixStore:
                         return Outcome(i, reason)
             finally:
                 handle.release()
-            return Outcome(len(tensors), None if len(tensors) == len(names) else "missing")
+            short = len(tensors) < len(names)
+            return Outcome(len(tensors), FailureReason.MISSING if short else None)
 
     def write(self, names: Sequence[str], fill: BlockFiller) -> Outcome:
         """Store ``len(names)`` blocks, each filled in place by ``fill(i, block)``."""
         with self._gate.shared():
             manager = self._manager
             if manager is None:
-                return Outcome(0, "unavailable")
+                return Outcome(0, FailureReason.UNAVAILABLE)
             hashes = self.hashes(names)
             status = self._call("allocate_for", lambda: manager.allocate_for(None, hashes))
             if status is None:
-                return Outcome(0, "io_error")
+                return Outcome(0, FailureReason.IO_ERROR)
             if not status.is_ok():
                 return Outcome(0, _reason(status))
             handle = status.get()
@@ -212,7 +214,7 @@ class AibrixStore:
             # put() owns the handle from here: it keeps or releases every block.
             status = self._call("put", lambda: manager.put(None, hashes, handle))
             if status is None:
-                return Outcome(0, "io_error")
+                return Outcome(0, FailureReason.IO_ERROR)
             return self._blocks(status, expected=len(names))
 
     def delete(self, names: Sequence[str]) -> None:
@@ -246,7 +248,7 @@ class AibrixStore:
         if status.is_ok():
             count = int(status.get()) // self.geometry.page_tokens
             short = expected is not None and count < expected
-            return Outcome(count, "io_error" if short else None)
+            return Outcome(count, FailureReason.IO_ERROR if short else None)
         if status.error_code is aibrix.StatusCodes.NOT_FOUND:
             return Outcome(0)
         return Outcome(0, _reason(status))
@@ -307,14 +309,24 @@ class AibrixStore:
         return manager
 
 
-def _reason(status: Any) -> str:
+# AIBrix status codes by name (its StatusCodes, as of aibrix-kvcache 0.8) -> our reasons; a code
+# this table does not know is a "store_error".
+_REASONS = {
+    "NOT_FOUND": FailureReason.MISSING, "ERROR": FailureReason.IO_ERROR,
+    "TIMEOUT": FailureReason.TIMEOUT, "OUT_OF_MEMORY": FailureReason.OUT_OF_MEMORY,
+    "DENIED": FailureReason.DENIED, "CANCELLED": FailureReason.CANCELLED,
+    "INVALID": FailureReason.INVALID,
+}
+
+
+def _reason(status: Any) -> FailureReason:
     """A failure reason for our stats from an AIBrix status code."""
-    code = status.error_code
-    if code is aibrix.StatusCodes.NOT_FOUND:
-        return "missing"
-    if code is aibrix.StatusCodes.ERROR:
-        return "io_error"
-    return str(code.name).lower()  # timeout, out_of_memory, denied, cancelled, invalid
+    name = str(status.error_code.name)
+    reason = _REASONS.get(name)
+    if reason is None:
+        logger.debug("aibrix: status code %s counted as %s", name, FailureReason.STORE_ERROR)
+        return FailureReason.STORE_ERROR
+    return reason
 
 
 class _SharedGate:

@@ -34,6 +34,7 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.failure_reasons import CountedReason, FailureReason
 
 PAGE_KEY_BYTES = 16
 # Largest batch a backend is handed; callers split longer chains.
@@ -56,12 +57,15 @@ class StorageStats:
     bytes_written: int = 0
     read_seconds: float = 0.0
     write_seconds: float = 0.0
-    # Misses and failures by reason: "missing", "corrupt", "short_read", "io_error",
-    # "unreachable", "evicted" ... (free-form, counted per page).
+    # Misses and failures by reason (``failure_reasons``: "missing", "corrupt", "io_error",
+    # "evicted" ...), counted per page, keyed by the reason's value.
     failures: dict[str, int] = field(default_factory=dict)
 
-    def fail(self, reason: str, pages: int = 1) -> None:
-        self.failures[reason] = self.failures.get(reason, 0) + pages
+    def fail(self, reason: CountedReason, pages: int = 1) -> None:
+        # Keyed by the value; a backend of the operator's own (``dynamic``) may count a
+        # plain string of its own, which is its own key.
+        key: str = getattr(reason, "value", reason)
+        self.failures[key] = self.failures.get(key, 0) + pages
 
     def snapshot(self) -> StorageStats:
         copy = StorageStats(**{k: v for k, v in vars(self).items() if k != "failures"})
@@ -137,7 +141,7 @@ class StorageBackend(ABC):
         """
         self._check_open(keys)
         if keys:
-            self._fail("corrupt", len(keys))
+            self._fail(FailureReason.CORRUPT, len(keys))
             self._drop(keys)
         return len(keys)
 
@@ -156,7 +160,7 @@ class StorageBackend(ABC):
     # ------------------------------------------------------------ helpers
     # Every backend counts the same way: a whole call's pages and time once it is done,
     # a failure as soon as it is seen (``failures`` reasons, per page).
-    def _fail(self, reason: str, pages: int = 1) -> None:
+    def _fail(self, reason: CountedReason, pages: int = 1) -> None:
         with self._lock:
             self._stats.fail(reason, pages)
 

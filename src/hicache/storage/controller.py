@@ -43,12 +43,13 @@ from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend, StorageError, 
 from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.deadline import Call, DeadlineCaller
 from hicache.storage.failure_log import FailureLog
+from hicache.storage.failure_reasons import FailureReason, raised_reason
 
 logger = logging.getLogger(__name__)
 
 # Failure reasons in backend stats that mean "the store is not answering" (as
 # opposed to a miss or one bad object): they feed the circuit breaker.
-OUTAGE_REASONS = ("unreachable", "io_error", "timeout")
+OUTAGE_REASONS = (FailureReason.UNREACHABLE, FailureReason.IO_ERROR, FailureReason.TIMEOUT)
 # Calls that may be stalled (past their deadline, still running) at once. The
 # breaker already spaces calls to a stalled store (one trial per backoff); this
 # hard cap bounds the threads and host pages a store that never answers can hold.
@@ -144,7 +145,10 @@ class StorageMetrics:
     stalled_host_pages: int = 0
     failures: dict[str, int] = field(default_factory=dict)
 
-    def fail(self, reason: str, count: int = 1) -> None:
+    def fail(self, reason: FailureReason, count: int = 1) -> None:
+        self._add(reason.value, count)
+
+    def _add(self, reason: str, count: int) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + count
 
     @classmethod
@@ -157,7 +161,7 @@ class StorageMetrics:
                 if f.name != "failures":
                     setattr(out, f.name, getattr(out, f.name) + getattr(part, f.name))
             for reason, count in part.failures.items():
-                out.fail(reason, count)
+                out._add(reason, count)
         return out
 
 
@@ -348,7 +352,7 @@ class StorageController:
             if not self._stopping.is_set():
                 self._write(op)
             else:
-                self._note_backup_failed(op, "detached")
+                self._note_backup_failed(op, FailureReason.DETACHED)
             self._finish(("backed_up", op))
 
     def _drain(self, q: queue.SimpleQueue[Any]) -> None:
@@ -361,7 +365,7 @@ class StorageController:
             if isinstance(op, DiscardOp):
                 self._finish(("discarded", op))
             elif isinstance(op, BackupOp):
-                self._note_backup_failed(op, "detached")
+                self._note_backup_failed(op, FailureReason.DETACHED)
                 self._finish(("backed_up", op))
             elif isinstance(op, PrefetchOp):
                 if q is self._query_q:
@@ -428,7 +432,7 @@ class StorageController:
             self.metrics.backup_pages_failed += len(keys) - stored
             self.metrics.backup_seconds += time.perf_counter() - began
 
-    def _note_backup_failed(self, op: BackupOp, reason: str) -> None:
+    def _note_backup_failed(self, op: BackupOp, reason: FailureReason) -> None:
         with self._metrics_lock:
             self.metrics.backup_pages_failed += len(op.keys)
             self.metrics.fail(reason, len(op.keys))
@@ -441,11 +445,11 @@ class StorageController:
         """One backend call through the breaker, within the deadline; any failure is 0 pages."""
         with self._metrics_lock:
             if self.metrics.stalled_calls >= MAX_STALLED_CALLS:
-                self.metrics.fail("stalled_limit")
+                self.metrics.fail(FailureReason.STALLED_LIMIT)
                 return _Answer()
         if not self.breaker.allow():
             with self._metrics_lock:
-                self.metrics.fail("breaker_open")
+                self.metrics.fail(FailureReason.BREAKER_OPEN)
             return _Answer()
         args: tuple[Any, ...] = (keys,) if host_pages is None else (keys, host_pages)
         pages = no_pages() if host_pages is None else np.asarray(host_pages).copy()
@@ -460,7 +464,7 @@ class StorageController:
             error = call.error
             logger.warning("L3 %s failed: %s: %s", what, type(error).__name__, error)
             with self._metrics_lock:
-                self.metrics.fail(f"{what}_raised")
+                self.metrics.fail(raised_reason(what))
             self.breaker.record_failure(f"{what} raised {type(error).__name__}")
             return _Answer()
         answer, outage = call.value
@@ -499,7 +503,7 @@ class StorageController:
         """The call missed its deadline (waiting thread, under the caller's lock)."""
         stalled = StalledCall(what, pages, op, call.began_s)
         with self._metrics_lock:
-            self.metrics.fail("timeout")
+            self.metrics.fail(FailureReason.TIMEOUT)
             self.metrics.stalled_calls += 1
             self.metrics.stalled_host_pages += len(pages)
             num_stalled = self.metrics.stalled_calls
@@ -557,7 +561,7 @@ class StorageController:
 
 
 def _outages(stats: StorageStats) -> int:
-    return sum(stats.failures.get(reason, 0) for reason in OUTAGE_REASONS)
+    return sum(stats.failures.get(reason.value, 0) for reason in OUTAGE_REASONS)
 
 
 def _on_one_openmp_thread(loop: Callable[[], None]) -> None:

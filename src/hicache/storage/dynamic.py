@@ -39,6 +39,7 @@ from typing import Any
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
 from hicache.storage.base import StorageBackend, StorageError, StorageStats
+from hicache.storage.failure_reasons import FailureReason
 
 # Method name -> the arguments a call passes (after self), for the shape check.
 REQUIRED_METHODS: dict[str, tuple[str, ...]] = {
@@ -105,7 +106,7 @@ class DynamicBackend(StorageBackend):
         if not self._has_stats:
             self._count_read(num_read, self.page_bytes, began)
             if num_read < len(keys):
-                self._fail("missing")
+                self._fail(FailureReason.MISSING)
         return num_read
 
     def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -119,7 +120,7 @@ class DynamicBackend(StorageBackend):
     def discard(self, keys: Sequence[bytes]) -> int:
         self._ready(keys)
         if not self._has_stats and keys:
-            self._fail("corrupt", len(keys))
+            self._fail(FailureReason.CORRUPT, len(keys))
         discard = getattr(self.inner, "discard", None)
         if callable(discard) and keys:
             discard(keys)

@@ -3,8 +3,9 @@
 Backends count what went wrong by reason (``StorageStats.failures``: per page,
 "corrupt", "missing", "no_space" ...) and so does the storage controller for the
 calls it gave up on (``StorageMetrics.failures``: "breaker_open", "get_raised"
-...). Both are exported in /metrics as ``hicache_l3_failures_total``; this log
-makes the first sign of damage visible to whoever reads the server's log too.
+...); every reason and what it means are in ``failure_reasons``. Both are
+exported in /metrics as ``hicache_l3_failures_total``; this log makes the first
+sign of damage visible to whoever reads the server's log too.
 
 ``FailureLog.observe`` is handed those cumulative counts after each L3
 operation. The first time a reason grows it logs one line saying what the
@@ -22,48 +23,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from hicache.storage.failure_reasons import ROUTINE_REASONS, meaning
+
 logger = logging.getLogger(__name__)
 
 SUMMARY_INTERVAL_S = 60.0
-
-# Reasons that are normal operation rather than damage: logged at INFO.
-ROUTINE_REASONS = frozenset({"evicted", "detached"})
-
-# What each reason means for the operator (policy as data: a new reason needs only a row).
-MEANINGS: dict[str, str] = {
-    "missing": "a page L3 listed was gone when read (evicted or removed by another "
-    "instance); its tokens are recomputed",
-    "corrupt": "a stored page failed its checksum; it was dropped from L3 and its tokens "
-    "are recomputed (check the disk or the network under L3)",
-    "short_read": "a stored page was shorter than a page (a torn or truncated object); "
-    "it was dropped",
-    "bad_magic": "an object in the store is not a page this server wrote, or its first "
-    "bytes are damaged; it was dropped",
-    "bad_version": "a page was written by an incompatible format version; it was dropped",
-    "wrong_order": "a page was written from a host pool of another memory layout; "
-    "it was dropped",
-    "wrong_key": "an object holds another page than its name says; it was dropped",
-    "wrong_length": "an object has the wrong size for this model's pages; it was dropped",
-    "io_error": "the store failed a read or a write (an OS or client error)",
-    "no_space": "the store had no room for a page; the backup stopped there",
-    "evicted_no_space": "the file system under L3 was full, so least recently used pages "
-    "were evicted to make room (set max_bytes below the free space to avoid this)",
-    "over_capacity": "a page is larger than the store's whole size cap",
-    "unreachable": "the store did not answer",
-    "not_ready": "a page was still being written by another instance",
-    "timeout": "an L3 call ran past its deadline",
-    "evicted": "pages were evicted to stay under the store's size cap",
-    "detached": "queued backups were dropped because L3 was detached",
-    "breaker_open": "L3 calls were skipped while the circuit breaker is open after "
-    "repeated failures",
-    "exists_raised": "the backend raised on a lookup (the error is logged with it)",
-    "get_raised": "the backend raised on a read (the error is logged with it)",
-    "set_raised": "the backend raised on a write (the error is logged with it)",
-}
-
-
-def meaning(reason: str) -> str:
-    return MEANINGS.get(reason, "a failure reason this server has no description for")
 
 
 @dataclass

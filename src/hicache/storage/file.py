@@ -50,6 +50,7 @@ from hicache.local_cache import local_cache_dir
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
 from hicache.storage.base import StorageBackend, StorageUnavailableError
+from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
@@ -169,7 +170,7 @@ class FileBackend(StorageBackend):
                 num_stored += 1
                 continue
             reason = self._write_page(regions, name, key, page)
-            if reason == "no_space" and not made_room:
+            if reason is FailureReason.NO_SPACE and not made_room:
                 made_room = True
                 needed_bytes = (len(keys) - index) * (HEADER_BYTES + regions.page_bytes)
                 # The batch's own pages stay: the answer is a prefix of stored pages.
@@ -252,7 +253,9 @@ class FileBackend(StorageBackend):
         if size is not None:
             self._total_bytes -= size
 
-    def _read_page(self, regions: PageRegions, key: bytes, page: int) -> str | None:
+    def _read_page(
+        self, regions: PageRegions, key: bytes, page: int
+    ) -> CountedReason | None:
         """Read one page into host page ``page``; the failure reason, or None."""
         name = object_name(key, regions.order)
         path = self._path(name)
@@ -267,19 +270,19 @@ class FileBackend(StorageBackend):
         except FileNotFoundError:
             with self._lock:
                 self._forget_locked(name)
-            return "missing"
+            return FailureReason.MISSING
         except OSError:
-            return "io_error"
+            return FailureReason.IO_ERROR
         try:
             info = os.fstat(fd)
             if not S_ISREG(info.st_mode):
                 with self._lock:
                     self._forget_locked(name)
-                return "not_regular_file"
+                return FailureReason.NOT_REGULAR_FILE
             size = info.st_size
             got = _readv_full(fd, [*views, memoryview(header)])
         except OSError:
-            return "io_error"
+            return FailureReason.IO_ERROR
         finally:
             os.close(fd)
         fault: Fault | None
@@ -296,7 +299,7 @@ class FileBackend(StorageBackend):
                 # A bad object is dropped so that a later set() can store it again.
                 self._forget_locked(name)
                 unlink_quietly(path)
-                return fault.value
+                return fault
             if name in self._index:
                 self._index.move_to_end(name)
             else:  # written by another instance since we last looked
@@ -309,11 +312,13 @@ class FileBackend(StorageBackend):
             os.utime(path, ns=(stamp, stamp))  # the LRU order a restarted instance rebuilds
         return None
 
-    def _write_page(self, regions: PageRegions, name: str, key: bytes, page: int) -> str | None:
+    def _write_page(
+        self, regions: PageRegions, name: str, key: bytes, page: int
+    ) -> FailureReason | None:
         """Store host page ``page`` as ``name``; the failure reason, or None."""
         file_bytes = HEADER_BYTES + regions.page_bytes
         if file_bytes > self.max_bytes:
-            return "over_capacity"
+            return FailureReason.OVER_CAPACITY
         views = regions.views(page)
         header = encode_header(key, regions.order, regions.page_bytes, regions.checksum(page))
         path = self._path(name)
@@ -329,7 +334,9 @@ class FileBackend(StorageBackend):
                 _fsync_directory(self._dir(name))
         except OSError as error:
             unlink_quietly(temp)
-            return "no_space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                return FailureReason.NO_SPACE
+            return FailureReason.IO_ERROR
         with self._lock:
             self._forget_locked(name)  # a concurrent writer of the same page won the race
             self._index[name] = file_bytes
@@ -356,7 +363,7 @@ class FileBackend(StorageBackend):
         while self._index and self._total_bytes + incoming_bytes > self.max_bytes:
             name, size = self._index.popitem(last=False)
             self._total_bytes -= size
-            self._stats.fail("evicted")
+            self._stats.fail(FailureReason.EVICTED)
             unlink_quietly(self._path(name))
 
     def _evict_for_space(self, needed_bytes: int, keep: frozenset[str]) -> int:
@@ -375,7 +382,7 @@ class FileBackend(StorageBackend):
                 self._forget_locked(name)
                 unlink_quietly(self._path(name))
             if victims:
-                self._stats.fail("evicted_no_space", len(victims))
+                self._stats.fail(FailureReason.EVICTED_NO_SPACE, len(victims))
         return len(victims)
 
     def _scan(self) -> list[tuple[int, str, int]]:

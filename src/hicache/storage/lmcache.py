@@ -71,6 +71,7 @@ from hicache.storage.base import (
     StorageUnavailableError,
     first_gap,
 )
+from hicache.storage.failure_reasons import FailureReason
 from hicache.storage.frame import (
     HEADER_BYTES,
     Fault,
@@ -198,7 +199,7 @@ class LMCacheBackend(StorageBackend):
         if known_bad is not None:
             names = names[:known_bad]
             if not names:
-                self._fail("missing")
+                self._fail(FailureReason.MISSING)
                 self._count_read(0, regions.page_bytes, began)
                 return 0
         expected = regions.page_bytes + HEADER_BYTES
@@ -218,7 +219,7 @@ class LMCacheBackend(StorageBackend):
                         if not broken:
                             broken = True
                             if fault is None:
-                                self._fail("missing")
+                                self._fail(FailureReason.MISSING)
                             else:
                                 self._mark_bad(names[current], fault)
                         continue
@@ -241,7 +242,7 @@ class LMCacheBackend(StorageBackend):
             elif not broken:
                 self._count_error(error, 1)
         if known_bad is not None and good == known_bad:
-            self._fail("missing")  # the chain reached a page known bad
+            self._fail(FailureReason.MISSING)  # the chain reached a page known bad
         self._count_read(good, regions.page_bytes, began)
         return good
 
@@ -346,11 +347,11 @@ class LMCacheBackend(StorageBackend):
 
     def _count_error(self, error: BaseException, pages: int) -> None:
         if isinstance(error, ConnectionError):  # refused, reset, closed, or ServerUnreachable
-            reason = "unreachable"
+            reason = FailureReason.UNREACHABLE
         elif isinstance(error, TimeoutError):
-            reason = "timeout"
+            reason = FailureReason.TIMEOUT
         else:
-            reason = "io_error"
+            reason = FailureReason.IO_ERROR
         self._fail(reason, pages)
 
     def _drop(self, keys: Sequence[bytes]) -> None:
@@ -367,7 +368,7 @@ class LMCacheBackend(StorageBackend):
             self._count_error(error, 1)
 
     def _mark_bad(self, name: str, fault: Fault) -> None:
-        self._fail(fault.value)
+        self._fail(fault)
         self._remember_bad([name])
 
     def _remember_bad(self, names: Sequence[str]) -> None:

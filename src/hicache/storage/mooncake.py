@@ -111,6 +111,7 @@ from hicache.storage.cache_steps import (
     copy_pieces,
     last_level_cache_bytes,
 )
+from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import (
     HEADER_BYTES,
     length_fault,
@@ -342,13 +343,13 @@ class MooncakeBackend(StorageBackend):
         """Remove every page object from the store (any instance's), whatever its lease."""
         client, _ = self._ready([])
         if not client.usable():
-            self._fail("unreachable")
+            self._fail(FailureReason.UNREACHABLE)
             return
         try:
             removed = int(client.store.remove_by_regex(_NAME_PATTERN, True))
         except Exception as error:  # the binding raised: count it, never propagate
             logger.warning("mooncake clear failed: %s: %s", type(error).__name__, error)
-            self._fail("io_error")
+            self._fail(FailureReason.IO_ERROR)
             return
         if removed < 0:
             client.saw_codes([removed])
@@ -368,20 +369,20 @@ class MooncakeBackend(StorageBackend):
     ) -> list[int] | None:
         """One batch call; per-key codes, or None when it could not be made (counted)."""
         if not client.usable():
-            self._fail("unreachable", pages)
+            self._fail(FailureReason.UNREACHABLE, pages)
             return None
         try:
             codes = [int(code) for code in fn(client.store)]
         except Exception as error:  # the binding raised: count it, never propagate
             logger.warning("mooncake call failed: %s: %s", type(error).__name__, error)
-            self._fail("io_error", pages)
+            self._fail(FailureReason.IO_ERROR, pages)
             return None
         if len(codes) != pages:
-            self._fail("io_error", pages)
+            self._fail(FailureReason.IO_ERROR, pages)
             return None
         client.saw_codes(codes)
         if codes and all(code == RPC_FAIL for code in codes):
-            self._fail("unreachable", pages)
+            self._fail(FailureReason.UNREACHABLE, pages)
             return None
         return codes
 
@@ -503,21 +504,22 @@ class MooncakeBackend(StorageBackend):
     def _check_read(
         self, client: MooncakeClient, regions: PageRegions, name: str, key: bytes, page: int,
         code: int, expected: int, header_offset: int,
-    ) -> str | None:
+    ) -> CountedReason | None:
         """The failure reason for one object of a batch read, or None if it is good."""
         if code < 0:
-            if code in (OBJECT_NOT_FOUND, RPC_FAIL) or failure_reason(code) == "unreachable":
-                return failure_reason(code)
+            reason = failure_reason(code)
+            if code in (OBJECT_NOT_FOUND, RPC_FAIL) or reason is FailureReason.UNREACHABLE:
+                return reason
             # A size that does not fit our buffers is refused by the library with a
             # generic code; the object's size tells a damaged object from an I/O error.
             size = self._size_of(client, name)
             if size is None:
-                return failure_reason(code)
+                return reason
             if size < 0:
                 return failure_reason(size)
             fault = length_fault(size, expected)
             if fault is None:
-                return failure_reason(code)
+                return reason
         else:
             fault = length_fault(code, expected)
             if fault is None:
@@ -526,7 +528,7 @@ class MooncakeBackend(StorageBackend):
             if fault is None:
                 return None
         self._remove(client, name)
-        return fault.value
+        return fault
 
     def _size_of(self, client: MooncakeClient, name: str) -> int | None:
         try:

@@ -20,6 +20,7 @@ from typing import Any
 from mooncake.store import MooncakeDistributedStore
 
 from hicache.storage.base import StorageError, StorageUnavailableError
+from hicache.storage.failure_reasons import FailureReason
 from hicache.storage.mooncake_settings import MooncakeSettings
 
 logger = logging.getLogger(__name__)
@@ -37,27 +38,40 @@ _REQUIRED_METHODS = (
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 RPC_FAIL = -900
-_REASONS = {
-    -10: "no_space",  # BUFFER_OVERFLOW
-    -101: "no_space",  # SEGMENT_NOT_FOUND: no segment mounted (yet) to put into
-    -103: "unreachable",  # CLIENT_NOT_FOUND: a restarted master does not know us yet
-    -200: "no_space",  # NO_AVAILABLE_HANDLE: the pool is full
-    -500: "io_error",  # WRITE_FAIL
-    -701: "io_error",  # INVALID_READ
-    -703: "not_ready",  # REPLICA_IS_NOT_READY: another instance is still writing it
-    OBJECT_NOT_FOUND: "missing",
-    -707: "io_error",  # LEASE_EXPIRED during the transfer
-    -710: "missing",  # REPLICA_NOT_FOUND
-    -712: "missing",  # REPLICA_IS_GONE
-    -800: "io_error",  # TRANSFER_FAIL
-    RPC_FAIL: "unreachable",
-    -1010: "unreachable",  # UNAVAILABLE_IN_CURRENT_STATUS (master not serving)
+_REASONS: dict[int, FailureReason] = {
+    -10: FailureReason.NO_SPACE,  # BUFFER_OVERFLOW
+    -101: FailureReason.NO_SPACE,  # SEGMENT_NOT_FOUND: no segment mounted (yet) to put into
+    # CLIENT_NOT_FOUND: a restarted master does not know us yet
+    -103: FailureReason.UNREACHABLE,
+    -200: FailureReason.NO_SPACE,  # NO_AVAILABLE_HANDLE: the pool is full
+    -500: FailureReason.IO_ERROR,  # WRITE_FAIL
+    -701: FailureReason.IO_ERROR,  # INVALID_READ
+    # REPLICA_IS_NOT_READY: another instance is still writing it
+    -703: FailureReason.NOT_READY,
+    OBJECT_NOT_FOUND: FailureReason.MISSING,
+    -707: FailureReason.IO_ERROR,  # LEASE_EXPIRED during the transfer
+    -710: FailureReason.MISSING,  # REPLICA_NOT_FOUND
+    -712: FailureReason.MISSING,  # REPLICA_IS_GONE
+    -800: FailureReason.IO_ERROR,  # TRANSFER_FAIL
+    RPC_FAIL: FailureReason.UNREACHABLE,
+    -1010: FailureReason.UNREACHABLE,  # UNAVAILABLE_IN_CURRENT_STATUS (master not serving)
 }
 
 
-def failure_reason(code: int) -> str:
-    """The stats reason for a Mooncake error code."""
-    return _REASONS.get(code, f"mooncake_error_{-code}")
+_unnamed_codes_seen: set[int] = set()
+
+
+def failure_reason(code: int) -> FailureReason:
+    """The stats reason for a Mooncake error code; a code not in ``_REASONS`` is a
+    "store_error" (a bounded label), its number logged the first time it is seen."""
+    reason = _REASONS.get(code)
+    if reason is None:
+        if code not in _unnamed_codes_seen:
+            _unnamed_codes_seen.add(code)
+            logger.warning("mooncake answered error code %d, counted as %s", code,
+                           FailureReason.STORE_ERROR)
+        return FailureReason.STORE_ERROR
+    return reason
 
 
 def master_reachable(settings: MooncakeSettings, timeout: float = PROBE_TIMEOUT_S) -> bool:

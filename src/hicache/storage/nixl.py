@@ -71,6 +71,7 @@ from hicache.storage.base import (
     StorageUnavailableError,
     first_gap,
 )
+from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import (
     HEADER_BYTES,
     length_fault,
@@ -92,7 +93,8 @@ from hicache.storage.page_files import (
 )
 from hicache.storage.page_regions import PageRegions
 
-_BATCH_FAULTS = ("io_error", "timeout")  # TransferFailed reasons: the whole batch failed
+# TransferFailed reasons: the whole batch failed.
+_BATCH_FAULTS = (FailureReason.IO_ERROR, FailureReason.TIMEOUT)
 
 
 class NixlBackend(StorageBackend):
@@ -154,7 +156,7 @@ class NixlBackend(StorageBackend):
             except OSError:
                 # Not a missing page but a directory that cannot be searched (gone bad,
                 # no permission): an outage, which the L3 tier's breaker must hear of.
-                self._fail("io_error")
+                self._fail(FailureReason.IO_ERROR)
                 return i
         return len(keys)
 
@@ -163,7 +165,7 @@ class NixlBackend(StorageBackend):
         began = time.perf_counter()
         pages = np.asarray(host_pages).tolist()
         fds: list[int] = []
-        fault: str | None = None
+        fault: CountedReason | None = None
         num_read = 0
         failed_pages = 1  # a bad or missing file ends the prefix by itself
         try:
@@ -260,34 +262,34 @@ class NixlBackend(StorageBackend):
         except OSError:
             return False
 
-    def _open_for_read(self, path: str) -> tuple[int | None, str | None]:
+    def _open_for_read(self, path: str) -> tuple[int | None, CountedReason | None]:
         """An fd of a page file of the right size, or (None, why not)."""
         # O_NONBLOCK: a FIFO put in place of a page must not wait for a writer.
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | self._open_flags
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
-            return None, "missing"
+            return None, FailureReason.MISSING
         except OSError:
-            return None, "io_error"
+            return None, FailureReason.IO_ERROR
         try:
             info = os.fstat(fd)
         except OSError:
             os.close(fd)
-            return None, "io_error"
+            return None, FailureReason.IO_ERROR
         if not S_ISREG(info.st_mode):
             os.close(fd)
-            return None, "not_regular_file"
+            return None, FailureReason.NOT_REGULAR_FILE
         fault = length_fault(info.st_size, self._file_bytes)
         if fault is not None:
             os.close(fd)
             unlink_quietly(path)  # not a file of ours (or of the other mode): make room for one
-            return None, fault.value
+            return None, fault
         return fd, None
 
     def _read_batch(
         self, regions: PageRegions, keys: Sequence[bytes], pages: list[int], fds: list[int]
-    ) -> tuple[int, str | None]:
+    ) -> tuple[int, CountedReason | None]:
         """Read the first ``len(fds)`` pages; (pages verified, the fault that ended them)."""
         assert self._trailers is not None
         with self._trailers.borrow() as slots:
@@ -303,12 +305,12 @@ class NixlBackend(StorageBackend):
                 fault = regions.check_read(header, pages[i], keys[i], self.settings.verify_checksum)
                 if fault is not None:
                     unlink_quietly(self._path(object_name(keys[i], regions.order)))
-                    return i, fault.value
+                    return i, fault
         return len(fds), None
 
     def _write_batch(
         self, regions: PageRegions, keys: list[bytes], pages: list[int], paths: list[str]
-    ) -> str | None:
+    ) -> FailureReason | None:
         """Write pages to temporaries, then rename them into place; the failure reason or None."""
         assert self._trailers is not None
         temps = [
@@ -325,8 +327,8 @@ class NixlBackend(StorageBackend):
                 os.close(fd)
             for temp in temps[: len(fds)]:
                 unlink_quietly(temp)
-            return "io_error"
-        reason: str | None = None
+            return FailureReason.IO_ERROR
+        reason: FailureReason | None = None
         with self._trailers.borrow() as slots:
             for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
                 digest = regions.checksum(page)
@@ -349,7 +351,7 @@ class NixlBackend(StorageBackend):
                 for temp, path in zip(temps, paths, strict=True):
                     os.replace(temp, path)
             except OSError:
-                reason = "io_error"
+                reason = FailureReason.IO_ERROR
         if reason is not None:
             for temp in temps:
                 unlink_quietly(temp)

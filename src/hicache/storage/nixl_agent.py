@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from hicache.storage.base import StorageError
+from hicache.storage.failure_reasons import FailureReason
 
 
 def _import_nixl() -> tuple[ModuleType, ModuleType]:
@@ -67,7 +68,7 @@ _agent_numbers = itertools.count()
 class TransferFailed(Exception):
     """A batch did not complete: ``reason`` is the failure name counted in stats."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: FailureReason, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
 
@@ -140,7 +141,8 @@ class NixlAgent:
             handle = self._agent.initialize_xfer(op, local, remote, self.name)
         except NIXL_ERRORS as error:
             self._deregister(registered)
-            raise TransferFailed("io_error", f"NIXL refused the {op}: {error}") from error
+            raise TransferFailed(
+                FailureReason.IO_ERROR, f"NIXL refused the {op}: {error}") from error
         try:
             self._wait(handle, op, time.monotonic() + timeout_s)
         finally:
@@ -153,15 +155,15 @@ class NixlAgent:
             polls = 0
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise TransferFailed("timeout", f"the {op} missed its deadline")
+                    raise TransferFailed(FailureReason.TIMEOUT, f"the {op} missed its deadline")
                 polls += 1
                 if polls > _POLL_SPIN:
                     time.sleep(min(_POLL_SLEEP_MAX_S, 1e-5 * (polls - _POLL_SPIN)))
                 state = self._agent.check_xfer_state(handle)
         except NIXL_ERRORS as error:  # the plugin's error (a short read, EIO, ENOSPC ...)
-            raise TransferFailed("io_error", f"NIXL {op} failed: {error}") from error
+            raise TransferFailed(FailureReason.IO_ERROR, f"NIXL {op} failed: {error}") from error
         if state != "DONE":
-            raise TransferFailed("io_error", f"NIXL {op} ended in state {state}")
+            raise TransferFailed(FailureReason.IO_ERROR, f"NIXL {op} ended in state {state}")
 
     def _release(self, handle: Any) -> None:
         """Free a request; one still in flight is cancelled, or waited for if it cannot be."""
@@ -183,7 +185,8 @@ class NixlAgent:
                 [(0, file_bytes, fd, "") for fd in fds], "FILE"
             )
         except NIXL_ERRORS as error:
-            raise TransferFailed("io_error", f"NIXL cannot register the files: {error}") from error
+            raise TransferFailed(
+                FailureReason.IO_ERROR, f"NIXL cannot register the files: {error}") from error
 
     def _deregister(self, registered: Any) -> None:
         with contextlib.suppress(*NIXL_ERRORS):  # the fds are closed next: nothing holds them

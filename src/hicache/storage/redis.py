@@ -79,6 +79,7 @@ from hicache.storage.base import (
     StorageUnavailableError,
     first_gap,
 )
+from hicache.storage.failure_reasons import FailureReason
 from hicache.storage.frame import (
     HEADER_BYTES,
     check_header,
@@ -329,7 +330,7 @@ class RedisBackend(StorageBackend):
         for j, i in enumerate(part):
             value = values[j]
             if value is None:  # never stored, expired, evicted, or not a string value
-                self._fail("missing")
+                self._fail(FailureReason.MISSING)
                 return j
             data = memoryview(value)
             payload, header = data[:page_bytes], data[page_bytes:]
@@ -340,23 +341,23 @@ class RedisBackend(StorageBackend):
                 regions.copy_in(pages[i], payload)
                 fault = regions.check_landed(header, pages[i], self.settings.verify_checksum)
             if fault is not None:
-                self._fail(fault.value)
+                self._fail(fault)
                 self._delete(client, names[i])
                 return j
         return len(part)
 
 
-def _reason(error: BaseException) -> str:
+def _reason(error: BaseException) -> FailureReason:
     """The stats reason for a failed Redis command."""
     if isinstance(error, redis.TimeoutError):
-        return "timeout"
+        return FailureReason.TIMEOUT
     if isinstance(error, (redis.ConnectionError, OSError)):
-        return "unreachable"
+        return FailureReason.UNREACHABLE
     if isinstance(error, redis.exceptions.OutOfMemoryError) or str(error).startswith("OOM"):
-        return "no_space"  # maxmemory reached under a policy that does not evict
+        return FailureReason.NO_SPACE  # maxmemory reached under a policy that does not evict
     if isinstance(error, redis.exceptions.ReadOnlyError):
-        return "read_only"  # a replica
-    return "io_error"
+        return FailureReason.READ_ONLY  # a replica
+    return FailureReason.IO_ERROR
 
 
 def _glob_escape(text: bytes) -> bytes:

@@ -165,7 +165,7 @@ def test_failure_reasons_of_mooncake_codes() -> None:
     assert failure_reason(-900) == "unreachable"
     assert failure_reason(-200) == "no_space"
     assert failure_reason(-800) == "io_error"
-    assert failure_reason(-4242) == "mooncake_error_4242"
+    assert failure_reason(-4242) == "store_error"  # a code we do not name: a bounded label
 
 
 def test_an_unreachable_master_fails_attach_at_once() -> None:
