@@ -92,6 +92,12 @@ class RouterMetrics:
             "by stage: before_answer (the worker's request was dropped with them), "
             "answering (during the answer)", ["stage"], registry=r,
         )
+        self.shared_queries = Counter(
+            "router_shared_cache_queries", "shared-pool (L3) queries of tier_aware decisions, "
+            "by outcome: answered (within the decision's deadline, 20 ms by default), late "
+            "(scored from the index alone; the answer is kept for the next decisions), failed "
+            "(the pool could not answer)", ["outcome"], registry=r,
+        )
         r.register(_LiveState(workers, indexed_pages))
 
     def sent(self, worker_url: str) -> None:
@@ -110,6 +116,8 @@ class RouterMetrics:
         if chosen is not None:
             for tier, attribute in _TIER_FIELDS.items():
                 self.overlap.labels(tier=tier).observe(getattr(chosen, attribute))
+        if decision.shared_outcome is not None:
+            self.shared_queries.labels(outcome=decision.shared_outcome).inc()
         if decision.shared_hits is not None and num_pages > 0:
             self.shared_hit_rate.observe(decision.shared_hits / num_pages)
             self.shared_beyond.observe(decision.shared_beyond)

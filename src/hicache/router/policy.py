@@ -36,10 +36,12 @@ unit tests check both: the example's logits exactly with ``device_credit=0``,
 and the default's choice (W0) on the same request.
 
 ``tier_aware`` asks the shared pool (``SharedPoolLookup``) which pages it holds
-while it walks the index, under ``shared_deadline_s``. On failure or timeout it
+while it walks the index (started before the walk, synchronously when the pool
+can ``submit``), under ``shared_deadline_s``. On failure or timeout it
 scores from the index alone (the EXTERNAL pages the workers announced), logs a
 warning (at most one per ``WARNING_INTERVAL_S``), reports ``shared_hits=None``,
-and still routes the request.
+and still routes the request. Each decision reports how its query ended
+(``SharedQueryOutcome``: answered, late, failed) for the router's /metrics.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Final
@@ -82,6 +84,14 @@ class PolicyName(str, Enum):
 class TierCostMode(str, Enum):
     FIXED = "fixed"  # host_multiplier and shared_cache_multiplier for every worker
     MEASURED = "measured"  # each worker's TierCosts
+
+
+class SharedQueryOutcome(str, Enum):
+    """How a decision's shared-pool query ended (``RouteDecision.shared_outcome``)."""
+
+    ANSWERED = "answered"  # within the deadline: the decision used it
+    LATE = "late"  # past the deadline: scored from the index alone
+    FAILED = "failed"  # the pool raised (unreachable, busy) or answered nonsense
 
 
 class NoWorkerError(LookupError):
@@ -202,16 +212,16 @@ class TierAwarePolicy(_Policy):
         began = time.monotonic()
         query: asyncio.Future[Sequence[bool]] | None = None
         if self.shared is not None and request.page_hashes:
-            query = asyncio.ensure_future(self.shared.hits(request.page_hashes, token_ids))
-            # Let the query start (a thread-backed lookup hands its work over) before the walk.
-            await asyncio.sleep(0)
+            query = await _start_query(self.shared, request.page_hashes, token_ids)
         try:
             overlaps = self.index.overlaps(request.page_hashes, [w.url for w in request.workers])
         except BaseException:
             if query is not None:
                 query.cancel()  # no query left running for a decision that failed
+                if not query.cancelled():  # it had ended: its outcome is read, and dropped
+                    query.exception()
             raise
-        hits = await self._hits(query, began, len(request.page_hashes))
+        hits, outcome = await self._hits(query, began, len(request.page_hashes))
         logits = {
             w.url: self.logit(request, w, overlaps[w.url], hits, page) for w in request.workers
         }
@@ -220,6 +230,7 @@ class TierAwarePolicy(_Policy):
             worker=chosen, policy=self.name, logits=logits, overlaps=overlaps,
             shared_hits=None if hits is None else sum(hits),
             shared_beyond=0 if hits is None else hits_beyond(hits, overlaps[chosen].gpu),
+            shared_outcome=None if outcome is None else outcome.value,
         )
 
     def logit(
@@ -252,9 +263,9 @@ class TierAwarePolicy(_Policy):
 
     async def _hits(
         self, query: asyncio.Future[Sequence[bool]] | None, began: float, num_pages: int,
-    ) -> list[bool] | None:
+    ) -> tuple[list[bool] | None, SharedQueryOutcome | None]:
         if query is None:
-            return None
+            return None, None
         remaining_s = self.config.shared_deadline_s - (time.monotonic() - began)
         try:
             hits = await asyncio.wait_for(query, timeout=max(0.0, remaining_s))
@@ -263,19 +274,41 @@ class TierAwarePolicy(_Policy):
                 "shared cache query took over %.0f ms; scoring from the index alone",
                 self.config.shared_deadline_s * 1e3,
             )
-            return None
+            return None, SharedQueryOutcome.LATE
         # Whatever the lookup raised, the request is still routed: the failure is logged.
         except Exception as error:
             self._warnings.warn("shared cache query failed (%s); scoring from the index alone",
                                 error)
-            return None
+            return None, SharedQueryOutcome.FAILED
         if len(hits) != num_pages:
             self._warnings.warn(
                 "shared cache query answered %d flags for %d pages; scoring from the index alone",
                 len(hits), num_pages,
             )
-            return None
-        return [bool(hit) for hit in hits]
+            return None, SharedQueryOutcome.FAILED
+        return [bool(hit) for hit in hits], SharedQueryOutcome.ANSWERED
+
+
+async def _start_query(
+    shared: SharedPoolLookup, page_hashes: Sequence[int], token_ids: Sequence[int],
+) -> asyncio.Future[Sequence[bool]]:
+    """The shared pool's query, started before the index walk so that the two overlap.
+
+    A pool that can ``submit`` starts it synchronously: yielding to a busy event loop
+    to let a task start cost whole loop iterations of the deadline. A refusal is
+    returned as a failed future: the decision goes on from the index alone."""
+    submit: Callable[[Sequence[int], Sequence[int]], asyncio.Future[Sequence[bool]]] | None = (
+        getattr(shared, "submit", None))
+    if submit is None:
+        query = asyncio.ensure_future(shared.hits(page_hashes, token_ids))
+        await asyncio.sleep(0)  # let it start (a thread-backed lookup hands its work over)
+        return query
+    try:
+        return submit(page_hashes, token_ids)
+    except Exception as error:
+        failed: asyncio.Future[Sequence[bool]] = asyncio.get_running_loop().create_future()
+        failed.set_exception(error)
+        return failed
 
 
 class _RateLimitedWarning:

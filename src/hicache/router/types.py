@@ -67,6 +67,8 @@ class RouteDecision:
     overlaps: Mapping[str, TierOverlap] = field(default_factory=dict)
     shared_hits: int | None = None  # pages found in the shared pool; None: not asked or failed
     shared_beyond: int = 0  # shared pages past the chosen worker's device prefix
+    # How the shared pool's query ended (policy.SharedQueryOutcome's values); None: not asked.
+    shared_outcome: str | None = None
 
 
 class TierIndex(Protocol):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,8 @@ from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
 from hicache.events.hashing import page_hashes
 from hicache.memory.geometry import KVGeometry
 from hicache.router.index import PageIndex
-from hicache.router.policy import ScoringConfig, build_policy
+from hicache.router.policy import ScoringConfig, TierAwarePolicy, build_policy
 from hicache.router.shared_pool import (
-    MAX_IN_FLIGHT,
     FileSharedPool,
     MooncakeSharedPool,
     SharedPoolError,
@@ -29,6 +30,8 @@ from hicache.router.types import RouteRequest, WorkerLoad
 from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.frame import PayloadOrder
 from tests.kv_oracle import conversation, serve_with_l3, settle
+from tests.unit.router.fakes import FakeWorker, fake_workers
+from tests.unit.router.router_fixtures import running_router
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 PAGE = 4
@@ -129,41 +132,150 @@ def test_a_missing_directory_fails_and_the_policy_scores_without_it(tmp_path: Pa
 
 
 class BlockedPool(FileSharedPool):
-    """Its queries wait for ``release``: a pool that stopped answering."""
+    """A real file pool whose store calls wait for ``release``: a pool that stopped
+    answering (``entered`` is set once a call is inside)."""
 
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, bytes(16), PAGE)
+    def __init__(self, root: Path, seed: bytes = bytes(16)) -> None:
+        super().__init__(root, seed, PAGE, LAYOUT)
         self.release = threading.Event()
+        self.entered = threading.Event()
 
     def _exist(self, names: Sequence[str]) -> list[bool]:
-        assert self.release.wait(10.0)
-        return [False] * len(names)
+        self.entered.set()
+        assert self.release.wait(60.0)
+        return super()._exist(names)
 
 
-def test_a_hung_pool_is_refused_rather_than_piling_up_threads(tmp_path: Path) -> None:
+async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+def test_a_hung_pool_is_refused_at_once_until_it_answers_again(tmp_path: Path) -> None:
     pool = BlockedPool(tmp_path)
     tokens = conversation(8)
     hashes = page_hashes(tokens, PAGE)
 
     async def scenario() -> None:
-        waiting = [asyncio.ensure_future(pool.hits(hashes, tokens)) for _ in range(MAX_IN_FLIGHT)]
-        await asyncio.sleep(0)
-        # Callers that gave up do not free a slot: the threads are still busy.
-        for task in waiting:
-            task.cancel()
-        with pytest.raises(SharedPoolError, match="still running"):
-            await pool.hits(hashes, tokens)
+        first = pool.submit(hashes, tokens)
+        await _until(pool.entered.is_set, "the store was never asked")
+        waiting = pool.submit(hashes, tokens)  # queued behind the hung call
+        # Once the call has hung for STALLED_AFTER_S, a query is refused at once.
+        refused = False
+        deadline = time.monotonic() + 30.0
+        while not refused:
+            assert time.monotonic() < deadline, "a hung pool kept taking queries"
+            try:
+                pool.submit(hashes, tokens).cancel()
+            except SharedPoolError as error:
+                assert "not answering" in str(error)
+                refused = True
+            await asyncio.sleep(0.05)
+        assert not first.done() and not waiting.done()
         pool.release.set()
-        for _ in range(200):
-            if pool._in_flight == 0:
-                break
-            await asyncio.sleep(0.01)
+        assert await asyncio.wait_for(first, 30.0) == [False, False]
+        assert await asyncio.wait_for(waiting, 30.0) == [False, False]
         assert await pool.hits(hashes, tokens) == [False, False]
 
     try:
         asyncio.run(scenario())
     finally:
         pool.release.set()
+        pool.close()
+
+
+def test_a_burst_of_queries_is_answered_in_one_pass_not_refused(
+    written: tuple[Path, bytes],
+) -> None:
+    """While a pass is inside the store, 63 more decisions ask about the same conversation
+    (more than any fixed number of queries at once): all are answered, by one more pass
+    that asks the store each page not found yet once."""
+    root, seed = written
+    pool = BlockedPool(root, seed)
+    tokens = conversation(40) + [7] * 20  # 10 pages in the store, then 5 nobody wrote
+    hashes = page_hashes(tokens, PAGE)
+
+    async def scenario() -> list[list[bool]]:
+        first = pool.submit(hashes, tokens)
+        await _until(pool.entered.is_set, "the store was never asked")
+        burst = [pool.hits(hashes, tokens) for _ in range(63)]
+        tasks = [asyncio.ensure_future(query) for query in burst]
+        await asyncio.sleep(0)  # every one of them is waiting now
+        pool.release.set()
+        return [await asyncio.wait_for(first, 30.0), *await asyncio.gather(*tasks)]
+
+    try:
+        answers = asyncio.run(scenario())
+    finally:
+        pool.release.set()
+        pool.close()
+    assert answers == [[True] * 10 + [False] * 5] * 64
+    # Pass 1: 15 pages; pass 2: the 5 not found (the 10 found are remembered).
+    assert pool.num_passes == 2
+    assert pool.num_store_pages == 15 + 5
+
+
+def test_pages_found_are_remembered_and_a_longer_prompt_asks_only_its_new_pages(
+    written: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    root, seed = written
+    pool = FileSharedPool(root, seed, PAGE, LAYOUT)
+    tokens = conversation(40)
+    hashes = page_hashes(tokens, PAGE)
+
+    async def scenario() -> None:
+        assert await pool.hits(hashes[:6], tokens) == [True] * 6
+        assert pool.num_store_pages == 6
+        # Every page found lately: answered on the spot, the store not asked.
+        query = pool.submit(hashes[:6], tokens)
+        assert query.done() and query.result() == [True] * 6
+        # A longer prompt on the same prefix: its 4 new pages are asked, and named from
+        # the remembered chain (the same names as from scratch, or it would not find them).
+        assert await pool.hits(hashes, tokens) == [True] * 10
+        assert (pool.num_passes, pool.num_store_pages) == (2, 10)
+        # Past PRESENT_TTL_S a page found is asked again (the store may have evicted it).
+        monkeypatch.setattr("hicache.router.shared_pool.PRESENT_TTL_S", 0.0)
+        assert await pool.hits(hashes, tokens) == [True] * 10
+        assert (pool.num_passes, pool.num_store_pages) == (3, 20)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
+
+
+def test_a_failed_store_call_forgets_what_was_found(tmp_path: Path) -> None:
+    """A store that failed may come back empty: pages found before are asked again."""
+    root = tmp_path / "l3"
+    cache = file_cache(root)
+    try:
+        serve_with_l3(cache, conversation(40))
+        settle(cache)
+        seed = cache.tree.seed(None)
+    finally:
+        cache.close()
+    pool = FileSharedPool(root, seed, PAGE, LAYOUT)
+    tokens = conversation(40)
+    hashes = page_hashes(tokens, PAGE)
+
+    async def scenario() -> None:
+        assert await pool.hits(hashes, tokens) == [True] * 10
+        assert pool.submit(hashes, tokens).done()  # remembered
+        moved = tmp_path / "moved"
+        root.rename(moved)  # the store is gone
+        longer = [*tokens, 1, 2, 3, 4]  # one page more, not found yet: the store is asked
+        with pytest.raises(SharedPoolError, match="does not exist"):
+            await pool.hits(page_hashes(longer, PAGE), longer)
+        moved.rename(root)
+        query = pool.submit(hashes, tokens)
+        assert not query.done()  # forgotten: asked again
+        assert await query == [True] * 10
+
+    try:
+        asyncio.run(scenario())
+    finally:
         pool.close()
 
 
@@ -217,3 +329,38 @@ def test_the_lookup_is_built_from_a_workers_server_info(
     ]:
         with pytest.raises(ValueError, match=message):
             shared_pool_for_worker({**info, **broken})
+
+
+def test_the_routers_metrics_count_each_query_outcome(
+    written: tuple[Path, bytes], tmp_path: Path,
+) -> None:
+    """Through a real router: a query the file L3 answers, one whose store hangs past the
+    deadline, one whose store directory is gone."""
+    root, seed = written
+    answering = FileSharedPool(root, seed, PAGE, LAYOUT)
+    hung = BlockedPool(root, seed)
+    missing = FileSharedPool(tmp_path / "absent", seed, PAGE, LAYOUT)
+    # A deadline no loaded machine misses for the answered query; a short one for the hung.
+    patient = ScoringConfig(shared_cache_multiplier=0.5, shared_deadline_s=30.0)
+    policy = build_policy("tier_aware", PageIndex(), answering, patient)
+    assert isinstance(policy, TierAwarePolicy)
+    tokens = conversation(40)
+    try:
+        with fake_workers(FakeWorker()) as urls, running_router(urls, policy=policy) as router:
+            def route() -> None:
+                assert router.post("/generate", json={"input_ids": tokens}).status_code == 200
+
+            route()
+            policy.shared = missing
+            route()
+            policy.shared = hung
+            policy.config = dataclasses.replace(patient, shared_deadline_s=0.05)
+            route()
+            metrics = router.get("/metrics").text
+    finally:
+        hung.release.set()
+        for pool in (answering, hung, missing):
+            pool.close()
+    for outcome in ("answered", "failed", "late"):
+        assert f'router_shared_cache_queries_total{{outcome="{outcome}"}} 1.0' in metrics
+    assert "router_shared_cache_hit_rate_count 1.0" in metrics  # only the answer is scored
