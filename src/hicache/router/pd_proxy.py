@@ -20,8 +20,9 @@ Which failure the client sees:
 - the client leaves: both requests are dropped.
 
 An instance that refuses the connection before anything was sent is marked
-down and the request goes to a fresh pair (a new room: the old one named the
-failed pair), as the ordinary proxy retries. Once the decode answer streams,
+down (its pool's registry hears every failure and answer status as the plain
+proxy's does: ``health.py``) and the request goes to a fresh pair (a new room: the
+old one named the failed pair), as the ordinary proxy retries. Once the decode answer streams,
 a late prefill failure is only logged: the decode instance notices the missing
 KV on its own (its transfer timeout) and fails its answer. A prefill answer
 still missing when the decode answer ended gets ``PREFILL_GRACE_S`` more.
@@ -53,7 +54,7 @@ from hicache.router.metrics import RouterMetrics
 from hicache.router.pd_pools import DecodeChooser, PDPools
 from hicache.router.proxy import ClientGoneError, UpstreamResponse, client_gone, forwarded_headers
 from hicache.router.types import RouteRequest, RoutingPolicy
-from hicache.router.workers import Worker
+from hicache.router.workers import Worker, WorkerRegistry
 from hicache.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -231,6 +232,7 @@ class PDProxy:
         error = task.exception()
         if error is None:
             answer = task.result()
+            await self._pools.prefill.answered(prefill.url, answer.status)  # 5xx: a failure
             if answer.ok:
                 return None
             logger.warning("prefill instance %s answered %d: dropping the decode request",
@@ -247,6 +249,7 @@ class PDProxy:
         if error is not None:
             return await self._connection_failure("decode", decode, error)
         start = task.result()
+        await self._pools.decode.answered(decode.url, start.response.status_code)
         if start.rest is None:  # an error status, read whole
             logger.warning("decode instance %s answered %d: dropping the prefill request",
                            redact(decode.url), start.response.status_code)
@@ -270,9 +273,10 @@ class PDProxy:
             self._metrics.worker_failed(worker.url, "timeout")
         elif isinstance(error, httpx.HTTPError):
             self._metrics.worker_failed(worker.url, "before_answer")
+        if isinstance(error, httpx.HTTPError):
+            # Refused: out of its pool's routing at once; dropped: a failure; a timeout: slow.
+            await self._registry(role).connection_failed(worker.url, error)
         if isinstance(error, _REFUSED):
-            await (self._pools.prefill if role == "prefill" else self._pools.decode).mark_down(
-                worker.url, type(error).__name__)
             raise _Refused(worker.url)
         if isinstance(error, httpx.TimeoutException):
             raise APIError(504, f"{role} instance {redact(worker.url)} did not answer within "
@@ -281,6 +285,9 @@ class PDProxy:
             raise APIError(502, redact(f"{role} instance {worker.url} failed: "
                                        f"{type(error).__name__}: {error}"))
         raise error
+
+    def _registry(self, role: str) -> WorkerRegistry:
+        return self._pools.prefill if role == "prefill" else self._pools.decode
 
     # -- the two requests
 

@@ -11,7 +11,9 @@ as if it were whole). A worker silent past ``--request-timeout`` is a 504, not
 retried: it may still be working on the request. Each of these outcomes is
 counted in the router's /metrics (``RouterMetrics``: worker failures by stage,
 retries, clients that left), and no message, log line or label carries the
-credentials of a worker's URL (``credentials.redact``).
+credentials of a worker's URL (``credentials.redact``). The registry hears each of
+them, and each answer's status, as the worker's health (``health.py``: refused, out
+at once; dropped or a 5xx, a failure; a timeout, slowness).
 """
 
 from __future__ import annotations
@@ -240,12 +242,13 @@ class Proxy:
             self._metrics.worker_failed(worker.url, "before_answer")
             logger.warning("worker %s failed before answering %s: %s: %s", redact(worker.url),
                            path, type(error).__name__, redact(str(error)))
-            if isinstance(error, _REFUSED):
-                await self._workers.mark_down(worker.url, f"{type(error).__name__}")
+            # Refused: out of routing at once; dropped: a failure; a connect timeout: slow.
+            await self._workers.connection_failed(worker.url, error)
             return None
-        except httpx.TimeoutException:
+        except httpx.TimeoutException as error:
             release()
             self._metrics.worker_failed(worker.url, "timeout")
+            await self._workers.connection_failed(worker.url, error)
             raise APIError(504, f"worker {redact(worker.url)} did not answer within the "
                            "request timeout (--request-timeout)") from None
         except ClientGoneError:
@@ -256,6 +259,7 @@ class Proxy:
             release()
             raise
         self._metrics.sent(worker.url)
+        await self._workers.answered(worker.url, upstream.status_code)  # a 5xx is a failure
         return UpstreamResponse(upstream, release, metrics=self._metrics, worker=worker.url)
 
     async def _send_unless_gone(self, request: httpx.Request, receive: Receive,

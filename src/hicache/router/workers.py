@@ -8,10 +8,13 @@ and model: the router hashes a request's pages once, with one page size and
 one tokenizer, for all of them. A worker that differs is refused with both
 values named.
 
-The registry owns each worker's event subscriber. A health probe (``GET
-/health`` every ``health_interval_s``) or a failed connection takes a worker
-out of routing at once and drops its index entries (its caches may be gone);
-when it answers again it is rediscovered (a restarted worker may publish
+The registry owns each worker's event subscriber. What its health probes (``GET
+/health`` every ``health_interval_s``) and the proxied requests say of a worker
+decides whether it stays in routing (``health.py``): a refused connection takes it
+out at once, other failures after three in a row, and slowness (timeouts) never,
+unless it answered nothing for half a minute while another worker of this registry
+is healthy. Out of routing, its index entries are dropped (its caches may be gone);
+when it answers /health again it is rediscovered (a restarted worker may publish
 elsewhere) and its subscriber rebuilds its entries from the replay buffer.
 """
 
@@ -30,6 +33,14 @@ import httpx
 import zmq.asyncio
 
 from hicache.router.credentials import redact
+from hicache.router.health import (
+    HUNG_AFTER_S,
+    Signal,
+    Verdict,
+    WorkerHealth,
+    signal_of_error,
+    signal_of_status,
+)
 from hicache.router.settings import normalize_worker_url
 from hicache.router.subscriber import EventEndpoints, EventSubscriber, SubscriberCounts
 from hicache.router.tier_costs import measured_tier_costs
@@ -219,6 +230,7 @@ class Worker:
     subscriber: EventSubscriber | None = None
     # Kept across subscribers (a worker going down and back): the metrics are totals.
     event_counts: SubscriberCounts = field(default_factory=SubscriberCounts)
+    health: WorkerHealth = field(default_factory=WorkerHealth)
 
     @property
     def url(self) -> str:
@@ -325,7 +337,7 @@ class WorkerRegistry:
             self._zmq.term()
 
     async def mark_down(self, url: str, reason: str) -> None:
-        """Out of routing now (a probe or a request failed); its index entries dropped."""
+        """Out of routing now; its index entries dropped."""
         worker = self._workers.get(url)
         if worker is None or not worker.healthy:
             return
@@ -333,7 +345,40 @@ class WorkerRegistry:
         await self._stop_events(worker)
         self._index.remove_worker(url)
         logger.warning("worker %s is down (%s): routed around until it answers /health",
-                       url, reason)
+                       redact(url), reason)
+
+    async def connection_failed(self, url: str, error: BaseException) -> None:
+        """A proxied request to the worker failed before its answer (refused, timed out,
+        dropped): heard as its kind of signal."""
+        await self.hear(url, signal_of_error(error), type(error).__name__)
+
+    async def answered(self, url: str, status: int) -> None:
+        """The worker answered a proxied request with ``status`` (a 5xx is a failure)."""
+        await self.hear(url, signal_of_status(status), f"answered {status}")
+
+    async def hear(self, url: str, signal: Signal, detail: str) -> None:
+        """What a probe or a proxied request said of a worker in routing; it leaves
+        routing as ``health.py`` says. A worker out of routing comes back through its
+        probes only."""
+        worker = self._workers.get(url)
+        if worker is None or not worker.healthy:
+            return
+        health = worker.health
+        was_slow = health.slow
+        verdict = health.hear(signal)
+        if verdict is Verdict.EJECT:
+            streak = "" if signal is Signal.REFUSED else f", {health.failures} in a row"
+            await self.mark_down(url, f"{detail}{streak}")
+        elif verdict is Verdict.HUNG:
+            if any(other.healthy for other in self._workers.values() if other is not worker):
+                await self.mark_down(url, f"{detail}; no answer for {HUNG_AFTER_S:.0f} s")
+            elif not health.kept_hung:
+                health.kept_hung = True
+                logger.warning("worker %s has not answered for %.0f s, but it is the last "
+                               "healthy one: kept in routing", redact(url), HUNG_AFTER_S)
+        elif signal is Signal.TIMED_OUT and not was_slow:
+            logger.warning("worker %s is slow (%s): kept in routing (a timeout is no "
+                           "failure)", redact(url), detail)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(w) for w in list(self._workers.values())))
@@ -347,17 +392,18 @@ class WorkerRegistry:
         try:
             response = await self._client.get(f"{worker.url}/health",
                                               timeout=self._probe_timeout_s)
-            problem = None if response.status_code == 200 else f"/health {response.status_code}"
+            status = response.status_code
+            signal = Signal.ANSWERED if status == 200 else Signal.FAILED
+            detail = f"/health {status}"
         except httpx.HTTPError as error:
-            problem = f"/health failed: {type(error).__name__}"
+            signal, detail = signal_of_error(error), f"/health: {type(error).__name__}"
         if self._workers.get(worker.url) is not worker:
             return  # removed while probing
-        if problem is not None:
-            await self.mark_down(worker.url, problem)
-            return
-        if not worker.healthy:
+        if worker.healthy:
+            await self.hear(worker.url, signal, detail)
+        elif signal is Signal.ANSWERED:
             await self._bring_back(worker)
-        if self._tier_costs is not None and worker.healthy:
+        if self._tier_costs is not None and worker.healthy and signal is Signal.ANSWERED:
             await self._measure_costs(worker)
 
     async def _measure_costs(self, worker: Worker) -> None:
@@ -390,6 +436,7 @@ class WorkerRegistry:
             return  # removed, or brought back by another probe, while rediscovering
         worker.info = info
         worker.healthy = True
+        worker.health.reset()
         self._start_events(worker)
         logger.info("worker %s is back: resyncing its index from its KV events", worker.url)
 

@@ -57,6 +57,8 @@ class FakeInstance:
     report_mode: bool = True  # /get_server_info says disaggregation_mode
     kv_wait_s: float = 5.0  # decode: how long it waits for the room's KV
     healthy: bool = True
+    health_delay_s: float = 0.0  # before /health answers (a busy instance's slow probe)
+    health_checks: int = 0  # /health requests that came in
     # Prefill: publishes its prompts' pages here once computed (as a worker's KV events).
     publisher: Publisher | None = None
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -85,6 +87,8 @@ def fake_instance_app(instance: FakeInstance) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        instance.health_checks += 1
+        await asyncio.sleep(instance.health_delay_s)
         return JSONResponse({}, status_code=200 if instance.healthy else 503)
 
     @app.get("/v1/models")

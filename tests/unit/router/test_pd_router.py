@@ -17,12 +17,14 @@ from hicache.router.index import PageIndex
 from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.settings import PrefillEndpoint
 from hicache.router.workers import WorkerInfo
+from tests.restartable_server import RestartableServer
 from tests.unit.router.fakes import Publisher, batch, wait_for
 from tests.unit.router.pd_fakes import (
     BOOTSTRAP_FIELDS,
     DECODE_CHUNKS,
     FakeInstance,
     Rooms,
+    fake_instance_app,
     fake_instances,
 )
 from tests.unit.router.router_fixtures import running_pd_router
@@ -156,19 +158,22 @@ def test_an_unreachable_prefill_instance_is_taken_out_and_another_pair_serves() 
 
 
 def test_503_when_a_pool_has_no_healthy_instance() -> None:
+    """The only decode instance goes down for real (its port refuses connections): the
+    router answers 503 naming the empty pool, and routes again once it is back."""
     prefill, decode = pair()
-    with fake_instances(prefill, decode) as (p, d), running_pd_router(
-        [PrefillEndpoint(p)], [d],
+    decode_server = RestartableServer(fake_instance_app(decode))
+    with fake_instances(prefill) as (p,), decode_server, running_pd_router(
+        [PrefillEndpoint(p)], [decode_server.url],
     ) as router:
-        decode.healthy = False
-        assert wait_for(lambda: router.get("/health").status_code == 503, 5.0)
+        decode_server.stop()
+        assert wait_for(lambda: router.get("/health").status_code == 503)
         health = router.get("/health").json()
         assert health["healthy_prefill"] == 1 and health["healthy_decode"] == 0
         response = router.post("/generate", json={"input_ids": IDS})
         assert response.status_code == 503
         assert "no healthy decode instance" in response.json()["error"]["message"]
-        decode.healthy = True  # back in rotation once it answers /health again
-        assert wait_for(lambda: router.get("/health").status_code == 200, 5.0)
+        decode_server.start()  # back on its address: in rotation once it answers /health
+        assert wait_for(lambda: router.get("/health").status_code == 200)
         assert router.post("/generate", json={"input_ids": IDS}).status_code == 200
 
 
