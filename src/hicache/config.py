@@ -62,6 +62,11 @@ def parse_enum(enum_type: type[Enum], value: object, flag: str) -> Enum:
         raise ConfigError(f"{flag}: unknown value {value!r}; choose one of: {choices}") from None
 
 
+# The host pool as a multiple of the device pool when neither --hicache-ratio nor
+# --hicache-size is given and nothing sizes it from the machine's memory.
+DEFAULT_HICACHE_RATIO = 2.0
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The hierarchical KV cache: page size, host pool sizing and policies."""
@@ -69,7 +74,9 @@ class CacheConfig:
     page_size: int = 1
     enable_hierarchical_cache: bool = False
     # Host pool = ratio x device pool, unless hicache_size_gb > 0 (GB per rank, 1 GB = 1e9 B).
-    hicache_ratio: float = 2.0
+    # None: not given; the engine then sizes the host pool from the memory the machine
+    # can spare (``memory.sizing``), and a cache built alone takes DEFAULT_HICACHE_RATIO.
+    hicache_ratio: float | None = None
     hicache_size_gb: float = 0.0
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     io_backend: IOBackendKind = IOBackendKind.KERNEL
@@ -99,13 +106,20 @@ class CacheConfig:
                 f"--hicache-size must be >= 0 GB (0 means: use --hicache-ratio), "
                 f"got {self.hicache_size_gb}"
             )
-        if self.hicache_size_gb == 0 and self.hicache_ratio <= 1.0:
+        if self.hicache_size_gb == 0 and self.hicache_ratio is not None and not (
+            self.hicache_ratio > 1.0
+        ):
             raise ConfigError(
                 f"--hicache-ratio must be greater than 1 (the host pool must be larger than "
                 f"the device pool), got {self.hicache_ratio}; raise it or set --hicache-size"
             )
         if self.load_back_threshold_tokens < 0:
             raise ConfigError("load_back_threshold_tokens must be >= 0")
+
+    @property
+    def host_pool_from_flags(self) -> bool:
+        """Whether the host pool's size was given (--hicache-size or --hicache-ratio)."""
+        return self.hicache_size_gb > 0 or self.hicache_ratio is not None
 
     def host_num_pages(
         self, device_num_pages: int, page_bytes: int, available_bytes: int | None = None
@@ -124,8 +138,9 @@ class CacheConfig:
             host_pages = int(self.hicache_size_gb * 1e9) // page_bytes
             source = f"--hicache-size {self.hicache_size_gb} GB"
         else:
-            host_pages = int(device_num_pages * self.hicache_ratio)
-            source = f"--hicache-ratio {self.hicache_ratio}"
+            ratio = self.hicache_ratio if self.hicache_ratio is not None else DEFAULT_HICACHE_RATIO
+            host_pages = int(device_num_pages * ratio)
+            source = f"--hicache-ratio {ratio}"
         if host_pages <= device_num_pages:
             need_gb = (device_num_pages + 1) * page_bytes / 1e9
             raise ConfigError(

@@ -29,8 +29,11 @@ from hicache.model.loader import LoadFormat
 from hicache.model.presets import PRESETS
 from hicache.storage.config import StorageConfig
 
-# The KV pool on devices whose free memory is not measured (CPU), in tokens.
+# The KV pool on the CPU, in tokens, when --max-total-tokens is not given: this many
+# where the machine can spare the memory, else less (``memory.sizing``).
 CPU_KV_POOL_TOKENS = 65536
+# GPU: the fraction of free memory the KV pool takes when --mem-fraction-static is not given.
+DEFAULT_MEM_FRACTION_STATIC = 0.85
 # Prompt tokens per step on the CPU. A CPU's matrix products run at the same rate from
 # a few hundred rows up, so a bigger step computes no faster; it only makes every
 # prompt in it wait for all of them (and every decode wait for the step). Four cold
@@ -100,11 +103,13 @@ class SchedulingConfig:
     max_running_requests: int = SchedulerConfig.max_running_requests
     # None: CPU_CHUNKED_PREFILL_SIZE on the CPU, SchedulerConfig's default elsewhere.
     chunked_prefill_size: int | None = None
-    # Device KV pool in tokens; None: mem_fraction_static of free GPU memory, or
-    # CPU_KV_POOL_TOKENS off the GPU.
+    # Device KV pool in tokens; None: mem_fraction_static of free GPU memory, or off the
+    # GPU CPU_KV_POOL_TOKENS where the machine can spare it (``memory.sizing``).
     max_total_tokens: int | None = None
-    # GPU: the fraction of the memory left after the weights that the KV pool takes.
-    mem_fraction_static: float = 0.85
+    # GPU: the fraction of the memory left after the weights that the KV pool takes;
+    # None: not given (DEFAULT_MEM_FRACTION_STATIC, and the pool may shrink to fit host
+    # memory for the host pool; a given fraction is never shrunk).
+    mem_fraction_static: float | None = None
     # No prefix caching at all (a baseline for benchmarks).
     disable_radix_cache: bool = False
 
@@ -115,8 +120,20 @@ class SchedulingConfig:
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ConfigError("--max-total-tokens must be >= 1")
         fraction = self.mem_fraction_static
-        if not (math.isfinite(fraction) and 0 < fraction <= 1):
+        if fraction is not None and not (math.isfinite(fraction) and 0 < fraction <= 1):
             raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
+
+    @property
+    def device_pool_from_flags(self) -> bool:
+        """Whether the device pool's size was given (--max-total-tokens,
+        --mem-fraction-static)."""
+        return self.max_total_tokens is not None or self.mem_fraction_static is not None
+
+    @property
+    def resolved_mem_fraction_static(self) -> float:
+        if self.mem_fraction_static is None:
+            return DEFAULT_MEM_FRACTION_STATIC
+        return self.mem_fraction_static
 
     def resolved_chunked_prefill_size(self, device_type: str) -> int:
         if self.chunked_prefill_size is not None:

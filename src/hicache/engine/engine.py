@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -50,6 +50,8 @@ from hicache.events.emitter import KVEventEmitter
 from hicache.events.publisher import ZmqEventPublisher
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_memory import host_memory_for_pools
+from hicache.memory.machine_memory import available_memory, resident_bytes, trim_heap
+from hicache.memory.sizing import PoolPlan, SizingInputs, plan_pools, reserve_bytes
 from hicache.model.attention_backend import make_attention_backend
 from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.model.identity import model_identity
@@ -114,6 +116,9 @@ class Engine:
         self.disaggregation: DisaggregationRuntime | None = None
         # Publishes the cache's KV events (None: off); closed after the cache.
         self.event_publisher = event_publisher
+        # How the pools were sized and what was announced (set by build_engine; None for
+        # an engine built around a cache made elsewhere).
+        self.memory_plan: PoolPlan | None = None
 
     @property
     def chunked_prefill_size(self) -> int:
@@ -343,6 +348,32 @@ class Engine:
                 failures[reason] = failures.get(reason, 0) + count
         return StorageMetrics.total([m for m, _ in answers]), failures
 
+    def _memory_metrics(self) -> dict[str, float]:
+        """The pools' sizing (``memory_*``; /get_server_info's memory block is made from
+        them) and this process's resident memory now."""
+        plan = self.memory_plan
+        if plan is None:
+            return {}
+        out = {
+            "memory_auto_sized": float(plan.auto_sized),
+            "memory_device_pool_auto": float(plan.device_source == "auto"),
+            "memory_host_pool_auto": float(plan.host_source == "auto"),
+            "memory_device_pool_in_host_memory": float(plan.device_in_host_memory),
+            "memory_device_pool_bytes": float(plan.device_pool_bytes),
+            "memory_device_pool_tokens": float(plan.device_pages * plan.page_size),
+            "memory_host_pool_bytes": float(plan.host_pool_bytes),
+            "memory_resident_at_sizing_bytes": float(plan.resident_bytes),
+            "memory_weights_bytes": float(plan.weights_bytes),
+            "memory_reserve_bytes": float(plan.reserve_bytes),
+            "memory_announced_bytes": float(plan.announced_bytes),
+        }
+        if plan.available is not None:
+            out["memory_available_bytes"] = float(plan.available.bytes)
+        resident = resident_bytes()
+        if resident is not None:
+            out["memory_resident_bytes"] = float(resident)
+        return out
+
     def metrics(self) -> dict[str, float]:
         cache, sched = self.cache, self.scheduler
         out: dict[str, float] = {f"engine_{k}": float(v) for k, v in
@@ -372,6 +403,7 @@ class Engine:
             out["host_pool_used_pages"] = float(host.num_used_pages)
             out["host_pool_usage"] = host.num_used_pages / host.num_pages
         storage = cache.storage
+        out.update(self._memory_metrics())
         out["storage_attached"] = float(storage is not None)
         if storage is not None:
             metrics = storage.metrics()
@@ -427,12 +459,10 @@ def build_engine(
     ``start`` False: no scheduler thread (a follower rank calls ``run_replica``).
     """
     part, pages = run_phase(
-        tp, lambda: _load_part(config, tp), lambda p: (p.device_pages, p.host_pages)
+        tp, lambda: _load_part(config, tp), lambda p: (p.plan.device_pages, p.plan.host_pages)
     )
     device_pages = min(d for d, _ in pages)
-    host_pages = min(h for _, h in pages) if tp.size > 1 else None
-    if host_pages is not None and not config.cache.enable_hierarchical_cache:
-        host_pages = None
+    host_pages = min(h for _, h in pages) if config.cache.enable_hierarchical_cache else None
     engine, l3_errors = run_phase(
         tp, lambda: _assemble(config, tp, part, device_pages, host_pages, on_fatal),
         _l3_error, lambda built: built.shutdown(),
@@ -451,8 +481,7 @@ class _RankPart:
     model_path: str | None  # the dir the weights came from (None: a preset's dummy weights)
     weights_name: str
     geometry: KVGeometry  # this rank's share of the KV heads
-    device_pages: int  # the pools' page counts this rank can afford
-    host_pages: int  # 0 without the host pool
+    plan: PoolPlan  # the pools' page counts this rank can afford (host 0: no host pool)
 
 
 def _load_part(config: EngineConfig, tp: TPGroup) -> _RankPart:
@@ -476,19 +505,80 @@ def _load_part(config: EngineConfig, tp: TPGroup) -> _RankPart:
     _set_up_compute(loaded.model, config.runtime, device)
     # This rank's share of the KV heads (all of them without tensor parallelism).
     geometry = loaded.model.kv_geometry() if tp.size > 1 else loaded.config.kv_geometry()
-    cache_config = config.cache
-    total_tokens = _kv_pool_tokens(config.scheduling, device, geometry.bytes_per_token)
-    device_pages = max(2, total_tokens // cache_config.page_size)
-    host_pages = 0
-    if cache_config.enable_hierarchical_cache:
-        # Ranks may hold different numbers of KV heads (different page bytes), and a page
-        # id means the same tokens on every rank: the ranks take the smallest count.
-        host_pages = cache_config.host_num_pages(
-            device_pages, geometry.page_bytes(cache_config.page_size), host_memory_for_pools()
-        )
+    # Ranks may hold different numbers of KV heads (different page bytes), and a page
+    # id means the same tokens on every rank: the ranks take the smallest counts.
+    plan = _plan_pools(config, device, loaded, geometry, tp)
+    logger.info("%s%s", f"tp rank {tp.rank}: " if tp.size > 1 else "", plan.describe())
     weights_name = model_dir.name if model_dir else f"dummy-{preset or DEFAULT_PRESET}"
-    return _RankPart(device, num_threads, loaded, model_path, weights_name, geometry,
-                     device_pages, host_pages)
+    return _RankPart(device, num_threads, loaded, model_path, weights_name, geometry, plan)
+
+
+def _plan_pools(
+    config: EngineConfig, device: torch.device, loaded: LoadedModel, geometry: KVGeometry,
+    tp: TPGroup,
+) -> PoolPlan:
+    """The pools' sizes this rank can afford: from the flags where given, else from the
+    memory the machine can spare (``memory.sizing``), measured now that the weights are
+    in memory."""
+    scheduling, cache_config = config.scheduling, config.cache
+    page_size = cache_config.page_size
+    page_bytes = geometry.page_bytes(page_size)
+    hierarchical = cache_config.enable_hierarchical_cache
+    on_gpu = device.type == "cuda"
+    # On the CPU only --max-total-tokens sizes the device pool (the fraction is of GPU memory).
+    device_given = scheduling.max_total_tokens is not None or (
+        on_gpu and scheduling.mem_fraction_static is not None
+    )
+    fixed_pages = (
+        max(2, _kv_pool_tokens(scheduling, device, geometry.bytes_per_token) // page_size)
+        if device_given or on_gpu else None
+    )
+    # The loader's freed temporaries go back to the system before this process is measured.
+    trim_heap()
+    model = loaded.config
+    inputs = SizingInputs(
+        available=available_memory(), resident_bytes=resident_bytes() or 0,
+        weights_bytes=_weights_bytes(loaded.model),
+        reserve_bytes=reserve_bytes(
+            max(scheduling.resolved_chunked_prefill_size(device.type),
+                scheduling.max_running_requests),
+            model.hidden_size, model.intermediate_size, model.vocab_size,
+            next(loaded.model.parameters()).element_size(), activations_on_host=not on_gpu,
+        ),
+        page_bytes=page_bytes, page_size=page_size,
+        max_running_requests=scheduling.max_running_requests, hierarchical=hierarchical,
+        device_in_host_memory=not on_gpu, device_pages=fixed_pages,
+        device_flag=(
+            f"--max-total-tokens {scheduling.max_total_tokens}"
+            if scheduling.max_total_tokens is not None
+            else f"--mem-fraction-static {scheduling.mem_fraction_static}" if device_given
+            else None
+        ),
+        max_device_pages=max(2, CPU_KV_POOL_TOKENS // page_size), tp_size=tp.size,
+    )
+    if not (hierarchical and cache_config.host_pool_from_flags):
+        return plan_pools(inputs)
+    # The host pool from the flags: the device pool as given (or its fixed default), the
+    # host pool refused when it does not fit what the machine can spare, as before sizing.
+    device_pages = fixed_pages or inputs.max_device_pages
+    return PoolPlan(
+        device_pages=device_pages,
+        host_pages=cache_config.host_num_pages(device_pages, page_bytes, host_memory_for_pools()),
+        page_bytes=page_bytes, page_size=page_size,
+        device_source="flags" if device_given else ("gpu" if on_gpu else "default"),
+        host_source="flags", device_in_host_memory=not on_gpu, available=inputs.available,
+        resident_bytes=inputs.resident_bytes, weights_bytes=inputs.weights_bytes,
+        reserve_bytes=inputs.reserve_bytes, reason="sizes from the flags",
+    )
+
+
+def _weights_bytes(model: CausalLM) -> int:
+    """Bytes of the model's parameters and buffers (tied weights once)."""
+    storages: dict[int, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _assemble(
@@ -545,6 +635,10 @@ def _assemble(
         if publisher is not None:
             publisher.close()
         raise
+    # What the pools came to (the ranks agreed on the smallest counts).
+    engine.memory_plan = replace(
+        part.plan, device_pages=device_pages, host_pages=host_pages or 0
+    )
     try:
         _record_decode_graphs(engine, config, device)
     except BaseException:
@@ -660,7 +754,7 @@ def _kv_pool_tokens(
     if device.type != "cuda":
         return CPU_KV_POOL_TOKENS
     free, _ = torch.cuda.mem_get_info(device)
-    return int(free * scheduling.mem_fraction_static) // bytes_per_token
+    return int(free * scheduling.resolved_mem_fraction_static) // bytes_per_token
 
 
 def load_storage_extra(text: str | None) -> dict[str, Any]:

@@ -14,12 +14,12 @@ tensor viewing the pool keeps that array alive.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 
 import numpy as np
 import torch
 
+from hicache.memory.machine_memory import available_memory
 from hicache.memory.prefault import pageable
 
 logger = logging.getLogger(__name__)
@@ -35,18 +35,10 @@ class HostMemoryError(MemoryError):
 
 
 def available_host_memory() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable); None if unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    """Bytes that can be allocated without swapping or hitting a cgroup's limit
+    (``machine_memory.available_memory``); None if unknown."""
+    available = available_memory()
+    return available.bytes if available is not None else None
 
 
 # What a host pool must leave to the rest of the process and the machine (weights on their

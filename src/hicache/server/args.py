@@ -36,12 +36,15 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
         "--enable-hierarchical-cache", action="store_true",
         help="back the device (L1) KV cache with a host memory (L2) pool",
     )
+    # Both default to None: a host pool neither flag sizes is sized from the memory the
+    # machine can spare (engine and memory.sizing), so the engine must see what was given.
     group.add_argument(
-        "--hicache-ratio", type=float, default=_DEFAULTS["hicache_ratio"],
-        help="host pool size as a multiple of the device pool; must be > 1 (default: %(default)s)",
+        "--hicache-ratio", type=float, default=None,
+        help="host pool size as a multiple of the device pool; must be > 1 (default: twice "
+        "the device pool where memory allows, else what the machine can spare)",
     )
     group.add_argument(
-        "--hicache-size", type=float, default=_DEFAULTS["hicache_size_gb"],
+        "--hicache-size", type=float, default=None,
         help="host pool size in GB per rank; overrides --hicache-ratio when > 0",
     )
     group.add_argument(
@@ -112,7 +115,7 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
             page_size=args.page_size,
             enable_hierarchical_cache=args.enable_hierarchical_cache,
             hicache_ratio=args.hicache_ratio,
-            hicache_size_gb=args.hicache_size,
+            hicache_size_gb=args.hicache_size if args.hicache_size is not None else 0.0,
             write_policy=args.hicache_write_policy,
             io_backend=args.hicache_io_backend,
             mem_layout=args.hicache_mem_layout,

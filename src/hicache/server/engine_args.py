@@ -21,6 +21,7 @@ from hicache.disaggregation.config import (
 from hicache.engine.config import (
     CPU_CHUNKED_PREFILL_SIZE,
     CPU_KV_POOL_TOKENS,
+    DEFAULT_MEM_FRACTION_STATIC,
     EngineConfig,
     ModelLoadConfig,
     ParallelConfig,
@@ -80,11 +81,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument(
         "--max-total-tokens", type=int, default=None,
         help="device KV pool size in tokens (default: --mem-fraction-static of free GPU "
-        f"memory, or {CPU_KV_POOL_TOKENS} on CPU)",
+        f"memory; on the CPU {CPU_KV_POOL_TOKENS}, or less to fit what the machine can spare)",
     )
     sched.add_argument(
-        "--mem-fraction-static", type=float, default=_SCHEDULING.mem_fraction_static,
-        help="GPU: fraction of the memory left after the weights that the KV pool takes",
+        "--mem-fraction-static", type=float, default=None,
+        help="GPU: fraction of the memory left after the weights that the KV pool takes "
+        f"(default: {DEFAULT_MEM_FRACTION_STATIC})",
     )
     sched.add_argument(
         "--disable-radix-cache", action="store_true",

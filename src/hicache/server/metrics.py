@@ -108,6 +108,45 @@ SERIES: dict[str, Series] = {
     "host_pool_pages": _gauge("host_pool_pages", "pages of the host (L2) KV pool"),
     "host_pool_used_pages": _gauge("host_pool_used_pages", "host pages in use or cached"),
     "host_pool_usage": _gauge("host_pool_usage", "fraction of the host (L2) pool in use"),
+    "memory_auto_sized": _gauge(
+        "memory_auto_sized", "1 when a KV pool was sized from the memory the machine could "
+        "spare (no size flag given), 0 when both came from flags"
+    ),
+    "memory_device_pool_auto": _gauge(
+        "memory_device_pool_auto", "1 when the device (L1) pool was sized from free memory"
+    ),
+    "memory_host_pool_auto": _gauge(
+        "memory_host_pool_auto", "1 when the host (L2) pool was sized from free memory"
+    ),
+    "memory_device_pool_in_host_memory": _gauge(
+        "memory_device_pool_in_host_memory", "1 when the device pool is host memory (CPU)"
+    ),
+    "memory_device_pool_bytes": _gauge(
+        "memory_device_pool_bytes", "bytes of the device (L1) KV pool"
+    ),
+    "memory_device_pool_tokens": _gauge(
+        "memory_device_pool_tokens", "tokens the device (L1) KV pool holds"
+    ),
+    "memory_host_pool_bytes": _gauge("memory_host_pool_bytes", "bytes of the host (L2) KV pool"),
+    "memory_available_bytes": _gauge(
+        "memory_available_bytes", "memory available when the pools were sized (the least of "
+        "MemAvailable, cgroup headroom and HICACHE_AVAILABLE_MEMORY)"
+    ),
+    "memory_resident_at_sizing_bytes": _gauge(
+        "memory_resident_at_sizing_bytes", "the engine process's resident memory when the "
+        "pools were sized (weights, libraries, interpreter)"
+    ),
+    "memory_weights_bytes": _gauge("memory_weights_bytes", "bytes of the model's parameters"),
+    "memory_reserve_bytes": _gauge(
+        "memory_reserve_bytes", "host memory kept for what the engine allocates past its pools"
+    ),
+    "memory_announced_bytes": _gauge(
+        "memory_announced_bytes", "host memory the engine process announced it stays within: "
+        "resident at sizing + reserve + the pools in host memory"
+    ),
+    "memory_resident_bytes": _gauge(
+        "memory_resident_bytes", "the engine process's resident memory now"
+    ),
     "storage_attached": _gauge("l3_attached", "1 when an L3 storage backend is attached"),
     "storage_prefetch_queries": _counter("l3_prefetch_queries", "L3 prefetch lookups"),
     "storage_prefetch_pages_found": _counter("l3_prefetch_pages_found", "pages found in L3"),

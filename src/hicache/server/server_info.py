@@ -61,6 +61,11 @@ _ARGS = {
 }
 
 
+# Flags whose None means "not given" (the pools are then sized from the machine's
+# memory): reported with SGLang's defaults, which SGLang's tools expect; the memory
+# block says what the pools came to.
+_UNSET_AS = {"mem_fraction_static": 0.85, "hicache_ratio": 2.0, "hicache_size": 0}
+
 # What a router reads beyond SGLang's arguments (Engine.routing_info).
 ROUTING_KEYS = (
     "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
@@ -121,6 +126,9 @@ def server_info_from_args(
     model_path = getattr(args, "model_path", None) or tokenizer_path
     server_args = {name: getattr(args, attr) for name, attr in _ARGS.items()
                    if hasattr(args, attr)}
+    for name, default in _UNSET_AS.items():
+        if name in server_args and server_args[name] is None:
+            server_args[name] = default
     extra = getattr(args, "hicache_storage_backend_extra_config", None)
     storage = public_config(load_extra_config(extra)) if extra else {}
     return ServerInfo(
@@ -182,6 +190,41 @@ def l3_description(
     }
 
 
+def memory_description(counters: Mapping[str, float]) -> dict[str, Any] | None:
+    """How the KV pools were sized, from the engine's ``memory_*`` numbers: ``source``
+    "auto" when a pool was sized from the memory the machine could spare, else "flags";
+    the figures it was sized from and the pools in bytes and tokens. None from an engine
+    that does not say."""
+    if "memory_announced_bytes" not in counters:
+        return None
+
+    def whole(key: str) -> int | None:
+        value = counters.get(key)
+        return int(value) if value is not None else None
+
+    def source(key: str) -> str:
+        return "auto" if counters.get(key) else "flags"
+
+    return {
+        "source": "auto" if counters.get("memory_auto_sized") else "flags",
+        "device_pool_source": source("memory_device_pool_auto"),
+        "host_pool_source": source("memory_host_pool_auto"),
+        "available_bytes": whole("memory_available_bytes"),
+        "resident_at_sizing_bytes": whole("memory_resident_at_sizing_bytes"),
+        "weights_bytes": whole("memory_weights_bytes"),
+        "reserve_bytes": whole("memory_reserve_bytes"),
+        "device_pool_bytes": whole("memory_device_pool_bytes"),
+        "device_pool_tokens": whole("memory_device_pool_tokens"),
+        "device_pool_in_host_memory": bool(counters.get("memory_device_pool_in_host_memory")),
+        "host_pool_bytes": whole("memory_host_pool_bytes"),
+        "host_pool_pages": whole("host_pool_pages"),
+        # What the engine process should stay within: resident at sizing + reserve +
+        # the pools that are host memory; and what it holds now.
+        "announced_bytes": whole("memory_announced_bytes"),
+        "resident_bytes": whole("memory_resident_bytes"),
+    }
+
+
 def server_info(
     info: ServerInfo, served_model_name: str, l3: Mapping[str, Any],
     limits: Mapping[str, Any], counters: Mapping[str, float], version: str,
@@ -206,6 +249,7 @@ def server_info(
         **{key: None for key in ROUTING_KEYS},
         **(routing or {}),
         "l3": dict(l3),
+        "memory": memory_description(counters),
         "internal_states": [dict(counters)],
         "version": version,
     }

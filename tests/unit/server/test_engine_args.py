@@ -36,9 +36,11 @@ def test_no_flags_is_the_default_config() -> None:
     )
     assert config.scheduling == SchedulingConfig(
         max_running_requests=32, chunked_prefill_size=None, max_total_tokens=None,
-        mem_fraction_static=0.85, disable_radix_cache=False,
+        mem_fraction_static=None, disable_radix_cache=False,
     )
+    # No pool size given: the engine sizes the pools from the machine's memory.
     assert config.cache == CacheConfig()
+    assert config.cache.hicache_ratio is None and config.cache.hicache_size_gb == 0
     assert config.storage == StorageConfig()
     assert config.runtime == RuntimeConfig(num_threads=None)
 
