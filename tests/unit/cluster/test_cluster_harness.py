@@ -33,7 +33,9 @@ TINY_WORKER = (
     "--num-threads", "1", "--hicache-storage-prefetch-policy", "wait_complete",
 )
 L3_EXTRA = {"prefetch_threshold": 16}
-TIMEOUT_S = 60.0
+# Starting the cluster, a request, an L3 write: guards against a hang, far above what a
+# machine busy with other work needs.
+TIMEOUT_S = 180.0
 
 
 def _group_gone(group: int) -> bool:

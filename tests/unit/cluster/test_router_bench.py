@@ -120,7 +120,7 @@ def test_smoke_run_through_the_router(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # SGLang's router must not look for a tokenizer
     out = tmp_path / "out"
     code = main(["bench", "router", "--smoke", "--out-dir", str(out), "--num-workers", "2",
-                 "--startup-timeout", "90", "--policies", *policies, *extra])
+                 "--startup-timeout", "180", "--policies", *policies, *extra])
     report = (out / "router_bench.md").read_text()
     assert code == 0, report
     data = json.loads((out / "router_bench.json").read_text())

@@ -15,6 +15,7 @@ command; those that need KV events skip where ``hicache serve`` has no --kv-even
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -65,7 +66,9 @@ L3_EXTRA = {"prefetch_threshold": PAGE, "global_segment_size": "16MiB",
 # Health checks every 0.5 s: a killed worker is noticed quickly.
 ROUTER_ARGS = ("--shared-cache-type", "hicache", "--shared-cache-multiplier", "0.5",
                "--health-interval", "0.5")
-TIMEOUT_S = 60.0
+# Starting the cluster, a request, an event: guards against a hang, far above what a
+# machine busy with other work needs (three workers import torch side by side).
+TIMEOUT_S = 180.0
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +144,18 @@ def test_a_worker_publishes_its_events_in_order(cluster: Cluster) -> None:
         sub.setsockopt(zmq.SUBSCRIBE, KV_EVENTS_TOPIC.encode())
         sub.setsockopt(zmq.RCVTIMEO, 2000)
         sub.connect(worker.events.endpoint)
-        time.sleep(0.5)  # a SUB socket misses what is published before it is connected
+        # A SUB socket misses what is published before its subscription reached the
+        # publisher: probe prompts until one's events arrive; from then on nothing is
+        # missed. A probe is a page of tokens _prompt never gives (251-254), each its own.
+        deadline = time.monotonic() + TIMEOUT_S
+        for probe in itertools.count():
+            assert time.monotonic() < deadline, "the worker's events never reached us"
+            _generate(worker.url, [251 + (probe >> 2 * i) % 4 for i in range(PAGE)])
+            try:
+                sub.recv_multipart()
+                break
+            except zmq.Again:
+                continue
         prompts = [_prompt(10 + n, 4 * PAGE) for n in range(3)]
         for ids in prompts:
             _generate(worker.url, ids)
