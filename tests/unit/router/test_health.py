@@ -8,6 +8,7 @@ probe: no clock decides); the routers' run their probe loops with a 0.2 s interv
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from tests.unit.router.router_fixtures import running_pd_router, running_router
 
 IDS = list(range(100, 110))
 SLOW_S = 3.0  # a /health this slow misses every 0.2 s probe timeout
+PATIENT_S = 5.0  # a probe timeout no quick answer misses, even on a loaded machine
+QUICK_S = 0.2  # the probe timeout of the slow workers' tests
 
 
 @dataclass
@@ -68,12 +71,15 @@ def stand_ins(*healths: Health) -> Iterator[list[str]]:
 
 def with_registry(
     urls: list[str], scenario: Callable[[WorkerRegistry, DictIndex], Awaitable[None]],
+    probe_timeout_s: float = PATIENT_S,
 ) -> None:
-    """Run ``scenario`` on a registry of ``urls`` (0.2 s probe timeout), probed by hand."""
+    """Run ``scenario`` on a registry of ``urls``, probed by hand. Its probes wait
+    ``probe_timeout_s`` (the registry's interval, under its 5 s cap): by default long
+    enough that a loaded machine never turns a quick answer into a timeout."""
     async def run() -> None:
         async with httpx.AsyncClient() as client:
             index = DictIndex()
-            registry = WorkerRegistry(index, client, health_interval_s=0.2)
+            registry = WorkerRegistry(index, client, health_interval_s=probe_timeout_s)
             for url in urls:
                 registry.add(WorkerInfo(url=url, page_size=4, model="tiny-model"))
             try:
@@ -153,7 +159,7 @@ def test_a_slow_worker_stays_in_routing() -> None:
             assert healthy(registry, url)
             assert index.removed == []
 
-        with_registry([url], scenario)
+        with_registry([url], scenario, QUICK_S)
 
 
 def test_a_hung_worker_leaves_only_while_another_one_is_healthy(
@@ -162,24 +168,32 @@ def test_a_hung_worker_leaves_only_while_another_one_is_healthy(
     """Hung: nothing but timeouts for HUNG_AFTER_S (here 0). The last healthy worker of
     a registry is kept all the same; with another one healthy, it leaves routing."""
     monkeypatch.setattr("hicache.router.health.HUNG_AFTER_S", 0.0)
-    hung, other = Health(), Health(status=503)
+    hung, other = Health(delay_s=SLOW_S), Health(status=503)
     with stand_ins(hung, other) as (hung_url, other_url):
         async def scenario(registry: WorkerRegistry, index: DictIndex) -> None:
             for _ in range(FAILURES_TO_EJECT):  # the other one fails its way out first
-                await registry.probe_all()
+                await registry.answered(other_url, 500)
             assert not healthy(registry, other_url)
-            hung.delay_s = SLOW_S
-            for _ in range(3):
+            for _ in range(3):  # the hung one's probes time out; the other's fail
                 await registry.probe_all()
             assert healthy(registry, hung_url)  # the last healthy one
             other.status = 200
-            await registry.probe_all()  # the other one is back; the hung one then goes
-            assert healthy(registry, other_url)
-            await registry.probe_all()
-            assert not healthy(registry, hung_url)
+            await probe_until(registry, lambda: healthy(registry, other_url), "other back")
+            # With the other one healthy, the hung one goes at its next probe.
+            await probe_until(registry, lambda: not healthy(registry, hung_url), "hung out")
             assert healthy(registry, other_url)
 
-        with_registry([hung_url, other_url], scenario)
+        with_registry([hung_url, other_url], scenario, QUICK_S)
+
+
+async def probe_until(registry: WorkerRegistry, condition: Callable[[], bool], what: str,
+                      ) -> None:
+    """Probe again and again until ``condition`` (a quick answer may still miss a 0.2 s
+    probe timeout on a loaded machine)."""
+    deadline = time.monotonic() + 60.0
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await registry.probe_all()
 
 
 def test_the_only_decode_instance_stays_routable_while_its_health_probe_is_slow() -> None:
