@@ -64,7 +64,7 @@ from hicache.bench.multiturn import (
 )
 from hicache.bench.report import read_jsonl
 from hicache.bench.router_report import PolicyRun, write_report
-from hicache.bench.scrape import scrape
+from hicache.bench.scrape import Samples, scrape
 from hicache.bench.server_process import ServerStartError
 from hicache.bench.workload import WorkloadError
 
@@ -289,7 +289,9 @@ def run_policy(
             finally:
                 run.load_after = os.getloadavg()
             run.worker_requests = _worker_requests(cluster)
-            _save_router_metrics(cluster, run_dir / "router-metrics.txt")
+            metrics = _save_router_metrics(cluster, run_dir / "router-metrics.txt")
+            if metrics is not None:
+                run.notes += _shared_query_notes(metrics)
         run.records = read_jsonl(log_file)
     except (ClusterError, ServerStartError, BenchmarkError, WorkloadError, OSError) as error:
         run.error = str(error)
@@ -319,15 +321,35 @@ def _worker_requests(cluster: Cluster) -> list[float]:
     return counts
 
 
-def _save_router_metrics(cluster: Cluster, path: Path) -> None:
-    """The router's /metrics at the end of the run, as it was (a file next to its log)."""
+def _save_router_metrics(cluster: Cluster, path: Path) -> str | None:
+    """The router's /metrics at the end of the run, as it was (a file next to its log);
+    None when it could not be read."""
     try:
         import urllib.request
 
         with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as response:
-            path.write_bytes(response.read())
+            body: bytes = response.read()
     except OSError as error:
         logger.warning("router metrics not saved: %s", error)
+        return None
+    path.write_bytes(body)
+    return body.decode(errors="replace")
+
+
+def _shared_query_notes(metrics_text: str) -> list[str]:
+    """How the router's shared-L3 queries ended (tier_aware with a shared pool), as a note."""
+    try:
+        outcomes = Samples.parse(metrics_text).by_label(
+            "router_shared_cache_queries_total", "outcome")
+    except ValueError:  # another router's /metrics (--router-program)
+        return []
+    total = sum(outcomes.values())
+    if not total:
+        return []
+    counts = ", ".join(f"{outcomes.get(name, 0):.0f} {name}"
+                       for name in ("answered", "late", "failed"))
+    return [f"shared-L3 queries: {outcomes.get('answered', 0) / total:.1%} answered in time "
+            f"({counts})"]
 
 
 # ------------------------------------------------------------------------ main

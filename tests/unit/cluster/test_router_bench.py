@@ -136,3 +136,17 @@ def test_smoke_run_through_the_router(tmp_path: Path, monkeypatch: pytest.Monkey
         assert (run_dir / "worker-0.log").is_file() and (run_dir / "router.log").is_file()
         assert not (run_dir / "l3").exists()  # the run's L3 pages are removed after it
     assert "## Targets" in report and "## Runs in order" in report
+
+
+def test_the_shared_l3_queries_outcomes_become_a_note_of_the_run() -> None:
+    metrics = "\n".join([
+        "# HELP router_shared_cache_queries_total how the queries ended",
+        "# TYPE router_shared_cache_queries_total counter",
+        'router_shared_cache_queries_total{outcome="answered"} 341.0',
+        'router_shared_cache_queries_total{outcome="late"} 44.0',
+        "",
+    ])
+    assert router_bench._shared_query_notes(metrics) == [
+        "shared-L3 queries: 88.6% answered in time (341 answered, 44 late, 0 failed)"]
+    # No tier_aware query (another policy, or a router without the counter): no note.
+    assert router_bench._shared_query_notes("# nothing\n") == []
