@@ -23,9 +23,11 @@ from hicache.memory.machine_memory import (
 )
 from hicache.memory.sizing import (
     AUTO_HOST_RATIO,
+    MACHINE_SHARE,
     MIN_PAGES_PER_REQUEST,
     RESERVE_BASE_BYTES,
     SizingInputs,
+    machine_share_bytes,
     plan_pools,
     reserve_bytes,
 )
@@ -59,10 +61,22 @@ def test_plenty_of_memory_keeps_the_default_pools() -> None:
     assert "fits" in plan.reason
 
 
+def available_for(budget: int, reserve: int = 400 * MB) -> float:
+    """The available memory (GB) that leaves ``budget`` for the pools of ``cpu_inputs``."""
+    available = (budget + reserve) * MACHINE_SHARE // (MACHINE_SHARE - 1)
+    if machine_share_bytes(available) < available // MACHINE_SHARE:  # the share's cap
+        available = budget + reserve + machine_share_bytes(available)
+    while available - machine_share_bytes(available) - reserve > budget:
+        available -= 1
+    while available - machine_share_bytes(available) - reserve < budget:
+        available += 1
+    return available / GB
+
+
 def test_a_small_machine_shrinks_both_pools_keeping_the_host_pool_twice_the_device() -> None:
     """What refused to start before: 1 GB available after the weights (a ~3 GB machine)."""
     plan = plan_pools(cpu_inputs(1.0, resident_bytes=0))
-    budget = 1 * GB - 400 * MB
+    budget = 1 * GB - GB // MACHINE_SHARE - 400 * MB
     assert plan.budget_bytes == budget
     assert plan.device_pages == budget // (3 * PAGE)
     assert plan.host_pages == AUTO_HOST_RATIO * plan.device_pages
@@ -71,21 +85,22 @@ def test_a_small_machine_shrinks_both_pools_keeping_the_host_pool_twice_the_devi
     assert plan.device_pages >= MIN_PAGES_PER_REQUEST * 32
     assert "shrunk to fit" in plan.reason
     line = plan.describe()
-    for words in ("available 1.000 GB (MemAvailable)", "reserve 0.400 GB",
+    for words in ("available 1.000 GB (MemAvailable; 0.125 GB of it left to the machine)",
+                  "reserve 0.400 GB",
                   f"device pool {plan.device_pages * 16} tokens", "host pool", "announced"):
         assert words in line
 
 
 def test_below_the_floor_is_refused_naming_what_is_missing() -> None:
     floor_bytes = MIN_PAGES_PER_REQUEST * 32 * 3 * PAGE  # device + host twice it
-    just_enough = (400 * MB + floor_bytes) / GB
+    just_enough = available_for(floor_bytes)
     assert plan_pools(cpu_inputs(just_enough, resident_bytes=0)).device_pages == 128
     with pytest.raises(ConfigError) as refused:
         plan_pools(cpu_inputs(just_enough - 0.001, resident_bytes=0))
     message = str(refused.value)
     for words in ("not enough memory for the KV pools", "--max-running-requests 32",
                   "128 pages", "--max-total-tokens", "--disable-hierarchical-cache",
-                  "reserve of 0.400 GB"):
+                  "reserve of 0.400 GB", "left to the rest of the machine"):
         assert words in message
     # Fewer running requests need fewer pages: the same memory then serves.
     assert plan_pools(cpu_inputs(just_enough - 0.001, resident_bytes=0,
@@ -95,15 +110,16 @@ def test_below_the_floor_is_refused_naming_what_is_missing() -> None:
 def test_without_the_host_pool_the_device_pool_takes_the_budget() -> None:
     plan = plan_pools(cpu_inputs(1.0, resident_bytes=0, hierarchical=False))
     assert plan.host_pages == 0 and plan.host_source == "off"
-    assert plan.device_pages == (GB - 400 * MB) // PAGE
+    assert plan.device_pages == (GB - GB // MACHINE_SHARE - 400 * MB) // PAGE
 
 
 def test_tensor_parallel_ranks_split_the_budget() -> None:
     one = plan_pools(cpu_inputs(4.0, resident_bytes=500 * MB))
     two = plan_pools(cpu_inputs(4.0, resident_bytes=500 * MB, tp_size=2))
     # Each of two ranks: half of what is left once the other rank's process is counted.
-    assert two.budget_bytes == (4 * GB - 500 * MB) // 2 - 400 * MB
-    assert one.budget_bytes == 4 * GB - 400 * MB
+    machine = 4 * GB // MACHINE_SHARE
+    assert two.budget_bytes == (4 * GB - machine - 500 * MB) // 2 - 400 * MB
+    assert one.budget_bytes == 4 * GB - machine - 400 * MB
     assert two.pools_in_host_memory_bytes <= two.budget_bytes  # type: ignore[operator]
     assert 2 * two.pools_in_host_memory_bytes < one.pools_in_host_memory_bytes
 
@@ -121,7 +137,7 @@ def test_a_given_device_pool_gets_an_auto_host_pool_or_a_clear_refusal() -> None
     roomy = plan_pools(cpu_inputs(8.0, **given))
     assert (roomy.device_pages, roomy.host_pages) == (1024, 2048)
     assert (roomy.device_source, roomy.host_source) == ("flags", "auto")
-    tight = plan_pools(cpu_inputs(0.4 + 2.5 * 1024 * PAGE / GB, **given))
+    tight = plan_pools(cpu_inputs(available_for(int(2.5 * 1024 * PAGE)), **given))
     assert tight.device_pages == 1024 and 1024 < tight.host_pages < 2048
     with pytest.raises(ConfigError, match=r"--max-total-tokens 16384 gives a device pool of "
                                           r"1024 pages .* the host pool must be larger"):
@@ -136,13 +152,13 @@ def test_gpu_device_pool_by_default_shrinks_to_a_host_pool_that_fits() -> None:
     assert (roomy.device_pages, roomy.host_pages, roomy.device_source) == (
         100_000, 200_000, "gpu")
     assert roomy.pools_in_host_memory_bytes == roomy.host_pool_bytes
-    half = plan_pools(cpu_inputs(0.4 + 150_000 * PAGE / GB, **gpu))
-    assert half.device_pages == 100_000 and 100_000 < half.host_pages <= 150_000
-    short = plan_pools(cpu_inputs(0.4 + 50_000 * PAGE / GB, **gpu))
-    assert short.host_pages == 2 * short.device_pages <= 50_000
-    assert short.device_pages < 100_000 and "shrunk" in short.reason
+    half = plan_pools(cpu_inputs(available_for(150_000 * PAGE), **gpu))
+    assert half.device_pages == 100_000 and half.host_pages == 150_000
+    short = plan_pools(cpu_inputs(available_for(50_000 * PAGE), **gpu))
+    assert short.host_pages == 2 * short.device_pages == 50_000
+    assert "shrunk" in short.reason
     with pytest.raises(ConfigError, match=r"--mem-fraction-static 0\.9 gives"):
-        plan_pools(cpu_inputs(0.4 + 50_000 * PAGE / GB, **gpu,
+        plan_pools(cpu_inputs(available_for(50_000 * PAGE), **gpu,
                               device_flag="--mem-fraction-static 0.9"))
 
 

@@ -5,11 +5,12 @@ process already holds, the page's bytes, the flags) to a ``PoolPlan`` or a
 ConfigError naming what is missing. A pool the user sized with a flag keeps that
 size; a pool left to the default is sized here ("auto"):
 
-- The budget is what is available (``machine_memory.available_memory``), less this
-  process's resident memory counted once for every other tensor-parallel rank (they
-  share the machine and may not have loaded their weights when this rank looked),
-  split evenly over the ranks, less a reserve per rank (``reserve_bytes``) for what
-  the process allocates after the pools: activations, requests, I/O buffers.
+- The budget is what is available (``machine_memory.available_memory``), less a share
+  left to the rest of the machine (``MACHINE_SHARE``), less this process's resident
+  memory counted once for every other tensor-parallel rank (they share the machine and
+  may not have loaded their weights when this rank looked), split evenly over the
+  ranks, less a reserve per rank (``reserve_bytes``) for what the process allocates
+  after the pools: activations, requests, I/O buffers.
 - CPU device pool with the host pool on: the two pools are host memory alike and
   share the budget one to two, the host pool twice the device pool (the ratio the
   flags default to; L2 must stay larger than L1), and the device pool at most
@@ -43,6 +44,12 @@ from hicache.memory.machine_memory import AvailableMemory
 MIN_PAGES_PER_REQUEST = 4
 # The host pool as a multiple of the device pool when auto-sized (the flag's default).
 AUTO_HOST_RATIO = 2
+# What the pools never take of the available memory, for the rest of the machine: the
+# HTTP process's growth, the page cache the model's files are read from, other jobs.
+# An eighth, at most 10 GiB (the reserve of a host pool sized by flags is a quarter, which
+# would leave a 3 GB machine nothing to serve with).
+MACHINE_SHARE = 8
+MACHINE_SHARE_MAX_BYTES = 10 << 30
 # The reserve: what the engine process allocates past its pools. Measured with
 # SmolLM2-135M on the CPU (float32, 256-token steps, 8 and 16 concurrent 1.6K-token
 # prompts, every third asking the prompt's logprobs): the process grew 145-161 MB past
@@ -55,6 +62,11 @@ RESERVE_BASE_BYTES = 192 << 20
 # attention, MLP, logits) for every token of a step, twice (a layer's input and output
 # live at once). 115 MB for SmolLM2's 256-token CPU steps.
 ACTIVATION_COPIES = 2
+
+
+def machine_share_bytes(available_bytes: int) -> int:
+    """What the pools leave of ``available_bytes`` to the rest of the machine."""
+    return min(MACHINE_SHARE_MAX_BYTES, available_bytes // MACHINE_SHARE)
 
 
 def reserve_bytes(
@@ -137,7 +149,8 @@ class PoolPlan:
         """One log line: the figures, then the sizes chosen and why."""
         gb = _gb
         available = (
-            f"available {gb(self.available.bytes)} ({self.available.source})"
+            f"available {gb(self.available.bytes)} ({self.available.source}; "
+            f"{gb(machine_share_bytes(self.available.bytes))} of it left to the machine)"
             if self.available is not None else "available memory unknown"
         )
         host = (f"host pool {self.host_pages} pages, {gb(self.host_pool_bytes)} "
@@ -179,8 +192,10 @@ def _budget(inputs: SizingInputs) -> int | None:
     """Bytes this rank's pools in host memory may take; None when unknown."""
     if inputs.available is None:
         return None
+    available = inputs.available.bytes
+    machine = machine_share_bytes(available)
     others = (inputs.tp_size - 1) * inputs.resident_bytes
-    return (inputs.available.bytes - others) // inputs.tp_size - inputs.reserve_bytes
+    return (available - machine - others) // inputs.tp_size - inputs.reserve_bytes
 
 
 def _auto_device(inputs: SizingInputs, budget: int | None, floor: int) -> tuple[int, str]:
@@ -249,10 +264,11 @@ def _figures(inputs: SizingInputs, budget: int) -> str:
     assert available is not None
     ranks = f", shared by {inputs.tp_size} tensor-parallel ranks" if inputs.tp_size > 1 else ""
     return (
-        f"{_gb(available.bytes)} is available ({available.source}{ranks}); this process "
-        f"holds {_gb(inputs.resident_bytes)} (weights {_gb(inputs.weights_bytes)}) and keeps "
-        f"a reserve of {_gb(inputs.reserve_bytes)}, which leaves {_gb(max(budget, 0))} "
-        f"for the pools"
+        f"{_gb(available.bytes)} is available ({available.source}{ranks}), of which an "
+        f"eighth (at most 10 GiB) is left to the rest of the machine; this process holds "
+        f"{_gb(inputs.resident_bytes)} (weights {_gb(inputs.weights_bytes)}) and keeps a "
+        f"reserve of {_gb(inputs.reserve_bytes)}, which leaves {_gb(max(budget, 0))} for "
+        f"the pools"
     )
 
 

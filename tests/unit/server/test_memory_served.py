@@ -130,4 +130,4 @@ def test_default_server_fits_a_small_machine_and_stays_within_its_announcement(
         assert re.search(rf"^hicache_memory_{gauge} \d", metrics, re.MULTILINE), gauge
     sizing = [line for line in log.splitlines() if "memory: available" in line]
     assert len(sizing) == 1, log
-    assert f"({AVAILABLE_MEMORY_ENV})" in sizing[0] and "shrunk to fit" in sizing[0]
+    assert f"({AVAILABLE_MEMORY_ENV};" in sizing[0] and "shrunk to fit" in sizing[0]
