@@ -52,9 +52,10 @@ MACHINE_SHARE = 8
 MACHINE_SHARE_MAX_BYTES = 10 << 30
 # The reserve: what the engine process allocates past its pools. Measured with
 # SmolLM2-135M on the CPU (float32, 256-token steps, 8 and 16 concurrent 1.6K-token
-# prompts, every third asking the prompt's logprobs): the process grew 145-161 MB past
-# its resident size at sizing, its device pool and the host pages in use. The reserve is
-# about twice that: a fixed part for what does not scale with the model (glibc's heap
+# prompts, every third asking the prompt's logprobs, and the end-to-end test's load): the
+# process grew 145-221 MB past its resident size at sizing, its device pool and the host
+# pages in use (or the host pool's prefaulted part). The reserve, 316 MB for that model, is
+# 1.4x the most seen: a fixed part for what does not scale with the model (glibc's heap
 # and arenas that freed activations stay in, thread stacks, requests' token lists and
 # the radix tree's nodes, an L3 backend's buffers) ...
 RESERVE_BASE_BYTES = 192 << 20
