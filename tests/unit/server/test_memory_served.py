@@ -63,7 +63,8 @@ def test_default_server_fits_a_small_machine_and_stays_within_its_announcement(
         info = httpx.get(f"{server.url}/get_server_info", timeout=30).json()
         memory = info["memory"]
         assert memory["source"] == "auto"
-        assert memory["available_bytes"] == AVAILABLE
+        # The cap, or less where the machine really has less.
+        assert memory["available_bytes"] <= AVAILABLE
         pools = memory["device_pool_bytes"] + memory["host_pool_bytes"]
         # Both pools are host memory on the CPU, and fit what was available past the reserve.
         assert memory["device_pool_in_host_memory"] is True
@@ -130,4 +131,5 @@ def test_default_server_fits_a_small_machine_and_stays_within_its_announcement(
         assert re.search(rf"^hicache_memory_{gauge} \d", metrics, re.MULTILINE), gauge
     sizing = [line for line in log.splitlines() if "memory: available" in line]
     assert len(sizing) == 1, log
-    assert f"({AVAILABLE_MEMORY_ENV};" in sizing[0] and "shrunk to fit" in sizing[0]
+    assert "shrunk to fit" in sizing[0]
+    assert (f"({AVAILABLE_MEMORY_ENV};" in sizing[0]) is (memory["available_bytes"] == AVAILABLE)
