@@ -7,14 +7,43 @@ errors are ``RequestError`` with a message fit for a 4xx response.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 
 class RequestError(ValueError):
     """A request the engine refuses (bad sampling parameters, too long, bad token ids)."""
+
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
+GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match. ``text``: the JSON schema (as JSON text), the
+    regex or the EBNF grammar (root rule ``root``); empty for ``json_object``."""
+
+    kind: GrammarKind
+    text: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> GrammarSpec:
+        """From a schema given as a dict (or JSON text); keys sorted, so equal schemas
+        share one compiled grammar."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as error:
+                raise RequestError(f"json_schema is not valid JSON: {error}") from error
+        if not isinstance(schema, dict | bool):
+            raise RequestError(
+                f"json_schema must be a JSON object, got {type(schema).__name__}"
+            )
+        return cls("json_schema", json.dumps(schema, sort_keys=True))
 
 
 @dataclass(frozen=True)
@@ -39,6 +68,9 @@ class SamplingParams:
     # token in the output so far (0 = off).
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # What the output must match (hicache.engine.grammar compiles and enforces it);
+    # None: unconstrained.
+    grammar: GrammarSpec | None = None
 
     @property
     def has_penalties(self) -> bool:

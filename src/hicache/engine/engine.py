@@ -32,6 +32,7 @@ from hicache.engine.config import (
     SchedulingConfig,
 )
 from hicache.engine.disaggregation import DisaggregationRuntime
+from hicache.engine.grammar import Grammars
 from hicache.engine.output_thread import DroppedSink, LoopSink, Stream
 from hicache.engine.replication import AddRequest, ReplicatedScheduler
 from hicache.engine.request import Req
@@ -97,6 +98,9 @@ class Engine:
         self.model_name = model_name
         self.vocab_size = loaded.config.vocab_size
         self.max_context_len = config.max_context_len
+        # Compiles requests' grammars where they are submitted (never on rank 0's scheduler
+        # thread); a follower compiles the same specs for its own matchers.
+        self.grammars = Grammars(self.tokenizer, self.vocab_size)
         self.scheduler = Scheduler(
             self.model, cache, config, self.tokenizer.eos_token_ids, output_thread=output_thread,
             deliver_outputs=tp.rank == 0,
@@ -202,10 +206,13 @@ class Engine:
         generator = make_generator(request.sampling, self.cache.device_pool.device)
         if generator is not None and add.seed is not None:
             generator.manual_seed(add.seed)
+        spec = request.sampling.grammar
         return Req(
             request=request, rid=add.rid, stream=Stream(DroppedSink()),
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.input_ids),
             generator=generator, arrived=add.arrived,
+            # Rank 0 compiled it when it took the request: the ranks' masks agree.
+            grammar=self.grammars.state(spec) if spec is not None else None,
         )
 
     def shutdown(self) -> None:
@@ -234,15 +241,20 @@ class Engine:
         if self._thread is None:
             raise RuntimeError("the engine is not running")
         rid = request.rid or uuid.uuid4().hex
+        spec = request.sampling.grammar
         self.scheduler.submit(Req(
             request=request, rid=rid, stream=stream,
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.input_ids),
             generator=make_generator(request.sampling, self.cache.device_pool.device),
+            # Compiled here, on the submitting thread (RequestError: nothing queued).
+            grammar=self.grammars.state(spec) if spec is not None else None,
         ))
         return rid
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         outputs: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        if request.sampling.grammar is not None:  # off the loop; submit finds it compiled
+            await asyncio.to_thread(self.grammars.compile, request.sampling.grammar)
         rid = self.submit(request, Stream(LoopSink(asyncio.get_running_loop()), outputs))
         finished = False
         try:

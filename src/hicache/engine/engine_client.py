@@ -53,6 +53,7 @@ from hicache.engine.api import (
 )
 from hicache.engine.config import EngineConfig
 from hicache.engine.engine_process import EngineInfo, run_engine_process, run_follower_process
+from hicache.engine.grammar import Grammars
 from hicache.engine.output_thread import put_all
 from hicache.model.tokenizer import Tokenizer, load_tokenizer
 from hicache.net import free_port
@@ -159,6 +160,9 @@ class EngineClient:
         info: EngineInfo = message[1]
         self.info = info
         self.tokenizer = load_tokenizer(info.tokenizer_dir, info.eos_token_ids)
+        # Grammars are compiled here too, so that a bad one is a 400 before anything is
+        # sent (the engine process compiles its own from the same tokenizer).
+        self.grammars = Grammars(self.tokenizer, info.vocab_size)
         self._reader = threading.Thread(target=self._read, name="hicache-engine-reader",
                                         daemon=True)
         self._reader.start()
@@ -295,6 +299,9 @@ class EngineClient:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         validate_request(request, self.vocab_size, self.max_context_len)
+        spec = request.sampling.grammar
+        if spec is not None:  # off the event loop: the first one walks the vocabulary
+            await asyncio.to_thread(self.grammars.compile, spec)
         if self.dead:
             raise EngineDeadError("the engine process is gone")
         rid = request.rid or uuid.uuid4().hex

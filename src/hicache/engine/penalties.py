@@ -6,7 +6,9 @@
 logits of every token seen in the prompt or the output so far and multiplies
 the negative ones; ``frequency_penalty`` and ``presence_penalty`` (OpenAI
 semantics) subtract, from each token's logit, the penalty times its count in
-the output / once if it occurs there at all.
+the output / once if it occurs there at all. A request with a grammar then has
+every token its grammar forbids next masked (hicache.engine.grammar), last, so
+that nothing it forbids can come back.
 
 Each request keeps its counts in a ``PenaltyState`` on the logits' device,
 updated one token at a time; the adjustment of a batch's rows is a handful of
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.engine.api import SamplingParams
+from hicache.engine.grammar import GrammarState, mask_logits
 
 
 class PenaltyState:
@@ -46,10 +49,11 @@ class RowAdjustment:
     params: SamplingParams
     state: PenaltyState | None  # None: no penalties
     banned: tuple[int, ...] = ()  # token ids masked out (min_new_tokens)
+    grammar: GrammarState | None = None  # its grammar's matcher: what it may draw next
 
     @property
     def is_noop(self) -> bool:
-        return self.state is None and not self.banned
+        return self.state is None and not self.banned and self.grammar is None
 
 
 def ending_tokens(params: SamplingParams, eos_token_ids: Collection[int]) -> tuple[int, ...]:
@@ -87,4 +91,7 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[RowAdjustment]) -> torch.
         out[torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)] = (
             float("-inf")
         )
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if constrained:
+        mask_logits(out, constrained, [g for i in constrained if (g := rows[i].grammar)])
     return out

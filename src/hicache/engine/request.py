@@ -18,6 +18,7 @@ import torch
 from hicache.cache.hierarchical_cache import PrefixHit
 from hicache.cache.l3 import PrefetchHandle
 from hicache.engine.api import CachedTokens, GenerateRequest, TokenLogprob
+from hicache.engine.grammar import GrammarState
 from hicache.engine.logprobs import first_prompt_token
 from hicache.engine.output_thread import Stream
 from hicache.engine.penalties import PenaltyState
@@ -73,6 +74,9 @@ class Req:
     input_logprobs_sent: bool = False
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     penalties: PenaltyState | None = None  # made on the scheduler thread when first needed
+    # Its grammar's matcher (SamplingParams.grammar), compiled where it was submitted;
+    # advanced by each output token, so a retraction (which keeps the output) keeps it right.
+    grammar: GrammarState | None = None
     # Set by the scheduler at its first admission (they depend on the engine): the tokens
     # that end it once min_new_tokens are out, and the context length at which it stops.
     stop_ids: frozenset[int] = frozenset()
@@ -90,7 +94,7 @@ class Req:
         # (penalties, min_new_tokens' mask), draw or report (logprobs).
         self.plain_greedy = (
             is_greedy(sampling) and not sampling.has_penalties and sampling.min_new_tokens == 0
-            and self.request.logprobs is None
+            and self.request.logprobs is None and sampling.grammar is None
         )
         params = self.request.logprobs
         self.logprob_next = self.prompt_len

@@ -532,7 +532,7 @@ class Scheduler:
         banned: tuple[int, ...] = ()
         if len(req.output_ids) < params.min_new_tokens:
             banned = ending_tokens(params, self.eos_token_ids)
-        return RowAdjustment(params, req.penalties, banned)
+        return RowAdjustment(params, req.penalties, banned, req.grammar)
 
     def _adjusted(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor | None:
         """The rows with penalties and min_new_tokens applied, for the whole batch at once
@@ -696,6 +696,12 @@ class Scheduler:
 
     # ----------------------------------------------------------- outputs
     def _append_token(self, req: Req, token: int) -> None:
+        grammar = req.grammar
+        # Before the token is appended: a token its grammar rejects fails the request with
+        # its output and matcher still in step. (The mask lets none through; a prefill
+        # instance's first token or a forced one could be.)
+        if grammar is not None and not grammar.accept(token):
+            raise RuntimeError(f"token {token} does not match the request's grammar")
         output_ids = req.output_ids
         output_ids.append(token)
         if req.penalties is not None:
@@ -709,6 +715,8 @@ class Scheduler:
         may_stop = num_out >= req.request.sampling.min_new_tokens
         if token in req.stop_ids and may_stop:
             reason = "stop"
+        elif grammar is not None and grammar.terminated:
+            reason = "stop"  # (its end-of-sequence token with ignore_eos: nothing may follow)
         elif req.scheduler_text:
             req.text += req.detokenizer.push(token)
             if not may_stop:

@@ -125,6 +125,11 @@ class HFTokenizer(Tokenizer):
         )
 
     @property
+    def backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` itself (grammars read its vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
