@@ -74,6 +74,10 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
+        except TypeError as e:
+            # A template's own operation on what the messages hold ("str" + a list or
+            # None ...): the messages are what it cannot take, not the server.
+            raise ChatTemplateError(f"chat template failed: {e}") from e
 
 
 # Appended to the final message's text to find where it ends in the rendered prompt.

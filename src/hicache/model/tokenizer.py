@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache.model.chat_content import ContentError, takes_content_parts, template_content
 from hicache.model.chat_template import ChatTemplate, ChatTemplateError, Message
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ class HFTokenizer(Tokenizer):
         except ChatTemplateError as e:
             # A checkpoint's broken template is a tokenizer problem for whoever loads it.
             raise TokenizerError(str(e)) from e
+        # Whether the template reads content parts (chat_content.takes_content_parts),
+        # probed on the first chat.
+        self._takes_parts: bool | None = None
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = self._special_id(bos_token, "bos_token")
@@ -158,9 +162,16 @@ class HFTokenizer(Tokenizer):
             )
         variables.setdefault("bos_token", self.bos_token or "")
         variables.setdefault("eos_token", self.eos_token or "")
+        template = self._template
+        if self._takes_parts is None:  # probed once (a race only probes twice)
+            self._takes_parts = takes_content_parts(
+                lambda probe: template.render(probe, False, bos_token=variables["bos_token"],
+                                              eos_token=variables["eos_token"])
+            )
         try:
-            return self._template.render(messages, add_generation_prompt, **variables)
-        except ChatTemplateError as e:
+            shaped = template_content(messages, self._takes_parts)
+            return template.render(shaped, add_generation_prompt, **variables)
+        except (ChatTemplateError, ContentError) as e:
             raise TokenizerError(str(e)) from e
 
 
@@ -246,30 +257,20 @@ class ByteTokenizer(Tokenizer):
         self, messages: Sequence[Message], add_generation_prompt: bool = True, **variables: Any
     ) -> str:
         parts = ["<|bos|>"]
-        for message in messages:
+        try:  # content as a string template's (chat_content): parts joined, null empty
+            shaped = template_content(messages, takes_parts=False)
+        except ContentError as e:
+            raise TokenizerError(str(e)) from e
+        for message in shaped:
             role = message.get("role")
             if role not in self._ROLES:
                 raise TokenizerError(f"role {role!r} is not supported; use one of {self._ROLES}")
-            parts.append(f"<|{role}|>{_text_content(message.get('content'))}<|end|>")
+            parts.append(f"<|{role}|>{message['content']}<|end|>")
         if add_generation_prompt:
             parts.append("<|assistant|>")
         return "".join(parts)
 
 
-def _text_content(content: object) -> str:
-    """A message's content: a string, or OpenAI-style parts of which text ones are kept."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, Mapping) and part.get("type") == "text"):
-                raise TokenizerError("only text content parts are supported")
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
-    raise TokenizerError(f"message content must be a string or a list of parts, got {content!r}")
 
 
 def load_tokenizer(

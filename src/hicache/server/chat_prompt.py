@@ -8,6 +8,12 @@ the same); ``tools`` (null without tools, or with ``tool_choice: "none"``);
 the request's ``chat_template_kwargs`` as further variables. With
 ``continue_final_message`` the prompt ends inside the last (assistant)
 message instead of opening a new one.
+
+Content follows the OpenAI API per role: an assistant message may leave it out
+or null (one carrying ``tool_calls`` does, in every agent loop); a system,
+developer, user or tool message must have it (a 400 otherwise). How content
+reaches the template (parts joined or kept, null as "", non-text parts refused)
+is ``hicache.model.chat_content``'s rule, applied by the tokenizer.
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template sees them."""
     messages: list[dict[str, Any]] = []
     for index, message in enumerate(body.messages):
+        if message.content is None and message.role != "assistant":
+            raise APIError(
+                400, f"messages.{index}.content is missing or null: a {message.role} message "
+                "needs content (a string or a list of text parts); only an assistant message "
+                "may leave it out", param=f"messages.{index}.content",
+            )
         data = message.model_dump(exclude_unset=True)
         for number, call in enumerate(data.get("tool_calls") or ()):
             call.pop("index", None)  # a streaming detail, not part of the conversation
