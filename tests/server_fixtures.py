@@ -103,6 +103,7 @@ def serve_in_thread(
     engine_args: Sequence[str] = (), *, admin_api_key: str | None = None,
     admin_allow_dynamic_backend: bool = False, served_model_name: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, l3_path_root: str | None = None,
+    strict_model_name: bool = False,
 ) -> Iterator[RunningServer]:
     args = parse_test_args(engine_args)
     engine = build_engine(engine_config_from_args(args))
@@ -114,6 +115,7 @@ def serve_in_thread(
             info=server_info_from_args(args, client_tokenizer_path(
                 args.model_path, engine.tokenizer, args.dtype, args.device)),
             max_request_bytes=max_request_bytes, l3_path_root=l3_path_root,
+            strict_model_name=strict_model_name,
         )
         with serve_app_in_thread(app) as url:
             yield RunningServer(url, engine)

@@ -18,7 +18,9 @@ Every request body is limited to ``max_request_bytes`` (``--max-request-bytes``,
 a 413 beyond it: ``body_limit``) and parsed off the event loop when large
 (``body``). Admin-attached L3 files stay under ``l3_path_root``
 (``--l3-path-root``). The served model name defaults to the engine's; ``hicache serve`` passes
-``--served-model-name``, else ``--model-path`` as given (as SGLang does).
+``--served-model-name``, else ``--model-path`` as given (as SGLang does). A request
+naming another model, or none, is served that one model unless ``strict_model_name``
+(``--strict-model-name``: a 404).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def create_app(
     on_shutdown: Callable[[], None] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     l3_path_root: str | Path | None = None,
+    strict_model_name: bool = False,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -74,6 +77,7 @@ def create_app(
         storage_config=dict(info.storage_config),
         admin_allow_dynamic_backend=admin_allow_dynamic_backend,
         l3_path_root=resolve_root(l3_path_root),
+        strict_model_name=strict_model_name,
     )
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)

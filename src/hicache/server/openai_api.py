@@ -109,7 +109,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     state = get_state(request)
-    state.check_model(model_id)
+    state.check_model(model_id, strict=True)  # asks whether that model exists here
     return _model_card(state).model_dump()
 
 

@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "last path component (default: --model-path as given, as SGLang does)",
     )
     group.add_argument(
+        "--strict-model-name", action="store_true",
+        help="refuse (404) a request naming a model other than the served one; by default, "
+        "as SGLang, any name or none is served this server's model (sglang-router sends "
+        "'unknown' when its client named none)",
+    )
+    group.add_argument(
         "--admin-api-key", default=None,
         help="key for the admin API (PUT/GET/DELETE /hicache/storage-backend); "
         "without it the admin API is off",
@@ -216,7 +222,7 @@ def main(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name or args.model_path,
             info=server_info_from_args(args, _tokenizer_path(resolved, engine)),
             on_shutdown=stop_engine, max_request_bytes=args.max_request_bytes,
-            l3_path_root=args.l3_path_root,
+            l3_path_root=args.l3_path_root, strict_model_name=args.strict_model_name,
         )
         level = logging.getLogger().getEffectiveLevel()
         config = uvicorn.Config(

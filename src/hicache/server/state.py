@@ -46,15 +46,24 @@ class ServerState:
     l3_path_root: Path = field(default_factory=resolve_root)
     created: int = field(default_factory=lambda: int(time.time()))
     rids_in_flight: set[str] = field(default_factory=set)
+    # --strict-model-name: a request naming another model is a 404 instead of served.
+    strict_model_name: bool = False
 
-    def check_model(self, model: str | None) -> None:
-        """Requests may name the served model, or (as SGLang) its last path component,
-        or the tokenizer dir /model_info advertises; another name is a 404.
+    def check_model(self, model: str | None, strict: bool | None = None) -> None:
+        """Whether a request's ``model`` may be served here: by default (as SGLang) any
+        name, or none, is the one model served (sglang-router sends "unknown" when its
+        client named none; agent frameworks send the name they were configured with).
 
-        The tokenizer dir: SGLang's clients name the model by the path they load the
-        tokenizer from (bench_multiturn.py's ``--model-path``), which for a GGUF file
-        or dummy weights is that dir rather than the served name.
+        Strict (``--strict-model-name``, or ``strict`` for GET /v1/models/{id}, which
+        asks whether a model exists): the served model, or (as SGLang) its last path
+        component, or the tokenizer dir /model_info advertises; another name is a 404;
+        no name at all is still the served model. The tokenizer dir: SGLang's clients
+        name the model by the path they load the tokenizer from (bench_multiturn.py's
+        ``--model-path``), which for a GGUF file or dummy weights is that dir rather
+        than the served name.
         """
+        if not (self.strict_model_name if strict is None else strict):
+            return
         accepted = (self.served_model_name, last_path_component(self.served_model_name),
                     self.info.tokenizer_path)
         if model is not None and model not in accepted:

@@ -73,7 +73,6 @@ CASES: list[tuple[str, Any, int, str]] = [
     ("/v1/chat/completions", chat(messages=[]), 400, "messages"),
     ("/v1/chat/completions", chat(messages=[{"role": "robot", "content": "hi"}]), 400, "role"),
     ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
-    ("/v1/completions", completion(model="not-this-one"), 404, "does not exist"),
     ("/generate", {"sampling_params": {}}, 400, "exactly one of text and input_ids"),
     ("/generate", {"text": "a", "input_ids": [1]}, 400, "exactly one of text and input_ids"),
     # Lengths: negative, zero, huge, longer than the context.

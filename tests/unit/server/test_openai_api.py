@@ -148,8 +148,6 @@ def test_unsupported_options_are_refused(client: openai.OpenAI) -> None:
                                   extra_body={"min_p": 0.5})
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4, best_of=2)
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
-        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=4)
     # The server is still serving.
     ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert ok.usage is not None and ok.usage.completion_tokens <= 2

@@ -29,8 +29,9 @@ def server(l3_dir: Path) -> Iterator[RunningServer]:
     extra = json.dumps({"path": str(l3_dir), "prefetch_threshold": 32})
     args = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
             "--hicache-storage-backend-extra-config", extra]
+    # Strict model names: which names a request may use is what the name tests check.
     with serve_in_thread(args, served_model_name=SERVED, admin_api_key=KEY,
-                         l3_path_root=str(l3_dir)) as running:
+                         l3_path_root=str(l3_dir), strict_model_name=True) as running:
         yield running
 
 

@@ -72,8 +72,8 @@ def test_requests_may_name_the_model_by_its_tokenizer_dir(server: RunningServer)
     path = httpx.get(f"{server.url}/model_info").json()["tokenizer_path"]
     body = {"model": path, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 200
-    body["model"] = "some-other-model"
-    assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 404
+    body["model"] = "some-other-model"  # served too (--strict-model-name would refuse it)
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 200
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
