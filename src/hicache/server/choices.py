@@ -94,12 +94,17 @@ async def merged(
             await generation.aclose()
 
 
-def usage_of_samples(outputs: Sequence[GenerateOutput]) -> Usage:
-    """OpenAI's usage for n samples: the prompt counted once, every completion token."""
-    first = outputs[0]
+def usage_of_samples(outputs: Sequence[GenerateOutput], per_prompt: int | None = None) -> Usage:
+    """OpenAI's usage for n samples: the prompt counted once, every completion token.
+
+    With a batch of prompts (/v1/completions), ``outputs`` holds ``per_prompt``
+    samples of each prompt in turn: each prompt is counted once, and its cached tokens."""
+    per_prompt = per_prompt or len(outputs)
+    firsts = outputs[::per_prompt]
+    prompt = sum(o.prompt_tokens for o in firsts)
     completion = sum(o.completion_tokens for o in outputs)
     return Usage(
-        prompt_tokens=first.prompt_tokens, completion_tokens=completion,
-        total_tokens=first.prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=first.cached_tokens.total),
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(o.cached_tokens.total for o in firsts)),
     )

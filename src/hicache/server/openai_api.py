@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -118,12 +118,9 @@ async def create_completion(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, CompletionRequest)
     state.check_model(body.model)
-    if isinstance(body.prompt, str):
-        if not body.prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        input_ids = await tokenization.tokenize(state.engine, body.prompt)
-    else:
-        input_ids = body.prompt
+    prompts = body.prompts()
+    prompt_ids = [await _completion_prompt_ids(state, prompt, i if len(prompts) > 1 else None)
+                  for i, prompt in enumerate(prompts)]
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     rid = body.rid or f"cmpl-{uuid.uuid4().hex}"
     sampling = body.sampling_params(max_tokens)
@@ -133,46 +130,88 @@ async def create_completion(request: Request) -> Response:
         logprobs = LogprobParams(top_n=body.logprobs, input_from=0 if body.echo else -1)
     # A client that leaves while its request is queued drops it there (never prefilled).
     watch = ClientWatch(request.receive)
-    generations = await start_samples(state, sample_requests(
-        GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
-                        logprobs=logprobs,
-                        bootstrap=_bootstrap(state, body)), body.n,
-    ), watch=watch)
-    echo = ""
-    if body.echo:
-        echo = body.prompt if isinstance(body.prompt, str) else \
-            state.engine.tokenizer.decode(input_ids)
-    choices = [
-        _CompletionChoiceState(
-            i, generation, _output_text(state, input_ids, sampling,
-                                        TextOptions(body.skip_special_tokens, body.no_stop_trim)),
-            _CompletionLogprobs(state, logprobs is not None, len(echo)),
-        )
-        for i, generation in enumerate(generations)
-    ]
+    # A batch's prompts are engine requests <rid>-<i> (then <rid>-<i>-<j> for n samples),
+    # started together; choices are numbered prompt-major, as OpenAI numbers them.
+    groups = await _start_prompts(state, [
+        sample_requests(GenerateRequest(
+            tuple(ids), sampling, rid=rid if len(prompts) == 1 else f"{rid}-{i}",
+            extra_key=body.cache_key, logprobs=logprobs, bootstrap=_bootstrap(state, body),
+        ), body.n) for i, ids in enumerate(prompt_ids)
+    ], watch)
+    options = TextOptions(body.skip_special_tokens, body.no_stop_trim)
+    choices: list[_CompletionChoiceState] = []
+    for prompt, ids, generations in zip(prompts, prompt_ids, groups, strict=True):
+        echo = ""
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(ids)
+        for generation in generations:
+            choices.append(_CompletionChoiceState(
+                len(choices), generation, _output_text(state, ids, sampling, options),
+                _CompletionLogprobs(state, logprobs is not None, len(echo)), echo,
+            ))
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created,
             "model": state.served_model_name}
     if body.stream:
         return EventStreamResponse(_completion_events(
-            choices, head, body.include_usage, echo, body.return_cached_tokens_details
+            choices, head, body.include_usage, body.return_cached_tokens_details, body.n
         ))
-    wholes = await _collect_all(generations, watch)
+    wholes = await _collect_all([c.generation for c in choices], watch)
     out = []
     for choice, whole in zip(choices, wholes, strict=True):
         choice.text.push(whole)
         shaper = choice.shaper
         out.append(CompletionChoice(
-            index=choice.index, text=echo + choice.text.text, finish_reason=whole.finish_reason,
-            matched_stop=choice.text.matched,
+            index=choice.index, text=choice.echo + choice.text.text,
+            finish_reason=whole.finish_reason, matched_stop=choice.text.matched,
             logprobs=shaper.whole(whole) if shaper.enabled else None,
         ))
     response = CompletionResponse(
         id=rid, created=created, model=state.served_model_name, choices=out,
-        usage=usage_of_samples(wholes),
-        sglext=sglext_of(wholes[0]) if body.return_cached_tokens_details else None,
+        usage=usage_of_samples(wholes, body.n),
+        sglext=_sglext_of_prompts(wholes, body.n) if body.return_cached_tokens_details
+        else None,
     )
     return JSONResponse(_dump(response))
+
+
+async def _completion_prompt_ids(
+    state: ServerState, prompt: str | list[int], index: int | None
+) -> list[int]:
+    """One prompt's token ids; ``index`` names it in errors when the request sent a batch."""
+    if not prompt:
+        where = "prompt" if index is None else f"prompt.{index}"
+        raise APIError(400, f"the prompt is empty ({where})", param=where)
+    if isinstance(prompt, str):
+        return await tokenization.tokenize(state.engine, prompt)
+    return prompt
+
+
+async def _start_prompts(
+    state: ServerState, groups: list[list[GenerateRequest]], watch: ClientWatch
+) -> list[list[Generation]]:
+    """Each prompt's samples (``start_samples``), the prompts side by side; if one is
+    refused, the others' started generations are closed and its error raised."""
+    outcomes = await asyncio.gather(
+        *(start_samples(state, group, watch=watch) for group in groups), return_exceptions=True
+    )
+    started = [o for o in outcomes if not isinstance(o, BaseException)]
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            for generations in started:
+                for generation in generations:
+                    await generation.aclose()
+            raise outcome
+    return cast(list[list[Generation]], outcomes)
+
+
+def _sglext_of_prompts(outputs: Sequence[GenerateOutput], per_prompt: int) -> SglExt:
+    """SGLang's cached-token details of a batch: each prompt's (its first sample's), summed."""
+    details = [sglext_of(o).cached_tokens_details for o in outputs[::per_prompt]]
+    return SglExt(cached_tokens_details=CachedTokensDetails(
+        device=sum(d.device for d in details), host=sum(d.host for d in details),
+        storage=sum(d.storage for d in details),
+    ))
 
 
 async def _collect_all(
@@ -195,7 +234,7 @@ def _dump(response: CompletionResponse | ChatCompletionResponse) -> dict[str, An
 
 def _finish_extras(
     output: GenerateOutput, finals: dict[int, GenerateOutput], samples: int,
-    with_sglext: bool, include_usage: bool,
+    with_sglext: bool, include_usage: bool, per_prompt: int | None = None,
 ) -> dict[str, Any]:
     """What the chunk with a choice's finish reason adds to a stream: that sample's sglext
     when asked for and, once every sample has finished (``finals`` holds them all, this
@@ -206,7 +245,8 @@ def _finish_extras(
         return {}
     extras: dict[str, Any] = {"sglext": sglext_of(output).model_dump()}
     if not include_usage and len(finals) == samples:
-        extras["usage"] = usage_of_samples([finals[i] for i in range(samples)]).model_dump()
+        extras["usage"] = usage_of_samples(
+            [finals[i] for i in range(samples)], per_prompt).model_dump()
     return extras
 
 
@@ -244,12 +284,13 @@ class _CompletionChoiceState:
     generation: Generation
     text: OutputText
     shaper: _CompletionLogprobs
+    echo: str = ""  # the prompt's text, with echo
     echoed: bool = False
 
 
 async def _completion_events(
     choices: list[_CompletionChoiceState], head: dict[str, Any], include_usage: bool,
-    echo: str, with_sglext: bool,
+    with_sglext: bool, per_prompt: int,
 ) -> AsyncGenerator[str, None]:
     def chunk(choice: _CompletionChoiceState, delta: str, logprobs: dict[str, Any] | None,
               reason: str | None, extras: dict[str, Any] | None = None) -> str:
@@ -265,10 +306,10 @@ async def _completion_events(
                 yield event(error_payload(500, f"the engine failed the request: {output.error}"))
                 break
             shaper = choice.shaper
-            if echo and not choice.echoed:
+            if choice.echo and not choice.echoed:
                 choice.echoed = True
                 prompt = shaper.prompt(output.input_logprobs) if shaper.enabled else None
-                yield chunk(choice, echo, prompt, None)
+                yield chunk(choice, choice.echo, prompt, None)
             delta = choice.text.push(output)
             if output.finished:
                 finals[index] = output
@@ -276,11 +317,11 @@ async def _completion_events(
                 reason = output.finish_reason if output.finished else None
                 logprobs = shaper.of(output.output_logprobs) if shaper.enabled else None
                 extras = _finish_extras(
-                    output, finals, len(choices), with_sglext, include_usage
+                    output, finals, len(choices), with_sglext, include_usage, per_prompt
                 ) if output.finished else None
                 yield chunk(choice, delta, logprobs, reason, extras)
         if include_usage and len(finals) == len(choices):
-            usage = usage_of_samples([finals[i] for i in range(len(choices))])
+            usage = usage_of_samples([finals[i] for i in range(len(choices))], per_prompt)
             yield event({**head, "choices": [], "usage": usage.model_dump()})
         yield DONE
     finally:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -226,9 +226,9 @@ class _OpenAISampling(StrictModel):
 
 
 class CompletionRequest(_OpenAISampling):
-    # A string or token ids; a list holding one of either is accepted too (the
-    # OpenAI batch form with a single prompt).
-    prompt: str | list[int]
+    # A string or token ids, or (OpenAI's batch form) a list of either: each prompt
+    # gets n choices, numbered prompt-major (``prompts``).
+    prompt: str | list[int] | list[str | list[int]]
     # The prompt's text before the completion's (and its logprobs, with logprobs).
     echo: bool = False
     # The logprobs of the chosen tokens and of the N most likely at each position.
@@ -239,17 +239,26 @@ class CompletionRequest(_OpenAISampling):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, str):
+    def _prompt_form(cls, value: Any) -> Any:
+        if isinstance(value, str) or _token_ids(value):
             return value
-        if isinstance(value, list):
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-                return value
-            if len(value) == 1 and isinstance(value[0], str | list):
-                return cls._one_prompt(value[0])
-            if len(value) > 1 and all(isinstance(p, str | list) for p in value):
-                raise ValueError("send one prompt per request (batched prompts are not supported)")
-        raise ValueError("prompt must be a string or a list of token ids")
+        if isinstance(value, list) and value and \
+                all(isinstance(p, str) or _token_ids(p) for p in value):
+            return value[0] if len(value) == 1 else value
+        raise ValueError("prompt must be a string or a list of token ids, or a batch: a list "
+                         "of either (one per prompt)")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: one unless the request sent a batch."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or _token_ids(prompt):
+            return [cast("str | list[int]", prompt)]
+        return list(cast("list[str | list[int]]", prompt))
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and \
+        all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 # ------------------------------------------------------------------ OpenAI responses

@@ -67,7 +67,7 @@ CASES: list[tuple[str, Any, int, str]] = [
     ("/v1/completions", completion(stop=[""]), 400, "stop"),
     ("/v1/completions", completion(n=0), 400, "n must be in"),
     ("/v1/completions", completion(best_of=3), 400, "best_of=3"),
-    ("/v1/completions", completion(prompt=["a", "b"]), 400, "one prompt per request"),
+    ("/v1/completions", completion(prompt=["a", ["b"]]), 400, "prompt must be"),
     ("/v1/completions", completion(stream_options={"include_usage": True}), 400,
      "stream_options"),
     ("/v1/chat/completions", chat(messages=[]), 400, "messages"),
