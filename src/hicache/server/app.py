@@ -20,7 +20,8 @@ a 413 beyond it: ``body_limit``) and parsed off the event loop when large
 (``--l3-path-root``). The served model name defaults to the engine's; ``hicache serve`` passes
 ``--served-model-name``, else ``--model-path`` as given (as SGLang does). A request
 naming another model, or none, is served that one model unless ``strict_model_name``
-(``--strict-model-name``: a 404).
+(``--strict-model-name``: a 404). Each request is logged in one line (``access_log``;
+``--disable-access-log`` turns it off).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from starlette.responses import Response
 
 from hicache import __version__
 from hicache.server import admin_api, generate_api, native_api, openai_api
+from hicache.server.access_log import AccessLogMiddleware
 from hicache.server.admin_api import authorize_if_keyed
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from hicache.server.errors import APIError, install_error_handlers
@@ -55,6 +57,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     l3_path_root: str | Path | None = None,
     strict_model_name: bool = False,
+    access_log: bool = True,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,6 +84,8 @@ def create_app(
     )
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if access_log:  # outermost: it sees every answer, a 413 from the body limit too
+        app.add_middleware(AccessLogMiddleware)
     app.include_router(openai_api.router)
     app.include_router(generate_api.router)
     app.include_router(admin_api.router)

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError, TokenLogprob
+from hicache.server.access_log import record_output
 from hicache.server.client_watch import ClientWatch, until_client_leaves
 from hicache.server.errors import APIError
 from hicache.server.state import ServerState
@@ -77,8 +78,10 @@ class Generation:
     def _finish(self, output: GenerateOutput) -> None:
         if self.first_token_s is None and output.token_ids:
             self.first_token_s = time.monotonic() - self.started
-        if output.finished and self._log_metrics:
-            self._state.metrics.observe(output)
+        if output.finished:
+            record_output(output)  # the access log's token counts
+            if self._log_metrics:
+                self._state.metrics.observe(output)
 
     async def aclose(self) -> None:
         """Stop reading; the engine aborts the request if it has not finished."""

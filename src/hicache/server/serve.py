@@ -81,10 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "resolves outside is a 403). Default: the local cache dir ($HICACHE_CACHE_DIR, else "
         "~/.cache/hicache)",
     )
+    group.add_argument(
+        "--disable-access-log", action="store_true",
+        help="no access log line per request (method, path, status, latency, prompt/cached/"
+        "output tokens, rid; on by default at info level, logger hicache.access)",
+    )
     # SUPPRESS: when not given here, ``hicache --log-level`` (before the subcommand) stands.
     group.add_argument(
         "--log-level", default=argparse.SUPPRESS,
-        help="python logging level (default: info; debug also logs every HTTP request)",
+        help="python logging level (default: info)",
     )
     add_engine_args(parser)
     tiers = parser.add_argument_group(
@@ -223,13 +228,14 @@ def main(args: argparse.Namespace) -> int:
             info=server_info_from_args(args, _tokenizer_path(resolved, engine)),
             on_shutdown=stop_engine, max_request_bytes=args.max_request_bytes,
             l3_path_root=args.l3_path_root, strict_model_name=args.strict_model_name,
+            access_log=not args.disable_access_log,
         )
         level = logging.getLogger().getEffectiveLevel()
         config = uvicorn.Config(
             app, host=args.host, port=args.port,
             log_config=None,  # keep the logging the CLI set up
             log_level=level,
-            access_log=level <= logging.DEBUG,  # a line per request drowns a benchmark's log
+            access_log=False,  # ours (access_log.py) has the token counts and the rid
             # Streams still open this long after a stop signal are cut (which aborts them).
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
