@@ -18,22 +18,24 @@ class RequestError(ValueError):
     """A request the engine refuses (bad sampling parameters, too long, bad token ids)."""
 
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
-GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "ebnf")
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "tool_calls"]
+GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "ebnf", "tool_calls")
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's output must match. ``text``: the JSON schema (as JSON text), the
-    regex or the EBNF grammar (root rule ``root``); empty for ``json_object``."""
+    regex or the EBNF grammar (root rule ``root``); empty for ``json_object``; for
+    ``tool_calls`` a JSON object: ``call_schema`` (one call's) and ``max_calls`` (see
+    hicache.server.structured_output)."""
 
     kind: GrammarKind
     text: str = ""
 
     @classmethod
     def json_schema(cls, schema: Any) -> GrammarSpec:
-        """From a schema given as a dict (or JSON text); keys sorted, so equal schemas
-        share one compiled grammar."""
+        """From a schema given as a dict (or JSON text). Keys keep their order: the output
+        writes properties in the order the schema declares them."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -43,7 +45,7 @@ class GrammarSpec:
             raise RequestError(
                 f"json_schema must be a JSON object, got {type(schema).__name__}"
             )
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ the CPU).
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -75,11 +76,13 @@ class Grammars:
                     compiled = compiler.compile_regex(spec.text)
                 elif spec.kind == "ebnf":
                     compiled = compiler.compile_grammar(spec.text)
+                elif spec.kind == "tool_calls":
+                    compiled = compiler.compile_grammar(tool_calls_grammar(spec.text))
                 else:
                     raise RequestError(
                         f"unknown grammar kind {spec.kind!r}; one of {GRAMMAR_KINDS}"
                     )
-            except RuntimeError as error:  # xgrammar's parse errors
+            except (RuntimeError, ValueError, KeyError) as error:  # parse errors
                 raise RequestError(f"invalid {spec.kind}: {_short(error)}") from error
             if len(self._compiled) >= MAX_CACHED_GRAMMARS:
                 self._compiled.pop(next(iter(self._compiled)))
@@ -88,6 +91,31 @@ class Grammars:
 
     def state(self, spec: GrammarSpec) -> GrammarState:
         return GrammarState(self.compile(spec), self.vocab_size)
+
+
+# Hermes-style tool calls, as hicache.server.tool_parser reads them back.
+TOOL_CALL_OPEN = "<tool_call>\n"
+TOOL_CALL_CLOSE = "\n</tool_call>"
+
+
+def tool_calls_grammar(text: str) -> Any:
+    """The grammar of ``max_calls`` tool calls at most (one at least), each a JSON object
+    valid against ``call_schema`` between the tags, separated by a newline."""
+    import xgrammar as xgr
+
+    description = json.loads(text)
+    max_calls = int(description["max_calls"])
+    call = xgr.Grammar.concat(
+        xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_OPEN)}"),
+        xgr.Grammar.from_json_schema(json.dumps(description["call_schema"]),
+                                     any_whitespace=False),
+        xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_CLOSE)}"),
+    )
+    separator = xgr.Grammar.from_ebnf('root ::= "\\n"')
+    calls = call
+    for _ in range(max_calls - 1):  # one call, or one, a newline and the rest
+        calls = xgr.Grammar.union(call, xgr.Grammar.concat(call, separator, calls))
+    return calls
 
 
 def _short(error: Exception) -> str:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hicache.engine.api import GrammarSpec
 from hicache.server.protocol import (
     OFF,
     OFF_FALSE,
@@ -20,7 +21,11 @@ from hicache.server.protocol import (
     StrictModel,
     Usage,
     _OpenAISampling,
-    neutral,
+)
+from hicache.server.structured_output import (
+    one_grammar,
+    response_format_grammar,
+    tool_call_grammar,
 )
 
 # Template variables the request's own fields set; chat_template_kwargs may not override them.
@@ -96,11 +101,12 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
-    # "required" and a named function need constrained decoding to be kept: refused.
-    tool_choice: Annotated[
-        Literal["none", "auto", "required"] | NamedToolChoice | None, neutral(None, "none", "auto")
-    ] = None
-    parallel_tool_calls: bool | None = None  # every call the model writes is returned
+    # "required" and a named function: the output is forced to be tool calls (to that
+    # function), with arguments valid against its parameters (structured_output.py).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # False: a forced answer holds one call. (With "auto", every call the model writes
+    # is returned.)
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
     # Token ids of the prompt, already templated (SGLang): the messages are not rendered.
@@ -111,8 +117,8 @@ class ChatCompletionRequest(_OpenAISampling):
     # The chosen tokens' logprobs, and (top_logprobs) the N most likely at each position.
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: Any = None  # text, json_object or json_schema (structured_output.py)
     # Accepted only at their neutral values (see Neutral).
-    response_format: Annotated[Any, neutral(None, {"type": "text"})] = None
     reasoning_effort: Annotated[Any, OFF] = None
     task: Annotated[Any, OFF] = None
     return_meta_info: Annotated[Any, OFF_FALSE] = False
@@ -133,6 +139,28 @@ class ChatCompletionRequest(_OpenAISampling):
             raise ValueError("continue_final_message needs an assistant message last")
         return self
 
+    def grammar(self) -> GrammarSpec | None:
+        return one_grammar(super().grammar(), response_format_grammar(self.response_format),
+                           self._forced_tool_calls())
+
+    def _forced_tool_calls(self) -> GrammarSpec | None:
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return None
+        tools = self.tools or []
+        if not tools:
+            raise ValueError(f"tool_choice {_choice_text(choice)} needs tools")
+        offered = [(tool.function.name, tool.function.parameters) for tool in tools]
+        if isinstance(choice, NamedToolChoice):
+            offered = [(name, schema) for name, schema in offered
+                       if name == choice.function.name]
+            if not offered:
+                raise ValueError(
+                    f"tool_choice names function {choice.function.name!r}, which is not "
+                    f"among the tools ({', '.join(t.function.name for t in tools)})"
+                )
+        return tool_call_grammar(offered, parallel=self.parallel_tool_calls is not False)
+
     @property
     def tools_enabled(self) -> bool:
         """Whether the model is shown the tools (and its output parsed for calls)."""
@@ -144,6 +172,10 @@ class ChatCompletionRequest(_OpenAISampling):
             return None
         assert self.tools is not None
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+
+def _choice_text(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
 # ------------------------------------------------------------------ responses

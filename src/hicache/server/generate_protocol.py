@@ -26,6 +26,7 @@ from hicache.server.protocol import (
     neutral,
     stop_strings,
 )
+from hicache.server.structured_output import sampling_grammar
 
 
 class GenerateSamplingParams(StrictModel):
@@ -46,12 +47,13 @@ class GenerateSamplingParams(StrictModel):
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0
     n: int | None = 1  # samples of the prompt (a list of n results)
+    # What the output must match (structured_output.py), one of them.
+    json_schema: Any = None  # JSON text (SGLang's form) or an object
+    regex: str | None = None
+    ebnf: str | None = None
     # Accepted only at their neutral values (see Neutral).
     min_p: Annotated[float | None, neutral(0, 0.0, None)] = 0.0
     stop_regex: Annotated[Any, neutral(None, "", [])] = None
-    json_schema: Annotated[Any, OFF] = None
-    regex: Annotated[Any, OFF] = None
-    ebnf: Annotated[Any, OFF] = None
     structural_tag: Annotated[Any, OFF] = None
     spaces_between_special_tokens: Annotated[Any, neutral(True, None)] = True
     custom_params: Annotated[Any, neutral(None, {})] = None
@@ -64,6 +66,7 @@ class GenerateSamplingParams(StrictModel):
     def _one_seed(self) -> GenerateSamplingParams:
         if self.seed is not None and self.sampling_seed not in (None, self.seed):
             raise ValueError("seed and sampling_seed disagree: give one of them")
+        sampling_grammar(self.json_schema, self.regex, self.ebnf)  # its refusals: a 400
         return self
 
     def to_engine(self, max_new_tokens: int) -> SamplingParams:
@@ -80,6 +83,7 @@ class GenerateSamplingParams(StrictModel):
             ),
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
+            grammar=sampling_grammar(self.json_schema, self.regex, self.ebnf),
         )
 
 

@@ -29,7 +29,12 @@ from pydantic import (
     model_validator,
 )
 
-from hicache.engine.api import SamplingParams
+from hicache.engine.api import GrammarSpec, SamplingParams
+from hicache.server.structured_output import (
+    one_grammar,
+    response_format_grammar,
+    sampling_grammar,
+)
 from hicache.storage.config import StorageConfig
 
 
@@ -157,12 +162,13 @@ class _OpenAISampling(StrictModel):
     repetition_penalty: float | None = None  # extension (SGLang)
     min_tokens: int | None = None  # extension (SGLang): eos and stop tokens masked until
     n: int = 1  # samples of the prompt (choices 0 .. n-1)
+    # Extensions (SGLang): what the output must match (structured_output.py), one of them.
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: Any = None  # JSON text or an object
     # Accepted only at their neutral values (see Neutral).
     min_p: Annotated[float | None, neutral(None, 0, 0.0)] = None
     logit_bias: Annotated[dict[str, float] | None, neutral(None, {})] = None
-    regex: Annotated[Any, OFF] = None
-    ebnf: Annotated[Any, OFF] = None
-    json_schema: Annotated[Any, OFF] = None
     stop_regex: Annotated[Any, neutral(None, "", [])] = None
     lora_path: Annotated[Any, neutral(None, "")] = None
     session_params: Annotated[Any, OFF] = None
@@ -195,7 +201,12 @@ class _OpenAISampling(StrictModel):
             raise ValueError("stream_options is only allowed with stream=true")
         if not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
+        self.grammar()  # its refusals are the request's (a 400)
         return self
+
+    def grammar(self) -> GrammarSpec | None:
+        """What the output must match (None: anything); ValueError for a bad request."""
+        return sampling_grammar(self.json_schema, self.regex, self.ebnf)
 
     @property
     def include_usage(self) -> bool:
@@ -222,6 +233,7 @@ class _OpenAISampling(StrictModel):
             ),
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
+            grammar=self.grammar(),
         )
 
 
@@ -235,7 +247,10 @@ class CompletionRequest(_OpenAISampling):
     logprobs: int | None = None
     best_of: Annotated[int | None, neutral(None, 1)] = None
     suffix: Annotated[str | None, neutral(None, "")] = None
-    response_format: Annotated[Any, neutral(None, {"type": "text"})] = None
+    response_format: Any = None  # text, json_object or json_schema (structured_output.py)
+
+    def grammar(self) -> GrammarSpec | None:
+        return one_grammar(super().grammar(), response_format_grammar(self.response_format))
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -130,9 +130,8 @@ def test_what_sglang_clients_and_router_send_is_served(
         ("/v1/completions", {"prompt": "hi", "return_hidden_states": True},
          "return_hidden_states"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                  "tool_choice": "required",
-                                  "tools": [{"type": "function", "function": {"name": "f"}}]},
-         "tool_choice"),
+                                  "reasoning_effort": "high"},
+         "reasoning_effort"),
     ],
 )
 def test_a_non_neutral_value_is_a_400_naming_the_field(
