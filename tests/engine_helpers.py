@@ -14,6 +14,7 @@ import torch
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
 from hicache.engine.config import EngineConfig
 from hicache.engine.engine import Engine, build_engine
+from hicache.engine.threads import available_cores
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 
 
@@ -90,7 +91,13 @@ def on_scheduler(engine: Engine, fn: Callable[[], object]) -> object:
 def make_engine_fixture() -> Iterator[Callable[..., Engine]]:
     engines: list[Engine] = []
 
-    def make(*flags: str) -> Engine:
+    def make(*flags: str, governed: bool = False) -> Engine:
+        """An engine with these flags. Its torch thread count is fixed (every core) unless
+        the flags set one or ``governed``: the thread governor follows the machine's load,
+        and a reduction over another number of threads rounds differently, so runs that
+        must agree bit for bit would disagree on a loaded machine."""
+        if not governed and "--num-threads" not in flags:
+            flags = (*flags, "--num-threads", str(available_cores()))
         engine = build_engine(engine_config(*flags))
         engines.append(engine)
         return engine

@@ -20,7 +20,14 @@ import pytest
 from hicache.bench.server_process import ChildServer, ServerProcess
 from hicache.net import free_port
 from tests.dev_dependency import require_dev_dependency
-from tests.pd_fixtures import TIMEOUT_S, PDPair, check_integrity, pd_pair, plain_server
+from tests.pd_fixtures import (
+    ADMIN_KEY,
+    TIMEOUT_S,
+    PDPair,
+    check_integrity,
+    pd_pair,
+    plain_server,
+)
 
 require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
@@ -319,12 +326,15 @@ def test_decode_offload_lets_the_next_turn_hit_l3(servers: tuple[ServerProcess, 
         "output_ids"]
     context = turn1 + first["output_ids"]  # 70 tokens, 69 of them with KV on decode
     # The decode instance backs the finished request's pages up to the shared L3.
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # a hang guard: the backup lands in well under that
     while _backed_up_pages(pair.decode) < stored_before + (len(context) - 1) // PAGE:
         assert time.monotonic() < deadline, "the decode instance backed nothing up to L3"
         time.sleep(0.1)
     # The prefill instance forgets L1 and L2: what it reuses now comes from L3.
-    assert httpx.post(f"{pair.prefill.url}/flush_cache", timeout=TIMEOUT_S).status_code == 200
+    # The instances have an admin key, which /flush_cache asks for.
+    flushed = httpx.post(f"{pair.prefill.url}/flush_cache", timeout=TIMEOUT_S,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert flushed.status_code == 200, flushed.text
     turn2 = context + _prompt(20, 12)
     body = _body(turn2, max_new_tokens=10)
     prefill, decode = pair.send("/generate", body)

@@ -53,7 +53,7 @@ def test_without_the_flag_the_engine_applies_the_default(
 ) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     torch.set_num_threads(default_num_threads() + 1)
-    engine = make_engine()
+    engine = make_engine(governed=True)
     # On 2+ cores the engine's count starts at every core, then follows the governor
     # (test_thread_governor.py); on one core it is the default.
     span = adaptive_range(None, "cpu")
