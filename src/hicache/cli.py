@@ -16,6 +16,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "decode": ("hicache.bench.decode", "model decode steps per batch size, per compute setting"),
     "step": ("hicache.bench.step", "scheduler host time per decode step, model forward excluded"),
     "sampling": ("hicache.bench.sampling", "one step's sampling, batched against row by row"),
+    "grammar": ("hicache.bench.grammar", "grammar masks' cost per decode step; valid answers "
+                "of a server with tool_choice required and a json_schema"),
     "tree": ("hicache.bench.tree", "radix tree insert / match / evict latency"),
     "storage": ("hicache.bench.storage", "L3 backend batch put/get throughput vs plain baseline"),
     "prefill": ("hicache.bench.prefill", "cold prefill throughput against HF transformers"),

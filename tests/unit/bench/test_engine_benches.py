@@ -53,3 +53,29 @@ def test_sampling_bench_times_both_samplers(tmp_path: Path) -> None:
     assert [r["case"] for r in results] == ["temperature", "top_k", "top_p", "both"]
     assert results[0]["kept_tokens"] == 600 and results[1]["kept_tokens"] == 50
     assert all(r["row_by_row_ms"] > 0 and r["batched_ms"] > 0 for r in results)
+
+
+def test_grammar_bench_times_the_mask_of_every_row(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    write_checkpoint(variants()["llama-gqa"], model_dir)
+    out = tmp_path / "grammar.json"
+    code = main(["bench", "grammar", "--model-path", str(model_dir), "--batch", "3",
+                 "--tokens", "6", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())["results"]
+    assert result["batch"] == 3 and result["masked_steps"] >= 1
+    assert result["mask_ms"] > 0 and result["decode_step_ms"] > 0
+
+
+def test_grammar_bench_counts_only_valid_answers() -> None:
+    from hicache.bench.grammar import prompts, valid_call, valid_person
+
+    assert len(set(prompts(100))) == 100
+    assert valid_call("add", '{"a": 1, "b": -2}')
+    assert not valid_call("add", '{"a": 1.5, "b": 2}') and not valid_call("add", '{"a": 1}')
+    assert valid_call("get_weather", '{"city": "Paris", "unit": "celsius"}')
+    assert not valid_call("get_weather", '{"city": "Paris", "unit": "kelvin"}')
+    assert not valid_call("other", "{}") and not valid_call("add", "{")
+    assert valid_person({"name": "Ann", "age": 30, "city": "Rome", "likes": ["tea"]})
+    assert not valid_person({"name": "Ann", "age": True, "city": "Rome", "likes": []})
+    assert not valid_person({"name": "Ann", "age": 30, "city": "Rome"})
