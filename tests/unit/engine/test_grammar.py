@@ -11,7 +11,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from hicache.engine.api import GenerateRequest, GrammarSpec, RequestError, SamplingParams
+from hicache.engine.api import (
+    GenerateRequest,
+    GrammarSpec,
+    LogprobParams,
+    RequestError,
+    SamplingParams,
+)
 from hicache.engine.engine import Engine
 from hicache.engine.grammar import Grammars, mask_logits
 from hicache.model.tokenizer import ByteTokenizer
@@ -151,3 +157,29 @@ def test_a_bad_grammar_is_refused_before_anything_is_queued(
     with pytest.raises(RequestError, match="invalid regex"):
         run(engine, prompt(7, 10), grammar=GrammarSpec("regex", "(unclosed"))
     assert engine.scheduler.counters.num_requests == 0
+
+
+def test_stop_strings_and_logprobs_with_a_grammar(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(*FLAGS)
+    spec = GrammarSpec("regex", r"[a-z]{3}-[0-9]{3}")
+    ids = prompt(8, 40)
+    whole = run(engine, ids, max_new_tokens=16, grammar=spec)
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{3}", whole.text), whole.text
+    # A stop string ends it inside the grammar's match, cut as any stop string is.
+    cut = run(engine, ids, max_new_tokens=16, grammar=spec, stop=("-",))
+    assert cut.text == whole.text.split("-")[0] and cut.last.finish_reason == "stop"
+    # Logprobs are of the raw distribution: the chosen token's, whatever the mask forbade,
+    # and the top tokens may be ones the grammar never allowed.
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, grammar=spec)
+    raw = run(engine, ids, logits=True, max_new_tokens=16, grammar=spec)
+    [logged] = run_many(engine, [GenerateRequest(tuple(ids), params,
+                                                 logprobs=LogprobParams(top_n=3))])
+    out = [lp for o in logged.outputs for lp in o.output_logprobs]
+    assert [lp.token_id for lp in out] == whole.token_ids == raw.token_ids
+    assert len(raw.logits) == len(out)
+    first = out[0]
+    assert first.logprob is not None and first.logprob <= first.top[0][1]
+    # The masked row (what the token was drawn from) puts all its mass on the 26 letters:
+    # the chosen token's logprob there is higher than the raw one reported.
+    masked = torch.log_softmax(raw.logits[0], dim=-1)[first.token_id]
+    assert first.logprob < float(masked) - 1e-3
