@@ -12,6 +12,8 @@ partial products in another order than the single rank's matmul does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from hicache.engine.api import (
     CachedTokens,
     GenerateOutput,
     GenerateRequest,
+    GrammarSpec,
     LogprobParams,
     SamplingParams,
 )
@@ -122,7 +125,14 @@ def _scenario(engine: Any, vocab: int) -> Run:
     asyncio.run(together([
         _request("extends", [*base, 1, 2, 3]), _request("other", other),
         _request("sampled", third, sampled=True),
+        # Every rank masks with its own matcher of the same grammar: the ranks agree.
+        dataclasses.replace(_request("constrained", other[:9], sampled=True, n=12), sampling=(
+            SamplingParams(max_new_tokens=12, temperature=0.9, seed=3,
+                           grammar=GrammarSpec("regex", "[a-d]{2,5}x")))),
     ]))
+    tokens, reason, _ = got["constrained"]  # ended by the model's eos once "x" matched
+    assert reason == "stop" and tokens[-1] in engine.tokenizer.eos_token_ids
+    assert re.fullmatch("[a-d]{2,5}x", engine.tokenizer.decode(tokens[:-1]))
     engine.check_integrity()
     assert engine.flush_cache()
     asyncio.run(one("l3", _request("l3", base)))
@@ -155,8 +165,8 @@ def _assert_same(alone_run: Run, tp2_run: Run) -> None:
     # After the flush L1 and L2 hold nothing: the prefix comes back from L3 alone.
     l3 = alone["l3"][2]
     assert l3.storage > 0 and l3.device == 0 and l3.host == 0
-    assert all(len(tokens) == 8 for tokens, _, _ in alone.values())
-    greedy = {rid for rid in alone if rid != "sampled"}
+    assert all(len(tokens) == 8 for rid, (tokens, _, _) in alone.items() if rid != "constrained")
+    greedy = {rid for rid in alone if rid not in ("sampled", "constrained")}
     assert set(alone_logprobs) == set(tp2_logprobs) == greedy
     for rid in greedy:
         expected, got = alone_logprobs[rid], tp2_logprobs[rid]
