@@ -183,3 +183,21 @@ def test_stop_strings_and_logprobs_with_a_grammar(make_engine: Callable[..., Eng
     # the chosen token's logprob there is higher than the raw one reported.
     masked = torch.log_softmax(raw.logits[0], dim=-1)[first.token_id]
     assert first.logprob < float(masked) - 1e-3
+
+
+def test_a_retracted_request_keeps_its_matcher_in_step(make_engine: Callable[..., Engine]) -> None:
+    # Four constrained requests whose prompts fit together but whose outputs do not: some
+    # are retracted mid-decode and resume with the output (and matcher) they had.
+    flags = ("--page-size", "4", "--max-total-tokens", "256")
+    spec = GrammarSpec("regex", r"[a-z]{60}x")
+    ids = [prompt(300 + i, 40) for i in range(4)]
+    solo_engine = make_engine(*flags)
+    solo = [run(solo_engine, p, max_new_tokens=70, grammar=spec).token_ids for p in ids]
+    solo_engine.shutdown()
+    engine = make_engine(*flags)
+    params = SamplingParams(temperature=0.0, max_new_tokens=70, grammar=spec)
+    results = run_many(engine, [GenerateRequest(tuple(p), params) for p in ids])
+    assert engine.scheduler.counters.num_retractions > 0
+    assert [r.token_ids for r in results] == solo
+    for r in results:
+        assert re.fullmatch(r"[a-z]{60}x", r.text) and r.last.finish_reason == "stop"
