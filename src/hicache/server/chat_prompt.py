@@ -26,6 +26,10 @@ from hicache.model.tokenizer import Tokenizer
 from hicache.server.chat_protocol import ChatCompletionRequest
 from hicache.server.errors import APIError
 
+# Fields of a reply's message that a client sends back unchanged; not part of the conversation
+# as a chat template sees it (a refusal's text stands in for absent content).
+REPLY_ONLY_FIELDS = {"refusal", "annotations", "audio", "function_call"}
+
 
 def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template sees them."""
@@ -37,7 +41,9 @@ def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
                 "needs content (a string or a list of text parts); only an assistant message "
                 "may leave it out", param=f"messages.{index}.content",
             )
-        data = message.model_dump(exclude_unset=True)
+        data = message.model_dump(exclude_unset=True, exclude=REPLY_ONLY_FIELDS)
+        if data.get("content") is None and message.refusal is not None:
+            data["content"] = message.refusal
         for number, call in enumerate(data.get("tool_calls") or ()):
             call.pop("index", None)  # a streaming detail, not part of the conversation
             function = call["function"]

@@ -21,6 +21,7 @@ from hicache.server.protocol import (
     StrictModel,
     Usage,
     _OpenAISampling,
+    neutral,
 )
 from hicache.server.structured_output import (
     one_grammar,
@@ -59,6 +60,13 @@ class ChatMessage(StrictModel):
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
     reasoning_content: str | None = None  # assistant messages of reasoning models
+    # What the OpenAI client sends back when a loop appends a reply's message object to its
+    # next request: accepted, not shown to the template. A refusal's text stands in for
+    # absent content (it is what the assistant said); the others only at their empty values.
+    refusal: str | None = None
+    annotations: Annotated[Any, neutral(None, [])] = None
+    audio: Annotated[Any, OFF] = None
+    function_call: Annotated[Any, OFF] = None
 
     @field_validator("content", mode="before")
     @classmethod

@@ -122,6 +122,36 @@ def test_parts_and_null_content_render_as_the_template_expects(
         assert text.count("<|im_start|>assistant\n<|im_end|>") == 2
 
 
+def test_the_clients_own_reply_object_goes_back_as_it_is(
+    served: tuple[str, ScriptedEngine, openai.OpenAI, PreTrainedTokenizerBase],
+) -> None:
+    """The commonest agent loop appends the reply's message object itself to the next
+    request: the SDK then sends its ``refusal: null`` (and with newer replies
+    ``annotations``, ``audio``, ``function_call`` at their empty values) beside the content."""
+    name, engine, client, reference = served
+    engine.answers = ["It is 21 C.", "You are welcome."]
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=name, messages=messages)
+    echoed = first.choices[0].message
+    assert echoed.refusal is None  # the SDK sends it back as null
+    messages += [echoed, {"role": "user", "content": "Thanks."}]
+    second = client.chat.completions.create(model=name, messages=messages)
+    assert second.choices[0].message.content == "You are welcome."
+    expected = reference_ids(reference, [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "It is 21 C."},
+        {"role": "user", "content": "Thanks."},
+    ])
+    assert engine.prompts[-1] == expected
+    # The empty forms of the other reply fields, as raw JSON.
+    engine.answers = ["Fine."]
+    raw = [*messages[:1], {"role": "assistant", "content": "It is 21 C.", "refusal": None,
+                           "annotations": [], "audio": None, "function_call": None},
+           messages[2]]
+    client.chat.completions.create(model=name, messages=cast(Any, raw))
+    assert engine.prompts[-1] == expected
+
+
 @pytest.mark.parametrize(
     ("messages", "words"),
     [
