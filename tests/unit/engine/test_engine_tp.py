@@ -109,6 +109,7 @@ def _scenario(engine: Any, vocab: int) -> Run:
     # Its own prompt: one shared with "other", sent at the same time, would hit the pages
     # "other" inserts or not depending on which step each arrives in (a race, not TP).
     third = [(13 * i + 7) % vocab for i in range(19)]
+    fourth = [(17 * i + 2) % vocab for i in range(9)]  # the constrained request's, likewise
     got: dict[str, Outcome] = {}
     logprobs: dict[str, Logprobs] = {}
 
@@ -126,7 +127,7 @@ def _scenario(engine: Any, vocab: int) -> Run:
         _request("extends", [*base, 1, 2, 3]), _request("other", other),
         _request("sampled", third, sampled=True),
         # Every rank masks with its own matcher of the same grammar: the ranks agree.
-        dataclasses.replace(_request("constrained", other[:9], sampled=True, n=12), sampling=(
+        dataclasses.replace(_request("constrained", fourth, sampled=True, n=12), sampling=(
             SamplingParams(max_new_tokens=12, temperature=0.9, seed=3,
                            grammar=GrammarSpec("regex", "[a-d]{2,5}x")))),
     ]))
