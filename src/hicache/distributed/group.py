@@ -6,7 +6,10 @@ no process group at all and every collective returns its input untouched: a
 single-rank model pays nothing for being written tensor-parallel.
 
 Every rank must call the same collectives in the same order (they block until
-all ranks have); the model does, since every rank runs the same layers.
+all ranks have); the model does, since every rank runs the same layers. Beside the
+model's sum, last-dim gather and object broadcast, the group offers the minimum and
+the object gathers that the replicated schedulers and the start-up agreement use
+(always on gloo for the schedulers' own collectives).
 """
 
 from __future__ import annotations

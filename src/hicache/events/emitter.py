@@ -1,6 +1,7 @@
 """KVEventEmitter: the cache's tier transitions as KV events, one batch per scheduler step.
 
-Seed 001's table, as this cache produces it (medium in brackets):
+Each tier transition and its event (the media of Dynamo's KV event table), as this
+cache produces them (medium in brackets):
 
     fresh prefill (a new device leaf)                  store [GPU]
     device->host copy landed (not when issued)         store [CPU_PINNED]

@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-# Media a page can live in, one per tier (seed 001's event table).
+# Media a page can live in, one per tier (Dynamo's table of KV event media).
 MEDIUM_GPU: Final = "GPU"  # L1, the device pool (whatever the device is)
 MEDIUM_CPU: Final = "CPU_PINNED"  # L2, the host pool
 MEDIUM_EXTERNAL: Final = "EXTERNAL"  # L3, the shared storage

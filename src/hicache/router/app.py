@@ -8,7 +8,7 @@
     GET/POST/DELETE /workers                                the worker list (admin)
 
 A routed request's JSON body is read once: its prompt is hashed into pages
-(``prompt``), ``router_config_override`` (the router's, seed 001's per-request
+(``prompt``), ``router_config_override`` (the router's, Dynamo's per-request
 ``shared_cache_multiplier``) is taken out, and the rest goes to the worker as
 sent. A body that is not a JSON object is a 400 and no worker hears of it.
 A body over ``--max-request-bytes`` is a 413 before it is read, and a large one

@@ -7,7 +7,7 @@ the number of its leading pages whose mask has the worker's bit. One walk over
 the request's pages serves every worker and every tier at once, and it stops at
 the first page no candidate holds anywhere (``overlaps``).
 
-Tiers, from the top (seed 001's media):
+Tiers, from the top (the media of Dynamo's KV events):
 
 - ``GPU`` (L1) and ``CPU_PINNED`` (L2) are private to a worker: one mask per
   page and tier, plus each worker's own page sets so that clearing or removing

@@ -1,9 +1,9 @@
 """GET /metrics of the router, as Prometheus text.
 
 Observed per routed request: the decision's latency, the chosen worker's
-overlap per tier, and (when the shared pool was asked) seed 001's two
-histograms, ``router_shared_cache_hit_rate`` (fraction of the request's pages
-the shared pool holds) and ``router_shared_cache_beyond_blocks`` (shared pages
+overlap per tier, and (when the shared pool was asked) the two histograms of
+Dynamo's shared-cache routing, ``router_shared_cache_hit_rate`` (fraction of the
+request's pages the shared pool holds) and ``router_shared_cache_beyond_blocks`` (shared pages
 past the chosen worker's device prefix). Read at scrape time from the
 registry: each worker's up/down state and load, its event subscriber's
 counts (batches, gaps, replays, restarts, malformed), and the index's size.

@@ -9,7 +9,7 @@ Four policies (``--policy``), each a small strategy object behind
 
       logit = overlap_weight * (prompt_tokens - gpu_overlap * page) / page + decode_blocks
 
-- ``tier_aware``: seed 001's tier-aware shared-cache routing::
+- ``tier_aware``: Dynamo's shared-cache KV routing, over every tier::
 
       prefill_tokens   = prompt_tokens - device_credit * gpu_overlap * page
       adjusted_prefill = max(0, prefill_tokens - shared_cache_multiplier * hits_beyond(n) * page)
@@ -19,16 +19,16 @@ Four policies (``--policy``), each a small strategy object behind
   Beyond Dynamo, the worker's host tier counts too: each page on its host past
   its device prefix reduces the prefill by ``host_multiplier`` pages, and the
   shared pages are then counted past the host prefix (n = host overlap, which
-  is the device overlap when the host adds nothing: seed 001's formula). With
+  is the device overlap when the host adds nothing: Dynamo's formula). With
   ``tier_costs="measured"`` a page from the host saves ``1 - TierCosts.host``
   of a page's prefill and one from the shared pool ``1 - TierCosts.external``,
   from what that worker measured (``router.tier_costs``).
 
 Lower logits win; ties go to fewer active requests, then registration order.
 
-On ``device_credit``: seed 001's worked example (4 pages, multiplier 0.5, page
-1, the shared pool holding pages 0-3; W0 with 2 device pages scores 3.0, W1 with
-none 2.0 and wins) only comes out with ``device_credit = 0``: the example does
+On ``device_credit``: the worked example that came with that scoring (4 pages,
+multiplier 0.5, page 1, the shared pool holding pages 0-3; W0 with 2 device pages
+scores 3.0, W1 with none 2.0 and wins) only comes out with ``device_credit = 0``: the example does
 not subtract the device overlap from the prefill. Dynamo's scheduler does
 (``prefill_tokens`` is what the worker still has to compute), and a worker
 never recomputes pages it holds on its device, so our default is 1.0. The
@@ -101,9 +101,10 @@ class NoWorkerError(LookupError):
 @dataclass(frozen=True)
 class ScoringConfig:
     overlap_weight: float = 1.0
-    # Prefill pages one shared-pool page saves (seed 001's default 0.0: asked, then ignored).
+    # Prefill pages one shared-pool page saves (Dynamo's default 0.0: asked, then ignored).
     shared_cache_multiplier: float = 0.0
-    # Prefill pages one device page saves (see the module docstring: 1.0, or 0 for the seed's).
+    # Prefill pages one device page saves (see the module docstring: 1.0, or 0 for the
+    # worked example's).
     device_credit: float = 1.0
     # Prefill pages one host page past the device prefix saves (tier_costs "fixed").
     host_multiplier: float = 0.9
@@ -125,7 +126,7 @@ class ScoringConfig:
 
 
 def hits_beyond(hits: Sequence[bool], start: int) -> int:
-    """Shared-pool pages at positions >= ``start`` (seed 001's ``hits_beyond``)."""
+    """Shared-pool pages at positions >= ``start`` (Dynamo's ``hits_beyond``)."""
     return sum(1 for hit in hits[start:] if hit)
 
 

@@ -2,7 +2,7 @@
 
 argparse lives only here (``add_arguments`` / ``settings_from_args``); every
 other part of the router reads the dataclass. Defaults are the dataclass's.
-Names follow seed 001 (Dynamo's ``--shared-cache-type``, ``--shared-cache-multiplier``,
+Names follow Dynamo's KV router (``--shared-cache-type``, ``--shared-cache-multiplier``,
 ``--overlap-weight``) and SGLang's router (``--worker-urls``; for prefill-decode
 disaggregation ``--pd-disaggregation --prefill URL [BOOTSTRAP_PORT] ... --decode URL ...``).
 """
@@ -23,7 +23,7 @@ class PolicyName(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"
     CACHE_AWARE = "cache_aware"  # device overlap only: Dynamo's default KV routing
-    TIER_AWARE = "tier_aware"  # seed 001: every tier, and the shared pool
+    TIER_AWARE = "tier_aware"  # Dynamo's shared-cache routing: every tier, and the shared pool
 
 
 class SharedCacheType(str, enum.Enum):

@@ -11,6 +11,11 @@ random weights of a preset's shape. Tiers come off one at a time::
     hicache serve --disable-hierarchical-cache --hicache-storage-backend none   # L1
     hicache serve --disable-radix-cache --disable-hierarchical-cache \\
         --hicache-storage-backend none                    # no prefix cache at all
+
+Exit status: 2 when the engine cannot start (a flag, a pool the machine cannot hold,
+or under tensor parallelism any rank's failure, with the reason the ranks agreed);
+1 when the engine process, or any rank of it, died while serving (every request in
+flight failed first); 130 after Ctrl-C; 0 after a clean stop.
 """
 
 from __future__ import annotations

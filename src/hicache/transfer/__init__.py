@@ -1,4 +1,17 @@
-"""Moving pages between the host pool (L2) and the device pool (L1)."""
+"""Moving pages between the host pool (L2) and the device pool (L1): the io backends.
+
+- ``base``: the contract (``IOBackend``: whole pages, one layer or all, in either
+  direction; on CUDA enqueued on the current stream, on the CPU done when it returns);
+- ``direct``: torch copies only (between CPU pools one per page where a page's part is
+  large, batched below; through a staging buffer with CUDA);
+- ``kernel`` (``triton_kernels``): one Triton gather/scatter that reads and writes
+  pinned host memory from the GPU;
+- ``digesting``: with a CPU device, copies a piece at a time that checksum each host
+  page while it is in the CPU cache (writes record the checksum for L3; loads verify
+  pages read from L3).
+
+``create_io_backend`` picks one; ``kernel`` falls back to ``direct`` where it cannot run.
+"""
 
 from __future__ import annotations
 
