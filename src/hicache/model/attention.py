@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hicache.attention.backend import AttentionStep
 from hicache.distributed.sharding import RankShard, Span
-from hicache.model.attention_backend import AttentionStep
 from hicache.model.config import ModelConfig
 from hicache.model.norm import RMSNorm
 from hicache.model.parameter import WeightShards, empty_parameter, part, whole
