@@ -1,4 +1,9 @@
-"""Self-attention layer: fused q/k/v projection, optional qk-norm, RoPE, paged KV write and read."""
+"""Self-attention layer: fused q/k/v projection, optional qk-norm, RoPE, paged KV write and read.
+
+This module holds the layer's weights (the math around attention is ``layer_blocks``');
+attention over the paged pool is the step's backend's (``hicache.attention``), with every
+kernel it runs.
+"""
 
 from __future__ import annotations
 
