@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hicache.attention import triton as triton_attention
 from hicache.kernels import flashinfer_available
-from hicache.kernels import paged_attention_triton as triton_attention
 from tests.attention_reference import (
     TOLERANCE,
     PagedBatch,
@@ -143,7 +143,7 @@ needs_flashinfer = pytest.mark.skipif(not flashinfer_available(), reason="needs 
 def test_flashinfer_matches_reference(
     dtype: torch.dtype, shape: tuple[int, int, int], page_size: int
 ) -> None:
-    from hicache.kernels import flashinfer_attention
+    from hicache.attention import flashinfer as flashinfer_attention
 
     batch = _mixed_batch(*shape, page_size, dtype, seed=11)
     out = flashinfer_attention.extend_attention(
@@ -211,7 +211,7 @@ def test_decode_timings(batch_size: int, context: int) -> None:
         "gather_sdpa": _milliseconds(lambda: _gather_sdpa_decode(batch)),
     }
     if flashinfer_available():
-        from hicache.kernels.flashinfer_attention import FlashInferAttention
+        from hicache.attention.flashinfer import FlashInferAttention
 
         attention = FlashInferAttention()
         attention.plan_decode(batch.page_table, batch.seq_lens, 16, 32, 8, 128, torch.bfloat16)
@@ -238,7 +238,7 @@ def test_extend_timings(prefix: int, new: int) -> None:
         )),
     }
     if flashinfer_available():
-        from hicache.kernels.flashinfer_attention import FlashInferAttention
+        from hicache.attention.flashinfer import FlashInferAttention
 
         attention = FlashInferAttention()
         attention.plan_extend(

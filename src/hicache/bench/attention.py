@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from hicache.attention.backend import ATTENTION_BACKENDS, make_attention_backend
 from hicache.config import ConfigError
-from hicache.model.attention_backend import ATTENTION_BACKENDS, make_attention_backend
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import parse_dtype
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hicache.cache.l3_agreement import L3Progress
+from hicache.cache.l3_context import L3Context
 from hicache.cache.stats import CacheStats
 from hicache.config import CacheConfig
 from hicache.controller.controller import CacheController
@@ -203,9 +204,27 @@ class HierarchicalCache:
             raise
         from hicache.cache.l3 import StorageTier
 
-        self.storage = StorageTier(self, config, backend)
+        self.storage = StorageTier(self._l3_context(self.host_pool), config, backend)
         self.storage_error = None
         logger.info("L3 storage attached: %s", backend.name)
+
+    def _l3_context(self, host_pool: HostPool) -> L3Context:
+        """What an L3 tier may see and change of this cache (``cache/l3_context.py``)."""
+        return L3Context(
+            page_size=self.page_size,
+            host_num_pages=host_pool.num_pages,
+            writes_to_l3=self.writes_to_l3,
+            stats=self.stats,
+            events=self.events,
+            # Read when called: a flush replaces the tree, and the replicated scheduler
+            # sets replicated and its clock after a store may have been attached.
+            tree=lambda: self.tree,
+            replicated=lambda: self.replicated,
+            clock=lambda: self.clock(),
+            alloc_host=self.alloc_host,
+            free_host=host_pool.allocator.free,
+            backup_node=self.backup_node,
+        )
 
     def detach_storage(self) -> None:
         """Drain in-flight L3 work and detach; a no-op when nothing is attached."""

@@ -2,7 +2,8 @@
 
 Runs on the scheduler thread and never blocks on L3: lookups and data movement
 happen on the StorageController's threads; this class turns their finished
-operations into tree and allocator changes in ``poll()``.
+operations into tree and allocator changes in ``poll()``. It reaches the cache only
+through the ``L3Context`` the cache gives it (``cache/l3_context.py``).
 
 Prefetch of a request:
 1. ``start``: the local match ends at an anchor node; if L3 could add at least
@@ -30,13 +31,13 @@ the tree is flushed meanwhile, the pages stay reserved). Handing such a page
 out earlier would let a late write corrupt another prefix's KV, or let the
 store save another prefix's bytes under this key with a matching checksum.
 
-Under tensor parallelism (``cache.replicated``) every decision that changes the
+Under tensor parallelism (``context.replicated()``) every decision that changes the
 tree or the host allocator is taken from the values the ranks agreed: the tier's
 ``agreement`` (``cache/l3_agreement.py``) holds that bookkeeping, and the few places
 below that would act on a rank-local value (a lookup answered, a prefetch complete or
 past its deadline, how much it keeps, when its unkept pages and a stalled read's pages
 are freed, a backup finished, when the pages of a backup whose node a flush dropped are
-freed) hand the decision to it when ``handle.replicated`` (or ``cache.replicated`` for
+freed) hand the decision to it when ``handle.replicated`` (or ``context.replicated()`` for
 backups). A detached tier goes on with that until nothing of it awaits agreement
 (``settled``). Alone (tp 1) the local values are used as they come.
 """
@@ -68,7 +69,7 @@ from hicache.storage.controller import (
 )
 
 if TYPE_CHECKING:
-    from hicache.cache.hierarchical_cache import HierarchicalCache
+    from hicache.cache.l3_context import L3Context
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +124,10 @@ class PrefetchHandle:
 
 class StorageTier:
     def __init__(
-        self, cache: HierarchicalCache, config: StorageConfig, backend: StorageBackend
+        self, context: L3Context, config: StorageConfig, backend: StorageBackend
     ) -> None:
-        assert cache.host_pool is not None
-        self.cache = cache
+        # All this tier sees and changes of the cache it serves.
+        self._context = context
         self.backend = backend
         self.breaker = CircuitBreaker(
             config.breaker_failures, config.breaker_backoff_base, config.breaker_backoff_max,
@@ -136,8 +137,8 @@ class StorageTier:
         self._config = config
         self.controller.start()
         # Feeds the "auto" prefetch deadline; kept when a re-attach only updates policies.
-        self.read_time = ReadTimeEstimate(cache.page_size)
-        self._budget = max(1, int(cache.host_pool.num_pages * config.prefetch_max_host_fraction))
+        self.read_time = ReadTimeEstimate(context.page_size)
+        self._budget = max(1, int(context.host_num_pages * config.prefetch_max_host_fraction))
         # Prefetch pages, quarantined ones included: host memory held for L3 reads.
         self._in_flight_pages = 0
         self._handles: set[PrefetchHandle] = set()
@@ -180,14 +181,15 @@ class StorageTier:
 
     # ------------------------------------------------------------ prefetch
     def start(self, data: bytes, extra_key: str | None) -> PrefetchHandle | None:
-        cache, tree = self.cache, self.cache.tree
-        if cache.replicated and not self.agreement.slot_free:
+        context = self._context
+        tree = context.tree()
+        if context.replicated() and not self.agreement.slot_free:
             return None
         page_bytes = tree.page_bytes
         whole = len(data) // page_bytes
         match = tree.match_prefix(data, extra_key)
-        start_page = match.num_tokens // cache.page_size
-        missing_tokens = (whole - start_page) * cache.page_size
+        start_page = match.num_tokens // context.page_size
+        missing_tokens = (whole - start_page) * context.page_size
         if missing_tokens <= 0 or missing_tokens < self.config.prefetch_threshold:
             return None
         anchor = match.last_node
@@ -195,7 +197,7 @@ class StorageTier:
             return None
         prev = tree.seed(extra_key) if anchor.is_root else tree.page_keys(anchor)[-1]
         keys = chain_page_keys(
-            data[start_page * page_bytes : whole * page_bytes], cache.page_size, prev
+            data[start_page * page_bytes : whole * page_bytes], context.page_size, prev
         )
         tree.protect_host(anchor)
         # wait_complete is bounded too: a store that never completes must not hold the request.
@@ -205,11 +207,11 @@ class StorageTier:
             )
         else:
             wait_s = self.config.prefetch_timeout_max
-        deadline = cache.clock() + wait_s
+        deadline = context.clock() + wait_s
         handle = PrefetchHandle(
             op=PrefetchOp(keys), data=data[: whole * page_bytes], extra_key=extra_key,
             start_page=start_page, anchor=anchor, deadline=deadline,
-            num_requested_tokens=missing_tokens, replicated=cache.replicated,
+            num_requested_tokens=missing_tokens, replicated=context.replicated(),
         )
         handle.op.owner = handle
         self._handles.add(handle)
@@ -227,7 +229,7 @@ class StorageTier:
     def _past_deadline(self, handle: PrefetchHandle) -> bool:
         if handle.replicated:
             return self.agreement.past_deadline(handle)
-        return self.cache.clock() >= handle.deadline
+        return self._context.clock() >= handle.deadline
 
     def ready(self, handle: PrefetchHandle) -> bool:
         """May the request start now, under the prefetch policy?"""
@@ -272,7 +274,7 @@ class StorageTier:
         if handle.replicated:
             landed = min(landed, self.agreement.num_landed_pages(handle))
         if landed:
-            tree = self.cache.tree
+            tree = self._context.tree()
             end = (handle.start_page + landed) * tree.page_bytes
             result = tree.insert_host(
                 handle.data[:end], pages[:landed], handle.start_page, handle.extra_key
@@ -280,14 +282,14 @@ class StorageTier:
             self._free_host(result.duplicate_pages)
             self._in_flight_pages -= landed
             handle.num_kept_pages = landed
-            handle.num_inserted_tokens = landed * self.cache.page_size
-            self.cache.stats.num_storage_hit_tokens += handle.num_inserted_tokens
+            handle.num_inserted_tokens = landed * self._context.page_size
+            self._context.stats.num_storage_hit_tokens += handle.num_inserted_tokens
         # Under tensor parallelism the rest is freed once every rank's I/O for it has
         # returned (the agreement), the same tick everywhere: freeing it when this rank's
         # read ends would leave the ranks different free host pages, so different evictions.
         if not handle.replicated:
             self._release_unkept(handle, claimed)
-        self.cache.tree.unprotect_host(handle.anchor)
+        self._context.tree().unprotect_host(handle.anchor)
         return handle.num_inserted_tokens
 
     def _release_unkept(self, handle: PrefetchHandle, claimed: int) -> None:
@@ -310,18 +312,18 @@ class StorageTier:
     def backup(self, node: TreeNode) -> None:
         """``node``'s device->host copy has landed: queue its pages for L3."""
         assert node.host_pages is not None
-        keys = self.cache.tree.page_keys(node)
-        self.cache.tree.protect_host(node)
+        keys = self._context.tree().page_keys(node)
+        self._context.tree().protect_host(node)
         self._backups[node.id] = node
-        if self.cache.events is not None:
-            self.cache.events.l3_put_issued(node)
+        if self._context.events is not None:
+            self._context.events.l3_put_issued(node)
         op = BackupOp(list(keys), node.host_pages.copy(), node)
-        if self.cache.replicated:
+        if self._context.replicated():
             self.agreement.add_backup(op)
-        if not self.cache.writes_to_l3:
+        if not self._context.writes_to_l3:
             # Another rank writes these pages (MLA under TP: rank 0); for this one the
             # backup is done now, and agreed like any other.
-            if self.cache.replicated:
+            if self._context.replicated():
                 self.agreement.backup_finished(op)
             else:
                 self.settle_backup(op)
@@ -344,7 +346,7 @@ class StorageTier:
                     self._on_returned(op)
                 continue
             if isinstance(op, BackupOp):
-                if self.cache.replicated:  # under tensor parallelism: acknowledged when agreed
+                if self._context.replicated():  # under TP: acknowledged when agreed
                     stalled = any(call.op is op for call in self._stalled_backups)
                     self.agreement.backup_finished(op, stalled)
                 else:
@@ -368,16 +370,16 @@ class StorageTier:
         """A finished backup releases its node (alone: when it finishes; under tensor
         parallelism: once every rank finished it). ``orphan``: a flush dropped its node
         meanwhile, so its host pages, kept until now, are freed."""
-        self.cache.stats.num_storage_backed_up_pages += op.num_stored - op.num_existing
+        self._context.stats.num_storage_backed_up_pages += op.num_stored - op.num_existing
         if orphan:
             self._free_host(op.host_pages)
             return
         node = op.owner
         assert isinstance(node, TreeNode)
         del self._backups[node.id]
-        self.cache.tree.unprotect_host(node)
-        if self.cache.events is not None:
-            self.cache.events.l3_put_done(node, op.num_stored)
+        self._context.tree().unprotect_host(node)
+        if self._context.events is not None:
+            self._context.events.l3_put_done(node, op.num_stored)
 
     def start_read(self, handle: PrefetchHandle, num_found_pages: int) -> bool:
         """Allocate host pages for ``num_found_pages`` (within the budget) and queue their
@@ -386,7 +388,7 @@ class StorageTier:
         if op.cancelled.is_set() or not self.controller.running:
             return False  # detaching: no new reads
         want = min(num_found_pages, self._budget - self._in_flight_pages)
-        pages = self.cache.alloc_host(want) if want > 0 else no_pages()
+        pages = self._context.alloc_host(want) if want > 0 else no_pages()
         if len(pages) == 0:
             handle.no_room = num_found_pages > 0
             return False
@@ -402,7 +404,7 @@ class StorageTier:
         if isinstance(op, BackupOp):
             node = op.owner
             assert isinstance(node, TreeNode)
-            self.cache.tree.protect_host(node)  # on top of the backup's own protection
+            self._context.tree().protect_host(node)  # on top of the backup's own protection
             self._stalled_backups[call] = node
         elif isinstance(op, PrefetchOp) and len(call.host_pages):
             handle = op.owner
@@ -413,7 +415,7 @@ class StorageTier:
     def _on_returned(self, call: StalledCall) -> None:
         node = self._stalled_backups.pop(call, None)
         if node is not None:
-            self.cache.tree.unprotect_host(node)
+            self._context.tree().unprotect_host(node)
         if isinstance(call.op, BackupOp):  # under tensor parallelism, node flushed or not
             self.agreement.backup_returned(call.op)
         pages = self._quarantine.pop(call, None)
@@ -447,7 +449,7 @@ class StorageTier:
         while node is not None and not node.is_root and node.host_pages is None:
             chain.append(node)
             node = node.parent
-        return all(self.cache.backup_node(item) for item in reversed(chain))
+        return all(self._context.backup_node(item) for item in reversed(chain))
 
     def _release_owned(self, handle: PrefetchHandle) -> None:
         self._release_prefetch_pages(handle.owned_pages())
@@ -459,9 +461,7 @@ class StorageTier:
 
     def _free_host(self, pages: PageIds) -> None:
         if len(pages):
-            host = self.cache.host_pool
-            assert host is not None
-            host.allocator.free(pages)
+            self._context.free_host(pages)
 
     # -------------------------------------------------------------- detach
     def clear(self) -> None:
@@ -487,7 +487,7 @@ class StorageTier:
         self.poll()
         for handle in list(self._handles):
             self.finish(handle)
-        if not self.cache.replicated:
+        if not self._context.replicated():
             assert not self._handles and not self._backups, "L3 operations left unsettled"
         self._closing = True
         if not self._close_backend_when_idle():
@@ -531,7 +531,7 @@ class StorageTier:
         agreed finished keeps its pages, on every rank, until they agree it (the
         agreement frees them then, the same tick everywhere).
         """
-        if self.cache.replicated:
+        if self._context.replicated():
             for op in self.agreement.orphan_backups():
                 node = op.owner
                 assert isinstance(node, TreeNode)

@@ -159,11 +159,6 @@ class L3Agreement:
     def add_backup(self, op: BackupOp) -> None:
         self._backup_order.append(op)
 
-    @property
-    def num_pending_backups(self) -> int:
-        """Backups not acknowledged yet (alike on every rank at the start of a tick)."""
-        return len(self._backup_order)
-
     def backup_finished(self, op: BackupOp, stalled: bool = False) -> None:
         """``op`` finished on this rank: acknowledged once agreed; with ``stalled`` (a call
         of it still runs here) only after ``backup_returned``."""

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hicache.attention.backend import ATTENTION_BACKENDS
 from hicache.config import CacheConfig, ConfigError, parse_enum
 from hicache.disaggregation.config import DisaggregationConfig
 from hicache.engine.scheduler import SchedulerConfig
 from hicache.events.config import KVEventsConfig
-from hicache.model.attention_backend import ATTENTION_BACKENDS
 from hicache.model.config import parse_dtype
 from hicache.model.loader import LoadFormat
 from hicache.model.presets import PRESETS
@@ -168,7 +168,7 @@ class RuntimeConfig:
     and the last engine built sets it.
 
     ``attention_backend``: how attention reads the paged pool (``auto``: the fastest
-    that runs on the device; see ``hicache.model.attention_backend``).
+    that runs on the device; see ``hicache.attention.backend``).
     ``prepack_weights``: on the CPU, multiply by oneDNN-packed copies of the weights
     (float32; ``hicache.model.linear``). ``enable_torch_compile``: compile the layers'
     math around attention instead (it replaces packing). ``output_thread``: detokenize

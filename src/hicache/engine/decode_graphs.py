@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.attention.triton import TritonBackend
 from hicache.engine.page_table import ReqToPageTable
 from hicache.memory.device_pool import DevicePool
-from hicache.model.attention_triton import TritonBackend
 from hicache.model.batch import ForwardBatch
 from hicache.model.model import CausalLM
 

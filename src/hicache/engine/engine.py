@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hicache.attention.backend import make_attention_backend
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import ConfigError
 from hicache.distributed.group import SINGLE_RANK, TPGroup
@@ -53,7 +54,6 @@ from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_memory import host_memory_for_pools
 from hicache.memory.machine_memory import available_memory, resident_bytes, trim_heap
 from hicache.memory.sizing import PoolPlan, SizingInputs, plan_pools, reserve_bytes
-from hicache.model.attention_backend import make_attention_backend
 from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.model.identity import model_identity
 from hicache.model.loader import LoadedModel, load_model, resolve_model_dir

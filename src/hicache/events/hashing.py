@@ -26,11 +26,6 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
         raise ValueError(f"token ids must be integers in [0, 2^32): {error}") from None
 
 
-def page_digest(tokens: Sequence[int], parent_digest: bytes | None) -> bytes:
-    """The full SHA-256 digest of one page given its parent's digest."""
-    return _digest(token_bytes(tokens), parent_digest)
-
-
 def _digest(page: bytes, parent_digest: bytes | None) -> bytes:
     hasher = hashlib.sha256()
     if parent_digest is not None:

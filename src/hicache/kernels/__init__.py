@@ -1,9 +1,10 @@
-"""Kernels the model runs outside torch: paged attention reading K/V in place in the pool.
+"""Native code outside torch that more than one package shares, and optional GPU libraries.
 
-On the CPU, a C++ decode kernel built at first use (``cpu_attention``); on CUDA, Triton
-kernels and a FlashInfer wrapper, each importing its library only when a kernel is
-called, so this package imports everywhere; ``triton_available`` and
-``flashinfer_available`` say, without importing either library, whether one can run.
+``cpu_build`` compiles a C++ source once per machine and loads it through ctypes (the
+CPU attention kernel of ``hicache.attention.cpu`` and ``cpu_layer_ops``, the forward's
+one-pass float32 RMSNorm and RoPE). ``availability`` says, without importing either
+library, whether Triton (attention and page-copy kernels) and FlashInfer can run here.
+The attention kernels themselves live with their backends in ``hicache.attention``.
 """
 
 from hicache.kernels.availability import (

@@ -1,4 +1,4 @@
-"""Whether the optional GPU libraries behind the attention kernels can run here.
+"""Whether the optional GPU libraries behind the attention and page-copy kernels can run here.
 
 Nothing here imports Triton or FlashInfer (importing either is slow, and FlashInfer
 may start compiling): presence is read from the import system, and the device from

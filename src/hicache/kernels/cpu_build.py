@@ -1,7 +1,7 @@
-"""Build a C++ source of this package into a shared library once per machine, and load it.
+"""Build a C++ source into a shared library once per machine, and load it.
 
-The CPU kernels (``cpu_paged_attention.cpp``, ``cpu_layer_ops.cpp``) need no torch
-headers: each is compiled at first use with g++ (``-march=native``) into
+The CPU kernels (``attention/cpu_paged_attention.cpp``, ``kernels/cpu_layer_ops.cpp``)
+need no torch headers: each is compiled at first use with g++ (``-march=native``) into
 ``$HICACHE_CACHE_DIR/kernels/``, under a name that hashes the source, the flags,
 the compiler and this CPU, so a changed source or another machine rebuilds, and
 called through ctypes. A library is built beside its final name and renamed, so

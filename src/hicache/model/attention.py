@@ -1,4 +1,9 @@
-"""Self-attention layer: fused q/k/v projection, optional qk-norm, RoPE, paged KV write and read."""
+"""Self-attention layer: fused q/k/v projection, optional qk-norm, RoPE, paged KV write and read.
+
+This module holds the layer's weights (the math around attention is ``layer_blocks``');
+attention over the paged pool is the step's backend's (``hicache.attention``), with every
+kernel it runs.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hicache.attention.backend import AttentionStep
 from hicache.distributed.sharding import RankShard, Span
-from hicache.model.attention_backend import AttentionStep
 from hicache.model.config import ModelConfig
 from hicache.model.norm import RMSNorm
 from hicache.model.parameter import WeightShards, empty_parameter, part, whole

@@ -174,11 +174,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def num_query_groups(self) -> int:
-        """Query heads sharing one KV head (GQA); head h reads KV head h // groups."""
-        return self.num_heads // self.num_kv_heads
-
     def kv_geometry(
         self, dtype: torch.dtype | None = None, *, tp_rank: int = 0, tp_size: int = 1
     ) -> KVGeometry:

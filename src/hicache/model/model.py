@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hicache.attention.backend import AttentionBackend, make_attention_backend
 from hicache.distributed.group import SINGLE_RANK, TPGroup
 from hicache.distributed.sharding import RankShard, shard_model
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.model.attention import Attention, StepInputs
-from hicache.model.attention_backend import AttentionBackend, make_attention_backend
 from hicache.model.batch import BatchError, ForwardBatch
 from hicache.model.config import ModelConfig, ModelConfigError
 from hicache.model.deepseek_layer import DeepseekLayer, MLAStepInputs

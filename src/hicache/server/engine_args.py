@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import socket
 
+from hicache.attention.backend import ATTENTION_BACKENDS
 from hicache.disaggregation.config import (
     DEFAULT_BOOTSTRAP_PORT,
     DEFAULT_TRANSFER_TIMEOUT_S,
@@ -29,7 +30,6 @@ from hicache.engine.config import (
     SchedulingConfig,
 )
 from hicache.engine.scheduler import SchedulerConfig
-from hicache.model.attention_backend import ATTENTION_BACKENDS
 from hicache.model.loader import LoadFormat
 from hicache.model.presets import DEFAULT_PRESET, PRESETS
 from hicache.server.args import (

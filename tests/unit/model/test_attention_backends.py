@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 
+from hicache.attention.backend import make_attention_backend
+from hicache.attention.cpu import CpuPagedBackend
+from hicache.attention.gather import GatherBackend
 from hicache.config import ConfigError
-from hicache.model.attention_backend import make_attention_backend
-from hicache.model.attention_cpu import CpuPagedBackend
-from hicache.model.attention_gather import GatherBackend
 from hicache.model.batch import ForwardBatch
 
 # A fresh interpreter importing torch: seconds when quiet, minutes on a loaded machine. Only
@@ -109,7 +109,7 @@ def test_auto_picks_the_cpu_backend_where_it_builds() -> None:
 def test_auto_falls_back_to_gather_without_the_kernel() -> None:
     # A fresh process: whether the kernel loads is decided once per process.
     code = (
-        "from hicache.model.attention_backend import make_attention_backend as m\n"
+        "from hicache.attention.backend import make_attention_backend as m\n"
         "print(m('auto', 'cpu').name)\n"
         "try:\n    m('cpu', 'cpu')\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
     )

@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.kernels import flashinfer_attention
-from hicache.kernels.availability import flashinfer_available
-from hicache.kernels.flashinfer_attention import (
+from hicache.attention import flashinfer as flashinfer_attention
+from hicache.attention.flashinfer import (
     FlashInferAttention,
     FlashInferUnavailableError,
     paged_cache_view,
     paged_kv_layout,
 )
+from hicache.kernels.availability import flashinfer_available
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from tests.attention_reference import TOLERANCE, make_batch, max_error, reference_attention

@@ -39,8 +39,8 @@ def _compile_all() -> dict[str, dict[str, int]]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hicache.kernels import paged_attention_triton as launcher
-    from hicache.kernels import paged_attention_triton_jit as jit
+    from hicache.attention import triton as launcher
+    from hicache.attention import triton_jit as jit
 
     elem = {"fp16": 2, "bf16": 2, "fp32": 4}
     results: dict[str, dict[str, int]] = {}

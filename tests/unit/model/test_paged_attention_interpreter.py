@@ -106,7 +106,7 @@ _CASES: list[Case] = [
 
 
 def _run_case(case: Case) -> str | None:
-    from hicache.kernels.paged_attention_triton import decode_attention, extend_attention
+    from hicache.attention.triton import decode_attention, extend_attention
 
     dtype = DTYPES[case.dtype]
     try:

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.attention.triton import (
+    AttentionKernelUnavailableError,
+    decode_attention,
+    extend_attention,
+)
 from hicache.kernels.availability import (
     flashinfer_unavailable_reason,
     triton_available,
     triton_unavailable_reason,
-)
-from hicache.kernels.paged_attention_triton import (
-    AttentionKernelUnavailableError,
-    decode_attention,
-    extend_attention,
 )
 from tests.attention_reference import PagedBatch, make_batch
 
@@ -31,7 +31,7 @@ _ROOT = Path(__file__).resolve().parents[3]
 def test_importing_the_kernel_modules_imports_no_gpu_library() -> None:
     code = (
         "import sys\n"
-        "import hicache.kernels.paged_attention_triton, hicache.kernels.flashinfer_attention\n"
+        "import hicache.attention.triton, hicache.attention.flashinfer\n"
         "print(sorted(m for m in ('triton', 'flashinfer') if m in sys.modules))\n"
     )
     child = subprocess.run(

@@ -26,7 +26,7 @@ _ROOT = Path(__file__).resolve().parents[3]
 def _child() -> dict[str, object]:
     import torch
 
-    from hicache.model.attention_backend import make_attention_backend
+    from hicache.attention.backend import make_attention_backend
     from tests.model_scenarios import dummy_model, mixed_batch_vs_alone, small_qwen3_style
 
     model = dummy_model(small_qwen3_style())

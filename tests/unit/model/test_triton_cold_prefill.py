@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from hicache.model import attention_triton
-from hicache.model.attention_backend import make_attention_backend
+from hicache.attention import triton as attention_triton
+from hicache.attention.backend import make_attention_backend
 from hicache.model.batch import ForwardBatch
 
 HEADS, KV_HEADS, DIM, SLOTS = 6, 2, 16, 64

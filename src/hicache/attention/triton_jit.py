@@ -1,7 +1,7 @@
 """Triton kernels of paged attention: queries attend K/V read in place through a page table.
 
-Importing this module imports Triton; ``hicache.kernels.paged_attention_triton``
-(the launchers) does so only when a kernel is first called.
+Importing this module imports Triton; ``hicache.attention.triton`` (the backend and
+the launchers) does so only when a kernel is first called.
 
 Every key, the step's new ones included, is read from the pool: key position n
 of sequence b lives in slot ``page_table[b, n // PAGE_SIZE] * PAGE_SIZE +

@@ -101,7 +101,7 @@ def _unavailable(name: str, device: torch.device) -> str | None:
     if name == "cpu":
         if device.type != "cpu":
             return "it runs on the CPU only"
-        from hicache.kernels.cpu_attention import cpu_kernel_unavailable_reason
+        from hicache.attention.cpu import cpu_kernel_unavailable_reason
 
         return cpu_kernel_unavailable_reason()
     from hicache.kernels.availability import (
@@ -119,17 +119,17 @@ def _unavailable(name: str, device: torch.device) -> str | None:
 
 def _build(name: str, device: torch.device) -> AttentionBackend:
     if name == "cpu":
-        from hicache.model.attention_cpu import CpuPagedBackend
+        from hicache.attention.cpu import CpuPagedBackend
 
         return CpuPagedBackend()
     if name == "triton":
-        from hicache.model.attention_triton import TritonBackend
+        from hicache.attention.triton import TritonBackend
 
         return TritonBackend()
     if name == "flashinfer":
-        from hicache.model.attention_flashinfer import FlashInferBackend
+        from hicache.attention.flashinfer import FlashInferBackend
 
         return FlashInferBackend(device)
-    from hicache.model.attention_gather import GatherBackend
+    from hicache.attention.gather import GatherBackend
 
     return GatherBackend()

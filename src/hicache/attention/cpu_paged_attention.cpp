@@ -1,7 +1,7 @@
 // Paged decode attention for the CPU: one new query token per sequence, its keys and
 // values read where they lie in the paged KV pool, through the sequence's page table.
 //
-// Built at run time by hicache/kernels/cpu_attention.py (g++ -O3 -march=native -fopenmp)
+// Built at run time by hicache/attention/cpu.py (g++ -O3 -march=native -fopenmp)
 // and called through ctypes. OpenMP resolves to the runtime torch already loaded (same
 // soname), so this kernel and torch's own ops share one thread pool.
 //

@@ -1,7 +1,8 @@
-"""Paged attention with FlashInfer: the Triton kernels' two entry points over flashinfer-python.
+"""The FlashInfer attention backend and its wrapper over flashinfer-python (CUDA, when installed).
 
 FlashInfer is optional (CUDA only, not a dependency): it is imported when a
-``FlashInferAttention`` is built. ``flashinfer_available()`` tells whether it can be.
+``FlashInferAttention`` is built. ``kernels.availability.flashinfer_available()``
+tells whether it can be.
 
 The device pool is already a paged K/V cache in FlashInfer's "NHD" layout: one
 layer's K (or V) is ``[num_slots, kv_heads, D]`` contiguous with slot = page *
@@ -13,10 +14,13 @@ rather than as a padded page table; ``paged_kv_layout`` converts one to the othe
 FlashInfer splits every step into ``plan`` (once per step: schedules the work
 from the lengths, reading them on the host) and ``run`` (once per layer). A
 ``FlashInferAttention`` keeps that split: ``plan_decode`` / ``plan_extend`` then
-``decode`` / ``extend`` per layer. ``decode_attention`` / ``extend_attention``
-plan and run in one call, with the same semantics as the Triton entry points
-(causal, aligned to the end of each sequence's context; GQA; scale 1/sqrt(D) by
-default). FlashInfer computes in fp16 or bf16 (not fp32).
+``decode`` / ``extend`` per layer. The plan needs the heads and dtype, which a
+``FlashInferStep`` learns from the first layer's query, so it plans on the first
+``attend`` and every later layer reuses the plan; one ``FlashInferAttention`` (its
+workspace and wrappers) serves every step of a backend. ``decode_attention`` /
+``extend_attention`` plan and run in one call, with the same semantics as the Triton
+entry points (causal, aligned to the end of each sequence's context; GQA; scale
+1/sqrt(D) by default). FlashInfer computes in fp16 or bf16 (not fp32).
 """
 
 from __future__ import annotations
@@ -24,11 +28,15 @@ from __future__ import annotations
 import importlib
 import math
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hicache.attention.backend import AttentionBackend, AttentionStep
 from hicache.kernels.availability import flashinfer_unavailable_reason
+
+if TYPE_CHECKING:
+    from hicache.model.batch import ForwardBatch
 
 # FlashInfer's float workspace: split-KV partial outputs. Its examples use 128 MiB,
 # enough for large batches of long contexts; shared by the decode and prefill wrappers
@@ -39,6 +47,50 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 class FlashInferUnavailableError(RuntimeError):
     """FlashInfer cannot run here (not installed, no CUDA device, or its import failed)."""
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, device: torch.device) -> None:
+        self.kernels = FlashInferAttention(device)
+
+    def prepare(self, batch: ForwardBatch) -> FlashInferStep:
+        return FlashInferStep(self.kernels, batch)
+
+
+class FlashInferStep(AttentionStep):
+    def __init__(self, kernels: FlashInferAttention, batch: ForwardBatch) -> None:
+        self.kernels = kernels
+        self.page_size = batch.page_size
+        self.pages = batch.sequence_pages
+        self.seq_lens = batch.seq_lens_tensor
+        self.decode = batch.num_tokens == batch.num_seqs
+        self.qo_indptr = None
+        if not self.decode:
+            starts = (*batch.token_starts, batch.num_tokens)
+            self.qo_indptr = torch.tensor(starts, dtype=torch.int32).to(self.pages.device)
+        self.planned = False
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        if not self.planned:
+            shape = (q.shape[1], k_cache.shape[1], q.shape[2], q.dtype)
+            if self.qo_indptr is None:
+                self.kernels.plan_decode(self.pages, self.seq_lens, self.page_size, *shape)
+            else:
+                self.kernels.plan_extend(self.pages, self.seq_lens, self.qo_indptr,
+                                         self.page_size, *shape)
+            self.planned = True
+        if self.qo_indptr is None:
+            return self.kernels.decode(q, k_cache, v_cache)
+        return self.kernels.extend(q, k_cache, v_cache)
 
 
 def paged_kv_layout(
@@ -227,7 +279,7 @@ def decode_attention(
     page_size: int,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Same as ``paged_attention_triton.decode_attention``, planned and run by FlashInfer."""
+    """Same as ``attention.triton.decode_attention``, planned and run by FlashInfer."""
     attention = _shared(q.device)
     attention.plan_decode(
         page_table, seq_lens, page_size, q.shape[1], k_cache.shape[1], q.shape[2], q.dtype, scale
@@ -246,7 +298,7 @@ def extend_attention(
     page_size: int,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Same as ``paged_attention_triton.extend_attention``, planned and run by FlashInfer.
+    """Same as ``attention.triton.extend_attention``, planned and run by FlashInfer.
 
     ``max_extend_len`` is accepted for the same signature; FlashInfer's plan reads
     the lengths itself.

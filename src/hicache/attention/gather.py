@@ -2,8 +2,7 @@
 
 Correct on every device and simple to read, so the other backends are tested
 against it; it copies every context per layer per step, which the paged
-backends (``attention_cpu``, ``attention_triton``, ``attention_flashinfer``)
-avoid by reading K/V in place.
+backends (``cpu``, ``triton``, ``flashinfer``) avoid by reading K/V in place.
 
 An ``AttentionPlan`` is built once per forward step from the batch's host-side
 lengths and shared by every layer. It sorts the sequences into three kinds,
@@ -29,11 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from hicache.model.attention_backend import AttentionBackend, AttentionStep
+from hicache.attention.backend import AttentionBackend, AttentionStep
+from hicache.attention.sdpa import causal_attention
 from hicache.model.batch import ForwardBatch
-
-# enable_gqa appeared in torch 2.5; older versions get K/V heads repeated instead.
-SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 @dataclass(frozen=True)
@@ -166,17 +163,6 @@ def attend(
     return out
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    # [n, heads, D] -> [1, heads, n, D]: the layout SDPA's fused kernels take.
-    out = _sdpa_gqa(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        is_causal=True,
-    )
-    return out[0].transpose(0, 1)  # [n, heads, D]
-
-
 def _with_context(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -213,14 +199,3 @@ def _decode(
     v_ctx = v_cache[group.slots].transpose(1, 2)
     out = F.scaled_dot_product_attention(q_rows, k_ctx, v_ctx, attn_mask=group.key_mask)
     return out.reshape(num_seqs, num_heads, head_dim)
-
-
-def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
-    """SDPA with q [1, heads, n, D] over k, v [1, kv_heads, n, D]."""
-    groups = q.shape[1] // k.shape[1]
-    if groups == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-    if SDPA_HAS_GQA:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)

@@ -1,6 +1,15 @@
-"""Paged attention with Triton: decode and extend read K/V in place through a page table.
+"""The Triton attention backend and its launchers: decode and extend read K/V in place.
 
-What both entry points get, for one forward step (shared by every layer):
+The backend: a batch of decodes runs the decode kernel (split over long contexts and
+merged); a batch of cold prefills (no context in the pool yet) attends each prompt's
+own fresh K/V with torch's causal SDPA (the flash kernel on GPU, as a plain prefill:
+the extend kernel trailed it on long prompts); any other mix runs the extend kernel,
+which takes decode rows too. Triton's CPU interpreter runs the same kernels on CPU
+tensors (``TRITON_INTERPRET=1``), which is how the tests check this backend without
+a GPU.
+
+What both kernel entry points (``decode_attention``, ``extend_attention``) get, for
+one forward step (shared by every layer):
 
 - ``k_cache``, ``v_cache``: one layer of the device pool, ``[num_slots, kv_heads, D]``,
   slot = page * page_size + offset in the page (``DevicePool.k_buffer(layer)``). The
@@ -16,12 +25,12 @@ and attends the keys at positions up to its own. Scores, softmax and the output
 accumulate in fp32; the output has q's dtype.
 
 Nothing here reads a length back to the host: grids are sized from shapes and
-from the caller's host-side bounds (``max_extend_len``, ``max_seq_len``), so a
-launch never waits for the GPU.
+from the caller's host-side bounds (``max_extend_len``, ``max_seq_len``), so neither
+a step's plan nor a launch waits for the GPU.
 
-Triton is imported when a kernel is first called (``paged_attention_triton_jit``),
-so this module imports where Triton is missing. Under the Triton interpreter
-(``TRITON_INTERPRET=1``, set before that first call) CPU tensors are accepted.
+Triton is imported when a kernel is first called (``triton_jit``), so this module
+imports where Triton is missing. Under the Triton interpreter (``TRITON_INTERPRET=1``,
+set before that first call) CPU tensors are accepted.
 """
 
 from __future__ import annotations
@@ -31,10 +40,16 @@ import functools
 import importlib
 import math
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.attention.backend import AttentionBackend, AttentionStep
+from hicache.attention.sdpa import causal_attention
 from hicache.kernels.availability import triton_interpreting, triton_unavailable_reason
+
+if TYPE_CHECKING:
+    from hicache.model.batch import ForwardBatch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -53,6 +68,57 @@ _PROGRAMS_PER_SM = 2
 
 class AttentionKernelUnavailableError(RuntimeError):
     """The Triton attention kernels cannot run here (no Triton, or tensors it cannot reach)."""
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    # Decode: lengths from the device tensor, max(seq_lens) only sizes the key splits
+    # (the last split of a sequence runs to its true end).
+    reads_device_lengths = True
+
+    def prepare(self, batch: ForwardBatch) -> TritonStep:
+        return TritonStep(batch)
+
+
+class TritonStep(AttentionStep):
+    def __init__(self, batch: ForwardBatch) -> None:
+        self.page_size = batch.page_size
+        self.pages = batch.sequence_pages
+        self.seq_lens = batch.seq_lens_tensor
+        self.max_seq_len = max(batch.seq_lens)
+        self.all_decode = batch.num_tokens == batch.num_seqs
+        self.max_extend = max(batch.extend_lens)
+        self.qo_indptr = None
+        # Every sequence a prompt with nothing in the pool before it: [start, end) rows.
+        self.cold_rows: list[tuple[int, int]] | None = None
+        cold = all(e == s for e, s in zip(batch.extend_lens, batch.seq_lens, strict=True))
+        if cold and not self.all_decode:
+            ends = (*batch.token_starts[1:], batch.num_tokens)
+            self.cold_rows = list(zip(batch.token_starts, ends, strict=True))
+        elif not self.all_decode:
+            starts = (*batch.token_starts, batch.num_tokens)
+            self.qo_indptr = torch.tensor(starts, dtype=torch.int32).to(self.pages.device)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.cold_rows is not None:
+            if len(self.cold_rows) == 1:
+                return causal_attention(q, k, v)
+            out = torch.empty_like(q)
+            for start, end in self.cold_rows:
+                out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end])
+            return out
+        if self.qo_indptr is None:
+            return decode_attention(q, k_cache, v_cache, self.pages, self.seq_lens,
+                                    self.page_size, max_seq_len=self.max_seq_len)
+        return extend_attention(q, k_cache, v_cache, self.pages, self.seq_lens, self.qo_indptr,
+                                self.max_extend, self.page_size)
 
 
 def decode_attention(
@@ -252,7 +318,7 @@ def _kernels(device: torch.device) -> ModuleType:
     if reason is not None:
         raise AttentionKernelUnavailableError(f"Triton attention cannot run: {reason}")
     try:
-        return importlib.import_module("hicache.kernels.paged_attention_triton_jit")
+        return importlib.import_module("hicache.attention.triton_jit")
     except ImportError as error:  # a broken Triton install
         raise AttentionKernelUnavailableError(
             f"Triton attention cannot run: importing Triton failed: {error}"
@@ -285,7 +351,7 @@ def _scale_log2(scale: float | None, head_dim: int) -> float:
 
 
 def _dot_mode(kernels: ModuleType, dtype: torch.dtype) -> int:
-    """How the kernels multiply (see paged_attention_triton_jit's docstring)."""
+    """How the kernels multiply (see triton_jit's docstring)."""
     if dtype == torch.float32:
         return int(kernels.DOT_IEEE)  # exact products: tf32 would keep 10 mantissa bits
     if dtype == torch.bfloat16 and triton_interpreting():
