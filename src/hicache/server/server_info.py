@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from hicache.model.byte_tokenizer_dir import byte_tokenizer_dir
 from hicache.model.loader import resolve_model_dir
-from hicache.model.tokenizer import ByteTokenizer, Tokenizer
 from hicache.storage.config import load_extra_config
+from hicache.tokenizer.base import ByteTokenizer, Tokenizer
+from hicache.tokenizer.byte_level_dir import byte_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 

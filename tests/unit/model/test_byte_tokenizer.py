@@ -15,8 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.model import ByteTokenizer
-from hicache.model.tokenizer import load_tokenizer
+from hicache.tokenizer.base import ByteTokenizer, load_tokenizer
 
 MEGABYTE = 2**20
 

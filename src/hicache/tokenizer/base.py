@@ -3,7 +3,7 @@
 ``Tokenizer`` is what the server uses: encode / decode, the chat template, and
 the ids that end generation. ``load_tokenizer(path)`` picks ``HFTokenizer``
 when the model dir has a tokenizer.json and ``ByteTokenizer`` otherwise (dummy
-models). Streaming decode lives in ``hicache.model.detokenizer``.
+models). Streaming decode lives in ``hicache.tokenizer.detokenizer``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache.model.chat_content import ContentError, takes_content_parts, template_content
-from hicache.model.chat_template import ChatTemplate, ChatTemplateError, Message
+from hicache.tokenizer.chat_content import ContentError, takes_content_parts, template_content
+from hicache.tokenizer.chat_template import ChatTemplate, ChatTemplateError, Message
 
 logger = logging.getLogger(__name__)
 
