@@ -24,7 +24,7 @@ ROUTER = """
 import hicache.router.serve as serve
 from hicache.cli import main
 from hicache.router.prompt import PromptKind, prompt_token_ids
-from hicache.tokenizer.base import load_tokenizer
+from hicache.tokenizer.load import load_tokenizer
 
 def build_without_serving(settings, index_factory, policy_factory):
     index = index_factory()
@@ -49,7 +49,7 @@ import hicache.tokenizer
 for module in pkgutil.iter_modules(hicache.tokenizer.__path__):
     importlib.import_module(f"hicache.tokenizer.{module.name}")
 
-from hicache.tokenizer.base import load_tokenizer
+from hicache.tokenizer.load import load_tokenizer
 from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 from hicache.tokenizer.gguf import GGUFTokenizerFiles
 

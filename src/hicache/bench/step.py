@@ -41,7 +41,7 @@ from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.model.batch import ForwardBatch
 from hicache.model.model import CausalLM
-from hicache.tokenizer.base import ByteTokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
 from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 
 DEFAULT_CASES = ("256x2048", "1000x1024")

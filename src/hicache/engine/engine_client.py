@@ -56,7 +56,8 @@ from hicache.engine.engine_process import EngineInfo, run_engine_process, run_fo
 from hicache.engine.grammar import Grammars
 from hicache.engine.output_thread import put_all
 from hicache.net import free_port
-from hicache.tokenizer.base import Tokenizer, load_tokenizer
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.load import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -131,7 +131,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
     ids that end generation. ``vocab_size`` is the model's (its logits' width)."""
     import xgrammar as xgr
 
-    from hicache.tokenizer.base import ByteTokenizer, HFTokenizer
+    from hicache.tokenizer.byte_level import ByteTokenizer
+    from hicache.tokenizer.hf import HFTokenizer
 
     stop_ids = list(tokenizer.eos_token_ids)
     if isinstance(tokenizer, HFTokenizer):

@@ -27,7 +27,9 @@ from hicache.model.gguf_cache import gguf_serving_dtype, prepare_gguf
 from hicache.model.model import CausalLM
 from hicache.model.presets import DEFAULT_PRESET, get_preset
 from hicache.model.weights import init_dummy_weights, load_safetensors
-from hicache.tokenizer.base import ByteTokenizer, Tokenizer, load_tokenizer
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
+from hicache.tokenizer.load import load_tokenizer
 
 
 class LoadFormat(str, Enum):

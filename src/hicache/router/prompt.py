@@ -23,7 +23,8 @@ from hicache.events.hashing import page_hashes
 from hicache.server.chat_prompt import chat_prompt_ids
 from hicache.server.chat_protocol import ChatCompletionRequest
 from hicache.server.errors import APIError
-from hicache.tokenizer.base import Tokenizer, load_tokenizer
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.load import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from hicache.storage.config import load_extra_config
-from hicache.tokenizer.base import ByteTokenizer, Tokenizer
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
 from hicache.tokenizer.byte_level_dir import byte_tokenizer_dir
 
 logger = logging.getLogger(__name__)

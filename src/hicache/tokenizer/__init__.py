@@ -1,7 +1,8 @@
 """Tokenizers, chat templates and streaming detokenization, without torch.
 
-``base`` is what the server and the router use (``Tokenizer``, ``HFTokenizer``
-over a tokenizer.json, the byte-level ``ByteTokenizer``, ``load_tokenizer``);
+``base.Tokenizer`` is what the server, the engine and the router use; ``hf``
+implements it over a checkpoint's tokenizer.json, ``byte_level`` over UTF-8
+bytes for models without one, and ``load.load_tokenizer`` picks between them.
 ``chat_template`` renders a checkpoint's Jinja template, ``chat_content`` shapes
 message content for it, ``detokenizer`` turns a growing token sequence into text
 deltas, ``gguf`` rebuilds a GGUF file's tokenizer as tokenizer files and

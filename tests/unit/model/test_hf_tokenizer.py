@@ -22,8 +22,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from hicache.model.errors import ModelConfigError
 from hicache.model.loader import load_model
 from hicache.model.presets import get_preset
-from hicache.tokenizer.base import HFTokenizer, TokenizerError
+from hicache.tokenizer.base import TokenizerError
 from hicache.tokenizer.detokenizer import IncrementalDetokenizer
+from hicache.tokenizer.hf import HFTokenizer
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

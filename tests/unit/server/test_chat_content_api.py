@@ -23,8 +23,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from hicache.model.presets import get_preset
 from hicache.server.app import create_app
-from hicache.tokenizer.base import HFTokenizer
 from hicache.tokenizer.chat_content import TEXT_PART_SEPARATOR
+from hicache.tokenizer.hf import HFTokenizer
 from tests.server_fixtures import serve_app_in_thread, serve_in_thread
 from tests.unit.model.test_hf_tokenizer import write_tokenizer
 from tests.unit.server.test_chat_tools import IM_END, ScriptedEngine

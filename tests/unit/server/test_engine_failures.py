@@ -12,7 +12,7 @@ import pytest
 
 from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest, RequestError
 from hicache.server.app import create_app
-from hicache.tokenizer.base import ByteTokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
 from tests.server_fixtures import serve_app_in_thread
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from hicache.engine.api import CachedTokens, GenerateOutput, SamplingParams
 from hicache.server.output_text import OutputText, TextOptions, finish_reason
-from hicache.tokenizer.base import ByteTokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 EOS = TOKENIZER.eos_token_ids[0]

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from hicache.tokenizer.base import ByteTokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
 from hicache.tokenizer.byte_level_dir import byte_tokenizer_dir
 from tests.server_fixtures import RunningServer, serve_in_thread
 
