@@ -458,8 +458,8 @@ def shared_pool_for_worker(server_info: Mapping[str, Any]) -> FileSharedPool | M
     if not isinstance(extra, Mapping):
         raise ValueError("the worker's hicache_storage_backend_extra_config is not an object")
     if backend == "file":
-        # Imported here: the file backend's module reads pages through torch, which the
-        # router never imports (tests/unit/test_router_imports.py); only its default is used.
+        # Imported here: the file backend's module reads pages through torch, which a router
+        # not asking a file L3 never loads (tests/unit/test_router_imports.py).
         from hicache.storage.file import default_path
 
         # The worker's default directory is the local cache dir, as it is here.
