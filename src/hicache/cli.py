@@ -35,8 +35,14 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
            "prefill-decode pair: TTFT and ITL side by side"),
 }
 
+_COMMANDS = ("serve", "router", "demo", "bench")
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with ``only``, the other commands are named (for --help)
+    but their arguments, and the modules defining them, are not loaded: ``hicache
+    router`` must not import the server's engine and torch with it (see
+    tests/unit/test_router_imports.py)."""
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
     parser.add_argument(
         "--log-level", default=None, help="python logging level (default: info for serve, "
@@ -48,27 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="OpenAI-compatible HTTP server with the L1/L2/L3 KV cache",
         description="Serve a model over HTTP (OpenAI and SGLang-style APIs).",
     )
-    from hicache.server.serve import add_arguments as add_serve_arguments
+    if only in (None, "serve"):
+        from hicache.server.serve import add_arguments as add_serve_arguments
 
-    add_serve_arguments(serve)
+        add_serve_arguments(serve)
 
     router = sub.add_parser(
         "router", help="route requests over several workers by where their prefix is cached",
         description="Proxy OpenAI and SGLang-style requests to workers, choosing each one "
         "from the KV events the workers publish.",
     )
-    from hicache.router.settings import add_arguments as add_router_arguments
+    if only in (None, "router"):
+        from hicache.router.settings import add_arguments as add_router_arguments
 
-    add_router_arguments(router)
+        add_router_arguments(router)
 
     demo = sub.add_parser("demo", help="fill L1, spill to L2, load back, and show what happened")
-    from hicache.demo import add_arguments as add_demo_arguments
+    if only in (None, "demo"):
+        from hicache.demo import add_arguments as add_demo_arguments
 
-    add_demo_arguments(demo)
+        add_demo_arguments(demo)
 
     bench = sub.add_parser("bench", help="micro-benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name, (module_name, help_text) in _BENCHMARKS.items():
+    for name, (module_name, help_text) in _BENCHMARKS.items() if only in (None, "bench") else ():
         bench_parser = bench_sub.add_parser(name, help=help_text)
         bench_parser.set_defaults(_module=module_name)
         module = importlib.import_module(module_name)
@@ -76,8 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names (its first word that is no option nor --log-level's
+    value), or None when it names none this program has: then every parser is built."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in _COMMANDS else None
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(only=_command(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     level = args.log_level or ("info" if args.command in ("serve", "router") else "warning")
     logging.basicConfig(

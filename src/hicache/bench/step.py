@@ -40,9 +40,9 @@ from hicache.engine.scheduler import Scheduler, SchedulerConfig
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.model.batch import ForwardBatch
-from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.model.model import CausalLM
-from hicache.model.tokenizer import ByteTokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
+from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 
 DEFAULT_CASES = ("256x2048", "1000x1024")
 

@@ -54,7 +54,6 @@ from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_memory import host_memory_for_pools
 from hicache.memory.machine_memory import available_memory, resident_bytes, trim_heap
 from hicache.memory.sizing import PoolPlan, SizingInputs, plan_pools, reserve_bytes
-from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.model.identity import model_identity
 from hicache.model.loader import LoadedModel, load_model, resolve_model_dir
 from hicache.model.model import CausalLM
@@ -63,6 +62,7 @@ from hicache.storage.base import StorageError
 from hicache.storage.config import load_extra_config, storage_config
 from hicache.storage.controller import StorageMetrics
 from hicache.storage.frame import PayloadOrder
+from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 

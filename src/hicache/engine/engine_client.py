@@ -55,8 +55,9 @@ from hicache.engine.config import EngineConfig
 from hicache.engine.engine_process import EngineInfo, run_engine_process, run_follower_process
 from hicache.engine.grammar import Grammars
 from hicache.engine.output_thread import put_all
-from hicache.model.tokenizer import Tokenizer, load_tokenizer
 from hicache.net import free_port
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.load import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import torch
 from hicache.engine.api import GRAMMAR_KINDS, GrammarSpec, RequestError
 
 if TYPE_CHECKING:
-    from hicache.model.tokenizer import Tokenizer
+    from hicache.tokenizer.base import Tokenizer
 
 # Compiled grammars kept per Grammars (one per engine): a schema compiles in milliseconds,
 # but agent frameworks send the same few schemas over and over.
@@ -131,7 +131,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
     ids that end generation. ``vocab_size`` is the model's (its logits' width)."""
     import xgrammar as xgr
 
-    from hicache.model.tokenizer import ByteTokenizer, HFTokenizer
+    from hicache.tokenizer.byte_level import ByteTokenizer
+    from hicache.tokenizer.hf import HFTokenizer
 
     stop_ids = list(tokenizer.eos_token_ids)
     if isinstance(tokenizer, HFTokenizer):

@@ -24,8 +24,8 @@ from hicache.engine.output_thread import Stream
 from hicache.engine.penalties import PenaltyState
 from hicache.engine.sampling import is_greedy
 from hicache.memory.allocator import PageIds
-from hicache.model.detokenizer import IncrementalDetokenizer
 from hicache.radix.results import no_pages
+from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 class Phase(str, Enum):

@@ -1,40 +1,12 @@
-"""The model layer: Llama / Qwen2 / Qwen3 decoders over the paged KV pool, weights, tokenizers.
+"""The model layer: Llama / Qwen2 / Qwen3 and DeepSeek decoders over the paged KV pool, weights.
 
-Entry points: ``load_model`` (model + config + tokenizer, from a model dir, a GGUF
-file converted once into the local cache, or a preset), ``CausalLM.forward``
-(one engine step over a ``ForwardBatch``), ``IncrementalDetokenizer`` (streaming text).
+Entry points: ``loader.load_model`` (model + config + tokenizer, from a model dir,
+a GGUF file converted once into the local cache, or a preset) and
+``model.CausalLM.forward`` (one engine step over a ``batch.ForwardBatch``).
+Tokenizers live in ``hicache.tokenizer``.
+
+This file imports nothing: importing a torch-free module of the package
+(``errors``, ``default_model``) must not pull in torch and the models with it,
+which is what keeps ``hicache router`` and the tokenizer package torch-free.
+Import what you need from its own module.
 """
-
-from __future__ import annotations
-
-from hicache.model.batch import BatchError, ForwardBatch
-from hicache.model.config import Architecture, ModelConfig, ModelConfigError, parse_dtype
-from hicache.model.detokenizer import IncrementalDetokenizer
-from hicache.model.gguf import GGUFError
-from hicache.model.loader import LoadedModel, LoadFormat, load_model
-from hicache.model.model import CausalLM
-from hicache.model.presets import PRESETS, get_preset
-from hicache.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError
-from hicache.model.weights import WeightLoadError
-
-__all__ = [
-    "PRESETS",
-    "Architecture",
-    "BatchError",
-    "ByteTokenizer",
-    "CausalLM",
-    "ForwardBatch",
-    "GGUFError",
-    "HFTokenizer",
-    "IncrementalDetokenizer",
-    "LoadFormat",
-    "LoadedModel",
-    "ModelConfig",
-    "ModelConfigError",
-    "Tokenizer",
-    "TokenizerError",
-    "WeightLoadError",
-    "get_preset",
-    "load_model",
-    "parse_dtype",
-]

@@ -23,16 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hicache.config import ConfigError
 from hicache.distributed.sharding import kv_head_span
 from hicache.memory.geometry import KVGeometry
+from hicache.model.errors import ModelConfigError
 
 if TYPE_CHECKING:
     from hicache.model.deepseek_config import MLAShape, MoEShape, YarnRopeScaling
-
-
-class ModelConfigError(ConfigError):
-    """A model config we cannot serve; the message names the field and what is supported."""
 
 
 class Architecture(str, Enum):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from hicache.model.config import ModelConfigError
+from hicache.model.errors import ModelConfigError
 
 if TYPE_CHECKING:
     from hicache.model.config import Architecture, ModelConfig

@@ -3,7 +3,7 @@
 A GGUF file carries the model's shape as metadata under llama.cpp's key names
 (``llama.block_count``, ``llama.attention.head_count`` ...), every weight under
 llama.cpp's tensor names (``blk.3.attn_q.weight``), most of them quantized in
-blocks, and the tokenizer (see ``gguf_tokenizer``). ``GGUFModel`` reads one
+blocks, and the tokenizer (see ``hicache.tokenizer.gguf``). ``GGUFModel`` reads one
 and hands out what our model-dir loader understands: a ``ModelConfig`` and each
 weight dequantized to float32 under its Hugging Face name and layout.
 
@@ -25,13 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.model.config import Architecture, ModelConfig, ModelConfigError, dtype_name
+from hicache.model.config import Architecture, ModelConfig, dtype_name
+from hicache.model.errors import GGUFError, ModelConfigError
 
 GGUF_MAGIC = b"GGUF"
-
-
-class GGUFError(ModelConfigError):
-    """A GGUF file we cannot serve; the message names the key, tensor or type at fault."""
 
 
 _ARCHITECTURES = {

@@ -32,10 +32,11 @@ import xxhash
 
 from hicache.local_cache import local_cache_dir
 from hicache.model.config import dtype_name, parse_dtype
-from hicache.model.gguf import GGUFError, GGUFModel
-from hicache.model.gguf_tokenizer import GGUFTokenizerFiles
+from hicache.model.errors import GGUFError
+from hicache.model.gguf import GGUFModel
 from hicache.model.model import CausalLM
 from hicache.model.safetensors_writer import SafetensorsWriter
+from hicache.tokenizer.gguf import GGUFTokenizerFiles
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,16 @@ import torch
 
 from hicache.config import ConfigError
 from hicache.distributed.group import TPGroup
-from hicache.model.config import ModelConfig, ModelConfigError, parse_dtype
+from hicache.model.config import ModelConfig, parse_dtype
+from hicache.model.errors import ModelConfigError
 from hicache.model.gguf import is_gguf_file
 from hicache.model.gguf_cache import gguf_serving_dtype, prepare_gguf
 from hicache.model.model import CausalLM
 from hicache.model.presets import DEFAULT_PRESET, get_preset
-from hicache.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hicache.model.weights import init_dummy_weights, load_safetensors
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
+from hicache.tokenizer.load import load_tokenizer
 
 
 class LoadFormat(str, Enum):

@@ -34,8 +34,9 @@ from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.model.attention import Attention, StepInputs
 from hicache.model.batch import BatchError, ForwardBatch
-from hicache.model.config import ModelConfig, ModelConfigError
+from hicache.model.config import ModelConfig
 from hicache.model.deepseek_layer import DeepseekLayer, MLAStepInputs
+from hicache.model.errors import ModelConfigError
 from hicache.model.layer_blocks import (
     attention_output,
     feed_forward,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from hicache.model.config import Architecture, Llama3RopeScaling, ModelConfig, ModelConfigError
+from hicache.model.config import Architecture, Llama3RopeScaling, ModelConfig
+from hicache.model.errors import ModelConfigError
 
 # deepseek-ai/DeepSeek-V2-Lite's config.json (the keys that shape the model): MLA without
 # q_lora_rank, 64 routed experts (6 per token) + 2 shared, the first layer dense.

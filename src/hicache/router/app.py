@@ -34,7 +34,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from hicache import __version__
-from hicache.model.tokenizer import Tokenizer
 from hicache.router.fan_out import fan_out_answer
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.prompt import PromptKind, PromptTokenizer, prompt_pages
@@ -46,6 +45,7 @@ from hicache.server.admin_api import check_bearer
 from hicache.server.body import sized_off_loop
 from hicache.server.body_limit import BodyLimitMiddleware
 from hicache.server.errors import APIError, install_error_handlers
+from hicache.tokenizer.base import Tokenizer
 
 OVERRIDE_FIELD = "router_config_override"
 _OVERRIDE_KEYS = ("shared_cache_multiplier",)

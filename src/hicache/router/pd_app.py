@@ -29,7 +29,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from hicache import __version__
-from hicache.model.tokenizer import Tokenizer
 from hicache.router.app import (
     OVERRIDE_FIELD,
     aborts_all,
@@ -49,6 +48,7 @@ from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
 from hicache.router.workers import Worker, WorkerInfo, WorkerRegistry
 from hicache.server.body_limit import BodyLimitMiddleware
 from hicache.server.errors import install_error_handlers
+from hicache.tokenizer.base import Tokenizer
 
 
 @dataclass

@@ -20,10 +20,11 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from hicache.events.hashing import page_hashes
-from hicache.model.tokenizer import Tokenizer, load_tokenizer
 from hicache.server.chat_prompt import chat_prompt_ids
 from hicache.server.chat_protocol import ChatCompletionRequest
 from hicache.server.errors import APIError
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.load import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

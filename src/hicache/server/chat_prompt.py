@@ -13,7 +13,7 @@ Content follows the OpenAI API per role: an assistant message may leave it out
 or null (one carrying ``tool_calls`` does, in every agent loop); a system,
 developer, user or tool message must have it (a 400 otherwise). How content
 reaches the template (parts joined or kept, null as "", non-text parts refused)
-is ``hicache.model.chat_content``'s rule, applied by the tokenizer.
+is ``hicache.tokenizer.chat_content``'s rule, applied by the tokenizer.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hicache.model.chat_template import continue_final_message
-from hicache.model.tokenizer import Tokenizer
 from hicache.server.chat_protocol import ChatCompletionRequest
 from hicache.server.errors import APIError
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.chat_template import continue_final_message
 
 # Fields of a reply's message that a client sends back unchanged; not part of the conversation
 # as a chat template sees it (a refusal's text stands in for absent content).

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicache.engine.api import LogprobParams, TokenLogprob
-from hicache.model.tokenizer import Tokenizer
+from hicache.tokenizer.base import Tokenizer
 
 
 class TokenTexts:

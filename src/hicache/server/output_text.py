@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.engine.api import GenerateOutput, SamplingParams
-from hicache.model.detokenizer import IncrementalDetokenizer
-from hicache.model.tokenizer import Tokenizer
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from hicache.model.byte_tokenizer_dir import byte_tokenizer_dir
-from hicache.model.loader import resolve_model_dir
-from hicache.model.tokenizer import ByteTokenizer, Tokenizer
 from hicache.storage.config import load_extra_config
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
+from hicache.tokenizer.byte_level_dir import byte_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,10 @@ def client_tokenizer_path(
     cache; a model served with the byte-level tokenizer (dummy weights) gets that
     tokenizer written out as files. None when no such dir can be had.
     """
+    # Imported here: model loading needs torch, and the router, which never imports torch
+    # (tests/unit/test_router_imports.py), imports this module for the public config.
+    from hicache.model.loader import resolve_model_dir
+
     try:
         if isinstance(tokenizer, ByteTokenizer):
             return str(byte_tokenizer_dir())

@@ -11,11 +11,11 @@ from typing import Any, Protocol
 from fastapi import Request
 
 from hicache.engine.api import EngineProtocol
-from hicache.model.tokenizer import Tokenizer
 from hicache.server.errors import APIError
 from hicache.server.l3_path_root import resolve_root
 from hicache.server.metrics import ServerMetrics
 from hicache.server.server_info import ServerInfo
+from hicache.tokenizer.base import Tokenizer
 
 
 class ServedEngine(EngineProtocol, Protocol):

@@ -12,9 +12,9 @@ from __future__ import annotations
 from starlette.concurrency import run_in_threadpool
 
 from hicache.engine.api import EngineProtocol
-from hicache.model.tokenizer import Tokenizer
 from hicache.server.chat_prompt import chat_prompt_ids
 from hicache.server.chat_protocol import ChatCompletionRequest
+from hicache.tokenizer.base import Tokenizer
 
 
 async def tokenize(engine: EngineProtocol, text: str) -> list[int]:

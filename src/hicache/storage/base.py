@@ -28,13 +28,15 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from hicache.memory.allocator import PageIds
-from hicache.memory.host_pool import HostPool
 from hicache.storage.failure_reasons import CountedReason, FailureReason
+
+if TYPE_CHECKING:  # the pool is torch's; backends' settings and the router import this torch-free
+    from hicache.memory.host_pool import HostPool
 
 PAGE_KEY_BYTES = 16
 # Largest batch a backend is handed; callers split longer chains.

@@ -18,7 +18,8 @@ import torch
 from hicache.distributed.group import TPGroup
 from hicache.memory.device_pool import DevicePool
 from hicache.model.batch import ForwardBatch
-from hicache.model.config import ModelConfig, ModelConfigError
+from hicache.model.config import ModelConfig
+from hicache.model.errors import ModelConfigError
 from hicache.model.loader import load_model
 from hicache.model.model import CausalLM
 from hicache.model.weights import init_dummy_weights

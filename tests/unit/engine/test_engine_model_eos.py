@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hicache.engine.engine import Engine
-from hicache.model import ByteTokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
 from tests.engine_helpers import run
 from tests.model_scenarios import random_tokens
 from tests.unit.model.hf_checkpoints import VOCAB, hf_greedy_decode, variants, write_checkpoint

@@ -17,8 +17,8 @@ import hicache.engine.scheduler as scheduler_module
 from hicache.engine.api import GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
 from hicache.engine.sampling import make_generator, sample_tokens
-from hicache.model.detokenizer import IncrementalDetokenizer
-from hicache.model.tokenizer import Tokenizer
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 from tests.engine_helpers import run, run_many
 
 FAILING_SEED = 13  # the request whose sampler the sampler fault hits

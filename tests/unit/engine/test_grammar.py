@@ -20,7 +20,7 @@ from hicache.engine.api import (
 )
 from hicache.engine.engine import Engine
 from hicache.engine.grammar import Grammars, mask_logits
-from hicache.model.tokenizer import ByteTokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
 from tests.engine_helpers import run, run_many
 
 PAGE = 16

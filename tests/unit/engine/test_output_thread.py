@@ -19,8 +19,8 @@ import torch
 import hicache.engine.engine as engine_module
 from hicache.engine.api import GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
-from hicache.model.detokenizer import IncrementalDetokenizer
-from hicache.model.tokenizer import Tokenizer
+from hicache.tokenizer.base import Tokenizer
+from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 from tests.engine_helpers import Run, run, run_many
 
 FLAGS = ("--page-size", "4", "--max-total-tokens", "2048")

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.model import ByteTokenizer
-from hicache.model.tokenizer import load_tokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
+from hicache.tokenizer.load import load_tokenizer
 
 MEGABYTE = 2**20
 

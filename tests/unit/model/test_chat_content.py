@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from hicache.model.chat_content import ContentError, takes_content_parts, template_content
-from hicache.model.chat_template import ChatTemplate
+from hicache.tokenizer.chat_content import ContentError, takes_content_parts, template_content
+from hicache.tokenizer.chat_template import ChatTemplate
 
 
 def probe(source: str) -> bool:

@@ -15,9 +15,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hicache.model import CausalLM, ForwardBatch, load_model
+from hicache.model.batch import ForwardBatch
 from hicache.model.config import Architecture
+from hicache.model.loader import load_model
 from hicache.model.mla_step import MLAForm
+from hicache.model.model import CausalLM
 from tests.model_scenarios import SlotAllocator, new_pool, random_tokens, run_in_steps
 from tests.unit.model.deepseek_checkpoints import deepseek_variants, write_deepseek
 from tests.unit.model.hf_checkpoints import VOCAB, Checkpoint, hf_greedy_decode, hf_logits

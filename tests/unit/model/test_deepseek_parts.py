@@ -14,11 +14,13 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from hicache.memory.geometry import DEEPSEEK_V2_LITE
-from hicache.model import CausalLM, load_model
-from hicache.model.config import ModelConfig, ModelConfigError
+from hicache.model.config import ModelConfig
 from hicache.model.deepseek_config import MLAShape, MoEShape, RoutingMethod
+from hicache.model.errors import ModelConfigError
+from hicache.model.loader import load_model
 from hicache.model.mla_attention import attend_absorbed, attend_expanded
 from hicache.model.mla_step import absorbed_is_cheaper
+from hicache.model.model import CausalLM
 from hicache.model.moe import MoE
 from hicache.model.moe_routing import route
 from hicache.model.presets import get_preset

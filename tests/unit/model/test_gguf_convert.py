@@ -24,9 +24,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 from hicache.config import ConfigError
-from hicache.model import gguf_cache, load_model
+from hicache.model import gguf_cache
 from hicache.model.config import Architecture
 from hicache.model.gguf_cache import SOURCE_FILE, gguf_model_name, prepare_gguf
+from hicache.model.loader import load_model
 from hicache.model.safetensors_writer import SafetensorsWriter
 from tests.model_scenarios import SlotAllocator, new_pool, random_tokens, run_in_steps
 from tests.unit.model.gguf_checkpoints import BOS_ID, EOS_ID, write_gguf

@@ -23,10 +23,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hicache.engine.engine import Engine
-from hicache.model import gguf_cache, load_model
+from hicache.model import gguf_cache
 from hicache.model.default_model import default_model_path
 from hicache.model.gguf_cache import ConvertedModel, prepare_gguf
-from hicache.model.tokenizer import HFTokenizer
+from hicache.model.loader import load_model
+from hicache.tokenizer.hf import HFTokenizer
 from tests.engine_helpers import make_engine_fixture, run
 from tests.unit.engine.test_engine_cache_reuse import assert_same, evict_device, l3_flags
 from tests.unit.model.hf_checkpoints import hf_greedy_decode

@@ -15,8 +15,10 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from hicache.model import CausalLM, ForwardBatch, load_model
+from hicache.model.batch import ForwardBatch
 from hicache.model.config import Architecture
+from hicache.model.loader import load_model
+from hicache.model.model import CausalLM
 from tests.model_scenarios import SlotAllocator, new_pool, random_tokens, run_in_steps
 from tests.unit.model.hf_checkpoints import (
     VOCAB,

@@ -19,14 +19,12 @@ from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from hicache.model import (
-    HFTokenizer,
-    IncrementalDetokenizer,
-    ModelConfigError,
-    TokenizerError,
-    get_preset,
-    load_model,
-)
+from hicache.model.errors import ModelConfigError
+from hicache.model.loader import load_model
+from hicache.model.presets import get_preset
+from hicache.tokenizer.base import TokenizerError
+from hicache.tokenizer.detokenizer import IncrementalDetokenizer
+from hicache.tokenizer.hf import HFTokenizer
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

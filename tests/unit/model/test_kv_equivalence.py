@@ -14,7 +14,7 @@ import torch
 
 from hicache.memory.device_pool import DevicePool
 from hicache.model.batch import BatchError, ForwardBatch
-from hicache.model.config import ModelConfigError
+from hicache.model.errors import ModelConfigError
 from hicache.model.model import CausalLM
 from hicache.model.presets import get_preset
 from tests.model_scenarios import (

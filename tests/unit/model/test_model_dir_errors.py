@@ -19,7 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hicache.config import ConfigError
-from hicache.model import ModelConfigError, WeightLoadError, load_model
+from hicache.model.errors import ModelConfigError
+from hicache.model.loader import load_model
+from hicache.model.weights import WeightLoadError
 from tests.model_scenarios import SlotAllocator, new_pool, random_tokens, run_in_steps
 from tests.unit.model.hf_checkpoints import VOCAB, hf_logits, variants, write_checkpoint
 

@@ -15,7 +15,9 @@ import torch
 
 from hicache.bench.prefill import transformers_twin
 from hicache.cli import main
-from hicache.model import CausalLM, ModelConfig, get_preset
+from hicache.model.config import ModelConfig
+from hicache.model.model import CausalLM
+from hicache.model.presets import get_preset
 from tests.model_scenarios import (
     SlotAllocator,
     dummy_model,

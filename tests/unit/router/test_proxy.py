@@ -9,10 +9,10 @@ import httpx
 import pytest
 
 from hicache.events.hashing import page_hashes
-from hicache.model.tokenizer import ByteTokenizer
 from hicache.router.workers import WorkerInfo
 from hicache.server.chat_prompt import chat_prompt_ids
 from hicache.server.chat_protocol import ChatCompletionRequest
+from hicache.tokenizer.byte_level import ByteTokenizer
 from tests.unit.router.fakes import (
     STREAM_CHUNKS,
     FakeWorker,

@@ -2,7 +2,7 @@
 null or absent content on assistant messages with tool calls, tool results as parts.
 
 Each conversation's prompt is compared token for token with transformers'
-``apply_chat_template`` given the content the rule of ``hicache.model.chat_content``
+``apply_chat_template`` given the content the rule of ``hicache.tokenizer.chat_content``
 describes: SmolLM2's template (it concatenates strings) gets the parts' text joined by
 a newline, a template that iterates over parts gets the list, null content is "".
 Non-text parts and messages that OpenAI requires content of are 400s naming what is wrong.
@@ -21,9 +21,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from hicache.model import HFTokenizer, get_preset
-from hicache.model.chat_content import TEXT_PART_SEPARATOR
+from hicache.model.presets import get_preset
 from hicache.server.app import create_app
+from hicache.tokenizer.chat_content import TEXT_PART_SEPARATOR
+from hicache.tokenizer.hf import HFTokenizer
 from tests.server_fixtures import serve_app_in_thread, serve_in_thread
 from tests.unit.model.test_hf_tokenizer import write_tokenizer
 from tests.unit.server.test_chat_tools import IM_END, ScriptedEngine

@@ -21,9 +21,11 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest, RequestError
-from hicache.model import HFTokenizer, IncrementalDetokenizer, get_preset
-from hicache.model.chat_template import continue_final_message
+from hicache.model.presets import get_preset
 from hicache.server.app import create_app
+from hicache.tokenizer.chat_template import continue_final_message
+from hicache.tokenizer.detokenizer import IncrementalDetokenizer
+from hicache.tokenizer.hf import HFTokenizer
 from tests.server_fixtures import RunningServer, serve_app_in_thread, serve_in_thread
 from tests.unit.model.test_hf_tokenizer import SPECIALS, write_tokenizer
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from hicache.engine.api import CachedTokens, GenerateOutput, GenerateRequest, RequestError
-from hicache.model.tokenizer import ByteTokenizer
 from hicache.server.app import create_app
+from hicache.tokenizer.byte_level import ByteTokenizer
 from tests.server_fixtures import serve_app_in_thread
 
 

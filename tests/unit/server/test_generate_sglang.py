@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.model.tokenizer import ByteTokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
 from tests.server_fixtures import RunningServer, serve_in_thread
 
 TIMEOUT = httpx.Timeout(30.0)

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from hicache.engine.api import CachedTokens, GenerateOutput, SamplingParams
-from hicache.model.tokenizer import ByteTokenizer
 from hicache.server.output_text import OutputText, TextOptions, finish_reason
+from hicache.tokenizer.byte_level import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 EOS = TOKENIZER.eos_token_ids[0]

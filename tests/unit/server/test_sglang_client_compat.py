@@ -20,8 +20,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from hicache.model.byte_tokenizer_dir import byte_tokenizer_dir
-from hicache.model.tokenizer import ByteTokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
+from hicache.tokenizer.byte_level_dir import byte_tokenizer_dir
 from tests.server_fixtures import RunningServer, serve_in_thread
 
 TEXTS = ["hello world", "héllo wörld 中文 😀", " two  spaces\n\ttab", "a<|user|>b<|end|>"]

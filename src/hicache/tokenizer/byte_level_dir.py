@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.local_cache import local_cache_dir
-from hicache.model.tokenizer import ByteTokenizer
+from hicache.tokenizer.byte_level import ByteTokenizer
 
 # Bump when the files change, so an older dir is not reused.
 BYTE_TOKENIZER_DIR_NAME = "byte-level-v1"

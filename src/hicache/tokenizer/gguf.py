@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.model.gguf import GGUFError
+from hicache.model.errors import GGUFError
 
 SUPPORTED_TOKENIZER_MODEL = "gpt2"
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hicache.model.tokenizer import Tokenizer
+    from hicache.tokenizer.base import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 
