@@ -3,7 +3,7 @@
 AIBrix KVCache (PyPI ``aibrix-kvcache``) is the KV offloading library of the
 AIBrix project. It runs inside this process: an L1 cache in host memory
 (S3FIFO, LRU or FIFO eviction) in front of an L2 store, here RocksDB in a
-local directory, which outlives the process. ``aibrix_store`` says how our
+local directory, which outlives the process. ``store`` says how our
 pages map onto its blocks and block hashes.
 
 Extra config (each key falls back to the AIBrix environment variable named;
@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.aibrix_settings import AibrixSettings
-from hicache.storage.aibrix_store import (
+from hicache.storage.backends.aibrix.settings import AibrixSettings
+from hicache.storage.backends.aibrix.store import (
     AibrixStore,
     BlockGeometry,
     acquire_store,

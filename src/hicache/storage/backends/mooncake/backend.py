@@ -101,24 +101,13 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import (
-    MAX_BATCH_PAGES,
-    StorageBackend,
-)
-from hicache.storage.cache_steps import (
+from hicache.storage.backends.mooncake.cache_steps import (
     COPY_PIECE_BYTES,
     cache_step_bytes,
     copy_pieces,
     last_level_cache_bytes,
 )
-from hicache.storage.failure_reasons import CountedReason, FailureReason
-from hicache.storage.frame import (
-    HEADER_BYTES,
-    length_fault,
-    object_name,
-    pack_header_into,
-)
-from hicache.storage.mooncake_client import (
+from hicache.storage.backends.mooncake.client import (
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     RPC_FAIL,
@@ -127,7 +116,18 @@ from hicache.storage.mooncake_client import (
     failure_reason,
     release_client,
 )
-from hicache.storage.mooncake_settings import ENV, MooncakeSettings
+from hicache.storage.backends.mooncake.settings import ENV, MooncakeSettings
+from hicache.storage.base import (
+    MAX_BATCH_PAGES,
+    StorageBackend,
+)
+from hicache.storage.failure_reasons import CountedReason, FailureReason
+from hicache.storage.frame import (
+    HEADER_BYTES,
+    length_fault,
+    object_name,
+    pack_header_into,
+)
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
 

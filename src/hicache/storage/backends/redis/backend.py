@@ -41,7 +41,7 @@ costs far more than a round trip of small replies (32 stored pages of 8 MiB:
 0.6 ms to skip, 740 ms to resend), while the EXISTS costs a new page about
 one round trip; NX still keeps a page that another instance stored meanwhile
 from being rewritten. A SET's value goes to the socket straight from the
-page's regions in the host pool and its header (``redis_wire``: no copy);
+page's regions in the host pool and its header (``wire``: no copy);
 on the way in, the payload is copied from MGET's reply into the page's
 regions once it is verified.
 
@@ -73,6 +73,8 @@ from redis.retry import Retry
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.redis.settings import RedisSettings
+from hicache.storage.backends.redis.wire import Fragment, pipelined, set_command
 from hicache.storage.base import (
     StorageBackend,
     StorageError,
@@ -89,8 +91,6 @@ from hicache.storage.frame import (
 )
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
-from hicache.storage.redis_settings import RedisSettings
-from hicache.storage.redis_wire import Fragment, pipelined, set_command
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 LMCache's standalone server keeps values in its memory, shared by every
 instance that connects to it. We speak its wire format with our own client
-(``lmcache_client``, ``lmcache_protocol``): this backend needs no LMCache
+(``client``, ``protocol``): this backend needs no LMCache
 package, only a server to talk to (LMCache's, run from its own environment).
 
 Extra config:
@@ -65,6 +65,15 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.lmcache.client import Buffer, Client, Connection
+from hicache.storage.backends.lmcache.protocol import (
+    MAX_VALUE_BYTES,
+    Command,
+    ProtocolError,
+    encode_request,
+    key_string,
+)
+from hicache.storage.backends.lmcache.settings import LMCacheSettings
 from hicache.storage.base import (
     StorageBackend,
     StorageError,
@@ -78,15 +87,6 @@ from hicache.storage.frame import (
     encode_header,
     length_fault,
 )
-from hicache.storage.lmcache_client import Buffer, Client, Connection
-from hicache.storage.lmcache_protocol import (
-    MAX_VALUE_BYTES,
-    Command,
-    ProtocolError,
-    encode_request,
-    key_string,
-)
-from hicache.storage.lmcache_settings import LMCacheSettings
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
 
