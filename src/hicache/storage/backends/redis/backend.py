@@ -63,6 +63,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -76,7 +77,8 @@ from hicache.memory.host_pool import HostPool
 from hicache.storage.backends.redis.settings import RedisSettings
 from hicache.storage.backends.redis.wire import Fragment, pipelined, set_command
 from hicache.storage.base import (
-    StorageBackend,
+    LookupPutBackend,
+    PutBatch,
     StorageError,
     StorageUnavailableError,
     first_gap,
@@ -100,7 +102,14 @@ _CLEAR_CHUNK = 512
 _GLOB_SPECIAL = "\\*?[]"
 
 
-class RedisBackend(StorageBackend):
+@dataclass
+class _RedisPut(PutBatch):
+    client: redis.Redis
+    regions: PageRegions
+    names: list[bytes]
+
+
+class RedisBackend(LookupPutBackend[_RedisPut]):
     """See the module docstring."""
 
     name = "redis"
@@ -195,20 +204,40 @@ class RedisBackend(StorageBackend):
         self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
-    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+    def clear(self) -> None:
+        """Remove every page key under this backend's prefix (any instance's), nothing else."""
+        client, _ = self._ready([])
+        pattern = _glob_escape(self._prefix) + b"[0-9a-f]" * 32 + b".[lt]m"
+
+        def remove_all() -> int:
+            removed = 0
+            batch: list[bytes] = []
+            for name in client.scan_iter(match=pattern, count=_CLEAR_CHUNK):
+                batch.append(name)
+                if len(batch) >= _CLEAR_CHUNK:
+                    removed += int(client.unlink(*batch))
+                    batch.clear()
+            if batch:
+                removed += int(client.unlink(*batch))
+            return removed
+
+        self._call(1, remove_all)
+
+    # ------------------------------------------------------ put steps (set)
+    def _begin_put(self, keys: Sequence[bytes], host_pages: PageIds) -> _RedisPut:
         client, regions = self._ready(keys, host_pages)
-        if not keys:
-            return 0
-        began = time.perf_counter()
-        names = self._names(keys, regions)
-        pages = np.asarray(host_pages).tolist()
-        found = self._stored(client, names)
-        if found is None:
-            return 0
-        stored = list(found)
-        todo = [i for i, present in enumerate(stored) if not present]
+        return _RedisPut(
+            keys, np.asarray(host_pages).tolist(), regions.page_bytes, client, regions,
+            self._names(keys, regions),
+        )
+
+    def _lookup(self, batch: _RedisPut) -> list[bool] | None:
+        return self._stored(batch.client, batch.names)
+
+    def _put(self, batch: _RedisPut, todo: list[int], stored: list[bool]) -> int:
         num_written = 0
-        pool = client.connection_pool
+        regions, keys, pages, names = batch.regions, batch.keys, batch.pages, batch.names
+        pool = batch.client.connection_pool
         for part in self._parts(len(todo), regions.page_bytes):
             chosen = todo[part.start : part.stop]
             commands = [
@@ -234,28 +263,7 @@ class RedisBackend(StorageBackend):
                     num_written += 1
             if failed:
                 break
-        num_stored = first_gap(stored)
-        self._count_write(num_written, len(keys) - len(todo), regions.page_bytes, began)
-        return num_stored
-
-    def clear(self) -> None:
-        """Remove every page key under this backend's prefix (any instance's), nothing else."""
-        client, _ = self._ready([])
-        pattern = _glob_escape(self._prefix) + b"[0-9a-f]" * 32 + b".[lt]m"
-
-        def remove_all() -> int:
-            removed = 0
-            batch: list[bytes] = []
-            for name in client.scan_iter(match=pattern, count=_CLEAR_CHUNK):
-                batch.append(name)
-                if len(batch) >= _CLEAR_CHUNK:
-                    removed += int(client.unlink(*batch))
-                    batch.clear()
-            if batch:
-                removed += int(client.unlink(*batch))
-            return removed
-
-        self._call(1, remove_all)
+        return num_written
 
     # ------------------------------------------------------------ internals
     def _ready(
