@@ -20,8 +20,8 @@ from hicache.bench.storage import BaselineRun, Workload
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.base import StorageBackend, StorageError
-from hicache.storage.file import FileBackend
 
 # Regions of 16 tokens x 256-byte rows = 4096 bytes: O_DIRECT works on them too.
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)

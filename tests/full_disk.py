@@ -65,7 +65,7 @@ def file_backend_fill(root: str, num_batches: int, batch_pages: int) -> dict[str
     from hicache.memory.geometry import KVGeometry
     from hicache.memory.host_pool import HostPool
     from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
-    from hicache.storage.file import FileBackend
+    from hicache.storage.backends.file.backend import FileBackend
     from tests.storage_contract import as_bytes, fill_random, page_bytes_of, page_range
 
     # 16 KiB pages: a few dozen fill the tmpfs.

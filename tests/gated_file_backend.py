@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.memory.allocator import PageIds
-from hicache.storage.file import FileBackend
+from hicache.storage.backends.file.backend import FileBackend
 
 POLL_S = 0.05
 

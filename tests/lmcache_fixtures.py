@@ -21,7 +21,7 @@ import torch
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
-from hicache.storage.lmcache import LMCacheBackend
+from hicache.storage.backends.lmcache.backend import LMCacheBackend
 from hicache.storage.lmcache_server import (
     INSTALL_HINT,
     ServerProcess,

@@ -47,7 +47,7 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
-from hicache.storage.mooncake import MooncakeBackend
+from hicache.storage.backends.mooncake.backend import MooncakeBackend
 from hicache.storage.mooncake_master import MasterProcess, start_master
 from tests.kv_oracle import conversation, serve_with_l3, settle
 from tests.l3_caches import make_l3_cache

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.memory.host_pool import HostPool
-from hicache.storage.file import FileBackend
+from hicache.storage.backends.file.backend import FileBackend
 
 POLL_S = 0.05
 

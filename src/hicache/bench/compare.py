@@ -151,7 +151,10 @@ class CompareError(RuntimeError):
 
 def mooncake_available() -> str | None:
     """None when the Mooncake configuration can run here, else why it cannot."""
-    for module in ("mooncake.store", "hicache.storage.mooncake", "hicache.storage.mooncake_master"):
+    for module in (
+        "mooncake.store", "hicache.storage.backends.mooncake.backend",
+        "hicache.storage.mooncake_master",
+    ):
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):

@@ -3,7 +3,7 @@ backend.
 
 It moves the workload's pages through the same ``lmcache_server`` as the
 lmcache backend's run, in the same batches, with our raw client
-(``hicache.storage.lmcache_client``) as a plain user of the server would:
+(``hicache.storage.backends.lmcache.client``) as a plain user of the server would:
 one value per page holding just its payload (sent from and received into the
 page's own regions), each batch's PUTs pipelined and closed by one HEALTH
 request, each batch's GETs pipelined. No frame header, no checksum, no
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from hicache.bench.storage import BaselineRun, Workload, _rounds
+from hicache.storage.backends.lmcache.client import Client
+from hicache.storage.backends.lmcache.protocol import Command, encode_request, key_string
 from hicache.storage.base import StorageBackend, StorageError
-from hicache.storage.lmcache_client import Client
-from hicache.storage.lmcache_protocol import Command, encode_request, key_string
 from hicache.storage.page_regions import PageRegions
 
 LABEL = "raw client on the same lmcache_server, payload-only values, pipelined PUT / GET"

@@ -37,7 +37,7 @@ LABEL = "raw NIXL {plugin} transfers ({queue} queue{direct}), payload-only files
 
 def nixl_baseline(workload: Workload, backend: StorageBackend) -> BaselineRun:
     """Time raw NIXL batch writes and reads of the workload's pages (see the module doc)."""
-    from hicache.storage.nixl import NixlBackend
+    from hicache.storage.backends.nixl.backend import NixlBackend
 
     if not isinstance(backend, NixlBackend):
         raise StorageError(f"the raw-NIXL baseline needs the nixl backend, not {backend.name}")

@@ -53,14 +53,14 @@ from typing import Any, Final
 
 from hicache.config import MemLayout
 from hicache.radix.keys import KEY_BYTES, chain_page_keys, pack_tokens
-from hicache.storage.base import MAX_BATCH_PAGES, StorageError
-from hicache.storage.frame import PayloadOrder, object_name
-from hicache.storage.mooncake_settings import (
+from hicache.storage.backends.mooncake.settings import (
     DEFAULT_LOCAL_HOSTNAME,
     DEFAULT_METADATA_SERVER,
     MooncakeSettings,
     split_host_port,
 )
+from hicache.storage.base import MAX_BATCH_PAGES, StorageError
+from hicache.storage.frame import PayloadOrder, object_name
 
 # Queries waiting for the lookup thread; one more is refused at once.
 MAX_PENDING: Final = 256
@@ -387,7 +387,7 @@ class MooncakeSharedPool(_NamedPagePool):
             global_segment_size=0, local_buffer_size=_QUERY_BUFFER_BYTES,
             device_name=device_name,
         )
-        self._client: Any = None  # a mooncake_client.MooncakeClient once set up
+        self._client: Any = None  # a mooncake.client.MooncakeClient once set up
         self._setup_failed_at = -float("inf")
         self._setup_lock = threading.Lock()
 
@@ -414,7 +414,7 @@ class MooncakeSharedPool(_NamedPagePool):
                                       "failed less than a second ago)")
             try:
                 # Imported here: the router runs without the mooncake package unless asked.
-                from hicache.storage.mooncake_client import acquire_client
+                from hicache.storage.backends.mooncake.client import acquire_client
 
                 self._client = acquire_client(self.settings)
             except (ImportError, StorageError) as error:
@@ -428,7 +428,7 @@ class MooncakeSharedPool(_NamedPagePool):
         with self._setup_lock:
             client, self._client = self._client, None
         if client is not None:
-            from hicache.storage.mooncake_client import release_client
+            from hicache.storage.backends.mooncake.client import release_client
 
             release_client(client)
 
@@ -460,7 +460,7 @@ def shared_pool_for_worker(server_info: Mapping[str, Any]) -> FileSharedPool | M
     if backend == "file":
         # Imported here: the file backend's module reads pages through torch, which a router
         # not asking a file L3 never loads (tests/unit/test_router_imports.py).
-        from hicache.storage.file import default_path
+        from hicache.storage.backends.file.backend import default_path
 
         # The worker's default directory is the local cache dir, as it is here.
         return FileSharedPool(extra.get("path") or default_path(), seed, page_size, layout)

@@ -1,5 +1,9 @@
 """L3 storage: the backend contract, the built-in backends (by name) and the tier's controller.
 
+Each built-in backend is a package of its own, ``backends/<name>/`` (``backend.py``,
+then what only it uses: settings, client, wire protocol ...); the pieces they share (the
+contract, the page frame, page files and regions, the options, the failure
+reasons) lie here beside the controller and its breaker and deadlines.
 Backends are created by name through ``create_storage_backend``, which imports
 each one only when asked for, so optional client libraries (Mooncake) are
 needed only by those who use them.

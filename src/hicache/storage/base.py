@@ -19,6 +19,12 @@ abandoned thread); implementations must be safe for that. ``attach`` is never
 called concurrently with anything else, nor ``close`` with a call the
 controller still waits for (a detached tier closes its backend once every
 stalled call has returned).
+
+``set`` of a store that must be asked what it holds (Mooncake, Redis, LMCache,
+AIBrix) is one skeleton, ``LookupPutBackend.set``: look the batch up, put only
+the pages missing, count the pages written and skipped, answer the leading
+stored prefix. Such a backend supplies only its transport steps: how a batch is
+named, how the store is asked, how the missing pages are put.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
@@ -221,6 +227,54 @@ class StorageBackend(ABC):
                     f"host pages must lie in [0, {self.host.num_pages}), "
                     f"got [{pages.min()}, {pages.max()}]"
                 )
+
+
+@dataclass
+class PutBatch:
+    """One ``set`` call's pages as the put skeleton hands them to a backend's steps;
+    a backend extends it with what its steps share (client, object names ...)."""
+
+    keys: Sequence[bytes]
+    pages: list[int]  # the host page of each key
+    page_bytes: int
+
+
+BatchT = TypeVar("BatchT", bound=PutBatch)
+
+
+class LookupPutBackend(StorageBackend, Generic[BatchT]):
+    """A backend whose ``set`` is the put skeleton (module docstring): its store is
+    looked up first and only the pages it lacks are put."""
+
+    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+        batch = self._begin_put(keys, host_pages)
+        if not keys:
+            return 0
+        began = time.perf_counter()
+        found = self._lookup(batch)
+        if found is None:  # the store could not be asked (counted): nothing is known stored
+            return 0
+        stored = list(found)
+        todo = [i for i, done in enumerate(stored) if not done]
+        num_written = self._put(batch, todo, stored) if todo else 0
+        self._count_write(num_written, len(keys) - len(todo), batch.page_bytes, began)
+        return first_gap(stored)
+
+    @abstractmethod
+    def _begin_put(self, keys: Sequence[bytes], host_pages: PageIds) -> BatchT:
+        """Check the call (misuse raises, as for every operation) and name its pages."""
+
+    @abstractmethod
+    def _lookup(self, batch: BatchT) -> list[bool] | None:
+        """Which of the batch's pages the store holds, or None when it could not be
+        asked (the failure counted)."""
+
+    @abstractmethod
+    def _put(self, batch: BatchT, todo: list[int], stored: list[bool]) -> int:
+        """Put the pages ``todo`` (indices into the batch, in order; the store lacked
+        them), setting ``stored[i]`` for each the store now holds and counting the
+        first failure. May stop at the first page that failed. Returns how many pages
+        it wrote (not those another writer stored meanwhile)."""
 
 
 def first_gap(stored: Sequence[bool]) -> int:

@@ -1,6 +1,6 @@
 """Backends by name, imported lazily so that an optional dependency is only needed when used.
 
-``create_storage_backend("mooncake", extra)`` imports ``hicache.storage.mooncake``
+``create_storage_backend("mooncake", extra)`` imports ``hicache.storage.backends.mooncake.backend``
 only then; if its client library is missing the error says how to install it.
 """
 
@@ -51,32 +51,35 @@ REDIS_INSTALL_HINT = (
 
 BACKENDS: dict[str, BackendEntry] = {
     "file": BackendEntry(
-        "hicache.storage.file", "FileBackend", "one file per page in a local directory", {}
+        "hicache.storage.backends.file.backend", "FileBackend",
+        "one file per page in a local directory", {},
     ),
     "mooncake": BackendEntry(
-        "hicache.storage.mooncake", "MooncakeBackend", "Mooncake Store (distributed memory pool)",
+        "hicache.storage.backends.mooncake.backend", "MooncakeBackend",
+        "Mooncake Store (distributed memory pool)",
         {"mooncake": MOONCAKE_INSTALL_HINT},
     ),
     "aibrix": BackendEntry(
-        "hicache.storage.aibrix", "AibrixBackend",
+        "hicache.storage.backends.aibrix.backend", "AibrixBackend",
         "AIBrix KVCache (its host L1 cache over a RocksDB L2 in a local directory)",
         dict.fromkeys(_AIBRIX_MODULES, AIBRIX_INSTALL_HINT),
     ),
     "nixl": BackendEntry(
-        "hicache.storage.nixl", "NixlBackend",
+        "hicache.storage.backends.nixl.backend", "NixlBackend",
         "page files moved by NVIDIA NIXL's POSIX (or GDS) storage plugin",
         {"nixl": NIXL_INSTALL_HINT, "nixl_cu12": NIXL_INSTALL_HINT},
     ),
     "redis": BackendEntry(
-        "hicache.storage.redis", "RedisBackend", "a Redis or Valkey server (pages in its memory)",
+        "hicache.storage.backends.redis.backend", "RedisBackend",
+        "a Redis or Valkey server (pages in its memory)",
         {"redis": REDIS_INSTALL_HINT},
     ),
     "lmcache": BackendEntry(
-        "hicache.storage.lmcache", "LMCacheBackend",
+        "hicache.storage.backends.lmcache.backend", "LMCacheBackend",
         "an LMCache server (lmcache_server) over TCP, spoken to by our own client", {},
     ),
     "dynamic": BackendEntry(
-        "hicache.storage.dynamic", "DynamicBackend",
+        "hicache.storage.backends.dynamic.backend", "DynamicBackend",
         "your own class: extra config module_path + class_name", {},
     ),
 }

@@ -28,9 +28,9 @@ from tests.storage_contract import StorageContract, as_bytes, fill_random, page_
 require_dev_dependency("aibrix_kvcache", "pip install 'hicache[aibrix]' (see scripts/bootstrap.sh)")
 rocksdict = require_dev_dependency("rocksdict", "pip install 'hicache[aibrix]'")
 
-from hicache.storage.aibrix import AibrixBackend  # noqa: E402 - after the dependency check
-from hicache.storage.aibrix_settings import AibrixSettings  # noqa: E402
-from hicache.storage.aibrix_store import BlockGeometry  # noqa: E402
+from hicache.storage.backends.aibrix.backend import AibrixBackend  # noqa: E402 - after the dependency check
+from hicache.storage.backends.aibrix.settings import AibrixSettings  # noqa: E402
+from hicache.storage.backends.aibrix.store import BlockGeometry  # noqa: E402
 
 _CONTRACT = StorageContract()
 NAMESPACE = KeyNamespace("aibrix-test", _CONTRACT.geometry.describe(), _CONTRACT.page_size)
@@ -126,7 +126,8 @@ def test_bad_options_are_refused_by_name(extra: dict[str, object], message: str)
 
 
 def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    for module in ("hicache.storage.aibrix", "hicache.storage.aibrix_store"):
+    for module in ("hicache.storage.backends.aibrix.backend",
+                   "hicache.storage.backends.aibrix.store"):
         monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setitem(sys.modules, "aibrix_kvcache", None)  # import fails: not installed
     with pytest.raises(StorageError, match=r"aibrix_kvcache.*pip install 'hicache\[aibrix\]'"):
@@ -357,7 +358,7 @@ def test_loading_the_backend_leaves_asyncio_s_loop_policy_and_turns_pinning_off(
     code = (
         "import asyncio\n"
         "before = type(asyncio.get_event_loop_policy())\n"
-        "import hicache.storage.aibrix\n"
+        "import hicache.storage.backends.aibrix.backend\n"
         "from aibrix_kvcache import cache_manager\n"
         "print(type(asyncio.get_event_loop_policy()) is before, "
         "cache_manager.TESTING_DISABLE_PIN_MEMORY)\n"

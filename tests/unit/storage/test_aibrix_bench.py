@@ -20,7 +20,7 @@ from tests.dev_dependency import require_dev_dependency
 
 require_dev_dependency("aibrix_kvcache", "pip install 'hicache[aibrix]' (see scripts/bootstrap.sh)")
 
-from hicache.storage.aibrix import AibrixBackend  # noqa: E402 - after the dependency check
+from hicache.storage.backends.aibrix.backend import AibrixBackend  # noqa: E402 - after the dependency check
 
 
 @pytest.mark.parametrize("layout", [MemLayout.PAGE_FIRST, MemLayout.LAYER_FIRST])

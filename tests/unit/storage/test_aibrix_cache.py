@@ -28,7 +28,7 @@ from tests.unit.test_l3_cache import conversation, serve_with_l3, settle
 require_dev_dependency("aibrix_kvcache", "pip install 'hicache[aibrix]' (see scripts/bootstrap.sh)")
 rocksdict = require_dev_dependency("rocksdict", "pip install 'hicache[aibrix]'")
 
-from hicache.storage.aibrix import AibrixBackend  # noqa: E402 - after the dependency check
+from hicache.storage.backends.aibrix.backend import AibrixBackend  # noqa: E402 - after the dependency check
 
 
 def make_cache(root: Path, layout: MemLayout = MemLayout.PAGE_FIRST) -> HierarchicalCache:

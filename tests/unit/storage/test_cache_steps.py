@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.storage.cache_steps import (
+from hicache.storage.backends.mooncake.cache_steps import (
     FALLBACK_CACHE_BYTES,
     cache_step_bytes,
     copy_pieces,

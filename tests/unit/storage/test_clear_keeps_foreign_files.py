@@ -23,8 +23,8 @@ from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
+from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.base import StorageBackend
-from hicache.storage.file import FileBackend
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, encode_header, object_name
 from hicache.storage.page_files import holds_our_page
 from tests.storage_contract import fill_random
@@ -54,7 +54,7 @@ def _nixl_backend(root: Path) -> StorageBackend:
     from tests.nixl_fixtures import require_nixl
 
     require_nixl()
-    from hicache.storage.nixl import NixlBackend
+    from hicache.storage.backends.nixl.backend import NixlBackend
 
     return NixlBackend({"path": str(root)})
 

@@ -14,10 +14,10 @@ from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
+from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.base import StorageError
 from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.controller import StorageController
-from hicache.storage.file import FileBackend
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 PAGE = 4

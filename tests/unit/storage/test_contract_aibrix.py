@@ -14,7 +14,7 @@ from tests.storage_contract import MLA_GEOMETRY, StorageContract
 
 require_dev_dependency("aibrix_kvcache", "pip install 'hicache[aibrix]' (see scripts/bootstrap.sh)")
 
-from hicache.storage.aibrix import AibrixBackend  # noqa: E402 - after the dependency check
+from hicache.storage.backends.aibrix.backend import AibrixBackend  # noqa: E402 - after the dependency check
 
 
 class TestAibrixContract(StorageContract):

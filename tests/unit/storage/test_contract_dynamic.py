@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hicache.storage.backends.dynamic.backend import DynamicBackend
 from hicache.storage.base import StorageBackend
-from hicache.storage.dynamic import DynamicBackend
 from tests.storage_contract import MLA_GEOMETRY, StorageContract
 
 

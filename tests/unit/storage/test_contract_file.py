@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.base import StorageBackend
-from hicache.storage.file import FileBackend
 from tests.storage_contract import MLA_GEOMETRY, StorageContract
 
 

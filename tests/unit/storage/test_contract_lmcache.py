@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from hicache.storage.backends.lmcache.backend import LMCacheBackend
 from hicache.storage.base import StorageBackend
-from hicache.storage.lmcache import LMCacheBackend
 from hicache.storage.lmcache_server import ServerProcess
 from tests.lmcache_fixtures import server_fixture  # noqa: F401 - a fixture
 from tests.storage_contract import StorageContract

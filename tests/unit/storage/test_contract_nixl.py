@@ -18,7 +18,7 @@ from tests.storage_contract import StorageContract
 
 require_nixl()
 
-from hicache.storage.nixl import NixlBackend  # noqa: E402 - after the dependency check
+from hicache.storage.backends.nixl.backend import NixlBackend  # noqa: E402 - after the dependency check
 
 
 class TestNixlContract(StorageContract):

@@ -21,8 +21,8 @@ from hicache.config import MemLayout
 from hicache.memory.allocator import PageIds
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.dynamic.backend import DynamicBackend
 from hicache.storage.base import StorageBackend, StorageError, StorageStats
-from hicache.storage.dynamic import DynamicBackend
 from hicache.storage.registry import create_storage_backend
 
 MODULE = __name__

@@ -25,6 +25,9 @@ import hicache.storage as storage_package
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.backend import FileBackend
+from hicache.storage.backends.mooncake.client import _REASONS as MOONCAKE_REASONS
+from hicache.storage.backends.mooncake.client import failure_reason
 from hicache.storage.failure_log import FailureLog
 from hicache.storage.failure_reasons import (
     MEANINGS,
@@ -33,10 +36,7 @@ from hicache.storage.failure_reasons import (
     meaning,
     raised_reason,
 )
-from hicache.storage.file import FileBackend
 from hicache.storage.frame import Fault, object_name
-from hicache.storage.mooncake_client import _REASONS as MOONCAKE_REASONS
-from hicache.storage.mooncake_client import failure_reason
 
 # Calls that count a reason: the reason's argument position.
 COUNTING_CALLS = {"fail": 0, "_fail": 0, "_note_backup_failed": 1, "TransferFailed": 0,
@@ -61,7 +61,7 @@ def test_faults_and_derived_reasons_are_registered() -> None:
 
 
 def _storage_sources() -> list[Path]:
-    return sorted(Path(storage_package.__file__).parent.glob("*.py"))
+    return sorted(Path(storage_package.__file__).parent.rglob("*.py"))
 
 
 def _called_name(call: ast.Call) -> str | None:

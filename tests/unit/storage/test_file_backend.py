@@ -26,8 +26,8 @@ from hicache.memory.allocator import PageIds
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
+from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.base import StorageError, StorageUnavailableError
-from hicache.storage.file import FileBackend
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
 from hicache.storage.page_files import STALE_TEMP_AGE_S, temp_name
 from tests.full_disk import run_on_tmpfs, tmpfs_unavailable_reason

@@ -24,11 +24,11 @@ import torch
 from hicache.config import MemLayout
 from hicache.memory.host_pool import HostPool
 from hicache.net import free_port
+from hicache.storage.backends.lmcache.backend import LMCacheBackend
+from hicache.storage.backends.lmcache.client import Client, Connection
+from hicache.storage.backends.lmcache.protocol import Command, encode_request, key_string
 from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES
-from hicache.storage.lmcache import LMCacheBackend
-from hicache.storage.lmcache_client import Client, Connection
-from hicache.storage.lmcache_protocol import Command, encode_request, key_string
 from hicache.storage.lmcache_server import ServerProcess, start_server
 from hicache.storage.registry import create_storage_backend, unavailable_reason
 from tests.lmcache_fixtures import GEOMETRY, PROGRAM, extra_fixture, server_fixture  # noqa: F401

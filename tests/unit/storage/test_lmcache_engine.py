@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hicache.engine.engine import Engine
-from hicache.storage.lmcache import LMCacheBackend
+from hicache.storage.backends.lmcache.backend import LMCacheBackend
 from hicache.storage.lmcache_server import ServerProcess
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.l3_engine_checks import (

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from hicache.storage.lmcache_protocol import (
+from hicache.storage.backends.lmcache.protocol import (
     MAX_KEY_CHARS,
     REPLY_BYTES,
     REQUEST_BYTES,

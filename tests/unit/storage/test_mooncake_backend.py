@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-import hicache.storage.mooncake as mooncake_module
+import hicache.storage.backends.mooncake.backend as mooncake_module
 from hicache.config import MemLayout
 from hicache.memory.host_pool import HostPool
 from hicache.net import free_port
 from hicache.radix.keys import KeyNamespace
+from hicache.storage.backends.mooncake.backend import MooncakeBackend
+from hicache.storage.backends.mooncake.client import failure_reason
+from hicache.storage.backends.mooncake.settings import MooncakeSettings
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
-from hicache.storage.mooncake import MooncakeBackend
-from hicache.storage.mooncake_client import failure_reason
 from hicache.storage.mooncake_master import MasterProcess
-from hicache.storage.mooncake_settings import MooncakeSettings
 from hicache.storage.options import Options
 from hicache.storage.registry import create_storage_backend
 from tests.listeners import listening_sockets

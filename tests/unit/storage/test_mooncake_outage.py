@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hicache.storage.mooncake import MooncakeBackend
-from hicache.storage.mooncake_client import WATCH_INTERVAL_S
+from hicache.storage.backends.mooncake.backend import MooncakeBackend
+from hicache.storage.backends.mooncake.client import WATCH_INTERVAL_S
 from hicache.storage.mooncake_master import MasterProcess
 from tests.l3_outage_checks import (
     OUTAGE_STORAGE,

@@ -20,8 +20,8 @@ from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
+from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.base import StorageError
-from hicache.storage.file import FileBackend
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
 from hicache.storage.page_files import temp_name
 from hicache.storage.registry import create_storage_backend
@@ -30,9 +30,9 @@ from tests.storage_contract import as_bytes, fill_random, page_bytes_of, page_ra
 
 require_nixl()
 
-from hicache.storage.nixl import NixlBackend  # noqa: E402
-from hicache.storage.nixl_agent import NixlAgent, TransferFailed  # noqa: E402
-from hicache.storage.nixl_settings import DIRECT_ALIGN_BYTES  # noqa: E402
+from hicache.storage.backends.nixl.agent import NixlAgent, TransferFailed  # noqa: E402
+from hicache.storage.backends.nixl.backend import NixlBackend  # noqa: E402
+from hicache.storage.backends.nixl.settings import DIRECT_ALIGN_BYTES  # noqa: E402
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 # Regions of 8 tokens x 512-byte rows: 4096 bytes, as O_DIRECT needs.
@@ -115,7 +115,7 @@ def test_a_missing_nixl_package_names_the_extra(monkeypatch: pytest.MonkeyPatch)
     loaded = [name for name in sys.modules if name.split(".")[0] in ("nixl", "nixl_cu12")]
     for name in {"nixl", "nixl_cu12", *loaded}:
         monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
-    for name in ("hicache.storage.nixl", "hicache.storage.nixl_agent"):
+    for name in ("hicache.storage.backends.nixl.backend", "hicache.storage.backends.nixl.agent"):
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(StorageError, match=r"needs the 'nixl_cu12' package: pip install "
                        r"'hicache\[nixl\]'"):
@@ -322,7 +322,7 @@ def test_direct_io_pages_are_block_aligned_and_other_modes_miss_them(tmp_path: P
 def test_direct_io_on_a_file_system_without_o_direct_is_refused_at_attach(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hicache.storage.nixl as nixl_module
+    import hicache.storage.backends.nixl.backend as nixl_module
 
     def refuse(path: str, flags: int) -> int:
         raise OSError(22, "Invalid argument")  # what open(O_DIRECT) says on such a mount

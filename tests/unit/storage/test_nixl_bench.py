@@ -20,7 +20,7 @@ from tests.nixl_fixtures import require_nixl
 require_nixl()
 
 from hicache.bench.nixl_baseline import nixl_baseline  # noqa: E402
-from hicache.storage.nixl import NixlBackend  # noqa: E402
+from hicache.storage.backends.nixl.backend import NixlBackend  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from tests.unit.engine.test_engine_cache_reuse import prompt
 
 require_nixl()
 
-from hicache.storage.nixl import NixlBackend  # noqa: E402
+from hicache.storage.backends.nixl.backend import NixlBackend  # noqa: E402
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
 # O_DIRECT needs 4096-byte page regions: 8 tokens x 2 heads x 128 x bf16 = 4096 bytes.

@@ -21,11 +21,11 @@ from hicache.memory.host_pool import HostPool
 from hicache.net import free_port
 from hicache.radix.keys import KeyNamespace
 from hicache.server.server_info import public_config
+from hicache.storage.backends.redis.backend import RedisBackend
+from hicache.storage.backends.redis.settings import RedisSettings, redact
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES
-from hicache.storage.redis import RedisBackend
 from hicache.storage.redis_server import RedisServerProcess, start_redis_server
-from hicache.storage.redis_settings import RedisSettings, redact
 from hicache.storage.registry import create_storage_backend, unavailable_reason
 from tests.listeners import listening_sockets
 from tests.redis_fixtures import (  # noqa: F401 - fixtures, used by name
@@ -136,7 +136,7 @@ def test_without_the_redis_package_the_error_names_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "redis", None)  # import redis -> ImportError
-    monkeypatch.delitem(sys.modules, "hicache.storage.redis", raising=False)
+    monkeypatch.delitem(sys.modules, "hicache.storage.backends.redis.backend", raising=False)
     hint = r"needs the 'redis' package: pip install 'hicache\[redis\]'"
     with pytest.raises(StorageError, match=hint):
         create_storage_backend("redis", {})

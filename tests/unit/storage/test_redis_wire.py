@@ -1,4 +1,4 @@
-"""Hand-framed pipelined SETs (``hicache.storage.redis_wire``) against a real redis-server."""
+"""Hand-framed pipelined SETs (``storage.backends.redis.wire``) against a real redis-server."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import redis
 
 from hicache.net import free_port
+from hicache.storage.backends.redis.wire import pipelined, set_command
 from hicache.storage.redis_server import RedisServerProcess
-from hicache.storage.redis_wire import pipelined, set_command
 from tests.redis_fixtures import server_fixture  # noqa: F401 - a fixture, used by name
 
 

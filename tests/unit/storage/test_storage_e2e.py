@@ -18,7 +18,7 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.storage import page_regions
-from hicache.storage.file import FileBackend
+from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.frame import Buffer, PayloadOrder, object_name
 from tests.l3_caches import assert_a_new_cache_reuses, l3_backend_of, make_l3_cache
 from tests.unit.test_l3_cache import conversation, serve_with_l3, settle

@@ -27,7 +27,7 @@ processes, each with its own KV shard, so each opens its own RocksDB (found
 again by a restart with the same rank).
 
 The manager reads its configuration from environment variables while it is
-built (``aibrix_settings``); they are set, under a lock, only for that
+built (``settings``); they are set, under a lock, only for that
 moment. Importing AIBrix installs uvloop as asyncio's global event loop
 policy; we put the previous policy back at once, so the server's own loop is
 not changed by merely loading the backend (AIBrix's private loop, built
@@ -56,7 +56,7 @@ import numpy as np
 import rocksdict  # noqa: F401 - AIBrix imports it only when the L2 opens; fail at load instead
 import torch
 
-from hicache.storage.aibrix_settings import FIXED_ENV, AibrixSettings
+from hicache.storage.backends.aibrix.settings import FIXED_ENV, AibrixSettings
 from hicache.storage.base import MAX_BATCH_PAGES, StorageError, StorageUnavailableError
 from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import HEADER_BYTES

@@ -95,30 +95,20 @@ import queue
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.base import (
-    MAX_BATCH_PAGES,
-    StorageBackend,
-)
-from hicache.storage.cache_steps import (
+from hicache.storage.backends.mooncake.cache_steps import (
     COPY_PIECE_BYTES,
     cache_step_bytes,
     copy_pieces,
     last_level_cache_bytes,
 )
-from hicache.storage.failure_reasons import CountedReason, FailureReason
-from hicache.storage.frame import (
-    HEADER_BYTES,
-    length_fault,
-    object_name,
-    pack_header_into,
-)
-from hicache.storage.mooncake_client import (
+from hicache.storage.backends.mooncake.client import (
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     RPC_FAIL,
@@ -127,7 +117,15 @@ from hicache.storage.mooncake_client import (
     failure_reason,
     release_client,
 )
-from hicache.storage.mooncake_settings import ENV, MooncakeSettings
+from hicache.storage.backends.mooncake.settings import ENV, MooncakeSettings
+from hicache.storage.base import MAX_BATCH_PAGES, LookupPutBackend, PutBatch
+from hicache.storage.failure_reasons import CountedReason, FailureReason
+from hicache.storage.frame import (
+    HEADER_BYTES,
+    length_fault,
+    object_name,
+    pack_header_into,
+)
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
 
@@ -148,7 +146,14 @@ _NAME_PATTERN = r"^[0-9a-f]{32}\.(lm|tm)$"
 _KNOWN_KEYS = {*ENV, "verify_checksum"}
 
 
-class MooncakeBackend(StorageBackend):
+@dataclass
+class _MooncakePut(PutBatch):
+    client: MooncakeClient
+    regions: PageRegions
+    names: list[str]
+
+
+class MooncakeBackend(LookupPutBackend[_MooncakePut]):
     """See the module docstring."""
 
     name = "mooncake"
@@ -276,69 +281,6 @@ class MooncakeBackend(StorageBackend):
         self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
-    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
-        client, regions = self._ready(keys, host_pages)
-        if not keys:
-            return 0
-        began = time.perf_counter()
-        pages = np.asarray(host_pages).tolist()
-        names = [object_name(key, regions.order) for key in keys]
-        present = self._call(client, len(keys), lambda store: store.batch_is_exist(names))
-        if present is None:
-            return 0
-        stored = [code == 1 for code in present]
-        todo = [i for i, done in enumerate(stored) if not done]
-        codes: dict[int, int] = {}
-        if todo:
-            # Pages the cache checksummed while copying them in need no hash here.
-            hashing = any(regions.digests.digest(pages[i]) is None for i in todo)
-            with self._staging_slot() as slot:
-                base = self._slot_offset(slot)
-
-                def pack(part: range) -> None:
-                    for j in part:
-                        i = todo[j]
-                        digest = regions.checksum(pages[i])
-                        pack_header_into(
-                            self._staging_view, base + j * HEADER_BYTES, keys[i], regions.order,
-                            regions.page_bytes, digest,
-                        )
-
-                def put(part: range) -> bool:
-                    chosen = todo[part.start : part.stop]
-                    buffers, sizes = self._buffer_lists(
-                        regions, [pages[i] for i in chosen], base, part, hashing
-                    )
-                    chosen_names = [names[i] for i in chosen]
-                    results = self._call(
-                        client, len(chosen),
-                        lambda store: store.batch_put_from_multi_buffers(
-                            chosen_names, buffers, sizes
-                        ),
-                    )
-                    for i, code in zip(chosen, results or (), strict=False):
-                        codes[i] = code
-                    return results is not None and all(
-                        code in (0, OBJECT_ALREADY_EXISTS) for code in results
-                    )
-
-                self._write_behind(self._parts(len(todo), regions.page_bytes, hashing), pack, put)
-        num_written = 0
-        for i, code in codes.items():
-            if code == 0:
-                num_written += 1
-            if code in (0, OBJECT_ALREADY_EXISTS):  # or another instance stored it meanwhile
-                stored[i] = True
-        num_stored = 0
-        for i, done in enumerate(stored):
-            if not done:
-                if i in codes:  # a call that could not be made was counted by _call
-                    self._fail(failure_reason(codes[i]))
-                break
-            num_stored += 1
-        self._count_write(num_written, len(keys) - len(todo), regions.page_bytes, began)
-        return num_stored
-
     def clear(self) -> None:
         """Remove every page object from the store (any instance's), whatever its lease."""
         client, _ = self._ready([])
@@ -354,6 +296,72 @@ class MooncakeBackend(StorageBackend):
         if removed < 0:
             client.saw_codes([removed])
             self._fail(failure_reason(removed))
+
+    # ------------------------------------------------------ put steps (set)
+    def _begin_put(self, keys: Sequence[bytes], host_pages: PageIds) -> _MooncakePut:
+        client, regions = self._ready(keys, host_pages)
+        return _MooncakePut(
+            keys, np.asarray(host_pages).tolist(), regions.page_bytes, client, regions,
+            [object_name(key, regions.order) for key in keys],
+        )
+
+    def _lookup(self, batch: _MooncakePut) -> list[bool] | None:
+        names = batch.names
+        present = self._call(
+            batch.client, len(names), lambda store: store.batch_is_exist(names)
+        )
+        return None if present is None else [code == 1 for code in present]
+
+    def _put(self, batch: _MooncakePut, todo: list[int], stored: list[bool]) -> int:
+        client, regions, keys, pages, names = (
+            batch.client, batch.regions, batch.keys, batch.pages, batch.names
+        )
+        codes: dict[int, int] = {}
+        # Pages the cache checksummed while copying them in need no hash here.
+        hashing = any(regions.digests.digest(pages[i]) is None for i in todo)
+        with self._staging_slot() as slot:
+            base = self._slot_offset(slot)
+
+            def pack(part: range) -> None:
+                for j in part:
+                    i = todo[j]
+                    digest = regions.checksum(pages[i])
+                    pack_header_into(
+                        self._staging_view, base + j * HEADER_BYTES, keys[i], regions.order,
+                        regions.page_bytes, digest,
+                    )
+
+            def put(part: range) -> bool:
+                chosen = todo[part.start : part.stop]
+                buffers, sizes = self._buffer_lists(
+                    regions, [pages[i] for i in chosen], base, part, hashing
+                )
+                chosen_names = [names[i] for i in chosen]
+                results = self._call(
+                    client, len(chosen),
+                    lambda store: store.batch_put_from_multi_buffers(
+                        chosen_names, buffers, sizes
+                    ),
+                )
+                for i, code in zip(chosen, results or (), strict=False):
+                    codes[i] = code
+                return results is not None and all(
+                    code in (0, OBJECT_ALREADY_EXISTS) for code in results
+                )
+
+            self._write_behind(self._parts(len(todo), regions.page_bytes, hashing), pack, put)
+        num_written = 0
+        for i, code in codes.items():
+            if code == 0:
+                num_written += 1
+            if code in (0, OBJECT_ALREADY_EXISTS):  # or another instance stored it meanwhile
+                stored[i] = True
+        # The first page left unstored is counted by its code (a call that could not be
+        # made was counted by _call).
+        first_unstored = next((i for i in todo if not stored[i]), None)
+        if first_unstored is not None and first_unstored in codes:
+            self._fail(failure_reason(codes[first_unstored]))
+        return num_written
 
     # ------------------------------------------------------------ internals
     def _ready(

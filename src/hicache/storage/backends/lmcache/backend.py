@@ -2,7 +2,7 @@
 
 LMCache's standalone server keeps values in its memory, shared by every
 instance that connects to it. We speak its wire format with our own client
-(``lmcache_client``, ``lmcache_protocol``): this backend needs no LMCache
+(``client``, ``protocol``): this backend needs no LMCache
 package, only a server to talk to (LMCache's, run from its own environment).
 
 Extra config:
@@ -59,14 +59,25 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.lmcache.client import Buffer, Client, Connection
+from hicache.storage.backends.lmcache.protocol import (
+    MAX_VALUE_BYTES,
+    Command,
+    ProtocolError,
+    encode_request,
+    key_string,
+)
+from hicache.storage.backends.lmcache.settings import LMCacheSettings
 from hicache.storage.base import (
-    StorageBackend,
+    LookupPutBackend,
+    PutBatch,
     StorageError,
     StorageUnavailableError,
     first_gap,
@@ -78,15 +89,6 @@ from hicache.storage.frame import (
     encode_header,
     length_fault,
 )
-from hicache.storage.lmcache_client import Buffer, Client, Connection
-from hicache.storage.lmcache_protocol import (
-    MAX_VALUE_BYTES,
-    Command,
-    ProtocolError,
-    encode_request,
-    key_string,
-)
-from hicache.storage.lmcache_settings import LMCacheSettings
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
 
@@ -97,7 +99,15 @@ _GENERATION_BYTES = 8
 # What a discarded page is overwritten with (see _drop).
 _TOMBSTONE = b"\0"
 
-class LMCacheBackend(StorageBackend):
+
+@dataclass
+class _LMCachePut(PutBatch):
+    client: Client
+    regions: PageRegions
+    names: list[str]
+
+
+class LMCacheBackend(LookupPutBackend[_LMCachePut]):
     """See the module docstring."""
 
     name = "lmcache"
@@ -246,50 +256,6 @@ class LMCacheBackend(StorageBackend):
         self._count_read(good, regions.page_bytes, began)
         return good
 
-    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
-        client, regions = self._ready(keys, host_pages)
-        if not keys:
-            return 0
-        began = time.perf_counter()
-        pages = np.asarray(host_pages).tolist()
-        names = self._names(keys)
-        bad = self._bad_snapshot()
-        num_stored = 0
-        written = 0
-        skipped = 0  # found stored by the lookup before the PUTs
-        todo: list[int] = []
-        try:
-            with client.connection() as conn:
-                present = conn.exists(names)
-                stored = [ok and name not in bad for ok, name in zip(present, names, strict=True)]
-                todo = [i for i, done in enumerate(stored) if not done]
-                skipped = len(keys) - len(todo)
-                num_stored = first_gap(stored)
-                if todo:
-
-                    def values() -> Iterator[tuple[str, list[Buffer]]]:
-                        for i in todo:  # hashed one by one while the server takes the last
-                            views = regions.views(pages[i])
-                            frame = encode_header(
-                                keys[i], regions.order, regions.page_bytes,
-                                regions.checksum(pages[i]),
-                            )
-                            yield names[i], [*views, frame]
-
-                    conn.put(values(), self._control_key)
-                    written = len(todo)
-                    num_stored = len(keys)
-        except (OSError, ProtocolError) as error:
-            self._count_error(error, 1)
-            if todo and not written:
-                # Some of these PUTs may have been cut off mid-value, leaving values that
-                # break their readers: rewrite them next time rather than trust them.
-                self._remember_bad([names[i] for i in todo])
-        if written:
-            self._forget_bad([names[i] for i in todo])
-        self._count_write(written, skipped, regions.page_bytes, began)
-        return num_stored
-
     def clear(self) -> None:
         """Start a new generation: every page stored so far becomes unreachable (module doc)."""
         client, _ = self._ready([])
@@ -304,6 +270,49 @@ class LMCacheBackend(StorageBackend):
         self._set_generation(generation)
         with self._lock:
             self._bad.clear()
+
+    # ------------------------------------------------------ put steps (set)
+    def _begin_put(self, keys: Sequence[bytes], host_pages: PageIds) -> _LMCachePut:
+        client, regions = self._ready(keys, host_pages)
+        return _LMCachePut(
+            keys, np.asarray(host_pages).tolist(), regions.page_bytes, client, regions,
+            self._names(keys),
+        )
+
+    def _lookup(self, batch: _LMCachePut) -> list[bool] | None:
+        bad = self._bad_snapshot()  # found bad (or discarded): rewritten, not trusted
+        try:
+            with batch.client.connection() as conn:
+                present = conn.exists(batch.names)
+        except (OSError, ProtocolError) as error:
+            self._count_error(error, 1)
+            return None
+        return [ok and name not in bad for ok, name in zip(present, batch.names, strict=True)]
+
+    def _put(self, batch: _LMCachePut, todo: list[int], stored: list[bool]) -> int:
+        regions, keys, pages, names = batch.regions, batch.keys, batch.pages, batch.names
+
+        def values() -> Iterator[tuple[str, list[Buffer]]]:
+            for i in todo:  # hashed one by one while the server takes the last
+                views = regions.views(pages[i])
+                frame = encode_header(
+                    keys[i], regions.order, regions.page_bytes, regions.checksum(pages[i]),
+                )
+                yield names[i], [*views, frame]
+
+        try:
+            with batch.client.connection() as conn:
+                conn.put(values(), self._control_key)
+        except (OSError, ProtocolError) as error:
+            self._count_error(error, 1)
+            # Some of these PUTs may have been cut off mid-value, leaving values that
+            # break their readers: rewrite them next time rather than trust them.
+            self._remember_bad([names[i] for i in todo])
+            return 0
+        for i in todo:
+            stored[i] = True
+        self._forget_bad([names[i] for i in todo])
+        return len(todo)
 
     # ------------------------------------------------------------ internals
     def _ready(

@@ -1,8 +1,8 @@
 """Where a Redis (or Valkey) L3 lives and how pages are sent to it: the redis backend's
 settings, read from its extra config and checked up front.
 
-The keys are documented in ``hicache.storage.redis``. Kept apart from the backend so
-that a bad configuration is reported without the ``redis`` package being imported.
+The keys are documented in ``hicache.storage.backends.redis.backend``. Kept apart from the
+backend so that a bad configuration is reported without the ``redis`` package being imported.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ KNOWN_KEYS = frozenset({
 
 @dataclass(frozen=True)
 class RedisSettings:
-    """One redis backend's configuration (see ``hicache.storage.redis``)."""
+    """One redis backend's configuration (see ``hicache.storage.backends.redis.backend``)."""
 
     url: str = DEFAULT_URL
     prefix: str = DEFAULT_PREFIX

@@ -19,9 +19,9 @@ from typing import Any
 
 from mooncake.store import MooncakeDistributedStore
 
+from hicache.storage.backends.mooncake.settings import MooncakeSettings
 from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.failure_reasons import FailureReason
-from hicache.storage.mooncake_settings import MooncakeSettings
 
 logger = logging.getLogger(__name__)
 

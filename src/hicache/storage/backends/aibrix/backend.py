@@ -3,7 +3,7 @@
 AIBrix KVCache (PyPI ``aibrix-kvcache``) is the KV offloading library of the
 AIBrix project. It runs inside this process: an L1 cache in host memory
 (S3FIFO, LRU or FIFO eviction) in front of an L2 store, here RocksDB in a
-local directory, which outlives the process. ``aibrix_store`` says how our
+local directory, which outlives the process. ``store`` says how our
 pages map onto its blocks and block hashes.
 
 Extra config (each key falls back to the AIBrix environment variable named;
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,14 +49,14 @@ import torch.distributed as dist
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.aibrix_settings import AibrixSettings
-from hicache.storage.aibrix_store import (
+from hicache.storage.backends.aibrix.settings import AibrixSettings
+from hicache.storage.backends.aibrix.store import (
     AibrixStore,
     BlockGeometry,
     acquire_store,
     release_store,
 )
-from hicache.storage.base import StorageBackend, first_gap
+from hicache.storage.base import LookupPutBackend, PutBatch
 from hicache.storage.failure_reasons import CountedReason
 from hicache.storage.frame import (
     HEADER_BYTES,
@@ -84,7 +85,14 @@ def tp_shard() -> str:
 _FAULTS = frozenset(Fault)
 
 
-class AibrixBackend(StorageBackend):
+@dataclass
+class _AibrixPut(PutBatch):
+    store: AibrixStore
+    regions: PageRegions
+    names: list[str]
+
+
+class AibrixBackend(LookupPutBackend[_AibrixPut]):
     """See the module docstring."""
 
     name = "aibrix"
@@ -156,15 +164,28 @@ class AibrixBackend(StorageBackend):
         self._count_read(done.count, payload_bytes, began)
         return done.count
 
-    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+    def _drop(self, keys: Sequence[bytes]) -> None:
+        store, regions = self._ready(keys)
+        store.delete([object_name(key, regions.order) for key in keys])
+
+    def clear(self) -> None:
+        """Remove every page of this geometry: AIBrix's L1 and its RocksDB directory."""
+        store, _ = self._ready([])
+        store.clear()
+
+    # ------------------------------------------------------ put steps (set)
+    def _begin_put(self, keys: Sequence[bytes], host_pages: PageIds) -> _AibrixPut:
         store, regions = self._ready(keys, host_pages)
-        if not keys:
-            return 0
-        began = time.perf_counter()
-        pages = np.asarray(host_pages).tolist()
-        names = [object_name(key, regions.order) for key in keys]
-        stored = self._stored(store, names)
-        todo = [i for i, done in enumerate(stored) if not done]
+        return _AibrixPut(
+            keys, np.asarray(host_pages).tolist(), regions.page_bytes, store, regions,
+            [object_name(key, regions.order) for key in keys],
+        )
+
+    def _lookup(self, batch: _AibrixPut) -> list[bool] | None:
+        return self._stored(batch.store, batch.names)
+
+    def _put(self, batch: _AibrixPut, todo: list[int], stored: list[bool]) -> int:
+        regions, keys, pages = batch.regions, batch.keys, batch.pages
         payload_bytes = regions.page_bytes
 
         def fill(j: int, block: np.ndarray) -> None:
@@ -176,26 +197,12 @@ class AibrixBackend(StorageBackend):
             block[payload_bytes:end] = np.frombuffer(header, dtype=np.uint8)
             block[end:] = 0  # the padding to AIBrix's block size
 
-        num_written = 0
-        if todo:
-            written = store.write([names[i] for i in todo], fill)
-            if written.reason is not None:
-                self._fail(written.reason)
-            num_written = written.count
-            for i in todo[:num_written]:
-                stored[i] = True
-        num_stored = first_gap(stored)
-        self._count_write(num_written, len(keys) - len(todo), payload_bytes, began)
-        return num_stored
-
-    def _drop(self, keys: Sequence[bytes]) -> None:
-        store, regions = self._ready(keys)
-        store.delete([object_name(key, regions.order) for key in keys])
-
-    def clear(self) -> None:
-        """Remove every page of this geometry: AIBrix's L1 and its RocksDB directory."""
-        store, _ = self._ready([])
-        store.clear()
+        written = batch.store.write([batch.names[i] for i in todo], fill)
+        if written.reason is not None:
+            self._fail(written.reason)
+        for i in todo[: written.count]:
+            stored[i] = True
+        return written.count
 
     # ------------------------------------------------------------ internals
     def _ready(

@@ -32,7 +32,7 @@ layouts, one per layer and K/V for layer_first, ``PageRegions``) is a DRAM
 descriptor into it, against a FILE descriptor at the region's offset in the
 page's file. The headers cannot live in the pool, so each call borrows a
 small registered buffer with one trailer slot per page of the batch
-(``nixl_trailers``): writes pack the header there before the transfer, reads
+(``trailers``): writes pack the header there before the transfer, reads
 land the stored trailer there and check it after. A whole batch, every page's
 regions and trailers, is one NIXL transfer request (READ or WRITE), polled to
 completion under ``transfer_timeout_s``. Each page file is opened and
@@ -65,6 +65,9 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.nixl.agent import NixlAgent, TransferFailed
+from hicache.storage.backends.nixl.settings import DIRECT_ALIGN_BYTES, NixlSettings
+from hicache.storage.backends.nixl.trailers import TrailerPool, TrailerSlots
 from hicache.storage.base import (
     StorageBackend,
     StorageError,
@@ -78,9 +81,6 @@ from hicache.storage.frame import (
     object_name,
     pack_header_into,
 )
-from hicache.storage.nixl_agent import NixlAgent, TransferFailed
-from hicache.storage.nixl_settings import DIRECT_ALIGN_BYTES, NixlSettings
-from hicache.storage.nixl_trailers import TrailerPool, TrailerSlots
 from hicache.storage.options import Options
 from hicache.storage.page_files import (
     TEMP_SUFFIX,

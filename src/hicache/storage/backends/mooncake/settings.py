@@ -1,7 +1,7 @@
 """Where a Mooncake client connects, and how: its settings, read from the extra config or the
 environment (``MOONCAKE_*`` variables; the extra config wins) and checked up front.
 
-The keys are documented in ``hicache.storage.mooncake``.
+The keys are documented in ``hicache.storage.backends.mooncake.backend``.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ costs far more than a round trip of small replies (32 stored pages of 8 MiB:
 0.6 ms to skip, 740 ms to resend), while the EXISTS costs a new page about
 one round trip; NX still keeps a page that another instance stored meanwhile
 from being rewritten. A SET's value goes to the socket straight from the
-page's regions in the host pool and its header (``redis_wire``: no copy);
+page's regions in the host pool and its header (``wire``: no copy);
 on the way in, the payload is copied from MGET's reply into the page's
 regions once it is verified.
 
@@ -63,6 +63,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -73,8 +74,11 @@ from redis.retry import Retry
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.redis.settings import RedisSettings
+from hicache.storage.backends.redis.wire import Fragment, pipelined, set_command
 from hicache.storage.base import (
-    StorageBackend,
+    LookupPutBackend,
+    PutBatch,
     StorageError,
     StorageUnavailableError,
     first_gap,
@@ -89,8 +93,6 @@ from hicache.storage.frame import (
 )
 from hicache.storage.options import Options
 from hicache.storage.page_regions import PageRegions
-from hicache.storage.redis_settings import RedisSettings
-from hicache.storage.redis_wire import Fragment, pipelined, set_command
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +102,14 @@ _CLEAR_CHUNK = 512
 _GLOB_SPECIAL = "\\*?[]"
 
 
-class RedisBackend(StorageBackend):
+@dataclass
+class _RedisPut(PutBatch):
+    client: redis.Redis
+    regions: PageRegions
+    names: list[bytes]
+
+
+class RedisBackend(LookupPutBackend[_RedisPut]):
     """See the module docstring."""
 
     name = "redis"
@@ -195,20 +204,40 @@ class RedisBackend(StorageBackend):
         self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
-    def set(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
+    def clear(self) -> None:
+        """Remove every page key under this backend's prefix (any instance's), nothing else."""
+        client, _ = self._ready([])
+        pattern = _glob_escape(self._prefix) + b"[0-9a-f]" * 32 + b".[lt]m"
+
+        def remove_all() -> int:
+            removed = 0
+            batch: list[bytes] = []
+            for name in client.scan_iter(match=pattern, count=_CLEAR_CHUNK):
+                batch.append(name)
+                if len(batch) >= _CLEAR_CHUNK:
+                    removed += int(client.unlink(*batch))
+                    batch.clear()
+            if batch:
+                removed += int(client.unlink(*batch))
+            return removed
+
+        self._call(1, remove_all)
+
+    # ------------------------------------------------------ put steps (set)
+    def _begin_put(self, keys: Sequence[bytes], host_pages: PageIds) -> _RedisPut:
         client, regions = self._ready(keys, host_pages)
-        if not keys:
-            return 0
-        began = time.perf_counter()
-        names = self._names(keys, regions)
-        pages = np.asarray(host_pages).tolist()
-        found = self._stored(client, names)
-        if found is None:
-            return 0
-        stored = list(found)
-        todo = [i for i, present in enumerate(stored) if not present]
+        return _RedisPut(
+            keys, np.asarray(host_pages).tolist(), regions.page_bytes, client, regions,
+            self._names(keys, regions),
+        )
+
+    def _lookup(self, batch: _RedisPut) -> list[bool] | None:
+        return self._stored(batch.client, batch.names)
+
+    def _put(self, batch: _RedisPut, todo: list[int], stored: list[bool]) -> int:
         num_written = 0
-        pool = client.connection_pool
+        regions, keys, pages, names = batch.regions, batch.keys, batch.pages, batch.names
+        pool = batch.client.connection_pool
         for part in self._parts(len(todo), regions.page_bytes):
             chosen = todo[part.start : part.stop]
             commands = [
@@ -234,28 +263,7 @@ class RedisBackend(StorageBackend):
                     num_written += 1
             if failed:
                 break
-        num_stored = first_gap(stored)
-        self._count_write(num_written, len(keys) - len(todo), regions.page_bytes, began)
-        return num_stored
-
-    def clear(self) -> None:
-        """Remove every page key under this backend's prefix (any instance's), nothing else."""
-        client, _ = self._ready([])
-        pattern = _glob_escape(self._prefix) + b"[0-9a-f]" * 32 + b".[lt]m"
-
-        def remove_all() -> int:
-            removed = 0
-            batch: list[bytes] = []
-            for name in client.scan_iter(match=pattern, count=_CLEAR_CHUNK):
-                batch.append(name)
-                if len(batch) >= _CLEAR_CHUNK:
-                    removed += int(client.unlink(*batch))
-                    batch.clear()
-            if batch:
-                removed += int(client.unlink(*batch))
-            return removed
-
-        self._call(1, remove_all)
+        return num_written
 
     # ------------------------------------------------------------ internals
     def _ready(

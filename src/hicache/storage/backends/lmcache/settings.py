@@ -1,15 +1,15 @@
 """Where and how the lmcache backend reaches its ``lmcache_server``: its extra config, checked.
 
-The keys are documented in ``hicache.storage.lmcache``.
+The keys are documented in ``hicache.storage.backends.lmcache.backend``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hicache.storage.backends.lmcache.protocol import check_name_field
+from hicache.storage.backends.mooncake.settings import split_host_port
 from hicache.storage.base import StorageError
-from hicache.storage.lmcache_protocol import check_name_field
-from hicache.storage.mooncake_settings import split_host_port
 from hicache.storage.options import Options
 
 # LMCache's own name for its remote server's address (its config's remote_url).

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from hicache.storage.backends.nixl.agent import NixlAgent
 from hicache.storage.base import MAX_BATCH_PAGES
-from hicache.storage.nixl_agent import NixlAgent
 
 
 class TrailerSlots:

@@ -1,6 +1,6 @@
 """The nixl backend's settings, read from its extra config and checked up front.
 
-The keys are documented in ``hicache.storage.nixl``. Nothing here needs NIXL
+The keys are documented in ``hicache.storage.backends.nixl.backend``. Nothing here needs NIXL
 installed: a bad configuration is reported before any plugin is loaded.
 """
 

@@ -1,4 +1,4 @@
-"""Our own client of ``lmcache_server`` (``lmcache_protocol``): pipelined requests, a pool of
+"""Our own client of ``lmcache_server`` (``protocol``): pipelined requests, a pool of
 connections, socket timeouts, and a short back-off after the server could not be reached.
 
 The client never imports LMCache; it only speaks its wire format. A
@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import cast
 
-from hicache.storage.lmcache_protocol import (
+from hicache.storage.backends.lmcache.protocol import (
     REPLY_BYTES,
     Command,
     ProtocolError,

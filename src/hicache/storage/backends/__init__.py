@@ -1,0 +1,1 @@
+"""The built-in L3 storage backends, one package each, created by name (``storage.registry``)."""

@@ -1,0 +1,1 @@
+"""The "file" backend: one file per page in a local directory."""
