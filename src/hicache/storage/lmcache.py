@@ -87,7 +87,7 @@ from hicache.storage.lmcache_protocol import (
     key_string,
 )
 from hicache.storage.lmcache_settings import LMCacheSettings
-from hicache.storage.options import Options
+from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
 
 BAD_KEYS_REMEMBERED = 4096
@@ -104,9 +104,7 @@ class LMCacheBackend(StorageBackend):
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
-        self.settings = LMCacheSettings.from_options(
-            Options(self.extra_config, "lmcache storage")
-        )
+        self.settings = read_settings(LMCacheSettings, self.extra_config, "lmcache storage")
         self.verify_checksum = self.settings.verify_checksum
         self._client: Client | None = None
         self._regions: PageRegions | None = None

@@ -127,8 +127,8 @@ from hicache.storage.mooncake_client import (
     failure_reason,
     release_client,
 )
-from hicache.storage.mooncake_settings import ENV, MooncakeSettings
-from hicache.storage.options import Options
+from hicache.storage.mooncake_settings import MooncakeSettings
+from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
 
 logger = logging.getLogger(__name__)
@@ -144,8 +144,6 @@ PAGE_PIECE_BYTES = COPY_PIECE_BYTES
 _STAGING_SLOTS = 4
 # Every object name this backend writes (what clear() removes): hex key + order tag.
 _NAME_PATTERN = r"^[0-9a-f]{32}\.(lm|tm)$"
-# The multi-buffer batch calls (Mooncake Store >= 0.3.6).
-_KNOWN_KEYS = {*ENV, "verify_checksum"}
 
 
 class MooncakeBackend(StorageBackend):
@@ -155,10 +153,8 @@ class MooncakeBackend(StorageBackend):
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
-        options = Options(self.extra_config, "mooncake storage")
-        options.reject_unknown(_KNOWN_KEYS)
-        self.settings = MooncakeSettings.from_options(options)
-        self.verify_checksum = options.boolean("verify_checksum", True)
+        self.settings = read_settings(MooncakeSettings, self.extra_config, "mooncake storage")
+        self.verify_checksum = self.settings.verify_checksum
         self._client: MooncakeClient | None = None
         self._regions: PageRegions | None = None
         self._pool_address = 0
