@@ -22,23 +22,25 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, ValidationError
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    TypeAdapter,
+    ValidationError,
+)
 from pydantic_core import PydanticUseDefault
 
 from hicache.storage.base import StorageError
 
 SETTINGS = ConfigDict(extra="forbid")
 _UNKNOWN_KEY = "unexpected_keyword_argument"  # what extra="forbid" reports for a dataclass
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-# Not pydantic's ByteSize: that reads True as 1 byte and "1bit" as 0, takes "PB",
-# and refuses the "Ki" and "Mi" these keys accept.
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10,
-    "m": 10**6, "mb": 10**6, "mib": 2**20, "mi": 2**20,
-    "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30,
-    "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40,
-}
+# A size: a number, then k, m, g or t (powers of 1000; with "i", of 1024), then an optional
+# b. pydantic's ByteSize reads it; alone it would also take True (1 byte), "1bit" (0) and
+# "PB", and refuse the "Ki" and "Mi" these keys accept.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i)?)?b?\s*$", re.IGNORECASE)
+_BYTES = TypeAdapter(ByteSize)
 T = TypeVar("T")
 
 
@@ -119,11 +121,11 @@ def parse_size(value: object) -> int:
             raise ValueError(f"must be >= 0 bytes, got {value}")
         return value
     match = _SIZE.match(value) if isinstance(value, str) else None
-    unit = (match.group(2) or "").lower() if match else ""
-    if match and unit in _UNITS:
-        return int(float(match.group(1)) * _UNITS[unit])
-    raise ValueError("must be a size in bytes (an integer, or a string like '16GB' or "
-                     f"'512MiB'), got {value!r}")
+    if match is None:
+        raise ValueError("must be a size in bytes (an integer, or a string like '16GB' or "
+                         f"'512MiB'), got {value!r}")
+    digits, prefix, binary = match.groups()
+    return int(_BYTES.validate_python(f"{digits}{prefix or ''}{'ib' if binary else 'b'}"))
 
 
 def number(minimum: float = 0.0, whole: bool = False) -> BeforeValidator:
