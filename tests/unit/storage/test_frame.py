@@ -33,6 +33,7 @@ from hicache.storage.options import (
     Size,
     Text,
     TextOrDefault,
+    must,
     number,
     parse_bool,
     parse_size,
@@ -179,7 +180,10 @@ class ExampleSettings:
     c: Annotated[int, number(1, whole=True)] = 4
     size: Annotated[Size, FromEnv("HICACHE_TEST_SIZE", "HICACHE_TEST_SIZE_2")] = 7
     word: Text = "d"
-    near: Annotated[TextOrDefault, FromEnv("HICACHE_TEST_NEAR", name_variable=False)] = "x"
+    near: Annotated[
+        TextOrDefault, must(lambda near: near != "far", "must not be far"),
+        FromEnv("HICACHE_TEST_NEAR", name_variable=False),
+    ] = "x"
 
 
 def read(**extra: object) -> ExampleSettings:
@@ -231,3 +235,6 @@ def test_counts_flags_and_where_a_value_came_from(monkeypatch: pytest.MonkeyPatc
         read(size=-1)
     monkeypatch.setenv("HICACHE_TEST_NEAR", "  ")
     assert read(size=1).near == "  "
+    monkeypatch.setenv("HICACHE_TEST_NEAR", "far")  # this field's errors name the key
+    with pytest.raises(StorageError, match=r"^test store: near must not be far$"):
+        read(size=1)
