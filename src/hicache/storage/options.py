@@ -83,7 +83,7 @@ def read_settings(cls: type[T], extra: Mapping[str, Any], source: str) -> T:
     if unknown:
         raise StorageError(f"{source}: unknown extra-config key(s) {', '.join(unknown)}; "
                            f"known keys: {', '.join(sorted(fields))}")
-    problem = problems[0]  # the first, as a reader of the config would meet them
+    problem = problems[0]  # the first in field order
     message = str(problem.get("ctx", {}).get("error", problem["msg"]))
     if not problem["loc"]:  # a check of the settings as a whole
         raise StorageError(f"{source}: {message}")
