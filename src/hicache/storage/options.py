@@ -1,125 +1,166 @@
-"""Reading a backend's options from its extra config (with environment fallbacks).
+"""Reading a backend's settings from its extra config (with environment fallbacks).
 
-The extra config is user input (JSON, TOML or YAML), so every value is
-checked here and every error names the key and what to give instead. A key a
-backend does not know is an error too: a typo such as ``max_byte`` would
-otherwise silently leave the default in place.
+A backend's settings are a frozen pydantic dataclass (``@dataclass(frozen=True,
+config=SETTINGS)``) whose fields use the types below; ``read_settings`` fills one.
+
+Invariants:
+- The extra config is user input (JSON, TOML or YAML): every value is checked, and
+  every error is a ``StorageError`` that names the key (or the environment variable
+  the value came from) and what to give instead. Validators raise ``ValueError``
+  with the text after the key; pydantic's own messages never reach the user.
+- A key the settings do not declare is an error (a typo such as ``max_byte`` would
+  otherwise silently leave the default in place); a None value is as if absent.
+- A field annotated ``FromEnv`` falls back to the first of its environment variables
+  that is set and non-empty; the extra config wins.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Set
-from typing import Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    TypeAdapter,
+    ValidationError,
+)
+from pydantic_core import PydanticUseDefault
 
 from hicache.storage.base import StorageError
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10,
-    "m": 10**6, "mb": 10**6, "mib": 2**20, "mi": 2**20,
-    "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30,
-    "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40,
-}
+SETTINGS = ConfigDict(extra="forbid")
+_UNKNOWN_KEY = "unexpected_keyword_argument"  # what extra="forbid" reports for a dataclass
+# A size: a number, then k, m, g or t (powers of 1000; with "i", of 1024), then an optional
+# b. pydantic's ByteSize reads it; alone it would also take True (1 byte), "1bit" (0) and
+# "PB", and refuse the "Ki" and "Mi" these keys accept.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i)?)?b?\s*$", re.IGNORECASE)
+_BYTES = TypeAdapter(ByteSize)
+T = TypeVar("T")
 
 
-class Options:
-    """Typed access to one backend's extra config; ``source`` names it in errors."""
+class FromEnv:
+    """Field metadata: the environment variables the field falls back to, in order.
 
-    def __init__(self, extra: Mapping[str, Any], source: str) -> None:
-        self.extra = extra
-        self.source = source
+    ``parse`` reads a variable's text (another program's units, say). An error in
+    the value names the variable, or the key if not ``name_variable``.
+    """
 
-    def reject_unknown(self, known: Set[str]) -> None:
-        unknown = sorted(set(self.extra) - set(known))
-        if unknown:
-            raise StorageError(
-                f"{self.source}: unknown extra-config key(s) {', '.join(unknown)}; "
-                f"known keys: {', '.join(sorted(known))}"
-            )
-
-    def _raw(self, key: str, env: tuple[str, ...] = ()) -> tuple[Any, str] | None:
-        """The value and where it came from (the key, or an environment variable)."""
-        if key in self.extra and self.extra[key] is not None:
-            return self.extra[key], f"{self.source}: {key}"
-        for name in env:
-            value = os.environ.get(name)
-            if value:
-                return value, f"{self.source}: environment variable {name}"
-        return None
-
-    def where(self, key: str, env: tuple[str, ...] = ()) -> str:
-        """Where ``key``'s value comes from, for an error found after reading it: the key,
-        or the environment variable it fell back to."""
-        found = self._raw(key, env)
-        return f"{self.source}: {key}" if found is None else found[1]
-
-    def string(self, key: str, default: str | None, env: tuple[str, ...] = ()) -> str | None:
-        found = self._raw(key, env)
-        if found is None:
-            return default
-        value, where = found
-        if not isinstance(value, str):
-            raise StorageError(f"{where} must be a string, got {value!r}")
-        return value
-
-    def boolean(self, key: str, default: bool) -> bool:
-        found = self._raw(key)
-        if found is None:
-            return default
-        value, where = found
-        return parse_bool(value, where)
-
-    def size_bytes(self, key: str, default: int, env: tuple[str, ...] = ()) -> int:
-        """A byte count: an integer, or a string such as "16GB", "512MiB" (GB = 1e9 B)."""
-        found = self._raw(key, env)
-        if found is None:
-            return default
-        value, where = found
-        return parse_size(value, where)
-
-    def number(self, key: str, default: float, minimum: float = 0.0) -> float:
-        found = self._raw(key)
-        if found is None:
-            return default
-        value, where = found
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-            raise StorageError(f"{where} must be a number >= {minimum}, got {value!r}")
-        return float(value)
-
-    def whole_number(self, key: str, default: int, minimum: int = 0) -> int:
-        """A count (connections, say): a number >= ``minimum`` with nothing after the point."""
-        value = self.number(key, default, minimum)
-        if value != int(value):
-            raise StorageError(f"{self.source}: {key} must be a whole number, got {value}")
-        return int(value)
+    def __init__(self, *names: str, parse: Callable[[str], object] = str,
+                 name_variable: bool = True) -> None:
+        self.names, self.parse, self.name_variable = names, parse, name_variable
 
 
-def parse_bool(value: object, where: str) -> bool:
+def read_settings(cls: type[T], extra: Mapping[str, Any], source: str) -> T:
+    """``cls`` from ``extra`` and the environment; ``source`` ("redis storage") starts
+    every error message."""
+    fields = {f.alias or name: f for name, f in cls.__pydantic_fields__.items()}  # type: ignore[attr-defined]
+    data = {key: value for key, value in extra.items() if value is not None or key not in fields}
+    where = {key: f"{source}: {key}" for key in fields}
+    for key, field in fields.items():
+        env = next((m for m in field.metadata if isinstance(m, FromEnv)), None)
+        if env is None or key in data:
+            continue
+        name = next((name for name in env.names if os.environ.get(name)), None)
+        if name is None:
+            continue
+        variable = f"{source}: environment variable {name}"
+        where[key] = variable if env.name_variable else where[key]
+        try:
+            data[key] = env.parse(os.environ[name])
+        except ValueError as error:
+            raise StorageError(f"{variable} {error}") from None
+    try:
+        return cls(**data)
+    except ValidationError as error:
+        problems = error.errors()
+    unknown = sorted(str(p["loc"][0]) for p in problems if p["type"] == _UNKNOWN_KEY)
+    if unknown:
+        raise StorageError(f"{source}: unknown extra-config key(s) {', '.join(unknown)}; "
+                           f"known keys: {', '.join(sorted(fields))}")
+    problem = problems[0]  # the first in field order
+    message = str(problem.get("ctx", {}).get("error", problem["msg"]))
+    if not problem["loc"]:  # a check of the settings as a whole
+        raise StorageError(f"{source}: {message}")
+    raise StorageError(f"{where[str(problem['loc'][0])]} {message}")
+
+
+def text(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"must be a string, got {value!r}")
+    return value
+
+
+def text_or_default(value: object) -> str:
+    """A string; "" stands for the field's default."""
+    if value == "":
+        raise PydanticUseDefault()
+    return text(value)
+
+
+def parse_bool(value: object) -> bool:
     """A flag from a bool or a string ("true", "false", "1", "0"; any case, spaces around)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
         return value.strip().lower() in ("true", "1")
-    raise StorageError(f"{where} must be true or false, got {value!r}")
+    raise ValueError(f"must be true or false, got {value!r}")
 
 
-def parse_size(value: object, where: str) -> int:
+def parse_size(value: object) -> int:
     """Bytes from an int or a size string ("16GB" = 16e9 B, "16GiB" = 16 * 2^30 B)."""
     if isinstance(value, bool):
-        raise StorageError(f"{where} must be a size in bytes, got {value!r}")
+        raise ValueError(f"must be a size in bytes, got {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise StorageError(f"{where} must be >= 0 bytes, got {value}")
+            raise ValueError(f"must be >= 0 bytes, got {value}")
         return value
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        unit = (match.group(2) or "").lower() if match else ""
-        if match and unit in _UNITS:
-            return int(float(match.group(1)) * _UNITS[unit])
-    raise StorageError(
-        f"{where} must be a size in bytes (an integer, or a string like '16GB' or '512MiB'), "
-        f"got {value!r}"
-    )
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError("must be a size in bytes (an integer, or a string like '16GB' or "
+                         f"'512MiB'), got {value!r}")
+    digits, prefix, binary = match.groups()
+    return int(_BYTES.validate_python(f"{digits}{prefix or ''}{'ib' if binary else 'b'}"))
+
+
+def number(minimum: float = 0.0, whole: bool = False) -> BeforeValidator:
+    """A number (not a bool) >= ``minimum``, as a float; ``whole``: a count, as an int."""
+    def check(value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+            raise ValueError(f"must be a number >= {minimum}, got {value!r}")
+        if whole and value != int(value):
+            raise ValueError(f"must be a whole number, got {float(value)}")
+        return int(value) if whole else float(value)
+    return BeforeValidator(check)
+
+
+def must(holds: Callable[[Any], bool], message: str) -> AfterValidator:
+    """A check of the parsed value; ``message`` is formatted with it ("got {!r}")."""
+    def check(value: T) -> T:
+        if not holds(value):
+            raise ValueError(message.format(value))
+        return value
+    return AfterValidator(check)
+
+
+def _strip(value: str) -> str:
+    return value.strip()
+
+
+def _directory(value: object) -> Path:
+    return value if isinstance(value, Path) else Path(text_or_default(value)).expanduser()
+
+
+Text = Annotated[str, BeforeValidator(text)]
+TextOrDefault = Annotated[str, BeforeValidator(text_or_default)]
+# A string, spaces around it dropped ("" means the default).
+Stripped = Annotated[TextOrDefault, AfterValidator(_strip)]
+Flag = Annotated[bool, BeforeValidator(parse_bool)]
+Size = Annotated[int, BeforeValidator(parse_size)]
+# A directory, "~" expanded ("" means the default; a Path is settings built in code).
+Directory = Annotated[Path, BeforeValidator(_directory)]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import struct
+from typing import Annotated
 
 import pytest
 import torch
+from pydantic.dataclasses import dataclass
 
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
@@ -24,7 +26,19 @@ from hicache.storage.frame import (
     object_name,
     pack_header_into,
 )
-from hicache.storage.options import Options, parse_bool, parse_size
+from hicache.storage.options import (
+    SETTINGS,
+    Flag,
+    FromEnv,
+    Size,
+    Text,
+    TextOrDefault,
+    must,
+    number,
+    parse_bool,
+    parse_size,
+    read_settings,
+)
 from hicache.storage.page_regions import PageRegions
 from tests.storage_contract import fill_random, page_range
 
@@ -159,39 +173,68 @@ def test_a_payload_is_copied_into_and_out_of_a_page(layout: MemLayout) -> None:
         assert torch.equal(host.pages[page], before)
 
 
+@dataclass(frozen=True, config=SETTINGS)
+class ExampleSettings:
+    flag: Flag = False
+    n: Annotated[float, number()] = 1.0
+    c: Annotated[int, number(1, whole=True)] = 4
+    size: Annotated[Size, FromEnv("HICACHE_TEST_SIZE", "HICACHE_TEST_SIZE_2")] = 7
+    word: Text = "d"
+    near: Annotated[
+        TextOrDefault, must(lambda near: near != "far", "must not be far"),
+        FromEnv("HICACHE_TEST_NEAR", name_variable=False),
+    ] = "x"
+
+
+def read(**extra: object) -> ExampleSettings:
+    return read_settings(ExampleSettings, extra, "test store")
+
+
 def test_sizes_and_options_are_read_with_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert parse_size(123, "x") == 123
-    assert parse_size("16GB", "x") == 16 * 10**9
-    assert parse_size("512 MiB", "x") == 512 * 2**20
-    assert parse_size("1.5k", "x") == 1500
-    for bad in ("16 parsecs", -1, True, 1.5, "GB"):
-        with pytest.raises(StorageError, match="x"):
-            parse_size(bad, "x")
-    options = Options({"a": "yes", "n": -1.0}, "test store")
-    with pytest.raises(StorageError, match="test store: a must be true or false"):
-        options.boolean("a", False)
-    with pytest.raises(StorageError, match="n must be a number >= 0"):
-        options.number("n", 1.0)
-    monkeypatch.setenv("HICACHE_TEST_SIZE", "2KiB")
-    assert options.size_bytes("missing", 7, env=("HICACHE_TEST_SIZE",)) == 2048
-    assert options.string("missing", "d") == "d"
+    assert parse_size(123) == 123
+    assert parse_size("16GB") == 16 * 10**9
+    assert parse_size("512 MiB") == 512 * 2**20
+    assert parse_size("1.5k") == 1500
+    assert parse_size("2Ki") == 2048
+    for bad in ("16 parsecs", -1, True, 1.5, "GB", "1PB"):
+        with pytest.raises(ValueError, match="must be"):
+            parse_size(bad)
+    with pytest.raises(StorageError, match="test store: flag must be true or false"):
+        read(flag="yes")
+    with pytest.raises(StorageError, match="test store: n must be a number >= 0"):
+        read(n=-1.0)
+    with pytest.raises(StorageError, match="test store: size must be a size in bytes"):
+        read(size="lots")
+    with pytest.raises(StorageError, match="test store: word must be a string, got 3"):
+        read(word=3)
+    with pytest.raises(StorageError, match=r"unknown extra-config key\(s\) sise, z; known keys: "
+                                           "c, flag, n, near, size, word"):
+        read(sise=1, z=None, n=2)
+    monkeypatch.setenv("HICACHE_TEST_SIZE_2", "2KiB")
+    settings = read(word="", near="", n=None)
+    assert (settings.size, settings.word, settings.near, settings.n) == (2048, "", "x", 1.0)
+    assert read(size=5).size == 5  # the extra config wins
 
 
 def test_counts_flags_and_where_a_value_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
-    options = Options({"c": 3.0, "half": 2.5, "low": 0, "flag": " True "}, "test store")
-    assert options.whole_number("c", 1, minimum=1) == 3
-    assert options.whole_number("missing", 4, minimum=1) == 4
-    with pytest.raises(StorageError, match=r"test store: half must be a whole number, got 2\.5"):
-        options.whole_number("half", 1)
-    with pytest.raises(StorageError, match="low must be a number >= 1"):
-        options.whole_number("low", 1, minimum=1)
-    assert options.boolean("flag", False) is True
-    assert parse_bool("0", "x") is False and parse_bool(True, "x") is True
-    with pytest.raises(StorageError, match="x must be true or false"):
-        parse_bool(1, "x")
-    monkeypatch.setenv("HICACHE_TEST_FLAG", "1")
-    assert options.where("c", ("HICACHE_TEST_FLAG",)) == "test store: c"
-    assert options.where("other", ("HICACHE_TEST_FLAG",)) == (
-        "test store: environment variable HICACHE_TEST_FLAG"
-    )
-    assert options.where("other") == "test store: other"
+    assert read(c=3.0, flag=" True ").c == 3
+    assert read().c == 4
+    with pytest.raises(StorageError, match=r"test store: c must be a whole number, got 2\.5"):
+        read(c=2.5)
+    with pytest.raises(StorageError, match="test store: c must be a number >= 1"):
+        read(c=0)
+    assert read(flag=" True ").flag is True
+    assert parse_bool("0") is False and parse_bool(True) is True
+    with pytest.raises(ValueError, match="must be true or false"):
+        parse_bool(1)
+    monkeypatch.setenv("HICACHE_TEST_SIZE", "2 parsecs")
+    with pytest.raises(StorageError, match="test store: environment variable HICACHE_TEST_SIZE "
+                                           "must be a size in bytes"):
+        read()
+    with pytest.raises(StorageError, match="test store: size must be >= 0 bytes"):
+        read(size=-1)
+    monkeypatch.setenv("HICACHE_TEST_NEAR", "  ")
+    assert read(size=1).near == "  "
+    monkeypatch.setenv("HICACHE_TEST_NEAR", "far")  # this field's errors name the key
+    with pytest.raises(StorageError, match=r"^test store: near must not be far$"):
+        read(size=1)

@@ -25,7 +25,7 @@ from hicache.storage.backends.mooncake.settings import MooncakeSettings
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
 from hicache.storage.mooncake_master import MasterProcess
-from hicache.storage.options import Options
+from hicache.storage.options import read_settings
 from hicache.storage.registry import create_storage_backend
 from tests.listeners import listening_sockets
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
@@ -83,7 +83,7 @@ GEOMETRY_SMALL = TestMooncakeContract.geometry
 
 # ------------------------------------------------------------------ configuration
 def settings(extra: dict[str, Any]) -> MooncakeSettings:
-    return MooncakeSettings.from_options(Options(extra, "mooncake storage"))
+    return read_settings(MooncakeSettings, extra, "mooncake storage")
 
 
 def test_settings_default_to_a_tcp_client_on_loopback() -> None:

@@ -65,7 +65,7 @@ from hicache.storage.frame import (
     encode_header,
     object_name,
 )
-from hicache.storage.options import Options
+from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
 
 
@@ -99,9 +99,8 @@ class AibrixBackend(LookupPutBackend[_AibrixPut]):
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
-        options = Options(self.extra_config, "aibrix storage")
-        self.settings = AibrixSettings.from_options(options)
-        self.verify_checksum = options.boolean("verify_checksum", True)
+        self.settings = read_settings(AibrixSettings, self.extra_config, "aibrix storage")
+        self.verify_checksum = self.settings.verify_checksum
         self._store: AibrixStore | None = None
         self._regions: PageRegions | None = None
 

@@ -10,24 +10,17 @@ built under, including the ones we fix because the backend relies on them.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field, model_validator
+from pydantic.dataclasses import dataclass
 
 from hicache.local_cache import local_cache_dir
-from hicache.storage.base import StorageError
-from hicache.storage.options import Options, parse_bool, parse_size
+from hicache.storage.options import SETTINGS, Directory, Flag, FromEnv, Size, must, parse_bool
 
-# Our key -> the AIBrix variable it falls back to.
-ENV = {
-    "path": "AIBRIX_KV_CACHE_OL_ROCKSDB_ROOT",
-    "l1": "AIBRIX_KV_CACHE_OL_L1_CACHE_ENABLED",
-    "l1_capacity": "AIBRIX_KV_CACHE_OL_L1_CACHE_CAPACITY_GB",
-    "l1_eviction_policy": "AIBRIX_KV_CACHE_OL_L1_CACHE_EVICTION_POLICY",
-    "l2": "AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND",
-    "ttl_s": "AIBRIX_KV_CACHE_OL_ROCKSDB_TTL_S",
-}
-KNOWN_KEYS = {*ENV, "verify_checksum"}
 EVICTION_POLICIES = ("S3FIFO", "LRU", "FIFO")
 # AIBrix's own default is 10 GB of host memory; an L3 tier beside our host pool
 # (itself the L2) should not take that much unasked.
@@ -61,53 +54,78 @@ def default_path() -> Path:
     return local_cache_dir() / "aibrix"
 
 
-@dataclass(frozen=True)
+def _gigabytes(text: str) -> int:
+    """Bytes from AIBrix's capacity variable, which counts GiB."""
+    try:
+        return int(float(text) * 2**30)
+    except ValueError:
+        raise ValueError(f"must be a number of GiB, got {text!r}") from None
+
+
+def _l2_enabled(value: object) -> bool:
+    # AIBrix names the L2 backend; this backend only knows RocksDB.
+    if isinstance(value, str) and value.strip().upper() in ("ROCKSDB", ""):
+        return value.strip() != ""
+    if isinstance(value, str) and value.strip().lower() not in ("true", "false", "1", "0"):
+        raise ValueError(
+            f"must be true or false (RocksDB on or off), got {value!r}; "
+            "other AIBrix L2 backends are not supported here"
+        )
+    return parse_bool(value)
+
+
+def _eviction_policy(value: object) -> str:
+    policy = str(value).strip().upper()
+    if policy not in EVICTION_POLICIES:
+        raise ValueError(f"must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
+    return policy
+
+
+def _integer(value: object) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"must be an integer, got {value!r}")
+    return value
+
+
+def _aibrix(variable: str, parse: Callable[[str], object] = str) -> FromEnv:
+    """The AIBrix variable a key falls back to (errors in its value name the key)."""
+    return FromEnv(variable, parse=parse, name_variable=False)
+
+
+@dataclass(frozen=True, config=SETTINGS)
 class AibrixSettings:
     """One AIBrix cache: which tiers, how big, where RocksDB keeps its files."""
 
-    path: Path
-    l1: bool = True
-    l1_capacity_bytes: int = DEFAULT_L1_CAPACITY_BYTES
-    l1_eviction_policy: str = "S3FIFO"
-    l2: bool = True
-    ttl_s: int = DEFAULT_TTL_S
+    path: Annotated[Directory, FromEnv("AIBRIX_KV_CACHE_OL_ROCKSDB_ROOT")] = Field(
+        default_factory=default_path
+    )
+    l1: Annotated[Flag, _aibrix("AIBRIX_KV_CACHE_OL_L1_CACHE_ENABLED")] = True
+    l1_capacity_bytes: Annotated[
+        Size, _aibrix("AIBRIX_KV_CACHE_OL_L1_CACHE_CAPACITY_GB", _gigabytes)
+    ] = Field(default=DEFAULT_L1_CAPACITY_BYTES, alias="l1_capacity")
+    l1_eviction_policy: Annotated[
+        str, BeforeValidator(_eviction_policy),
+        _aibrix("AIBRIX_KV_CACHE_OL_L1_CACHE_EVICTION_POLICY"),
+    ] = "S3FIFO"
+    l2: Annotated[
+        bool, BeforeValidator(_l2_enabled), _aibrix("AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND")
+    ] = True
+    ttl_s: Annotated[
+        int, BeforeValidator(_integer), must(lambda ttl_s: ttl_s >= 0, "must be >= 0, got {}"),
+        _aibrix("AIBRIX_KV_CACHE_OL_ROCKSDB_TTL_S"),
+    ] = DEFAULT_TTL_S
+    # The backend's, not the cache's: left out of equality so that it does not split stores.
+    verify_checksum: Flag = dataclasses.field(default=True, compare=False)
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _tiers(self) -> AibrixSettings:
         if not (self.l1 or self.l2):
-            raise StorageError("aibrix storage: l1 and l2 are both off; enable at least one")
+            raise ValueError("l1 and l2 are both off; enable at least one")
         if self.l1 and self.l1_capacity_bytes <= 0:
-            raise StorageError("aibrix storage: l1_capacity must be > 0 bytes with l1 on")
-        if self.l1_eviction_policy not in EVICTION_POLICIES:
-            raise StorageError(
-                f"aibrix storage: l1_eviction_policy must be one of "
-                f"{', '.join(EVICTION_POLICIES)}, got {self.l1_eviction_policy!r}"
-            )
-        if self.ttl_s < 0:
-            raise StorageError(f"aibrix storage: ttl_s must be >= 0, got {self.ttl_s}")
-
-    @classmethod
-    def from_options(cls, options: Options) -> AibrixSettings:
-        options.reject_unknown(KNOWN_KEYS)
-        path = options.string("path", None, env=(ENV["path"],))
-        capacity = options.extra.get("l1_capacity")
-        capacity_env = os.environ.get(ENV["l1_capacity"])
-        if capacity is not None:
-            capacity_bytes = parse_size(capacity, "aibrix storage: l1_capacity")
-        elif capacity_env:
-            capacity_bytes = _gigabytes(capacity_env)  # AIBrix's variable counts GiB
-        else:
-            capacity_bytes = DEFAULT_L1_CAPACITY_BYTES
-        policy = _raw(options, "l1_eviction_policy")
-        l2 = _raw(options, "l2")
-        return cls(
-            path=Path(path).expanduser() if path else default_path(),
-            l1=_boolean(_raw(options, "l1"), True, "l1"),
-            l1_capacity_bytes=capacity_bytes,
-            l1_eviction_policy=str(policy).strip().upper() if policy is not None else "S3FIFO",
-            # AIBrix names the L2 backend; this backend only knows RocksDB.
-            l2=_l2_enabled(l2),
-            ttl_s=_integer(_raw(options, "ttl_s"), DEFAULT_TTL_S, "ttl_s"),
-        )
+            raise ValueError("l1_capacity must be > 0 bytes with l1 on")
+        return self
 
     def environment(self, rocksdb_root: Path) -> dict[str, str]:
         """Every ``AIBRIX_KV_CACHE_OL_*`` variable a cache manager is built under."""
@@ -120,46 +138,3 @@ class AibrixSettings:
             "AIBRIX_KV_CACHE_OL_ROCKSDB_ROOT": str(rocksdb_root),
             "AIBRIX_KV_CACHE_OL_ROCKSDB_TTL_S": str(self.ttl_s),
         }
-
-
-def _raw(options: Options, key: str) -> object | None:
-    """The extra config's value, else the AIBrix variable's (unset or empty: None)."""
-    value: object | None = options.extra.get(key)
-    if value is not None:
-        return value
-    return os.environ.get(ENV[key]) or None
-
-
-def _boolean(value: object | None, default: bool, key: str) -> bool:
-    return default if value is None else parse_bool(value, f"aibrix storage: {key}")
-
-
-def _l2_enabled(value: object | None) -> bool:
-    if isinstance(value, str) and value.strip().upper() in ("ROCKSDB", ""):
-        return value.strip() != ""
-    if isinstance(value, str) and value.strip().lower() not in ("true", "false", "1", "0"):
-        raise StorageError(
-            f"aibrix storage: l2 must be true or false (RocksDB on or off), got {value!r}; "
-            "other AIBrix L2 backends are not supported here"
-        )
-    return _boolean(value, True, "l2")
-
-
-def _integer(value: object | None, default: int, key: str) -> int:
-    if value is None:
-        return default
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value.strip())
-    raise StorageError(f"aibrix storage: {key} must be an integer, got {value!r}")
-
-
-def _gigabytes(text: str) -> int:
-    try:
-        return int(float(text) * 2**30)
-    except ValueError:
-        raise StorageError(
-            f"aibrix storage: environment variable {ENV['l1_capacity']} must be a number of "
-            f"GiB, got {text!r}"
-        ) from None

@@ -45,6 +45,8 @@ from stat import S_ISREG
 from typing import Any
 
 import numpy as np
+from pydantic import Field
+from pydantic.dataclasses import dataclass
 
 from hicache.local_cache import local_cache_dir
 from hicache.memory.allocator import PageIds
@@ -58,7 +60,7 @@ from hicache.storage.frame import (
     encode_header,
     object_name,
 )
-from hicache.storage.options import Options
+from hicache.storage.options import SETTINGS, Directory, Flag, Size, read_settings
 from hicache.storage.page_files import (
     TEMP_SUFFIX,
     create_file,
@@ -72,7 +74,6 @@ from hicache.storage.page_files import (
 from hicache.storage.page_regions import PageRegions
 
 DEFAULT_MAX_BYTES = 16 * 10**9
-_KNOWN_KEYS = {"path", "max_bytes", "fsync", "verify_checksum"}
 try:
     _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
 except (AttributeError, ValueError, OSError):
@@ -83,6 +84,16 @@ def default_path() -> Path:
     return local_cache_dir() / "l3"
 
 
+@dataclass(frozen=True, config=SETTINGS)
+class FileSettings:
+    """The file backend's extra config (see the module docstring)."""
+
+    path: Directory = Field(default_factory=default_path)
+    max_bytes: Size = DEFAULT_MAX_BYTES
+    fsync: Flag = False
+    verify_checksum: Flag = True
+
+
 class FileBackend(StorageBackend):
     """See the module docstring."""
 
@@ -90,14 +101,12 @@ class FileBackend(StorageBackend):
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
-        options = Options(self.extra_config, "file storage")
-        options.reject_unknown(_KNOWN_KEYS)
-        path = options.string("path", None)
-        self.root = Path(path).expanduser() if path else default_path()
+        settings = read_settings(FileSettings, self.extra_config, "file storage")
+        self.root = settings.path
         self._root_text = str(self.root)  # paths are built as text: pathlib costs per page
-        self.max_bytes = options.size_bytes("max_bytes", DEFAULT_MAX_BYTES)
-        self.fsync = options.boolean("fsync", False)
-        self.verify_checksum = options.boolean("verify_checksum", True)
+        self.max_bytes = settings.max_bytes
+        self.fsync = settings.fsync
+        self.verify_checksum = settings.verify_checksum
         # name -> file bytes, least recently used first. Guarded by self._lock.
         self._index: OrderedDict[str, int] = OrderedDict()
         self._total_bytes = 0

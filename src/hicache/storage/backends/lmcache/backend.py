@@ -89,7 +89,7 @@ from hicache.storage.frame import (
     encode_header,
     length_fault,
 )
-from hicache.storage.options import Options
+from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
 
 BAD_KEYS_REMEMBERED = 4096
@@ -114,9 +114,7 @@ class LMCacheBackend(LookupPutBackend[_LMCachePut]):
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
-        self.settings = LMCacheSettings.from_options(
-            Options(self.extra_config, "lmcache storage")
-        )
+        self.settings = read_settings(LMCacheSettings, self.extra_config, "lmcache storage")
         self.verify_checksum = self.settings.verify_checksum
         self._client: Client | None = None
         self._regions: PageRegions | None = None

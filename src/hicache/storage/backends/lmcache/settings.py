@@ -5,69 +5,63 @@ The keys are documented in ``hicache.storage.backends.lmcache.backend``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field, model_validator
+from pydantic.dataclasses import dataclass
 
 from hicache.storage.backends.lmcache.protocol import check_name_field
-from hicache.storage.backends.mooncake.settings import split_host_port
-from hicache.storage.base import StorageError
-from hicache.storage.options import Options
+from hicache.storage.backends.mooncake.settings import host_port
+from hicache.storage.options import SETTINGS, Flag, FromEnv, TextOrDefault, must, number, text
 
-# LMCache's own name for its remote server's address (its config's remote_url).
-URL_ENV = ("LMCACHE_REMOTE_URL",)
 URL_SCHEME = "lm://"
-KNOWN_KEYS = {
-    "remote_url", "namespace", "connections", "timeout_s", "connect_timeout_s",
-    "retry_interval_s", "verify_checksum",
-}
 
 
-@dataclass(frozen=True)
-class LMCacheSettings:
-    host: str
-    port: int
-    namespace: str = "hicache"
-    connections: int = 4
-    timeout_s: float = 5.0
-    connect_timeout_s: float = 2.0
-    retry_interval_s: float = 1.0
-    verify_checksum: bool = True
-
-    @classmethod
-    def from_options(cls, options: Options) -> LMCacheSettings:
-        options.reject_unknown(KNOWN_KEYS)
-        source = options.source
-        url = options.string("remote_url", None, URL_ENV)
-        if url is None:
-            raise StorageError(
-                f"{source}: remote_url is required: the lmcache_server's address as "
-                "lm://host:port (or host:port), in the extra config or LMCACHE_REMOTE_URL"
-            )
-        url = url.strip()
-        address = url[len(URL_SCHEME):] if url.startswith(URL_SCHEME) else url
-        if "://" in address:
-            raise StorageError(f"{source}: remote_url must be lm://host:port, got {url!r}")
-        host, port = split_host_port(address, f"{source}: remote_url")
-        namespace = options.string("namespace", "hicache") or "hicache"
-        try:
-            check_name_field(namespace, f"{source}: namespace")
-        except ValueError as error:
-            raise StorageError(str(error)) from None
-        connections = options.whole_number("connections", 4, minimum=1)
-        return cls(
-            host=host, port=port, namespace=namespace, connections=connections,
-            timeout_s=_positive(options, "timeout_s", 5.0),
-            connect_timeout_s=_positive(options, "connect_timeout_s", 2.0),
-            retry_interval_s=options.number("retry_interval_s", 1.0),
-            verify_checksum=options.boolean("verify_checksum", True),
+def _remote_url(value: object) -> str:
+    """The server's host:port, from lm://host:port or host:port."""
+    if value is None:
+        raise ValueError(
+            "is required: the lmcache_server's address as lm://host:port (or host:port), "
+            "in the extra config or LMCACHE_REMOTE_URL"
         )
+    url = text(value).strip()
+    address = url.removeprefix(URL_SCHEME)
+    if "://" in address:
+        raise ValueError(f"must be lm://host:port, got {url!r}")
+    host_port(address)
+    return address
+
+
+Seconds = Annotated[float, number(), must(lambda s: s > 0, "must be > 0 seconds, got {}")]
+
+
+@dataclass(frozen=True, config=SETTINGS)
+class LMCacheSettings:
+    # Required (the default None is refused); LMCACHE_REMOTE_URL is LMCache's own name
+    # for it (its config's remote_url). Held as host:port.
+    remote_url: Annotated[
+        str, BeforeValidator(_remote_url), FromEnv("LMCACHE_REMOTE_URL", name_variable=False)
+    ] = Field(default=None, validate_default=True)
+    namespace: TextOrDefault = "hicache"
+    connections: Annotated[int, number(1, whole=True)] = 4
+    timeout_s: Seconds = 5.0
+    connect_timeout_s: Seconds = 2.0
+    retry_interval_s: Annotated[float, number()] = 1.0
+    verify_checksum: Flag = True
+
+    @model_validator(mode="after")
+    def _namespace_fits_a_key(self) -> LMCacheSettings:
+        check_name_field(self.namespace, "namespace")
+        return self
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return self.remote_url
 
+    @property
+    def host(self) -> str:
+        return host_port(self.remote_url)[0]
 
-def _positive(options: Options, key: str, default: float) -> float:
-    value = options.number(key, default)
-    if value <= 0:
-        raise StorageError(f"{options.source}: {key} must be > 0 seconds, got {value}")
-    return value
+    @property
+    def port(self) -> int:
+        return host_port(self.remote_url)[1]

@@ -117,7 +117,7 @@ from hicache.storage.backends.mooncake.client import (
     failure_reason,
     release_client,
 )
-from hicache.storage.backends.mooncake.settings import ENV, MooncakeSettings
+from hicache.storage.backends.mooncake.settings import MooncakeSettings
 from hicache.storage.base import MAX_BATCH_PAGES, LookupPutBackend, PutBatch
 from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import (
@@ -126,7 +126,7 @@ from hicache.storage.frame import (
     object_name,
     pack_header_into,
 )
-from hicache.storage.options import Options
+from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
 
 logger = logging.getLogger(__name__)
@@ -142,8 +142,6 @@ PAGE_PIECE_BYTES = COPY_PIECE_BYTES
 _STAGING_SLOTS = 4
 # Every object name this backend writes (what clear() removes): hex key + order tag.
 _NAME_PATTERN = r"^[0-9a-f]{32}\.(lm|tm)$"
-# The multi-buffer batch calls (Mooncake Store >= 0.3.6).
-_KNOWN_KEYS = {*ENV, "verify_checksum"}
 
 
 @dataclass
@@ -160,10 +158,8 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
-        options = Options(self.extra_config, "mooncake storage")
-        options.reject_unknown(_KNOWN_KEYS)
-        self.settings = MooncakeSettings.from_options(options)
-        self.verify_checksum = options.boolean("verify_checksum", True)
+        self.settings = read_settings(MooncakeSettings, self.extra_config, "mooncake storage")
+        self.verify_checksum = self.settings.verify_checksum
         self._client: MooncakeClient | None = None
         self._regions: PageRegions | None = None
         self._pool_address = 0

@@ -81,7 +81,7 @@ from hicache.storage.frame import (
     object_name,
     pack_header_into,
 )
-from hicache.storage.options import Options
+from hicache.storage.options import read_settings
 from hicache.storage.page_files import (
     TEMP_SUFFIX,
     create_file,
@@ -104,7 +104,7 @@ class NixlBackend(StorageBackend):
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
-        self.settings = NixlSettings.from_options(Options(self.extra_config, "nixl storage"))
+        self.settings = read_settings(NixlSettings, self.extra_config, "nixl storage")
         self._root_text = str(self.settings.path)
         self._trailer_bytes = self.settings.trailer_bytes
         self._open_flags = self.settings.open_flags

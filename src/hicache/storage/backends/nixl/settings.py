@@ -7,14 +7,24 @@ installed: a bad configuration is reported before any plugin is loaded.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic.dataclasses import dataclass
 
 from hicache.local_cache import local_cache_dir
-from hicache.storage.base import StorageError
 from hicache.storage.frame import HEADER_BYTES
-from hicache.storage.options import Options
+from hicache.storage.options import (
+    SETTINGS,
+    Directory,
+    Flag,
+    TextOrDefault,
+    must,
+    number,
+    text_or_default,
+)
 
 # O_DIRECT's alignment: the largest logical block size in common use, and the memory page.
 DIRECT_ALIGN_BYTES = 4096
@@ -22,9 +32,6 @@ DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 # Plugins whose descriptors are files (FILE_SEG): the ones the backend drives.
 FILE_PLUGINS = ("POSIX", "GDS", "GDS_MT")
 OBJECT_PLUGIN = "OBJ"
-KNOWN_KEYS = frozenset(
-    {"path", "plugin", "io_queue", "direct_io", "verify_checksum", "transfer_timeout_s"}
-)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -45,54 +52,45 @@ def default_path() -> Path:
     return local_cache_dir() / "l3-nixl"
 
 
-@dataclass(frozen=True)
+def _plugin(given: str) -> str:
+    plugin = given.upper()
+    if plugin == OBJECT_PLUGIN:
+        raise ValueError(
+            "'OBJ' stores S3 objects through object descriptors, which this backend does "
+            "not build; use POSIX (or GDS on a GPU machine)"
+        )
+    if plugin not in FILE_PLUGINS:
+        raise ValueError(f"must be one of {', '.join(FILE_PLUGINS)}, got {given!r}")
+    return plugin
+
+
+def _io_queue(value: object) -> IoQueue:
+    given = text_or_default(value)
+    try:
+        return IoQueue(given.lower())
+    except ValueError:
+        choices = ", ".join(q.value for q in IoQueue)
+        raise ValueError(f"must be one of {choices}, got {given!r}") from None
+
+
+@dataclass(frozen=True, config=SETTINGS)
 class NixlSettings:
     """Where the page files live and how NIXL moves them."""
 
-    path: Path
-    plugin: str = "POSIX"
-    io_queue: IoQueue = IoQueue.AUTO
-    direct_io: bool = False
-    verify_checksum: bool = True
-    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    path: Directory = Field(default_factory=default_path)
+    plugin: Annotated[TextOrDefault, AfterValidator(_plugin)] = "POSIX"
+    io_queue: Annotated[IoQueue, BeforeValidator(_io_queue)] = IoQueue.AUTO
+    direct_io: Annotated[
+        Flag, must(lambda on: O_DIRECT or not on, "needs O_DIRECT, which this OS lacks")
+    ] = False
+    verify_checksum: Flag = True
+    transfer_timeout_s: Annotated[float, number(0.001)] = DEFAULT_TRANSFER_TIMEOUT_S
 
-    @classmethod
-    def from_options(cls, options: Options) -> NixlSettings:
-        source = options.source
-        options.reject_unknown(KNOWN_KEYS)
-        path = options.string("path", None)
-        plugin = (options.string("plugin", "POSIX") or "POSIX").upper()
-        if plugin == OBJECT_PLUGIN:
-            raise StorageError(
-                f"{source}: plugin 'OBJ' stores S3 objects through object descriptors, "
-                "which this backend does not build; use POSIX (or GDS on a GPU machine)"
-            )
-        if plugin not in FILE_PLUGINS:
-            raise StorageError(
-                f"{source}: plugin must be one of {', '.join(FILE_PLUGINS)}, "
-                f"got {options.extra['plugin']!r}"
-            )
-        queue = options.string("io_queue", IoQueue.AUTO.value) or IoQueue.AUTO.value
-        try:
-            io_queue = IoQueue(queue.lower())
-        except ValueError:
-            choices = ", ".join(q.value for q in IoQueue)
-            raise StorageError(
-                f"{source}: io_queue must be one of {choices}, got {queue!r}"
-            ) from None
-        if io_queue is not IoQueue.AUTO and plugin != "POSIX":
-            raise StorageError(f"{source}: io_queue applies to the POSIX plugin only")
-        direct_io = options.boolean("direct_io", False)
-        if direct_io and not O_DIRECT:
-            raise StorageError(f"{source}: direct_io needs O_DIRECT, which this OS lacks")
-        return cls(
-            path=Path(path).expanduser() if path else default_path(),
-            plugin=plugin, io_queue=io_queue, direct_io=direct_io,
-            verify_checksum=options.boolean("verify_checksum", True),
-            transfer_timeout_s=options.number(
-                "transfer_timeout_s", DEFAULT_TRANSFER_TIMEOUT_S, minimum=0.001
-            ),
-        )
+    @model_validator(mode="after")
+    def _queue_needs_posix(self) -> NixlSettings:
+        if self.io_queue is not IoQueue.AUTO and self.plugin != "POSIX":
+            raise ValueError("io_queue applies to the POSIX plugin only")
+        return self
 
     @property
     def plugin_params(self) -> dict[str, str]:

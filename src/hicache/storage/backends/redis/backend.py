@@ -91,7 +91,7 @@ from hicache.storage.frame import (
     length_fault,
     object_name,
 )
-from hicache.storage.options import Options
+from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
-        self.settings = RedisSettings.from_options(Options(self.extra_config, "redis storage"))
+        self.settings = read_settings(RedisSettings, self.extra_config, "redis storage")
         self._prefix = self.settings.prefix.encode()
         self._ttl_ms = (
             None if self.settings.ttl_s is None else max(1, round(self.settings.ttl_s * 1000))
