@@ -60,7 +60,7 @@ from hicache.model.loader import LoadedModel, load_model, resolve_model_dir
 from hicache.model.model import CausalLM
 from hicache.model.presets import DEFAULT_PRESET
 from hicache.storage.base import StorageError
-from hicache.storage.config import load_extra_config, storage_config
+from hicache.storage.config import storage_config
 from hicache.storage.controller import StorageMetrics
 from hicache.storage.frame import PayloadOrder
 
@@ -767,8 +767,3 @@ def _kv_pool_tokens(
         return CPU_KV_POOL_TOKENS
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * scheduling.resolved_mem_fraction_static) // bytes_per_token
-
-
-def load_storage_extra(text: str | None) -> dict[str, Any]:
-    """Re-export for the admin API: the same parsing as the flag."""
-    return load_extra_config(text)
