@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
+from hicache.engine.build import build_engine
 from hicache.engine.config import EngineConfig
-from hicache.engine.engine import Engine, build_engine
+from hicache.engine.engine import Engine
 from hicache.engine.threads import available_cores
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 

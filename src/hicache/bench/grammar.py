@@ -149,7 +149,7 @@ def mask_cost(args: argparse.Namespace) -> dict[str, Any]:
 
     import hicache.engine.penalties as penalties
     from hicache.engine.api import GenerateRequest, GrammarSpec, SamplingParams
-    from hicache.engine.engine import build_engine
+    from hicache.engine.build import build_engine
     from hicache.model.default_model import default_model_path
     from hicache.server.engine_args import add_engine_args, engine_config_from_args
 

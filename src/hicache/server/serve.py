@@ -20,7 +20,8 @@ import logging
 
 import uvicorn
 
-from hicache.engine.engine import Engine, build_engine
+from hicache.engine.build import build_engine
+from hicache.engine.engine import Engine
 from hicache.engine.engine_client import EngineClient, EngineStartError
 from hicache.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from hicache.model.loader import LoadFormat

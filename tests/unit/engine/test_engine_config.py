@@ -81,7 +81,8 @@ def test_scheduling_hands_the_scheduler_its_slice() -> None:
 def test_the_engine_package_imports_nothing_of_the_server() -> None:
     # A fresh interpreter: this one has the server loaded by other tests.
     code = (
-        "import sys, hicache.engine, hicache.engine.engine, hicache.engine.config\n"
+        "import sys, hicache.engine, hicache.engine.build, hicache.engine.engine\n"
+        "import hicache.engine.config\n"
         "print(sorted(m for m in sys.modules if m.startswith('hicache.server')))"
     )
     out = subprocess.run(

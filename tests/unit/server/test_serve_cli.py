@@ -20,7 +20,7 @@ from fastapi import FastAPI
 
 from hicache.cli import build_parser
 from hicache.cli import main as cli_main
-from hicache.engine.engine import build_engine
+from hicache.engine.build import build_engine
 from hicache.model import get_preset
 from hicache.net import free_port
 from hicache.server.args import storage_config_from_args
