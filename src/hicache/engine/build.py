@@ -240,7 +240,7 @@ def _assemble(
     )
     try:
         engine = Engine(
-            part.loaded, cache, scheduling.scheduler_config(context, device.type), model_name,
+            part.loaded, cache, scheduling.scheduler_limits(context, device.type), model_name,
             num_threads=part.num_threads, output_thread=config.runtime.output_thread,
             event_publisher=publisher, model_dir=part.model_path, tp=tp, on_fatal=on_fatal,
             # The ranks share the cores: a governor each would take them all.

@@ -20,13 +20,14 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.distributed.group import SINGLE_RANK, TPGroup
 from hicache.engine.api import GenerateOutput, GenerateRequest, validate_request
 from hicache.engine.cache_ops import CACHE_OPS
+from hicache.engine.config import SchedulerLimits
 from hicache.engine.disaggregation import DisaggregationRuntime
 from hicache.engine.grammar import Grammars
 from hicache.engine.output_thread import DroppedSink, LoopSink, Stream
 from hicache.engine.replication import AddRequest, ReplicatedScheduler
 from hicache.engine.request import Req
 from hicache.engine.sampling import make_generator
-from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from hicache.engine.scheduler import Scheduler
 from hicache.engine.thread_governor import ThreadGovernor
 from hicache.engine.threads import set_thread_count
 from hicache.events.publisher import ZmqEventPublisher
@@ -51,7 +52,7 @@ class Engine:
         self,
         loaded: LoadedModel,
         cache: HierarchicalCache,
-        config: SchedulerConfig,
+        config: SchedulerLimits,
         model_name: str,
         num_threads: int | None = None,
         output_thread: bool = True,

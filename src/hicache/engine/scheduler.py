@@ -40,6 +40,7 @@ import torch
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.api import CachedTokens
 from hicache.engine.cache_ops import CACHE_OPS, RANK_READS
+from hicache.engine.config import SchedulerLimits
 from hicache.engine.logprobs import position_logprobs
 from hicache.engine.model_runner import ModelRunner
 from hicache.engine.output_thread import DiscardedOutputs, OutputThread
@@ -59,15 +60,6 @@ logger = logging.getLogger(__name__)
 # A request running alone that cannot get device pages for this long is failed: the
 # pages it waits for (held by copies and L3 backups in flight) come back far sooner.
 SHORT_OF_PAGES_ABORT_S = 30.0
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_running_requests: int = 32
-    # Prompt tokens computed per step across all prefilling requests.
-    chunked_prefill_size: int = 2048
-    max_context_len: int = 4096
-    enable_prefix_cache: bool = True
 
 
 @dataclass
@@ -98,7 +90,7 @@ class Scheduler:
         self,
         model: CausalLM,
         cache: HierarchicalCache,
-        config: SchedulerConfig,
+        config: SchedulerLimits,
         eos_token_ids: Iterable[int],
         output_thread: bool = True,
         deliver_outputs: bool = True,
