@@ -59,11 +59,11 @@ def run(engine: Engine, ids: list[int], logits: bool = False, **sampling: object
     params = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 8, **sampling})  # type: ignore[arg-type]
     seen: list[torch.Tensor] = []
     if logits:
-        engine.scheduler.logits_observer = lambda rid, row: seen.append(row)
+        engine.scheduler.postprocess.logits_observer = lambda rid, row: seen.append(row)
     try:
         result = asyncio.run(collect(engine, GenerateRequest(tuple(ids), params)))
     finally:
-        engine.scheduler.logits_observer = None
+        engine.scheduler.postprocess.logits_observer = None
     result.logits = seen
     return result
 

@@ -114,8 +114,8 @@ def run_case(
         ))
     # Prefill (one step with a large enough chunk budget), then one decode step more:
     # the requests are then at ``context`` tokens.
-    while len(scheduler.running) < batch or any(r.phase is not Phase.DECODE
-                                                  for r in scheduler.running):
+    while scheduler.num_running < batch or any(r.phase is not Phase.DECODE
+                                                 for r in scheduler.running_requests()):
         scheduler.step()
     scheduler.step()
     scheduler.outputs.flush()
@@ -141,7 +141,7 @@ def run_case(
     if profiler is not None and profile:
         profiler.disable()
         profiler.dump_stats(profile)
-    assert len(scheduler.running) == batch, "every request decodes through the timed steps"
+    assert scheduler.num_running == batch, "every request decodes through the timed steps"
     cache.close()
     loop.close()
     return {

@@ -279,7 +279,7 @@ def _record_decode_graphs(engine: Engine, config: EngineConfig, device: torch.de
         return
     why_not = _decode_graphs_unavailable(engine, device)
     if why_not is None:
-        limit = engine.scheduler.config.max_running_requests
+        limit = engine.scheduler.limits.max_running_requests
         max_bs = runtime.cuda_graph_max_bs or min(limit, CUDA_GRAPH_MAX_BS)
         began = time.perf_counter()
         try:

@@ -52,7 +52,7 @@ class Engine:
         self,
         loaded: LoadedModel,
         cache: HierarchicalCache,
-        config: SchedulerLimits,
+        limits: SchedulerLimits,
         model_name: str,
         num_threads: int | None = None,
         output_thread: bool = True,
@@ -73,12 +73,12 @@ class Engine:
         self.cache = cache
         self.model_name = model_name
         self.vocab_size = loaded.config.vocab_size
-        self.max_context_len = config.max_context_len
+        self.max_context_len = limits.max_context_len
         # Compiles requests' grammars where they are submitted (never on rank 0's scheduler
         # thread); a follower compiles the same specs for its own matchers.
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
         self.scheduler = Scheduler(
-            self.model, cache, config, self.tokenizer.eos_token_ids, output_thread=output_thread,
+            self.model, cache, limits, self.tokenizer.eos_token_ids, output_thread=output_thread,
             deliver_outputs=tp.rank == 0,
         )
         self.tp = tp
@@ -103,7 +103,7 @@ class Engine:
     @property
     def chunked_prefill_size(self) -> int:
         """Prompt tokens per step (the flag's default resolved for the device)."""
-        return self.scheduler.config.chunked_prefill_size
+        return self.scheduler.limits.chunked_prefill_size
 
     def routing_info(self) -> dict[str, Any]:
         """What a router needs beyond SGLang's server arguments (/get_server_info).

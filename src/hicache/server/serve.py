@@ -143,7 +143,7 @@ def log_tiers(engine: Engine) -> None:
 
     Runs where the engine is (``EngineClient``'s ``on_built`` in its process)."""
     cache = engine.cache
-    prefix_cache = engine.scheduler.config.enable_prefix_cache
+    prefix_cache = engine.scheduler.limits.enable_prefix_cache
     device = cache.device_pool
     tokens = device.num_pages * device.page_size
     logger.info(

@@ -80,7 +80,7 @@ def test_benchmark_tier_configurations(
         assert engine.cache.hierarchical is l2
         storage = engine.cache.storage
         assert (storage.backend.name if storage is not None else None) == l3
-        assert engine.scheduler.config.enable_prefix_cache is prefix_cache
+        assert engine.scheduler.limits.enable_prefix_cache is prefix_cache
         if l3 == "file":
             assert storage is not None
             assert getattr(storage.backend, "root", None) == tmp_path / "l3"
