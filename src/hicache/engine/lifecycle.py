@@ -5,7 +5,8 @@ at its front; ``running``: prefilling and decoding requests, in admission order)
 every change of a request's state after admission, which the scheduler does: each
 output token appended and checked against the request's stop conditions (its stop
 tokens, its stop strings, its grammar's end, its length limit), the write-through of
-its prompt's whole pages after prefill, retraction, and its finish.
+its prompt's whole pages after prefill, the device pages it grows into (the newest
+other request retracted when the pool is short), retraction, and its finish.
 
 Invariants:
 
@@ -42,11 +43,16 @@ from hicache.engine.output_thread import OutputThread
 from hicache.engine.penalties import ending_tokens
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
+from hicache.memory.allocator import OutOfPagesError
 
 if TYPE_CHECKING:
     from hicache.engine.pd_prefill import PrefillHandoff
 
 logger = logging.getLogger(__name__)
+
+# A request running alone that cannot get device pages for this long is failed: the
+# pages it waits for (held by copies and L3 backups in flight) come back far sooner.
+SHORT_OF_PAGES_ABORT_S = 30.0
 
 
 class RequestLifecycle:
@@ -173,6 +179,42 @@ class RequestLifecycle:
             self.finish(req, "abort", flush_text=False, error=error)
 
     # ------------------------------------------------------ device pages
+    def ensure_pages(self, req: Req, num_tokens: int, now: float) -> bool:
+        """Pages for ``num_tokens`` tokens of context for a running request; when the pool
+        is short, the newest other request is retracted (or this one, when none is left).
+        False when it has no pages for them (retracted, or failed at ``now``, the tick's
+        clock, after waiting alone for pages longer than SHORT_OF_PAGES_ABORT_S)."""
+        need = -(-num_tokens // self.page_size) - len(req.pages)
+        while need > 0:
+            try:
+                self.runner.grow(req, self.cache.alloc_device(need))
+                req.short_since = None
+                return True
+            except OutOfPagesError:
+                victim = self._retraction_victim(exclude=req)
+                if victim is None:
+                    if req.phase is Phase.DECODE or len(self.running) > 1:
+                        self.retract(req)
+                        return False
+                    # Alone and still short. Every validated request fits the empty pool,
+                    # so what holds the pages is in flight: copies to L2, or L3 backups
+                    # pinning the host pages that write_back needs to evict into. A coming
+                    # poll releases them: wait, requeued. Only a shortage that never ends
+                    # (a leak) fails the request.
+                    if req.short_since is None:
+                        req.short_since = now
+                    if now - req.short_since < SHORT_OF_PAGES_ABORT_S:
+                        self.retract(req)
+                        return False
+                    self.finish(req, "abort", error="the device KV pool stayed too full for it")
+                    return False
+                self.retract(victim)
+        return True
+
+    def _retraction_victim(self, exclude: Req) -> Req | None:
+        candidates = [r for r in self.running if r is not exclude]
+        return max(candidates, key=lambda r: r.arrived) if candidates else None
+
     def retract(self, req: Req) -> None:
         """Out of device pages: give the request's KV to the tree and requeue it first."""
         self._release(req, keep_kv=True)

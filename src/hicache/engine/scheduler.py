@@ -55,14 +55,9 @@ from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
 from hicache.engine.thread_governor import ThreadGovernor
 from hicache.engine.threads import set_thread_count
-from hicache.memory.allocator import OutOfPagesError
 from hicache.model.model import CausalLM
 
 logger = logging.getLogger(__name__)
-
-# A request running alone that cannot get device pages for this long is failed: the
-# pages it waits for (held by copies and L3 backups in flight) come back far sooner.
-SHORT_OF_PAGES_ABORT_S = 30.0
 
 
 class Scheduler:
@@ -360,18 +355,19 @@ class Scheduler:
         capacity = self.page_size
         decode, waiting = Phase.DECODE, Phase.WAITING
         wants_logits_from = False
+        ensure_pages, now = self.lifecycle.ensure_pages, self.now
         for req in list(self.lifecycle.running):
             phase = req.phase
             if phase is decode:
                 # Most steps a decode's page has room for its token: no call, no allocation.
                 seq_len = req.seq_len
-                if seq_len <= len(req.pages) * capacity or self._ensure_pages(req, seq_len):
+                if seq_len <= len(req.pages) * capacity or ensure_pages(req, seq_len, now):
                     plan.append((req, 1))
             elif phase is waiting:
                 continue  # retracted to make room for a request planned before it
             elif budget > 0:
                 n = min(req.seq_len - req.num_computed, budget)
-                if self._ensure_pages(req, req.num_computed + n):
+                if ensure_pages(req, req.num_computed + n, now):
                     plan.append((req, n))
                     budget -= n
                     wants_logits_from = wants_logits_from or req.wants_input_logprobs
@@ -412,42 +408,6 @@ class Scheduler:
             return prefill_tokens
         postprocess.take_tokens(logits, done)
         return prefill_tokens
-
-    def _ensure_pages(self, req: Req, num_tokens: int) -> bool:
-        """Pages for ``num_tokens`` tokens of context; retract others (or itself) if short."""
-        need = -(-num_tokens // self.page_size) - len(req.pages)
-        while need > 0:
-            try:
-                self.runner.grow(req, self.cache.alloc_device(need))
-                req.short_since = None
-                return True
-            except OutOfPagesError:
-                victim = self._retraction_victim(exclude=req)
-                if victim is None:
-                    if req.phase is Phase.DECODE or len(self.lifecycle.running) > 1:
-                        self.lifecycle.retract(req)
-                        return False
-                    # Alone and still short. Every validated request fits the empty pool,
-                    # so what holds the pages is in flight: copies to L2, or L3 backups
-                    # pinning the host pages that write_back needs to evict into. A coming
-                    # poll releases them: wait, requeued. Only a shortage that never ends
-                    # (a leak) fails the request.
-                    now = self.now
-                    if req.short_since is None:
-                        req.short_since = now
-                    if now - req.short_since < SHORT_OF_PAGES_ABORT_S:
-                        self.lifecycle.retract(req)
-                        return False
-                    self.lifecycle.finish(
-                        req, "abort", error="the device KV pool stayed too full for it"
-                    )
-                    return False
-                self.lifecycle.retract(victim)
-        return True
-
-    def _retraction_victim(self, exclude: Req) -> Req | None:
-        candidates = [r for r in self.lifecycle.running if r is not exclude]
-        return max(candidates, key=lambda r: r.arrived) if candidates else None
 
 
 def _resolve(future: Future[Any], fn: Callable[[], Any]) -> None:
