@@ -2,7 +2,8 @@
 
 ``RequestLifecycle`` owns the two queues (``waiting``: FIFO, a retracted request back
 at its front; ``running``: prefilling and decoding requests, in admission order) and
-every change of a request's state after admission, which the scheduler does: each
+every change of a request's state after admission. The scheduler queues arrivals and
+admits (moves a request from ``waiting`` to ``running``); the rest is here: each
 output token appended and checked against the request's stop conditions (its stop
 tokens, its stop strings, its grammar's end, its length limit), the write-through of
 its prompt's whole pages after prefill, the device pages it grows into (the newest
@@ -11,8 +12,9 @@ other request retracted when the pool is short), retraction, and its finish.
 Invariants:
 
 - a request not finished is in exactly one of ``waiting`` and ``running``, or held
-  outside both by a disaggregation hook (``detach``), which ends it through
-  ``finish_held``;
+  outside both by a disaggregation hook (a decode instance's until its KV lands, a
+  prefill instance's while its KV is sent: ``detach``), which ends it through
+  ``finish_held`` or lets it join the batch (``join_decode``);
 - ``finish`` ends a request once (a finished one is left alone): a request that held
   device pages gives its computed whole pages to the radix tree (its KV is valid,
   and the next turn of the conversation wants it) and frees the rest, releases its
