@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
+from hicache.engine.build import build_engine
 from hicache.engine.config import EngineConfig
-from hicache.engine.engine import Engine, build_engine
+from hicache.engine.engine import Engine
 from hicache.engine.threads import available_cores
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 
@@ -58,11 +59,11 @@ def run(engine: Engine, ids: list[int], logits: bool = False, **sampling: object
     params = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 8, **sampling})  # type: ignore[arg-type]
     seen: list[torch.Tensor] = []
     if logits:
-        engine.scheduler.logits_observer = lambda rid, row: seen.append(row)
+        engine.scheduler.postprocess.logits_observer = lambda rid, row: seen.append(row)
     try:
         result = asyncio.run(collect(engine, GenerateRequest(tuple(ids), params)))
     finally:
-        engine.scheduler.logits_observer = None
+        engine.scheduler.postprocess.logits_observer = None
     result.logits = seen
     return result
 

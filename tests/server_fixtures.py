@@ -21,7 +21,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from hicache.engine.engine import Engine, build_engine
+from hicache.engine.build import build_engine
+from hicache.engine.engine import Engine
 from hicache.server.app import create_app
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hicache.server.engine_args import add_engine_args, engine_config_from_args

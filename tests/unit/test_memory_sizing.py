@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from hicache.config import ConfigError
+from hicache.engine.build import build_engine
 from hicache.engine.config import CPU_KV_POOL_TOKENS, EngineConfig, SchedulingConfig
-from hicache.engine.engine import build_engine
 from hicache.memory import machine_memory
 from hicache.memory.machine_memory import (
     AVAILABLE_MEMORY_ENV,

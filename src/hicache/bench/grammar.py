@@ -149,7 +149,7 @@ def mask_cost(args: argparse.Namespace) -> dict[str, Any]:
 
     import hicache.engine.penalties as penalties
     from hicache.engine.api import GenerateRequest, GrammarSpec, SamplingParams
-    from hicache.engine.engine import build_engine
+    from hicache.engine.build import build_engine
     from hicache.model.default_model import default_model_path
     from hicache.server.engine_args import add_engine_args, engine_config_from_args
 
@@ -170,7 +170,7 @@ def mask_cost(args: argparse.Namespace) -> dict[str, Any]:
 
     steps: list[float] = []
     scheduler = engine.scheduler
-    forward_step = scheduler._forward_step
+    forward_step = scheduler.forward_step
 
     def timed_step() -> int:
         started = time.perf_counter()
@@ -180,7 +180,7 @@ def mask_cost(args: argparse.Namespace) -> dict[str, Any]:
         return result
 
     setattr(penalties, "mask_logits", timed)  # noqa: B010
-    setattr(scheduler, "_forward_step", timed_step)  # noqa: B010
+    setattr(scheduler, "forward_step", timed_step)  # noqa: B010
     try:
         engine.start()
         spec = GrammarSpec.json_schema(PERSON)

@@ -27,7 +27,8 @@ import torch
 
 from hicache.bench.transfer import Timer
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
-from hicache.engine.engine import Engine, build_engine
+from hicache.engine.build import build_engine
+from hicache.engine.engine import Engine
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 
 

@@ -34,9 +34,10 @@ import torch
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import CacheConfig
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
+from hicache.engine.config import SchedulerLimits
 from hicache.engine.output_thread import LoopSink, Stream
 from hicache.engine.request import Phase, Req
-from hicache.engine.scheduler import Scheduler, SchedulerConfig
+from hicache.engine.scheduler import Scheduler
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.model.batch import ForwardBatch
@@ -92,7 +93,7 @@ def run_case(
     max_context = context + steps + 4
     pages = batch * -(-max_context // page_size) + 8
     cache = HierarchicalCache(CacheConfig(page_size=page_size), geometry, pages)
-    config = SchedulerConfig(
+    config = SchedulerLimits(
         max_running_requests=batch, chunked_prefill_size=max(batch * context, 1),
         max_context_len=max_context,
     )
@@ -113,8 +114,8 @@ def run_case(
         ))
     # Prefill (one step with a large enough chunk budget), then one decode step more:
     # the requests are then at ``context`` tokens.
-    while len(scheduler.running) < batch or any(r.phase is not Phase.DECODE
-                                                  for r in scheduler.running):
+    while scheduler.num_running < batch or any(r.phase is not Phase.DECODE
+                                                 for r in scheduler.running_requests()):
         scheduler.step()
     scheduler.step()
     scheduler.outputs.flush()
@@ -140,7 +141,7 @@ def run_case(
     if profiler is not None and profile:
         profiler.disable()
         profiler.dump_stats(profile)
-    assert len(scheduler.running) == batch, "every request decodes through the timed steps"
+    assert scheduler.num_running == batch, "every request decodes through the timed steps"
     cache.close()
     loop.close()
     return {

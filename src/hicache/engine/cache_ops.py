@@ -3,41 +3,50 @@
 They are named (``CACHE_OPS``) rather than passed as closures so that, under tensor
 parallelism, rank 0 can tell every rank to run the same one at the same point of the
 same tick (``engine/replication.py``): each rank's cache must change alike. Every
-operation is a function of the scheduler alone; its result is what rank 0's caller gets.
+operation is a function of its ``CacheHost`` alone (the scheduler: its cache, and
+whether it is idle); its result is what rank 0's caller gets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.storage.base import StorageError
 from hicache.storage.controller import StorageMetrics
 
-if TYPE_CHECKING:
-    from hicache.engine.scheduler import Scheduler
+
+class CacheHost(Protocol):
+    """What a cache operation sees of the scheduler."""
+
+    @property
+    def cache(self) -> HierarchicalCache: ...
+
+    def is_idle(self) -> bool:
+        """No request queued, running or held by a disaggregation hook."""
 
 
-def flush(scheduler: Scheduler) -> bool:
+def flush(host: CacheHost) -> bool:
     """Forget every cached prefix in L1 and L2; False (and nothing done) when busy."""
-    if not scheduler.is_idle():
+    if not host.is_idle():
         return False
-    scheduler.cache.flush()
+    host.cache.flush()
     return True
 
 
-def check_integrity(scheduler: Scheduler) -> None:
+def check_integrity(host: CacheHost) -> None:
     """Assert the tree and every pool are consistent and nothing leaked (when idle)."""
-    if not scheduler.is_idle():
+    if not host.is_idle():
         raise RuntimeError("check_integrity needs an idle engine")
-    scheduler.cache.poll(wait=True)
-    scheduler.cache.check_integrity()
+    host.cache.poll(wait=True)
+    host.cache.check_integrity()
 
 
-def evict_device_cache(scheduler: Scheduler) -> int:
+def evict_device_cache(host: CacheHost) -> int:
     """Push every cached page no request holds out of L1 (host copies stay in L2);
     returns the number of device pages freed."""
-    cache = scheduler.cache
+    cache = host.cache
     cache.poll(wait=True)  # copies in flight keep their pages locked
     allocator = cache.device_pool.allocator
     before = allocator.num_free_pages
@@ -46,25 +55,25 @@ def evict_device_cache(scheduler: Scheduler) -> int:
     return allocator.num_free_pages - before
 
 
-def detach_storage(scheduler: Scheduler) -> None:
+def detach_storage(host: CacheHost) -> None:
     """Drain in-flight L3 work and detach the L3 tier (only when idle). Under tensor
     parallelism every rank detaches at the same tick, and what a call stalled on one
     rank still holds is released when the ranks agree (``cache/l3_agreement.py``)."""
-    if not scheduler.is_idle():
+    if not host.is_idle():
         raise StorageError("requests are running: detach L3 only when the server is idle")
-    scheduler.cache.detach_storage()
+    host.cache.detach_storage()
 
 
-def clear_storage(scheduler: Scheduler) -> None:
+def clear_storage(host: CacheHost) -> None:
     """Remove every page of the attached L3 store (only when idle; L1 and L2 stay). Under
     tensor parallelism every rank clears its store at the same tick (where the ranks
     share one store, the later clears find it empty)."""
-    if not scheduler.is_idle():
+    if not host.is_idle():
         raise StorageError("requests are running: clear L3 only when the server is idle")
-    scheduler.cache.clear_storage()
+    host.cache.clear_storage()
 
 
-CACHE_OPS: dict[str, Callable[[Scheduler], Any]] = {
+CACHE_OPS: dict[str, Callable[[CacheHost], Any]] = {
     "flush": flush,
     "check_integrity": check_integrity,
     "evict_device_cache": evict_device_cache,
@@ -73,9 +82,9 @@ CACHE_OPS: dict[str, Callable[[Scheduler], Any]] = {
 }
 
 
-def l3_metrics(scheduler: Scheduler) -> tuple[StorageMetrics, dict[str, int]] | None:
+def l3_metrics(host: CacheHost) -> tuple[StorageMetrics, dict[str, int]] | None:
     """This rank's L3 counters and its backend's failures (None without L3)."""
-    storage = scheduler.cache.storage
+    storage = host.cache.storage
     if storage is None:
         return None
     return storage.metrics(), storage.controller.backend_failures()
@@ -85,6 +94,6 @@ def l3_metrics(scheduler: Scheduler) -> tuple[StorageMetrics, dict[str, int]] | 
 # (``Scheduler.gather``): what each rank alone knows, as its L3 store's counters. They
 # change nothing, but under tensor parallelism their gather is a collective, so they
 # are broadcast like the operations above and run at the same point of the same tick.
-RANK_READS: dict[str, Callable[[Scheduler], Any]] = {
+RANK_READS: dict[str, Callable[[CacheHost], Any]] = {
     "l3_metrics": l3_metrics,
 }

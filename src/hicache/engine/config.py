@@ -8,8 +8,8 @@ invalid configuration fails with a ConfigError before any weights are loaded.
 Messages name the command-line flag of the field (the field's name with dashes),
 as CacheConfig's do: that is what most users have to change.
 
-Defaults stated elsewhere are read from there (SchedulerConfig's limits, CacheConfig,
-StorageConfig), so that each default has one home.
+Each default has one home: the scheduler's limits are SchedulerLimits' (below), the
+cache's and L3's are CacheConfig's and StorageConfig's, and the parts here read them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 from hicache.attention.backend import ATTENTION_BACKENDS
 from hicache.config import CacheConfig, ConfigError, parse_enum
 from hicache.disaggregation.config import DisaggregationConfig
-from hicache.engine.scheduler import SchedulerConfig
 from hicache.events.config import KVEventsConfig
 from hicache.model.config import parse_dtype
 from hicache.model.loader import LoadFormat
@@ -93,15 +92,28 @@ class ModelLoadConfig:
 
 
 @dataclass(frozen=True)
-class SchedulingConfig:
-    """Batching limits and the device KV pool's size, as given.
+class SchedulerLimits:
+    """What the scheduler works within, resolved for one engine (``SchedulingConfig`` is
+    what the user gave; ``SchedulingConfig.scheduler_limits`` makes this from it once the
+    model, the device and the pool are known)."""
 
-    The scheduler's own SchedulerConfig is made from this once the model and the
-    pool are known (``scheduler_config``): its context length depends on both.
+    max_running_requests: int = 32
+    # Prompt tokens computed per step across all prefilling requests.
+    chunked_prefill_size: int = 2048
+    max_context_len: int = 4096
+    enable_prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """Batching limits and the device KV pool's size, as the user gave them.
+
+    The scheduler works within SchedulerLimits, made from this once the model and the
+    pool are known (``scheduler_limits``): its context length depends on both.
     """
 
-    max_running_requests: int = SchedulerConfig.max_running_requests
-    # None: CPU_CHUNKED_PREFILL_SIZE on the CPU, SchedulerConfig's default elsewhere.
+    max_running_requests: int = SchedulerLimits.max_running_requests
+    # None: CPU_CHUNKED_PREFILL_SIZE on the CPU, SchedulerLimits' default elsewhere.
     chunked_prefill_size: int | None = None
     # Device KV pool in tokens; None: mem_fraction_static of free GPU memory, or off the
     # GPU CPU_KV_POOL_TOKENS where the machine can spare it (``memory.sizing``).
@@ -140,10 +152,10 @@ class SchedulingConfig:
             return self.chunked_prefill_size
         if device_type == "cpu":
             return CPU_CHUNKED_PREFILL_SIZE
-        return SchedulerConfig.chunked_prefill_size
+        return SchedulerLimits.chunked_prefill_size
 
-    def scheduler_config(self, max_context_len: int, device_type: str) -> SchedulerConfig:
-        return SchedulerConfig(
+    def scheduler_limits(self, max_context_len: int, device_type: str) -> SchedulerLimits:
+        return SchedulerLimits(
             max_running_requests=self.max_running_requests,
             chunked_prefill_size=self.resolved_chunked_prefill_size(device_type),
             max_context_len=max_context_len,

@@ -41,16 +41,16 @@ class DisaggregationRuntime:
             rooms = RoomTable(stale_after_s=4 * timeout_s)
 
             def on_sent(rid: str, error: str | None) -> None:
-                handoff = scheduler.prefill_handoff
+                handoff = scheduler.lifecycle.prefill_handoff
                 assert handoff is not None
                 scheduler.call(lambda: handoff.on_sent(rid, error))
 
             # A job holds its thread while it waits for the decode side to register.
             self.sender = KVSender(
                 self.engine, descriptor, rooms, timeout_s, on_sent,
-                max_workers=max(8, scheduler.config.max_running_requests),
+                max_workers=max(8, scheduler.limits.max_running_requests),
             )
-            scheduler.prefill_handoff = PrefillHandoff(scheduler, self.sender)
+            scheduler.lifecycle.prefill_handoff = PrefillHandoff(scheduler.lifecycle, self.sender)
             try:
                 self.server = BootstrapServer(rooms, config.host, config.bootstrap_port).start()
             except OSError as error:
@@ -70,10 +70,11 @@ class DisaggregationRuntime:
 
             self.receiver = KVReceiver(
                 self.engine.session_id, descriptor, timeout_s, on_received,
-                max_workers=max(4, scheduler.config.max_running_requests),
+                max_workers=max(4, scheduler.limits.max_running_requests),
             )
             scheduler.decode_intake = DecodeIntake(
-                scheduler, self.receiver, config.decode_offload_kvcache
+                scheduler.lifecycle, self.receiver, config.decode_offload_kvcache,
+                scheduler.model.config.vocab_size,
             )
         logger.info("disaggregation: %s instance, KV transfer engine at %s",
                     config.mode.value, self.engine.session_id)

@@ -181,7 +181,7 @@ def _follower_orphaned(reason: str) -> None:
 def _join_group(config: EngineConfig, rank: int, init_method: str | None) -> Any:
     """This process's TPGroup (a single rank without tensor parallelism)."""
     from hicache.distributed.group import SINGLE_RANK, init_tp_group
-    from hicache.engine.engine import engine_device
+    from hicache.engine.build import engine_device
     from hicache.model.loader import resolve_model_dir
 
     if not config.parallel.enabled:
@@ -220,7 +220,7 @@ def run_engine_process(
     if parent_pid is not None:
         follow_parent(parent_pid, lifetime.orphaned)
     _set_up_process(log_level)
-    from hicache.engine.engine import build_engine  # torch and the model: in this process only
+    from hicache.engine.build import build_engine  # torch and the model: in this process only
 
     try:
         tp = _join_group(config, 0, tp_init_method)
@@ -263,7 +263,7 @@ def run_follower_process(
     if parent_pid is not None:
         follow_parent(parent_pid, _follower_orphaned)
     _set_up_process(log_level)
-    from hicache.engine.engine import build_engine
+    from hicache.engine.build import build_engine
 
     try:
         tp = _join_group(config, rank, tp_init_method)

@@ -12,36 +12,65 @@ With ``offload`` the request holds an (empty) prefix of the radix tree, so that
 when it finishes its whole KV, prompt and output, goes to the tree like any
 request's: written through to L2 and backed up to L3 under the page keys a
 prefill instance computes for the same tokens.
+
+It sees the scheduler through ``IntakeHost`` (the request lifecycle): its cache and
+limits, how many requests run, and three operations: set a request's stop
+conditions, let a request whose KV landed join the decode batch, end a held request.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.disaggregation.kv_receiver import KVReceiver, ReceiveJob
 from hicache.engine.api import LogprobParams, TokenLogprob
+from hicache.engine.config import SchedulerLimits
 from hicache.engine.logprobs import received_logprobs
-from hicache.engine.penalties import PenaltyState, ending_tokens
+from hicache.engine.penalties import PenaltyState
 from hicache.engine.request import Phase, Req
 from hicache.engine.sampling import is_greedy
 from hicache.memory.allocator import OutOfPagesError
 
-if TYPE_CHECKING:
-    from hicache.engine.scheduler import Scheduler
-
 logger = logging.getLogger(__name__)
 
 
+class IntakeHost(Protocol):
+    """What the intake reads of the scheduler and does to its requests
+    (``RequestLifecycle``)."""
+
+    @property
+    def cache(self) -> HierarchicalCache: ...
+
+    @property
+    def limits(self) -> SchedulerLimits: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    def set_stop_conditions(self, req: Req) -> None: ...
+
+    def join_decode(self, req: Req, first_token: int, first_logprob: TokenLogprob | None) -> None:
+        """Into the decode batch, its prompt's KV in place, ``first_token`` its first output."""
+
+    def finish_held(
+        self, req: Req, reason: str, error: str | None = None, flush_text: bool = True
+    ) -> None:
+        """End a request held outside the queues (its pages, if any, freed or cached)."""
+
+
 class DecodeIntake:
-    def __init__(self, scheduler: Scheduler, receiver: KVReceiver, offload: bool) -> None:
-        self.scheduler = scheduler
+    def __init__(
+        self, host: IntakeHost, receiver: KVReceiver, offload: bool, vocab_size: int
+    ) -> None:
+        self.host = host
         self.receiver = receiver
         self.offload = offload
+        self.vocab_size = vocab_size  # the model's (a penalised request's state spans it)
         self.pending: deque[Req] = deque()  # not yet given pages
         self.awaiting: dict[str, Req] = {}  # pages given, KV on its way
         self.aborted: set[str] = set()  # awaiting requests the client gave up
@@ -56,19 +85,20 @@ class DecodeIntake:
     def advance(self) -> None:
         """Give pages to pending requests, first come first served, while the pool and
         the page table have room for them beside the running requests."""
-        scheduler = self.scheduler
-        cache = scheduler.cache
-        limit = scheduler.config.max_running_requests
+        host = self.host
+        cache = host.cache
+        limit = host.limits.max_running_requests
         while self.pending:
-            if len(scheduler.running) + len(self.awaiting) >= limit:
+            running = host.num_running
+            if running + len(self.awaiting) >= limit:
                 return
             req = self.pending[0]
-            num_pages = -(-req.prompt_len // scheduler.page_size)
+            num_pages = -(-req.prompt_len // cache.page_size)
             # Running requests keep a page each to grow into.
-            reserve = len(scheduler.running)
+            reserve = running
             room = cache.device_pool.allocator.num_free_pages \
                 + cache.tree.num_evictable_device_pages
-            if num_pages + reserve > room and (scheduler.running or self.awaiting):
+            if num_pages + reserve > room and (running or self.awaiting):
                 return
             try:
                 pages = cache.alloc_device(num_pages)
@@ -152,17 +182,15 @@ class DecodeIntake:
         return first
 
     def _join_batch(self, req: Req, first_token: int, first_logprob: TokenLogprob | None) -> None:
-        scheduler = self.scheduler
+        host = self.host
         params = req.request.sampling
-        req.stop_ids = frozenset(ending_tokens(params, scheduler.eos_token_ids))
-        req.length_limit = min(req.prompt_len + params.max_new_tokens,
-                               scheduler.config.max_context_len)
+        host.set_stop_conditions(req)
         req.num_computed = req.prompt_len
         if params.has_penalties:
             # Made before the first token is appended, so that it counts that token too.
             req.penalties = PenaltyState(
                 req.request.input_ids if params.repetition_penalty != 1.0 else (),
-                scheduler.model.config.vocab_size, scheduler.device,
+                self.vocab_size, host.cache.device_pool.device,
             )
         generator = req.generator
         if generator is not None and not is_greedy(params):
@@ -170,28 +198,13 @@ class DecodeIntake:
             # takes first from the request's generator: skip it, so that a seeded request
             # draws every later token as a plain server does.
             torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
-        if self.offload and scheduler.config.enable_prefix_cache:
-            req.hit = scheduler.cache.acquire([], req.request.extra_key, record_hit=False)
-        scheduler.counters.num_prompt_tokens += req.prompt_len
-        scheduler.runner.admit(req)
-        scheduler.running.append(req)
-        req.phase = Phase.DECODE
-        req.first_token_at = time.monotonic()
-        if first_logprob is not None:
-            req.output_logprobs.append(first_logprob)
-        try:
-            scheduler._append_token(req, first_token)
-        except Exception as error:  # one request's fault must not fail the others
-            scheduler._token_failed(req, error)
+        if self.offload and host.limits.enable_prefix_cache:
+            req.hit = host.cache.acquire([], req.request.extra_key, record_hit=False)
+        host.join_decode(req, first_token, first_logprob)
 
     def _end(self, req: Req, reason: str, error: str | None) -> None:
         """Finish a request that never joined the batch; its pages (if any) are freed."""
-        scheduler = self.scheduler
-        if req.phase is Phase.WAITING:
-            scheduler.waiting.append(req)  # _finish takes a waiting request from there
-        else:
-            scheduler.running.append(req)  # _finish frees its pages and takes it out
-        scheduler._finish(req, reason, error=error, flush_text=False)
+        self.host.finish_held(req, reason, error=error, flush_text=False)
 
     def fail_all(self, message: str) -> None:
         for req in [*self.pending, *self.awaiting.values()]:

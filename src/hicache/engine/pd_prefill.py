@@ -7,26 +7,41 @@ the prompt's KV into the decode instance's pool. When the sender reports back
 (``on_sent``, run between steps), the request finishes as usual: its KV goes to
 the radix tree and its answer (the first token) to the client, or, if the
 transfer failed, it finishes aborted with the transfer's error.
+
+It sees the scheduler through ``HandoffHost`` (the request lifecycle): take a
+request out of the batch with its pages held, and end a request held so.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hicache.disaggregation.kv_sender import KVSender, SendJob
 from hicache.engine.logprobs import handoff_logprobs
 from hicache.engine.request import Req
 
-if TYPE_CHECKING:
-    from hicache.engine.scheduler import Scheduler
-
 logger = logging.getLogger(__name__)
 
 
+class HandoffHost(Protocol):
+    """What the handoff does to the scheduler's requests (``RequestLifecycle``)."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    def detach(self, req: Req) -> None:
+        """Out of the batch and its page-table row, its pages held."""
+
+    def finish_held(
+        self, req: Req, reason: str, error: str | None = None, flush_text: bool = True
+    ) -> None:
+        """End a detached request as any (its KV to the tree, its answer to the client)."""
+
+
 class PrefillHandoff:
-    def __init__(self, scheduler: Scheduler, sender: KVSender) -> None:
-        self.scheduler = scheduler
+    def __init__(self, host: HandoffHost, sender: KVSender) -> None:
+        self.host = host
         self.sender = sender
         # Requests whose KV is on its way: rid -> (request, the reason it finished).
         self.sending: dict[str, tuple[Req, str]] = {}
@@ -55,12 +70,10 @@ class PrefillHandoff:
                 f"sending its KV ({why})",
             )
             return False
-        scheduler = self.scheduler
-        page_size = scheduler.page_size
+        page_size = self.host.page_size
         prompt_pages = req.pages[: -(-req.prompt_len // page_size)].copy()
         # Out of the batch (and its page-table row), its pages held until on_sent.
-        scheduler.running.remove(req)
-        scheduler.runner.release(req)
+        self.host.detach(req)
         self.sending[req.rid] = (req, reason)
         logprobs = None
         if req.request.logprobs is not None:  # the decode instance answers with them
@@ -78,12 +91,10 @@ class PrefillHandoff:
             return
         req, reason = entry
         req.kv_handed_off = True
-        scheduler = self.scheduler
-        scheduler.running.append(req)  # _finish takes it out of the batch
         if error is None:
-            scheduler._finish(req, reason)
+            self.host.finish_held(req, reason)
         else:
-            scheduler._finish(req, "abort", error=error, flush_text=False)
+            self.host.finish_held(req, "abort", error=error, flush_text=False)
 
     def fail_all(self, message: str) -> None:
         """Shutting down: finish every request being sent as failed."""

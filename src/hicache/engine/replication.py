@@ -152,7 +152,9 @@ class ReplicatedScheduler:
         reason = "server shutting down"
         try:
             while True:
-                block = 0.0 if worked else (WAITING_POLL_S if scheduler.waiting else IDLE_WAIT_S)
+                block = 0.0 if worked else (
+                    WAITING_POLL_S if scheduler.num_waiting else IDLE_WAIT_S
+                )
                 stopping, worked = self.tick(stop, block)
                 scheduler.outputs.flush()
                 scheduler.cache.publish_events()
@@ -164,7 +166,7 @@ class ReplicatedScheduler:
                       f"{error}): the engine cannot go on")
             raise
         finally:
-            scheduler._fail_all(reason)
+            scheduler.fail_all(reason)
             scheduler.outputs.flush()
             scheduler.outputs.close()
 

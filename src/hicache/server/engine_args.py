@@ -27,9 +27,9 @@ from hicache.engine.config import (
     ModelLoadConfig,
     ParallelConfig,
     RuntimeConfig,
+    SchedulerLimits,
     SchedulingConfig,
 )
-from hicache.engine.scheduler import SchedulerConfig
 from hicache.model.loader import LoadFormat
 from hicache.model.presets import DEFAULT_PRESET, PRESETS
 from hicache.server.args import (
@@ -75,7 +75,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument(
         "--chunked-prefill-size", type=int, default=None,
         help="prompt tokens computed per step across requests (default: "
-        f"{CPU_CHUNKED_PREFILL_SIZE} on the CPU, {SchedulerConfig.chunked_prefill_size} "
+        f"{CPU_CHUNKED_PREFILL_SIZE} on the CPU, {SchedulerLimits.chunked_prefill_size} "
         "on a GPU)",
     )
     sched.add_argument(

@@ -25,7 +25,8 @@ import logging
 
 import uvicorn
 
-from hicache.engine.engine import Engine, build_engine
+from hicache.engine.build import build_engine
+from hicache.engine.engine import Engine
 from hicache.engine.engine_client import EngineClient, EngineStartError
 from hicache.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from hicache.model.loader import LoadFormat
@@ -147,7 +148,7 @@ def log_tiers(engine: Engine) -> None:
 
     Runs where the engine is (``EngineClient``'s ``on_built`` in its process)."""
     cache = engine.cache
-    prefix_cache = engine.scheduler.config.enable_prefix_cache
+    prefix_cache = engine.scheduler.limits.enable_prefix_cache
     device = cache.device_pool
     tokens = device.num_pages * device.page_size
     logger.info(

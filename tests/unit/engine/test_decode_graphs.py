@@ -48,7 +48,7 @@ def test_a_cpu_engine_records_no_graphs(make_engine: Callable[..., Engine]) -> N
 
 def _child() -> dict[str, Any]:
     from hicache.engine.api import GenerateRequest, SamplingParams
-    from hicache.engine.engine import build_engine
+    from hicache.engine.build import build_engine
     from tests.engine_helpers import engine_config, on_scheduler, run, run_many
 
     prompts = [list(range(3 + i, 20 + 7 * i)) for i in range(5)]

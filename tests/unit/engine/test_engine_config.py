@@ -14,9 +14,9 @@ from hicache.engine.config import (
     EngineConfig,
     ModelLoadConfig,
     RuntimeConfig,
+    SchedulerLimits,
     SchedulingConfig,
 )
-from hicache.engine.scheduler import SchedulerConfig
 from hicache.model.loader import LoadFormat
 from hicache.storage.config import StorageConfig
 
@@ -65,23 +65,24 @@ def test_scheduling_hands_the_scheduler_its_slice() -> None:
     scheduling = SchedulingConfig(
         max_running_requests=3, chunked_prefill_size=64, disable_radix_cache=True
     )
-    assert scheduling.scheduler_config(500, "cpu") == SchedulerConfig(
+    assert scheduling.scheduler_limits(500, "cpu") == SchedulerLimits(
         max_running_requests=3, chunked_prefill_size=64, max_context_len=500,
         enable_prefix_cache=False,
     )
-    defaults = SchedulingConfig().scheduler_config(500, "cuda")
-    assert defaults.max_running_requests == SchedulerConfig.max_running_requests
-    assert defaults.chunked_prefill_size == SchedulerConfig.chunked_prefill_size
+    defaults = SchedulingConfig().scheduler_limits(500, "cuda")
+    assert defaults.max_running_requests == SchedulerLimits.max_running_requests
+    assert defaults.chunked_prefill_size == SchedulerLimits.chunked_prefill_size
     assert defaults.enable_prefix_cache
     # On the CPU a step's prompt tokens default to fewer (TTFT; see the constant).
-    cpu = SchedulingConfig().scheduler_config(500, "cpu")
+    cpu = SchedulingConfig().scheduler_limits(500, "cpu")
     assert cpu.chunked_prefill_size == CPU_CHUNKED_PREFILL_SIZE < defaults.chunked_prefill_size
 
 
 def test_the_engine_package_imports_nothing_of_the_server() -> None:
     # A fresh interpreter: this one has the server loaded by other tests.
     code = (
-        "import sys, hicache.engine, hicache.engine.engine, hicache.engine.config\n"
+        "import sys, hicache.engine, hicache.engine.build, hicache.engine.engine\n"
+        "import hicache.engine.config\n"
         "print(sorted(m for m in sys.modules if m.startswith('hicache.server')))"
     )
     out = subprocess.run(

@@ -41,9 +41,9 @@ def queue_state(engine: Engine) -> Queue:
     def take() -> Queue:
         sched = engine.scheduler
         return Queue(
-            tuple(r.request.input_ids for r in sched.running),
-            tuple(r.storage_tokens for r in sched.waiting),
-            tuple(r.prefetch_tried for r in sched.waiting),
+            tuple(r.request.input_ids for r in sched.running_requests()),
+            tuple(r.storage_tokens for r in sched.waiting_requests()),
+            tuple(r.prefetch_tried for r in sched.waiting_requests()),
         )
 
     state = on_scheduler(engine, take)

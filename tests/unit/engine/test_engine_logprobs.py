@@ -34,12 +34,12 @@ def ask(
     params = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 6, **sampling})  # type: ignore[arg-type]
     seen: list[torch.Tensor] = []
     if observe:
-        engine.scheduler.logits_observer = lambda rid, row: seen.append(row)
+        engine.scheduler.postprocess.logits_observer = lambda rid, row: seen.append(row)
     try:
         result = asyncio.run(collect(engine, GenerateRequest(tuple(ids), params,
                                                              logprobs=logprobs)))
     finally:
-        engine.scheduler.logits_observer = None
+        engine.scheduler.postprocess.logits_observer = None
     return result, seen
 
 

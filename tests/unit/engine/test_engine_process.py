@@ -15,8 +15,8 @@ import pytest
 
 from hicache.config import CacheConfig
 from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from hicache.engine.build import build_engine
 from hicache.engine.config import EngineConfig, ModelLoadConfig, SchedulingConfig
-from hicache.engine.engine import build_engine
 from hicache.engine.engine_client import (
     CALL_TIMEOUT_S,
     EngineClient,

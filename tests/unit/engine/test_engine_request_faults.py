@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hicache.engine.engine as engine_module
-import hicache.engine.scheduler as scheduler_module
+import hicache.engine.postprocess as postprocess_module
 from hicache.engine.api import GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
 from hicache.engine.sampling import make_generator, sample_tokens
@@ -97,7 +97,7 @@ def test_a_request_failing_mid_step_fails_alone(
         monkeypatch.setattr(_FailingDetokenizer, "failing_prompt", tuple(failing_ids))
         monkeypatch.setattr(engine_module, "IncrementalDetokenizer", _FailingDetokenizer)
     else:
-        real = scheduler_module.sample_tokens
+        real = postprocess_module.sample_tokens
         calls = 0
 
         def faulty(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -112,7 +112,7 @@ def test_a_request_failing_mid_step_fails_alone(
                     raise RuntimeError("probability tensor contains either inf or nan")
             return real(logits, params, generators)
 
-        monkeypatch.setattr(scheduler_module, "sample_tokens", faulty)
+        monkeypatch.setattr(postprocess_module, "sample_tokens", faulty)
 
     # The failing request in the middle of the batch, mid-decode when it fails.
     results = run_many(engine, [*others[:2], failing, *others[2:]])

@@ -119,7 +119,7 @@ def soak(
     systems = [tokens(rng, 32) for _ in range(2)]
     histories = [systems[c % 2] + tokens(rng, rng.randint(40, 80)) for c in range(CONVERSATIONS)]
     logits: dict[str, list[torch.Tensor]] = defaultdict(list)
-    engine.scheduler.logits_observer = lambda rid, row: logits[rid].append(row)
+    engine.scheduler.postprocess.logits_observer = lambda rid, row: logits[rid].append(row)
     completed: list[tuple[list[int], Run]] = []
     num_left = 0
     for round_index in range(ROUNDS):
@@ -147,7 +147,7 @@ def soak(
         # which tier serves the next round does not depend on this machine's speed.
         wait_idle(engine)
         on_scheduler(engine, lambda: settle(engine.cache))
-    engine.scheduler.logits_observer = None
+    engine.scheduler.postprocess.logits_observer = None
     assert num_left > 0 and len(completed) > ROUNDS * CONVERSATIONS // 2
 
     # Hits came from every tier (the workload is sized for it). Under the other write

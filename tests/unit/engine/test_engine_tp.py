@@ -32,8 +32,8 @@ from hicache.engine.api import (
     LogprobParams,
     SamplingParams,
 )
+from hicache.engine.build import build_engine
 from hicache.engine.config import EngineConfig, ModelLoadConfig, ParallelConfig, SchedulingConfig
-from hicache.engine.engine import build_engine
 from hicache.engine.engine_client import EngineClient, EngineStartError
 from hicache.model.default_model import DefaultModelMissingError, default_model_path
 from hicache.storage.config import PrefetchPolicy, StorageConfig

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import hicache.engine.scheduler as scheduler_module
+import hicache.engine.postprocess as postprocess_module
 from hicache.engine.api import GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
 from hicache.engine.sampling import (
@@ -329,7 +329,7 @@ def test_a_request_whose_logits_turn_nan_fails_alone(
     others = [request(prompt(10 + i), temperature=0.8, seed=i) for i in range(3)]
     solo = [r.token_ids for r in run_many(engine, others)]
     failing_ids = prompt(20)
-    real = scheduler_module.sample_tokens
+    real = postprocess_module.sample_tokens
     calls = 0
 
     def nan_on_fourth(logits: torch.Tensor, params: list[SamplingParams],
@@ -344,7 +344,7 @@ def test_a_request_whose_logits_turn_nan_fails_alone(
                 logits[rows[0], 5] = float("nan")
         return real(logits, params, generators)
 
-    monkeypatch.setattr(scheduler_module, "sample_tokens", nan_on_fourth)
+    monkeypatch.setattr(postprocess_module, "sample_tokens", nan_on_fourth)
     # Its max_new_tokens tells its row from the others'.
     failing = request(failing_ids, temperature=temperature, max_new_tokens=17)
     results = run_many(engine, [others[0], failing, *others[1:]])

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from hicache.engine.build import build_engine
 from hicache.engine.config import EngineConfig, ModelLoadConfig, RuntimeConfig, SchedulingConfig
-from hicache.engine.engine import build_engine
 from hicache.engine.thread_governor import ThreadGovernor, busy_seconds
 from hicache.engine.threads import adaptive_range
 

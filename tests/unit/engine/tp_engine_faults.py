@@ -22,7 +22,7 @@ def raise_in_tick(engine: Any) -> None:
     real = scheduler.schedule
 
     def schedule() -> bool:
-        if scheduler.running:
+        if scheduler.num_running:
             raise RuntimeError(FAULT)
         return real()
 

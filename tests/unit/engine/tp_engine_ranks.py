@@ -24,9 +24,10 @@ import numpy as np
 
 from hicache.distributed.group import TPGroup
 from hicache.engine.api import GenerateRequest, SamplingParams
+from hicache.engine.build import build_engine
 from hicache.engine.cache_ops import CACHE_OPS
 from hicache.engine.config import EngineConfig
-from hicache.engine.engine import Engine, build_engine
+from hicache.engine.engine import Engine
 from hicache.engine.replication import AddRequest, Progress
 from hicache.engine.request import Phase, Req
 from hicache.memory.allocator import PageIds

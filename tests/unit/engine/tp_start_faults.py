@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-import hicache.engine.engine as engine_module
+import hicache.engine.build as build_module
 import hicache.engine.engine_process as engine_process
 from hicache.distributed.group import TPGroup
 from hicache.engine.config import EngineConfig
@@ -89,10 +89,10 @@ def build_rank(tp: TPGroup, args: tuple[EngineConfig, bool]) -> BuildOutcome:
         def load_model(*_: Any, **__: Any) -> Any:
             raise OSError(WEIGHTS_FAULT)
 
-        engine_module.load_model = load_model  # type: ignore[assignment]
+        build_module.load_model = load_model  # type: ignore[assignment]
     began = time.monotonic()
     try:
-        engine = engine_module.build_engine(config, tp, start=False)
+        engine = build_module.build_engine(config, tp, start=False)
     except Exception as error:
         return BuildOutcome(f"{type(error).__name__}: {error}", time.monotonic() - began)
     try:

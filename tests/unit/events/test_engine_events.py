@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import zmq
 
-from hicache.engine.engine import Engine, build_engine
+from hicache.engine.build import build_engine
+from hicache.engine.engine import Engine
 from hicache.events.hashing import page_hashes
 from hicache.events.messages import (
     MEDIUM_CPU,

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 
 from hicache.cli import build_parser
 from hicache.cli import main as cli_main
-from hicache.engine.engine import build_engine
+from hicache.engine.build import build_engine
 from hicache.model.presets import get_preset
 from hicache.net import free_port
 from hicache.server.args import storage_config_from_args
@@ -80,7 +80,7 @@ def test_benchmark_tier_configurations(
         assert engine.cache.hierarchical is l2
         storage = engine.cache.storage
         assert (storage.backend.name if storage is not None else None) == l3
-        assert engine.scheduler.config.enable_prefix_cache is prefix_cache
+        assert engine.scheduler.limits.enable_prefix_cache is prefix_cache
         if l3 == "file":
             assert storage is not None
             assert getattr(storage.backend, "root", None) == tmp_path / "l3"
