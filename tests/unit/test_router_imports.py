@@ -21,6 +21,7 @@ from hicache.tokenizer.byte_level_dir import byte_tokenizer_dir
 # index, the policy and both apps built, then prompts tokenized as the router does at
 # its first request; only uvicorn's serving and worker discovery (the network) are not.
 ROUTER = """
+import json
 import hicache.router.serve as serve
 from hicache.cli import main
 from hicache.router.prompt import PromptKind, prompt_token_ids
@@ -39,6 +40,15 @@ tokenizer = load_tokenizer(TOKENIZER_DIR)
 chat = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 assert prompt_token_ids(PromptKind.CHAT, chat, tokenizer)
 assert prompt_token_ids(PromptKind.COMPLETION, {"prompt": "hello"}, tokenizer)
+
+# A worker on a file L3: the router's lookup of that pool (the file backend's settings,
+# not its torch-reading backend).
+from hicache.router.shared_pool import shared_pool_for_worker
+pool = shared_pool_for_worker({
+    "hicache_storage_backend": "file", "hicache_l3_key_seed": "0" * 32, "page_size": 16,
+    "hicache_storage_backend_extra_config": json.dumps({"path": TOKENIZER_DIR}),
+})
+pool.close()
 """
 
 # Every module of the package; a tokenizer loaded from its files, a chat rendered

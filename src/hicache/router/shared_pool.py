@@ -53,6 +53,7 @@ from typing import Any, Final
 
 from hicache.config import MemLayout
 from hicache.radix.keys import KEY_BYTES, chain_page_keys, pack_tokens
+from hicache.storage.backends.file.settings import default_path
 from hicache.storage.backends.mooncake.settings import (
     DEFAULT_LOCAL_HOSTNAME,
     DEFAULT_METADATA_SERVER,
@@ -458,10 +459,6 @@ def shared_pool_for_worker(server_info: Mapping[str, Any]) -> FileSharedPool | M
     if not isinstance(extra, Mapping):
         raise ValueError("the worker's hicache_storage_backend_extra_config is not an object")
     if backend == "file":
-        # Imported here: the file backend's module reads pages through torch, which a router
-        # not asking a file L3 never loads (tests/unit/test_router_imports.py).
-        from hicache.storage.backends.file.backend import default_path
-
         # The worker's default directory is the local cache dir, as it is here.
         return FileSharedPool(extra.get("path") or default_path(), seed, page_size, layout)
     master = extra.get("master_server_address")

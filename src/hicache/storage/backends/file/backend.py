@@ -40,17 +40,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from stat import S_ISREG
 from typing import Any
 
 import numpy as np
-from pydantic import Field
-from pydantic.dataclasses import dataclass
 
-from hicache.local_cache import local_cache_dir
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.settings import FileSettings
 from hicache.storage.base import StorageBackend, StorageUnavailableError
 from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import (
@@ -60,7 +57,7 @@ from hicache.storage.frame import (
     encode_header,
     object_name,
 )
-from hicache.storage.options import SETTINGS, Directory, Flag, Size, read_settings
+from hicache.storage.options import read_settings
 from hicache.storage.page_files import (
     TEMP_SUFFIX,
     create_file,
@@ -73,25 +70,10 @@ from hicache.storage.page_files import (
 )
 from hicache.storage.page_regions import PageRegions
 
-DEFAULT_MAX_BYTES = 16 * 10**9
 try:
     _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
 except (AttributeError, ValueError, OSError):
     _IOV_MAX = 1024
-
-
-def default_path() -> Path:
-    return local_cache_dir() / "l3"
-
-
-@dataclass(frozen=True, config=SETTINGS)
-class FileSettings:
-    """The file backend's extra config (see the module docstring)."""
-
-    path: Directory = Field(default_factory=default_path)
-    max_bytes: Size = DEFAULT_MAX_BYTES
-    fsync: Flag = False
-    verify_checksum: Flag = True
 
 
 class FileBackend(StorageBackend):
