@@ -22,7 +22,7 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.storage.lmcache import LMCacheBackend
-from hicache.storage.lmcache_server import (
+from hicache.testing.lmcache_server import (
     INSTALL_HINT,
     ServerProcess,
     find_server_program,

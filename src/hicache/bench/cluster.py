@@ -47,12 +47,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from hicache.bench.cpu_limit import CpuLimit
-from hicache.bench.server_process import ChildServer, ServerProcess
 from hicache.local_cache import CACHE_DIR_ENV
 from hicache.net import free_port
+from hicache.testing.server_process import ChildServer, ServerProcess
 
 if TYPE_CHECKING:  # imported where Mooncake is used: the module needs nothing of it otherwise
-    from hicache.storage.mooncake_master import MasterProcess
+    from hicache.testing.mooncake_master import MasterProcess
 
 KV_EVENTS_FLAG = "--kv-events-config"
 KV_EVENTS_TOPIC = "kv-events"
@@ -277,7 +277,7 @@ class Cluster:
             self.l3_path = self.run_dir / "l3"
             extra = {**config.l3_extra, "path": str(self.l3_path)}
             return ["--hicache-storage-backend", "file", _EXTRA_CONFIG_FLAG, json.dumps(extra)]
-        from hicache.storage.mooncake_master import MasterError, start_master
+        from hicache.testing.mooncake_master import MasterError, start_master
 
         try:
             self.master = start_master(log_path=self.run_dir / "mooncake-master.log")

@@ -88,8 +88,8 @@ from hicache.bench.report import (
     read_jsonl,
     rounds_table,
 )
-from hicache.bench.server_process import ChildServer, ServerProcess, ServerStartError
 from hicache.bench.workload import Session, WorkloadError
+from hicache.testing.server_process import ChildServer, ServerProcess, ServerStartError
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class CompareError(RuntimeError):
 
 def mooncake_available() -> str | None:
     """None when the Mooncake configuration can run here, else why it cannot."""
-    for module in ("mooncake.store", "hicache.storage.mooncake", "hicache.storage.mooncake_master"):
+    for module in ("mooncake.store", "hicache.storage.mooncake", "hicache.testing.mooncake_master"):
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):
@@ -169,7 +169,7 @@ def _l3_args(
     if config.l3 == "file":
         yield [_EXTRA_CONFIG, json.dumps({**extra, "path": str(workdir / "l3")})]
     elif config.l3 == "mooncake":
-        from hicache.storage.mooncake_master import start_master
+        from hicache.testing.mooncake_master import start_master
 
         with start_master() as master:
             yield [_EXTRA_CONFIG, json.dumps({**extra, "master_server_address": master.address})]

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.bench.server_process import ServerProcess
 from hicache.net import free_port
+from hicache.testing.server_process import ServerProcess
 
 WORKER_ARGS = ("--load-format", "dummy", "--model-preset", "tiny", "--device", "cpu",
                "--max-total-tokens", "4096", "--page-size", "16",

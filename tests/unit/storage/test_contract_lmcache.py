@@ -8,7 +8,7 @@ import pytest
 
 from hicache.storage.base import StorageBackend
 from hicache.storage.lmcache import LMCacheBackend
-from hicache.storage.lmcache_server import ServerProcess
+from hicache.testing.lmcache_server import ServerProcess
 from tests.lmcache_fixtures import server_fixture  # noqa: F401 - a fixture
 from tests.storage_contract import StorageContract
 

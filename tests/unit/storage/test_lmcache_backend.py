@@ -29,8 +29,8 @@ from hicache.storage.frame import HEADER_BYTES
 from hicache.storage.lmcache import LMCacheBackend
 from hicache.storage.lmcache_client import Client, Connection
 from hicache.storage.lmcache_protocol import Command, encode_request, key_string
-from hicache.storage.lmcache_server import ServerProcess, start_server
 from hicache.storage.registry import create_storage_backend, unavailable_reason
+from hicache.testing.lmcache_server import ServerProcess, start_server
 from tests.lmcache_fixtures import GEOMETRY, PROGRAM, extra_fixture, server_fixture  # noqa: F401
 from tests.storage_contract import page_bytes_of, page_range
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hicache.bench.lmcache_baseline import lmcache_baseline
-from hicache.storage.lmcache_server import ServerProcess
+from hicache.testing.lmcache_server import ServerProcess
 from tests.bench_storage_checks import (
     assert_baseline_refuses_the_file_backend,
     assert_reported_next_to_baseline,

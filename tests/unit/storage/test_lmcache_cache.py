@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from hicache.config import MemLayout
-from hicache.storage.lmcache_server import ServerProcess, start_server
+from hicache.testing.lmcache_server import ServerProcess, start_server
 from tests.kv_oracle import conversation, serve_with_l3, settle
 from tests.l3_caches import assert_a_new_cache_reuses
 from tests.l3_outage_checks import (

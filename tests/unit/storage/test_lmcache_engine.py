@@ -10,7 +10,7 @@ from typing import Any
 
 from hicache.engine.engine import Engine
 from hicache.storage.lmcache import LMCacheBackend
-from hicache.storage.lmcache_server import ServerProcess
+from hicache.testing.lmcache_server import ServerProcess
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.l3_engine_checks import (
     ENGINE_FLAGS,

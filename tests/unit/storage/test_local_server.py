@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hicache.net import free_port
-from hicache.storage.local_server import (
+from hicache.testing.local_server import (
     LocalServer,
     LocalServerError,
     port_open,

@@ -23,10 +23,10 @@ from hicache.storage.base import StorageBackend, StorageError, StorageUnavailabl
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
 from hicache.storage.mooncake import MooncakeBackend
 from hicache.storage.mooncake_client import failure_reason
-from hicache.storage.mooncake_master import MasterProcess
 from hicache.storage.mooncake_settings import MooncakeSettings
 from hicache.storage.options import Options
 from hicache.storage.registry import create_storage_backend
+from hicache.testing.mooncake_master import MasterProcess
 from tests.listeners import listening_sockets
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     CLIENT_SIZES,

@@ -7,8 +7,8 @@ import pytest
 import redis
 
 from hicache.net import free_port
-from hicache.storage.redis_server import RedisServerProcess
 from hicache.storage.redis_wire import pipelined, set_command
+from hicache.testing.redis_server import RedisServerProcess
 from tests.redis_fixtures import server_fixture  # noqa: F401 - a fixture, used by name
 
 

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from hicache.net import free_port
-from hicache.storage.local_server import (
+from hicache.testing.local_server import (
     PORT_ATTEMPTS,
     LocalServer,
     LocalServerError,
@@ -88,7 +88,7 @@ def find_server_program() -> Path | None:
     configured = os.environ.get(PROGRAM_ENV)
     if configured:
         candidates.append(Path(configured))
-    # src/hicache/storage/lmcache_server.py -> the repository root of a source checkout.
+    # src/hicache/testing/lmcache_server.py -> the repository root of a source checkout.
     root = Path(__file__).resolve().parents[3]
     candidates.append(root / ENV_DIR / "bin" / SERVER_PROGRAM)
     for candidate in candidates:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hicache.net import free_port
-from hicache.storage.local_server import (
+from hicache.testing.local_server import (
     PORT_ATTEMPTS,
     LocalServer,
     LocalServerError,
