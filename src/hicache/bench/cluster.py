@@ -317,8 +317,8 @@ class Cluster:
             flags, self.run_dir / f"worker-{index}.log", env=env,
             startup_timeout_s=config.startup_timeout_s, stop_timeout_s=config.stop_timeout_s,
             cpu_limit=config.cpu_limit,
+            name=f"worker {index}" if mode == "null" else f"{mode} worker {index}",
         )
-        server.name = f"worker {index}" if mode == "null" else f"{mode} worker {index}"
         return Worker(index, server, events, mode, bootstrap_port)
 
     def _pd_role(self, index: int) -> tuple[str, int | None]:

@@ -278,11 +278,11 @@ def _lmcache_setup(
     extra: dict[str, Any] = {"timeout_s": 60.0, "namespace": f"bench-{uuid.uuid4().hex[:12]}"}
     if args.lmcache_url:
         return {**extra, "remote_url": args.lmcache_url}
-    from hicache.testing.lmcache_server import ServerError, start_server
+    from hicache.testing.lmcache_server import LMCacheServerError, start_server
 
     try:
         server = stack.enter_context(start_server())
-    except ServerError as error:
+    except LMCacheServerError as error:
         return f"no --lmcache-url given and no local lmcache_server could be started: {error}"
     return {**extra, "remote_url": server.url}
 

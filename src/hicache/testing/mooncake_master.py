@@ -97,7 +97,7 @@ class MasterProcess(LocalServer):
         """What clients take as ``master_server_address`` (host:port)."""
         return f"{self.host}:{self.rpc_port}"
 
-    def command(self) -> list[str]:
+    def command_line(self) -> list[str]:
         return [
             str(self.binary),
             f"--rpc_address={self.host}",

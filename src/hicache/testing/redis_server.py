@@ -113,7 +113,7 @@ class RedisServerProcess(LocalServer):
         """The url of its unix socket (only with ``unix_socket=True``)."""
         return f"unix://{self.socket_path}?db=0"
 
-    def command(self) -> list[str]:
+    def command_line(self) -> list[str]:
         command = [
             str(self.binary), "--port", str(self.port), "--bind", self.host,
             "--save", "", "--appendonly", "no", "--dir", str(self.work_dir),
