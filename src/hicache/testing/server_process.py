@@ -29,7 +29,8 @@ class ChildServer(ChildProcess):
     ``with ChildServer(...) as server:`` starts it and waits until a GET of one of
     ``ready_paths`` answers 200; leaving the block always stops it: SIGTERM to the
     group, then SIGKILL to whatever of the group is left after ``stop_timeout_s``.
-    ``cpu_limit`` runs it under ``taskset`` with thread counts set (see cpu_limit.py).
+    ``cpu_limit`` runs it under ``taskset`` with thread counts set
+    (see hicache/bench/cpu_limit.py).
     """
 
     error: ClassVar[type[LaunchError]] = ServerStartError
