@@ -46,9 +46,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from hicache.bench.cpu_limit import CpuLimit
 from hicache.local_cache import CACHE_DIR_ENV
 from hicache.net import free_port
+from hicache.testing.cpu_limit import CpuLimit
 from hicache.testing.server_process import ChildServer, ServerProcess
 
 if TYPE_CHECKING:  # imported where Mooncake is used: the module needs nothing of it otherwise
@@ -99,7 +99,7 @@ class ClusterConfig:
     router: RouterConfig | None = field(default_factory=RouterConfig)
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
-    cpu_limit: CpuLimit | None = None  # pins every worker and the router (see cpu_limit.py)
+    cpu_limit: CpuLimit | None = None  # pins every worker and the router (testing/cpu_limit.py)
     # Prefill-decode disaggregation: how many of the workers (the last ones) decode; 0: none
     # (every worker is an ordinary one).
     pd_decode_workers: int = 0

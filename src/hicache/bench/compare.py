@@ -33,7 +33,7 @@ carries an output token. With a baseline every configuration runs ``--repeats``
 times (default 2), alternating with the baseline; the report adds every run in order
 with the load average before and after it, aggregates over the repeats and the
 ratios hicache / baseline (see aggregate.py). ``--cpus N`` pins every server to
-N CPUs (see cpu_limit.py).
+N CPUs (see hicache/testing/cpu_limit.py).
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ from hicache.bench.aggregate import (
 from hicache.bench.background_load import busy_cores
 from hicache.bench.baseline import BaselineError, BaselineServer, check_template, model_path_of
 from hicache.bench.client import ApiStyle
-from hicache.bench.cpu_limit import CpuLimit, CpuLimitError
 from hicache.bench.long_context import add_long_context_arguments, long_context_workload
 from hicache.bench.multiturn import (
     BenchmarkError,
@@ -89,6 +88,7 @@ from hicache.bench.report import (
     rounds_table,
 )
 from hicache.bench.workload import Session, WorkloadError
+from hicache.testing.cpu_limit import CpuLimit, CpuLimitError
 from hicache.testing.server_process import ChildServer, ServerProcess, ServerStartError
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from hicache.bench.cpu_limit import CpuLimit
 from hicache.net import free_port
+from hicache.testing.cpu_limit import CpuLimit
 from hicache.testing.launcher import ChildProcess, LaunchError, http_ok
 
 
@@ -29,8 +29,7 @@ class ChildServer(ChildProcess):
     ``with ChildServer(...) as server:`` starts it and waits until a GET of one of
     ``ready_paths`` answers 200; leaving the block always stops it: SIGTERM to the
     group, then SIGKILL to whatever of the group is left after ``stop_timeout_s``.
-    ``cpu_limit`` runs it under ``taskset`` with thread counts set
-    (see hicache/bench/cpu_limit.py).
+    ``cpu_limit`` runs it under ``taskset`` with thread counts set (see cpu_limit.py).
     """
 
     error: ClassVar[type[LaunchError]] = ServerStartError

@@ -29,8 +29,8 @@ from hicache.bench.baseline import (
     render_command,
 )
 from hicache.bench.compare import resolve_sizes, run_baseline
-from hicache.bench.cpu_limit import THREAD_VARIABLES, CpuLimit, CpuLimitError, available_cpus
 from hicache.cli import build_parser
+from hicache.testing.cpu_limit import THREAD_VARIABLES, CpuLimit, CpuLimitError, available_cpus
 from hicache.testing.server_process import ServerProcess, ServerStartError
 
 FAKE = Path(__file__).with_name("fake_server.py")
