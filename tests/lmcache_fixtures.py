@@ -22,9 +22,9 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.storage.backends.lmcache.backend import LMCacheBackend
-from hicache.storage.lmcache_server import (
+from hicache.testing.lmcache_server import (
     INSTALL_HINT,
-    ServerProcess,
+    LMCacheServerProcess,
     find_server_program,
     start_server,
 )
@@ -36,14 +36,14 @@ GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.floa
 
 
 @pytest.fixture(scope="module", name="lmcache_server")
-def server_fixture() -> Iterator[ServerProcess]:
+def server_fixture() -> Iterator[LMCacheServerProcess]:
     """A server on 127.0.0.1 for the whole module, killed after it."""
     with start_server(program=PROGRAM) as server:
         yield server
 
 
 @pytest.fixture(scope="module", name="lmcache_extra")
-def extra_fixture(lmcache_server: ServerProcess) -> dict[str, Any]:
+def extra_fixture(lmcache_server: LMCacheServerProcess) -> dict[str, Any]:
     """The backend extra config that reaches the module's server."""
     return {"remote_url": lmcache_server.url}
 

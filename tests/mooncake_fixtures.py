@@ -48,7 +48,7 @@ from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.storage.backends.mooncake.backend import MooncakeBackend
-from hicache.storage.mooncake_master import MasterProcess, start_master
+from hicache.testing.mooncake_master import MasterProcess, start_master
 from tests.kv_oracle import conversation, serve_with_l3, settle
 from tests.l3_caches import make_l3_cache
 from tests.network_namespace import enter_private_network

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from hicache.bench.server_process import ServerProcess
 from hicache.net import free_port
+from hicache.testing.server_process import ServerProcess
 
 ADMIN_KEY = "pd-test-admin"
 TIMEOUT_S = 60.0

@@ -31,7 +31,7 @@ require_program(
 from hicache.cache.hierarchical_cache import HierarchicalCache  # noqa: E402
 from hicache.config import MemLayout  # noqa: E402
 from hicache.memory.geometry import KVGeometry  # noqa: E402
-from hicache.storage.redis_server import (  # noqa: E402
+from hicache.testing.redis_server import (  # noqa: E402
     RedisServerError,
     RedisServerProcess,
     find_server_binary,

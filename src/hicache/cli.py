@@ -1,15 +1,28 @@
-"""The ``hicache`` command: the server, the demo and the benchmarks."""
+"""The ``hicache`` command: the server, the router, the demo and the benchmarks.
+
+Each command imports its own modules only: ``serve`` and ``router`` never import
+``hicache.bench`` nor the bench extra's packages (tests/unit/test_import_graph.py).
+A benchmark's module is imported when that benchmark is chosen, not before:
+``hicache bench --help`` lists the table below without importing any of them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-# Benchmarks are imported lazily: each module exposes add_arguments(parser) and
-# main(args) -> int, and may pull in heavy or optional dependencies.
+# What the [bench] extra installs: benchmarks import them, the server never does.
+BENCH_EXTRA_MODULES = ("aiohttp", "tqdm", "matplotlib")
+BENCH_EXTRA_HINT = "pip install 'hicache[bench]'"
+
+# Each benchmark's module exposes add_arguments(parser) and main(args) -> int, and may
+# pull in heavy or optional dependencies: it is imported only once chosen.
 _BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("hicache.bench.transfer", "L2<->L1 page transfer bandwidth per layout/io backend"),
     "attention": ("hicache.bench.attention", "attention backends side by side on a paged pool"),
@@ -38,12 +51,63 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
 _COMMANDS = ("serve", "router", "demo", "bench")
 
 
+class BenchExtraMissing(RuntimeError):
+    """A benchmark needs a package of the [bench] extra that is not installed."""
+
+
+def import_benchmark(module_name: str) -> ModuleType:
+    """The benchmark's module; BenchExtraMissing when it needs what the extra installs."""
+    with _bench_extra_required():
+        return importlib.import_module(module_name)
+
+
+@contextlib.contextmanager
+def _bench_extra_required() -> Iterator[None]:
+    """Turns a missing package of the bench extra into BenchExtraMissing, with the hint."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        package = (error.name or "").split(".")[0]
+        if package not in BENCH_EXTRA_MODULES:
+            raise
+        raise BenchExtraMissing(
+            f"this benchmark needs {package}, which the bench extra installs: "
+            f"{BENCH_EXTRA_HINT}"
+        ) from error
+
+
+if TYPE_CHECKING:
+    _SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
+else:
+    _SubParsers = argparse._SubParsersAction
+
+
+class _LazyBenchmarkParsers(_SubParsers):
+    """``hicache bench``'s subcommands: a benchmark's arguments are added to its parser
+    (its module imported) only when the command line chooses it."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None, option_string: str | None = None,
+    ) -> None:
+        name = values[0] if isinstance(values, list) and values else None
+        chosen = self._name_parser_map.get(name) if isinstance(name, str) else None
+        if chosen is not None and not chosen.get_default("_loaded"):
+            try:
+                module = import_benchmark(chosen.get_default("_module"))
+            except BenchExtraMissing as error:
+                chosen.error(str(error))
+            module.add_arguments(chosen)
+            chosen.set_defaults(_loaded=True)
+        super().__call__(parser, namespace, values, option_string)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """Every command's parser; with ``only``, the other commands are named (for --help)
     but their arguments, and the modules defining them, are not loaded: ``hicache
     router`` must not import the server's engine and torch with it (see
-    tests/unit/test_router_imports.py)."""
-    parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
+    tests/unit/test_router_imports.py). A benchmark's arguments load only when chosen."""
+    parser = argparse.ArgumentParser(prog="hicache", description=(__doc__ or "").split("\n")[0])
     parser.add_argument(
         "--log-level", default=None, help="python logging level (default: info for serve, "
         "warning otherwise)",
@@ -76,12 +140,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         add_demo_arguments(demo)
 
     bench = sub.add_parser("bench", help="micro-benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name, (module_name, help_text) in _BENCHMARKS.items() if only in (None, "bench") else ():
+    bench_sub = bench.add_subparsers(dest="bench", required=True, action=_LazyBenchmarkParsers)
+    for name, (module_name, help_text) in _BENCHMARKS.items():
         bench_parser = bench_sub.add_parser(name, help=help_text)
-        bench_parser.set_defaults(_module=module_name)
-        module = importlib.import_module(module_name)
-        module.add_arguments(bench_parser)
+        bench_parser.set_defaults(_module=module_name, _loaded=False)
     return parser
 
 
@@ -117,8 +179,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo_main(args)
     if args.command == "bench":
-        module = importlib.import_module(args._module)
-        return int(module.main(args))
+        module = import_benchmark(args._module)
+        try:
+            with _bench_extra_required():
+                return int(module.main(args))
+        except BenchExtraMissing as error:
+            # A module some benchmarks import only when they need it (plots: matplotlib).
+            print(f"hicache bench {args.bench}: {error}", file=sys.stderr)
+            return 2
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -18,9 +18,9 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from hicache.bench.cpu_limit import CpuLimit
-from hicache.bench.server_process import ChildServer
 from hicache.net import free_port
+from hicache.testing.cpu_limit import CpuLimit
+from hicache.testing.server_process import ChildServer
 
 HOST = "127.0.0.1"
 READY_PATHS = ("/health", "/v1/models")

@@ -46,13 +46,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from hicache.bench.cpu_limit import CpuLimit
-from hicache.bench.server_process import ChildServer, ServerProcess
 from hicache.local_cache import CACHE_DIR_ENV
 from hicache.net import free_port
+from hicache.testing.cpu_limit import CpuLimit
+from hicache.testing.server_process import ChildServer, ServerProcess
 
 if TYPE_CHECKING:  # imported where Mooncake is used: the module needs nothing of it otherwise
-    from hicache.storage.mooncake_master import MasterProcess
+    from hicache.testing.mooncake_master import MasterProcess
 
 KV_EVENTS_FLAG = "--kv-events-config"
 KV_EVENTS_TOPIC = "kv-events"
@@ -99,7 +99,7 @@ class ClusterConfig:
     router: RouterConfig | None = field(default_factory=RouterConfig)
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
-    cpu_limit: CpuLimit | None = None  # pins every worker and the router (see cpu_limit.py)
+    cpu_limit: CpuLimit | None = None  # pins every worker and the router (testing/cpu_limit.py)
     # Prefill-decode disaggregation: how many of the workers (the last ones) decode; 0: none
     # (every worker is an ordinary one).
     pd_decode_workers: int = 0
@@ -277,7 +277,7 @@ class Cluster:
             self.l3_path = self.run_dir / "l3"
             extra = {**config.l3_extra, "path": str(self.l3_path)}
             return ["--hicache-storage-backend", "file", _EXTRA_CONFIG_FLAG, json.dumps(extra)]
-        from hicache.storage.mooncake_master import MasterError, start_master
+        from hicache.testing.mooncake_master import MasterError, start_master
 
         try:
             self.master = start_master(log_path=self.run_dir / "mooncake-master.log")
@@ -317,8 +317,8 @@ class Cluster:
             flags, self.run_dir / f"worker-{index}.log", env=env,
             startup_timeout_s=config.startup_timeout_s, stop_timeout_s=config.stop_timeout_s,
             cpu_limit=config.cpu_limit,
+            name=f"worker {index}" if mode == "null" else f"{mode} worker {index}",
         )
-        server.name = f"worker {index}" if mode == "null" else f"{mode} worker {index}"
         return Worker(index, server, events, mode, bootstrap_port)
 
     def _pd_role(self, index: int) -> tuple[str, int | None]:

@@ -33,7 +33,7 @@ carries an output token. With a baseline every configuration runs ``--repeats``
 times (default 2), alternating with the baseline; the report adds every run in order
 with the load average before and after it, aggregates over the repeats and the
 ratios hicache / baseline (see aggregate.py). ``--cpus N`` pins every server to
-N CPUs (see cpu_limit.py).
+N CPUs (see hicache/testing/cpu_limit.py).
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ from hicache.bench.aggregate import (
 from hicache.bench.background_load import busy_cores
 from hicache.bench.baseline import BaselineError, BaselineServer, check_template, model_path_of
 from hicache.bench.client import ApiStyle
-from hicache.bench.cpu_limit import CpuLimit, CpuLimitError
 from hicache.bench.long_context import add_long_context_arguments, long_context_workload
 from hicache.bench.multiturn import (
     BenchmarkError,
@@ -88,8 +87,9 @@ from hicache.bench.report import (
     read_jsonl,
     rounds_table,
 )
-from hicache.bench.server_process import ChildServer, ServerProcess, ServerStartError
 from hicache.bench.workload import Session, WorkloadError
+from hicache.testing.cpu_limit import CpuLimit, CpuLimitError
+from hicache.testing.server_process import ChildServer, ServerProcess, ServerStartError
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def mooncake_available() -> str | None:
     """None when the Mooncake configuration can run here, else why it cannot."""
     for module in (
         "mooncake.store", "hicache.storage.backends.mooncake.backend",
-        "hicache.storage.mooncake_master",
+        "hicache.testing.mooncake_master",
     ):
         try:
             found = importlib.util.find_spec(module) is not None
@@ -172,7 +172,7 @@ def _l3_args(
     if config.l3 == "file":
         yield [_EXTRA_CONFIG, json.dumps({**extra, "path": str(workdir / "l3")})]
     elif config.l3 == "mooncake":
-        from hicache.storage.mooncake_master import start_master
+        from hicache.testing.mooncake_master import start_master
 
         with start_master() as master:
             yield [_EXTRA_CONFIG, json.dumps({**extra, "master_server_address": master.address})]

@@ -45,8 +45,8 @@ from hicache.bench.multiturn import (
 )
 from hicache.bench.report import RunSummary, Stats
 from hicache.bench.router_bench import DEFAULTS, SMOKE, SMOKE_L3_EXTRA, resolve_sizes
-from hicache.bench.server_process import ServerStartError
 from hicache.bench.workload import WorkloadError
+from hicache.testing.server_process import ServerStartError
 
 SETUPS = ("single", "pd")
 

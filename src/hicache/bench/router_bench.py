@@ -65,8 +65,8 @@ from hicache.bench.multiturn import (
 from hicache.bench.report import read_jsonl
 from hicache.bench.router_report import PolicyRun, write_report
 from hicache.bench.scrape import Samples, scrape
-from hicache.bench.server_process import ServerStartError
 from hicache.bench.workload import WorkloadError
+from hicache.testing.server_process import ServerStartError
 
 logger = logging.getLogger(__name__)
 

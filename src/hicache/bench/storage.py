@@ -221,7 +221,7 @@ def _mooncake_setup(
         extra["master_server_address"] = args.mooncake_master
         return extra
     try:
-        from hicache.storage.mooncake_master import start_master
+        from hicache.testing.mooncake_master import start_master
 
         master = stack.enter_context(start_master())
     except Exception as error:  # no binary, or it did not come up
@@ -263,7 +263,7 @@ def _redis_setup(
     if args.redis_url:
         return {**extra, "url": args.redis_url}
     try:
-        from hicache.storage.redis_server import start_redis_server
+        from hicache.testing.redis_server import start_redis_server
 
         server = stack.enter_context(start_redis_server())
     except Exception as error:  # no binary, or it did not come up
@@ -278,11 +278,11 @@ def _lmcache_setup(
     extra: dict[str, Any] = {"timeout_s": 60.0, "namespace": f"bench-{uuid.uuid4().hex[:12]}"}
     if args.lmcache_url:
         return {**extra, "remote_url": args.lmcache_url}
-    from hicache.storage.lmcache_server import ServerError, start_server
+    from hicache.testing.lmcache_server import LMCacheServerError, start_server
 
     try:
         server = stack.enter_context(start_server())
-    except ServerError as error:
+    except LMCacheServerError as error:
         return f"no --lmcache-url given and no local lmcache_server could be started: {error}"
     return {**extra, "remote_url": server.url}
 

@@ -29,9 +29,9 @@ from hicache.bench.baseline import (
     render_command,
 )
 from hicache.bench.compare import resolve_sizes, run_baseline
-from hicache.bench.cpu_limit import THREAD_VARIABLES, CpuLimit, CpuLimitError, available_cpus
-from hicache.bench.server_process import ServerProcess, ServerStartError
 from hicache.cli import build_parser
+from hicache.testing.cpu_limit import THREAD_VARIABLES, CpuLimit, CpuLimitError, available_cpus
+from hicache.testing.server_process import ServerProcess, ServerStartError
 
 FAKE = Path(__file__).with_name("fake_server.py")
 # What a user would type for vLLM, with the stand-in server in its place.

@@ -27,8 +27,8 @@ from hicache.bench.compare import (
     write_report,
 )
 from hicache.bench.report import RunSummary
-from hicache.bench.server_process import ServerProcess, ServerStartError
 from hicache.cli import build_parser
+from hicache.testing.server_process import ServerProcess, ServerStartError
 
 FAKE_SERVER = [sys.executable, str(Path(__file__).with_name("fake_server.py"))]
 

@@ -23,7 +23,7 @@ from hicache.bench.cluster import (
     serve_supports_kv_events,
     wait_for,
 )
-from hicache.bench.server_process import ServerStartError
+from hicache.testing.server_process import ServerStartError
 from tests.dev_dependency import require_dev_dependency
 
 # Tiny dummy model on CPU, a device pool of 1024 tokens in 16-token pages; L3 reads
@@ -119,7 +119,7 @@ def test_bad_sizes_are_refused_before_anything_starts(tmp_path: Path) -> None:
 
 def test_a_master_log_the_caller_chose_outlives_the_master(tmp_path: Path) -> None:
     require_dev_dependency("mooncake.store", "pip install 'hicache[mooncake]'")
-    from hicache.storage.mooncake_master import start_master
+    from hicache.testing.mooncake_master import start_master
 
     with start_master(log_path=tmp_path / "runs" / "master.log") as kept:
         assert kept.running

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.bench.server_process import ChildServer, ServerProcess
 from hicache.net import free_port
+from hicache.testing.server_process import ChildServer, ServerProcess
 from tests.dev_dependency import require_dev_dependency
 from tests.pd_fixtures import (
     ADMIN_KEY,

@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.bench.server_process import ServerProcess
 from hicache.router.index import PageIndex
 from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.settings import PrefillEndpoint
+from hicache.testing.server_process import ServerProcess
 from tests.dev_dependency import require_dev_dependency
 from tests.unit.router.router_fixtures import RunningRouter, running_pd_router
 

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.bench.server_process import ServerProcess
 from hicache.router.settings import PrefillEndpoint
+from hicache.testing.server_process import ServerProcess
 from tests.abandoned_clients import held_request, leave, long_prompt, sample, scrape
 from tests.dev_dependency import require_dev_dependency
 from tests.unit.router.fakes import wait_for

@@ -10,13 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hicache.bench.server_process import ChildServer
 from hicache.events.hashing import page_hashes
 from hicache.net import free_port
 from hicache.router.index import PageIndex
 from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.settings import PrefillEndpoint
 from hicache.router.workers import WorkerInfo
+from hicache.testing.server_process import ChildServer
 from tests.restartable_server import RestartableServer
 from tests.unit.router.fakes import Publisher, batch, wait_for
 from tests.unit.router.pd_fakes import (

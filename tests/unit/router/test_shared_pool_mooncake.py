@@ -19,7 +19,7 @@ from hicache.router.index import PageIndex
 from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.shared_pool import MooncakeSharedPool, SharedPoolError
 from hicache.router.types import RouteRequest, WorkerLoad
-from hicache.storage.mooncake_master import MasterProcess, start_master
+from hicache.testing.mooncake_master import MasterProcess, start_master
 from tests.kv_oracle import conversation, serve_with_l3, settle
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     extra_fixture,

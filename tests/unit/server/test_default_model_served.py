@@ -17,13 +17,13 @@ import httpx
 import openai
 import pytest
 
-from hicache.bench.server_process import ServerProcess
 from hicache.cli import build_parser
 from hicache.model import default_model
 from hicache.model.default_model import DefaultModelMissingError
 from hicache.model.gguf_cache import ConvertedModel
 from hicache.server.serve import main as serve_main
 from hicache.server.serve import with_default_model
+from hicache.testing.server_process import ServerProcess
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SMALL = ["--device", "cpu", "--max-total-tokens", "4096"]

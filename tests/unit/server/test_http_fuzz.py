@@ -31,7 +31,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.bench.server_process import ServerProcess
+from hicache.testing.server_process import ServerProcess
 from tests.http_fuzz import FuzzCase, fuzz_cases
 
 SEED = 1729

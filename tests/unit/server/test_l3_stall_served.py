@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.bench.server_process import ServerProcess
+from hicache.testing.server_process import ServerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 IO_TIMEOUT_S = 2.0

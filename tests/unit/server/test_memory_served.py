@@ -20,10 +20,10 @@ from pathlib import Path
 
 import httpx
 
-from hicache.bench.server_process import ServerProcess
 from hicache.engine.config import CPU_KV_POOL_TOKENS
 from hicache.memory.machine_memory import AVAILABLE_MEMORY_ENV, resident_bytes
 from hicache.model.gguf_cache import ConvertedModel
+from hicache.testing.server_process import ServerProcess
 
 AVAILABLE = 900 << 20
 MODEL = "SmolLM2-135M-Instruct"

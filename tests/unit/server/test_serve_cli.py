@@ -27,6 +27,7 @@ from hicache.server.args import storage_config_from_args
 from hicache.server.engine_args import engine_config_from_args
 from hicache.server.serve import log_tiers
 from hicache.server.serve import main as serve_main
+from hicache.testing.server_process import ServerProcess
 from tests.listeners import listening_sockets
 
 # Dummy weights of the tiny preset: serve's own default model (SmolLM2) is tested elsewhere.
@@ -154,30 +155,19 @@ def test_startup_log_names_each_tier_and_is_loud_without_l3(
 
 
 def test_serve_subprocess_answers_then_stops(tmp_path: Path) -> None:
-    port = free_port()
-    log_path = tmp_path / "serve.log"
-    env = {**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")}
-    with log_path.open("w") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "hicache", "serve", "--port", str(port), *SMALL],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env,
-        )
+    server = ServerProcess(
+        SMALL, tmp_path / "serve.log",
+        env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
+        startup_timeout_s=START_TIMEOUT_S,
+    )
+    server.start()
+    process, url, log_path = server.process, server.url, server.log_path
+    assert process is not None
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, f"serve exited early:\n{log_path.read_text()}"
-            try:
-                health = httpx.get(f"{url}/health", timeout=2.0)
-                if health.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"serve did not come up:\n{log_path.read_text()}"
-            time.sleep(0.2)
+        health = httpx.get(f"{url}/health", timeout=10.0)
         assert health.json()["l3"] == {"attached": True, "backend": "file"}
         # The server is reachable from this machine only.
-        assert listening_sockets(process.pid) == [("127.0.0.1", port)]
+        assert listening_sockets(process.pid) == [("127.0.0.1", server.port)]
         response = httpx.post(
             f"{url}/v1/completions", timeout=30.0,
             json={"model": "dummy-tiny", "prompt": "hello", "max_tokens": 3, "ignore_eos": True},
@@ -185,13 +175,11 @@ def test_serve_subprocess_answers_then_stops(tmp_path: Path) -> None:
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 3
     finally:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)  # the server alone, as its own shutdown
         try:
             code = process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-            raise
+        finally:
+            server.kill()
     log = log_path.read_text()
     # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught.
     assert code in (0, -signal.SIGTERM), log
@@ -275,54 +263,38 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _start_serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str, Path]:
-    port = free_port()
-    log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "hicache", "serve", "--port", str(port), *SMALL,
-             "--hicache-storage-backend", "none", *flags],
-            stdout=log_file, stderr=subprocess.STDOUT,
-            env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(f"serve exited early:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return process, url, log_path
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"serve did not come up:\n{log_path.read_text()}")
-        time.sleep(0.2)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.kill()
-        process.wait(timeout=10)
+def _start_serve(tmp_path: Path, *flags: str) -> ServerProcess:
+    """A started ``hicache serve`` (no L3) logging to tmp_path/serve.log; ``kill`` ends it
+    with every process of its group."""
+    server = ServerProcess(
+        [*SMALL, "--hicache-storage-backend", "none", *flags], tmp_path / "serve.log",
+        env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
+        startup_timeout_s=START_TIMEOUT_S,
+    )
+    server.start()
+    return server
 
 
 def test_serve_exits_nonzero_when_its_engine_process_dies(tmp_path: Path) -> None:
-    process, _, log_path = _start_serve(tmp_path)
+    server = _start_serve(tmp_path)
+    process, log_path = server.process, server.log_path
+    assert process is not None
     try:
         engines = _engine_processes(process.pid)
         assert len(engines) == 1, engines  # the engine runs in a process of its own
         os.kill(engines[0], signal.SIGKILL)
         code = process.wait(timeout=20)  # within seconds, never a hang
     finally:
-        _stop(process)
+        server.kill()
     log = log_path.read_text()
     assert code == 1, log
     assert "the engine process died" in log
 
 
 def test_serve_tp2_exits_nonzero_when_rank_one_dies(tmp_path: Path) -> None:
-    process, url, log_path = _start_serve(tmp_path, "--tp-size", "2")
+    server = _start_serve(tmp_path, "--tp-size", "2")
+    process, url, log_path = server.process, server.url, server.log_path
+    assert process is not None
     try:
         info = httpx.get(f"{url}/get_server_info", timeout=10.0).json()
         assert info["tp_size"] == 2
@@ -338,7 +310,7 @@ def test_serve_tp2_exits_nonzero_when_rank_one_dies(tmp_path: Path) -> None:
         os.kill(int(found.group(1)), signal.SIGKILL)
         code = process.wait(timeout=20)  # within seconds, never a hang
     finally:
-        _stop(process)
+        server.kill()
     log = log_path.read_text()
     assert code == 1, log
     assert "tensor-parallel rank 1 exited" in log
@@ -349,20 +321,19 @@ def test_serve_tp2_fails_to_start_at_once_with_rank_ones_reason(tmp_path: Path) 
     reason, as soon as the ranks agree the start failed (not at a collective timeout)."""
     extra = json.dumps({"module_path": "tests.unit.engine.tp_start_faults",
                         "class_name": "RankOneFailsAttach"})
-    log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "hicache", "serve", "--port", str(free_port()), *SMALL,
-             "--tp-size", "2", "--hicache-storage-backend", "dynamic",
-             "--hicache-storage-backend-extra-config", extra],
-            stdout=log_file, stderr=subprocess.STDOUT,
-            env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
-        )
+    server = ServerProcess(
+        [*SMALL, "--tp-size", "2", "--hicache-storage-backend", "dynamic",
+         "--hicache-storage-backend-extra-config", extra], tmp_path / "serve.log",
+        env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    server.launch()  # not awaited: it is to exit at start-up
+    assert server.process is not None
     try:
-        code = process.wait(timeout=START_TIMEOUT_S)  # interpreters importing torch, then fast
+        # Interpreters importing torch, then fast.
+        code = server.process.wait(timeout=START_TIMEOUT_S)
     finally:
-        _stop(process)
-    log = log_path.read_text()
+        server.kill()
+    log = server.log_text()
     assert code == 2, log
     assert ("cannot start the engine: tensor-parallel rank 1 could not start: StorageError: "
             "injected: rank 1 cannot attach its L3 store") in log
@@ -370,7 +341,9 @@ def test_serve_tp2_fails_to_start_at_once_with_rank_ones_reason(tmp_path: Path) 
 
 
 def test_the_engine_process_never_outlives_its_server(tmp_path: Path) -> None:
-    process, _, _ = _start_serve(tmp_path)
+    server = _start_serve(tmp_path)
+    process = server.process
+    assert process is not None
     try:
         engines = _engine_processes(process.pid)
         assert len(engines) == 1, engines
@@ -381,7 +354,7 @@ def test_the_engine_process_never_outlives_its_server(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the engine process outlived its server"
             time.sleep(0.1)
     finally:
-        _stop(process)
+        server.kill()
 
 
 def _is_zombie(pid: int) -> bool:
@@ -392,7 +365,9 @@ def _is_zombie(pid: int) -> bool:
 
 
 def test_single_process_serves_without_an_engine_process(tmp_path: Path) -> None:
-    process, url, _ = _start_serve(tmp_path, "--single-process")
+    server = _start_serve(tmp_path, "--single-process")
+    process, url = server.process, server.url
+    assert process is not None
     try:
         assert _engine_processes(process.pid) == []
         response = httpx.post(f"{url}/generate", timeout=30.0, json={
@@ -404,4 +379,4 @@ def test_single_process_serves_without_an_engine_process(tmp_path: Path) -> None
         try:
             process.wait(timeout=30)
         finally:
-            _stop(process)
+            server.kill()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from hicache.net import free_port
+from hicache.testing.server_process import ChildServer
 from tests.processes import is_gone, spawned_children, start_time
 
 START_TIMEOUT_S = 120.0  # a cold interpreter imports torch first, on a busy machine
@@ -33,29 +33,27 @@ RESTART_LOOPS = int(os.environ.get("HICACHE_RESTART_LOOPS", "3"))
 TINY = ["--device", "cpu", "--max-total-tokens", "1024", "--model-preset", "tiny"]
 
 
-def _serve(tmp_path: Path, port: int, flags: Sequence[str], log_name: str,
-           ) -> subprocess.Popen[bytes]:
-    with (tmp_path / log_name).open("wb") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "hicache", "serve", "--port", str(port), *TINY, *flags],
-            stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
-        )
+def _serve(tmp_path: Path, port: int, flags: Sequence[str], log_name: str) -> ChildServer:
+    """``hicache serve`` on ``port``, launched, not awaited (``wait_ready`` does)."""
+    server = ChildServer(
+        [sys.executable, "-m", "hicache", "serve", "--port", str(port), *TINY, *flags], port,
+        tmp_path / log_name, env={**os.environ, "HICACHE_CACHE_DIR": str(tmp_path / "cache")},
+        startup_timeout_s=START_TIMEOUT_S, stop_timeout_s=60.0, name="serve",
+    )
+    server.launch()
+    return server
 
 
-def _wait_healthy(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(f"serve exited ({process.returncode}):\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"serve did not come up:\n{log.read_text()}")
-        time.sleep(0.1)
+def _pid(server: ChildServer) -> int:
+    assert server.process is not None
+    return server.process.pid
+
+
+def _kill_server_alone(server: ChildServer) -> None:
+    """SIGKILL to the server process only: what it spawned must end by itself."""
+    assert server.process is not None
+    server.process.kill()
+    server.process.wait(timeout=30)
 
 
 def _wait_gone(processes: Sequence[tuple[int, int | None]], what: str) -> None:
@@ -73,16 +71,6 @@ def _kill_left_over(processes: Sequence[tuple[int, int | None]]) -> None:
     for pid, started in processes:  # only those this test's servers started
         if not is_gone(pid, started):
             os.kill(pid, signal.SIGKILL)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 def _stalling_l3(tmp_path: Path, **gates: Path) -> list[str]:
@@ -107,29 +95,28 @@ def test_kill_9_then_restart_at_once_on_the_same_ports(tmp_path: Path) -> None:
     flags = ["--kv-events-config", json.dumps(events), *_stalling_l3(tmp_path,
                                                                      close_gate=close_gate)]
     engines: list[tuple[int, int | None]] = []
-    process = _serve(tmp_path, port, flags, "serve-0.log")
+    server = _serve(tmp_path, port, flags, "serve-0.log")
     try:
-        _wait_healthy(process, url, tmp_path / "serve-0.log")
+        server.wait_ready()
         for loop in range(1, RESTART_LOOPS + 1):
             reply = httpx.post(f"{url}/generate", timeout=60.0, json={
                 "input_ids": list(range(3, 40)), "sampling_params": {"max_new_tokens": 3}})
             assert reply.status_code == 200, reply.text
             info = httpx.get(f"{url}/get_server_info", timeout=30.0).json()
             assert info["kv_events_endpoint"] == events["endpoint"]
-            ours = _identities(spawned_children(process.pid))
+            ours = _identities(spawned_children(_pid(server)))
             assert len(ours) == 1, ours
             engines += ours
-            process.kill()
-            process.wait(timeout=30)
-            process = _serve(tmp_path, port, flags, f"serve-{loop}.log")  # at once
-            _wait_healthy(process, url, tmp_path / f"serve-{loop}.log")
+            _kill_server_alone(server)
+            server = _serve(tmp_path, port, flags, f"serve-{loop}.log")  # at once
+            server.wait_ready()
             _wait_gone(ours, "the engine process")
         reply = httpx.post(f"{url}/generate", timeout=60.0, json={
             "input_ids": list(range(3, 40)), "sampling_params": {"max_new_tokens": 3}})
         assert reply.status_code == 200, reply.text
     finally:
         close_gate.unlink()
-        _stop(process)
+        server.stop()
         _kill_left_over(engines)
     log = (tmp_path / "serve-1.log").read_text()
     assert "cannot bind the KV event sockets" not in log
@@ -142,21 +129,20 @@ def test_killed_while_its_ranks_are_starting_they_end_too(tmp_path: Path) -> Non
     attach_gate = tmp_path / "attach-gate"
     attach_gate.touch()
     flags = ["--tp-size", "2", *_stalling_l3(tmp_path, attach_gate=attach_gate)]
-    process = _serve(tmp_path, free_port(), flags, "serve.log")
+    server = _serve(tmp_path, free_port(), flags, "serve.log")
     ranks: list[tuple[int, int | None]] = []
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(list(tmp_path.glob("attach-gate.*"))) < 2:  # each rank inside attach
-            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            assert server.running, server.log_text()
             assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(0.1)
         pids = sorted(int(marker.suffix[1:]) for marker in tmp_path.glob("attach-gate.*"))
-        assert sorted(spawned_children(process.pid)) == pids
+        assert sorted(spawned_children(_pid(server))) == pids
         ranks = _identities(pids)
-        process.kill()
-        process.wait(timeout=30)
+        _kill_server_alone(server)
         _wait_gone(ranks, "a rank stuck in its build")
     finally:
         attach_gate.unlink()
-        _stop(process)
+        server.stop()
         _kill_left_over(ranks)

@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from hicache.bench.server_process import ServerProcess
 from hicache.net import free_port
+from hicache.testing.server_process import ChildServer, ServerProcess
 
 WORKER_ARGS = ("--load-format", "dummy", "--model-preset", "tiny", "--device", "cpu",
                "--max-total-tokens", "4096", "--page-size", "16",
@@ -158,38 +157,34 @@ def two_workers(tmp_path: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]
         yield a, b
 
 
-def _start_router(policy: str, workers: tuple[ServerProcess, ...], log: Path
-                  ) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-             "--port", str(port), "--policy", policy, "--log-level", "info",
-             "--worker-urls", *(w.url for w in workers)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert process.poll() is None, log.read_text()[-3000:]
+class _SGLangRouter(ChildServer):
+    """SGLang's router, ready once a /generate through it reaches a worker (it answers
+    its own routes before it has checked its workers)."""
+
+    poll_interval_s = 0.5
+
+    def ready(self) -> bool:
         try:
-            if httpx.post(f"{url}/generate", timeout=10.0, json={
-                    "text": "ping", "sampling_params": {"max_new_tokens": 1}}).status_code == 200:
-                return process, url
+            return httpx.post(f"{self.url}/generate", timeout=10.0, json={
+                "text": "ping", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
         except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
+            return False
+
+    def awaited(self) -> str:
+        return f"route a /generate on port {self.port}"
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def _start_router(policy: str, workers: tuple[ServerProcess, ...], log: Path) -> ChildServer:
+    port = free_port()
+    router = _SGLangRouter(
+        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+         "--port", str(port), "--policy", policy, "--log-level", "info",
+         "--worker-urls", *(w.url for w in workers)],
+        port, log, env={**os.environ, "HF_HUB_OFFLINE": "1"}, startup_timeout_s=60,
+        stop_timeout_s=15, name="SGLang's router",
+    )
+    router.start()
+    return router
 
 
 @needs_router
@@ -198,7 +193,8 @@ def test_router_cache_aware_keeps_a_conversation_on_one_worker_round_robin_sprea
 ) -> None:
     for policy in ("cache_aware", "round_robin"):
         log = tmp_path / f"router-{policy}.log"
-        router, url = _start_router(policy, two_workers, log)
+        router = _start_router(policy, two_workers, log)
+        url = router.url
         try:
             before = [_counters(w.url) for w in two_workers]
             if policy == "cache_aware":
@@ -231,7 +227,7 @@ def test_router_cache_aware_keeps_a_conversation_on_one_worker_round_robin_sprea
                 assert s.status_code == 200 and lines[-1] == "data: [DONE]"
             after = [_counters(w.url) for w in two_workers]
         finally:
-            _stop(router)
+            router.stop()
         requests = [after[i]["requests"] - before[i]["requests"] for i in range(2)]
         hits = [after[i]["cached"] - before[i]["cached"] for i in range(2)]
         text = log.read_text(errors="replace")

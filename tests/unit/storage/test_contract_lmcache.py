@@ -8,14 +8,14 @@ import pytest
 
 from hicache.storage.backends.lmcache.backend import LMCacheBackend
 from hicache.storage.base import StorageBackend
-from hicache.storage.lmcache_server import ServerProcess
+from hicache.testing.lmcache_server import LMCacheServerProcess
 from tests.lmcache_fixtures import server_fixture  # noqa: F401 - a fixture
 from tests.storage_contract import StorageContract
 
 
 class TestLMCacheContract(StorageContract):
     @pytest.fixture
-    def store(self, lmcache_server: ServerProcess) -> Any:
+    def store(self, lmcache_server: LMCacheServerProcess) -> Any:
         return lmcache_server.url
 
     def make_backend(self, store: Any) -> StorageBackend:

@@ -29,8 +29,8 @@ from hicache.storage.backends.lmcache.client import Client, Connection
 from hicache.storage.backends.lmcache.protocol import Command, encode_request, key_string
 from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES
-from hicache.storage.lmcache_server import ServerProcess, start_server
 from hicache.storage.registry import create_storage_backend, unavailable_reason
+from hicache.testing.lmcache_server import LMCacheServerProcess, start_server
 from tests.lmcache_fixtures import GEOMETRY, PROGRAM, extra_fixture, server_fixture  # noqa: F401
 from tests.storage_contract import page_bytes_of, page_range
 
@@ -174,7 +174,7 @@ def flip_payload_bit(value: bytes) -> bytes:
     ],
 )
 def test_a_damaged_value_is_a_miss_remembered_until_rewritten(
-    stored: tuple[LMCacheBackend, HostPool, list], lmcache_server: ServerProcess,
+    stored: tuple[LMCacheBackend, HostPool, list], lmcache_server: LMCacheServerProcess,
     damage: Any, fault: str,
 ) -> None:
     backend, host, keys = stored
@@ -197,7 +197,7 @@ def test_a_damaged_value_is_a_miss_remembered_until_rewritten(
 
 
 def test_another_pages_value_under_this_name_is_a_wrong_key_even_unverified(
-    lmcache_extra: dict[str, Any], lmcache_server: ServerProcess,
+    lmcache_extra: dict[str, Any], lmcache_server: LMCacheServerProcess,
 ) -> None:
     host = host_pool()
     backend = LMCacheBackend({**lmcache_extra, "verify_checksum": False})
@@ -220,7 +220,7 @@ def test_another_pages_value_under_this_name_is_a_wrong_key_even_unverified(
 
 
 def test_a_put_cut_off_midway_is_a_short_read_not_an_error(
-    stored: tuple[LMCacheBackend, HostPool, list], lmcache_server: ServerProcess,
+    stored: tuple[LMCacheBackend, HostPool, list], lmcache_server: LMCacheServerProcess,
 ) -> None:
     """A writer that dies mid-value leaves the server an empty value that drops its reader."""
     backend, host, keys = stored
@@ -240,7 +240,7 @@ def test_a_put_cut_off_midway_is_a_short_read_not_an_error(
 
 # ------------------------------------------------------------------ server down or frozen
 @pytest.fixture
-def own_server() -> Iterator[ServerProcess]:
+def own_server() -> Iterator[LMCacheServerProcess]:
     """A server of this test alone (it is killed or frozen)."""
     with start_server(program=PROGRAM) as server:
         try:
@@ -251,7 +251,7 @@ def own_server() -> Iterator[ServerProcess]:
 
 
 def test_a_dead_server_gives_fast_misses_and_the_backend_recovers_on_restart(
-    own_server: ServerProcess,
+    own_server: LMCacheServerProcess,
 ) -> None:
     host = host_pool()
     backend = LMCacheBackend(
@@ -284,7 +284,7 @@ def test_a_dead_server_gives_fast_misses_and_the_backend_recovers_on_restart(
 
 
 def test_a_server_killed_under_a_connected_client_restarts_on_its_port(
-    own_server: ServerProcess,
+    own_server: LMCacheServerProcess,
 ) -> None:
     # The killed server's side of the open connection sits in TIME_WAIT on the
     # server's port; LMCache binds without SO_REUSEADDR, so only our launcher
@@ -309,7 +309,7 @@ def wait_stopped(pid: int) -> None:
 
 
 def test_a_frozen_server_times_out_and_is_used_again_once_it_answers(
-    own_server: ServerProcess,
+    own_server: LMCacheServerProcess,
 ) -> None:
     host = host_pool()
     backend = LMCacheBackend({"remote_url": own_server.url, "timeout_s": 0.3})

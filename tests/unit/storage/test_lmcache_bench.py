@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hicache.bench.lmcache_baseline import lmcache_baseline
-from hicache.storage.lmcache_server import ServerProcess
+from hicache.testing.lmcache_server import LMCacheServerProcess
 from tests.bench_storage_checks import (
     assert_baseline_refuses_the_file_backend,
     assert_reported_next_to_baseline,
@@ -17,7 +17,7 @@ from tests.lmcache_fixtures import GEOMETRY, server_fixture  # noqa: F401 - a fi
 
 
 def test_bench_storage_reports_lmcache_next_to_its_baseline(
-    lmcache_server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    lmcache_server: LMCacheServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
     result = tiny_bench_result(
         tmp_path, "--backends", "lmcache", "--lmcache-url", lmcache_server.url,

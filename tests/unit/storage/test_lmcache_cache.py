@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from hicache.config import MemLayout
-from hicache.storage.lmcache_server import ServerProcess, start_server
+from hicache.testing.lmcache_server import LMCacheServerProcess, start_server
 from tests.kv_oracle import conversation, serve_with_l3, settle
 from tests.l3_caches import assert_a_new_cache_reuses
 from tests.l3_outage_checks import (
@@ -27,21 +27,21 @@ PATIENT_CLIENT = {"timeout_s": 60.0, "connect_timeout_s": 60.0}
 
 
 @pytest.fixture(scope="module", name="server")
-def server_fixture() -> Iterator[ServerProcess]:
+def server_fixture() -> Iterator[LMCacheServerProcess]:
     with start_server(program=PROGRAM) as server:
         yield server
 
 
 @pytest.mark.parametrize("layout", [MemLayout.PAGE_FIRST, MemLayout.LAYER_FIRST])
 def test_a_new_instance_reuses_the_kv_the_last_one_stored(
-    server: ServerProcess, layout: MemLayout
+    server: LMCacheServerProcess, layout: MemLayout
 ) -> None:
     extra = {"remote_url": server.url, "namespace": f"reuse-{layout.value}"}
     assert_a_new_cache_reuses(lambda: make_cache(extra, layout=layout), conversation(40, seed=7))
 
 
 def test_a_dead_server_opens_the_breaker_and_l3_returns_after_restart(
-    server: ServerProcess,
+    server: LMCacheServerProcess,
 ) -> None:
     extra = {"remote_url": server.url, "namespace": "outage", "retry_interval_s": 0.1,
              **PATIENT_CLIENT}

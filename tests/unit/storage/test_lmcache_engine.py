@@ -10,7 +10,7 @@ from typing import Any
 
 from hicache.engine.engine import Engine
 from hicache.storage.backends.lmcache.backend import LMCacheBackend
-from hicache.storage.lmcache_server import ServerProcess
+from hicache.testing.lmcache_server import LMCacheServerProcess
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.l3_engine_checks import (
     ENGINE_FLAGS,
@@ -29,7 +29,7 @@ PATIENT_CLIENT = {"timeout_s": 60.0, "connect_timeout_s": 60.0}
 
 
 def test_engine_outputs_equal_cold_while_the_server_dies_and_returns(
-    make_engine: Callable[..., Engine], lmcache_server: ServerProcess,
+    make_engine: Callable[..., Engine], lmcache_server: LMCacheServerProcess,
     lmcache_extra: dict[str, Any],
 ) -> None:
     extra = {**lmcache_extra, "namespace": "engine-outage", "retry_interval_s": 0.1,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hicache.net import free_port
-from hicache.storage.local_server import (
+from hicache.testing.local_server import (
     LocalServer,
     LocalServerError,
     port_open,
@@ -39,7 +39,7 @@ class Listener(LocalServer):
     def name(self) -> str:
         return "listener"
 
-    def command(self) -> list[str]:
+    def command_line(self) -> list[str]:
         return [sys.executable, "-c", self.script, self.host, str(self.port)]
 
 
@@ -86,7 +86,7 @@ def test_close_removes_owned_files() -> None:
 def test_a_program_that_exits_at_start_up_is_reported_with_its_log(tmp_path: Path) -> None:
     failing = "import sys; print('no luck today'); sys.exit(3)"
     server = Listener(free_port(), tmp_path / "listener.log", script=failing)
-    with pytest.raises(LocalServerError, match=r"(?s)listener exited with code 3.*no luck"):
+    with pytest.raises(LocalServerError, match=r"(?s)listener exited with status 3.*no luck"):
         server.start()
     assert not server.running
 
@@ -106,6 +106,6 @@ def test_start_on_free_port_retries_and_cleans_up_each_failure(tmp_path: Path) -
         assert not made[0].log_path.exists() and not made[1].log_path.exists()
 
     made.clear()
-    with pytest.raises(LocalServerError, match="exited with code 1"):
+    with pytest.raises(LocalServerError, match="exited with status 1"):
         start_on_free_port(make, attempts=2)
     assert len(made) == 2 and not any(m.log_path.exists() for m in made)

@@ -24,9 +24,9 @@ from hicache.storage.backends.mooncake.client import failure_reason
 from hicache.storage.backends.mooncake.settings import MooncakeSettings
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
-from hicache.storage.mooncake_master import MasterProcess
 from hicache.storage.options import read_settings
 from hicache.storage.registry import create_storage_backend
+from hicache.testing.mooncake_master import MasterProcess
 from tests.listeners import listening_sockets
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     CLIENT_SIZES,

@@ -10,7 +10,7 @@ import pytest
 from hicache.bench.mooncake_baseline import LABEL, LABEL_REGIONS, mooncake_baseline
 from hicache.config import MemLayout
 from hicache.storage.backends.mooncake.backend import MooncakeBackend
-from hicache.storage.mooncake_master import MasterProcess
+from hicache.testing.mooncake_master import MasterProcess
 from tests.bench_storage_checks import (
     assert_baseline_refuses_the_file_backend,
     assert_read_into_the_targets,

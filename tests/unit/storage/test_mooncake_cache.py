@@ -21,7 +21,7 @@ from hicache.config import MemLayout
 from hicache.net import free_port
 from hicache.storage.backends.mooncake.backend import MooncakeBackend
 from hicache.storage.frame import PayloadOrder, object_name
-from hicache.storage.mooncake_master import MasterProcess
+from hicache.testing.mooncake_master import MasterProcess
 from tests.kv_oracle import serve
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     CLIENT_SIZES,

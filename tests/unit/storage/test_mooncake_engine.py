@@ -14,7 +14,7 @@ from typing import Any
 from hicache.engine.engine import Engine
 from hicache.storage.backends.mooncake.backend import MooncakeBackend
 from hicache.storage.backends.mooncake.client import WATCH_INTERVAL_S
-from hicache.storage.mooncake_master import MasterProcess
+from hicache.testing.mooncake_master import MasterProcess
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.l3_engine_checks import (
     FAST_BREAKER,

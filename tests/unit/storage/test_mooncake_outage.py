@@ -13,7 +13,7 @@ from typing import Any
 
 from hicache.storage.backends.mooncake.backend import MooncakeBackend
 from hicache.storage.backends.mooncake.client import WATCH_INTERVAL_S
-from hicache.storage.mooncake_master import MasterProcess
+from hicache.testing.mooncake_master import MasterProcess
 from tests.l3_outage_checks import (
     OUTAGE_STORAGE,
     assert_another_cache_finds,

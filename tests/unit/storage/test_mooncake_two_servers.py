@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from hicache.bench.server_process import ServerProcess
-from hicache.storage.mooncake_master import MasterProcess
+from hicache.testing.mooncake_master import MasterProcess
+from hicache.testing.server_process import ServerProcess
 from tests.mooncake_fixtures import extra_fixture, master_fixture  # noqa: F401 - fixtures
 
 PAGE = 16

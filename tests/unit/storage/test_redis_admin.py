@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from hicache.net import free_port
-from hicache.storage.redis_server import RedisServerProcess
+from hicache.testing.redis_server import RedisServerProcess
 from tests.redis_fixtures import extra_fixture, server_fixture  # noqa: F401 - fixtures
 from tests.server_fixtures import RunningServer, serve_in_thread
 

@@ -25,8 +25,8 @@ from hicache.storage.backends.redis.backend import RedisBackend
 from hicache.storage.backends.redis.settings import RedisSettings, redact
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES
-from hicache.storage.redis_server import RedisServerProcess, start_redis_server
 from hicache.storage.registry import create_storage_backend, unavailable_reason
+from hicache.testing.redis_server import RedisServerProcess, start_redis_server
 from tests.listeners import listening_sockets
 from tests.redis_fixtures import (  # noqa: F401 - fixtures, used by name
     extra_fixture,

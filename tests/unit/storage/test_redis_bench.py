@@ -11,7 +11,7 @@ import redis
 from hicache.bench.redis_baseline import LABEL, redis_baseline
 from hicache.config import MemLayout
 from hicache.storage.backends.redis.backend import RedisBackend
-from hicache.storage.redis_server import RedisServerProcess
+from hicache.testing.redis_server import RedisServerProcess
 from tests.bench_storage_checks import (
     assert_baseline_refuses_the_file_backend,
     assert_reported_next_to_baseline,

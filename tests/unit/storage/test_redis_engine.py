@@ -17,7 +17,7 @@ import redis
 
 from hicache.engine.engine import Engine
 from hicache.storage.backends.redis.backend import RedisBackend
-from hicache.storage.redis_server import RedisServerProcess, start_redis_server
+from hicache.testing.redis_server import RedisServerProcess, start_redis_server
 from tests.engine_helpers import make_engine_fixture, run  # noqa: F401 - a fixture
 from tests.l3_engine_checks import (
     FAST_BREAKER,

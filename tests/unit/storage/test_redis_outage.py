@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from hicache.storage.backends.redis.backend import RedisBackend
-from hicache.storage.redis_server import RedisServerProcess
+from hicache.testing.redis_server import RedisServerProcess
 from tests.kv_oracle import conversation, serve_with_l3, settle
 from tests.l3_outage_checks import (
     FAST_S,

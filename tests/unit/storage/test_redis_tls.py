@@ -13,7 +13,7 @@ from hicache.config import MemLayout
 from hicache.net import free_port
 from hicache.storage.backends.redis.backend import RedisBackend
 from hicache.storage.base import StorageBackend, StorageUnavailableError
-from hicache.storage.redis_server import RedisServerProcess, start_redis_server
+from hicache.testing.redis_server import RedisServerProcess, start_redis_server
 from tests.dev_dependency import require_program
 from tests.redis_fixtures import fresh_prefix
 from tests.storage_contract import StorageContract

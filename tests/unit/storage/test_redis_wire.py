@@ -8,7 +8,7 @@ import redis
 
 from hicache.net import free_port
 from hicache.storage.backends.redis.wire import pipelined, set_command
-from hicache.storage.redis_server import RedisServerProcess
+from hicache.testing.redis_server import RedisServerProcess
 from tests.redis_fixtures import server_fixture  # noqa: F401 - a fixture, used by name
 
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hicache.net import free_port
-from hicache.storage.local_server import (
+from hicache.testing.local_server import (
     PORT_ATTEMPTS,
     LocalServer,
     LocalServerError,
@@ -113,7 +113,7 @@ class RedisServerProcess(LocalServer):
         """The url of its unix socket (only with ``unix_socket=True``)."""
         return f"unix://{self.socket_path}?db=0"
 
-    def command(self) -> list[str]:
+    def command_line(self) -> list[str]:
         command = [
             str(self.binary), "--port", str(self.port), "--bind", self.host,
             "--save", "", "--appendonly", "no", "--dir", str(self.work_dir),

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hicache.net import free_port
-from hicache.storage.local_server import (
+from hicache.testing.local_server import (
     PORT_ATTEMPTS,
     LocalServer,
     LocalServerError,
@@ -97,7 +97,7 @@ class MasterProcess(LocalServer):
         """What clients take as ``master_server_address`` (host:port)."""
         return f"{self.host}:{self.rpc_port}"
 
-    def command(self) -> list[str]:
+    def command_line(self) -> list[str]:
         return [
             str(self.binary),
             f"--rpc_address={self.host}",

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from hicache.net import free_port
-from hicache.storage.local_server import (
+from hicache.testing.local_server import (
     PORT_ATTEMPTS,
     LocalServer,
     LocalServerError,
@@ -78,7 +78,7 @@ def python_of(program: Path) -> str | None:
     return words[0] if "python" in Path(words[0]).name else None
 
 
-class ServerError(LocalServerError):
+class LMCacheServerError(LocalServerError):
     """The server program is missing, or the server did not come up."""
 
 
@@ -88,7 +88,7 @@ def find_server_program() -> Path | None:
     configured = os.environ.get(PROGRAM_ENV)
     if configured:
         candidates.append(Path(configured))
-    # src/hicache/storage/lmcache_server.py -> the repository root of a source checkout.
+    # src/hicache/testing/lmcache_server.py -> the repository root of a source checkout.
     root = Path(__file__).resolve().parents[3]
     candidates.append(root / ENV_DIR / "bin" / SERVER_PROGRAM)
     for candidate in candidates:
@@ -98,10 +98,10 @@ def find_server_program() -> Path | None:
     return Path(found) if found else None
 
 
-class ServerProcess(LocalServer):
+class LMCacheServerProcess(LocalServer):
     """A running ``lmcache_server``; see the module docstring."""
 
-    error = ServerError
+    error = LMCacheServerError
     ready_timeout_s = DEFAULT_READY_TIMEOUT_S
     # A Python program that imports much before it listens: no need to poll often.
     poll_interval_s = 0.05
@@ -120,7 +120,7 @@ class ServerProcess(LocalServer):
         """What the backend takes as ``remote_url``."""
         return f"lm://{self.host}:{self.port}"
 
-    def command(self) -> list[str]:
+    def command_line(self) -> list[str]:
         arguments = [self.host, str(self.port), "cpu"]
         interpreter = python_of(self.program)
         if interpreter is None:
@@ -136,14 +136,14 @@ class ServerProcess(LocalServer):
 def start_server(
     host: str = "127.0.0.1", program: Path | None = None,
     ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
-) -> ServerProcess:
+) -> LMCacheServerProcess:
     """A started server on a free port of ``host`` (see the module docstring)."""
     found = program or find_server_program()
     if found is None:
-        raise ServerError(f"{SERVER_PROGRAM} not found: {INSTALL_HINT}")
+        raise LMCacheServerError(f"{SERVER_PROGRAM} not found: {INSTALL_HINT}")
 
-    def make() -> ServerProcess:
+    def make() -> LMCacheServerProcess:
         log = temporary_log("hicache-lmcache-server-")
-        return ServerProcess(found, host, free_port(host), log, owned=log)
+        return LMCacheServerProcess(found, host, free_port(host), log, owned=log)
 
     return start_on_free_port(make, PORT_ATTEMPTS, ready_timeout)
