@@ -13,6 +13,23 @@ Request protocol:
     cache.insert(tokens, hit.device_pages ++ pages)  # hand the pages to the tree
     cache.release(hit)
     cache.poll()                        # once per scheduler tick: acknowledge writes
+
+Invariants:
+
+- ``acquire`` loads the host part of a match only when it is worth it, at least
+  ``load_back_threshold_tokens`` tokens, and the device pool can make room for it
+  (evicting); otherwise the hit is the device part alone and the host tokens are
+  recomputed;
+- a page read from L3 that fails its checksum when loaded ends the hit there: the
+  pages before it are loaded (a node holding both is split at the bad page), the node
+  starting with the bad page and what hangs from it are dropped from the tree (their
+  host pages freed) unless something still uses them, the bad page's object is
+  discarded from L3 when this rank writes to L3, and its tokens are recomputed, so
+  the recomputed KV is stored in its place;
+- ``check_integrity()`` proves every page is owned exactly once, in each pool: by the
+  tree, by a request (the device pages the caller says requests hold; the host pages
+  the L3 tiers hold outside the tree, for prefetches and stalled calls), or by the
+  free list.
 """
 
 from __future__ import annotations

@@ -6,6 +6,12 @@ tests call it); everything else here is a step of it. Nothing here runs after th
 engine has started. Under tensor parallelism the steps that must agree across ranks
 end in an agreement (``start_agreement``), and the steps between agreements issue no
 collective, so a failing rank fails every rank at the same point.
+
+L3 under tensor parallelism: a store configured at start is attached on every rank
+(each to its own KV shard), and when one rank's store is unreachable every rank
+starts without L3, the error naming that rank (the ranks' caches hold the same
+tiers). Attaching a store later, on a running engine, is refused under tensor
+parallelism (``Engine.attach_storage``).
 """
 
 from __future__ import annotations

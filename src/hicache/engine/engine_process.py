@@ -40,6 +40,14 @@ A failure of the group (a rank died) ends every rank's process with
 ``GROUP_FAILED_EXIT_CODE``; the server sees it and exits. A follower whose server
 is gone ends at once with ``ORPHANED_EXIT_CODE`` (its main thread may be waiting in
 a collective for a rank 0 that is ending too).
+
+A rank's process exit codes, for whoever reads them (the server, an operator):
+
+- 3 (``GROUP_FAILED_EXIT_CODE``): its tensor-parallel group failed (a rank died, or a
+  tick raised), any rank;
+- 4 (``START_FAILED_EXIT_CODE``): a follower rank, when the group could not start
+  (its own failure or another rank's, which rank 0 reports);
+- 5 (``ORPHANED_EXIT_CODE``): any rank, when its server died without stopping it.
 """
 
 from __future__ import annotations

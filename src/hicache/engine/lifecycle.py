@@ -22,6 +22,11 @@ Invariants:
 - a request's text, when the scheduler detokenizes it (stop strings), never holds a
   stop string: it is cut at the first one, searched only where one could end in text
   not searched before;
+- a running request short of device pages takes them from the newest other running
+  request (retracted: its KV to the tree, requeued first); a prefilling request short
+  while running alone, whose missing pages can only be held by copies or L3 backups
+  in flight, is requeued likewise, tick after tick, until they land, and fails only
+  after ``SHORT_OF_PAGES_ABORT_S`` of the ticks' clock;
 - the counters count each request's arrival and end once, and every output token.
 
 Everything here runs on the scheduler thread.

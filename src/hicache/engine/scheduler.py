@@ -16,7 +16,7 @@ Each step:
    loading layer by layer) and count the hit, once per request;
 4. one forward over every decoding request (one token each) plus prompt
    chunks of prefilling requests (at most ``chunked_prefill_size`` tokens);
-   a failure of the forward fails the running requests;
+   a failure of the forward fails the requests in flight;
 5. sample every row at once (one host sync), then stream and finish each
    request on its own (a failure there fails that request alone): a finished
    request gives its KV to the radix tree;
@@ -26,6 +26,18 @@ The thread does no blocking I/O: L2 copies run on the cache controller's
 streams/threads and L3 on the storage controller's threads. When the device
 pool runs dry for decodes, the newest request is retracted (its KV goes to the
 tree, so it resumes mostly from cache).
+
+Aborts in the inbox are applied (step 1) before anything is admitted (step 3): an
+aborted queued request leaves ``waiting`` without being prefilled, a running one
+leaves the batch with its pages released.
+
+Failures stay with their request: NaN or infinite logits (or all -inf), a failed
+detokenizer, a grammar refusing the token fail that request alone, and a batched
+adjusting or sampling that raises falls back to one row at a time
+(``postprocess.py``). Only an exception out of the step itself, such as a failed
+batched forward, fails the requests in flight (``fail_all``), and the loop goes on;
+under tensor parallelism any exception in a tick ends the rank instead
+(``replication.py``).
 """
 
 from __future__ import annotations
