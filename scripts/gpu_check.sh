@@ -60,7 +60,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 # The GPU tests (and the model tests with CUDA cases); -rA lists every outcome, so a run cut
 # short by its limit still says what passed. The CPU unit suite runs in CI, not here.
 # PYTEST_PATHS narrows it (say, to tests/gpu alone when the call is short).
-read -r -a pytest_paths <<< "${PYTEST_PATHS:-tests/gpu tests/unit/model}"
+read -r -a pytest_paths <<< "${PYTEST_PATHS:-tests/gpu tests/unit/model tests/integration/model tests/e2e/model}"
 run pytest 540 "$PY" -m pytest -q -rA -p no:cacheprovider "${pytest_paths[@]}"
 run bench_transfer 120 "$PY" -m hicache bench transfer --json "$OUT/transfer.json"
 # MLA pages (one 576-element latent per layer, a quarter of Llama's bytes): more blocks per GB.

@@ -13,8 +13,8 @@ from hicache.router.settings import PolicyName, RouterSettings, SharedCacheType
 from hicache.router.shared_pool import FileSharedPool
 from hicache.router.types import TierCosts
 from hicache.router.workers import parse_server_info
-from tests.unit.router.fakes import FakeWorker, fake_workers, wait_for
-from tests.unit.router.router_fixtures import running_router
+from tests.router_fakes import FakeWorker, fake_workers, wait_for
+from tests.router_fixtures import running_router
 
 
 def _info(**extra: Any) -> Any:

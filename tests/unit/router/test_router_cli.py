@@ -21,8 +21,8 @@ from hicache.router.settings import (
     TierCostsMode,
     settings_from_args,
 )
-from tests.unit.router.fakes import DictIndex, FakeWorker, FirstPolicy, fake_workers
-from tests.unit.router.pd_fakes import FakeInstance, Rooms, fake_instances
+from tests.router_fakes import DictIndex, FakeWorker, FirstPolicy, fake_workers
+from tests.router_pd_fakes import FakeInstance, Rooms, fake_instances
 
 
 def parse(*argv: str) -> RouterSettings:

@@ -30,8 +30,8 @@ from hicache.router.types import RouteRequest, WorkerLoad
 from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.frame import PayloadOrder
 from tests.kv_oracle import conversation, serve_with_l3, settle
-from tests.unit.router.fakes import FakeWorker, fake_workers
-from tests.unit.router.router_fixtures import running_router
+from tests.router_fakes import FakeWorker, fake_workers
+from tests.router_fixtures import running_router
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 PAGE = 4
