@@ -14,7 +14,7 @@ import itertools
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,15 +37,6 @@ from tests.server_fixtures import serve_app_in_thread
 
 # A guard against a hang, far above what a machine busy with other work needs.
 WAIT_S = 60.0
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 class DictIndex:

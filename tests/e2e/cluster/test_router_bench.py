@@ -113,9 +113,9 @@ def _router_choice() -> tuple[list[str], list[str]] | None:
 
 def test_smoke_run_through_the_router(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     choice = _router_choice()
-    if choice is None:
-        pytest.skip("no router here: `hicache router` is not a command and sglang_router is "
-                    "not installed")
+    # `hicache router` is part of hicache: a run without a router is broken, not skipped.
+    assert choice is not None, (
+        "no router: `hicache router` is not a command and sglang_router is not installed")
     policies, extra = choice
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # SGLang's router must not look for a tokenizer
     out = tmp_path / "out"

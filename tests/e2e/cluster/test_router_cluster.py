@@ -9,8 +9,8 @@ are gone from the store too.)
 Which worker served a request is read from the workers' own request counters (and the
 router's per-worker counter).
 
-Tests that need the router skip, with that reason, where ``hicache router`` is not a
-command; those that need KV events skip where ``hicache serve`` has no --kv-events-config.
+The router and the workers' KV events are part of hicache: where either is missing the
+cluster refuses to start (ClusterError) and every test here fails, none is skipped.
 """
 
 from __future__ import annotations
@@ -34,23 +34,9 @@ from hicache.bench.cluster import (
     L3Kind,
     RouterConfig,
     Worker,
-    router_available,
-    serve_supports_kv_events,
     wait_for,
 )
 from hicache.bench.scrape import scrape
-
-HAS_ROUTER = router_available()
-HAS_EVENTS = serve_supports_kv_events()
-# The router routes from the workers' events: without them its tests cannot run either.
-needs_router = pytest.mark.skipif(
-    not (HAS_ROUTER and HAS_EVENTS),
-    reason="`hicache router` is not a registered subcommand yet" if not HAS_ROUTER
-    else "`hicache serve` has no --kv-events-config yet, so the router has no events",
-)
-needs_events = pytest.mark.skipif(
-    not HAS_EVENTS, reason="`hicache serve` has no --kv-events-config yet"
-)
 
 PAGE = 16
 # Device pool 1024 tokens (64 pages), host 2x; L3 reads wait for the prefetch so a hit shows.
@@ -76,13 +62,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     config = ClusterConfig(
         tmp_path_factory.mktemp("cluster"), num_workers=3, worker_args=TINY_WORKER,
         max_total_tokens=1024, hicache_ratio=2.0, l3=L3Kind.MOONCAKE, l3_extra=L3_EXTRA,
-        kv_events=HAS_EVENTS,
-        router=RouterConfig("tier_aware", ROUTER_ARGS) if HAS_ROUTER and HAS_EVENTS else None,
+        kv_events=True, router=RouterConfig("tier_aware", ROUTER_ARGS),
         startup_timeout_s=TIMEOUT_S,
     )
     with Cluster(config) as running:
-        if running.router is not None:  # every worker registered and routed to
-            assert wait_for(lambda: _router_up(running) == 3, TIMEOUT_S), _router_log(running)
+        # Every worker registered and routed to.
+        assert wait_for(lambda: _router_up(running) == 3, TIMEOUT_S), _router_log(running)
         yield running
 
 
@@ -131,9 +116,9 @@ def test_workers_share_the_mooncake_store(cluster: Cluster) -> None:
     assert details["storage"] >= 5 * PAGE, details
 
 
-@needs_events
 def test_a_worker_publishes_its_events_in_order(cluster: Cluster) -> None:
-    zmq = pytest.importorskip("zmq")
+    import zmq
+
     from hicache.events.messages import BlockStored, decode_batch, decode_sequence
 
     worker = cluster.workers[1]
@@ -183,7 +168,6 @@ def test_a_worker_publishes_its_events_in_order(cluster: Cluster) -> None:
     assert [page for page in stored if page in expected] == expected
 
 
-@needs_router
 def test_the_router_applies_every_workers_events_without_gaps(cluster: Cluster) -> None:
     for n in range(3):
         _generate(cluster.url, _prompt(20 + n, 3 * PAGE))
@@ -199,7 +183,6 @@ def test_the_router_applies_every_workers_events_without_gaps(cluster: Cluster) 
     assert metrics.total("router_indexed_pages") > 0
 
 
-@needs_router
 def test_a_prefix_on_one_workers_host_is_routed_to_that_worker(cluster: Cluster) -> None:
     owner = cluster.workers[1]
     prompt = _prompt(30, 8 * PAGE)
@@ -219,7 +202,6 @@ def test_a_prefix_on_one_workers_host_is_routed_to_that_worker(cluster: Cluster)
     assert meta["cached_tokens_details"]["host"] >= 4 * PAGE, meta
 
 
-@needs_router
 def test_a_prefix_only_in_l3_goes_where_the_scoring_says(cluster: Cluster) -> None:
     holder = cluster.workers[2]
     prompt = _prompt(50, 8 * PAGE)
@@ -240,7 +222,6 @@ def test_a_prefix_only_in_l3_goes_where_the_scoring_says(cluster: Cluster) -> No
     assert meta["cached_tokens_details"]["storage"] >= 7 * PAGE, meta
 
 
-@needs_router
 def test_a_killed_worker_is_routed_around(cluster: Cluster) -> None:
     victim = cluster.workers[2]
     _generate(victim.url, _prompt(55, 4 * PAGE))
@@ -253,7 +234,6 @@ def test_a_killed_worker_is_routed_around(cluster: Cluster) -> None:
     assert all(scrape(w.url).total("hicache_requests_total") > 0 for w in cluster.workers[:2])
 
 
-@needs_router
 def test_the_master_killed_fails_no_request(cluster: Cluster) -> None:
     cluster.kill_master()
     # Cached prefixes, new prompts and streams: the shared-pool query fails (the router

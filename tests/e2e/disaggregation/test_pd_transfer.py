@@ -29,6 +29,7 @@ from hicache.memory.geometry import KVGeometry
 from hicache.net import free_port
 from tests.decode_peer import GEOMETRY, decode_peer_main, make_pool
 from tests.dev_dependency import require_dev_dependency
+from tests.waiting import wait_until
 
 require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
@@ -225,7 +226,11 @@ def test_closing_ends_waiting_jobs_at_once(prefill: dict[str, Any]) -> None:
     receiver.receive(ReceiveJob("r", "127.0.0.1", prefill["port"], 11, np.array([0])))
     sender: KVSender = prefill["sender"]
     sender.send(SendJob("s", 12, np.asarray([1]), first_token=1))
-    time.sleep(0.3)  # both jobs are waiting now
+    # Both jobs are waiting: the receiver registered its room with the prefill side, and the
+    # sender's job waits for room 12's registration (the room exists once it does).
+    rooms = sender.rooms
+    assert wait_until(lambda: rooms.status(11, 0).state is RoomState.REGISTERED
+                      and 12 in rooms._rooms)
     began = time.monotonic()
     receiver.close()
     sender.close()

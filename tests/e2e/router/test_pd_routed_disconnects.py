@@ -22,8 +22,8 @@ from hicache.bench.server_process import ServerProcess
 from hicache.router.settings import PrefillEndpoint
 from tests.abandoned_clients import held_request, leave, long_prompt, sample, scrape
 from tests.dev_dependency import require_dev_dependency
-from tests.router_fakes import wait_for
 from tests.router_fixtures import RunningRouter, running_pd_router
+from tests.waiting import wait_until
 
 require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 pd_fixtures = pytest.importorskip(
@@ -69,17 +69,17 @@ def test_clients_that_leave_while_queued_cost_the_prefill_instance_no_prefill(
         holders = [pool.submit(httpx.post, f"{router.url}/generate", timeout=DEADLINE_S, json={
             "input_ids": long_prompt(1000 + i, HOLDER_TOKENS),
             "sampling_params": {"max_new_tokens": 1}}) for i in range(HOLDERS)]
-        assert wait_for(lambda: _requests(prefill) == accepted + HOLDERS, DEADLINE_S)
+        assert wait_until(lambda: _requests(prefill) == accepted + HOLDERS, DEADLINE_S)
         sockets = [held_request(router.url, "/generate", {
             "input_ids": long_prompt(i, PROMPT_TOKENS), "stream": i % 2 == 0,
             "sampling_params": {"max_new_tokens": 4}}) for i in range(ABANDONED)]
         # Every abandoned request reached the prefill instance (queued behind the holders).
-        assert wait_for(lambda: _requests(prefill) == accepted + HOLDERS + ABANDONED,
+        assert wait_until(lambda: _requests(prefill) == accepted + HOLDERS + ABANDONED,
                         DEADLINE_S)
         for sock in sockets:
             leave(sock)
         waiting_aborts = sample(before, ABORTED_BY_PHASE, phase="waiting") + ABANDONED
-        assert wait_for(lambda: sample(scrape(prefill.url), ABORTED_BY_PHASE, phase="waiting")
+        assert wait_until(lambda: sample(scrape(prefill.url), ABORTED_BY_PHASE, phase="waiting")
                         == waiting_aborts, DEADLINE_S), scrape(prefill.url)
         for holder in holders:
             answer = holder.result()
@@ -90,7 +90,7 @@ def test_clients_that_leave_while_queued_cost_the_prefill_instance_no_prefill(
         before["hicache_prefill_step_tokens_total"]
     assert computed == HOLDERS * HOLDER_TOKENS
     # The decode instance dropped its side of each too (they never joined its batch).
-    assert wait_for(lambda: scrape(decode.url)["hicache_requests_aborted_total"]
+    assert wait_until(lambda: scrape(decode.url)["hicache_requests_aborted_total"]
                     == decode_before["hicache_requests_aborted_total"] + ABANDONED, DEADLINE_S)
     assert sample(scrape(router.url), "router_client_disconnects_total",
                   stage="before_answer") >= ABANDONED
@@ -111,7 +111,7 @@ def test_a_client_that_leaves_mid_stream_stops_the_decoding(
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-    assert wait_for(lambda: sample(scrape(decode.url), ABORTED_BY_PHASE, phase="decode")
+    assert wait_until(lambda: sample(scrape(decode.url), ABORTED_BY_PHASE, phase="decode")
                     == aborted + 1, DEADLINE_S)
     assert sample(scrape(router.url), "router_client_disconnects_total",
                   stage="answering") >= 1
@@ -127,4 +127,4 @@ def _until_clean(server: ServerProcess) -> None:
         assert response.status_code in (200, 409), response.text
         return response.status_code == 200
 
-    assert wait_for(clean, DEADLINE_S)
+    assert wait_until(clean, DEADLINE_S)

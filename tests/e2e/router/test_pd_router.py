@@ -18,7 +18,7 @@ from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.settings import PrefillEndpoint
 from hicache.router.workers import WorkerInfo
 from tests.restartable_server import RestartableServer
-from tests.router_fakes import Publisher, batch, wait_for
+from tests.router_fakes import Publisher, batch
 from tests.router_fixtures import running_pd_router
 from tests.router_pd_fakes import (
     BOOTSTRAP_FIELDS,
@@ -28,6 +28,7 @@ from tests.router_pd_fakes import (
     fake_instance_app,
     fake_instances,
 )
+from tests.waiting import wait_until
 
 IDS = list(range(100, 110))
 CLOSED = "http://127.0.0.1:9"  # nothing listens on the discard port
@@ -105,14 +106,14 @@ def test_a_repeated_prefix_goes_to_the_prefill_instance_that_holds_it() -> None:
                 publisher.wait_subscribed()
             # The second instance computed `other` earlier (its KV events say so).
             publishers[1].publish(batch(*page_hashes(other, 4)))
-            assert wait_for(lambda: index.num_pages() == 4)
+            assert wait_until(lambda: index.num_pages() == 4)
             assert router.post("/generate", json={"input_ids": other}).status_code == 200
             assert len(second.requests) == 1 and first.requests == []
             # A new prompt: no overlap anywhere, the first instance by registration order;
             # it then announces the prompt's pages.
             assert router.post("/generate", json={"input_ids": IDS}).status_code == 200
             assert len(first.requests) == 1
-            assert wait_for(lambda: index.overlaps(page_hashes(IDS, 4), [p1])[p1].gpu == 2)
+            assert wait_until(lambda: index.overlaps(page_hashes(IDS, 4), [p1])[p1].gpu == 2)
             # Each prefix again, longer: back where its pages are.
             assert router.post("/generate", json={"input_ids": [*other, 1, 2, 3, 4]}
                                ).status_code == 200
@@ -135,7 +136,7 @@ def test_a_prefill_error_drops_the_decode_request_and_is_returned() -> None:
         assert response.status_code == 503
         assert response.json() == {"error": {"message": "prefill failed on purpose"}}
         # The decode instance, still waiting for the KV, saw its request dropped.
-        assert wait_for(lambda: decode.cancelled == ["t1"], 5.0)
+        assert wait_until(lambda: decode.cancelled == ["t1"], 5.0)
 
 
 def test_an_unreachable_prefill_instance_is_taken_out_and_another_pair_serves() -> None:
@@ -152,7 +153,7 @@ def test_an_unreachable_prefill_instance_is_taken_out_and_another_pair_serves() 
             CLOSED: False, p: True}
         # The first decode request (bootstrapped at the dead instance) was dropped: either
         # before it reached the decode instance or, if it did, there.
-        assert wait_for(lambda: len(decode.cancelled) == len(decode.requests) - 1, 5.0)
+        assert wait_until(lambda: len(decode.cancelled) == len(decode.requests) - 1, 5.0)
         assert decode.requests[-1][1]["bootstrap_port"] == 8998
         assert "router_retries_total 1.0" in router.get("/metrics").text
 
@@ -166,14 +167,14 @@ def test_503_when_a_pool_has_no_healthy_instance() -> None:
         [PrefillEndpoint(p)], [decode_server.url],
     ) as router:
         decode_server.stop()
-        assert wait_for(lambda: router.get("/health").status_code == 503)
+        assert wait_until(lambda: router.get("/health").status_code == 503)
         health = router.get("/health").json()
         assert health["healthy_prefill"] == 1 and health["healthy_decode"] == 0
         response = router.post("/generate", json={"input_ids": IDS})
         assert response.status_code == 503
         assert "no healthy decode instance" in response.json()["error"]["message"]
         decode_server.start()  # back on its address: in rotation once it answers /health
-        assert wait_for(lambda: router.get("/health").status_code == 200)
+        assert wait_until(lambda: router.get("/health").status_code == 200)
         assert router.post("/generate", json={"input_ids": IDS}).status_code == 200
 
 
@@ -186,9 +187,9 @@ def test_a_decode_error_drops_the_prefill_request_and_is_returned() -> None:
         response = router.post("/generate", json={"input_ids": IDS, "tag": "t3"})
         assert response.status_code == 500
         assert response.json() == {"error": {"message": "decode failed on purpose"}}
-        assert wait_for(lambda: prefill.cancelled == ["t3"], 5.0)
+        assert wait_until(lambda: prefill.cancelled == ["t3"], 5.0)
         workers = router.get("/workers").json()
-        assert wait_for(lambda: all(w["active_requests"] == 0 for w in
+        assert wait_until(lambda: all(w["active_requests"] == 0 for w in
                                     workers["prefill"] + workers["decode"]), 5.0)
 
 
@@ -211,7 +212,7 @@ def test_a_client_that_leaves_before_any_answer_drops_both_requests() -> None:
     ) as router:
         with pytest.raises(httpx.ReadTimeout):
             router.post("/generate", json={"input_ids": IDS, "tag": "gone"}, timeout=0.5)
-        assert wait_for(lambda: prefill.cancelled == ["gone"] and decode.cancelled == ["gone"],
+        assert wait_until(lambda: prefill.cancelled == ["gone"] and decode.cancelled == ["gone"],
                         5.0)
 
 
@@ -225,8 +226,8 @@ def test_a_client_that_leaves_mid_stream_drops_the_decode_request() -> None:
             json={"input_ids": IDS, "stream": True, "tag": "left"},
         ) as response:
             assert next(response.iter_raw()) == DECODE_CHUNKS[0]
-        assert wait_for(lambda: decode.cancelled == ["left"], 5.0)
-        assert wait_for(lambda: all(
+        assert wait_until(lambda: decode.cancelled == ["left"], 5.0)
+        assert wait_until(lambda: all(
             w["active_requests"] == 0 for pool in router.get("/workers").json().values()
             for w in pool), 5.0)
 

@@ -23,10 +23,11 @@ from hicache.router.health import FAILURES_TO_EJECT
 from hicache.router.settings import PrefillEndpoint
 from hicache.router.workers import WorkerInfo, WorkerRegistry
 from tests.restartable_server import RestartableServer
-from tests.router_fakes import DictIndex, wait_for
+from tests.router_fakes import DictIndex
 from tests.router_fixtures import running_pd_router, running_router
 from tests.router_pd_fakes import FakeInstance, Rooms, fake_instances
 from tests.server_fixtures import serve_app_in_thread
+from tests.waiting import wait_until
 
 IDS = list(range(100, 110))
 SLOW_S = 3.0  # a /health this slow misses every 0.2 s probe timeout
@@ -206,7 +207,7 @@ def test_the_only_decode_instance_stays_routable_while_its_health_probe_is_slow(
     ) as router:
         decode.health_delay_s = SLOW_S
         seen = decode.health_checks
-        assert wait_for(lambda: decode.health_checks >= seen + 5, 30.0)  # probes timed out
+        assert wait_until(lambda: decode.health_checks >= seen + 5, 30.0)  # probes timed out
         health = router.get("/health")
         assert health.status_code == 200, health.text
         assert health.json()["healthy_decode"] == 1
@@ -221,7 +222,7 @@ def test_the_router_keeps_a_slow_worker_and_drops_one_that_refuses() -> None:
         [slow_url, refusing.url],
     ) as router:
         refusing.stop()
-        assert wait_for(lambda: not router.workers()[refusing.url]["healthy"], 30.0)
-        assert wait_for(lambda: slow.checks >= 5, 30.0)
+        assert wait_until(lambda: not router.workers()[refusing.url]["healthy"], 30.0)
+        assert wait_until(lambda: slow.checks >= 5, 30.0)
         assert router.workers()[slow_url]["healthy"] is True
         assert router.post("/generate", json={"input_ids": IDS}).status_code == 200

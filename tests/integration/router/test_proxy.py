@@ -19,9 +19,9 @@ from tests.router_fakes import (
     RoundRobinPolicy,
     dropping_server,
     fake_workers,
-    wait_for,
 )
 from tests.router_fixtures import running_router
+from tests.waiting import wait_until
 
 IDS = list(range(100, 110))  # two full 4-token pages and a partial one
 
@@ -120,8 +120,8 @@ def test_a_client_that_leaves_cancels_the_worker_request() -> None:
             first = next(response.iter_raw())
             assert first == STREAM_CHUNKS[0]
         # Leaving the block closed the connection mid-stream.
-        assert wait_for(lambda: worker.cancelled == ["left"], 5.0)
-        assert wait_for(lambda: router.workers()[urls[0]]["active_requests"] == 0, 5.0)
+        assert wait_until(lambda: worker.cancelled == ["left"], 5.0)
+        assert wait_until(lambda: router.workers()[urls[0]]["active_requests"] == 0, 5.0)
 
 
 def test_a_client_that_leaves_before_a_whole_answer_cancels_the_worker_request() -> None:
@@ -129,8 +129,8 @@ def test_a_client_that_leaves_before_a_whole_answer_cancels_the_worker_request()
     with fake_workers(worker) as urls, running_router(urls) as router:
         with pytest.raises(httpx.ReadTimeout):
             router.post("/generate", json={"input_ids": IDS, "tag": "gone"}, timeout=0.5)
-        assert wait_for(lambda: worker.cancelled == ["gone"], 5.0)
-        assert wait_for(lambda: router.workers()[urls[0]]["active_requests"] == 0, 5.0)
+        assert wait_until(lambda: worker.cancelled == ["gone"], 5.0)
+        assert wait_until(lambda: router.workers()[urls[0]]["active_requests"] == 0, 5.0)
 
 
 def test_a_worker_failing_before_answering_is_retried_elsewhere() -> None:

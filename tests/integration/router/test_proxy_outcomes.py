@@ -15,9 +15,10 @@ import pytest
 from hicache.router.settings import PrefillEndpoint
 from hicache.router.workers import WorkerInfo
 from tests.abandoned_clients import held_request, leave, sample, scrape
-from tests.router_fakes import FakeWorker, dropping_server, fake_workers, wait_for
+from tests.router_fakes import FakeWorker, dropping_server, fake_workers
 from tests.router_fixtures import running_pd_router, running_router
 from tests.router_pd_fakes import FakeInstance, Rooms, fake_instances
+from tests.waiting import wait_until
 
 IDS = list(range(100, 110))
 
@@ -90,17 +91,17 @@ def test_an_answer_that_breaks_off_is_counted() -> None:
             ) as response:
                 for _ in response.iter_raw():
                     pass
-            assert wait_for(lambda: failures(router.url, breaking, "mid_answer") == 1)
+            assert wait_until(lambda: failures(router.url, breaking, "mid_answer") == 1)
 
 
 def test_clients_that_leave_are_counted_by_stage() -> None:
     waiting, streaming = FakeWorker(answer_delay_s=30.0), FakeWorker(stream_delay_s=1.0)
     with fake_workers(waiting) as urls, running_router(urls) as router:
         sock = held_request(router.url, "/generate", {"input_ids": IDS, "tag": "w"})
-        assert wait_for(lambda: len(waiting.requests) == 1)
+        assert wait_until(lambda: len(waiting.requests) == 1)
         leave(sock)
-        assert wait_for(lambda: waiting.cancelled == ["w"])
-        assert wait_for(lambda: left(router.url, "before_answer") == 1)
+        assert wait_until(lambda: waiting.cancelled == ["w"])
+        assert wait_until(lambda: left(router.url, "before_answer") == 1)
         assert left(router.url, "answering") == 0
     with fake_workers(streaming) as urls, running_router(urls) as router:
         with httpx.Client(timeout=10) as client, client.stream(
@@ -108,8 +109,8 @@ def test_clients_that_leave_are_counted_by_stage() -> None:
                                                     "tag": "s"},
         ) as response:
             next(response.iter_raw())
-        assert wait_for(lambda: streaming.cancelled == ["s"])
-        assert wait_for(lambda: left(router.url, "answering") == 1)
+        assert wait_until(lambda: streaming.cancelled == ["s"])
+        assert wait_until(lambda: left(router.url, "answering") == 1)
         assert left(router.url, "before_answer") == 0
 
 
@@ -120,10 +121,10 @@ def test_the_pd_router_counts_its_pairs_outcomes() -> None:
         [PrefillEndpoint(p)], [d],
     ) as router:
         sock = held_request(router.url, "/generate", {"input_ids": IDS, "tag": "gone"})
-        assert wait_for(lambda: len(prefill.requests) == 1 and len(decode.requests) == 1)
+        assert wait_until(lambda: len(prefill.requests) == 1 and len(decode.requests) == 1)
         leave(sock)
-        assert wait_for(lambda: sorted(prefill.cancelled + decode.cancelled) == ["gone"] * 2)
-        assert wait_for(lambda: left(router.url, "before_answer") == 1)
+        assert wait_until(lambda: sorted(prefill.cancelled + decode.cancelled) == ["gone"] * 2)
+        assert wait_until(lambda: left(router.url, "before_answer") == 1)
     with dropping_server() as dropping, fake_instances(
         FakeInstance("prefill", Rooms(), delay_s=30.0),
     ) as (p,):

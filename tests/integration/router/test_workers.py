@@ -13,8 +13,9 @@ import pytest
 from hicache.router.serve import RouterStartupError, discover_workers
 from hicache.router.subscriber import EventEndpoints
 from hicache.router.workers import WorkerError, parse_server_info, reachable_endpoint
-from tests.router_fakes import FakeWorker, Publisher, batch, fake_workers, wait_for
+from tests.router_fakes import FakeWorker, Publisher, batch, fake_workers
 from tests.router_fixtures import running_router
+from tests.waiting import wait_until
 
 # Three failing probes in a row (0.2 s apart, each up to a 0.2 s timeout; one that times out
 # on a loaded machine counts as slowness, not as a failure, and is probed again): well past
@@ -107,11 +108,11 @@ def test_a_dead_worker_is_routed_around_and_resynced_when_back(publisher: Publis
     with fake_workers(a, b) as (url_a, url_b), running_router([url_a, url_b]) as router:
         publisher.wait_subscribed()
         publisher.publish(batch(1, 2))
-        assert wait_for(lambda: router.index.hashes(url_a) == [1, 2])
+        assert wait_until(lambda: router.index.hashes(url_a) == [1, 2])
         assert router.workers()[url_a]["kv_events_last_sequence"] == 0
 
         a.healthy = False
-        assert wait_for(lambda: not router.workers()[url_a]["healthy"], DOWN_WITHIN_S)
+        assert wait_until(lambda: not router.workers()[url_a]["healthy"], DOWN_WITHIN_S)
         assert url_a in router.index.removed and url_a not in router.index.pages
         assert f'router_worker_up{{worker="{url_a}"}} 0.0' in router.get("/metrics").text
         for _ in range(3):
@@ -121,10 +122,10 @@ def test_a_dead_worker_is_routed_around_and_resynced_when_back(publisher: Publis
         publisher.publish(batch(3), send=False)  # while it was away
         a.healthy = True
         publisher.wait_subscribed()  # a new subscription when it came back
-        assert wait_for(lambda: router.index.hashes(url_a) == [1, 2, 3], DOWN_WITHIN_S)
+        assert wait_until(lambda: router.index.hashes(url_a) == [1, 2, 3], DOWN_WITHIN_S)
         assert router.workers()[url_a]["healthy"] is True
         publisher.publish(batch(4))
-        assert wait_for(lambda: router.index.hashes(url_a) == [1, 2, 3, 4])
+        assert wait_until(lambda: router.index.hashes(url_a) == [1, 2, 3, 4])
         metrics = router.get("/metrics").text
         # One batch before it went down, two replayed when it came back, one after: the
         # total runs on across the worker's subscribers.

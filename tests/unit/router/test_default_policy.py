@@ -13,8 +13,9 @@ from hicache.router.settings import PolicyName, RouterSettings, SharedCacheType
 from hicache.router.shared_pool import FileSharedPool
 from hicache.router.types import TierCosts
 from hicache.router.workers import parse_server_info
-from tests.router_fakes import FakeWorker, fake_workers, wait_for
+from tests.router_fakes import FakeWorker, fake_workers
 from tests.router_fixtures import running_router
+from tests.waiting import wait_until
 
 
 def _info(**extra: Any) -> Any:
@@ -53,7 +54,7 @@ def test_measured_tier_costs_follow_what_the_workers_report() -> None:
     worker = FakeWorker(extra_info={"internal_states": [counters]})
     costs: dict[str, TierCosts] = {}
     with fake_workers(worker) as (url,), running_router([url], tier_costs=costs):
-        assert wait_for(lambda: url in costs, timeout_s=5)
+        assert wait_until(lambda: url in costs, timeout_s=5)
         assert costs[url].host == pytest.approx(0.25)
         counters["cache_load_seconds"] = 0.2  # slower loads: the next probes see it
-        assert wait_for(lambda: costs[url].host == pytest.approx(0.5), timeout_s=5)
+        assert wait_until(lambda: costs[url].host == pytest.approx(0.5), timeout_s=5)

@@ -32,6 +32,7 @@ from hicache.storage.frame import PayloadOrder
 from tests.kv_oracle import conversation, serve_with_l3, settle
 from tests.router_fakes import FakeWorker, fake_workers
 from tests.router_fixtures import running_router
+from tests.waiting import wait_until_async
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 PAGE = 4
@@ -147,10 +148,7 @@ class BlockedPool(FileSharedPool):
 
 
 async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
+    assert await wait_until_async(condition, timeout_s), what
 
 
 def test_a_hung_pool_is_refused_at_once_until_it_answers_again(tmp_path: Path) -> None:
