@@ -15,6 +15,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,8 +24,6 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from tests.waiting import wait_until
 
 
 @dataclass
@@ -192,9 +191,13 @@ def fake_server(state: FakeState | None = None) -> Iterator[tuple[str, FakeState
     )
     thread.start()
     try:
-        wait_until(lambda: server.started or not thread.is_alive(), 10.0)
-        if not server.started:
-            raise RuntimeError("the fake server did not start")
+        # Polled here, not with tests/waiting.py: this file also runs as a script (the
+        # benchmarks' stand-in server), where the tests package is not importable.
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the fake server did not start")
+            time.sleep(0.01)
         yield f"http://127.0.0.1:{port}", state
     finally:
         server.should_exit = True

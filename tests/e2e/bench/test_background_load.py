@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from hicache.bench.background_load import busy_cores
+from tests.waiting import wait_until
 
 
 def _spinners() -> set[int]:
@@ -25,18 +25,18 @@ def _spinners() -> set[int]:
     return found
 
 
+def _user_ticks(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11])
+
+
 def test_busy_cores_spin_during_the_block_only() -> None:
     assert _spinners() == set()
     with busy_cores(2):
         started = _spinners()
         assert len(started) == 2
         # They burn CPU: their user time grows.
-        first = {pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11])
-                 for pid in started}
-        time.sleep(0.5)
-        later = {pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11])
-                 for pid in started}
-        assert any(later[pid] > first[pid] for pid in started)
+        first = {pid: _user_ticks(pid) for pid in started}
+        assert wait_until(lambda: any(_user_ticks(pid) > first[pid] for pid in started))
     assert _spinners() == set()
     with busy_cores(0):
         assert _spinners() == set()

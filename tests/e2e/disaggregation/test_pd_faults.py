@@ -15,6 +15,7 @@ import pytest
 
 from tests.dev_dependency import require_dev_dependency
 from tests.pd_fixtures import TIMEOUT_S, PDPair, check_integrity, pd_pair
+from tests.waiting import wait_until
 
 require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
@@ -65,10 +66,8 @@ def _in_background(pair: PDPair, **kwargs: Any) -> tuple[threading.Thread, list[
 
 
 def _wait_for_a_room(pair: PDPair) -> None:
-    deadline = time.monotonic() + REGISTER_S
-    while _rooms(pair) == 0:
-        assert time.monotonic() < deadline, "the decode instance never registered its room"
-        time.sleep(0.02)
+    assert wait_until(lambda: _rooms(pair) > 0, REGISTER_S), (
+        "the decode instance never registered its room")
 
 
 def test_sides_that_never_meet_fail_alone_and_leak_nothing(pair: PDPair) -> None:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from tests.processes import is_gone
+from tests.waiting import wait_until
 
 WAIT_S = 30.0
 
@@ -63,12 +64,7 @@ def _parent(out: Path, hold: str = "") -> tuple[subprocess.Popen[str], int]:
 
 
 def _wait_gone(pid: int) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while not is_gone(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    return wait_until(lambda: is_gone(pid), WAIT_S)
 
 
 def test_the_signal_ends_the_child_with_its_parent_not_with_the_starting_thread(

@@ -22,6 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.bench.server_process import ServerProcess
+from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 IO_TIMEOUT_S = 2.0
@@ -51,10 +52,7 @@ def scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]]
 
 
 def until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+    assert wait_until(condition, timeout_s, poll_s=0.1), f"timed out waiting for {what}"
 
 
 TIMEOUTS = ("hicache_l3_failures_total", (("reason", "timeout"), ("source", "controller")))

@@ -6,7 +6,6 @@ are the answer's, and ones that do not answer the request fail it cleanly."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,6 +26,7 @@ from hicache.engine.logprobs import handoff_logprobs
 from tests.dev_dependency import require_dev_dependency
 from tests.engine_helpers import collect
 from tests.server_fixtures import build_test_engine
+from tests.waiting import wait_until, wait_until_async
 
 require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
@@ -66,10 +66,9 @@ def test_abort_while_waiting_for_kv_gives_the_room_up(
 
     async def scenario() -> str | None:
         task = asyncio.ensure_future(collect(decode, request))
-        deadline = time.monotonic() + REGISTER_S
-        while table.status(5, 0).state is not RoomState.REGISTERED:
-            assert time.monotonic() < deadline, "the decode engine never registered its room"
-            await asyncio.sleep(0.01)
+        assert await wait_until_async(
+            lambda: table.status(5, 0).state is RoomState.REGISTERED, REGISTER_S
+        ), "the decode engine never registered its room"
         assert allocator.num_used_pages == 3  # its 39 prompt tokens' pages, held
         assert not decode.is_idle()
         decode.abort("waiting")
@@ -87,10 +86,9 @@ def _finish_room_once_registered(table: RoomTable, room: int, token: int,
                                  logprobs: dict[str, Any] | None) -> None:
     """Play the prefill side: end the room with a first token (and these logprobs) once the
     decode engine registered it (no KV is written: its pages keep what they held)."""
-    deadline = time.monotonic() + REGISTER_S
-    while table.status(room, 0).state is not RoomState.REGISTERED:
-        assert time.monotonic() < deadline, "the decode engine never registered its room"
-        time.sleep(0.01)
+    assert wait_until(
+        lambda: table.status(room, 0).state is RoomState.REGISTERED, REGISTER_S
+    ), "the decode engine never registered its room"
     table.finish(room, token, None, logprobs)
 
 

@@ -18,6 +18,7 @@ from hicache.events.messages import (
     encode_sequence,
 )
 from hicache.events.publisher import EventPublisherError, ZmqEventPublisher
+from tests.waiting import wait_until
 
 TOPIC = "kv-events"
 # Waits for a batch, a replay or the publisher thread: guards against a hang, far above what
@@ -217,7 +218,5 @@ def test_an_address_in_use_fails_start_with_a_clear_error(
 
 
 def wait_published(publisher: ZmqEventPublisher, n: int) -> None:
-    deadline = time.monotonic() + WAIT_MS / 1000
-    while publisher.num_published < n:
-        assert time.monotonic() < deadline, "the publisher thread did not send"
-        time.sleep(0.005)
+    assert wait_until(lambda: publisher.num_published >= n, WAIT_MS / 1000), (
+        "the publisher thread did not send")

@@ -12,6 +12,7 @@ import zmq.asyncio
 from hicache.events.messages import encode_sequence
 from hicache.router.subscriber import EventEndpoints, EventSubscriber
 from tests.router_fakes import WAIT_S, DictIndex, Publisher, batch
+from tests.waiting import wait_until_async
 
 WORKER = "http://w0"
 
@@ -26,11 +27,7 @@ def publisher() -> Iterator[Publisher]:
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(poll(), timeout_s)
+    assert await wait_until_async(condition, timeout_s)
 
 
 def run(publisher: Publisher, body: Callable[[EventSubscriber, DictIndex], Awaitable[None]],

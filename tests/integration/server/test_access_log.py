@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -23,6 +22,7 @@ from tests.server_fixtures import (
     serve_app_in_thread,
     serve_in_thread,
 )
+from tests.waiting import wait_until
 
 MODEL = "tiny-test-model"
 SECRET = "a prompt whose text must never reach the log"
@@ -40,13 +40,12 @@ def access_lines(caplog: pytest.LogCaptureFixture, path: str, count: int = 1
                  ) -> list[logging.LogRecord]:
     """The access log's records for ``path``, once ``count`` of them were written (the line
     is written after the response was sent, so it may come a moment after the answer)."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        records = [r for r in caplog.records if r.name == "hicache.access"
-                   and r.getMessage().split(" ")[1:2] == [path]]
-        if len(records) >= count or time.monotonic() > deadline:
-            return records
-        time.sleep(0.01)
+    def records() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "hicache.access"
+                and r.getMessage().split(" ")[1:2] == [path]]
+
+    wait_until(lambda: len(records()) >= count, WAIT_S)  # the caller asserts on what came
+    return records()
 
 
 def test_a_line_per_request_with_its_tokens(
