@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -28,6 +27,7 @@ from tests.pd_fixtures import (
     pd_pair,
     plain_server,
 )
+from tests.waiting import wait_until
 
 require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 
@@ -326,10 +326,11 @@ def test_decode_offload_lets_the_next_turn_hit_l3(servers: tuple[ServerProcess, 
         "output_ids"]
     context = turn1 + first["output_ids"]  # 70 tokens, 69 of them with KV on decode
     # The decode instance backs the finished request's pages up to the shared L3.
-    deadline = time.monotonic() + 120  # a hang guard: the backup lands in well under that
-    while _backed_up_pages(pair.decode) < stored_before + (len(context) - 1) // PAGE:
-        assert time.monotonic() < deadline, "the decode instance backed nothing up to L3"
-        time.sleep(0.1)
+    # A hang guard of 120 s: the backup lands in well under that.
+    assert wait_until(
+        lambda: _backed_up_pages(pair.decode) >= stored_before + (len(context) - 1) // PAGE,
+        120.0, poll_s=0.1,
+    ), "the decode instance backed nothing up to L3"
     # The prefill instance forgets L1 and L2: what it reuses now comes from L3.
     # The instances have an admin key, which /flush_cache asks for.
     flushed = httpx.post(f"{pair.prefill.url}/flush_cache", timeout=TIMEOUT_S,

@@ -23,6 +23,7 @@ import pytest
 
 from hicache.net import free_port
 from tests.processes import is_gone, spawned_children, start_time
+from tests.waiting import wait_until
 
 START_TIMEOUT_S = 120.0  # a cold interpreter imports torch first, on a busy machine
 # Well past the engine's own bound on an orphan's shutdown (engine_process.ORPHAN_EXIT_S,
@@ -59,10 +60,8 @@ def _wait_healthy(process: subprocess.Popen[bytes], url: str, log: Path) -> None
 
 
 def _wait_gone(processes: Sequence[tuple[int, int | None]], what: str) -> None:
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while not all(is_gone(pid, started) for pid, started in processes):
-        assert time.monotonic() < deadline, f"{what} outlived its server"
-        time.sleep(0.05)
+    assert wait_until(lambda: all(is_gone(pid, started) for pid, started in processes),
+                      GONE_WITHIN_S, poll_s=0.05), f"{what} outlived its server"
 
 
 def _identities(pids: Sequence[int]) -> list[tuple[int, int | None]]:

@@ -28,11 +28,12 @@ from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES
 from hicache.storage.lmcache import LMCacheBackend
 from hicache.storage.lmcache_client import Client, Connection
-from hicache.storage.lmcache_protocol import Command, encode_request, key_string
+from hicache.storage.lmcache_protocol import Command, ProtocolError, encode_request, key_string
 from hicache.storage.lmcache_server import ServerProcess, start_server
 from hicache.storage.registry import create_storage_backend, unavailable_reason
 from tests.lmcache_fixtures import GEOMETRY, PROGRAM, extra_fixture, server_fixture  # noqa: F401
 from tests.storage_contract import page_bytes_of, page_range
+from tests.waiting import wait_until
 
 PAGE_SIZE = 4
 # "At once" for a call to a dead or frozen server: far under what a client that waited on
@@ -77,6 +78,14 @@ def raw_get(url: str, key: str) -> bytes | None:
             return bytes(value)
     finally:
         client.close()
+
+
+def stored_value(url: str, key: str) -> bytes | str | None:
+    """``raw_get``, or the name of the error a read of a torn value ends with."""
+    try:
+        return raw_get(url, key)
+    except (OSError, ProtocolError) as error:
+        return type(error).__name__
 
 
 def raw_put(url: str, key: str, value: bytes) -> None:
@@ -228,7 +237,9 @@ def test_a_put_cut_off_midway_is_a_short_read_not_an_error(
     size = host.page_bytes + HEADER_BYTES
     with socket.create_connection((lmcache_server.host, lmcache_server.port), timeout=5) as sock:
         sock.sendall(encode_request(Command.PUT, name, size) + b"\1" * (size // 2))
-    time.sleep(0.2)  # the server's thread for that connection stores what it got
+    # The server's thread for that connection stores what it got in place of the whole value:
+    # once it did, a read of it is dropped.
+    assert wait_until(lambda: isinstance(stored_value(lmcache_server.url, name), str))
 
     assert backend.get(keys, page_range(10, 14)) == 1
     assert backend.stats().failures == {"short_read": 1}
@@ -290,7 +301,10 @@ def test_a_server_killed_under_a_connected_client_restarts_on_its_port(
     # server's port; LMCache binds without SO_REUSEADDR, so only our launcher
     # lets the restart bind that port again (it failed with errno 98 before).
     with socket.create_connection((own_server.host, own_server.port), timeout=60) as client:
-        time.sleep(0.2)  # the server accepted it
+        # A request answered on it: the server accepted the connection and holds its end.
+        probe = Connection(client)
+        probe.send([encode_request(Command.HEALTH, key_string("accepted", b"\x01"))])
+        assert probe.read_reply().ok
         own_server.kill()
         client.settimeout(60)
         assert client.recv(1) == b""  # the server's end closed first

@@ -7,7 +7,6 @@ down (without waiting on it), and from Mooncake again once it is back.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ from tests.l3_engine_checks import (
     l3_engine_flags,
 )
 from tests.mooncake_fixtures import extra_fixture, master_fixture  # noqa: F401 - fixtures
+from tests.waiting import wait_until
 
 # The client's watcher checks the master every WATCH_INTERVAL_S: a guard against a dead
 # master that goes unnoticed, generous for a busy machine.
@@ -46,10 +46,7 @@ def test_engine_outputs_stay_identical_while_the_master_dies_and_returns(
     assert_hit_after_flush(engine, ids, cold.token_ids)  # from Mooncake
 
     mooncake_master.kill()
-    deadline = time.monotonic() + NOTICE_S
-    while backend.reachable:
-        assert time.monotonic() < deadline, "the dead master went unnoticed"
-        time.sleep(0.01)
+    assert wait_until(lambda: not backend.reachable, NOTICE_S), "the dead master went unnoticed"
     assert_recomputed_while_down(engine, ids, cold.token_ids)
 
     mooncake_master.restart()  # an empty store: the next prompt is stored again, then hit

@@ -8,7 +8,6 @@ master is back, L3 must be used again without restarting anything.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from hicache.storage.mooncake import MooncakeBackend
@@ -29,6 +28,7 @@ from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
     serve_with_l3,
     settle,
 )
+from tests.waiting import wait_until
 
 # The client's watcher checks the master every WATCH_INTERVAL_S: a guard against a dead
 # master that goes unnoticed, generous for a busy machine.
@@ -54,10 +54,8 @@ def test_a_dead_master_fails_fast_opens_the_breaker_and_l3_returns_after_restart
         mooncake_master.kill()
         # The client's watcher notices within its interval; from then on no call
         # enters the library (whose own retries would block each one for seconds).
-        deadline = time.monotonic() + NOTICE_S
-        while backend.reachable:
-            assert time.monotonic() < deadline, "the dead master went unnoticed"
-            time.sleep(0.01)
+        assert wait_until(lambda: not backend.reachable, NOTICE_S), (
+            "the dead master went unnoticed")
         serve_while_the_store_is_down(cache)
 
         mooncake_master.restart()
