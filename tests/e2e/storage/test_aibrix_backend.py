@@ -407,6 +407,7 @@ def test_clear_while_other_threads_read_and_write(
         thread.start()
     try:
         for _ in range(5):
+            # The scenario, not a wait for an event: clears spaced out among the writers' calls.
             time.sleep(0.05)
             backend.clear()
     finally:
