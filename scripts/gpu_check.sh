@@ -60,17 +60,18 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 # The GPU tests (and the model tests with CUDA cases); -rA lists every outcome, so a run cut
 # short by its limit still says what passed. The CPU unit suite runs in CI, not here.
 # PYTEST_PATHS narrows it (say, to tests/gpu alone when the call is short).
-read -r -a pytest_paths <<< "${PYTEST_PATHS:-tests/gpu tests/unit/model}"
+read -r -a pytest_paths <<< "${PYTEST_PATHS:-tests/gpu tests/unit/model tests/integration/model tests/e2e/model}"
 run pytest 540 "$PY" -m pytest -q -rA -p no:cacheprovider "${pytest_paths[@]}"
 run bench_transfer 120 "$PY" -m hicache bench transfer --json "$OUT/transfer.json"
 # MLA pages (one 576-element latent per layer, a quarter of Llama's bytes): more blocks per GB.
 run bench_transfer_mla 120 "$PY" -m hicache bench transfer --geometry deepseek-v2-lite \
   --json "$OUT/transfer_mla.json"
 # Attention backends per layer (gather reference, triton, flashinfer when installed): decode at
-# B=1..256 and contexts 512..8K, and a prefix extend, Llama-3-8B heads (32 q / 8 kv, D=128), bf16.
+# B=1..256 and contexts 1K..8K, prefix extends and a cold 4K prefill (two sequences each),
+# Llama-3-8B heads (32 q / 8 kv, D=128), bf16.
 run bench_attention 120 "$PY" -m hicache bench attention --device cuda --dtype bfloat16 \
-  --heads 32 --kv-heads 8 --head-dim 128 --cases 1x8192x1 32x2048x1 256x1024x1 1x4096x512 \
-  --json "$OUT/attention.json"
+  --heads 32 --kv-heads 8 --head-dim 128 --cases 1x8192x1 8x4096x1 32x2048x1 64x2048x1 \
+  256x1024x1 1x4096x512 2x0x4096 2x3072x1024 2x8192x256 --json "$OUT/attention.json"
 # The direct backend's DMA-vs-CPU-gather threshold for loads, both extremes, to tune its default.
 run bench_direct_dma 40 "$PY" -m hicache bench transfer --backends direct --repeats 3 \
   --direct-min-dma-bytes 0 --json "$OUT/transfer_direct_dma.json"

@@ -1,20 +1,35 @@
 #!/usr/bin/env bash
 # The whole test suite: install, lint, type-check, then pytest (GPU tests skip without CUDA).
-#   bash scripts/test.sh [--under-load [N]] [pytest args...]
+#   bash scripts/test.sh [--fast] [--under-load [N]] [pytest args...]
+# --fast runs the unit tier alone (tests/unit: pure and in-process, a few minutes on two
+# cores; docs/benchmarks.md has the figure), after the same lint and type-check; it installs
+# only where .venv does not exist yet, so that an edit-and-test loop does not wait for pip.
 # --under-load runs everything with N (default 2) CPU-bound processes spinning beside it, as
 # on a machine that is doing other work: the suite must pass there too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 spinners=0
-if [ "${1:-}" = "--under-load" ]; then
-  shift
-  spinners=2
-  if [[ "${1:-}" =~ ^[0-9]+$ ]]; then
-    spinners=$1
-    shift
-  fi
+fast=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --fast)
+      fast=1
+      shift
+      ;;
+    --under-load)
+      shift
+      spinners=2
+      if [[ "${1:-}" =~ ^[0-9]+$ ]]; then
+        spinners=$1
+        shift
+      fi
+      ;;
+    *) break ;;
+  esac
+done
+if [ "$fast" -eq 0 ] || [ ! -x .venv/bin/python ]; then
+  bash scripts/bootstrap.sh
 fi
-bash scripts/bootstrap.sh
 pids=()
 stop_spinners() {
   if [ ${#pids[@]} -gt 0 ]; then
@@ -33,4 +48,8 @@ if [ "$spinners" -gt 0 ]; then
 fi
 .venv/bin/ruff check src tests
 .venv/bin/mypy
-.venv/bin/pytest -q "$@"
+if [ "$fast" -eq 1 ]; then
+  .venv/bin/pytest -q tests/unit "$@"
+else
+  .venv/bin/pytest -q "$@"
+fi

@@ -1,11 +1,19 @@
 """Session-wide test settings and shared fixtures: a private local cache dir, the whole run
 in a private network namespace where possible (see tests/network_namespace.py for why: the
 Mooncake client listens on every interface, and what happens where it is not possible), and
-the default model converted once."""
+the default model converted once.
+
+Tests live in tiers, one directory each, and every test carries its tier's marker (added
+here from its path, so ``-m unit`` and ``tests/unit`` select the same tests):
+tests/unit (pure and in-process: no subprocess, no engine running a model, no HTTP server),
+tests/integration (an engine or server in process, real files, loopback HTTP), tests/e2e
+(subprocesses, clusters, external stores). tests/gpu holds the tests that need CUDA.
+Shared helpers are the modules at tests/*.py."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -22,6 +30,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"network: {enter_private_network().note}"
+
+
+TESTS_ROOT = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            tier = item.path.resolve().relative_to(TESTS_ROOT).parts[0]
+        except ValueError:
+            continue
+        if tier in TIERS:
+            item.add_marker(tier)
 
 
 if TYPE_CHECKING:

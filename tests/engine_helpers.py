@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ from hicache.engine.config import EngineConfig
 from hicache.engine.engine import Engine
 from hicache.engine.threads import available_cores
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
+from tests.waiting import wait_until
 
 
 def engine_args(*flags: str) -> argparse.Namespace:
@@ -78,10 +78,7 @@ def run_many(engine: Engine, requests: list[GenerateRequest]) -> list[Run]:
 def wait_idle(engine: Engine, timeout_s: float = 60.0) -> None:
     """Until nothing runs or waits (an aborted request finishes on the scheduler's time);
     ``timeout_s`` guards against a hang, far above what a busy machine needs."""
-    deadline = time.monotonic() + timeout_s
-    while not engine.is_idle():
-        assert time.monotonic() < deadline, "requests are still running"
-        time.sleep(0.01)
+    assert wait_until(engine.is_idle, timeout_s), "requests are still running"
 
 
 def on_scheduler(engine: Engine, fn: Callable[[], object]) -> object:

@@ -14,7 +14,7 @@ from typing import Any
 
 from hicache.engine.engine import Engine
 from tests.engine_helpers import run
-from tests.unit.engine.test_engine_cache_reuse import PAGE, PROMPT_LEN, prompt
+from tests.integration.engine.test_engine_cache_reuse import PAGE, PROMPT_LEN, prompt
 
 # Tokens of a prompt that L3 can give back: whole pages, the last token computed anyway.
 REUSED = (PROMPT_LEN - 1) // PAGE * PAGE

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from types import TracebackType
 
 import uvicorn
 from fastapi import FastAPI
+
+from tests.waiting import wait_until
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
@@ -45,11 +46,9 @@ class RestartableServer:
                                   name="test-restartable", daemon=True)
         thread.start()
         self._server, self._thread, self._sock = server, thread, sock
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.01)
+        wait_until(lambda: server.started or not thread.is_alive(), START_TIMEOUT_S)
+        if not server.started:
+            raise RuntimeError("the test server did not start")
 
     def stop(self) -> None:
         """Stop serving and close the port: connections are refused from now on."""

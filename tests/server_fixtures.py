@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from hicache.server.app import create_app
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
+from tests.waiting import wait_until
 
 # On CPU even where a GPU is present: the same numbers, hence the same greedy outputs,
 # on every machine.
@@ -45,12 +45,7 @@ class RunningServer:
 
     def wait_until(self, condition: Callable[[], bool], timeout_s: float = WAIT_S) -> bool:
         """Poll ``condition`` until it holds; False if it never did within ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
+        return wait_until(condition, timeout_s)
 
     def wait_idle(self, timeout_s: float = WAIT_S) -> bool:
         return self.wait_until(self.engine.is_idle, timeout_s)
@@ -85,11 +80,9 @@ def serve_app_in_thread(app: FastAPI, *, lifespan: str = "off") -> Iterator[str]
     )
     thread.start()
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.01)
+        wait_until(lambda: server.started or not thread.is_alive(), START_TIMEOUT_S)
+        if not server.started:
+            raise RuntimeError("the test server did not start")
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True

@@ -1,7 +1,7 @@
 """The ``hicache`` command: the server, the router, the demo and the benchmarks.
 
 Each command imports its own modules only: ``serve`` and ``router`` never import
-``hicache.bench`` nor the bench extra's packages (tests/unit/test_import_graph.py).
+``hicache.bench`` nor the bench extra's packages (tests/e2e/test_import_graph.py).
 A benchmark's module is imported when that benchmark is chosen, not before:
 ``hicache bench --help`` lists the table below without importing any of them.
 """
@@ -106,7 +106,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """Every command's parser; with ``only``, the other commands are named (for --help)
     but their arguments, and the modules defining them, are not loaded: ``hicache
     router`` must not import the server's engine and torch with it (see
-    tests/unit/test_router_imports.py). A benchmark's arguments load only when chosen."""
+    tests/e2e/test_router_imports.py). A benchmark's arguments load only when chosen."""
     parser = argparse.ArgumentParser(prog="hicache", description=(__doc__ or "").split("\n")[0])
     parser.add_argument(
         "--log-level", default=None, help="python logging level (default: info for serve, "

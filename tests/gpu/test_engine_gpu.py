@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hicache.engine.engine import Engine
-from tests.unit.engine.test_engine_cache_reuse import check_tiers_equal_cold, l3_flags
+from tests.integration.engine.test_engine_cache_reuse import check_tiers_equal_cold, l3_flags
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,19 +1,17 @@
 """Paged attention kernels on CUDA: Triton (and FlashInfer where installed) against the reference.
 
 Model-sized shapes (head_dim 64/128, GQA up to 8:1, contexts of thousands of
-tokens) on NaN-poisoned pools (see tests/attention_reference.py), then a few
-timings printed (run with -s to see them) next to the gather + SDPA path the
-model uses today.
+tokens) on NaN-poisoned pools (see tests/attention_reference.py). Their speed is a
+benchmark, not a test: ``hicache bench attention`` (scripts/gpu_check.sh's
+bench_attention step) times every backend on the same decode and extend shapes.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hicache.attention import triton as triton_attention
 from hicache.kernels import flashinfer_available
@@ -156,97 +154,3 @@ def test_flashinfer_matches_reference(
         batch.q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens, page_size
     )
     assert max_error(out, reference_attention(batch)) <= TOLERANCE[dtype]
-
-
-# ---- timings ---------------------------------------------------------------------------
-
-
-def _milliseconds(fn: Callable[[], object], iterations: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iterations):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iterations
-
-
-def _gather_sdpa_decode(batch: PagedBatch) -> torch.Tensor:
-    """Today's path for a decode batch: gather padded contexts, one masked SDPA call."""
-    lens = batch.seq_lens.long()
-    positions = torch.arange(int(lens.max()), device=lens.device)
-    clamped = torch.minimum(positions[None, :], lens[:, None] - 1)
-    slots = batch.page_table.long().gather(1, clamped // batch.page_size) * batch.page_size
-    slots = slots + clamped % batch.page_size
-    mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-    heads, kv_heads = batch.q.shape[1], batch.k_cache.shape[1]
-    q = batch.q.view(batch.q.shape[0], kv_heads, heads // kv_heads, -1)
-    k = batch.k_cache[slots].transpose(1, 2)
-    v = batch.v_cache[slots].transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-@pytest.mark.parametrize(
-    ("batch_size", "context"), [(1, 8192), (8, 4096), (64, 2048), (256, 1024)]
-)
-def test_decode_timings(batch_size: int, context: int) -> None:
-    batch = make_batch(
-        [context] * batch_size, [1] * batch_size, heads=32, kv_heads=8, head_dim=128,
-        page_size=16, dtype=torch.bfloat16, seed=1, device="cuda",
-    )
-    batch.k_cache.nan_to_num_(0.0)  # the gather path reads whole pages
-    batch.v_cache.nan_to_num_(0.0)
-    timings = {
-        "triton": _milliseconds(lambda: triton_attention.decode_attention(
-            batch.q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens, 16,
-            max_seq_len=context,
-        )),
-        "triton_1split": _milliseconds(lambda: triton_attention.decode_attention(
-            batch.q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens, 16,
-            num_splits=1,
-        )),
-        "gather_sdpa": _milliseconds(lambda: _gather_sdpa_decode(batch)),
-    }
-    if flashinfer_available():
-        from hicache.attention.flashinfer import FlashInferAttention
-
-        attention = FlashInferAttention()
-        attention.plan_decode(batch.page_table, batch.seq_lens, 16, 32, 8, 128, torch.bfloat16)
-        timings["flashinfer"] = _milliseconds(
-            lambda: attention.decode(batch.q, batch.k_cache, batch.v_cache)
-        )
-    print(f"\ndecode B={batch_size} ctx={context} Llama-3-8B layer bf16 page 16: " + ", ".join(
-        f"{name} {ms * 1000:.0f} us" for name, ms in timings.items()
-    ))
-    kv_bytes = 2 * batch_size * context * 8 * 128 * 2
-    print(f"  triton reads K/V at {kv_bytes / timings['triton'] / 1e6:.0f} GB/s")
-
-
-@pytest.mark.parametrize(("prefix", "new"), [(0, 4096), (3072, 1024), (8192, 256)])
-def test_extend_timings(prefix: int, new: int) -> None:
-    batch = make_batch(
-        [prefix + new] * 2, [new] * 2, heads=32, kv_heads=8, head_dim=128, page_size=16,
-        dtype=torch.bfloat16, seed=2, device="cuda",
-    )
-    timings = {
-        "triton": _milliseconds(lambda: triton_attention.extend_attention(
-            batch.q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens,
-            batch.qo_indptr, new, 16,
-        )),
-    }
-    if flashinfer_available():
-        from hicache.attention.flashinfer import FlashInferAttention
-
-        attention = FlashInferAttention()
-        attention.plan_extend(
-            batch.page_table, batch.seq_lens, batch.qo_indptr, 16, 32, 8, 128, torch.bfloat16
-        )
-        timings["flashinfer"] = _milliseconds(
-            lambda: attention.extend(batch.q, batch.k_cache, batch.v_cache)
-        )
-    print(f"\nextend 2 x (prefix {prefix} + {new} new) Llama-3-8B layer bf16: " + ", ".join(
-        f"{name} {ms:.2f} ms" for name, ms in timings.items()
-    ))

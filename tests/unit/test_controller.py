@@ -16,6 +16,7 @@ from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.transfer.base import IOBackend
+from tests.waiting import wait_until
 
 GEOMETRY = KVGeometry(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float32)
 
@@ -62,22 +63,17 @@ def setup():
     controller.stop()
 
 
-def wait_until(predicate, timeout_s: float = 60.0) -> None:  # a guard against a hang
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
 def test_writes_are_acknowledged_in_order_and_only_once_landed(setup) -> None:
     controller, backend = setup
     backend.device.pages.normal_()
     controller.write(np.array([0, 1]), np.array([5, 6]), token=11)
     controller.write(np.array([2]), np.array([7]), token=12)
+    # Time for a wrong acknowledgement to show, not a wait for an event: the store is held
+    # at its gate, so nothing may have landed however long this is.
     time.sleep(0.05)
     assert controller.poll_writes() == []  # nothing has landed yet
     backend.gate("store", None).set()
-    wait_until(lambda: controller._writes[-1].completion.query())
+    assert wait_until(lambda: controller._writes[-1].completion.query())
     assert controller.poll_writes() == [11, 12]
     assert torch.equal(backend.host.pages[[5, 6, 7]], backend.device.pages[[0, 1, 2]])
     assert controller.num_written_pages == 3
@@ -88,11 +84,13 @@ def test_landed_writes_are_counted_then_taken_as_agreed(setup) -> None:
     controller, backend = setup
     for token in (21, 22, 23):
         controller.write(np.array([token - 21]), np.array([token - 20]), token=token)
+    # Time for a wrong acknowledgement to show, not a wait for an event: the store is held
+    # at its gate, so nothing may have landed however long this is.
     time.sleep(0.05)
     assert controller.num_landed_writes() == 0
     assert controller.take_writes(0) == []
     backend.gate("store", None).set()
-    wait_until(lambda: controller.num_landed_writes() == 3)
+    assert wait_until(lambda: controller.num_landed_writes() == 3)
     assert controller.num_pending_writes == 3  # counting acknowledges nothing
     assert controller.take_writes(2) == [21, 22]  # an agreed count below what landed here
     assert controller.num_landed_writes() == 1 and controller.num_pending_writes == 1

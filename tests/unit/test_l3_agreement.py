@@ -1,5 +1,5 @@
 """The L3 tier under tensor parallelism, one rank alone (it agrees with itself; the
-group runs are in ``tests/unit/engine/test_replication_l3.py``): prefetches take the
+group runs are in ``tests/e2e/engine/test_replication_l3.py``): prefetches take the
 agreement slots in order and wait for a free one, a prefetch settles with the agreed
 number of landed pages, the pages it did not keep stay held until every rank's I/O for
 it returned (a stalled read's included), and backups are acknowledged only when agreed,

@@ -150,7 +150,7 @@ def client_tokenizer_path(
     tokenizer written out as files. None when no such dir can be had.
     """
     # Imported here: model loading needs torch, and the router, which never imports torch
-    # (tests/unit/test_router_imports.py), imports this module for the public config.
+    # (tests/e2e/test_router_imports.py), imports this module for the public config.
     from hicache.model.loader import resolve_model_dir
 
     try:

@@ -9,6 +9,6 @@ deltas, ``gguf`` rebuilds a GGUF file's tokenizer as tokenizer files and
 ``byte_level_dir`` writes the byte-level tokenizer out for clients.
 
 Invariant: no module here imports torch, directly or through another hicache
-package (tests/unit/test_router_imports.py), so ``hicache router`` tokenizes
+package (tests/e2e/test_router_imports.py), so ``hicache router`` tokenizes
 prompts without loading it. Nothing is imported here: import from the module.
 """

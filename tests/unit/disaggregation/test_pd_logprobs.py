@@ -14,7 +14,7 @@ from hicache.disaggregation.pool_descriptor import PoolDescriptor
 from hicache.disaggregation.rooms import Registration, RoomState, RoomTable
 from hicache.engine.api import LogprobParams, TokenLogprob
 from hicache.engine.logprobs import first_prompt_token, handoff_logprobs, received_logprobs
-from tests.unit.disaggregation.decode_peer import make_pool
+from tests.decode_peer import make_pool
 
 PARAMS = LogprobParams(top_n=2, token_ids=(4, 7), input_from=0)
 

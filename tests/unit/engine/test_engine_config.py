@@ -1,10 +1,7 @@
-"""EngineConfig: each part refuses what it cannot run, with the flag to change;
-the engine package stands without the server's."""
+"""EngineConfig: each part refuses what it cannot run, with the flag to change (that the
+engine package stands without the server's: tests/e2e/engine/test_engine_imports.py)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
@@ -77,15 +74,3 @@ def test_scheduling_hands_the_scheduler_its_slice() -> None:
     cpu = SchedulingConfig().scheduler_limits(500, "cpu")
     assert cpu.chunked_prefill_size == CPU_CHUNKED_PREFILL_SIZE < defaults.chunked_prefill_size
 
-
-def test_the_engine_package_imports_nothing_of_the_server() -> None:
-    # A fresh interpreter: this one has the server loaded by other tests.
-    code = (
-        "import sys, hicache.engine, hicache.engine.build, hicache.engine.engine\n"
-        "import hicache.engine.config\n"
-        "print(sorted(m for m in sys.modules if m.startswith('hicache.server')))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "[]", out.stdout

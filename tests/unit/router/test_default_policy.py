@@ -1,5 +1,5 @@
-"""`hicache router`'s own policies: built from the flags, with the shared L3 and the
-measured tier costs the workers report."""
+"""`hicache router`'s own policies: built from the flags, with the shared L3 and the tier
+costs (measured from what workers report: tests/integration/router/test_measured_tier_costs.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,7 @@ from hicache.router.index import PageIndex
 from hicache.router.serve import RouterStartupError, build_default_policy
 from hicache.router.settings import PolicyName, RouterSettings, SharedCacheType
 from hicache.router.shared_pool import FileSharedPool
-from hicache.router.types import TierCosts
 from hicache.router.workers import parse_server_info
-from tests.unit.router.fakes import FakeWorker, fake_workers, wait_for
-from tests.unit.router.router_fixtures import running_router
 
 
 def _info(**extra: Any) -> Any:
@@ -44,16 +41,3 @@ def test_the_shared_cache_is_the_first_workers_l3(tmp_path: Any) -> None:
     policy = build_default_policy(PageIndex(), settings, [info], {})
     assert isinstance(policy.shared, FileSharedPool)  # type: ignore[attr-defined]
 
-
-def test_measured_tier_costs_follow_what_the_workers_report() -> None:
-    # 1000 prompt tokens/s and 1 ms per host page at page 4: recomputing a page takes
-    # 4 ms, loading it 1 ms, so a host page costs a quarter of recomputing it.
-    counters = {"engine_num_prefill_step_tokens": 4000, "engine_prefill_step_seconds": 4.0,
-                "cache_num_loaded_pages": 100, "cache_load_seconds": 0.1}
-    worker = FakeWorker(extra_info={"internal_states": [counters]})
-    costs: dict[str, TierCosts] = {}
-    with fake_workers(worker) as (url,), running_router([url], tier_costs=costs):
-        assert wait_for(lambda: url in costs, timeout_s=5)
-        assert costs[url].host == pytest.approx(0.25)
-        counters["cache_load_seconds"] = 0.2  # slower loads: the next probes see it
-        assert wait_for(lambda: costs[url].host == pytest.approx(0.5), timeout_s=5)

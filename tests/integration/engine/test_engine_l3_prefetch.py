@@ -1,0 +1,131 @@
+"""L3 prefetches start when a request arrives, so that its time in the queue hides them.
+
+With one request allowed to run and a long one running, requests queued behind
+it fetch their prefixes from L3 meanwhile, as far as the prefetch budget of the
+host pool allows (the rest when room frees), and answer exactly as cold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hicache.engine.api import GenerateRequest, SamplingParams
+from hicache.engine.engine import Engine
+from hicache.storage.config import PrefetchPolicy
+from tests.engine_helpers import Run, collect, on_scheduler, run
+from tests.integration.engine.test_engine_l3_faults import PAGE, REUSED, engine_with_store, prompt
+from tests.storage_reference import MemoryBackend
+
+POLL_S = 0.01
+WAIT_S = 20.0
+LONG_TOKENS = 1500  # the running request: far longer than any prefetch here
+
+
+def greedy(ids: list[int], n: int = 8) -> GenerateRequest:
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    return GenerateRequest(tuple(ids), params)
+
+
+@dataclass(frozen=True)
+class Queue:
+    """The scheduler as one step left it."""
+
+    running_prompts: tuple[tuple[int, ...], ...]
+    storage_tokens: tuple[int, ...]  # of each waiting request, queue order: L3 tokens landed
+    prefetch_tried: tuple[bool, ...]
+
+
+def queue_state(engine: Engine) -> Queue:
+    def take() -> Queue:
+        sched = engine.scheduler
+        return Queue(
+            tuple(r.request.input_ids for r in sched.running_requests()),
+            tuple(r.storage_tokens for r in sched.waiting_requests()),
+            tuple(r.prefetch_tried for r in sched.waiting_requests()),
+        )
+
+    state = on_scheduler(engine, take)
+    assert isinstance(state, Queue)
+    return state
+
+
+def in_l3_only(engine: Engine, backend: MemoryBackend, prompts: list[list[int]]) -> list[Run]:
+    """Answer ``prompts`` cold, then keep their KV in L3 alone; returns the cold answers."""
+    cold = [run(engine, ids, ignore_eos=True) for ids in prompts]
+    assert engine.flush_cache()  # drains the L3 backups, empties L1 and L2
+    assert len(backend.store.pages) >= len(prompts) * REUSED // PAGE
+    return cold
+
+
+async def while_long_request_runs(
+    engine: Engine, requests: list[GenerateRequest], until: Callable[[Queue], bool],
+) -> tuple[Queue, list[Run]]:
+    """Queue ``requests`` behind a long running one; once ``until`` the queue, end it.
+
+    Returns the queue that satisfied ``until`` and the queued requests' answers.
+    """
+    long_ids = prompt(99)
+    long_stream = engine.generate(greedy(long_ids, n=LONG_TOKENS))
+    await anext(long_stream)  # it runs, and with --max-running-requests 1 alone
+    queued = [asyncio.ensure_future(collect(engine, r)) for r in requests]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while True:
+        await asyncio.sleep(POLL_S)
+        state = queue_state(engine)
+        # The long request has not finished: it is the one running, the others wait.
+        assert state.running_prompts == (tuple(long_ids),), "the long request finished first"
+        if len(state.storage_tokens) == len(requests) and until(state):
+            break
+        assert loop.time() < deadline, state
+    await long_stream.aclose()
+    return state, list(await asyncio.gather(*queued))
+
+
+def test_a_queued_request_prefetches_while_another_runs(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, backend = engine_with_store(
+        make_engine, PrefetchPolicy.WAIT_COMPLETE, flags=("--max-running-requests", "1")
+    )
+    ids = prompt(4)
+    [cold] = in_l3_only(engine, backend, [ids])
+
+    def landed(queue: Queue) -> bool:
+        return queue.storage_tokens == (REUSED,)
+
+    _, [answer] = asyncio.run(while_long_request_runs(engine, [greedy(ids)], landed))
+    assert answer.last.error is None
+    assert answer.last.cached_tokens.storage == REUSED
+    assert answer.token_ids == cold.token_ids
+    engine.check_integrity()
+
+
+def test_a_long_queue_prefetches_within_the_host_budget(
+    make_engine: Callable[..., Engine],
+) -> None:
+    # A budget of 25 host pages, 12 pages a prefix: two queued prefetches start, the
+    # other four once room frees (whole: a third now would get only the page left).
+    engine, backend = engine_with_store(
+        make_engine, PrefetchPolicy.WAIT_COMPLETE, flags=("--max-running-requests", "1"),
+        prefetch_max_host_fraction=25.5 / 256,
+    )
+    assert engine.cache.host_pool is not None and engine.cache.host_pool.num_pages == 256
+    assert engine.cache.prefetch_budget_pages == 25
+    prompts = [prompt(10 + i) for i in range(6)]
+    cold = in_l3_only(engine, backend, prompts)
+
+    def settled(queue: Queue) -> bool:
+        return queue.storage_tokens == (REUSED,) * 2 + (0,) * 4
+
+    state, answers = asyncio.run(
+        while_long_request_runs(engine, [greedy(ids) for ids in prompts], settled)
+    )
+    assert state.prefetch_tried == (True,) * 2 + (False,) * 4
+    for answer, before in zip(answers, cold, strict=True):
+        assert answer.last.error is None
+        assert answer.last.cached_tokens.storage == REUSED  # the last three too, later
+        assert answer.token_ids == before.token_ids
+    engine.check_integrity()
