@@ -95,11 +95,11 @@ def create_fake_app(state: FakeState) -> FastAPI:
         state.max_inflight = max(state.max_inflight, state.inflight)
         output: list[int] = []
         try:
-            await asyncio.sleep(state.ttft_s)
+            await asyncio.sleep(state.ttft_s)  # the scripted schedule: time to first token
             while len(output) < max_tokens:
                 n = min(state.tokens_per_chunk, max_tokens - len(output))
                 if output:
-                    await asyncio.sleep(state.itl_s * n)
+                    await asyncio.sleep(state.itl_s * n)  # and between tokens
                 ids = [65 + (len(output) + i) % 26 for i in range(n)]
                 output += ids
                 yield ids, cached

@@ -29,6 +29,6 @@ class GatedFileBackend(FileBackend):
         super().__init__(config)
 
     def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
-        while self.gate.exists():
+        while self.gate.exists():  # the scenario: reads hang until the test opens the gate
             time.sleep(POLL_S)
         return super().get(keys, host_pages)

@@ -6,7 +6,6 @@ prefix, so KV served from any tier can be compared bit-for-bit with cold KV.
 
 from __future__ import annotations
 
-import time
 import zlib
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.memory.allocator import OutOfPagesError
 from hicache.memory.geometry import KVGeometry
+from tests.waiting import wait_until
 
 
 def expected_kv(tokens: list[int], geometry: KVGeometry, page_size: int) -> torch.Tensor:
@@ -82,11 +82,14 @@ def serve_with_l3(cache: HierarchicalCache, tokens: list[int]) -> int:
     """The engine's order: prefetch, hold until ready, finish, then ``serve`` as usual."""
     handle = cache.prefetch(tokens)
     if handle is not None:
-        deadline = time.monotonic() + L3_WAIT_S
-        while not cache.prefetch_ready(handle):
-            assert time.monotonic() < deadline, "prefetch never became ready"
+
+        def ready() -> bool:
+            if cache.prefetch_ready(handle):
+                return True
             cache.poll()
-            time.sleep(0.001)
+            return False
+
+        assert wait_until(ready, L3_WAIT_S, poll_s=0.001), "prefetch never became ready"
         cache.finish_prefetch(handle)
     return serve(cache, tokens)
 

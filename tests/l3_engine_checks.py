@@ -15,6 +15,7 @@ from typing import Any
 from hicache.engine.engine import Engine
 from tests.engine_helpers import run
 from tests.integration.engine.test_engine_cache_reuse import PAGE, PROMPT_LEN, prompt
+from tests.waiting import wait_until
 
 # Tokens of a prompt that L3 can give back: whole pages, the last token computed anyway.
 REUSED = (PROMPT_LEN - 1) // PAGE * PAGE
@@ -81,12 +82,11 @@ def wait_for_hit(
 ) -> None:
     """Flush and run ``ids`` until L3 gives ``reused_tokens`` back (within ``timeout_s``),
     e.g. while a breaker's backoff runs out; every run's output is cold's."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def hit() -> bool:
         assert engine.flush_cache()
         back = run(engine, ids, ignore_eos=True)
         assert back.token_ids == cold_tokens
-        if back.last.cached_tokens.storage == reused_tokens:
-            break
-        assert time.monotonic() < deadline, engine.storage_status()
-        time.sleep(poll_s)
+        return back.last.cached_tokens.storage == reused_tokens
+
+    assert wait_until(hit, timeout_s, poll_s), engine.storage_status()

@@ -14,6 +14,7 @@ import time
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.storage.breaker import BreakerState
 from tests.kv_oracle import conversation, serve_with_l3, settle
+from tests.waiting import wait_until
 
 # Seeds of new conversations (none stored before) served while the store is down,
 # and from which serving goes on once it is back.
@@ -58,14 +59,20 @@ def serve_until_backed_up_again(
     ``recovery_s``); the breaker is closed again. The seed of that conversation."""
     assert cache.storage is not None
     backed_up = cache.stats.num_storage_backed_up_pages
-    deadline = time.monotonic() + recovery_s
     seed = _BACK_SEED
-    while cache.stats.num_storage_backed_up_pages == backed_up:
-        assert time.monotonic() < deadline, cache.storage.backend.stats().failures
+
+    def backed_up_again() -> bool:
+        nonlocal seed
+        if cache.stats.num_storage_backed_up_pages != backed_up:
+            return True
         seed += 1
         serve_with_l3(cache, conversation(_TOKENS, seed=seed))
         settle(cache)
-        time.sleep(0.05)
+        return False
+
+    assert wait_until(backed_up_again, recovery_s, poll_s=0.05), (
+        cache.storage.backend.stats().failures
+    )
     assert cache.storage.breaker.state is BreakerState.CLOSED
     return seed
 

@@ -273,14 +273,14 @@ def fake_worker_app(worker: FakeWorker) -> FastAPI:
                 if await request.is_disconnected():
                     worker.cancelled.append(tag)
                     return Response(status_code=499)
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.02)  # a slow worker on purpose, watching its client
             return JSONResponse({"path": request.url.path, "echo": body})
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
                 for chunk in STREAM_CHUNKS:
                     yield chunk
-                    await asyncio.sleep(worker.stream_delay_s)
+                    await asyncio.sleep(worker.stream_delay_s)  # a slow stream, on purpose
             except (asyncio.CancelledError, GeneratorExit):
                 worker.cancelled.append(tag)
                 raise

@@ -88,7 +88,7 @@ def fake_instance_app(instance: FakeInstance) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         instance.health_checks += 1
-        await asyncio.sleep(instance.health_delay_s)
+        await asyncio.sleep(instance.health_delay_s)  # a slow health check, on purpose
         return JSONResponse({}, status_code=200 if instance.healthy else 503)
 
     @app.get("/v1/models")
@@ -151,7 +151,7 @@ def fake_instance_app(instance: FakeInstance) -> FastAPI:
             try:
                 for chunk in DECODE_CHUNKS:
                     yield chunk
-                    await asyncio.sleep(instance.delay_s)
+                    await asyncio.sleep(instance.delay_s)  # a slow stream, on purpose
             except (asyncio.CancelledError, GeneratorExit):
                 instance.cancelled.append(tag)
                 raise
@@ -169,6 +169,8 @@ async def _until(request: Request, condition: Callable[[], bool]) -> bool:
     while not condition():
         if await request.is_disconnected():
             return False
+        # The stand-in instance's own wait (for the KV, as a decode instance waits), not
+        # a test waiting: it has no deadline of its own and watches its client.
         await asyncio.sleep(0.01)
     return True
 

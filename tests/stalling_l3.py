@@ -46,5 +46,7 @@ class StallingFileBackend(FileBackend):
 
 
 def _wait_while(gate: Path) -> None:
+    # The stall itself, inside a server's rank: it hangs, with no deadline, until the
+    # test removes the gate.
     while gate.exists():
         time.sleep(POLL_S)

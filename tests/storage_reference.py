@@ -93,6 +93,7 @@ class MemoryBackend(StorageBackend):
             for page in np.asarray(host_pages).tolist():
                 self.host.pages[page].fill_(float("nan"))
             return 0
+        # A slow store, on purpose.
         time.sleep(self.delay_per_batch + self.delay_per_page * len(keys))
         for i, (key, page) in enumerate(zip(keys, host_pages, strict=True)):
             with self.store.lock:
@@ -113,7 +114,7 @@ class MemoryBackend(StorageBackend):
         if self._fault("set", len(keys)):
             return 0
         self._hold("set", host_pages)  # then stores what its host pages hold by now
-        time.sleep(self.delay_per_batch)
+        time.sleep(self.delay_per_batch)  # a slow store, on purpose
         for key, page in zip(keys, host_pages, strict=True):
             with self.store.lock:
                 if key in self.store.pages:

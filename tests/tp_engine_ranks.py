@@ -131,7 +131,7 @@ def _inject_l3_fault(engine: Engine, fault: L3Fault) -> None:
         def slow(keys: Sequence[bytes], host_pages: PageIds) -> Any:
             num_calls[0] += 1
             if num_calls[0] <= fault.num_delayed_calls:
-                time.sleep(fault.delay_s)
+                time.sleep(fault.delay_s)  # the injected fault: a late store call
             return late_call(keys, host_pages)
 
         setattr(backend, fault.call, slow)

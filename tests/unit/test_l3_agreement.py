@@ -9,7 +9,6 @@ a flush or a detach during a stalled backup included.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 
 import pytest
@@ -20,6 +19,7 @@ from hicache.cache.l3_agreement import NUM_SLOTS
 from tests.kv_oracle import conversation, serve, serve_with_l3, settle
 from tests.storage_reference import MemoryStore
 from tests.unit.test_l3_cache import make_cache
+from tests.waiting import wait_until
 
 # A guard against a hang, far above what a machine busy with other work needs.
 WAIT_S = 60.0
@@ -40,11 +40,13 @@ def _tick(cache: HierarchicalCache) -> None:
 
 
 def _tick_until(cache: HierarchicalCache, what: str, done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    def ticked_until_done() -> bool:
+        if done():
+            return True
         _tick(cache)
-        time.sleep(0.001)
+        return False
+
+    assert wait_until(ticked_until_done, WAIT_S, poll_s=0.001), f"timed out waiting for {what}"
 
 
 def test_prefetches_past_the_slots_wait_for_one() -> None:

@@ -8,11 +8,13 @@ integrity check (no page lost or owned twice) after every step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.cache.l3 import PrefetchHandle
 from hicache.config import CacheConfig, IOBackendKind, MemLayout, WritePolicy
 from hicache.memory.geometry import KVGeometry
 from hicache.storage.base import StorageError, StorageUnavailableError
@@ -21,6 +23,7 @@ from hicache.storage.config import PrefetchPolicy, StorageConfig
 from hicache.storage.controller import MAX_STALLED_CALLS
 from tests.kv_oracle import conversation, serve, serve_with_l3, settle
 from tests.storage_reference import MemoryBackend, MemoryStore
+from tests.waiting import wait_until
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 MLA_GEOMETRY = KVGeometry.mla(num_layers=2, latent_dim=6, dtype=torch.float32)
@@ -51,7 +54,16 @@ def make_cache(
     return cache, backend
 
 
+def read_started(cache: HierarchicalCache, handle: PrefetchHandle) -> Callable[[], bool]:
+    """A wait_until condition: the prefetch's read has started; it polls L3 until then."""
 
+    def started() -> bool:
+        if handle.op.host_pages is not None:
+            return True
+        cache.poll()
+        return False
+
+    return started
 
 
 @pytest.mark.parametrize("geometry", [GEOMETRY, MLA_GEOMETRY], ids=["mha", "mla"])
@@ -224,9 +236,7 @@ def test_cancel_and_detach_release_everything_in_flight() -> None:
     try:
         handle = cache.prefetch(tokens)
         assert handle is not None
-        while handle.op.host_pages is None:  # the read has started
-            cache.poll()
-            time.sleep(0.005)
+        assert wait_until(read_started(cache, handle), poll_s=0.005), "the read never started"
         cache.cancel_prefetch(handle)
         assert handle.finished and handle.num_inserted_tokens == 0
         settle(cache)
@@ -235,9 +245,7 @@ def test_cancel_and_detach_release_everything_in_flight() -> None:
         # Detach with a read in flight: it drains, settles, and is idempotent.
         handle = cache.prefetch(tokens)
         assert handle is not None
-        while handle.op.host_pages is None:
-            cache.poll()
-            time.sleep(0.005)
+        assert wait_until(read_started(cache, handle), poll_s=0.005), "the read never started"
         cache.detach_storage()
         cache.detach_storage()
         assert cache.storage is None and backend.closed == 1
@@ -402,11 +410,14 @@ def test_stalled_calls_are_capped_and_outlive_a_detach() -> None:
         assert host is not None and host.allocator.num_used_pages == MAX_STALLED_CALLS * 10
     finally:
         gate.set()
-    deadline = time.monotonic() + WAIT_S
-    while backend.closed == 0:  # once every call returned, the backend is closed
-        assert time.monotonic() < deadline
+
+    def closed() -> bool:  # once every call returned, the backend is closed
+        if backend.closed:
+            return True
         cache.poll()
-        time.sleep(0.01)
+        return False
+
+    assert wait_until(closed, WAIT_S), "the backend was never closed"
     assert host.allocator.num_used_pages == 0
     cache.check_integrity()
     cache.close()

@@ -14,7 +14,6 @@ import os
 import shlex
 import socket
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from hicache.bench.compare import resolve_sizes, run_baseline
 from hicache.cli import build_parser
 from hicache.testing.cpu_limit import THREAD_VARIABLES, CpuLimit, CpuLimitError, available_cpus
 from hicache.testing.server_process import ServerProcess, ServerStartError
+from tests.waiting import wait_until
 
 FAKE = Path(__file__).resolve().parents[2] / "bench_fake_server.py"
 # What a user would type for vLLM, with the stand-in server in its place.
@@ -132,10 +132,9 @@ def test_baseline_server_serves_and_its_whole_group_is_stopped(tmp_path: Path) -
         group = server.process.pid
         assert group_alive(group)
     assert not listening(server.port)
-    deadline = time.monotonic() + 5
-    while group_alive(group) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not group_alive(group), "a process of the baseline's group outlived the run"
+    assert wait_until(lambda: not group_alive(group), 5, poll_s=0.05), (
+        "a process of the baseline's group outlived the run"
+    )
     assert '["--model", "/m/x"]' in server.log_text()
 
 

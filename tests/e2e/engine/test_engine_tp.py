@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from hicache.model.default_model import DefaultModelMissingError, default_model_
 from hicache.storage.config import PrefetchPolicy, StorageConfig
 from tests import tp_engine_faults
 from tests.hf_checkpoints import write_checkpoint
+from tests.waiting import wait_until
 
 # SmolLM2's head layout at test size: 3 KV heads of 2 query heads, split 2:1 over 2 ranks.
 UNEVEN = LlamaConfig(
@@ -256,10 +256,7 @@ def test_an_exception_in_a_tick_on_any_rank_ends_the_engine_within_seconds(
                 "tensor-parallel rank 0 failed" in last.error
                 and "Connection closed by peer" in last.error
             ), last.error
-        deadline = time.monotonic() + SETTLE_S
-        while not deaths and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert deaths, "on_death was not called"
+        assert wait_until(lambda: deaths, SETTLE_S), "on_death was not called"
         for process in [client._process, *client._followers]:  # every rank ends
             process.join(SETTLE_S)
             assert not process.is_alive()

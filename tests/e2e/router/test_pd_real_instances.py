@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -21,6 +20,7 @@ from hicache.router.settings import PrefillEndpoint
 from hicache.testing.server_process import ServerProcess
 from tests.dev_dependency import require_dev_dependency
 from tests.router_fixtures import RunningRouter, running_pd_router
+from tests.waiting import wait_until
 
 require_dev_dependency("mooncake.engine", "pip install 'hicache[mooncake]'")
 pd_fixtures = pytest.importorskip(
@@ -114,13 +114,16 @@ def test_a_client_that_leaves_mid_stream_leaves_both_instances_clean(
 
 def _until_clean(server: ServerProcess, timeout_s: float = 30.0) -> None:
     """check-integrity once the server is idle (it answers 409 while requests run)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    response: httpx.Response | None = None
+
+    def not_busy() -> bool:
+        nonlocal response
         response = httpx.post(f"{server.url}/hicache/check-integrity", timeout=TIMEOUT_S,
                               headers={"Authorization": f"Bearer {pd_fixtures.ADMIN_KEY}"})
-        if response.status_code != 409 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return response.status_code != 409
+
+    wait_until(not_busy, timeout_s, poll_s=0.2)  # a 409 left is reported just below
+    assert response is not None
     assert response.status_code == 200, response.text
 
 

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.testing.server_process import ServerProcess
 from tests.http_fuzz import FuzzCase, fuzz_cases
+from tests.waiting import wait_until
 
 SEED = 1729
 NUM_CASES = 600
@@ -218,12 +219,16 @@ def scrape(client: httpx.Client) -> dict[str, float]:
 
 def wait_idle(client: httpx.Client) -> dict[str, float]:
     """The scraped metrics once no request runs or waits (or the last scrape)."""
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
-    while True:
+    values: dict[str, float] = {}  # wait_until asks at least once
+
+    def idle() -> bool:
+        nonlocal values
         values = scrape(client)
-        if values[RUNNING] + values[WAITING] == 0 or time.monotonic() > deadline:
-            return values
-        time.sleep(0.1)
+        return values[RUNNING] + values[WAITING] == 0
+
+    # Not asserted here: the caller reports a server that never went idle.
+    wait_until(idle, IDLE_TIMEOUT_S, poll_s=0.1)
+    return values
 
 
 def check_afterwards(server: ServerProcess, model: str, outcomes: list[Outcome]) -> list[str]:

@@ -111,7 +111,7 @@ def test_default_server_fits_a_small_machine_and_stays_within_its_announcement(
             futures = [pool.submit(ask, seed) for seed in range(count)]
             while not all(future.done() for future in futures):
                 peak = max(peak, resident_bytes(engine) or 0)
-                time.sleep(0.05)
+                time.sleep(0.05)  # the sampling period of the peak, not a wait
             assert [future.result() for future in futures] == [200] * count
         peak = max(peak, resident_bytes(engine) or 0)
 

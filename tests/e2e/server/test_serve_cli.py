@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -29,6 +28,7 @@ from hicache.server.serve import log_tiers
 from hicache.server.serve import main as serve_main
 from hicache.testing.server_process import ServerProcess
 from tests.listeners import listening_sockets
+from tests.waiting import wait_until
 
 # Dummy weights of the tiny preset: serve's own default model (SmolLM2) is tested elsewhere.
 POOL = ["--device", "cpu", "--max-total-tokens", "1024"]
@@ -207,16 +207,17 @@ def test_serve_names_the_model_after_model_path_as_given(tmp_path: Path) -> None
         )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
+
+        def healthy() -> bool:
             assert process.poll() is None, f"serve exited early:\n{log_path.read_text()}"
             try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    break
+                return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
             except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"serve did not come up:\n{log_path.read_text()}"
-            time.sleep(0.2)
+                return False
+
+        assert wait_until(healthy, START_TIMEOUT_S, poll_s=0.2), (
+            f"serve did not come up:\n{log_path.read_text()}"
+        )
         models = httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"]
         assert [m["id"] for m in models] == [given]
         info = httpx.get(f"{url}/model_info", timeout=10.0).json()
@@ -349,10 +350,10 @@ def test_the_engine_process_never_outlives_its_server(tmp_path: Path) -> None:
         assert len(engines) == 1, engines
         process.kill()  # no shutdown at all: the engine sees its pipe close
         process.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while Path(f"/proc/{engines[0]}").exists() and not _is_zombie(engines[0]):
-            assert time.monotonic() < deadline, "the engine process outlived its server"
-            time.sleep(0.1)
+        assert wait_until(
+            lambda: not Path(f"/proc/{engines[0]}").exists() or _is_zombie(engines[0]),
+            20, poll_s=0.1,
+        ), "the engine process outlived its server"
     finally:
         server.kill()
 

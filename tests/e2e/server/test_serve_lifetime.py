@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -131,11 +130,14 @@ def test_killed_while_its_ranks_are_starting_they_end_too(tmp_path: Path) -> Non
     server = _serve(tmp_path, free_port(), flags, "serve.log")
     ranks: list[tuple[int, int | None]] = []
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while len(list(tmp_path.glob("attach-gate.*"))) < 2:  # each rank inside attach
+
+        def both_inside_attach() -> bool:
             assert server.running, server.log_text()
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.1)
+            return len(list(tmp_path.glob("attach-gate.*"))) >= 2
+
+        assert wait_until(both_inside_attach, START_TIMEOUT_S, poll_s=0.1), (
+            (tmp_path / "serve.log").read_text()
+        )
         pids = sorted(int(marker.suffix[1:]) for marker in tmp_path.glob("attach-gate.*"))
         assert sorted(spawned_children(_pid(server))) == pids
         ranks = _identities(pids)

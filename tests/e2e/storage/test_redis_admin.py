@@ -3,7 +3,6 @@ refuse an unreachable url, detach; the url's password never shows in /get_server
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +13,7 @@ from hicache.net import free_port
 from hicache.testing.redis_server import RedisServerProcess
 from tests.redis_fixtures import extra_fixture, server_fixture  # noqa: F401 - fixtures
 from tests.server_fixtures import RunningServer, serve_in_thread
+from tests.waiting import wait_until
 
 KEY = "test-admin-key"
 ROUTE = "/hicache/storage-backend"
@@ -47,11 +47,14 @@ def test_attach_serve_and_detach_through_the_admin_api(
     assert first.status_code == 200, first.text
     # The backup is queued once the pages' device->host copy lands, after the answer
     # may have gone out: wait for it to reach the store.
-    deadline = time.monotonic() + 20.0
-    stats = client.get(ROUTE, headers=AUTH).json()["backend_stats"]
-    while stats["pages_written"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    stats: dict[str, Any] = {}  # wait_until asks at least once
+
+    def written() -> bool:
+        nonlocal stats
         stats = client.get(ROUTE, headers=AUTH).json()["backend_stats"]
+        return bool(stats["pages_written"])
+
+    wait_until(written, 20.0, poll_s=0.05)  # the assert below says what did not happen
     assert stats["pages_written"] > 0 and stats["failures"] == {}
 
     detached = client.delete(ROUTE, headers=AUTH)

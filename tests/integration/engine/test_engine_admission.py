@@ -17,6 +17,7 @@ import torch
 from hicache.engine.api import CachedTokens, GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
 from tests.engine_helpers import Run, collect, on_scheduler, run
+from tests.waiting import wait_until_async
 
 PAGE = 4
 POLL_S = 0.005
@@ -75,16 +76,16 @@ def test_a_request_refused_for_room_neither_loads_nor_counts_its_host_prefix(
         before = snapshot(engine)
         waiting = asyncio.ensure_future(collect(engine, greedy(waiting_ids, n=8)))
         first_seen: int | None = None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + WAIT_S
-        while True:  # the scheduler considers the waiting request for a few steps
-            await asyncio.sleep(POLL_S)
+        now = before
+
+        def considered() -> bool:  # the scheduler considers the waiting request for a few steps
+            nonlocal first_seen, now
             now = snapshot(engine)
             if first_seen is None and now.num_waiting == 1:
                 first_seen = now.num_steps
-            if first_seen is not None and now.num_steps >= first_seen + 5:
-                break
-            assert loop.time() < deadline, now
+            return first_seen is not None and now.num_steps >= first_seen + 5
+
+        assert await wait_until_async(considered, WAIT_S, POLL_S), now
         assert (now.num_running, now.num_waiting) == (1, 1), "the pool was meant to be full"
         assert now.num_loaded_pages == before.num_loaded_pages, "a refused request loaded"
         assert now.num_hit_requests == before.num_hit_requests, "a refused request counted"

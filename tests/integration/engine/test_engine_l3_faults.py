@@ -22,6 +22,7 @@ from hicache.storage.config import PrefetchPolicy, StorageConfig
 from tests.engine_helpers import on_scheduler, run
 from tests.l3_engine_checks import wait_for_hit
 from tests.storage_reference import MemoryBackend
+from tests.waiting import wait_until, wait_until_async
 
 PAGE = 16
 PROMPT = 200
@@ -109,10 +110,10 @@ def test_wait_complete_gives_up_at_prefetch_timeout_max(
 
 def wait_for_no_prefetch(engine: Engine) -> None:
     """Until no prefetch read is in flight (late ones returned, their pages freed)."""
-    deadline = time.monotonic() + SETTLE_S
-    while on_scheduler(engine, lambda: engine.cache.storage.num_in_flight_prefetch_pages):  # type: ignore[union-attr]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    assert wait_until(
+        lambda: not on_scheduler(engine, lambda: engine.cache.storage.num_in_flight_prefetch_pages),  # type: ignore[union-attr]
+        SETTLE_S, poll_s=0.05,
+    ), "a prefetch read stayed in flight"
 
 
 def test_failing_store_costs_a_recomputation_only(make_engine: Callable[..., Engine]) -> None:
@@ -150,10 +151,10 @@ def test_abort_during_prefetch_frees_the_prefetched_host_pages(
         params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
         stream = engine.generate(GenerateRequest(tuple(ids), params))
         reader = asyncio.ensure_future(anext(stream))
-        deadline = time.monotonic() + SETTLE_S
-        while not (engine.scheduler.num_waiting == 1 and host.allocator.num_used_pages > 0):
-            assert time.monotonic() < deadline, "the prefetch never started"
-            await asyncio.sleep(0.01)
+        assert await wait_until_async(
+            lambda: engine.scheduler.num_waiting == 1 and host.allocator.num_used_pages > 0,
+            SETTLE_S,
+        ), "the prefetch never started"
         reader.cancel()  # the client goes away while the request waits for L3
         await asyncio.gather(reader, return_exceptions=True)
         await stream.aclose()
@@ -162,10 +163,15 @@ def test_abort_during_prefetch_frees_the_prefetched_host_pages(
         asyncio.run(leave_while_prefetching())
     finally:
         answer.set()
-    deadline = time.monotonic() + SETTLE_S
-    while not engine.is_idle() or host.allocator.num_used_pages:
-        assert time.monotonic() < deadline, (engine.is_idle(), host.allocator.num_used_pages)
+
+    def settled() -> bool:
+        if engine.is_idle() and not host.allocator.num_used_pages:
+            return True
         on_scheduler(engine, engine.cache.poll)
-        time.sleep(0.05)
+        return False
+
+    assert wait_until(settled, SETTLE_S, poll_s=0.05), (
+        engine.is_idle(), host.allocator.num_used_pages
+    )
     assert engine.scheduler.counters.num_aborted == 1
     engine.check_integrity()

@@ -17,6 +17,7 @@ from hicache.storage.config import PrefetchPolicy
 from tests.engine_helpers import Run, collect, on_scheduler, run
 from tests.integration.engine.test_engine_l3_faults import PAGE, REUSED, engine_with_store, prompt
 from tests.storage_reference import MemoryBackend
+from tests.waiting import wait_until_async
 
 POLL_S = 0.01
 WAIT_S = 20.0
@@ -70,16 +71,16 @@ async def while_long_request_runs(
     long_stream = engine.generate(greedy(long_ids, n=LONG_TOKENS))
     await anext(long_stream)  # it runs, and with --max-running-requests 1 alone
     queued = [asyncio.ensure_future(collect(engine, r)) for r in requests]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
-    while True:
-        await asyncio.sleep(POLL_S)
+    state = queue_state(engine)
+
+    def reached() -> bool:
+        nonlocal state
         state = queue_state(engine)
         # The long request has not finished: it is the one running, the others wait.
         assert state.running_prompts == (tuple(long_ids),), "the long request finished first"
-        if len(state.storage_tokens) == len(requests) and until(state):
-            break
-        assert loop.time() < deadline, state
+        return len(state.storage_tokens) == len(requests) and until(state)
+
+    assert await wait_until_async(reached, WAIT_S, POLL_S), state
     await long_stream.aclose()
     return state, list(await asyncio.gather(*queued))
 

@@ -25,6 +25,7 @@ from hicache.memory.allocator import PageIds
 from hicache.storage.config import PrefetchPolicy
 from tests.engine_helpers import Run, collect, on_scheduler, run
 from tests.integration.engine.test_engine_l3_faults import PROMPT, engine_with_store, prompt
+from tests.waiting import wait_until
 
 IO_TIMEOUT_S = 0.5
 # Compute and scheduling on a machine busy with other work. The stalls these tests bound
@@ -58,10 +59,9 @@ def until(
     engine: Engine, condition: Callable[[], bool], what: str, timeout_s: float = SETTLE_S
 ) -> None:
     """Wait until ``condition`` holds on the scheduler thread (which polls L3 each tick)."""
-    deadline = time.monotonic() + timeout_s
-    while not on_scheduler(engine, condition):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+    assert wait_until(lambda: on_scheduler(engine, condition), timeout_s), (
+        f"timed out waiting for {what}"
+    )
 
 
 def reserved_apart(engine: Engine, pages: PageIds) -> bool:
@@ -85,15 +85,14 @@ def logged(caplog: pytest.LogCaptureFixture, level: int, *parts: str) -> bool:
 
 def serves_from_l3_again(engine: Engine, ids: list[int], cold: Run, tokens: int) -> None:
     """After its backoff the breaker lets a call through, and L3 hits come back."""
-    deadline = time.monotonic() + SETTLE_S
-    while True:
+
+    def hit() -> bool:
         assert engine.flush_cache()
         back = run_bounded(engine, ids)
         assert back.token_ids == cold.token_ids
-        if back.last.cached_tokens.storage == tokens:
-            return
-        assert time.monotonic() < deadline, engine.storage_status()
-        time.sleep(0.05)
+        return back.last.cached_tokens.storage == tokens
+
+    assert wait_until(hit, SETTLE_S, poll_s=0.05), engine.storage_status()
 
 
 @pytest.mark.parametrize("policy", [PrefetchPolicy.WAIT_COMPLETE, PrefetchPolicy.TIMEOUT])
@@ -209,10 +208,9 @@ def test_a_hung_backup_does_not_delay_a_prefetch_read(make_engine: Callable[...,
     gate = backend.stall("set")
     try:
         run_bounded(engine, prompt(32))  # its backup hangs in set
-        deadline = time.monotonic() + SETTLE_S
-        while not backend.stalled_pages("set"):
-            assert time.monotonic() < deadline, "the backup never started"
-            time.sleep(0.01)
+        assert wait_until(lambda: backend.stalled_pages("set"), SETTLE_S), (
+            "the backup never started"
+        )
         began = time.monotonic()
         warm = run_bounded(engine, ids)
         assert time.monotonic() - began < MARGIN_S

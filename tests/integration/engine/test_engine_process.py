@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from hicache.engine.engine_client import (
     EngineStartError,
 )
 from hicache.storage.base import StorageError
+from tests.waiting import wait_until
 
 CONFIG = EngineConfig(
     model=ModelLoadConfig(preset="tiny", device="cpu"),
@@ -124,10 +124,9 @@ def test_a_caller_that_leaves_aborts_its_request(client: EngineClient) -> None:
         await stream.aclose()  # type: ignore[attr-defined]
 
     asyncio.run(leave_early())
-    deadline = time.monotonic() + SETTLE_S
-    while client.metrics()["engine_num_aborted"] == aborted:
-        assert time.monotonic() < deadline, "the engine never aborted the abandoned request"
-        time.sleep(0.05)
+    assert wait_until(
+        lambda: client.metrics()["engine_num_aborted"] != aborted, SETTLE_S, poll_s=0.05
+    ), "the engine never aborted the abandoned request"
     assert client.is_idle()
 
 
@@ -157,9 +156,8 @@ def test_a_dead_engine_fails_its_requests_and_says_so() -> None:
         last = outputs[-1]
         assert last.finished and last.finish_reason == "abort"
         assert last.error is not None and "engine process exited" in last.error
-        deadline = time.monotonic() + SETTLE_S  # told right after the streams are failed
-        while not deaths and time.monotonic() < deadline:
-            time.sleep(0.02)
+        # Told right after the streams are failed; the assert below says if it never was.
+        wait_until(lambda: deaths, SETTLE_S)
         assert deaths == [-signal.SIGKILL]
         with pytest.raises(EngineDeadError):
             client.metrics()

@@ -50,7 +50,7 @@ def health_app(health: Health) -> FastAPI:
     @app.get("/health")
     async def answer() -> Response:
         health.checks += 1
-        await asyncio.sleep(health.delay_s)
+        await asyncio.sleep(health.delay_s)  # a slow health check, on purpose
         return JSONResponse({}, status_code=health.status)
 
     @app.get("/get_server_info")

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -161,16 +160,16 @@ def test_a_hung_pool_is_refused_at_once_until_it_answers_again(tmp_path: Path) -
         await _until(pool.entered.is_set, "the store was never asked")
         waiting = pool.submit(hashes, tokens)  # queued behind the hung call
         # Once the call has hung for STALLED_AFTER_S, a query is refused at once.
-        refused = False
-        deadline = time.monotonic() + 30.0
-        while not refused:
-            assert time.monotonic() < deadline, "a hung pool kept taking queries"
+
+        def refused() -> bool:
             try:
                 pool.submit(hashes, tokens).cancel()
             except SharedPoolError as error:
                 assert "not answering" in str(error)
-                refused = True
-            await asyncio.sleep(0.05)
+                return True
+            return False
+
+        assert await wait_until_async(refused, 30.0, poll_s=0.05), "a hung pool kept taking queries"
         assert not first.done() and not waiting.done()
         pool.release.set()
         assert await asyncio.wait_for(first, 30.0) == [False, False]
@@ -200,7 +199,9 @@ def test_a_burst_of_queries_is_answered_in_one_pass_not_refused(
         await _until(pool.entered.is_set, "the store was never asked")
         burst = [pool.hits(hashes, tokens) for _ in range(63)]
         tasks = [asyncio.ensure_future(query) for query in burst]
-        await asyncio.sleep(0)  # every one of them is waiting now
+        # One turn of the event loop, not a time: each task runs until it waits on the
+        # pass inside the store, so every one of them is waiting now.
+        await asyncio.sleep(0)
         pool.release.set()
         return [await asyncio.wait_for(first, 30.0), *await asyncio.gather(*tasks)]
 
