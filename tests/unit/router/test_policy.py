@@ -1,4 +1,5 @@
-"""Routing policies: seed 001's scoring, the tiers beyond it, and the shared-pool fallback."""
+"""Routing policies: Dynamo's shared-cache scoring, the tiers beyond it, and the shared-pool
+fallback."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def route(
     return asyncio.run(policy.choose(request, tokens))
 
 
-def seed_example() -> tuple[PageIndex, RouteRequest, InMemorySharedPool]:
-    """Seed 001: 4 pages of 1 token; W0 holds pages 0-1 on device, W1 nothing;
-    the shared pool holds pages 0-3."""
+def dynamo_example() -> tuple[PageIndex, RouteRequest, InMemorySharedPool]:
+    """Dynamo's shared-cache worked example: 4 pages of 1 token; W0 holds pages 0-1 on
+    device, W1 nothing; the shared pool holds pages 0-3."""
     pages = page_hashes(TOKENS[:4], 1)
     index = PageIndex()
     store(index, "W0", pages[:2], MEDIUM_GPU, 1)
@@ -56,8 +57,8 @@ def seed_example() -> tuple[PageIndex, RouteRequest, InMemorySharedPool]:
     return index, request, InMemorySharedPool(pages)
 
 
-def test_seed_001_worked_example_with_no_device_credit() -> None:
-    index, request, shared = seed_example()
+def test_dynamo_worked_example_with_no_device_credit() -> None:
+    index, request, shared = dynamo_example()
     decision = route("tier_aware", index, request, shared=shared, tokens=TOKENS[:4],
                      shared_cache_multiplier=0.5, device_credit=0.0)
     assert decision.logits == {"W0": 3.0, "W1": 2.0}
@@ -69,9 +70,9 @@ def test_seed_001_worked_example_with_no_device_credit() -> None:
     assert decision.overlaps == {"W0": TierOverlap(2, 2, 2), "W1": TierOverlap(0, 0, 0)}
 
 
-def test_seed_001_example_with_the_default_device_credit() -> None:
+def test_dynamo_example_with_the_default_device_credit() -> None:
     # W0 does not recompute its device pages: 4 - 2 - 0.5 * 2 = 1 page left, against W1's 2.
-    index, request, shared = seed_example()
+    index, request, shared = dynamo_example()
     decision = route("tier_aware", index, request, shared=shared, tokens=TOKENS[:4],
                      shared_cache_multiplier=0.5)
     assert decision.logits == {"W0": 1.0, "W1": 2.0}
@@ -80,7 +81,7 @@ def test_seed_001_example_with_the_default_device_credit() -> None:
 
 
 def test_per_request_multiplier_overrides_the_router_default() -> None:
-    index, request, shared = seed_example()
+    index, request, shared = dynamo_example()
     # The router's default 0.0 asks the pool but ignores it: W0's device pages win.
     plain = route("tier_aware", index, request, shared=shared, device_credit=0.0)
     assert plain.logits == {"W0": 4.0, "W1": 4.0}
