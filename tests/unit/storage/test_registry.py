@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -43,20 +42,6 @@ def test_the_file_backend_by_name_with_its_options(tmp_path: Path) -> None:
     assert unavailable_reason("file") is None
     with pytest.raises(StorageError, match=r"unknown extra-config key.*max_byte"):
         create_storage_backend("file", {"max_byte": 10})
-
-
-def test_importing_the_package_imports_no_backend() -> None:
-    # A fresh interpreter: what `import hicache.storage` pulls in by itself.
-    code = (
-        "import sys, hicache.storage\n"
-        "loaded = [m for m in sys.modules if m.startswith('hicache.storage.backends')\n"
-        "          or m in ('mooncake', 'nixl', 'redis')]\n"
-        "print(loaded)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert result.stdout.strip() == "[]"
 
 
 def test_a_missing_client_package_gives_its_install_hint(
