@@ -78,6 +78,11 @@ BACKENDS: dict[str, BackendEntry] = {
         "hicache.storage.backends.lmcache.backend", "LMCacheBackend",
         "an LMCache server (lmcache_server) over TCP, spoken to by our own client", {},
     ),
+    "throttled": BackendEntry(
+        "hicache.storage.backends.throttled.backend", "ThrottledBackend",
+        "another backend behind a simulated latency and bandwidth (for tests and benchmarks)",
+        {},
+    ),
     "dynamic": BackendEntry(
         "hicache.storage.backends.dynamic.backend", "DynamicBackend",
         "your own class: extra config module_path + class_name", {},
