@@ -248,3 +248,10 @@ def test_by_name_it_wraps_the_named_backend_with_its_own_extra_config(tmp_path: 
     # The wrapped backend's own errors come through as they are.
     with pytest.raises(StorageError, match=r"file storage: unknown extra-config key.*max_byte"):
         create_storage_backend("throttled", {"backend": "file", "backend_extra": {"max_byte": 1}})
+
+
+def test_an_injected_backend_is_used_even_when_empty(tmp_path: Path) -> None:
+    """An empty file backend is falsy (its __len__ counts pages); it is still the one used."""
+    inner = FileBackend({"path": str(tmp_path)})
+    backend = ThrottledBackend({"backend": "file"}, inner=inner)
+    assert backend.inner is inner

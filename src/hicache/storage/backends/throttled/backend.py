@@ -65,13 +65,15 @@ class ThrottledBackend(StorageBackend):
         build (tests: a test double behind links on a fake clock)."""
         super().__init__(extra_config)
         settings = read_settings(ThrottledSettings, self.extra_config, f"{NAME} storage")
-        self.read_link = read_link or Link(
-            settings.read_latency_ms * _MS, settings.read_bandwidth
-        )
-        self.write_link = write_link or Link(
-            settings.write_latency_ms * _MS, settings.write_bandwidth
-        )
-        self.inner = inner or create_storage_backend(settings.backend, settings.backend_extra)
+        # ``is None``, not ``or``: a backend may define __len__ (the file backend's page
+        # count), and an empty one is falsy.
+        if read_link is None:
+            read_link = Link(settings.read_latency_ms * _MS, settings.read_bandwidth)
+        if write_link is None:
+            write_link = Link(settings.write_latency_ms * _MS, settings.write_bandwidth)
+        if inner is None:
+            inner = create_storage_backend(settings.backend, settings.backend_extra)
+        self.read_link, self.write_link, self.inner = read_link, write_link, inner
         self._read_wait_s = 0.0  # guarded by self._lock
         self._write_wait_s = 0.0
 
