@@ -21,7 +21,8 @@ started with ``--admin-allow-dynamic-backend``. An operator who names it at
 start-up (``--hicache-storage-backend dynamic``) chose the module themselves
 and needs no flag. The directory of a backend that keeps files (``file``,
 ``nixl``, ``aibrix``) must lie under ``--l3-path-root`` (403 otherwise;
-``l3_path_root``).
+``l3_path_root``). Both hold for a backend wrapped by another (``throttled``'s
+``backend`` and ``backend_extra``), at any depth.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from hicache.server.protocol import StorageBackendRequest
 from hicache.server.server_info import public_config
 from hicache.server.state import ServerState, get_state
 from hicache.storage.base import StorageError
+from hicache.storage.registry import backend_names
 
 router = APIRouter()
 
@@ -104,9 +106,12 @@ async def attach_storage(request: Request) -> dict[str, Any]:
     if name == "none":
         raise APIError(400, "to turn L3 off, DELETE this resource", param="backend")
     # Checked before anything is created, so the named module is never even imported.
-    if name in CODE_LOADING_BACKENDS and not state.admin_allow_dynamic_backend:
+    # A wrapper (``throttled``) of a code-loading backend loads code all the same.
+    loader = next((n for n in backend_names(name, body.extra_config)
+                   if n in CODE_LOADING_BACKENDS), None)
+    if loader is not None and not state.admin_allow_dynamic_backend:
         raise APIError(
-            403, f"the {name!r} backend imports and runs the Python module its extra config "
+            403, f"the {loader!r} backend imports and runs the Python module its extra config "
             f"names, so the admin API attaches it only on a server started with "
             f"{ADMIN_ALLOW_DYNAMIC_FLAG}", param="backend",
         )

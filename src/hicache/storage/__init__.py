@@ -6,7 +6,9 @@ contract, the page frame, page files and regions, the options, the failure
 reasons) lie here beside the controller and its breaker and deadlines.
 Backends are created by name through ``create_storage_backend``, which imports
 each one only when asked for, so optional client libraries (Mooncake) are
-needed only by those who use them.
+needed only by those who use them. One backend is a tool rather than a store: ``throttled``
+wraps any other behind a simulated latency and bandwidth, so tests and benchmarks can make
+L3 as slow as they need (slower than recomputing a prompt, say) over a real store.
 """
 
 from hicache.storage.base import (

@@ -78,11 +78,47 @@ BACKENDS: dict[str, BackendEntry] = {
         "hicache.storage.backends.lmcache.backend", "LMCacheBackend",
         "an LMCache server (lmcache_server) over TCP, spoken to by our own client", {},
     ),
+    "throttled": BackendEntry(
+        "hicache.storage.backends.throttled.backend", "ThrottledBackend",
+        "another backend behind a simulated latency and bandwidth (for tests and benchmarks)",
+        {},
+    ),
     "dynamic": BackendEntry(
         "hicache.storage.backends.dynamic.backend", "DynamicBackend",
         "your own class: extra config module_path + class_name", {},
     ),
 }
+
+
+# Backends that wrap another one: their extra-config keys naming it and holding its own
+# extra config. What is checked of a backend by name (the admin API's refusal of code
+# loading, its confinement of paths) is checked of the backends it wraps too.
+WRAPPER_KEYS: dict[str, tuple[str, str]] = {"throttled": ("backend", "backend_extra")}
+
+
+def wrapped_backend(
+    name: str, extra_config: Mapping[str, Any]
+) -> tuple[str, Mapping[str, Any]] | None:
+    """The backend ``name`` wraps and its extra config, as ``extra_config`` gives them
+    (name normalised); None for a backend that wraps none, or a config that does not name
+    one properly (its settings then refuse it)."""
+    keys = WRAPPER_KEYS.get(name.strip().lower())
+    if keys is None:
+        return None
+    inner, inner_extra = extra_config.get(keys[0]), extra_config.get(keys[1]) or {}
+    if not isinstance(inner, str) or not isinstance(inner_extra, Mapping):
+        return None
+    return inner.strip().lower(), inner_extra
+
+
+def backend_names(name: str, extra_config: Mapping[str, Any]) -> list[str]:
+    """``name`` (normalised) and every backend it wraps, outermost first."""
+    names = [name.strip().lower()]
+    wrapped = wrapped_backend(name, extra_config)
+    while wrapped is not None:  # each step goes one object deeper into the config
+        names.append(wrapped[0])
+        wrapped = wrapped_backend(*wrapped)
+    return names
 
 
 def create_storage_backend(name: str, extra_config: Mapping[str, Any] | None) -> StorageBackend:

@@ -226,6 +226,19 @@ def test_the_dynamic_backend_is_refused_without_the_flag(
     assert client.get(ROUTE, headers=AUTH).json()["attached"] is False
 
 
+def test_the_dynamic_backend_wrapped_by_the_throttled_one_is_refused_too(
+    client: httpx.Client, tmp_path: Path
+) -> None:
+    body, marker = code_loading_backend(tmp_path)
+    wrapper = {"backend": "throttled", "extra_config": {
+        "backend": " Dynamic", "backend_extra": body["extra_config"], "read_latency_ms": 1}}
+    response = client.put(ROUTE, headers=AUTH, json=wrapper)
+    assert response.status_code == 403, response.text
+    assert "'dynamic' backend" in message(response)
+    assert not marker.exists()
+    assert client.get(ROUTE, headers=AUTH).json()["attached"] is False
+
+
 def test_with_the_flag_the_dynamic_backend_attaches(tmp_path: Path) -> None:
     body, marker = code_loading_backend(tmp_path)
     with serve_in_thread(

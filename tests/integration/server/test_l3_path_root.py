@@ -71,6 +71,24 @@ def test_paths_outside_the_root_are_403(server: RunningServer, root: Path, backe
     assert status["attached"] is False
 
 
+def test_the_path_of_a_backend_wrapped_by_the_throttled_one_is_confined_too(
+    server: RunningServer, root: Path,
+) -> None:
+    def attach(path: str) -> httpx.Response:
+        extra = {"backend": "file", "backend_extra": {"path": path}, "prefetch_threshold": 16}
+        return httpx.put(f"{server.url}{ROUTE}", headers=AUTH, timeout=TIMEOUT_S,
+                         json={"backend": "throttled", "extra_config": extra})
+
+    elsewhere = root.parent / "elsewhere"
+    refused = attach(str(elsewhere / "l3"))
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["param"] == "extra_config.backend_extra.path"
+    assert not elsewhere.exists()
+    attached = attach("stores/throttled")
+    assert attached.status_code == 200, attached.text
+    assert (root / "stores" / "throttled").is_dir()
+
+
 def test_a_relative_path_is_under_the_root_and_clear_spares_a_look_alike(
     server: RunningServer, root: Path,
 ) -> None:

@@ -13,6 +13,7 @@ from hicache.storage.base import StorageError
 from hicache.storage.registry import (
     BACKENDS,
     BackendEntry,
+    backend_names,
     create_storage_backend,
     unavailable_reason,
 )
@@ -92,3 +93,15 @@ def test_the_mooncake_entry_names_the_package_to_install() -> None:
     assert entry.module == "hicache.storage.backends.mooncake.backend"
     assert "mooncake" in entry.install_hints
     assert "pip install" in registry.MOONCAKE_INSTALL_HINT
+
+
+def test_the_backends_a_wrapper_wraps_are_named_outermost_first() -> None:
+    assert backend_names(" File", {"path": "x"}) == ["file"]
+    assert backend_names("throttled", {"backend": " Dynamic ", "backend_extra": {}}) == [
+        "throttled", "dynamic"]
+    nested = {"backend": "throttled", "backend_extra": {"backend": "file"}}
+    assert backend_names("Throttled", nested) == ["throttled", "throttled", "file"]
+    # A config that names no backend properly wraps none (its settings refuse it).
+    assert backend_names("throttled", {}) == ["throttled"]
+    assert backend_names("throttled", {"backend": 3}) == ["throttled"]
+    assert backend_names("throttled", {"backend": "file", "backend_extra": "x"}) == ["throttled"]
