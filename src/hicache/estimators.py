@@ -14,6 +14,8 @@ Invariants:
   or non-finite feature, are rejected (counted, not fitted).
 - Coefficients are never negative (each term is work that takes time), so no
   prediction is negative; a prediction is positive once any sample was.
+- Any thread may observe and read (each fit has its own lock: the scheduler
+  thread feeds it while a scrape reads it).
 - Old samples fade geometrically (``forget`` per sample): about the last
   ``1 / (1 - forget)`` samples dominate, so a change of regime (a throttled
   store, a busier machine) is followed within a few dozen samples.
@@ -41,6 +43,7 @@ transfer.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -98,6 +101,7 @@ class NonNegativeFit:
     _xy: list[float] = field(default_factory=list, repr=False)
     _yy: float = 0.0
     _coef: list[float] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self.dim < 1:
@@ -113,8 +117,18 @@ class NonNegativeFit:
         """Add a sample; False (and counted as rejected) when it is nonsense."""
         if (len(x) != self.dim or not math.isfinite(y) or y <= 0
                 or any(not math.isfinite(v) or v < 0 for v in x)):
-            self.num_rejected += 1
+            self.reject()
             return False
+        with self._lock:
+            self._add(x, y)
+        return True
+
+    def reject(self) -> None:
+        """Count a sample its caller found to be nonsense."""
+        with self._lock:
+            self.num_rejected += 1
+
+    def _add(self, x: Sequence[float], y: float) -> None:
         k, xx, xy = self.forget, self._xx, self._xy
         for i in range(self.dim):
             xi = x[i]
@@ -125,7 +139,6 @@ class NonNegativeFit:
         self._yy = k * self._yy + y * y
         self.num_samples += 1
         self._coef = None
-        return True
 
     @property
     def known(self) -> bool:
@@ -133,11 +146,12 @@ class NonNegativeFit:
 
     def coefficients(self) -> list[float] | None:
         """The fitted coefficients (None: fewer than ``min_samples`` samples)."""
-        if not self.known:
-            return None
-        if self._coef is None:
-            self._coef = self._fit()
-        return list(self._coef)
+        with self._lock:
+            if not self.known:
+                return None
+            if self._coef is None:
+                self._coef = self._fit()
+            return list(self._coef)
 
     def predict(self, x: Sequence[float]) -> float | None:
         coef = self.coefficients()
@@ -188,7 +202,7 @@ class PrefillEstimate:
         key) pairs (``attention_pairs`` summed over its chunks), beside ``decode_rows``
         decoding requests, in ``seconds``."""
         if new_tokens <= 0:
-            self.fit.num_rejected += 1
+            self.fit.reject()
             return False
         return self.fit.observe(self.features(new_tokens, pairs, decode_rows), seconds)
 
@@ -243,7 +257,7 @@ class TransferEstimate:
     def observe(self, size: float, seconds: float) -> bool:
         """A transfer of ``size`` units that took ``seconds``; an empty one is rejected."""
         if not size > 0:
-            self.fit.num_rejected += 1
+            self.fit.reject()
             return False
         return self.fit.observe((1.0, size / self.unit_scale), seconds)
 
