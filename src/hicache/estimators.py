@@ -16,6 +16,9 @@ Invariants:
   prediction is negative; a prediction is positive once any sample was.
 - Any thread may observe and read (each fit has its own lock: the scheduler
   thread feeds it while a scrape reads it).
+- A prefill step far slower than predicted (over ``clip`` times, once known) counts
+  as ``clip`` times the prediction: a stall moves the fit little. Transfers are not
+  clipped: a store throttled tenfold must be followed at once.
 - Old samples fade geometrically (``forget`` per sample): about the last
   ``1 / (1 - forget)`` samples dominate, so a change of regime (a throttled
   store, a busier machine) is followed within a few dozen samples.
@@ -95,6 +98,10 @@ class NonNegativeFit:
     dim: int
     forget: float = 0.97
     min_samples: int = 5
+    # Once known, a sample above ``clip`` times the prediction counts as that much: one
+    # stall (a collection pause, a page fault storm) shifts the fit a little, not by its
+    # size, while a lasting slowdown is still followed, ``clip``-fold per few samples.
+    clip: float | None = None
     num_samples: int = 0
     num_rejected: int = 0
     _xx: list[list[float]] = field(default_factory=list, repr=False)
@@ -120,6 +127,12 @@ class NonNegativeFit:
             self.reject()
             return False
         with self._lock:
+            if self.clip is not None and self.known:
+                if self._coef is None:
+                    self._coef = self._fit()
+                bound = self.clip * sum(c * v for c, v in zip(self._coef, x, strict=True))
+                if bound > 0:
+                    y = min(y, bound)
             self._add(x, y)
         return True
 
@@ -188,10 +201,11 @@ class PrefillEstimate:
 
     forget: float = 0.97
     min_samples: int = 8
+    clip: float | None = 4.0
     fit: NonNegativeFit = field(init=False)
 
     def __post_init__(self) -> None:
-        self.fit = NonNegativeFit(4, self.forget, self.min_samples)
+        self.fit = NonNegativeFit(4, self.forget, self.min_samples, self.clip)
 
     @staticmethod
     def features(new_tokens: int, pairs: int, decode_rows: int) -> tuple[float, ...]:
