@@ -56,6 +56,8 @@ _TOKENS = 1e3
 _PAIRS = 1e6
 _ROWS = 1e2
 _BYTES = 1e6
+# Samples between the refits of the coefficients a clip bounds new samples with.
+CLIP_REFIT = 8
 
 
 def attention_pairs(new_tokens: int, context: int) -> int:
@@ -109,6 +111,10 @@ class NonNegativeFit:
     _yy: float = 0.0
     _coef: list[float] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # The coefficients the clip bounds samples with, refit every CLIP_REFIT samples
+    # only: a bound needs no precision, and a fit per step would cost the scheduler.
+    _clip_coef: list[float] | None = field(default=None, repr=False)
+    _clip_age: int = 0
 
     def __post_init__(self) -> None:
         if self.dim < 1:
@@ -128,9 +134,12 @@ class NonNegativeFit:
             return False
         with self._lock:
             if self.clip is not None and self.known:
-                if self._coef is None:
-                    self._coef = self._fit()
-                bound = self.clip * sum(c * v for c, v in zip(self._coef, x, strict=True))
+                if self._clip_coef is None or self._clip_age >= CLIP_REFIT:
+                    if self._coef is None:
+                        self._coef = self._fit()
+                    self._clip_coef, self._clip_age = self._coef, 0
+                self._clip_age += 1
+                bound = self.clip * sum(c * v for c, v in zip(self._clip_coef, x, strict=True))
                 if bound > 0:
                     y = min(y, bound)
             self._add(x, y)
