@@ -123,6 +123,25 @@ def test_loads_become_ready_layer_by_layer(setup) -> None:
     assert torch.equal(backend.device.pages[[0, 1]], backend.host.pages[[3, 4]])
 
 
+def test_a_load_is_one_sample_for_the_cost_model_once_every_layer_landed(setup) -> None:
+    controller, backend = setup
+    assert controller.take_load_samples() == []
+    controller.load(np.array([3, 4, 5]), np.array([0, 1, 2]))
+    for layer in range(GEOMETRY.num_layers - 1):
+        backend.gate("load", layer).set()
+    batch = controller._last_load
+    assert batch is not None
+    assert wait_until(batch.layers[-2].query), "all but the last layer never landed"
+    assert controller.take_load_samples() == []  # the last layer is still gated
+    backend.gate("load", GEOMETRY.num_layers - 1).set()
+    controller.wait_loads()
+    samples = controller.take_load_samples()
+    assert len(samples) == 1 and samples[0][0] == 3
+    # The copies' whole time, the same the load_seconds counter summed.
+    assert 0 < samples[0][1] <= controller.load_seconds
+    assert controller.take_load_samples() == []  # taken once
+
+
 def test_thread_executor_runs_in_order_and_refuses_work_after_close() -> None:
     executor = ThreadExecutor("test")
     seen: list[int] = []

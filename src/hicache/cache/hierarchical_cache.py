@@ -241,6 +241,7 @@ class HierarchicalCache:
             alloc_host=self.alloc_host,
             free_host=host_pool.allocator.free,
             backup_node=self.backup_node,
+            host_page_bytes=host_pool.page_bytes,
         )
 
     def detach_storage(self) -> None:

@@ -136,8 +136,9 @@ class StorageTier:
         self.controller = StorageController(backend, self.breaker, config.io_timeout_s)
         self._config = config
         self.controller.start()
-        # Feeds the "auto" prefetch deadline; kept when a re-attach only updates policies.
-        self.read_time = ReadTimeEstimate(context.page_size)
+        # Feeds the "auto" prefetch deadline and, from the same samples, the cost model's
+        # read latency and bandwidth; kept when a re-attach only updates policies.
+        self.read_time = ReadTimeEstimate(context.page_size, page_bytes=context.host_page_bytes)
         self._budget = max(1, int(context.host_num_pages * config.prefetch_max_host_fraction))
         # Prefetch pages, quarantined ones included: host memory held for L3 reads.
         self._in_flight_pages = 0

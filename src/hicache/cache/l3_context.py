@@ -47,3 +47,5 @@ class L3Context:
     free_host: Callable[[PageIds], None]
     # Start copying a device-only node to the host; False when the host has no room.
     backup_node: Callable[[TreeNode], bool]
+    # Bytes of one host page (what an L3 read moves per page: its bandwidth's unit).
+    host_page_bytes: int = 0

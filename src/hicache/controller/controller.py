@@ -25,6 +25,8 @@ from hicache.transfer.digesting import DigestingCopier
 
 logger = logging.getLogger(__name__)
 
+MAX_LOAD_SAMPLES = 256
+
 
 @dataclass(frozen=True)
 class PendingWrite:
@@ -69,8 +71,11 @@ class CacheController:
         # Time the loads' copies took (what a router prices a host hit with). On CUDA
         # each load is bracketed by timing events, read once its copies landed.
         self._load_seconds = 0.0
-        self._timed_loads: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._timed_loads: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
         self._timing_lock = threading.Lock()
+        # Each landed load's (pages, seconds), for the cost model to take (bounded: a
+        # cache without one keeps the newest only).
+        self._load_samples: deque[tuple[int, float]] = deque(maxlen=MAX_LOAD_SAMPLES)
 
     # ------------------------------------------------------------- lifecycle
     @property
@@ -169,6 +174,9 @@ class CacheController:
             began = torch.cuda.Event(enable_timing=True)
             load_executor.submit(began.record)  # on the load stream, before the copies
 
+        num_pages, last = len(host_pages), self.num_layers - 1
+        spent = [0.0]  # this load's copy time so far (the load thread alone writes it)
+
         def load_layer(layer: int) -> Callable[[], None]:
             if on_cuda:
                 return lambda: io.load(src, dst, layer=layer)
@@ -176,8 +184,12 @@ class CacheController:
             def timed() -> None:  # runs on the load thread: the copy itself
                 start = time.perf_counter()
                 io.load(src, dst, layer=layer)
+                seconds = time.perf_counter() - start
+                spent[0] += seconds
                 with self._timing_lock:
-                    self._load_seconds += time.perf_counter() - start
+                    self._load_seconds += seconds
+                    if layer == last:  # layers run in order: the load has landed
+                        self._load_samples.append((num_pages, spent[0]))
 
             return timed
 
@@ -186,7 +198,7 @@ class CacheController:
             ended = torch.cuda.Event(enable_timing=True)
             load_executor.submit(ended.record)
             with self._timing_lock:
-                self._timed_loads.append((began, ended))
+                self._timed_loads.append((began, ended, num_pages))
         batch = LoadBatch(len(host_pages), layers)
         self._last_load = batch
         self.num_loaded_pages += len(host_pages)
@@ -208,8 +220,10 @@ class CacheController:
         def run() -> None:
             start = time.perf_counter()
             result.append(copier.load_verified(host_pages, device_pages))
+            seconds = time.perf_counter() - start
             with self._timing_lock:
-                self._load_seconds += time.perf_counter() - start
+                self._load_seconds += seconds
+                self._load_samples.append((len(host_pages), seconds))
 
         completion = load_executor.submit(run)  # after every load issued before it
         completion.wait()
@@ -231,10 +245,26 @@ class CacheController:
     def load_seconds(self) -> float:
         """Seconds the host->device copies of landed loads took, summed (any thread)."""
         with self._timing_lock:
-            while self._timed_loads and self._timed_loads[0][1].query():
-                began, ended = self._timed_loads.popleft()
-                self._load_seconds += began.elapsed_time(ended) / 1e3  # ms
+            self._settle_timed_loads()
             return self._load_seconds
+
+    def take_load_samples(self) -> list[tuple[int, float]]:
+        """The (pages, seconds) of each load landed since the last call (any thread)."""
+        with self._timing_lock:
+            self._settle_timed_loads()
+            if not self._load_samples:
+                return []
+            samples = list(self._load_samples)
+            self._load_samples.clear()
+            return samples
+
+    def _settle_timed_loads(self) -> None:
+        """On CUDA: account the loads whose timing events completed (under the lock)."""
+        while self._timed_loads and self._timed_loads[0][1].query():
+            began, ended, num_pages = self._timed_loads.popleft()
+            seconds = began.elapsed_time(ended) / 1e3  # ms
+            self._load_seconds += seconds
+            self._load_samples.append((num_pages, seconds))
 
     def wait_loads(self) -> None:
         batch = self._last_load

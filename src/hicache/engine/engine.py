@@ -392,6 +392,9 @@ class Engine:
             out["host_pool_usage"] = host.num_used_pages / host.num_pages
         storage = cache.storage
         out.update(self._memory_metrics())
+        # Rank 0's live costs (the ranks step together), the attached store's reads too.
+        reads = {storage.backend.name: storage.read_time} if storage is not None else {}
+        out.update(sched.cost_model.metrics(reads))
         out["storage_attached"] = float(storage is not None)
         if storage is not None:
             metrics = storage.metrics()

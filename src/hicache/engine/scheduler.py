@@ -57,6 +57,7 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.api import CachedTokens
 from hicache.engine.cache_ops import CACHE_OPS, RANK_READS
 from hicache.engine.config import SchedulerLimits
+from hicache.engine.cost_model import CostModel
 from hicache.engine.counters import EngineCounters
 from hicache.engine.lifecycle import RequestLifecycle
 from hicache.engine.model_runner import ModelRunner
@@ -67,6 +68,7 @@ from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
 from hicache.engine.thread_governor import ThreadGovernor
 from hicache.engine.threads import set_thread_count
+from hicache.estimators import attention_pairs
 from hicache.model.model import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,11 @@ class Scheduler:
         eos = frozenset(eos_token_ids)
         self.page_size = cache.page_size
         self.counters = EngineCounters()
+        # Live costs of this instance, fed by every step (``cost_model.py``).
+        self.cost_model = CostModel(limits.chunked_prefill_size)
+        # The last forward's shape: its attention pairs and decode rows (forward_step).
+        self._step_pairs = 0
+        self._step_decode_rows = 0
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.prefetcher = Prefetcher(cache, enabled=limits.enable_prefix_cache)
         # Outputs are recorded in it per step and flushed to its thread after each step
@@ -214,8 +221,15 @@ class Scheduler:
         if prefill_tokens:
             # Work a device runs asynchronously lands in a later step's time: summed
             # over many steps, the seconds still add up.
+            seconds = time.perf_counter() - began
             self.counters.num_prefill_step_tokens += prefill_tokens
-            self.counters.prefill_step_seconds += time.perf_counter() - began
+            self.counters.prefill_step_seconds += seconds
+            self.cost_model.observe_step(
+                prefill_tokens, self._step_pairs, self._step_decode_rows, seconds
+            )
+        controller = self.cache.controller
+        if controller is not None:
+            self.cost_model.observe_loads(controller.take_load_samples())
         return True
 
     def fail_all(self, message: str) -> None:
@@ -368,6 +382,7 @@ class Scheduler:
         decode, waiting = Phase.DECODE, Phase.WAITING
         wants_logits_from = False
         ensure_pages, now = self.lifecycle.ensure_pages, self.now
+        pairs = rows = 0  # the step's shape, for the cost model
         for req in list(self.lifecycle.running):
             phase = req.phase
             if phase is decode:
@@ -375,6 +390,7 @@ class Scheduler:
                 seq_len = req.seq_len
                 if seq_len <= len(req.pages) * capacity or ensure_pages(req, seq_len, now):
                     plan.append((req, 1))
+                    rows += 1
             elif phase is waiting:
                 continue  # retracted to make room for a request planned before it
             elif budget > 0:
@@ -382,13 +398,18 @@ class Scheduler:
                 if ensure_pages(req, req.num_computed + n, now):
                     plan.append((req, n))
                     budget -= n
+                    pairs += attention_pairs(n, req.num_computed)
                     wants_logits_from = wants_logits_from or req.wants_input_logprobs
+        prefill_tokens = self.limits.chunked_prefill_size - budget
         if self.counters.num_retractions != retractions:
             # A retraction while planning may have sent an already planned request back.
             plan = [(req, n) for req, n in plan if req.phase in (Phase.PREFILL, Phase.DECODE)]
+            pairs = sum(attention_pairs(n, req.num_computed) for req, n in plan
+                        if req.phase is Phase.PREFILL)
+            rows = sum(1 for req, _ in plan if req.phase is decode)
+        self._step_pairs, self._step_decode_rows = pairs, rows
         if not plan:
             return 0
-        prefill_tokens = self.limits.chunked_prefill_size - budget
         postprocess = self.postprocess
         # A decode's one token is its last, whose logits it samples from; only prompts
         # wanting their logprobs need more rows.

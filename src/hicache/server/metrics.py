@@ -17,6 +17,12 @@ Under tensor parallelism each rank has its own store: the L3 counters and failur
 are the sums over the ranks (gathered by the engine); the bandwidth gauges and the
 prefetch allowance are rank 0's.
 
+The live cost model (``engine/cost_model.py``, rank 0's) is exported as gauges
+named ``hicache_cost_*``: the predicted cold prefill seconds per token labelled by
+``context`` (the prompt length), the host->device load's latency and seconds per
+page, and each attached L3 backend's read latency and bandwidth labelled by
+``backend``; an estimate still unknown (too few samples) has no series.
+
 Each server owns its registry: several apps in one process (tests) never
 share or clash on series.
 """
@@ -168,6 +174,35 @@ SERIES: dict[str, Series] = {
     "storage_stalled_host_pages": _gauge(
         "l3_stalled_host_pages", "host pages reserved until stalled L3 calls return"
     ),
+    "cost_prefill_samples": _gauge(
+        "cost_prefill_samples", "forward steps the prefill cost estimate was fit from"
+    ),
+    "cost_prefill_coef_step_seconds": _gauge(
+        "cost_prefill_step_seconds", "prefill cost model: fixed seconds of a step"
+    ),
+    "cost_prefill_coef_seconds_per_token": _gauge(
+        "cost_prefill_token_seconds", "prefill cost model: seconds per prompt token"
+    ),
+    "cost_prefill_coef_seconds_per_pair": _gauge(
+        "cost_prefill_attention_pair_seconds",
+        "prefill cost model: seconds per (query, key) pair attended",
+    ),
+    "cost_prefill_coef_seconds_per_decode_row": _gauge(
+        "cost_prefill_decode_row_seconds",
+        "prefill cost model: seconds a decoding request adds to a prefill step",
+    ),
+    "cost_l2_load_samples": _gauge(
+        "cost_l2_load_samples", "host (L2) to device loads the load cost estimate was fit from"
+    ),
+    "cost_l2_load_latency_seconds": _gauge(
+        "cost_l2_load_latency_seconds", "host (L2) to device load: fixed seconds per load"
+    ),
+    "cost_l2_load_seconds_per_page": _gauge(
+        "cost_l2_load_seconds_per_page", "host (L2) to device load: seconds per page"
+    ),
+    "cost_l2_load_reference_seconds": _gauge(
+        "cost_l2_load_reference_seconds", "predicted seconds of a host to device load of 64 pages"
+    ),
     "storage_prefetch_timeout_per_ki_token_s": _gauge(
         "l3_prefetch_timeout_per_ki_token_seconds",
         "seconds a timeout-policy prefetch may wait per 1024 tokens, as in force "
@@ -194,6 +229,31 @@ def _fallback(key: str) -> Series:
     if "num_" in name:
         return _counter(name.replace("num_", ""), f"engine metric {key}")
     return _gauge(name, f"engine metric {key}")
+
+
+# engine.metrics() cost keys whose tail is a label: (key prefix, series name, label, help).
+_COST_LABELLED = (
+    ("cost_prefill_seconds_per_token_context_", "cost_prefill_seconds_per_token", "context",
+     "predicted seconds per token to prefill a cold prompt of this many tokens "
+     "(live cost model)"),
+    ("cost_l3_read_latency_seconds_backend_", "cost_l3_read_latency_seconds", "backend",
+     "L3 read latency per call, fit from this backend's prefetch reads"),
+    ("cost_l3_read_bandwidth_bytes_per_second_backend_",
+     "cost_l3_read_bandwidth_bytes_per_second", "backend",
+     "L3 read bandwidth past the latency, fit from this backend's prefetch reads"),
+    ("cost_l3_read_reference_seconds_backend_", "cost_l3_read_reference_seconds", "backend",
+     "predicted seconds of one L3 read of 64 pages"),
+    ("cost_l3_read_samples_backend_", "cost_l3_read_samples", "backend",
+     "L3 reads the cost model's latency and bandwidth were fit from"),
+)
+
+
+def _cost_series(key: str) -> Series | None:
+    """The labelled cost-model series for an engine key, or None for other keys."""
+    for prefix, name, label, text in _COST_LABELLED:
+        if key.startswith(prefix):
+            return Series(name, False, text, ((label, key.removeprefix(prefix)),))
+    return None
 
 
 def _failure_series(key: str) -> Series | None:
@@ -231,7 +291,8 @@ class EngineCollector(Collector):
         for key, value in values.items():
             if key in _SKIPPED:
                 continue
-            add(_failure_series(key) or SERIES.get(key) or _fallback(key), value)
+            series = _failure_series(key) or _cost_series(key)
+            add(series or SERIES.get(key) or _fallback(key), value)
 
         prompt = values.get("engine_num_prompt_tokens", 0.0)
         cached = sum(values.get(key, 0.0) for key in _CACHED_KEYS.values())

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from hicache.server.cost_model_info import cost_model_description
 from hicache.storage.config import load_extra_config
 from hicache.tokenizer.base import Tokenizer
 from hicache.tokenizer.byte_level import ByteTokenizer
@@ -254,6 +255,7 @@ def server_info(
         **(routing or {}),
         "l3": dict(l3),
         "memory": memory_description(counters),
+        "cost_model": cost_model_description(counters),
         "internal_states": [dict(counters)],
         "version": version,
     }

@@ -181,6 +181,12 @@ def _assert_same(alone_run: Run, tp2_run: Run) -> None:
                 "storage_prefetch_pages_loaded"):
         assert alone_metrics[key] > 0
         assert tp2_metrics[key] == 2 * alone_metrics[key], key
+    # The cost model is rank 0's (the ranks step together), fed under TP as alone: its
+    # prefill steps, its loads, and its store's reads (the store is named by backend).
+    for numbers in (alone_metrics, tp2_metrics):
+        assert numbers["cost_prefill_samples"] > 0
+        assert numbers["cost_l2_load_samples"] > 0
+        assert numbers["cost_l3_read_samples_backend_file"] >= 1
 
 
 @pytest.fixture(scope="module")

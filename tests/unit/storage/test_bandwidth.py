@@ -57,3 +57,28 @@ def test_the_config_uses_the_estimate_only_under_auto_and_caps_the_timeout() -> 
     fixed = StorageConfig(prefetch_timeout_per_ki_token=0.5, prefetch_timeout_base=1.0)
     assert not fixed.auto_prefetch_timeout
     assert fixed.prefetch_timeout(2048, 4.0) == pytest.approx(2.0)  # the number wins
+
+
+def test_the_same_reads_fit_the_store_latency_and_bandwidth() -> None:
+    page_bytes = 1 << 20
+    estimate = ReadTimeEstimate(page_size=16, page_bytes=page_bytes)
+    latency, bandwidth = 0.004, 200e6  # 4 ms a call, 200 MB/s
+    for pages in (2, 8, 32):
+        estimate.observe(pages, latency + pages * page_bytes / bandwidth)
+    assert estimate.read_cost.latency_s == pytest.approx(latency, rel=1e-4)
+    assert estimate.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-4)
+    assert estimate.predict_read(64) == pytest.approx(latency + 64 * page_bytes / bandwidth,
+                                                      rel=1e-4)
+    # The allowance is still the average seconds per page, as before.
+    assert estimate.seconds_per_page is not None
+
+
+def test_without_page_bytes_or_enough_reads_the_read_cost_is_unknown() -> None:
+    estimate = ReadTimeEstimate(page_size=16)
+    for _ in range(5):
+        estimate.observe(4, 0.01)
+    assert estimate.predict_read(4) is None and estimate.bandwidth_bytes_per_s is None
+    sized = ReadTimeEstimate(page_size=16, page_bytes=1024)
+    sized.observe(4, 0.01)
+    sized.observe(4, 0.01)
+    assert sized.predict_read(4) is None
