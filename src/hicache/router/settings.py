@@ -239,7 +239,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--tier-costs", choices=[t.value for t in TierCostsMode], default=d.tier_costs.value,
-        help="fixed: one cost per tier; measured: each worker's bandwidths and prefill rate "
+        help="fixed: one cost per tier; measured: each worker's live cost model (its prefill, "
+        "host load and L3 read estimates; its totals until they are known) "
         "(default: %(default)s)",
     )
     group.add_argument(

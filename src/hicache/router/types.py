@@ -43,7 +43,7 @@ class TierOverlap:
 class TierCosts:
     """Relative cost of bringing one page into a worker's device from each
     place, with recomputing it as 1.0 (``--tier-costs measured`` fills these
-    from the worker's reported bandwidths and prefill rate)."""
+    from the worker's live cost model, else its totals: ``router.tier_costs``)."""
 
     host: float = 0.1
     external: float = 0.5
