@@ -42,6 +42,9 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
         "hicache.bench.router_decision", "a routing decision's cost: 8 workers, 1M indexed pages"
     ),
     "l2-ttft": ("hicache.bench.l2_ttft", "TTFT of a full L2 prefix hit next to its physical bound"),
+    "load-vs-recompute": ("hicache.bench.load_vs_recompute", "TTFT of a full L3 (throttled) "
+                          "or L2 hit against recomputing the prompt, with the cost model's "
+                          "predictions"),
     "router": ("hicache.bench.router_bench", "multi-turn conversations over a cluster, per "
                "router policy"),
     "pd": ("hicache.bench.pd_bench", "multi-turn conversations on one instance and on a "

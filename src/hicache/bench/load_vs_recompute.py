@@ -1,0 +1,307 @@
+"""Loading a cached prompt against computing it again: the ground truth for the choice.
+
+One in-process engine (no HTTP); for each throttle point (an L3 read latency and
+bandwidth) its L3 is a new ``throttled`` backend over a file store in a temporary directory,
+and for each prompt length it answers with a few greedy tokens, repeats alternating:
+
+- recompute: a fresh prompt of that length, nothing of it cached anywhere (its KV is
+  written back to L1, L2 and L3 as usual);
+- load: the same prompt again after L1 and L2 were flushed (the flush waits for the write
+  back to L3 to finish), so every whole page but the one holding the last token comes from
+  L3 through the throttle.
+
+A host-tier row per length does the same with only L1 flushed (a full L2 hit). Each row
+gives the medians, load / recompute, min(load, recompute), and next to them what the
+engine's live cost model predicted just before each timed request (the prefill of the
+whole prompt; the L3 read of the hit's pages and their host->device load, or that load
+alone for L2, plus the tail the load still computes); "-" while the model has not learned
+that cost yet.
+
+Invariants: a load row's requests were served from the tier it names (all the hit's pages)
+or the bench stops; a load's output tokens equal its recompute's (``same_output``). This
+is the baseline before any per-request decision: it claims no ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hicache.bench.l2_ttft import TierError, _device
+from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
+from hicache.engine.build import build_engine
+from hicache.engine.engine import Engine
+from hicache.server.engine_args import add_engine_args, engine_config_from_args
+
+DEFAULT_TOKENS = (1024, 2048, 4096, 8192, 16384)
+# From a fast store to one slower than recompute on a CPU: (read latency ms, bandwidth).
+DEFAULT_POINTS = ("2:none", "2:1GB", "2:200MB", "2:50MB", "2:10MB")
+# The store's calls and the prefetch wait: far past the slowest default point's reads,
+# so that a slow point is measured as slow, not cut.
+PATIENT_WAITS = {"io_timeout_s": 600.0, "prefetch_timeout_max": 600.0, "prefetch_threshold": 1}
+HOST_TIER = "host"
+
+
+@dataclass(frozen=True)
+class ThrottlePoint:
+    read_latency_ms: float
+    read_bandwidth: str | None  # a size per second ("200MB"), None: unlimited
+
+    @property
+    def label(self) -> str:
+        return self.read_bandwidth or "unlimited"
+
+
+def parse_point(text: str) -> ThrottlePoint:
+    """``LATENCY_MS:BANDWIDTH``; a bandwidth of ``none`` or ``unlimited`` is no limit."""
+    latency, sep, bandwidth = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected LATENCY_MS:BANDWIDTH, got {text!r}")
+    try:
+        ms = float(latency)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"latency must be milliseconds, got {latency!r}") from e
+    unlimited = bandwidth.strip().lower() in ("", "none", "unlimited", "inf")
+    return ThrottlePoint(ms, None if unlimited else bandwidth.strip())
+
+
+@dataclass
+class Row:
+    tier: str  # "storage" (a full L3 hit, throttled) or "host" (a full L2 hit)
+    tokens: int
+    cached_tokens: int  # of the prompt, served by ``tier`` in each load
+    read_latency_ms: float | None
+    read_bandwidth: str | None
+    recompute_s: float
+    load_s: float
+    predicted_recompute_s: float | None
+    predicted_load_s: float | None
+    same_output: bool
+    recompute_samples: list[float] = field(default_factory=list)
+    load_samples: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return self.load_s / self.recompute_s
+
+    @property
+    def best_s(self) -> float:
+        return min(self.load_s, self.recompute_s)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
+        help="prompt lengths (default 1K-16K, capped by the model's context)",
+    )
+    parser.add_argument(
+        "--points", type=parse_point, nargs="+", default=None,
+        help="L3 throttle points LATENCY_MS:BANDWIDTH, fast to slow (bandwidth e.g. 200MB, "
+        f"none: unlimited; default {' '.join(DEFAULT_POINTS)})",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed pairs per point (median)")
+    parser.add_argument("--output-tokens", type=int, default=2,
+                        help="greedy tokens per request (compared between load and recompute)")
+    parser.add_argument("--no-host-row", action="store_true", help="skip the full L2 hit rows")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the rows here")
+    add_engine_args(parser)
+    parser.set_defaults(enable_hierarchical_cache=True, page_size=64)
+
+
+def _generate(
+    engine: Engine, ids: list[int], output_tokens: int
+) -> tuple[GenerateOutput, list[int]]:
+    """One greedy request; its last output, with every token it produced."""
+    params = SamplingParams(max_new_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+
+    async def one() -> tuple[GenerateOutput, list[int]]:
+        last: GenerateOutput | None = None
+        tokens: list[int] = []
+        async for out in engine.generate(GenerateRequest(tuple(ids), params)):
+            tokens.extend(out.token_ids)
+            last = out
+        assert last is not None and last.finished
+        return last, tokens
+
+    return asyncio.run(one())
+
+
+@dataclass
+class _Timed:
+    seconds: float
+    tokens: list[int]
+    cached: int  # prompt tokens served by the tier asked about
+
+
+def _timed(engine: Engine, ids: list[int], output_tokens: int, tier: str | None) -> _Timed:
+    out, tokens = _generate(engine, ids, output_tokens)
+    assert out.ttft_s is not None
+    cached = getattr(out.cached_tokens, tier) if tier is not None else out.cached_tokens.total
+    return _Timed(out.ttft_s, tokens, cached)
+
+
+def _predictions(engine: Engine, tokens: int, cached: int, tier: str) -> tuple[
+    float | None, float | None
+]:
+    """The cost model's recompute and load seconds for this prompt, as it stands now."""
+    page_size = engine.cache.page_size
+
+    def predict() -> tuple[float | None, float | None]:
+        model = engine.scheduler.cost_model
+        recompute = model.predict_prefill(tokens)
+        tail = model.predict_prefill(tokens - cached, context=cached)
+        pages = cached // page_size
+        move = model.l2_load.predict(pages)
+        if tier != HOST_TIER:  # L3 lands in host memory first, then loads as an L2 hit
+            storage = engine.cache.storage
+            read = storage.read_time.predict_read(pages) if storage is not None else None
+            move = None if read is None or move is None else read + move
+        load = None if move is None or tail is None else move + tail
+        return recompute, load
+
+    result: tuple[float | None, float | None] = engine.scheduler.call(predict).result(60)
+    return result
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def measure(
+    engine: Engine, tokens: int, tier: str, point: ThrottlePoint | None, repeats: int,
+    output_tokens: int, prompt: Callable[[int], list[int]],
+) -> Row:
+    """``repeats`` alternating (recompute, load) pairs of fresh prompts of ``tokens``."""
+    page_size = engine.cache.page_size
+    expect = (tokens - 1) // page_size * page_size  # the last token is always computed
+    recompute: list[float] = []
+    load: list[float] = []
+    predicted: list[tuple[float | None, float | None]] = []
+    same = True
+    for _ in range(repeats):
+        ids = prompt(tokens)
+        predicted.append(_predictions(engine, tokens, expect, tier))
+        cold = _timed(engine, ids, output_tokens, None)
+        if cold.cached:
+            raise TierError(f"a fresh prompt found {cold.cached} cached tokens")
+        if tier == HOST_TIER:
+            engine.evict_device_cache()  # L2 keeps its copy
+        else:
+            assert engine.flush_cache()  # waits for the write back to L3 first
+        warm = _timed(engine, ids, output_tokens, tier)
+        if warm.cached < expect:
+            raise TierError(f"expected {expect} {tier} tokens, got {warm.cached}")
+        same = same and warm.tokens == cold.tokens
+        recompute.append(cold.seconds)
+        load.append(warm.seconds)
+        assert engine.flush_cache()  # the next prompt starts from empty L1 and L2
+    return Row(
+        tier, tokens, expect,
+        point.read_latency_ms if point else None, point.read_bandwidth if point else None,
+        recompute_s=statistics.median(recompute), load_s=statistics.median(load),
+        predicted_recompute_s=_median([p[0] for p in predicted]),
+        predicted_load_s=_median([p[1] for p in predicted]),
+        same_output=same, recompute_samples=recompute, load_samples=load,
+    )
+
+
+def _attach(engine: Engine, point: ThrottlePoint, path: Path) -> None:
+    if engine.cache.storage is not None:
+        engine.detach_storage()
+    extra: dict[str, Any] = {
+        **PATIENT_WAITS, "backend": "file", "backend_extra": {"path": str(path)},
+        "read_latency_ms": point.read_latency_ms,
+    }
+    if point.read_bandwidth is not None:
+        extra["read_bandwidth"] = point.read_bandwidth
+    engine.attach_storage("throttled", extra, "wait_complete")
+
+
+def run(engine: Engine, args: argparse.Namespace, workdir: Path) -> list[Row]:
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = min(engine.vocab_size, 256)  # byte ids exist in every model's vocabulary
+
+    def prompt(n: int) -> list[int]:
+        return [int(t) for t in torch.randint(0, vocab, (n,), generator=generator)]
+
+    limit = engine.max_context_len - args.output_tokens
+    lengths = sorted({t for t in args.tokens if t <= limit}) or [limit]
+    points = args.points or [parse_point(p) for p in DEFAULT_POINTS]
+    rows: list[Row] = []
+    for i, point in enumerate(points):
+        _attach(engine, point, workdir / f"l3-{i}")
+        # Warm-up: kernels, allocator, and the new store's read estimate.
+        measure(engine, lengths[0], "storage", point, 1, args.output_tokens, prompt)
+        rows += [
+            measure(engine, n, "storage", point, args.repeats, args.output_tokens, prompt)
+            for n in lengths
+        ]
+    if not args.no_host_row:
+        rows += [
+            measure(engine, n, HOST_TIER, None, args.repeats, args.output_tokens, prompt)
+            for n in lengths
+        ]
+    return rows
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def print_table(rows: list[Row]) -> None:
+    print("| tier | tokens | latency ms | bandwidth | recompute s | load s | load/recompute "
+          "| min s | predicted recompute s | predicted load s | same output |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        latency = "-" if r.read_latency_ms is None else f"{r.read_latency_ms:g}"
+        bandwidth = "-" if r.tier == HOST_TIER else (r.read_bandwidth or "unlimited")
+        tier = "L2" if r.tier == HOST_TIER else "L3"
+        print(
+            f"| {tier} | {r.tokens} | {latency} | {bandwidth} | {r.recompute_s:.3f} "
+            f"| {r.load_s:.3f} | {r.ratio:.2f} | {r.best_s:.3f} "
+            f"| {_s(r.predicted_recompute_s)} | {_s(r.predicted_load_s)} "
+            f"| {'yes' if r.same_output else 'NO'} |"
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    device = _device(args)
+    if args.model_path is None and args.model_preset is None:
+        from hicache.model.default_model import default_model_path
+
+        args.model_path = str(default_model_path())  # SmolLM2, serve's default model
+    if args.max_total_tokens is None:  # room for the longest prompt, twice over
+        args.max_total_tokens = 2 * (max(args.tokens) + args.output_tokens + args.page_size)
+    engine = build_engine(engine_config_from_args(args))
+    try:
+        if engine.cache.host_pool is None:
+            print("load-vs-recompute needs the host tier: drop --disable-hierarchical-cache")
+            return 2
+        with tempfile.TemporaryDirectory(prefix="hicache-lvr-") as workdir:
+            rows = run(engine, args, Path(workdir))
+    finally:
+        engine.shutdown()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"hicache bench load-vs-recompute: {engine.model_name} on {name}, "
+        f"page {engine.cache.page_size}, L3 throttled(file), {args.output_tokens} output "
+        f"tokens, median of {args.repeats}\n"
+    )
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(
+                [{**asdict(r), "ratio": r.ratio, "best_s": r.best_s} for r in rows], out, indent=1
+            )
+    return 0
