@@ -51,10 +51,10 @@ assert torch.cuda.is_available(), 'CUDA is not available'; print(torch.cuda.get_
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 # Budget (worst case, each step is killed at its limit): 60 + 540 + 3 x 120 + 2 x 40 + 2 x 240
-# + 120 + 3 x 570 s; one device call allows 10 min, so split it with STEPS:
+# + 300 + 120 + 3 x 570 s; one device call allows 10 min, so split it with STEPS:
 #   STEPS="env pytest"    STEPS="env bench_transfer bench_attention bench_direct_dma bench_direct_gather"
 #   STEPS="env bench_transfer_mla"
-#   STEPS="env bench_prefill bench_l2_ttft"    STEPS="env compare_llama"
+#   STEPS="env bench_prefill bench_l2_ttft bench_load_vs_recompute"    STEPS="env compare_llama"
 #   STEPS="env bench_storage compare_qwen"    STEPS="env compare_cuda_graph"
 # (default: every step); LIMIT_<step>=S sets one step's limit in seconds. The benchmarks write their JSON as they go.
 # The GPU tests (and the model tests with CUDA cases); -rA lists every outcome, so a run cut
@@ -82,6 +82,12 @@ run bench_prefill 240 "$PY" -m hicache bench prefill --json "$OUT/prefill.json"
 # TTFT of a whole-prefix L2 hit next to KV bytes / pinned H2D bandwidth + suffix compute.
 run bench_l2_ttft 240 "$PY" -m hicache bench l2-ttft --model-preset llama3-8b \
   --hicache-mem-layout page_first --json "$OUT/l2_ttft.json"
+# Loading a cached prompt against computing it again (issue 31): a full L3 hit through a store
+# throttled from unlimited down to 500 MB/s, and a full L2 hit, each next to the same prompt
+# recomputed cold, Llama-3-8B dummy bf16 weights (83 s on an H200 on 2026-11-28).
+run bench_load_vs_recompute 300 "$PY" -m hicache bench load-vs-recompute --model-preset llama3-8b \
+  --device cuda --tokens 4096 16384 --points 2:none 2:8GB 2:2GB 2:500MB --repeats 2 \
+  --json "$OUT/load_vs_recompute.json"
 # L3 backends next to their plain baselines on a host with cores and memory bandwidth to spare
 # (mooncake is reported as skipped when its client is not installed there).
 run bench_storage 120 "$PY" -m hicache bench storage --backends file,mooncake \
