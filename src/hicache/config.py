@@ -43,6 +43,13 @@ class IOBackendKind(str, Enum):
     DIRECT = "direct"  # torch copies, batched per contiguous run
 
 
+class ReusePolicy(str, Enum):
+    """How much of a prompt's cached prefix a request loads from the host tier and L3."""
+
+    COST = "cost"  # the fastest split, priced with the live cost model (engine/reuse_plan.py)
+    LOAD = "load"  # all the tiers hold, whatever it costs (waiting as the prefetch policy says)
+
+
 class MemLayout(str, Enum):
     """Host pool memory layout (the device pool is always layer_first)."""
 
@@ -84,6 +91,7 @@ class CacheConfig:
     # Host hits shorter than this are recomputed instead of loaded: a tiny load costs
     # more in launch and bookkeeping than recomputing a few tokens.
     load_back_threshold_tokens: int = 10
+    reuse_policy: ReusePolicy = ReusePolicy.COST
 
     def __post_init__(self) -> None:
         # Accept plain strings (from argparse or JSON) and normalise them to enums.
@@ -98,6 +106,10 @@ class CacheConfig:
         object.__setattr__(
             self, "mem_layout",
             parse_enum(MemLayout, self.mem_layout, "--hicache-mem-layout"),
+        )
+        object.__setattr__(
+            self, "reuse_policy",
+            parse_enum(ReusePolicy, self.reuse_policy, "--hicache-reuse-policy"),
         )
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ConfigError(f"--page-size must be a positive integer, got {self.page_size!r}")

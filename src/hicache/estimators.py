@@ -251,17 +251,36 @@ class PrefillEstimate:
                        chunk: int | None = None) -> float | None:
         """Seconds to compute ``new_tokens`` after ``context`` in chunks of ``chunk``
         tokens (one step each, as the scheduler's chunked prefill does)."""
-        if self.fit.coefficients() is None:
+        coef = self.coefficients()
+        if coef is None:
             return None
-        step = new_tokens if chunk is None or chunk <= 0 else chunk
-        total, done = 0.0, 0
-        while done < new_tokens:
-            n = min(step, new_tokens - done)
-            seconds = self.predict(n, context + done, decode_rows)
-            assert seconds is not None
-            total += seconds
-            done += n
-        return total
+        return prompt_seconds(PrefillCoefficients(**coef), new_tokens, context, decode_rows,
+                              chunk)
+
+
+@dataclass(frozen=True)
+class PrefillCoefficients:
+    """A prefill fit's numbers in plain units (a snapshot: can be sent to other ranks)."""
+
+    step_seconds: float
+    seconds_per_token: float
+    seconds_per_pair: float
+    seconds_per_decode_row: float
+
+
+def prompt_seconds(coef: PrefillCoefficients, new_tokens: int, context: int = 0,
+                   decode_rows: int = 0, chunk: int | None = None) -> float:
+    """Seconds to compute ``new_tokens`` after ``context`` cached ones, one step per
+    ``chunk`` tokens (all in one step when ``chunk`` is None), ``decode_rows`` beside."""
+    step = new_tokens if chunk is None or chunk <= 0 else chunk
+    per_step = coef.step_seconds + coef.seconds_per_decode_row * decode_rows
+    total, done = 0.0, 0
+    while done < new_tokens:
+        n = min(step, new_tokens - done)
+        total += (per_step + coef.seconds_per_token * n
+                  + coef.seconds_per_pair * attention_pairs(n, context + done))
+        done += n
+    return total
 
 
 @dataclass

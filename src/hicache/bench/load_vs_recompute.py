@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from hicache.bench.l2_ttft import TierError, _device
+from hicache.config import ReusePolicy
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
 from hicache.engine.build import build_engine
 from hicache.engine.engine import Engine
@@ -88,6 +89,16 @@ class Row:
     same_output: bool
     recompute_samples: list[float] = field(default_factory=list)
     load_samples: list[float] = field(default_factory=list)
+    # The same hit again under the engine's own choice (--hicache-reuse-policy cost).
+    chosen_s: float | None = None
+    chosen_samples: list[float] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)
+    chosen_same_output: bool = True
+
+    @property
+    def chosen_ratio(self) -> float | None:
+        """The choice's time over the better of the two pure ways (target: <= 1.05)."""
+        return None if self.chosen_s is None else self.chosen_s / self.best_s
 
     @property
     def ratio(self) -> float:
@@ -141,13 +152,28 @@ class _Timed:
     seconds: float
     tokens: list[int]
     cached: int  # prompt tokens served by the tier asked about
+    decision: str | None  # the engine's load-or-recompute choice, where it made one
 
 
 def _timed(engine: Engine, ids: list[int], output_tokens: int, tier: str | None) -> _Timed:
     out, tokens = _generate(engine, ids, output_tokens)
     assert out.ttft_s is not None
     cached = getattr(out.cached_tokens, tier) if tier is not None else out.cached_tokens.total
-    return _Timed(out.ttft_s, tokens, cached)
+    return _Timed(out.ttft_s, tokens, cached, out.reuse.decision if out.reuse else None)
+
+
+def _set_policy(engine: Engine, policy: ReusePolicy) -> None:
+    """Switch the scheduler's load-or-recompute policy between requests."""
+    advisor = engine.scheduler.reuse
+    engine.scheduler.call(lambda: setattr(advisor, "policy", policy)).result(60)
+
+
+def _drop(engine: Engine, tier: str) -> None:
+    """Leave the prompt's KV in ``tier`` alone (L2, or L3 with L1 and L2 flushed)."""
+    if tier == HOST_TIER:
+        engine.evict_device_cache()  # L2 keeps its copy
+    else:
+        assert engine.flush_cache()  # waits for the write back to L3 first
 
 
 def _predictions(engine: Engine, tokens: int, cached: int, tier: str) -> tuple[
@@ -182,30 +208,41 @@ def measure(
     engine: Engine, tokens: int, tier: str, point: ThrottlePoint | None, repeats: int,
     output_tokens: int, prompt: Callable[[int], list[int]],
 ) -> Row:
-    """``repeats`` alternating (recompute, load) pairs of fresh prompts of ``tokens``."""
+    """``repeats`` alternating (recompute, load, chosen) triples of fresh prompts of
+    ``tokens``: computed cold, then loaded whole from ``tier`` (policy load), then from
+    ``tier`` again under the engine's own choice (policy cost)."""
     page_size = engine.cache.page_size
     expect = (tokens - 1) // page_size * page_size  # the last token is always computed
     recompute: list[float] = []
     load: list[float] = []
+    chosen: list[float] = []
+    decisions: list[str] = []
     predicted: list[tuple[float | None, float | None]] = []
-    same = True
-    for _ in range(repeats):
-        ids = prompt(tokens)
-        predicted.append(_predictions(engine, tokens, expect, tier))
-        cold = _timed(engine, ids, output_tokens, None)
-        if cold.cached:
-            raise TierError(f"a fresh prompt found {cold.cached} cached tokens")
-        if tier == HOST_TIER:
-            engine.evict_device_cache()  # L2 keeps its copy
-        else:
-            assert engine.flush_cache()  # waits for the write back to L3 first
-        warm = _timed(engine, ids, output_tokens, tier)
-        if warm.cached < expect:
-            raise TierError(f"expected {expect} {tier} tokens, got {warm.cached}")
-        same = same and warm.tokens == cold.tokens
-        recompute.append(cold.seconds)
-        load.append(warm.seconds)
-        assert engine.flush_cache()  # the next prompt starts from empty L1 and L2
+    same = chosen_same = True
+    try:
+        for _ in range(repeats):
+            ids = prompt(tokens)
+            predicted.append(_predictions(engine, tokens, expect, tier))
+            cold = _timed(engine, ids, output_tokens, None)
+            if cold.cached:
+                raise TierError(f"a fresh prompt found {cold.cached} cached tokens")
+            _drop(engine, tier)
+            _set_policy(engine, ReusePolicy.LOAD)
+            warm = _timed(engine, ids, output_tokens, tier)
+            if warm.cached < expect:
+                raise TierError(f"expected {expect} {tier} tokens, got {warm.cached}")
+            _drop(engine, tier)
+            _set_policy(engine, ReusePolicy.COST)
+            choice = _timed(engine, ids, output_tokens, tier)
+            same = same and warm.tokens == cold.tokens
+            chosen_same = chosen_same and choice.tokens == cold.tokens
+            recompute.append(cold.seconds)
+            load.append(warm.seconds)
+            chosen.append(choice.seconds)
+            decisions.append(choice.decision or "-")
+            assert engine.flush_cache()  # the next prompt starts from empty L1 and L2
+    finally:
+        _set_policy(engine, ReusePolicy.COST)
     return Row(
         tier, tokens, expect,
         point.read_latency_ms if point else None, point.read_bandwidth if point else None,
@@ -213,6 +250,8 @@ def measure(
         predicted_recompute_s=_median([p[0] for p in predicted]),
         predicted_load_s=_median([p[1] for p in predicted]),
         same_output=same, recompute_samples=recompute, load_samples=load,
+        chosen_s=statistics.median(chosen), chosen_samples=chosen, decisions=decisions,
+        chosen_same_output=chosen_same,
     )
 
 
@@ -259,19 +298,31 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _decisions(names: list[str]) -> str:
+    """``load`` or, where the repeats chose differently, ``load 2, split 1``."""
+    counts = {name: names.count(name) for name in dict.fromkeys(names)}
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{name} {n}" for name, n in counts.items())
+
+
 def print_table(rows: list[Row]) -> None:
     print("| tier | tokens | latency ms | bandwidth | recompute s | load s | load/recompute "
-          "| min s | predicted recompute s | predicted load s | same output |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
+          "| min s | chosen s | chosen/min | decision | predicted recompute s "
+          "| predicted load s | same output |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for r in rows:
         latency = "-" if r.read_latency_ms is None else f"{r.read_latency_ms:g}"
         bandwidth = "-" if r.tier == HOST_TIER else (r.read_bandwidth or "unlimited")
         tier = "L2" if r.tier == HOST_TIER else "L3"
+        ratio = "-" if r.chosen_ratio is None else f"{r.chosen_ratio:.2f}"
+        same = r.same_output and r.chosen_same_output
         print(
             f"| {tier} | {r.tokens} | {latency} | {bandwidth} | {r.recompute_s:.3f} "
-            f"| {r.load_s:.3f} | {r.ratio:.2f} | {r.best_s:.3f} "
+            f"| {r.load_s:.3f} | {r.ratio:.2f} | {r.best_s:.3f} | {_s(r.chosen_s)} | {ratio} "
+            f"| {_decisions(r.decisions)} "
             f"| {_s(r.predicted_recompute_s)} | {_s(r.predicted_load_s)} "
-            f"| {'yes' if r.same_output else 'NO'} |"
+            f"| {'yes' if same else 'NO'} |"
         )
 
 
@@ -302,6 +353,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as out:
             json.dump(
-                [{**asdict(r), "ratio": r.ratio, "best_s": r.best_s} for r in rows], out, indent=1
+                [{**asdict(r), "ratio": r.ratio, "best_s": r.best_s,
+                  "chosen_ratio": r.chosen_ratio} for r in rows], out, indent=1
             )
     return 0

@@ -287,6 +287,12 @@ class HierarchicalCache:
         """
         return handle.finished or self.storage is None or self.storage.done(handle)
 
+    def prefetch_landed_tokens(self, handle: PrefetchHandle) -> int:
+        """Tokens of the prefetch already on the host (``finish_prefetch`` would insert them)."""
+        if self.storage is None:
+            return handle.num_inserted_tokens
+        return self.storage.num_landed_tokens(handle)
+
     @property
     def prefetch_slot_free(self) -> bool:
         """May a prefetch start now? Under tensor parallelism it needs an agreement slot."""
@@ -330,14 +336,20 @@ class HierarchicalCache:
         return self.tree.peek_prefix(pack_tokens(tokens), extra_key)
 
     def acquire(
-        self, tokens: TokenIds, extra_key: str | None = None, record_hit: bool = True
+        self, tokens: TokenIds, extra_key: str | None = None, record_hit: bool = True,
+        max_tokens: int | None = None,
     ) -> PrefixHit:
         """Match ``tokens``, lock the hit and start loading its host part to the device.
 
         ``record_hit=False`` leaves the hit statistics alone: for a request
         acquiring again (after a retraction), whose hit was counted already.
+        ``max_tokens``: match no further (the rest is computed again, by choice);
+        the statistics still count all of ``tokens`` as asked for.
         """
         data = pack_tokens(tokens)
+        asked = len(data) // 4
+        if max_tokens is not None:
+            data = data[: max(max_tokens, 0) * 4]
         match = self.tree.match_prefix(data, extra_key)
         node = match.last_node
         self.tree.lock(node)
@@ -362,7 +374,7 @@ class HierarchicalCache:
         if corrupt is not None:  # unlocked by now (unless another request holds it)
             self._drop_corrupt(corrupt)
         if record_hit:
-            self.stats.record_hit(len(data) // 4, match.num_device_tokens, loaded)
+            self.stats.record_hit(asked, match.num_device_tokens, loaded)
         return PrefixHit(pages, match.num_device_tokens, loaded, node)
 
     def release(self, hit: PrefixHit) -> None:

@@ -257,6 +257,16 @@ class StorageTier:
             return self.ready(handle)
         return handle.finished or self._complete(handle)
 
+    def num_landed_tokens(self, handle: PrefetchHandle) -> int:
+        """Tokens of the prefetch on the host by now, in order (what ``finish`` would keep;
+        under tensor parallelism what every rank has)."""
+        if handle.finished:
+            return handle.num_inserted_tokens
+        landed = handle.op.num_landed
+        if handle.replicated:
+            landed = min(landed, self.agreement.num_landed_pages(handle))
+        return landed * self._context.page_size
+
     def finish(self, handle: PrefetchHandle, keep: bool = True) -> int:
         """End the prefetch; with ``keep``, insert the continuous prefix that has landed.
 

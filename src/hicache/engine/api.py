@@ -198,6 +198,34 @@ class CachedTokens:
         return self.device + self.host + self.storage
 
 
+@dataclass(frozen=True)
+class ReuseReport:
+    """How a request used what the host tier and L3 held of its prompt, and the times
+    the live cost model predicted for it (``engine/reuse_plan.py``), beside the real ones.
+
+    ``decision``: load, recompute, split, or unpriced (a cost was not known yet: the
+    tiers' default, load). Times in seconds: ``predicted_s`` and ``actual_s`` run from
+    admission to the first token; ``waited_s`` is the time held for L3 pages before
+    admission (``predicted_wait_s`` what the plan expected when it chose to wait);
+    ``predicted_load_s``/``predicted_recompute_s`` price the two pure choices at the
+    first plan. None where not known.
+    """
+
+    decision: str
+    cached_tokens: int  # the prompt was computed from here (device hit + loaded)
+    loaded_tokens: int  # of them, from the host tier and L3
+    recomputed_tokens: int  # held by a tier, computed again
+    predicted_s: float | None = None
+    predicted_load_s: float | None = None
+    predicted_recompute_s: float | None = None
+    predicted_wait_s: float | None = None
+    waited_s: float | None = None
+    actual_s: float | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
 # Not frozen: a frozen dataclass sets each field through object.__setattr__, which made
 # building the outputs of a 1000-request step cost 5 ms of the output thread's time; with
 # slots and plain assignment it is a fifth of that. Nothing mutates an output once built.
@@ -221,6 +249,8 @@ class GenerateOutput:
     # (from LogprobParams.input_from) once, in the output that ends its prefill.
     output_logprobs: tuple[TokenLogprob, ...] = ()
     input_logprobs: tuple[TokenLogprob, ...] = ()
+    # When finished, for a request the host tier or L3 held part of: what it loaded.
+    reuse: ReuseReport | None = None
 
 
 def validate_request(request: GenerateRequest, vocab_size: int, max_context_len: int) -> None:

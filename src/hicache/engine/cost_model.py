@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from hicache.estimators import PrefillEstimate, TransferEstimate
+from hicache.engine.reuse_plan import CostSnapshot
+from hicache.estimators import PrefillCoefficients, PrefillEstimate, TransferEstimate
 from hicache.storage.bandwidth import ReadTimeEstimate
 
 # Cold prompt lengths the prefill estimate is reported at (tokens).
@@ -51,6 +52,24 @@ class CostModel:
                         decode_rows: int = 0) -> float | None:
         """Seconds to compute ``new_tokens`` after ``context`` cached ones, chunk by chunk."""
         return self.prefill.predict_prompt(new_tokens, context, decode_rows, self.chunk_tokens)
+
+    def snapshot(self, l3: ReadTimeEstimate | None = None) -> CostSnapshot:
+        """The estimates as they stand, for a load-or-recompute plan (``reuse_plan.py``);
+        ``l3``: the attached backend's read estimate."""
+        coef = self.prefill.coefficients()
+        read_latency = read_per_page = None
+        if l3 is not None and l3.page_bytes > 0:
+            per_byte = l3.read_cost.seconds_per_unit
+            read_latency = l3.read_cost.latency_s
+            read_per_page = None if per_byte is None else per_byte * l3.page_bytes
+        return CostSnapshot(
+            prefill=None if coef is None else PrefillCoefficients(**coef),
+            chunk_tokens=self.chunk_tokens,
+            load_latency_s=self.l2_load.latency_s,
+            load_seconds_per_page=self.l2_load.seconds_per_unit,
+            read_latency_s=read_latency,
+            read_seconds_per_page=read_per_page,
+        )
 
     def metrics(self, l3: dict[str, ReadTimeEstimate] | None = None) -> dict[str, float]:
         """The ``cost_*`` numbers; ``l3``: each attached backend's read estimate by name."""

@@ -204,16 +204,19 @@ class OutputThread:
             output_logprobs = tuple(req.output_logprobs[stream.num_ids : num_ids])
         stream.num_ids = num_ids
         ttft = latency = None
+        reuse = None
         if final:
             stream.closed = True
             latency = finished_at - req.arrived
             if req.first_token_at is not None:
                 ttft = req.first_token_at - req.arrived
+            if req.reuse_track is not None:
+                reuse = req.reuse_track.final_report(req.first_token_at)
         return GenerateOutput(
             rid=req.rid, token_ids=new_ids, text=delta, finished=final,
             finish_reason=reason, prompt_tokens=req.prompt_len, completion_tokens=num_ids,
             cached_tokens=req.cached, ttft_s=ttft, latency_s=latency, error=error,
-            output_logprobs=output_logprobs, input_logprobs=input_logprobs,
+            output_logprobs=output_logprobs, input_logprobs=input_logprobs, reuse=reuse,
         )
 
     @staticmethod

@@ -19,7 +19,7 @@ whose prefetch finds no free slot waits, as it would for the host budget.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.request import Req
@@ -29,6 +29,10 @@ class Prefetcher:
     def __init__(self, cache: HierarchicalCache, enabled: bool) -> None:
         self.cache = cache
         self.enabled = enabled  # prefix caching on (L3 may still be detached)
+        # Asked, for a request its prefetch policy would still hold, whether the pages to
+        # come are worth waiting for (the load-or-recompute plan, ``reuse.py``); None:
+        # the policy alone decides.
+        self.worth_waiting: Callable[[Req], bool] | None = None
 
     def advance(self, waiting: Iterable[Req]) -> None:
         """Start the prefetches of waiting requests as the budget allows; settle the done ones.
@@ -64,7 +68,8 @@ class Prefetcher:
                 used_pages += self._footprint_pages(req)
 
     def settled(self, req: Req) -> bool:
-        """For a request considered for admission: True when its prefetch policy lets it run.
+        """For a request considered for admission: True when its prefetch policy lets it run,
+        or when the pages still to come are not worth waiting for (``worth_waiting``).
 
         Its prefetch starts now if it has not, whatever the budget of the waiting
         ones: the L3 tier still caps the host pages it gets.
@@ -75,7 +80,11 @@ class Prefetcher:
             self._start(req)
         if req.prefetch is None:
             return True
-        if not self.cache.prefetch_ready(req.prefetch):
+        # The policy is an upper bound: the plan may cut the prefetch sooner, where what
+        # has landed plus computing the rest beats waiting for the pages still to come.
+        if not self.cache.prefetch_ready(req.prefetch) and (
+            self.worth_waiting is None or self.worth_waiting(req)
+        ):
             return False
         self._settle(req)
         return True

@@ -23,7 +23,8 @@ One tick, on every rank, in this order (``ReplicatedScheduler.tick``):
    applies only the agreed minimum, so a rank whose copies lag or whose L3 finds or
    reads less holds the others back rather than letting their trees diverge.
 3. The tick itself (``Scheduler.schedule``): admission and one forward, whose time-based
-   decisions read the tick's clock (``Scheduler.now``), rank 0's reading.
+   decisions read the tick's clock (``Scheduler.now``), rank 0's reading, and whose
+   load-or-recompute choices are priced with rank 0's live costs (``Tick.costs``).
 
 Rank 0 streams outputs; the followers drop theirs. Rank 0 stops the group with a
 tick whose ``stop`` is set. A failed collective (a peer died: gloo raises when its
@@ -53,6 +54,7 @@ from hicache.distributed.group import TPGroup
 from hicache.engine.api import GenerateRequest
 from hicache.engine.cache_ops import RANK_READS
 from hicache.engine.request import Req
+from hicache.engine.reuse_plan import CostSnapshot
 from hicache.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class Tick:
     now: float  # rank 0's time.monotonic() for the tick
     events: tuple[Event, ...]
     stop: bool = False
+    # Rank 0's live costs: every rank prices its load-or-recompute choices with them.
+    costs: CostSnapshot | None = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,7 @@ class ReplicatedScheduler:
             else:
                 scheduler.handle(kind, payload)
         scheduler.now = tick.now
+        scheduler.reuse.shared_costs = tick.costs
         agreed = agree(self.tp, self.observe())
         scheduler.cache.apply_progress(agreed.num_landed_writes)
         scheduler.cache.apply_l3_progress(agreed.l3)
@@ -220,7 +225,8 @@ class ReplicatedScheduler:
             elif kind in ("op", "gather"):
                 events.append((kind, payload[0]))
             local.append((kind, payload))
-        return Tick(now=time.monotonic(), events=tuple(events), stop=stop)
+        costs = self.scheduler.reuse.local_costs()
+        return Tick(now=time.monotonic(), events=tuple(events), stop=stop, costs=costs)
 
     def _follow(self, event: Event) -> tuple[str, Any]:
         """A follower: the inbox item an event stands for."""

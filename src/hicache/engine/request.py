@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from hicache.engine.sampling import is_greedy
 from hicache.memory.allocator import PageIds
 from hicache.radix.results import no_pages
 from hicache.tokenizer.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from hicache.engine.reuse import ReuseTrack
 
 
 class Phase(str, Enum):
@@ -54,6 +58,8 @@ class Req:
     prefetch: PrefetchHandle | None = None
     prefetch_tried: bool = False
     storage_tokens: int = 0  # tokens the L3 prefetch contributed
+    # Its load-or-recompute choice, where a tier beyond the device held part of its prompt.
+    reuse_track: ReuseTrack | None = None
     cached: CachedTokens = field(default_factory=CachedTokens)
     first_token_at: float | None = None
     # Its text so far, when the scheduler detokenizes it (stop strings: scheduler_text),

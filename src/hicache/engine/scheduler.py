@@ -66,6 +66,7 @@ from hicache.engine.pd_decode import DecodeIntake
 from hicache.engine.postprocess import PostProcessor
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
+from hicache.engine.reuse import ReuseAdvisor
 from hicache.engine.thread_governor import ThreadGovernor
 from hicache.engine.threads import set_thread_count
 from hicache.estimators import attention_pairs
@@ -116,6 +117,9 @@ class Scheduler:
         # The tick's clock (time.monotonic()'s reading when the tick began): every
         # time-based decision reads it, so that ranks fed rank 0's reading decide alike.
         self.now = time.monotonic()
+        # Per request with a host or L3 hit: how much to load, how much to compute again.
+        self.reuse = ReuseAdvisor(cache, self.cost_model, self._clock)
+        self.prefetcher.worth_waiting = self._worth_waiting
         # Picks torch's intra-op threads between steps (None: the count stays as set).
         self.governor: ThreadGovernor | None = None
         self._threads = 0  # the count last set for a step (0: none yet)
@@ -345,7 +349,11 @@ class Scheduler:
                 req.length_limit = handoff.length_limit(req)
         hit = None
         if self.limits.enable_prefix_cache:
-            hit = cache.acquire(match_tokens, req.request.extra_key, record_hit=first_admission)
+            # Load the host hit only up to where computing the rest is faster (reuse.py).
+            limit, plan, costs = self.reuse.acquire_limit(req, prefix, len(lifecycle.running))
+            hit = cache.acquire(match_tokens, req.request.extra_key,
+                                record_hit=first_admission, max_tokens=limit)
+            self.reuse.admitted(req, hit.num_device_tokens, hit.num_host_tokens, plan, costs)
         lifecycle.waiting.remove(req)
         req.hit = hit
         req.pages = hit.device_pages.copy() if hit is not None else np.empty(0, np.int64)
@@ -367,6 +375,12 @@ class Scheduler:
         self.runner.admit(req)
         lifecycle.running.append(req)
         return True
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _worth_waiting(self, req: Req) -> bool:
+        return self.reuse.should_wait(req, len(self.lifecycle.running))
 
     def _pages_to_come(self, req: Req) -> int:
         return max(0, -(-req.seq_len // self.page_size) - len(req.pages))

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from hicache.config import CacheConfig, ConfigError, IOBackendKind, MemLayout, WritePolicy
+from hicache.config import (
+    CacheConfig,
+    ConfigError,
+    IOBackendKind,
+    MemLayout,
+    ReusePolicy,
+    WritePolicy,
+)
 from hicache.events.config import FLAG as KV_EVENTS_FLAG
 from hicache.events.config import KVEventsConfig, parse_kv_events_config
 from hicache.storage.config import (
@@ -61,6 +68,13 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
         "--hicache-mem-layout", choices=[m.value for m in MemLayout],
         default=_DEFAULTS["mem_layout"].value,
         help="host pool memory layout (default: %(default)s)",
+    )
+    group.add_argument(
+        "--hicache-reuse-policy", choices=[p.value for p in ReusePolicy],
+        default=_DEFAULTS["reuse_policy"].value,
+        help="cost: per request, load from the host tier and L3 only the pages that are "
+        "faster to load than to compute again (priced with the live cost model); load: "
+        "always load what the tiers hold (default: %(default)s)",
     )
 
 
@@ -119,6 +133,7 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
             write_policy=args.hicache_write_policy,
             io_backend=args.hicache_io_backend,
             mem_layout=args.hicache_mem_layout,
+            reuse_policy=args.hicache_reuse_policy,
         )
     except ConfigError:
         raise

@@ -79,6 +79,7 @@ class _Running:
             finish_reason=finish_reason(output, self.text.matched),
             e2e_latency=latency,
             ttft=generation.first_token_s,
+            reuse=None if output.reuse is None else output.reuse.as_dict(),
         )
         if self.logprobs is not None:
             fields = sglang_fields(self.logprobs, self.input_logprobs, self.output_logprobs,

@@ -281,11 +281,15 @@ class GenerateMetaInfo(BaseModel):
     output_top_logprobs: list[Any] | None = None
     input_token_ids_logprobs: list[Any] | None = None
     output_token_ids_logprobs: list[Any] | None = None
+    # Where the host tier or L3 held part of the prompt: how much was loaded and how
+    # much computed again, with the predicted and actual times (``ReuseReport``).
+    reuse: dict[str, Any] | None = None
 
     def dump(self) -> dict[str, Any]:
-        """As SGLang writes it: the logprob entries only when asked for."""
+        """As SGLang writes it: the logprob entries only when asked for, ``reuse`` only
+        where a choice was made."""
         payload = self.model_dump()
-        for name in LOGPROB_FIELDS:
+        for name in (*LOGPROB_FIELDS, "reuse"):
             if payload[name] is None:
                 del payload[name]
         return payload

@@ -5,7 +5,10 @@ scrape time by a collector and named here. Keys the table below does not know
 are still exported (``hicache_<key>``, a counter when the key counts
 something, ``num_``, else a gauge), so a new engine number shows up without a
 server change. Time to first token and end-to-end latency are observed by the
-server from each finished request (``GenerateOutput.ttft_s`` / ``latency_s``).
+server from each finished request (``GenerateOutput.ttft_s`` / ``latency_s``), and
+so is each load-or-recompute choice (``GenerateOutput.reuse``):
+``hicache_reuse_decisions_total`` by ``decision``, and the histogram
+``hicache_reuse_prediction_ratio`` of actual over predicted time to the first token.
 
 L3 failures form one family, ``hicache_l3_failures_total``, labelled by
 ``reason`` and ``source``: ``backend`` for what the store detected, counted per
@@ -33,7 +36,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -47,6 +50,8 @@ TTFT_BUCKETS = (
 LATENCY_BUCKETS = (
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )
+# Actual over predicted time of a load-or-recompute choice (1: exact).
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 
 @dataclass(frozen=True)
@@ -318,16 +323,35 @@ class ServerMetrics:
             PREFIX + "e2e_request_latency_seconds", "time from arrival to the last token",
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
+        self.reuse_decisions = Counter(
+            PREFIX + "reuse_decisions", "requests a host or L3 hit offered part of the prompt "
+            "to, by what they did: load (all of it), recompute (none), split (the first pages), "
+            "unpriced (a cost not known yet: loaded)",
+            ["decision"], registry=self.registry,
+        )
+        self.reuse_prediction = Histogram(
+            PREFIX + "reuse_prediction_ratio", "actual over predicted time from admission to "
+            "the first token of a request whose load-or-recompute choice was priced",
+            ["decision"], buckets=PREDICTION_RATIO_BUCKETS, registry=self.registry,
+        )
         self.registry.register(EngineCollector(engine))
 
     def observe(self, output: GenerateOutput) -> None:
-        """Record a finished request's latencies (aborted ones are left out)."""
+        """Record a finished request's latencies and load-or-recompute choice (aborted ones
+        are left out)."""
         if not output.finished or output.finish_reason == "abort":
             return
         if output.ttft_s is not None:
             self.ttft.observe(output.ttft_s)
         if output.latency_s is not None:
             self.latency.observe(output.latency_s)
+        reuse = output.reuse
+        if reuse is not None:
+            self.reuse_decisions.labels(reuse.decision).inc()
+            if reuse.predicted_s and reuse.actual_s is not None:
+                self.reuse_prediction.labels(reuse.decision).observe(
+                    reuse.actual_s / reuse.predicted_s
+                )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
