@@ -10,7 +10,10 @@ and for each prompt length it answers with a few greedy tokens, repeats alternat
   back to L3 to finish), so every whole page but the one holding the last token comes from
   L3 through the throttle.
 
-A host-tier row per length does the same with only L1 flushed (a full L2 hit). Each row
+A host-tier row per length does the same with only L1 flushed (a full L2 hit), at each
+host point (a host->device latency and bandwidth, ``--host-points``: the engine's cache
+controller loads through ``hicache.testing.throttled_io`` meanwhile; by default one
+unthrottled row per length). The L3 rows load from host to device unthrottled. Each row
 gives the medians, load / recompute, min(load, recompute), and next to them what the
 engine's live cost model predicted just before each timed request (the prefill of the
 whole prompt; the L3 read of the hit's pages and their host->device load, or that load
@@ -42,6 +45,8 @@ from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
 from hicache.engine.build import build_engine
 from hicache.engine.engine import Engine
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
+from hicache.storage.options import parse_size
+from hicache.testing.throttled_io import LoadThrottle, throttle_loads, unthrottle_loads
 
 DEFAULT_TOKENS = (1024, 2048, 4096, 8192, 16384)
 # From a fast store to one slower than recompute on a CPU: (read latency ms, bandwidth).
@@ -80,6 +85,8 @@ class Row:
     tier: str  # "storage" (a full L3 hit, throttled) or "host" (a full L2 hit)
     tokens: int
     cached_tokens: int  # of the prompt, served by ``tier`` in each load
+    # The throttle on the path the hit comes through: L3 reads for "storage", host->device
+    # loads for "host"; both None: not throttled (a host row without --host-points).
     read_latency_ms: float | None
     read_bandwidth: str | None
     recompute_s: float
@@ -118,6 +125,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--points", type=parse_point, nargs="+", default=None,
         help="L3 throttle points LATENCY_MS:BANDWIDTH, fast to slow (bandwidth e.g. 200MB, "
         f"none: unlimited; default {' '.join(DEFAULT_POINTS)})",
+    )
+    parser.add_argument(
+        "--host-points", type=parse_host_point, nargs="+", default=None,
+        help="host->device (L2->L1) throttle points LATENCY_MS:BANDWIDTH for the L2 rows, "
+        "one row per point and length (default: one unthrottled row per length)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs per point (median)")
     parser.add_argument("--output-tokens", type=int, default=2,
@@ -267,6 +279,44 @@ def _attach(engine: Engine, point: ThrottlePoint, path: Path) -> None:
     engine.attach_storage("throttled", extra, "wait_complete")
 
 
+def load_throttle(point: ThrottlePoint) -> LoadThrottle:
+    """A host point as the throttle of the host->device path (a bad size is refused)."""
+    bandwidth = None if point.read_bandwidth is None else parse_size(point.read_bandwidth)
+    return LoadThrottle(point.read_latency_ms / 1e3, bandwidth)
+
+
+def parse_host_point(text: str) -> ThrottlePoint:
+    """A ``--host-points`` point: ``parse_point``'s, its latency and bandwidth checked here
+    (an L3 point's are checked by the throttled backend when attached)."""
+    point = parse_point(text)
+    try:
+        load_throttle(point)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad host point {text!r}: {e}") from e
+    return point
+
+
+def measure_host(
+    engine: Engine, point: ThrottlePoint, lengths: list[int], args: argparse.Namespace,
+    prompt: Callable[[int], list[int]],
+) -> list[Row]:
+    """The full L2 hit rows at one host point, its throttle on the loads meanwhile."""
+    controller = engine.cache.controller
+    assert controller is not None  # the host tier is there (main checks)
+    throttle = load_throttle(point)
+    # On the scheduler's thread, between its steps: no load is being issued then.
+    engine.scheduler.call(lambda: throttle_loads(controller, throttle)).result(60)
+    try:
+        # Warm-up: the cost model's host->device estimate learns the throttled loads.
+        measure(engine, lengths[0], HOST_TIER, point, 1, args.output_tokens, prompt)
+        return [
+            measure(engine, n, HOST_TIER, point, args.repeats, args.output_tokens, prompt)
+            for n in lengths
+        ]
+    finally:
+        engine.scheduler.call(lambda: unthrottle_loads(controller)).result(60)
+
+
 def run(engine: Engine, args: argparse.Namespace, workdir: Path) -> list[Row]:
     generator = torch.Generator().manual_seed(args.seed)
     vocab = min(engine.vocab_size, 256)  # byte ids exist in every model's vocabulary
@@ -277,6 +327,7 @@ def run(engine: Engine, args: argparse.Namespace, workdir: Path) -> list[Row]:
     limit = engine.max_context_len - args.output_tokens
     lengths = sorted({t for t in args.tokens if t <= limit}) or [limit]
     points = args.points or [parse_point(p) for p in DEFAULT_POINTS]
+    host_points: list[ThrottlePoint] = [] if args.no_host_row else (args.host_points or [])
     rows: list[Row] = []
     for i, point in enumerate(points):
         _attach(engine, point, workdir / f"l3-{i}")
@@ -286,11 +337,15 @@ def run(engine: Engine, args: argparse.Namespace, workdir: Path) -> list[Row]:
             measure(engine, n, "storage", point, args.repeats, args.output_tokens, prompt)
             for n in lengths
         ]
-    if not args.no_host_row:
+    if args.no_host_row:
+        return rows
+    if not host_points:  # the host->device path at full speed, as the engine serves
         rows += [
             measure(engine, n, HOST_TIER, None, args.repeats, args.output_tokens, prompt)
             for n in lengths
         ]
+    for point in host_points:
+        rows += measure_host(engine, point, lengths, args, prompt)
     return rows
 
 
@@ -313,7 +368,7 @@ def print_table(rows: list[Row]) -> None:
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for r in rows:
         latency = "-" if r.read_latency_ms is None else f"{r.read_latency_ms:g}"
-        bandwidth = "-" if r.tier == HOST_TIER else (r.read_bandwidth or "unlimited")
+        bandwidth = "-" if r.read_latency_ms is None else (r.read_bandwidth or "unlimited")
         tier = "L2" if r.tier == HOST_TIER else "L3"
         ratio = "-" if r.chosen_ratio is None else f"{r.chosen_ratio:.2f}"
         same = r.same_output and r.chosen_same_output
@@ -346,7 +401,9 @@ def main(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"hicache bench load-vs-recompute: {engine.model_name} on {name}, "
-        f"page {engine.cache.page_size}, L3 throttled(file), {args.output_tokens} output "
+        f"page {engine.cache.page_size}, L3 throttled(file)"
+        f"{', L2->L1 throttled' if args.host_points and not args.no_host_row else ''}, "
+        f"{args.output_tokens} output "
         f"tokens, median of {args.repeats}\n"
     )
     print_table(rows)
