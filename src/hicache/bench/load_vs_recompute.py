@@ -55,6 +55,7 @@ DEFAULT_POINTS = ("2:none", "2:1GB", "2:200MB", "2:50MB", "2:10MB")
 # so that a slow point is measured as slow, not cut.
 PATIENT_WAITS = {"io_timeout_s": 600.0, "prefetch_timeout_max": 600.0, "prefetch_threshold": 1}
 HOST_TIER = "host"
+MIXED_TIER = "mixed"  # the first half of the prompt in L2, all of it in L3
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def parse_point(text: str) -> ThrottlePoint:
 
 @dataclass
 class Row:
-    tier: str  # "storage" (a full L3 hit, throttled) or "host" (a full L2 hit)
+    tier: str  # "storage" (a full L3 hit, throttled), "host" (a full L2 hit) or "mixed"
     tokens: int
     cached_tokens: int  # of the prompt, served by ``tier`` in each load
     # The throttle on the path the hit comes through: L3 reads for "storage", host->device
@@ -135,6 +136,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=2,
                         help="greedy tokens per request (compared between load and recompute)")
     parser.add_argument("--no-host-row", action="store_true", help="skip the full L2 hit rows")
+    parser.add_argument(
+        "--mixed", action="store_true",
+        help="also, per L3 point, rows whose prompt's first half is in L2 and all of it in L3 "
+        "(where loading the L2 half and computing the rest can beat both pure ways)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the rows here")
     add_engine_args(parser)
@@ -180,12 +186,19 @@ def _set_policy(engine: Engine, policy: ReusePolicy) -> None:
     engine.scheduler.call(lambda: setattr(advisor, "policy", policy)).result(60)
 
 
-def _drop(engine: Engine, tier: str) -> None:
-    """Leave the prompt's KV in ``tier`` alone (L2, or L3 with L1 and L2 flushed)."""
+def _drop(engine: Engine, tier: str, ids: list[int]) -> None:
+    """Leave the prompt's KV in ``tier`` alone (L2; L3 with L1 and L2 flushed; or, mixed,
+    its first half in L2 and all of it in L3)."""
     if tier == HOST_TIER:
         engine.evict_device_cache()  # L2 keeps its copy
-    else:
-        assert engine.flush_cache()  # waits for the write back to L3 first
+        return
+    assert engine.flush_cache()  # waits for the write back to L3 first
+    if tier == MIXED_TIER:
+        # The first half comes back from L3 into L2 (and L1, evicted again): a later turn
+        # of a conversation whose earlier part stayed in host memory.
+        _set_policy(engine, ReusePolicy.LOAD)
+        _generate(engine, ids[: len(ids) // 2], 1)
+        engine.evict_device_cache()
 
 
 def _predictions(engine: Engine, tokens: int, cached: int, tier: str) -> tuple[
@@ -202,7 +215,9 @@ def _predictions(engine: Engine, tokens: int, cached: int, tier: str) -> tuple[
         move = model.l2_load.predict(pages)
         if tier != HOST_TIER:  # L3 lands in host memory first, then loads as an L2 hit
             storage = engine.cache.storage
-            read = storage.read_time.predict_read(pages) if storage is not None else None
+            # Mixed: the first half's pages are in L2 already (what its request cached).
+            reads = pages - (tokens // 2 - 1) // page_size if tier == MIXED_TIER else pages
+            read = storage.read_time.predict_read(reads) if storage is not None else None
             move = None if read is None or move is None else read + move
         load = None if move is None or tail is None else move + tail
         return recompute, load
@@ -238,14 +253,15 @@ def measure(
             cold = _timed(engine, ids, output_tokens, None)
             if cold.cached:
                 raise TierError(f"a fresh prompt found {cold.cached} cached tokens")
-            _drop(engine, tier)
+            served_by = None if tier == MIXED_TIER else tier  # mixed: host + storage
+            _drop(engine, tier, ids)
             _set_policy(engine, ReusePolicy.LOAD)
-            warm = _timed(engine, ids, output_tokens, tier)
+            warm = _timed(engine, ids, output_tokens, served_by)
             if warm.cached < expect:
                 raise TierError(f"expected {expect} {tier} tokens, got {warm.cached}")
-            _drop(engine, tier)
+            _drop(engine, tier, ids)
             _set_policy(engine, ReusePolicy.COST)
-            choice = _timed(engine, ids, output_tokens, tier)
+            choice = _timed(engine, ids, output_tokens, served_by)
             same = same and warm.tokens == cold.tokens
             chosen_same = chosen_same and choice.tokens == cold.tokens
             recompute.append(cold.seconds)
@@ -337,6 +353,11 @@ def run(engine: Engine, args: argparse.Namespace, workdir: Path) -> list[Row]:
             measure(engine, n, "storage", point, args.repeats, args.output_tokens, prompt)
             for n in lengths
         ]
+        if args.mixed:
+            rows += [
+                measure(engine, n, MIXED_TIER, point, args.repeats, args.output_tokens, prompt)
+                for n in lengths
+            ]
     if args.no_host_row:
         return rows
     if not host_points:  # the host->device path at full speed, as the engine serves
@@ -369,7 +390,7 @@ def print_table(rows: list[Row]) -> None:
     for r in rows:
         latency = "-" if r.read_latency_ms is None else f"{r.read_latency_ms:g}"
         bandwidth = "-" if r.read_latency_ms is None else (r.read_bandwidth or "unlimited")
-        tier = "L2" if r.tier == HOST_TIER else "L3"
+        tier = {HOST_TIER: "L2", MIXED_TIER: "L2+L3"}.get(r.tier, "L3")
         ratio = "-" if r.chosen_ratio is None else f"{r.chosen_ratio:.2f}"
         same = r.same_output and r.chosen_same_output
         print(

@@ -106,16 +106,18 @@ class ReuseAdvisor:
             decode_rows=decode_rows,
         )
         plan = plan_reuse(situation, self.costs())
-        if found < 0:
-            # The lookup has not answered: price the best it could bring (every page asked
-            # for, in one read). Computing the prompt may still beat even that: a slow
-            # store's round trip against a short prompt.
-            return plan is None or plan.waits(situation)
+        wait = plan is None or plan.waits(situation)
+        # While the lookup has not answered, the plan priced the best it could bring
+        # (every page asked for, in one read): computing the prompt may still beat even
+        # that (a slow store's round trip against a short prompt). Reported only when it
+        # is cut: what L3 was asked for then counts as offered.
+        if found < 0 and wait:
+            return True
         track = self.track(req)
         if track.first_at is None:
             track.first, track.first_at = plan, self.clock()
         track.available_end = max(track.available_end, situation.cached_end)
-        return plan is None or plan.waits(situation)
+        return wait
 
     def acquire_limit(
         self, req: Req, peek: PrefixPeek | None, decode_rows: int
