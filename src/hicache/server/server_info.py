@@ -54,6 +54,7 @@ _ARGS = {
     "hicache_io_backend": "hicache_io_backend",
     "hicache_mem_layout": "hicache_mem_layout",
     "hicache_storage_prefetch_policy": "hicache_storage_prefetch_policy",
+    "hicache_reuse_policy": "hicache_reuse_policy",
     "disaggregation_mode": "disaggregation_mode",
     "disaggregation_transfer_backend": "disaggregation_transfer_backend",
     "disaggregation_bootstrap_port": "disaggregation_bootstrap_port",
