@@ -57,6 +57,12 @@ class ReuseTrack:
     available_end: int = 0  # the end of what the tiers offered (device + host + L3 found)
     report: ReuseReport | None = None  # made at admission
     admitted_at: float = 0.0
+    # A tier beyond the device offered part of the prompt: the request gets a report.
+    offered: bool = False
+    # The last wait decision and what it was made from: a request held for its prefetch is
+    # asked every tick, and pricing every page boundary again (under a millisecond) only
+    # pays when a page has landed or the lookup answered.
+    memo: tuple[tuple[int, ...], bool] | None = None
 
     def final_report(self, first_token_at: float | None) -> ReuseReport | None:
         """The report with the actual time from admission to the first token filled in."""
@@ -105,15 +111,20 @@ class ReuseAdvisor:
             found_tokens=found if found >= 0 else handle.num_requested_tokens,
             decode_rows=decode_rows,
         )
+        track = self.track(req)
+        key = (found, situation.landed_tokens, host_end, situation.device_tokens, decode_rows)
+        if track.memo is not None and track.memo[0] == key:
+            return track.memo[1]
         plan = plan_reuse(situation, self.costs())
         wait = plan is None or plan.waits(situation)
+        track.memo = (key, wait)
         # While the lookup has not answered, the plan priced the best it could bring
         # (every page asked for, in one read): computing the prompt may still beat even
         # that (a slow store's round trip against a short prompt). Reported only when it
         # is cut: what L3 was asked for then counts as offered.
         if found < 0 and wait:
             return True
-        track = self.track(req)
+        track.offered = True
         if track.first_at is None:
             track.first, track.first_at = plan, self.clock()
         track.available_end = max(track.available_end, situation.cached_end)
@@ -128,7 +139,7 @@ class ReuseAdvisor:
         if peek is None or req.num_retractions:
             return None, None, None
         track = req.reuse_track
-        if peek.num_host_tokens == 0 and track is None:
+        if peek.num_host_tokens == 0 and (track is None or not track.offered):
             return None, None, None
         costs = self.costs()
         situation = ReuseSituation(
@@ -138,6 +149,7 @@ class ReuseAdvisor:
         )
         plan = plan_reuse(situation, costs)
         track = self.track(req)
+        track.offered = True
         track.available_end = max(track.available_end, situation.host_end)
         if plan is None or self.policy is ReusePolicy.LOAD:
             return None, plan, costs
@@ -150,7 +162,7 @@ class ReuseAdvisor:
         """Record what ``req`` was admitted with, after its acquire: ``loaded_tokens`` past
         its ``device_tokens`` came from the host tier (L3's landed pages among them)."""
         track = req.reuse_track
-        if track is None or track.report is not None:
+        if track is None or not track.offered or track.report is not None:
             return
         cached = device_tokens + loaded_tokens
         predicted = None
