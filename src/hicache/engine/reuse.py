@@ -157,7 +157,7 @@ class ReuseAdvisor:
 
     def admitted(
         self, req: Req, device_tokens: int, loaded_tokens: int, plan: ReusePlan | None,
-        costs: CostSnapshot | None,
+        costs: CostSnapshot | None, decode_rows: int = 0,
     ) -> None:
         """Record what ``req`` was admitted with, after its acquire: ``loaded_tokens`` past
         its ``device_tokens`` came from the host tier (L3's landed pages among them)."""
@@ -168,7 +168,7 @@ class ReuseAdvisor:
         predicted = None
         if costs is not None:
             situation = ReuseSituation(req.seq_len, self.cache.page_size, device_tokens,
-                                       host_tokens=loaded_tokens)
+                                       host_tokens=loaded_tokens, decode_rows=decode_rows)
             priced = price(situation, costs, cached)
             predicted = None if priced is None else priced[0]
         first = track.first if track.first is not None else plan

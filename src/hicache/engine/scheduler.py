@@ -350,10 +350,12 @@ class Scheduler:
         hit = None
         if self.limits.enable_prefix_cache:
             # Load the host hit only up to where computing the rest is faster (reuse.py).
-            limit, plan, costs = self.reuse.acquire_limit(req, prefix, len(lifecycle.running))
+            rows = len(lifecycle.running)
+            limit, plan, costs = self.reuse.acquire_limit(req, prefix, rows)
             hit = cache.acquire(match_tokens, req.request.extra_key,
                                 record_hit=first_admission, max_tokens=limit)
-            self.reuse.admitted(req, hit.num_device_tokens, hit.num_host_tokens, plan, costs)
+            self.reuse.admitted(req, hit.num_device_tokens, hit.num_host_tokens, plan, costs,
+                                rows)
         lifecycle.waiting.remove(req)
         req.hit = hit
         req.pages = hit.device_pages.copy() if hit is not None else np.empty(0, np.int64)
