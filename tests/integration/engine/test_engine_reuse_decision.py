@@ -9,6 +9,8 @@ reads and the host->device loads. Then:
 - a hit that a slow path would take far longer to bring than the prompt takes to compute
   is computed again (decision recompute, or a split), in less than the slow path's time,
   and answers with the cold tokens;
+- a hit whose first read batch has landed while the rest would take longer to read than
+  to compute is split: the landed pages loaded, the rest computed, the cold tokens;
 - a hit that loading wins clearly is loaded (decision load); before the model knows a
   cost, a hit is "unpriced" and loaded as before the choice existed; under
   ``--hicache-reuse-policy load`` every hit is loaded whatever it costs;
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ from hicache.config import ReusePolicy
 from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
 from hicache.engine.reuse_plan import CostSnapshot, Decision
+from hicache.storage.base import MAX_BATCH_PAGES
 from hicache.testing.throttled_io import LoadThrottle, throttle_loads, unthrottle_loads
 from tests.engine_helpers import Run, collect, on_scheduler, run, wait_idle
 from tests.waiting import wait_until, wait_until_async
@@ -50,6 +54,10 @@ PATIENT_WAITS = {"io_timeout_s": 600.0, "prefetch_timeout_max": 600.0, "prefetch
 SLOW_READ_BANDWIDTH = 100_000  # bytes/s: a 16 KiB page in ~0.16 s, the 18-page hit in ~3 s
 SLOW_LOOKUP_MS = 400.0  # every store call's latency (the lookup's included)
 SLOW_LOAD = LoadThrottle(latency_s=0.3)  # each host->device load
+# A split: the first read batch lands in ~1 s, the rest (200 pages, 3200 tokens the tiny
+# model computes in a few tenths of a second) would take ~1.6 s more.
+SPLIT_BANDWIDTH = 2_000_000
+SPLIT_REST_PAGES = 200
 
 
 def prompt(seed: int, length: int = PROMPT) -> list[int]:
@@ -158,29 +166,48 @@ def assert_recomputed(out: GenerateOutput, hit: int) -> None:
     assert report.actual_s is not None and report.actual_s > 0
 
 
-async def queued_behind_a_long_request(engine: Engine, ids: list[int]) -> Run:
-    """Run ``ids`` queued behind a long request (one may run at a time) until its L3
-    lookup has answered, then end the long one: the choice is made knowing the hit."""
+@dataclass(frozen=True)
+class Prefetch:
+    """The queued request's L3 prefetch as a scheduler step left it, in tokens."""
+
+    found: int  # what the lookup found (-1: not answered yet)
+    landed: int  # of it, on the host already
+
+
+def queued_prefetch(engine: Engine) -> Prefetch:
+    def take() -> Prefetch:
+        waiting = engine.scheduler.waiting_requests()
+        handle = waiting[0].prefetch if waiting else None
+        if handle is None:
+            return Prefetch(-1, 0)
+        return Prefetch(handle.num_found_tokens, engine.cache.prefetch_landed_tokens(handle))
+
+    state = on_scheduler(engine, take)
+    assert isinstance(state, Prefetch)
+    return state
+
+
+async def queued_behind_a_long_request(
+    engine: Engine, ids: list[int], until: Callable[[Prefetch], bool],
+) -> tuple[Prefetch, Run]:
+    """Run ``ids`` queued behind a long request (one may run at a time) until ``until`` its
+    L3 prefetch, then end the long one: the queued request is considered for admission
+    then, its choice made knowing what the lookup found and what has landed."""
     params = SamplingParams(max_new_tokens=4000, temperature=0.0, ignore_eos=True)
     long_stream = engine.generate(GenerateRequest(tuple(prompt(99, 40)), params))
     await anext(long_stream)  # it runs, alone
     queued = asyncio.ensure_future(collect(engine, GenerateRequest(
         tuple(ids), SamplingParams(max_new_tokens=OUTPUT, temperature=0.0, ignore_eos=True))))
+    state = queued_prefetch(engine)
 
-    def found() -> int:
-        waiting = engine.scheduler.waiting_requests()
-        prefetch = waiting[0].prefetch if waiting else None
-        return -1 if prefetch is None else prefetch.num_found_tokens
+    def reached() -> bool:
+        nonlocal state
+        state = queued_prefetch(engine)
+        return until(state)
 
-    def lookup() -> int:
-        value = on_scheduler(engine, found)
-        assert isinstance(value, int)
-        return value
-
-    assert await wait_until_async(lambda: lookup() >= 0), "no lookup"
-    assert lookup() == HIT
+    assert await wait_until_async(reached), state
     await long_stream.aclose()  # ends it: the queued request is considered now
-    return await queued
+    return state, await queued
 
 
 def test_a_hit_on_a_store_far_slower_than_compute_is_recomputed_once_costs_are_known(
@@ -199,7 +226,9 @@ def test_a_hit_on_a_store_far_slower_than_compute_is_recomputed_once_costs_are_k
     ids = prompt(1)
     cold = greedy(engine, ids)
     flush(engine)
-    out = asyncio.run(queued_behind_a_long_request(engine, ids))
+    seen, out = asyncio.run(
+        queued_behind_a_long_request(engine, ids, lambda p: p.found >= 0))
+    assert seen.found == HIT and seen.landed < HIT  # known to be a hit, still reading
     assert out.last.error is None
     assert out.token_ids == cold.token_ids  # computed again: the cold answer
     assert_recomputed(out.last, HIT)
@@ -248,6 +277,40 @@ def test_policy_load_loads_a_hit_whatever_it_costs(
     # The throttle's wait is the feature: the read of the hit's bytes at its bandwidth.
     hit_read_s = HIT // PAGE * page_bytes(engine) / SLOW_READ_BANDWIDTH
     assert warm.last.ttft_s is not None and warm.last.ttft_s >= hit_read_s
+    settle(engine)
+
+
+def test_a_hit_half_landed_is_split_where_the_rest_computes_faster_than_it_reads(
+    make_engine: Callable[..., Engine], tmp_path: Path,
+) -> None:
+    # L3 reads a prefetch in batches of MAX_BATCH_PAGES (each lands whole): the first
+    # batch lands, the second is still being read at a bandwidth slower than computing
+    # its tokens. The choice loads the landed pages and computes the rest.
+    landed_pages = MAX_BATCH_PAGES
+    hit_pages = landed_pages + SPLIT_REST_PAGES
+    length = hit_pages * PAGE + 1
+    engine = make_engine(*engine_flags(
+        "--max-running-requests", "1", "--max-total-tokens", "16384",
+        store=store_extra(tmp_path / "l3", read_latency_ms=1.0, bandwidth=SPLIT_BANDWIDTH),
+    ))
+    learn_prefill(engine)
+    learn_loads(engine, lambda: flush(engine), seed=2000)
+    ids = prompt(1, length)
+    cold = greedy(engine, ids)
+    flush(engine)
+    seen, out = asyncio.run(queued_behind_a_long_request(
+        engine, ids, lambda p: p.landed >= landed_pages * PAGE))
+    assert seen.found == hit_pages * PAGE and seen.landed == landed_pages * PAGE
+    assert out.last.error is None
+    assert out.token_ids == cold.token_ids  # the split answers as cold
+    report = out.last.reuse
+    assert report is not None and report.decision == Decision.SPLIT.value, report
+    assert report.loaded_tokens == out.last.cached_tokens.storage == landed_pages * PAGE
+    assert report.recomputed_tokens == SPLIT_REST_PAGES * PAGE
+    assert report.waited_s is not None
+    # It did not wait for the second batch: the whole read takes this long at least.
+    whole_read_s = hit_pages * page_bytes(engine) / SPLIT_BANDWIDTH
+    assert out.last.ttft_s is not None and out.last.ttft_s < whole_read_s
     settle(engine)
 
 
