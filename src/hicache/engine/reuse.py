@@ -111,6 +111,11 @@ class ReuseAdvisor:
             # for, in one read). Computing the prompt may still beat even that: a slow
             # store's round trip against a short prompt.
             return plan is None or plan.waits(situation)
+        if situation.cached_end <= situation.device_tokens:
+            # A miss with no host hit: nothing to choose, so no report. The store's thread
+            # sets what it found before the scheduler applies its answer: a miss may be
+            # seen here for a moment, while the prefetch is not complete yet.
+            return True  # (no plan: as the policy says) settled once the answer is applied
         track = self.track(req)
         if track.first_at is None:
             track.first, track.first_at = plan, self.clock()
