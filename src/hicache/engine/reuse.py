@@ -120,10 +120,15 @@ class ReuseAdvisor:
         track.memo = (key, wait)
         # While the lookup has not answered, the plan priced the best it could bring
         # (every page asked for, in one read): computing the prompt may still beat even
-        # that (a slow store's round trip against a short prompt). Reported only when it
-        # is cut: what L3 was asked for then counts as offered.
-        if found < 0 and wait:
-            return True
+        # that (a slow store's round trip against a short prompt). Not reported: what L3
+        # holds is unknown, and a cold prompt (the usual case) offered nothing.
+        if found < 0:
+            return wait
+        if found >= 0 and situation.cached_end <= situation.device_tokens:
+            # A miss with no host hit: nothing to choose, so no report. The store's thread
+            # sets what it found before the scheduler applies its answer: a miss may be
+            # seen here for a moment, while the prefetch is not complete yet.
+            return True  # settled by the policy once the answer is applied
         track.offered = True
         if track.first_at is None:
             track.first, track.first_at = plan, self.clock()
