@@ -1,0 +1,212 @@
+"""Any load-or-recompute split gives exactly the cold answer (issue 31's oracle).
+
+The engine chooses per request where its cached prefix ends: the pages before that
+boundary are loaded from the host tier (L2) or L3, the prompt after it is computed
+again. Here the boundary is forced (``tests/forced_reuse.py``) instead of priced, so
+every kind of choice runs whatever the live costs say:
+
+- host splits: a prompt answered cold, its device pages evicted (L2 keeps them), then
+  the same prompt from a forced boundary: the device end (pure recompute), one page, the
+  middle, all but one page, everything (pure load);
+- L3 cuts: L1 and L2 flushed (L3 keeps the pages), the same prompt while a throttled
+  store reads its pages back a few at a time, the prefetch cut once a forced number of
+  tokens has landed: before any (recompute), mid-way (a split), never (load).
+
+Each answer's greedy tokens and the logits they came from equal the cold run's
+(``assert_same``: float32 on the CPU, within 1e-5), and the request's ``ReuseReport``
+names the choice (``split`` for an interior boundary, ``load`` and ``recompute`` at
+the ends) with the tokens it cached and loaded. Every page size the host tier takes
+(1, 16, 64) runs with every host layout for the tiny MHA model; the MLA model (a tiny
+DeepSeek-V2) runs fewer points. Tensor parallelism is in
+``tests/e2e/engine/test_tp_reuse_splits.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import hicache.storage.controller as storage_controller
+from hicache.engine.engine import Engine
+from hicache.storage.base import MAX_BATCH_PAGES
+from tests.deepseek_checkpoints import deepseek_variants, write_deepseek
+from tests.engine_helpers import Run, run
+from tests.forced_reuse import force_reuse
+from tests.hf_checkpoints import Checkpoint
+from tests.integration.engine.test_engine_cache_reuse import assert_same, prompt
+
+PROMPT_LEN = 300  # not a whole number of pages at any page size here
+# Pages one throttled L3 read returns in the L3 cases: a 300-token prompt's pages land
+# over several reads, so a cut can fall between them.
+READ_BATCH_PAGES = 2
+READ_LATENCY_MS = 60  # per read: each batch lands well after the scheduler's next poll
+
+
+def reused_tokens(page: int) -> int:
+    """Whole pages of all but the last prompt token: what the tiers hold of the prompt."""
+    return (PROMPT_LEN - 1) // page * page
+
+
+def host_flags(page: int, layout: str, *extra: str) -> tuple[str, ...]:
+    return (
+        "--page-size", str(page), "--max-total-tokens", "2048", "--enable-hierarchical-cache",
+        "--hicache-mem-layout", layout, "--hicache-io-backend", "direct", *extra,
+    )
+
+
+def l3_flags(page: int, layout: str, path: Path) -> tuple[str, ...]:
+    # The file store behind a throttle: each read waits its latency, so the pages of one
+    # prefetch land read by read. Patient deadlines: only the forced cut ends a wait.
+    config = {
+        "backend": "file", "backend_extra": {"path": str(path)},
+        "read_latency_ms": READ_LATENCY_MS, "prefetch_threshold": 1, "io_timeout_s": 600.0,
+        "prefetch_timeout_max": 600.0,
+    }
+    return host_flags(
+        page, layout, "--hicache-storage-backend", "throttled",
+        "--hicache-storage-prefetch-policy", "wait_complete",
+        "--hicache-storage-backend-extra-config", json.dumps(config),
+    )
+
+
+def boundaries(page: int) -> list[int]:
+    """The device end, one page, the middle, all but one page, all (page multiples)."""
+    end = reused_tokens(page)
+    middle = end // page // 2 * page
+    return sorted({0, page, middle, end - page, end})
+
+
+def expected_decision(cached: int, device: int, available: int) -> str:
+    if cached >= available:
+        return "load"
+    return "recompute" if cached <= device else "split"
+
+
+def run_cold(engine: Engine, ids: list[int]) -> Run:
+    cold = run(engine, ids, logits=True, ignore_eos=True)
+    assert cold.last.cached_tokens.total == 0
+    return cold
+
+
+def check_host_splits(engine: Engine, page: int, points: list[int]) -> None:
+    """Cold, then from each forced boundary over the host tier: the cold answer each time."""
+    ids = prompt(11, PROMPT_LEN)
+    cold = run_cold(engine, ids)
+    available = reused_tokens(page)
+    threshold = engine.cache.config.load_back_threshold_tokens
+    for boundary in points:
+        assert engine.evict_device_cache() > 0
+        forced = force_reuse(engine, boundary=boundary)
+        warm = run(engine, ids, logits=True, ignore_eos=True)
+        # A host hit shorter than the load-back threshold is not loaded: computed again.
+        cached = boundary if boundary >= threshold else 0
+        assert (warm.last.cached_tokens.device, warm.last.cached_tokens.host) == (0, cached)
+        report = warm.last.reuse
+        assert report is not None
+        assert report.decision == forced.reports[warm.last.rid].decision
+        assert report.decision == expected_decision(cached, 0, available), (boundary, report)
+        assert (report.cached_tokens, report.loaded_tokens) == (cached, cached)
+        assert report.recomputed_tokens == available - cached
+        assert_same(cold, warm)
+    engine.check_integrity()
+
+
+def check_l3_cuts(engine: Engine, page: int, cuts: list[int | None]) -> None:
+    """Cold, then from L3 after a flush, the prefetch cut at each forced landed count."""
+    assert engine.cache.storage is not None, engine.cache.storage_error
+    ids = prompt(12, PROMPT_LEN)
+    cold = run_cold(engine, ids)
+    available = reused_tokens(page)
+    for cut in cuts:
+        assert engine.flush_cache()  # L3 keeps the pages; L1 and L2 forget them
+        forced = force_reuse(engine, cut_tokens=cut)
+        warm = run(engine, ids, logits=True, ignore_eos=True)
+        landed = available if cut is None else forced.cut_landed
+        assert landed is not None, f"the prefetch was never cut at {cut}"
+        if cut is not None:
+            # Cut at the scheduler's first poll past the forced count (it polls every few
+            # ms, a read takes READ_LATENCY_MS): before the last read landed.
+            assert cut <= landed < available, (cut, landed)
+        # Exactly what had landed when cut was used; the rest was computed.
+        assert warm.last.cached_tokens.storage == landed, (cut, warm.last.cached_tokens)
+        assert warm.last.cached_tokens.device == 0
+        report = warm.last.reuse
+        assert report is not None
+        assert report.decision == expected_decision(landed, 0, available), (cut, report)
+        assert (report.cached_tokens, report.loaded_tokens) == (landed, landed)
+        assert_same(cold, warm)
+    engine.check_integrity()
+
+
+# ---------------------------------------------------------------- MHA (tiny preset)
+
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_host_split_at_every_kind_of_boundary_equals_cold(
+    make_engine: Callable[..., Engine], page: int, layout: str
+) -> None:
+    points = boundaries(page)
+    if page == 1:
+        points.append(10)  # one page is below the load-back threshold: the first loaded
+    check_host_splits(make_engine(*host_flags(page, layout)), page, sorted(set(points)))
+
+
+@pytest.fixture
+def small_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """L3 reads of a few pages each, so a prefetch lands in steps a cut can fall between."""
+    monkeypatch.setattr(storage_controller, "MAX_BATCH_PAGES", READ_BATCH_PAGES)
+
+
+@pytest.mark.usefixtures("small_reads")
+@pytest.mark.parametrize(("page", "layout"), [(16, "page_first_direct"), (64, "layer_first")])
+def test_l3_prefetch_cut_mid_way_equals_cold(
+    make_engine: Callable[..., Engine], tmp_path: Path, page: int, layout: str
+) -> None:
+    middle = READ_BATCH_PAGES * page  # after the first read
+    check_l3_cuts(make_engine(*l3_flags(page, layout, tmp_path / "l3")), page, [0, middle, None])
+
+
+def test_l3_cut_mid_way_at_page_size_one_equals_cold(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    # 299 one-token pages are three reads of the controller's own batch (128 pages).
+    engine = make_engine(*l3_flags(1, "page_first", tmp_path / "l3"))
+    check_l3_cuts(engine, 1, [MAX_BATCH_PAGES])
+
+
+# ---------------------------------------------------------------- MLA (tiny DeepSeek-V2)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    config = deepseek_variants()["v2-lite"]
+    config.max_position_embeddings = 1024  # room for the 300-token prompts
+    return write_deepseek(config, tmp_path_factory.mktemp("v2-lite"))
+
+
+def _mla(checkpoint: Checkpoint) -> tuple[str, ...]:
+    return ("--model-path", str(checkpoint.path), "--dtype", "float32")
+
+
+@pytest.mark.parametrize(("page", "layout"), [(16, "layer_first"), (64, "page_first_direct")])
+def test_mla_host_split_equals_cold(
+    make_engine: Callable[..., Engine], deepseek: Checkpoint, page: int, layout: str
+) -> None:
+    end = reused_tokens(page)
+    engine = make_engine(*_mla(deepseek), *host_flags(page, layout))
+    check_host_splits(engine, page, [0, page, end // page // 2 * page, end])
+
+
+@pytest.mark.usefixtures("small_reads")
+def test_mla_l3_prefetch_cut_mid_way_equals_cold(
+    make_engine: Callable[..., Engine], deepseek: Checkpoint, tmp_path: Path
+) -> None:
+    page = 16
+    engine = make_engine(*_mla(deepseek), *l3_flags(page, "page_first", tmp_path / "l3"))
+    check_l3_cuts(engine, page, [READ_BATCH_PAGES * page])
