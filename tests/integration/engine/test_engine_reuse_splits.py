@@ -10,7 +10,8 @@ every kind of choice runs whatever the live costs say:
   middle, all but one page, everything (pure load);
 - L3 cuts: L1 and L2 flushed (L3 keeps the pages), the same prompt while a throttled
   store reads its pages back a few at a time, the prefetch cut once a forced number of
-  tokens has landed: before any (recompute), mid-way (a split), never (load).
+  tokens has landed: before any (recompute), mid-way (a split), never (load); and cut
+  mid-way with only part of what landed loaded (the rest computed again over it).
 
 Each answer's greedy tokens and the logits they came from equal the cold run's
 (``assert_same``: float32 on the CPU, within 1e-5), and the request's ``ReuseReport``
@@ -41,8 +42,10 @@ from tests.integration.engine.test_engine_cache_reuse import assert_same, prompt
 PROMPT_LEN = 300  # not a whole number of pages at any page size here
 # Pages one throttled L3 read returns in the L3 cases: a 300-token prompt's pages land
 # over several reads, so a cut can fall between them.
-READ_BATCH_PAGES = 2
-READ_LATENCY_MS = 60  # per read: each batch lands well after the scheduler's next poll
+READ_BATCH_PAGES = 1
+# Per read: a read lands long after the scheduler's next poll (every few ms), and the
+# reads left after a cut take longer than a busy machine may delay that poll.
+READ_LATENCY_MS = 60
 
 
 def reused_tokens(page: int) -> int:
@@ -57,12 +60,14 @@ def host_flags(page: int, layout: str, *extra: str) -> tuple[str, ...]:
     )
 
 
-def l3_flags(page: int, layout: str, path: Path) -> tuple[str, ...]:
+def l3_flags(
+    page: int, layout: str, path: Path, read_latency_ms: float = READ_LATENCY_MS
+) -> tuple[str, ...]:
     # The file store behind a throttle: each read waits its latency, so the pages of one
     # prefetch land read by read. Patient deadlines: only the forced cut ends a wait.
     config = {
         "backend": "file", "backend_extra": {"path": str(path)},
-        "read_latency_ms": READ_LATENCY_MS, "prefetch_threshold": 1, "io_timeout_s": 600.0,
+        "read_latency_ms": read_latency_ms, "prefetch_threshold": 1, "io_timeout_s": 600.0,
         "prefetch_timeout_max": 600.0,
     }
     return host_flags(
@@ -172,11 +177,43 @@ def test_l3_prefetch_cut_mid_way_equals_cold(
     check_l3_cuts(make_engine(*l3_flags(page, layout, tmp_path / "l3")), page, [0, middle, None])
 
 
+@pytest.mark.usefixtures("small_reads")
+def test_l3_landed_pages_past_the_boundary_are_computed_again_equal_cold(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    """A prefetch cut mid-way, then only the first of its landed pages loaded: the landed
+    pages past the boundary sit in the tree on the host alone, and the recomputed tail
+    is adopted over them; the answer, and the next one (from L1), are the cold one."""
+    page = 16
+    engine = make_engine(*l3_flags(page, "layer_first", tmp_path / "l3"))
+    ids = prompt(13, PROMPT_LEN)
+    cold = run_cold(engine, ids)
+    assert engine.flush_cache()
+    cut, boundary = 2 * READ_BATCH_PAGES * page, READ_BATCH_PAGES * page
+    forced = force_reuse(engine, boundary=boundary, cut_tokens=cut)
+    warm = run(engine, ids, logits=True, ignore_eos=True)
+    landed = forced.cut_landed
+    assert landed is not None and boundary < cut <= landed < reused_tokens(page), landed
+    assert (warm.last.cached_tokens.device, warm.last.cached_tokens.storage) == (0, boundary)
+    report = warm.last.reuse
+    assert report is not None and report.decision == "split", report
+    assert (report.cached_tokens, report.loaded_tokens) == (boundary, boundary)
+    assert report.recomputed_tokens == reused_tokens(page) - boundary
+    assert_same(cold, warm)
+    engine.check_integrity()
+    # The tree holds the whole prompt on the device now: a plain L1 hit, still cold's answer.
+    again = run(engine, ids, logits=True, ignore_eos=True)
+    assert again.last.cached_tokens.device == reused_tokens(page)
+    assert_same(cold, again)
+    engine.check_integrity()
+
+
 def test_l3_cut_mid_way_at_page_size_one_equals_cold(
     make_engine: Callable[..., Engine], tmp_path: Path
 ) -> None:
-    # 299 one-token pages are three reads of the controller's own batch (128 pages).
-    engine = make_engine(*l3_flags(1, "page_first", tmp_path / "l3"))
+    # 299 one-token pages are three reads of the controller's own batch (128 pages); the
+    # cut after the first leaves two, each slower here.
+    engine = make_engine(*l3_flags(1, "page_first", tmp_path / "l3", read_latency_ms=200))
     check_l3_cuts(engine, 1, [MAX_BATCH_PAGES])
 
 
