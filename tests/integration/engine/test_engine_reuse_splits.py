@@ -9,9 +9,11 @@ every kind of choice runs whatever the live costs say:
   the same prompt from a forced boundary: the device end (pure recompute), one page, the
   middle, all but one page, everything (pure load);
 - L3 cuts: L1 and L2 flushed (L3 keeps the pages), the same prompt while a throttled
-  store reads its pages back a few at a time, the prefetch cut once a forced number of
+  store reads its pages back one per call, the prefetch cut once a forced number of
   tokens has landed: before any (recompute), mid-way (a split), never (load); and cut
-  mid-way with only part of what landed loaded (the rest computed again over it).
+  mid-way with only part of what landed loaded (the rest computed again over it);
+- a split past a device hit (the first pages on the device, the next on the host), and a
+  split whose recomputed tail is prefilled beside another request's decode rows.
 
 Each answer's greedy tokens and the logits they came from equal the cold run's
 (``assert_same``: float32 on the CPU, within 1e-5), and the request's ``ReuseReport``
@@ -24,13 +26,16 @@ DeepSeek-V2) runs fewer points. Tensor parallelism is in
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 import hicache.storage.controller as storage_controller
+from hicache.engine.api import GenerateOutput, GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
 from hicache.storage.base import MAX_BATCH_PAGES
 from tests.deepseek_checkpoints import deepseek_variants, write_deepseek
@@ -160,6 +165,113 @@ def test_host_split_at_every_kind_of_boundary_equals_cold(
     if page == 1:
         points.append(10)  # one page is below the load-back threshold: the first loaded
     check_host_splits(make_engine(*host_flags(page, layout)), page, sorted(set(points)))
+
+
+def _greedy(max_new_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_one(engine: Engine, request: GenerateRequest) -> Run:
+    """One request with a rid of its own; its outputs and the logits of its tokens."""
+    return run_batch(engine, request, None)[0][request.rid]
+
+
+def run_batch(
+    engine: Engine, first: GenerateRequest, joining: GenerateRequest | None
+) -> tuple[dict[str, Run], list[str]]:
+    """``first``, then ``joining`` once ``first`` has its first token (so that it joins a
+    batch that decodes): each request's outputs and the logits of its tokens, by rid,
+    and the rid of every token sampled, in order."""
+    seen: dict[str, list[torch.Tensor]] = {first.rid: []}
+    if joining is not None:
+        seen[joining.rid] = []
+    order: list[str] = []
+
+    def observe(rid: str, row: torch.Tensor) -> None:
+        seen[rid].append(row)
+        order.append(rid)
+
+    async def both() -> dict[str, Run]:
+        started = asyncio.Event()
+
+        async def collect(request: GenerateRequest) -> Run:
+            outputs: list[GenerateOutput] = []
+            async for out in engine.generate(request):
+                outputs.append(out)
+                if out.token_ids:
+                    started.set()
+            return Run(outputs)
+
+        leading = asyncio.create_task(collect(first))
+        runs: dict[str, Run] = {}
+        if joining is not None:
+            waiter = asyncio.create_task(started.wait())
+            await asyncio.wait({leading, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            runs[joining.rid] = await collect(joining)
+        runs[first.rid] = await leading
+        for rid, result in runs.items():
+            result.logits = seen[rid]
+        return runs
+
+    engine.scheduler.postprocess.logits_observer = observe
+    try:
+        return asyncio.run(both()), order
+    finally:
+        engine.scheduler.postprocess.logits_observer = None
+
+
+def test_split_joining_a_decoding_batch_equals_cold(make_engine: Callable[..., Engine]) -> None:
+    """The split's recomputed tail is prefilled beside another request's decode rows: both
+    answers are their cold ones (the other loaded whole from the host tier)."""
+    page = 16
+    engine = make_engine(*host_flags(page, "page_first"))
+    ids, other_ids = prompt(14, PROMPT_LEN), prompt(15, 40)
+    cold, other_cold = run_cold(engine, ids), run(engine, other_ids, logits=True,
+                                                  ignore_eos=True, max_new_tokens=48)
+    assert engine.evict_device_cache() > 0
+    boundary = reused_tokens(page) // page // 2 * page
+    force_reuse(engine, boundary=boundary, boundary_rids=frozenset({"split"}))
+    runs, order = run_batch(
+        engine, GenerateRequest(tuple(other_ids), _greedy(48), rid="other"),
+        GenerateRequest(tuple(ids), _greedy(), rid="split"),
+    )
+    warm, other = runs["split"], runs["other"]
+    # The split's first token came while the other request was still decoding.
+    assert order.index("split") < len(order) - 1 - order[::-1].index("other"), order
+    assert warm.last.reuse is not None and warm.last.reuse.decision == "split"
+    assert warm.last.cached_tokens.host == boundary
+    assert other.last.cached_tokens.host == (len(other_ids) - 1) // page * page
+    assert_same(cold, warm)
+    assert_same(other_cold, other)
+    engine.check_integrity()
+
+
+def test_split_past_a_device_hit_equals_cold(make_engine: Callable[..., Engine]) -> None:
+    """The first pages on the device (a shorter prompt loaded them), the next on the host:
+    a boundary at the device end (recompute), inside the host part (split) or at its end
+    (load) gives the cold answer."""
+    page = 16
+    engine = make_engine(*host_flags(page, "layer_first"))
+    ids = prompt(16, PROMPT_LEN)
+    cold = run_cold(engine, ids)
+    shorter = 160  # loads its 144 host tokens and computes the rest: 160 on the device
+    end = reused_tokens(page)
+    for boundary in (shorter, shorter + 2 * page, end):
+        assert engine.evict_device_cache() > 0
+        force_reuse(engine, boundary=boundary, boundary_rids=frozenset({"split"}))
+        prefix = GenerateRequest(tuple(ids[:shorter]), _greedy(), rid=f"prefix-{boundary}")
+        assert run_one(engine, prefix).last.cached_tokens.host == 144
+        warm = run_one(engine, GenerateRequest(tuple(ids), _greedy(), rid="split"))
+        assert (warm.last.cached_tokens.device, warm.last.cached_tokens.host) == (
+            shorter, boundary - shorter
+        )
+        report = warm.last.reuse
+        assert report is not None
+        assert report.decision == expected_decision(boundary, shorter, end), (boundary, report)
+        assert (report.cached_tokens, report.loaded_tokens) == (boundary, boundary - shorter)
+        assert_same(cold, warm)
+    engine.check_integrity()
 
 
 @pytest.fixture
