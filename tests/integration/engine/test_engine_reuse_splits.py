@@ -276,7 +276,7 @@ def test_split_past_a_device_hit_equals_cold(make_engine: Callable[..., Engine])
 
 @pytest.fixture
 def small_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """L3 reads of a few pages each, so a prefetch lands in steps a cut can fall between."""
+    """L3 reads of one page each, so a prefetch lands in steps a cut can fall between."""
     monkeypatch.setattr(storage_controller, "MAX_BATCH_PAGES", READ_BATCH_PAGES)
 
 
