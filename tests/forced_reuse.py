@@ -30,6 +30,8 @@ from hicache.radix.results import PrefixPeek
 
 
 class ForcedReuse(ReuseAdvisor):
+    """See the module docstring."""
+
     def __init__(
         self, real: ReuseAdvisor, boundary: int | None = None, cut_tokens: int | None = None,
         boundary_rids: frozenset[str] | None = None,
