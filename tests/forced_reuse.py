@@ -51,6 +51,7 @@ class ForcedReuse(ReuseAdvisor):
         if found < 0:
             return True  # the lookup has not answered yet
         track = self.track(req)
+        track.offered = True
         host_end = max(handle.start_page * self.cache.page_size,
                        self.cache.peek(req.match_tokens(), req.request.extra_key).num_device_tokens)
         # What the tiers offer: the report names a cut inside it a split.
@@ -67,9 +68,10 @@ class ForcedReuse(ReuseAdvisor):
         if peek is None or req.num_retractions:
             return None, None, None
         track = req.reuse_track
-        if peek.num_host_tokens == 0 and track is None:
+        if peek.num_host_tokens == 0 and (track is None or not track.offered):
             return None, None, None
         track = self.track(req)
+        track.offered = True
         host_end = peek.num_device_tokens + peek.num_host_tokens
         track.available_end = max(track.available_end, host_end)
         boundary = self.boundary
@@ -95,9 +97,9 @@ class ForcedReuse(ReuseAdvisor):
 
     def admitted(
         self, req: Req, device_tokens: int, loaded_tokens: int, plan: ReusePlan | None,
-        costs: CostSnapshot | None,
+        costs: CostSnapshot | None, decode_rows: int = 0,
     ) -> None:
-        super().admitted(req, device_tokens, loaded_tokens, plan, costs)
+        super().admitted(req, device_tokens, loaded_tokens, plan, costs, decode_rows)
         if req.reuse_track is not None and req.reuse_track.report is not None:
             self.reports.setdefault(req.rid, req.reuse_track.report)
 

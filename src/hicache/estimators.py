@@ -20,8 +20,10 @@ Invariants:
   as ``clip`` times the prediction: a stall moves the fit little. Transfers are not
   clipped: a store throttled tenfold must be followed at once.
 - Old samples fade geometrically (``forget`` per sample): about the last
-  ``1 / (1 - forget)`` samples dominate, so a change of regime (a throttled
-  store, a busier machine) is followed within a few dozen samples.
+  ``1 / (1 - forget)`` samples dominate, so a change of regime (a busier
+  machine) is followed within a few dozen samples. A transfer sample more than
+  ``TRANSFER_RESTART`` times off its prediction (a store or link that changed
+  speed) keeps only ``RESTART_KEEP`` of the history's weight: followed at once.
 
 Prefill is fit as ``t = a + b*new + c*pairs + d*decode_rows`` over one forward
 step: ``a`` the step's fixed cost (launches, sampling, Python), ``b`` the cost
@@ -58,6 +60,10 @@ _ROWS = 1e2
 _BYTES = 1e6
 # Samples between the refits of the coefficients a clip bounds new samples with.
 CLIP_REFIT = 8
+# The weight the history keeps when a transfer sample says the path changed speed.
+RESTART_KEEP = 0.05
+# How far off (times, either way) a transfer sample must be to say so.
+TRANSFER_RESTART = 3.0
 
 
 def attention_pairs(new_tokens: int, context: int) -> int:
@@ -104,6 +110,12 @@ class NonNegativeFit:
     # stall (a collection pause, a page fault storm) shifts the fit a little, not by its
     # size, while a lasting slowdown is still followed, ``clip``-fold per few samples.
     clip: float | None = None
+    # Once known, a sample off the prediction by more than ``restart`` times (either way)
+    # keeps only ``RESTART_KEEP`` of the history's weight: a path whose speed changed (a
+    # store throttled, a link shared) is followed within a sample or two, where the
+    # forgetting alone would take dozens. For transfers; prefill steps are clipped instead.
+    restart: float | None = None
+    num_restarts: int = 0
     num_samples: int = 0
     num_rejected: int = 0
     _xx: list[list[float]] = field(default_factory=list, repr=False)
@@ -142,6 +154,13 @@ class NonNegativeFit:
                 bound = self.clip * sum(c * v for c, v in zip(self._clip_coef, x, strict=True))
                 if bound > 0:
                     y = min(y, bound)
+            if self.restart is not None and self.known:
+                if self._coef is None:
+                    self._coef = self._fit()
+                predicted = sum(c * v for c, v in zip(self._coef, x, strict=True))
+                if predicted > 0 and not predicted / self.restart <= y <= predicted * self.restart:
+                    self._fade(RESTART_KEEP)
+                    self.num_restarts += 1
             self._add(x, y)
         return True
 
@@ -149,6 +168,15 @@ class NonNegativeFit:
         """Count a sample its caller found to be nonsense."""
         with self._lock:
             self.num_rejected += 1
+
+    def _fade(self, keep: float) -> None:
+        """Scale the history's weight by ``keep`` (its fit stays the same until new samples)."""
+        for row in self._xx:
+            for j in range(self.dim):
+                row[j] *= keep
+        for i in range(self.dim):
+            self._xy[i] *= keep
+        self._yy *= keep
 
     def _add(self, x: Sequence[float], y: float) -> None:
         k, xx, xy = self.forget, self._xx, self._xy
@@ -294,7 +322,7 @@ class TransferEstimate:
     fit: NonNegativeFit = field(init=False)
 
     def __post_init__(self) -> None:
-        self.fit = NonNegativeFit(2, self.forget, self.min_samples)
+        self.fit = NonNegativeFit(2, self.forget, self.min_samples, restart=TRANSFER_RESTART)
 
     def observe(self, size: float, seconds: float) -> bool:
         """A transfer of ``size`` units that took ``seconds``; an empty one is rejected."""

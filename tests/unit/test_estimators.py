@@ -177,6 +177,33 @@ def test_transfer_follows_a_slower_store() -> None:
     assert est.seconds_per_unit == pytest.approx(0.01, rel=0.01)
 
 
+def test_transfer_follows_a_throttled_path_within_two_samples() -> None:
+    # A hundred loads at 1 ms a page, then the path slows tenfold: without the restart the
+    # forgetting would need dozens of samples; a load planned on the old speed would be
+    # priced ten times too cheap.
+    est = TransferEstimate()
+    for i in range(100):
+        est.observe(1 + i % 8, 0.001 * (1 + i % 8))
+    est.observe(16, 0.16)
+    est.observe(8, 0.08)
+    assert est.fit.num_restarts >= 1
+    predicted = est.predict(16)
+    assert predicted is not None and 0.16 / 1.5 <= predicted <= 0.16 * 1.5
+    # And back: the path speeds up again.
+    est.observe(16, 0.016)
+    est.observe(8, 0.008)
+    predicted = est.predict(16)
+    assert predicted is not None and 0.016 / 1.5 <= predicted <= 0.016 * 1.5
+
+
+def test_a_transfer_near_its_prediction_keeps_the_history() -> None:
+    est = TransferEstimate()
+    for i in range(20):
+        est.observe(1 + i % 8, 0.001 * (1 + i % 8))
+    est.observe(8, 0.008 * 2.5)  # slower, but within the restart factor
+    assert est.fit.num_restarts == 0
+
+
 def test_fit_rejects_bad_parameters() -> None:
     with pytest.raises(ValueError):
         NonNegativeFit(0)
