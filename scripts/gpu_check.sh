@@ -83,10 +83,11 @@ run bench_prefill 240 "$PY" -m hicache bench prefill --json "$OUT/prefill.json"
 run bench_l2_ttft 240 "$PY" -m hicache bench l2-ttft --model-preset llama3-8b \
   --hicache-mem-layout page_first --json "$OUT/l2_ttft.json"
 # Loading a cached prompt against computing it again (issue 31): a full L3 hit through a store
-# throttled from unlimited down to 500 MB/s, and a full L2 hit, each next to the same prompt
-# recomputed cold, Llama-3-8B dummy bf16 weights (83 s on an H200 on 2026-11-28).
+# throttled from unlimited down to 500 MB/s, half in L2 and all in L3 (--mixed), and a full L2
+# hit, each next to the same prompt recomputed cold and to the engine's own choice, Llama-3-8B
+# dummy bf16 weights (the baseline without the choice and mixed rows: 83 s on an H200).
 run bench_load_vs_recompute 300 "$PY" -m hicache bench load-vs-recompute --model-preset llama3-8b \
-  --device cuda --tokens 4096 16384 --points 2:none 2:8GB 2:2GB 2:500MB --repeats 2 \
+  --device cuda --tokens 4096 16384 --points 2:none 2:8GB 2:2GB 2:500MB --mixed --repeats 2 \
   --json "$OUT/load_vs_recompute.json"
 # L3 backends next to their plain baselines on a host with cores and memory bandwidth to spare
 # (mooncake is reported as skipped when its client is not installed there).
