@@ -8,21 +8,29 @@ and for each prompt length it answers with a few greedy tokens, repeats alternat
   written back to L1, L2 and L3 as usual);
 - load: the same prompt again after L1 and L2 were flushed (the flush waits for the write
   back to L3 to finish), so every whole page but the one holding the last token comes from
-  L3 through the throttle.
+  L3 through the throttle (``--hicache-reuse-policy load`` meanwhile);
+- chosen: the same again, L1 and L2 flushed again, under the engine's own choice (policy
+  ``cost``): it loads, recomputes or splits as its live cost model predicts is fastest.
+
+``--mixed`` rows hold the prompt's first half in L2 and all of it in L3 (a request for
+that half loads it back after the flush): loading the L2 half and computing the rest is a
+split that can beat both pure ways when the store is slow.
 
 A host-tier row per length does the same with only L1 flushed (a full L2 hit), at each
 host point (a host->device latency and bandwidth, ``--host-points``: the engine's cache
 controller loads through ``hicache.testing.throttled_io`` meanwhile; by default one
 unthrottled row per length). The L3 rows load from host to device unthrottled. Each row
-gives the medians, load / recompute, min(load, recompute), and next to them what the
-engine's live cost model predicted just before each timed request (the prefill of the
-whole prompt; the L3 read of the hit's pages and their host->device load, or that load
-alone for L2, plus the tail the load still computes); "-" while the model has not learned
-that cost yet.
+gives the medians, load / recompute, min(load, recompute), the choice's time over that
+minimum (issue 31's target: at most 1.05), the decision the engine reported ("-": none,
+as for a prompt released before its L3 lookup answered) and the tokens it took from the
+tiers, and next to them what the engine's live cost model predicted just before each
+timed request (the prefill of the whole prompt; the L3 read of the hit's pages and their
+host->device load, or that load alone for L2, plus the tail the load still computes); "-"
+while the model has not learned that cost yet.
 
 Invariants: a load row's requests were served from the tier it names (all the hit's pages)
-or the bench stops; a load's output tokens equal its recompute's (``same_output``). This
-is the baseline before any per-request decision: it claims no ratio.
+or the bench stops; a load's and a choice's output tokens equal the recompute's
+(``same_output``).
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ class Row:
     chosen_samples: list[float] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)
     chosen_same_output: bool = True
+    chosen_reused: list[int] = field(default_factory=list)  # tokens the choice took from tiers
 
     @property
     def chosen_ratio(self) -> float | None:
@@ -171,13 +180,15 @@ class _Timed:
     tokens: list[int]
     cached: int  # prompt tokens served by the tier asked about
     decision: str | None  # the engine's load-or-recompute choice, where it made one
+    reused: int  # prompt tokens served by any tier (the rest was computed)
 
 
 def _timed(engine: Engine, ids: list[int], output_tokens: int, tier: str | None) -> _Timed:
     out, tokens = _generate(engine, ids, output_tokens)
     assert out.ttft_s is not None
     cached = getattr(out.cached_tokens, tier) if tier is not None else out.cached_tokens.total
-    return _Timed(out.ttft_s, tokens, cached, out.reuse.decision if out.reuse else None)
+    return _Timed(out.ttft_s, tokens, cached, out.reuse.decision if out.reuse else None,
+                  out.cached_tokens.total)
 
 
 def _set_policy(engine: Engine, policy: ReusePolicy) -> None:
@@ -244,6 +255,7 @@ def measure(
     load: list[float] = []
     chosen: list[float] = []
     decisions: list[str] = []
+    reused: list[int] = []
     predicted: list[tuple[float | None, float | None]] = []
     same = chosen_same = True
     try:
@@ -268,6 +280,7 @@ def measure(
             load.append(warm.seconds)
             chosen.append(choice.seconds)
             decisions.append(choice.decision or "-")
+            reused.append(choice.reused)
             assert engine.flush_cache()  # the next prompt starts from empty L1 and L2
     finally:
         _set_policy(engine, ReusePolicy.COST)
@@ -279,7 +292,7 @@ def measure(
         predicted_load_s=_median([p[1] for p in predicted]),
         same_output=same, recompute_samples=recompute, load_samples=load,
         chosen_s=statistics.median(chosen), chosen_samples=chosen, decisions=decisions,
-        chosen_same_output=chosen_same,
+        chosen_same_output=chosen_same, chosen_reused=reused,
     )
 
 
@@ -382,11 +395,18 @@ def _decisions(names: list[str]) -> str:
     return ", ".join(f"{name} {n}" for name, n in counts.items())
 
 
+def _reused(row: Row) -> str:
+    """The tokens the choice took from the tiers, of those they held (median)."""
+    if not row.chosen_reused:
+        return "-"
+    return f"{int(statistics.median(row.chosen_reused))}/{row.cached_tokens}"
+
+
 def print_table(rows: list[Row]) -> None:
     print("| tier | tokens | latency ms | bandwidth | recompute s | load s | load/recompute "
-          "| min s | chosen s | chosen/min | decision | predicted recompute s "
+          "| min s | chosen s | chosen/min | decision | reused | predicted recompute s "
           "| predicted load s | same output |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|")
     for r in rows:
         latency = "-" if r.read_latency_ms is None else f"{r.read_latency_ms:g}"
         bandwidth = "-" if r.read_latency_ms is None else (r.read_bandwidth or "unlimited")
@@ -396,7 +416,7 @@ def print_table(rows: list[Row]) -> None:
         print(
             f"| {tier} | {r.tokens} | {latency} | {bandwidth} | {r.recompute_s:.3f} "
             f"| {r.load_s:.3f} | {r.ratio:.2f} | {r.best_s:.3f} | {_s(r.chosen_s)} | {ratio} "
-            f"| {_decisions(r.decisions)} "
+            f"| {_decisions(r.decisions)} | {_reused(r)} "
             f"| {_s(r.predicted_recompute_s)} | {_s(r.predicted_load_s)} "
             f"| {'yes' if same else 'NO'} |"
         )
