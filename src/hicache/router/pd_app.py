@@ -227,8 +227,8 @@ async def _tokenizer(state: PDRouterState) -> Tokenizer:
 
 
 def _worker_view(worker: Worker) -> dict[str, Any]:
-    return {**worker.info.public(), "healthy": worker.healthy,
-            "active_requests": worker.active_requests}
+    return {**worker.info.public(), "healthy": worker.healthy, "state": worker.state,
+            "draining": worker.draining, "active_requests": worker.active_requests}
 
 
 def _pools_view(state: PDRouterState) -> dict[str, Any]:
