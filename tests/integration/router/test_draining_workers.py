@@ -22,11 +22,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response, StreamingResponse
 
+from hicache.router.settings import PrefillEndpoint
 from hicache.router.workers import WorkerInfo, WorkerRegistry
 from tests.abandoned_clients import sample, scrape
 from tests.restartable_server import RestartableServer
 from tests.router_fakes import DictIndex
-from tests.router_fixtures import running_router
+from tests.router_fixtures import running_pd_router, running_router
+from tests.router_pd_fakes import FakeInstance, Rooms, fake_instances
 from tests.server_fixtures import serve_app_in_thread
 from tests.waiting import wait_until
 
@@ -258,3 +260,25 @@ def test_aborts_reach_draining_workers() -> None:
         response = router.post("/abort_request", json={"rid": "r1"})
         assert response.status_code == 200, response.text
         assert first.aborts == 1 and second.aborts == 1
+
+
+def test_the_pd_router_sends_a_pair_refused_as_draining_to_a_fresh_pair() -> None:
+    """One prefill and one decode instance of two drain; no probe runs (60 s). Every
+    request gets its answer; once each refusal was heard, the draining ones get nothing."""
+    rooms = Rooms()
+    prefills = [FakeInstance("prefill", rooms, draining=True), FakeInstance("prefill", rooms)]
+    decodes = [FakeInstance("decode", rooms, draining=True), FakeInstance("decode", rooms)]
+    with fake_instances(*prefills, *decodes) as (p0, p1, d0, d1), running_pd_router(
+        [PrefillEndpoint(p0), PrefillEndpoint(p1)], [d0, d1], health_interval_s=60,
+    ) as router:
+        for stream in (False, True, False, True):
+            response = router.post("/generate", json={"input_ids": IDS, "stream": stream})
+            assert response.status_code == 200, response.text
+        listed = router.get("/workers").json()
+        states = {w["url"]: w["state"] for pool in ("prefill", "decode") for w in listed[pool]}
+        assert states == {p0: "draining", p1: "up", d0: "draining", d1: "up"}
+        seen = len(prefills[0].requests), len(decodes[0].requests)
+        for _ in range(4):
+            assert router.post("/generate", json={"input_ids": IDS}).status_code == 200
+        assert (len(prefills[0].requests), len(decodes[0].requests)) == seen
+        assert sample(scrape(router.url), "router_drain_refusals_total", worker=p0) == 1
