@@ -311,11 +311,15 @@ class WorkerRegistry:
             check_compatible(info, self.reference)
         else:
             self.reference = info
-        worker = Worker(info)
+        # Registered while draining: known (its running requests may be aborted through
+        # the router) but not routed to until its /health answers 200.
+        draining = info.server_info.get("draining") is True
+        worker = Worker(info, healthy=not draining, draining=draining)
         self._workers[info.url] = worker
         self._start_events(worker)
-        logger.info("worker %s added: model %r, page size %d, KV events %s", info.url,
-                    info.model, info.page_size, info.events.endpoint if info.events else "none")
+        logger.info("worker %s added%s: model %r, page size %d, KV events %s", info.url,
+                    " as draining" if draining else "", info.model, info.page_size,
+                    info.events.endpoint if info.events else "none")
         return worker
 
     async def add_url(self, url: str) -> Worker:
@@ -482,6 +486,10 @@ class WorkerRegistry:
         except WorkerError as error:
             logger.error("worker %s answers /health but stays out of routing: %s",
                          worker.url, error)
+            return
+        if info.server_info.get("draining") is True:
+            # Its /health said 200 a moment before the drain began: it takes no requests.
+            await self.mark_draining(worker.url, "/get_server_info says draining")
             return
         if self._workers.get(worker.url) is not worker or worker.healthy:
             return  # removed, or brought back by another probe, while rediscovering

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response, StreamingResponse
 
 from hicache.router.settings import PrefillEndpoint
-from hicache.router.workers import WorkerInfo, WorkerRegistry
+from hicache.router.workers import WorkerInfo, WorkerRegistry, fetch_worker_info_sync
 from tests.abandoned_clients import sample, scrape
 from tests.restartable_server import RestartableServer
 from tests.router_fakes import DictIndex
@@ -48,6 +48,8 @@ class Drainable:
     served: int = 0  # generation requests answered 200
     refused: int = 0  # generation requests refused as draining
     aborts: int = 0
+    # /health still 200 while draining (asked the moment before the drain began).
+    health_lags: bool = False
     hold: threading.Event | None = None  # when set: /generate waits for it to be set
     holding: threading.Event = field(default_factory=threading.Event)
 
@@ -57,7 +59,7 @@ def drainable_app(worker: Drainable) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if worker.draining:
+        if worker.draining and not worker.health_lags:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({}, status_code=200)
 
@@ -103,12 +105,16 @@ def drainables(*workers: Drainable) -> Iterator[list[str]]:
 
 def registry_scenario(
     url: str, scenario: Callable[[WorkerRegistry, DictIndex], Awaitable[None]],
+    *, register: bool = True,
 ) -> None:
+    """``scenario`` on a registry probed by hand, with ``url`` registered as a plain
+    worker unless ``register`` is False."""
     async def run() -> None:
         async with httpx.AsyncClient() as client:
             index = DictIndex()
             registry = WorkerRegistry(index, client, health_interval_s=5.0)
-            registry.add(WorkerInfo(url=url, page_size=4, model="tiny-model"))
+            if register:
+                registry.add(WorkerInfo(url=url, page_size=4, model="tiny-model"))
             try:
                 await scenario(registry, index)
             finally:
@@ -143,6 +149,25 @@ def test_a_draining_probe_takes_the_worker_out_as_draining_not_down(
     drained = [r for r in caplog.records if "is draining" in r.getMessage()]
     assert len(drained) == 1
     assert not any("is down" in r.getMessage() for r in caplog.records)
+
+
+def test_a_worker_discovered_while_draining_is_registered_as_draining() -> None:
+    """Its /get_server_info says draining: known, not routed to. A /health 200 with
+    /get_server_info still draining does not bring it back either."""
+    worker = Drainable("a", draining=True, health_lags=True)
+    with drainables(worker) as (url,):
+        info = fetch_worker_info_sync(url)
+
+        async def scenario(registry: WorkerRegistry, index: DictIndex) -> None:
+            state = registry.add(info)
+            assert state.state == "draining" and registry.healthy() == []
+            await registry.probe_all()  # /health 200, but still draining
+            assert state.state == "draining"
+            worker.draining = False
+            await registry.probe_all()
+            assert state.state == "up"
+
+        registry_scenario(url, scenario, register=False)
 
 
 def test_a_draining_worker_that_exits_is_down_and_back_when_it_answers() -> None:
