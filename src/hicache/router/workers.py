@@ -487,12 +487,12 @@ class WorkerRegistry:
             logger.error("worker %s answers /health but stays out of routing: %s",
                          worker.url, error)
             return
+        if self._workers.get(worker.url) is not worker or worker.healthy:
+            return  # removed, or brought back by another probe, while rediscovering
         if info.server_info.get("draining") is True:
             # Its /health said 200 a moment before the drain began: it takes no requests.
             await self.mark_draining(worker.url, "/get_server_info says draining")
             return
-        if self._workers.get(worker.url) is not worker or worker.healthy:
-            return  # removed, or brought back by another probe, while rediscovering
         if worker.draining:
             # A new process at the same URL (or a drain called off): its caches are not
             # the ones indexed. Resync from its events as after a restart.

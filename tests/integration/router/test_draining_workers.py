@@ -236,6 +236,9 @@ def test_another_503_reaches_the_client_whole_and_the_worker_stays_routed() -> N
         assert response.status_code == 503
         assert response.json()["error"]["message"] == "unavailable"
         assert router.workers()[urls[0]]["state"] == "up"
+        samples = scrape(router.url)
+        assert samples.get("router_retries_total") == 0
+        assert sample(samples, "router_drain_refusals_total", worker=urls[0]) == 0
 
 
 def test_probes_take_a_draining_worker_out_and_bring_it_back_after_a_200() -> None:
