@@ -57,6 +57,9 @@ class FakeInstance:
     report_mode: bool = True  # /get_server_info says disaggregation_mode
     kv_wait_s: float = 5.0  # decode: how long it waits for the room's KV
     healthy: bool = True
+    # The drain contract: /health 503 {"status": "draining"}, new requests a 503 saying
+    # so with Retry-After: 0.
+    draining: bool = False
     health_delay_s: float = 0.0  # before /health answers (a busy instance's slow probe)
     health_checks: int = 0  # /health requests that came in
     # Prefill: publishes its prompts' pages here once computed (as a worker's KV events).
@@ -89,6 +92,8 @@ def fake_instance_app(instance: FakeInstance) -> FastAPI:
     async def health() -> Response:
         instance.health_checks += 1
         await asyncio.sleep(instance.health_delay_s)  # a slow health check, on purpose
+        if instance.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({}, status_code=200 if instance.healthy else 503)
 
     @app.get("/v1/models")
@@ -117,6 +122,10 @@ def fake_instance_app(instance: FakeInstance) -> FastAPI:
         if missing:
             return JSONResponse({"error": {"message": f"{instance.mode} instance: missing "
                                            f"{', '.join(missing)}"}}, status_code=400)
+        if instance.draining:
+            return JSONResponse({"error": {"message": f"{instance.mode} instance is draining: "
+                                           "retry on another one"}}, status_code=503,
+                                headers={"Retry-After": "0"})
         if instance.fail_status is not None:
             return JSONResponse({"error": {"message": f"{instance.mode} failed on purpose"}},
                                 status_code=instance.fail_status)

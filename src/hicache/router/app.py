@@ -3,7 +3,8 @@
     POST /v1/chat/completions, /v1/completions, /generate   routed by the policy
     GET  /v1/models, /get_model_info                        any healthy worker's answer
     POST /tokenize, /detokenize (and /v1/...)               any healthy worker's answer
-    POST /flush_cache, /abort_request                       every healthy worker
+    POST /flush_cache                                       every healthy worker
+    POST /abort_request                                     every healthy or draining one
     GET  /health, /get_server_info, /metrics                the router's own
     GET/POST/DELETE /workers                                the worker list (admin)
 
@@ -217,9 +218,11 @@ def create_router_app(
         raw = await request.body()
         if state.settings.admin_api_key is not None and aborts_all(await read_json_object(raw)):
             _authorize(state, request)
-        # The router does not keep which worker runs a rid: every worker is asked.
+        # The router does not keep which worker runs a rid: every worker is asked, the
+        # draining ones too (their running requests finish there).
         results = await state.proxy.fan_out("POST", "/abort_request", raw,
-                                            headers=admin_headers(request))
+                                            headers=admin_headers(request),
+                                            include_draining=True)
         return fan_out_answer(results, "sent")
 
     @app.get("/health")
@@ -227,6 +230,7 @@ def create_router_app(
         registry = get_router_state(request).workers
         healthy = len(registry.healthy())
         body = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy,
+                "draining_workers": sum(1 for w in registry.all() if w.draining),
                 "workers": len(registry.all())}
         return JSONResponse(body, status_code=200 if healthy else 503)
 
@@ -304,7 +308,8 @@ def authorize_admin(settings: RouterSettings, request: Request) -> None:
 
 def _workers_view(state: RouterState) -> list[dict[str, Any]]:
     return [
-        {**w.info.public(), "healthy": w.healthy, "active_requests": w.active_requests,
+        {**w.info.public(), "healthy": w.healthy, "state": w.state, "draining": w.draining,
+         "active_requests": w.active_requests,
          "kv_events_last_sequence": w.event_counts.last_sequence}
         for w in state.workers.all()
     ]

@@ -12,7 +12,9 @@ The proxies count what went wrong on the way: worker failures by stage
 elsewhere; ``timeout``: silent past ``--request-timeout``; ``mid_answer``: the
 answer broke off), retries, and clients that left before their answer was whole
 (``before_answer``: the worker's request was dropped with them; ``answering``:
-during a streamed answer). A ``worker`` label never carries the credentials of a
+during a streamed answer), and the requests a draining worker refused (each sent
+on to another worker; the draining workers are the ``router_worker_draining``
+gauge). A ``worker`` label never carries the credentials of a
 worker's URL (``credentials.redact``).
 Each router owns its registry, so several in one process (tests) never clash.
 """
@@ -92,6 +94,10 @@ class RouterMetrics:
             "by stage: before_answer (the worker's request was dropped with them), "
             "answering (during the answer)", ["stage"], registry=r,
         )
+        self.drain_refusals = Counter(
+            "router_drain_refusals", "requests a draining worker refused (503 draining), "
+            "sent on to another worker", ["worker"], registry=r,
+        )
         self.shared_queries = Counter(
             "router_shared_cache_queries", "shared-pool (L3) queries of tier_aware decisions, "
             "by outcome: answered (within the decision's deadline, 20 ms by default), late "
@@ -106,6 +112,10 @@ class RouterMetrics:
 
     def worker_failed(self, worker_url: str, stage: str) -> None:
         self.worker_failures.labels(worker=redact(worker_url), stage=stage).inc()
+
+    def drain_refused(self, worker_url: str) -> None:
+        """A draining worker refused a request; it goes to another worker (a retry)."""
+        self.drain_refusals.labels(worker=redact(worker_url)).inc()
 
     def client_left(self, stage: str) -> None:
         self.client_disconnects.labels(stage=stage).inc()
@@ -134,6 +144,9 @@ class _LiveState(Collector):
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("router_worker_up", "1 while the worker is routed to",
                                labels=["worker"])
+        draining = GaugeMetricFamily("router_worker_draining",
+                                     "1 while the worker drains (out of routing, not down)",
+                                     labels=["worker"])
         active = GaugeMetricFamily("router_worker_active_requests",
                                    "requests in flight at the worker", labels=["worker"])
         counters = {
@@ -150,10 +163,12 @@ class _LiveState(Collector):
         for worker in self._workers.all():
             label = redact(worker.url)
             up.add_metric([label], 1.0 if worker.healthy else 0.0)
+            draining.add_metric([label], 1.0 if worker.draining else 0.0)
             active.add_metric([label], worker.active_requests)
             for name, family in counters.items():
                 family.add_metric([label], getattr(worker.event_counts, name))
         yield up
+        yield draining
         yield active
         yield from counters.values()
         yield GaugeMetricFamily("router_indexed_pages", "pages the index holds",

@@ -157,15 +157,16 @@ def create_pd_router_app(
             request.method, request.url.path, request.headers, request.receive,
             await request.body())
 
-    async def both_pools(request: Request, path: str,
-                         content: bytes | None = None) -> dict[str, tuple[int, Any]]:
+    async def both_pools(request: Request, path: str, content: bytes | None = None, *,
+                         include_draining: bool = False) -> dict[str, tuple[int, Any]]:
         state = get_pd_state(request)
         results: dict[str, tuple[int, Any]] = {}
         for registry in (state.pools.prefill, state.pools.decode):
             proxy = Proxy(registry, state.policy, state.metrics, client,
                           settings.request_timeout_s)
             results.update(await proxy.fan_out("POST", path, content,
-                                               headers=admin_headers(request)))
+                                               headers=admin_headers(request),
+                                               include_draining=include_draining))
         return results
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])
@@ -178,8 +179,9 @@ def create_pd_router_app(
         raw = await request.body()
         if settings.admin_api_key is not None and aborts_all(await read_json_object(raw)):
             authorize_admin(settings, request)
-        # A request runs on a prefill and a decode instance alike: both pools are asked.
-        results = await both_pools(request, "/abort_request", raw)
+        # A request runs on a prefill and a decode instance alike: both pools are asked,
+        # their draining instances too (their running requests finish there).
+        results = await both_pools(request, "/abort_request", raw, include_draining=True)
         return fan_out_answer(results, "sent")
 
     @app.get("/health")
@@ -227,8 +229,8 @@ async def _tokenizer(state: PDRouterState) -> Tokenizer:
 
 
 def _worker_view(worker: Worker) -> dict[str, Any]:
-    return {**worker.info.public(), "healthy": worker.healthy,
-            "active_requests": worker.active_requests}
+    return {**worker.info.public(), "healthy": worker.healthy, "state": worker.state,
+            "draining": worker.draining, "active_requests": worker.active_requests}
 
 
 def _pools_view(state: PDRouterState) -> dict[str, Any]:

@@ -19,7 +19,11 @@ Which failure the client sees:
   the decode's error;
 - the client leaves: both requests are dropped.
 
-An instance that refuses the connection before anything was sent is marked
+An instance that refuses the request as draining (``drain.py``: a 503 saying so,
+or with ``Retry-After: 0``) before the decode answer streams is no failure: it
+leaves its pool's routing as draining at once, the other request of the pair is
+dropped and the request goes to a fresh pair, nothing of the refusal reaching the
+client. An instance that refuses the connection before anything was sent is marked
 down (its pool's registry hears every failure and answer status as the plain
 proxy's does: ``health.py``) and the request goes to a fresh pair (a new room: the
 old one named the failed pair), as the ordinary proxy retries. Once the decode answer streams,
@@ -42,7 +46,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import httpx
@@ -50,6 +54,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from hicache.router.credentials import redact
+from hicache.router.drain import is_draining_refusal
 from hicache.router.metrics import RouterMetrics
 from hicache.router.pd_pools import DecodeChooser, PDPools
 from hicache.router.proxy import ClientGoneError, UpstreamResponse, client_gone, forwarded_headers
@@ -109,7 +114,8 @@ _Release = Callable[[], None]  # idempotent
 
 
 class _Refused(Exception):
-    """An instance refused the connection: retry with another pair."""
+    """An instance refused the connection, or the request as draining: retry with another
+    pair."""
 
 
 class PDProxy:
@@ -176,7 +182,8 @@ class PDProxy:
         self._metrics.unavailable.inc()
         if tried:
             return APIError(503, f"no healthy {role} instance could take the request: "
-                            f"{', '.join(map(redact, tried))} refused the connection")
+                            f"{', '.join(map(redact, tried))} refused the connection or "
+                            "are draining")
         return APIError(503, f"no healthy {role} instance: all {known} registered {role} "
                         "instances are down (failing /health)")
 
@@ -232,6 +239,8 @@ class PDProxy:
         error = task.exception()
         if error is None:
             answer = task.result()
+            if is_draining_refusal(answer.status, answer.headers, answer.content):
+                await self._drained("prefill", prefill)
             await self._pools.prefill.answered(prefill.url, answer.status)  # 5xx: a failure
             if answer.ok:
                 return None
@@ -249,6 +258,10 @@ class PDProxy:
         if error is not None:
             return await self._connection_failure("decode", decode, error)
         start = task.result()
+        response = start.response
+        if start.rest is None and is_draining_refusal(response.status_code, response.headers,
+                                                      start.head):
+            await self._drained("decode", decode)
         await self._pools.decode.answered(decode.url, start.response.status_code)
         if start.rest is None:  # an error status, read whole
             logger.warning("decode instance %s answered %d: dropping the prefill request",
@@ -285,6 +298,13 @@ class PDProxy:
             raise APIError(502, redact(f"{role} instance {worker.url} failed: "
                                        f"{type(error).__name__}: {error}"))
         raise error
+
+    async def _drained(self, role: str, worker: Worker) -> NoReturn:
+        """``worker`` refused the request as draining: out of its pool's routing, and the
+        request goes to a fresh pair (the caller's finally drops the other request)."""
+        self._metrics.drain_refused(worker.url)
+        await self._registry(role).mark_draining(worker.url, "refused a request as draining")
+        raise _Refused(worker.url)
 
     def _registry(self, role: str) -> WorkerRegistry:
         return self._pools.prefill if role == "prefill" else self._pools.decode

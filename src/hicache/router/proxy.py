@@ -13,7 +13,11 @@ counted in the router's /metrics (``RouterMetrics``: worker failures by stage,
 retries, clients that left), and no message, log line or label carries the
 credentials of a worker's URL (``credentials.redact``). The registry hears each of
 them, and each answer's status, as the worker's health (``health.py``: refused, out
-at once; dropped or a 5xx, a failure; a timeout, slowness).
+at once; dropped or a 5xx, a failure; a timeout, slowness). A worker that refuses the
+request as draining (``drain.py``: a 503 saying so, or with ``Retry-After: 0``) is no
+failure: the refusal is read whole, nothing of it reaches the client, the request
+goes to the next choice and the worker leaves routing as draining at once. A stream
+is refused by its status line, before any event: it is retried alike.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from hicache.router.credentials import redact
+from hicache.router.drain import MAX_REFUSAL_BYTES, is_draining_refusal, says_retry_now
 from hicache.router.metrics import RouterMetrics
 from hicache.router.types import RouteDecision, RouteRequest, RoutingPolicy
 from hicache.router.workers import Worker, WorkerRegistry
@@ -118,6 +123,12 @@ async def client_gone(receive: Receive) -> None:
         pass
 
 
+async def _nothing() -> AsyncIterator[bytes]:
+    """The rest of a body already read whole."""
+    return
+    yield  # an async generator that yields nothing
+
+
 class ClientGoneError(APIError):
     """The client left before the worker answered; nobody reads this answer."""
 
@@ -179,13 +190,14 @@ class Proxy:
 
     async def fan_out(
         self, method: str, path: str, content: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None, *, include_draining: bool = False,
     ) -> dict[str, tuple[int, Any]]:
         """The same request (``content``: a JSON body; ``headers``: the client's admin key)
-        to every healthy worker: url -> (status, JSON answer or text); status 502 for a
+        to every healthy worker, and with ``include_draining`` the draining ones too (they
+        still run requests): url -> (status, JSON answer or text); status 502 for a
         worker that could not be reached."""
         sent = {**(headers or {}), **({"content-type": "application/json"} if content else {})}
-        workers = self._workers.healthy()
+        workers = self._workers.reachable() if include_draining else self._workers.healthy()
         if not workers:
             raise self._unavailable([])
 
@@ -258,9 +270,42 @@ class Proxy:
         except BaseException:
             release()
             raise
+        head, rest = b"", None
+        if upstream.status_code == 503:
+            try:
+                draining, head, rest = await self._read_refusal(upstream)
+            except httpx.HTTPError as error:  # broke off inside an error body: not sent yet
+                await upstream.aclose()
+                release()
+                self._metrics.worker_failed(worker.url, "before_answer")
+                await self._workers.connection_failed(worker.url, error)
+                return None
+            if draining:
+                await upstream.aclose()
+                release()
+                self._metrics.drain_refused(worker.url)
+                await self._workers.mark_draining(worker.url, f"refused {path} as draining")
+                return None
         self._metrics.sent(worker.url)
         await self._workers.answered(worker.url, upstream.status_code)  # a 5xx is a failure
-        return UpstreamResponse(upstream, release, metrics=self._metrics, worker=worker.url)
+        return UpstreamResponse(upstream, release, head=head, raw=rest, metrics=self._metrics,
+                                worker=worker.url)
+
+    @staticmethod
+    async def _read_refusal(upstream: httpx.Response,
+                            ) -> tuple[bool, bytes, AsyncIterator[bytes] | None]:
+        """Whether a 503 is a draining worker's refusal; when it is not, what was read of
+        its body and the iterator the rest comes from (empty: the body was whole)."""
+        if says_retry_now(upstream.status_code, upstream.headers):
+            return True, b"", None
+        chunks = upstream.aiter_raw()
+        head = b""
+        async for chunk in chunks:
+            head += chunk
+            if len(head) > MAX_REFUSAL_BYTES:  # too long for a refusal: pass it on
+                return False, head, chunks
+        draining = is_draining_refusal(upstream.status_code, upstream.headers, head)
+        return draining, head, _nothing()
 
     async def _send_unless_gone(self, request: httpx.Request, receive: Receive,
                                 ) -> httpx.Response:
@@ -283,6 +328,10 @@ class Proxy:
         if tried:
             return APIError(503, f"no healthy worker could take the request: "
                             f"{', '.join(map(redact, tried))} failed before answering")
+        draining = sum(1 for w in self._workers.all() if w.draining)
+        if known and draining:
+            return APIError(503, f"no healthy worker: of {known} registered workers, "
+                            f"{draining} are draining and the rest down (failing /health)")
         if known:
             return APIError(503, f"no healthy worker: all {known} registered workers are "
                             "down (failing /health)")

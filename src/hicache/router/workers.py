@@ -16,6 +16,14 @@ unless it answered nothing for half a minute while another worker of this regist
 is healthy. Out of routing, its index entries are dropped (its caches may be gone);
 when it answers /health again it is rediscovered (a restarted worker may publish
 elsewhere) and its subscriber rebuilds its entries from the replay buffer.
+
+A draining worker (``drain.py``: its /health answers 503 ``{"status": "draining"}``,
+or it refused a proxied request as draining) leaves routing at once, without a
+failure: it is not down, its running requests finish there. Its event subscriber
+keeps going (what it writes to L3 while draining is the shared pool's), and it
+returns to routing only at a /health 200 (a worker restarted at the same URL),
+rediscovered as a down worker is; a refused probe takes it down (it exited).
+Invariant: a draining worker is never ``healthy`` (in routing).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import httpx
 import zmq.asyncio
 
 from hicache.router.credentials import redact
+from hicache.router.drain import is_draining_health
 from hicache.router.health import (
     HUNG_AFTER_S,
     Signal,
@@ -224,7 +233,8 @@ class Worker:
     """A registered worker and what the router knows of it now."""
 
     info: WorkerInfo
-    healthy: bool = True
+    healthy: bool = True  # in routing
+    draining: bool = False  # out of routing as draining (never while healthy)
     active_requests: int = 0  # proxied, not finished
     active_prompt_pages: int = 0  # prompt pages of those requests (the decode_blocks term)
     subscriber: EventSubscriber | None = None
@@ -235,6 +245,13 @@ class Worker:
     @property
     def url(self) -> str:
         return self.info.url
+
+    @property
+    def state(self) -> str:
+        """"up" (routed to), "draining", or "down"."""
+        if self.healthy:
+            return "up"
+        return "draining" if self.draining else "down"
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(self.url, self.active_requests, float(self.active_prompt_pages))
@@ -279,6 +296,10 @@ class WorkerRegistry:
     def healthy(self) -> list[Worker]:
         return [w for w in self._workers.values() if w.healthy]
 
+    def reachable(self) -> list[Worker]:
+        """Routed to or draining: the workers that may run requests now."""
+        return [w for w in self._workers.values() if w.healthy or w.draining]
+
     def get(self, url: str) -> Worker | None:
         return self._workers.get(normalize_worker_url(url))
 
@@ -290,11 +311,15 @@ class WorkerRegistry:
             check_compatible(info, self.reference)
         else:
             self.reference = info
-        worker = Worker(info)
+        # Registered while draining: known (its running requests may be aborted through
+        # the router) but not routed to until its /health answers 200.
+        draining = info.server_info.get("draining") is True
+        worker = Worker(info, healthy=not draining, draining=draining)
         self._workers[info.url] = worker
         self._start_events(worker)
-        logger.info("worker %s added: model %r, page size %d, KV events %s", info.url,
-                    info.model, info.page_size, info.events.endpoint if info.events else "none")
+        logger.info("worker %s added%s: model %r, page size %d, KV events %s", info.url,
+                    " as draining" if draining else "", info.model, info.page_size,
+                    info.events.endpoint if info.events else "none")
         return worker
 
     async def add_url(self, url: str) -> Worker:
@@ -339,13 +364,35 @@ class WorkerRegistry:
     async def mark_down(self, url: str, reason: str) -> None:
         """Out of routing now; its index entries dropped."""
         worker = self._workers.get(url)
-        if worker is None or not worker.healthy:
+        if worker is None or not (worker.healthy or worker.draining):
             return
-        worker.healthy = False
+        was = worker.state
+        worker.healthy = worker.draining = False
         await self._stop_events(worker)
         self._index.remove_worker(url)
-        logger.warning("worker %s is down (%s): routed around until it answers /health",
-                       redact(url), reason)
+        if was == "draining":
+            logger.info("worker %s is gone after draining (%s): routed to again when it "
+                        "answers /health", redact(url), reason)
+        else:
+            logger.warning("worker %s is down (%s): routed around until it answers /health",
+                           redact(url), reason)
+
+    async def mark_draining(self, url: str, reason: str) -> None:
+        """Out of routing now as draining, not as failed: no streak, its subscriber kept
+        (what it drains to L3 is announced there). Logged once per drain."""
+        worker = self._workers.get(url)
+        if worker is None or worker.draining:
+            return
+        was_up = worker.healthy
+        worker.healthy, worker.draining = False, True
+        worker.health.reset()
+        if was_up:
+            logger.warning("worker %s is draining (%s): no new requests go there, its "
+                           "running ones finish; routed to again when /health answers 200",
+                           redact(url), reason)
+        else:  # down, and now answering as draining: still out, now known why
+            logger.info("worker %s answers again, as draining (%s): kept out of routing",
+                        redact(url), reason)
 
     async def connection_failed(self, url: str, error: BaseException) -> None:
         """A proxied request to the worker failed before its answer (refused, timed out,
@@ -389,20 +436,28 @@ class WorkerRegistry:
             await self.probe_all()
 
     async def _probe(self, worker: Worker) -> None:
+        draining = False
         try:
             response = await self._client.get(f"{worker.url}/health",
                                               timeout=self._probe_timeout_s)
             status = response.status_code
+            draining = is_draining_health(response)
             signal = Signal.ANSWERED if status == 200 else Signal.FAILED
             detail = f"/health {status}"
         except httpx.HTTPError as error:
             signal, detail = signal_of_error(error), f"/health: {type(error).__name__}"
         if self._workers.get(worker.url) is not worker:
             return  # removed while probing
-        if worker.healthy:
+        if draining:
+            await self.mark_draining(worker.url, "/health answered 503 draining")
+        elif worker.healthy:
             await self.hear(worker.url, signal, detail)
         elif signal is Signal.ANSWERED:
             await self._bring_back(worker)
+        elif worker.draining and signal is Signal.REFUSED:
+            # It exited. Other answers (an error, a timeout) while it drains are its
+            # shutting down, and no failure: it stays draining.
+            await self.mark_down(worker.url, detail)
         if self._tier_costs is not None and worker.healthy and signal is Signal.ANSWERED:
             await self._measure_costs(worker)
 
@@ -434,8 +489,19 @@ class WorkerRegistry:
             return
         if self._workers.get(worker.url) is not worker or worker.healthy:
             return  # removed, or brought back by another probe, while rediscovering
+        if info.server_info.get("draining") is True:
+            # Its /health said 200 a moment before the drain began: it takes no requests.
+            await self.mark_draining(worker.url, "/get_server_info says draining")
+            return
+        if worker.draining:
+            # A new process at the same URL (or a drain called off): its caches are not
+            # the ones indexed. Resync from its events as after a restart.
+            await self._stop_events(worker)
+            self._index.remove_worker(worker.url)
+            if self._workers.get(worker.url) is not worker or worker.healthy:
+                return
         worker.info = info
-        worker.healthy = True
+        worker.healthy, worker.draining = True, False
         worker.health.reset()
         self._start_events(worker)
         logger.info("worker %s is back: resyncing its index from its KV events", worker.url)
