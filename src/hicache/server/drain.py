@@ -96,6 +96,7 @@ class Drainer:
         self.pages_written = 0
         self.pages_existing = 0
         self.pages_skipped = 0
+        self.l3_attached = False
         self.task: asyncio.Task[None] | None = None
         # The server's event loop (set when it starts): a signal handler schedules on it.
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -116,7 +117,7 @@ class Drainer:
         self.reason = reason
         self.deadline = self._clock() + self.timeout_s
         status = await run_in_threadpool(self._engine.storage_status)
-        attached = bool(status.get("attached"))
+        attached = self.l3_attached = bool(status.get("attached"))
         lacking = await run_in_threadpool(self._engine.l3_lacking_pages) if attached else 0
         self.requests_left = len(self._rids)
         logger.info(
@@ -181,7 +182,7 @@ class Drainer:
         )
 
     async def _write_l3(self) -> None:
-        if self._past_deadline():
+        if not self.l3_attached or self._past_deadline():
             return
         self.phase = DrainPhase.WRITING
         logged = self._clock()
