@@ -93,3 +93,43 @@ def test_sigterm_drains_to_l3_and_a_new_server_serves_the_cold_answer(tmp_path: 
             warm = generate(client, prompt)
             assert warm["meta_info"]["cached_tokens_details"]["storage"] > 0
             assert warm["output_ids"] == tokens
+
+
+def test_a_second_sigterm_ends_the_drain_at_once_leaving_only_whole_pages(
+    tmp_path: Path,
+) -> None:
+    l3, gate = tmp_path / "l3", tmp_path / "write-gate"
+    # A short call deadline: the write the gate holds is given up soon after the exit.
+    gated = {"module_path": "tests.gated_file_backend", "class_name": "GatedFileBackend",
+             "path": str(l3), "gate": str(tmp_path / "no-read-gate"), "write_gate": str(gate),
+             **STORE, "io_timeout_s": 1.0}
+    flags = [*FLAGS, "--hicache-write-policy", "write_back", "--drain-timeout-s", "600",
+             "--hicache-storage-backend", "dynamic",
+             "--hicache-storage-backend-extra-config", json.dumps(gated)]
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    server = ServerProcess(flags, tmp_path / "serve.log", env={**os.environ, "PYTHONPATH": path},
+                           startup_timeout_s=180.0)
+    try:
+        with server, httpx.Client(base_url=server.url, timeout=60.0) as client:
+            for prompt in PROMPTS:
+                generate(client, prompt)
+            gate.touch()
+            process = server.process
+            assert process is not None
+            process.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: metric(client, "hicache_drain_state") == 2), "not writing"
+
+            process.send_signal(signal.SIGTERM)  # the deadline (600 s) is far away
+
+            code = process.wait(timeout=EXIT_S)
+            assert code == 0, server.log_text()
+            assert "SIGTERM while draining: stopping at once" in server.log_text()
+    finally:
+        gate.unlink(missing_ok=True)
+    # What the store shows is whole pages only (the held write never made one visible).
+    check = [*FLAGS, "--hicache-storage-backend", "file",
+             "--hicache-storage-backend-extra-config", json.dumps({"path": str(l3), **STORE})]
+    with ServerProcess(check, tmp_path / "check.log", startup_timeout_s=180.0) as second, \
+            httpx.Client(base_url=second.url, timeout=60.0) as client:
+        for prompt in PROMPTS:  # served (from L3 or computed), nothing half-written read
+            assert generate(client, prompt)["meta_info"]["cached_tokens_details"]["storage"] == 0

@@ -40,7 +40,8 @@ def metric(client: httpx.Client, name: str) -> float:
 
 def generate(client: httpx.Client, text: str, max_new_tokens: int = 4) -> httpx.Response:
     return client.post("/generate", json={
-        "text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+        "text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                          "ignore_eos": True},
     })
 
 
@@ -116,6 +117,27 @@ def test_a_request_running_at_the_deadline_is_aborted_with_a_clear_error(
         assert drained.wait(60.0), "the drain did not end"
         assert metric(client, "hicache_drain_requests_aborted_total") == 1
         _assert_idle(server)
+
+
+def test_a_request_running_when_the_drain_starts_finishes(tmp_path: Path) -> None:
+    drained = threading.Event()
+    with serve_in_thread(l3_flags(tmp_path / "l3"), admin_api_key=KEY,
+                         on_drained=drained.set) as server, \
+            httpx.Client(base_url=server.url, timeout=60.0) as client, \
+            ThreadPoolExecutor(1) as pool:
+        running: Future[httpx.Response] = pool.submit(generate, client, PROMPTS[0], 512)
+        assert wait_until(lambda: not server.engine.is_idle()), "the request never ran"
+
+        started = client.post("/hicache/drain", headers=AUTH)
+
+        assert started.status_code == 202 and started.json()["requests_in_flight"] == 1
+        assert_refuses_new_requests(client)
+        response = running.result(timeout=60.0)
+        assert response.status_code == 200, response.text
+        assert response.json()["meta_info"]["completion_tokens"] == 512
+        assert drained.wait(60.0), "the drain did not end"
+        assert metric(client, "hicache_drain_requests_aborted_total") == 0
+        assert metric(client, "hicache_drain_pages_written_total") > 0
 
 
 def test_without_l3_a_drain_finishes_the_requests_and_ends(tmp_path: Path) -> None:
