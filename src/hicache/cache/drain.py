@@ -11,9 +11,10 @@ complete), and what was not is lost with the process, as before.
 Invariants:
 
 - order: nodes are taken by ``last_access``, most recent first, parents before their
-  children on ties (an insert stamps a whole path alike), so the writes reach the
-  write thread, which keeps submission order, hottest first, and a prefix's pages
-  before its continuation's (a reader only uses a prefix from its start);
+  children (on ties, as an insert stamps a whole path alike, and always: a planned
+  ancestor goes just before its first descendant), so the writes reach the write
+  thread, which keeps submission order, hottest first, and a prefix's pages before its
+  continuation's (a reader only uses a prefix from its start);
 - a device-only node is first copied to the host, as the write path does (its L3 write
   follows when the copy lands, ``HierarchicalCache._acknowledge``); it needs its
   parent on the host (backups stay contiguous from the root): a node whose parent
@@ -74,6 +75,24 @@ def _depth(node: TreeNode) -> int:
     return depth
 
 
+def _parents_first(nodes: list[TreeNode]) -> list[TreeNode]:
+    """``nodes`` in their order, but each planned ancestor placed just before its first
+    descendant (a hotter child, say one whose parent was split off later): a device-only
+    node can only be copied to the host after its parent."""
+    planned = {node.id for node in nodes}
+    placed: set[int] = set()
+    order: list[TreeNode] = []
+    for node in nodes:
+        chain: list[TreeNode] = []
+        cursor: TreeNode | None = node
+        while cursor is not None and cursor.id in planned and cursor.id not in placed:
+            chain.append(cursor)
+            placed.add(cursor.id)
+            cursor = cursor.parent
+        order.extend(reversed(chain))
+    return order
+
+
 class L3Drain:
     """One drain of ``cache`` into its attached L3 tier (see the module docstring)."""
 
@@ -81,7 +100,7 @@ class L3Drain:
         self._cache = cache
         nodes = [node for node in cache.tree.iter_nodes() if _unstored(node)]
         nodes.sort(key=lambda node: (-node.last_access, _depth(node)))
-        self._queue: deque[TreeNode] = deque(nodes)
+        self._queue: deque[TreeNode] = deque(_parents_first(nodes))
         # Nodes whose write (or host copy, then write) this drain issued or found issued.
         self._issued: list[TreeNode] = []
         self._skipped: set[int] = set()
