@@ -116,9 +116,14 @@ class Drainer:
         self.phase = DrainPhase.FINISHING  # at once: the contract holds from here
         self.reason = reason
         self.deadline = self._clock() + self.timeout_s
-        status = await run_in_threadpool(self._engine.storage_status)
-        attached = self.l3_attached = bool(status.get("attached"))
-        lacking = await run_in_threadpool(self._engine.l3_lacking_pages) if attached else 0
+        try:
+            status = await run_in_threadpool(self._engine.storage_status)
+            attached = bool(status.get("attached"))
+            lacking = await run_in_threadpool(self._engine.l3_lacking_pages) if attached else 0
+        except Exception:  # an engine that cannot answer: the worker must still go away
+            logger.exception("drain: the engine did not say what L3 lacks; writing nothing")
+            attached, lacking = False, 0
+        self.l3_attached = attached
         self.requests_left = len(self._rids)
         logger.info(
             "drain started (%s): %d requests in flight, %s; deadline in %.1f s", reason,

@@ -100,6 +100,20 @@ def test_without_l3_nothing_is_written() -> None:
     assert drainer.phase is DrainPhase.DONE and engine.num_steps == 0
 
 
+def test_an_engine_that_cannot_answer_still_lets_the_drain_end() -> None:
+    class DeadEngine(FakeEngine):
+        def storage_status(self) -> dict[str, Any]:
+            raise RuntimeError("the engine process is gone")
+
+        def is_idle(self) -> bool:
+            raise RuntimeError("the engine process is gone")
+
+    engine = DeadEngine()
+    drainer, plan = asyncio.run(drain(engine))
+    assert plan is not None and plan["l3_attached"] is False
+    assert drainer.phase is DrainPhase.DONE and engine.num_steps == 0
+
+
 def test_the_progress_is_exported() -> None:
     drainer, _ = asyncio.run(drain(FakeEngine()))
     values = {
