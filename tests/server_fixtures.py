@@ -24,6 +24,7 @@ from hicache.engine.build import build_engine
 from hicache.engine.engine import Engine
 from hicache.server.app import create_app
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from hicache.server.drain import DEFAULT_DRAIN_TIMEOUT_S
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
 from tests.waiting import wait_until
@@ -97,7 +98,8 @@ def serve_in_thread(
     engine_args: Sequence[str] = (), *, admin_api_key: str | None = None,
     admin_allow_dynamic_backend: bool = False, served_model_name: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, l3_path_root: str | None = None,
-    strict_model_name: bool = False,
+    strict_model_name: bool = False, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    on_drained: Callable[[], None] | None = None,
 ) -> Iterator[RunningServer]:
     args = parse_test_args(engine_args)
     engine = build_engine(engine_config_from_args(args))
@@ -109,7 +111,8 @@ def serve_in_thread(
             info=server_info_from_args(args, client_tokenizer_path(
                 args.model_path, engine.tokenizer, args.dtype, args.device)),
             max_request_bytes=max_request_bytes, l3_path_root=l3_path_root,
-            strict_model_name=strict_model_name,
+            strict_model_name=strict_model_name, drain_timeout_s=drain_timeout_s,
+            on_drained=on_drained,
         )
         with serve_app_in_thread(app) as url:
             yield RunningServer(url, engine)

@@ -63,6 +63,7 @@ from hicache.storage.config import StorageConfig
 from hicache.transfer import create_io_backend
 
 if TYPE_CHECKING:
+    from hicache.cache.drain import L3Drain
     from hicache.cache.l3 import PrefetchHandle, StorageTier
     from hicache.events.emitter import KVEventEmitter
 
@@ -149,6 +150,8 @@ class HierarchicalCache:
                 self.host_pool.digests.defer_checks = True
         self._writing: dict[int, TreeNode] = {}
         self.storage: StorageTier | None = None
+        # The drain to L3 under way before the worker exits (``cache/drain.py``), if any.
+        self.l3_drain: L3Drain | None = None
         # Under tensor parallelism (set by the replicated scheduler before any request):
         # L3 decisions wait for the ranks' agreement and read the tick clock.
         self.replicated = False
@@ -633,6 +636,10 @@ class HierarchicalCache:
         pages = allocator.allocate(min(num_pages, allocator.num_free_pages))
         self.host_pool.digests.forget(pages)  # whatever the pages held before is gone
         return pages
+
+    def copying_to_host(self, node: TreeNode) -> bool:
+        """Is a device->host copy of ``node`` in flight (its L3 write follows when it lands)?"""
+        return node.id in self._writing
 
     def backup_node(self, node: TreeNode) -> bool:
         """Start copying device-only ``node`` to the host; False when there is no room."""

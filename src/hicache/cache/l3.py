@@ -341,6 +341,10 @@ class StorageTier:
             return
         self.controller.submit_backup(op)
 
+    def backing_up(self, node: TreeNode) -> bool:
+        """Is a write of ``node``'s pages to L3 queued or running?"""
+        return node.id in self._backups
+
     def discard(self, keys: list[bytes]) -> None:
         """Drop ``keys`` from L3 (pages the cache found damaged), on the write thread."""
         self.controller.submit_discard(DiscardOp(list(keys)))
@@ -388,6 +392,7 @@ class StorageTier:
         node = op.owner
         assert isinstance(node, TreeNode)
         del self._backups[node.id]
+        node.l3_stored = op.num_stored == len(op.keys)
         self._context.tree().unprotect_host(node)
         if self._context.events is not None:
             self._context.events.l3_put_done(node, op.num_stored)

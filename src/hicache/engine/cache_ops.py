@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from hicache.cache.drain import DrainProgress, L3Drain, pages_lacking
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.storage.base import StorageError
 from hicache.storage.controller import StorageMetrics
@@ -73,12 +74,31 @@ def clear_storage(host: CacheHost) -> None:
     host.cache.clear_storage()
 
 
+def drain_l3_step(host: CacheHost) -> dict[str, Any]:
+    """One step of writing what L3 lacks of L1 and L2 to L3, hottest first
+    (``cache/drain.py``): the first call plans the drain, each issues what it can; the
+    caller steps until ``done`` or its deadline. Returns ``DrainProgress.as_dict()``."""
+    cache = host.cache
+    if cache.storage is None:
+        return DrainProgress(done=True, l3_attached=False).as_dict()
+    if cache.l3_drain is None:
+        cache.l3_drain = L3Drain(cache)
+    return cache.l3_drain.step().as_dict()
+
+
+def l3_lacking_pages(host: CacheHost) -> int:
+    """Pages in L1 or L2 that L3 lacks as far as this worker knows (0 without L3)."""
+    return 0 if host.cache.storage is None else pages_lacking(host.cache)
+
+
 CACHE_OPS: dict[str, Callable[[CacheHost], Any]] = {
     "flush": flush,
     "check_integrity": check_integrity,
     "evict_device_cache": evict_device_cache,
     "detach_storage": detach_storage,
     "clear_storage": clear_storage,
+    "drain_l3_step": drain_l3_step,
+    "l3_lacking_pages": l3_lacking_pages,
 }
 
 

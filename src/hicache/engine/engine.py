@@ -275,6 +275,36 @@ class Engine:
         """
         return int(self._run_op("evict_device_cache"))
 
+    def drain_l3_step(self) -> dict[str, Any]:
+        """One step of writing every L1 and L2 page L3 lacks to L3, hottest first
+        (``cache/drain.py``); the caller steps until ``done`` or its deadline."""
+        return dict(self._run_op("drain_l3_step"))
+
+    def l3_lacking_pages(self) -> int:
+        """Pages in L1 or L2 that L3 lacks as far as this worker knows (0 without L3)."""
+        return int(self._run_op("l3_lacking_pages"))
+
+    def abort_all(self, message: str) -> int:
+        """Abort every request queued or running with ``message`` as its error; returns
+        how many there were. Under tensor parallelism each is aborted by rid (replicated)."""
+        if self._thread is None:
+            return 0
+        if self.replicated is None:
+
+            def fail_all() -> int:
+                count = self.scheduler.num_running + self.scheduler.num_waiting
+                self.scheduler.fail_all(message)
+                return count
+
+            return int(self.scheduler.call(fail_all).result(timeout=_CONTROL_TIMEOUT_S))
+        sched = self.scheduler
+        rids = sched.call(
+            lambda: [req.rid for req in (*sched.running_requests(), *sched.waiting_requests())]
+        ).result(timeout=_CONTROL_TIMEOUT_S)
+        for rid in rids:
+            self.scheduler.abort(rid)
+        return len(rids)
+
     def attach_storage(self, backend: str, extra_config: dict[str, Any], policy: str) -> None:
         config = storage_config(backend, policy, extra_config)
         if self.tp.size > 1:

@@ -358,6 +358,16 @@ class EngineClient:
     def evict_device_cache(self) -> int:
         return int(self._call("evict_device_cache"))
 
+    def drain_l3_step(self) -> dict[str, Any]:
+        value: dict[str, Any] = self._call("drain_l3_step")
+        return value
+
+    def l3_lacking_pages(self) -> int:
+        return int(self._call("l3_lacking_pages"))
+
+    def abort_all(self, message: str) -> int:
+        return int(self._call("abort_all", message))
+
     def _call(self, name: str, *args: Any) -> Any:
         future: Future[Any] = Future()
         call_id = next(self._call_ids)

@@ -36,6 +36,7 @@ class TreeNode:
         "host_pages",
         "host_ref",
         "id",
+        "l3_stored",
         "last_access",
         "lock_ref",
         "page_keys",
@@ -60,6 +61,9 @@ class TreeNode:
         self.host_ref = 0
         self.hit_count = 0
         self.last_access = 0
+        # This worker saw every page of the node land in L3 (a finished backup); a drain
+        # skips such nodes. False says nothing: L3 may hold it all the same.
+        self.l3_stored = False
         # Chained page keys (radix.keys), computed lazily: only L3 needs them.
         self.page_keys: list[bytes] | None = None
         # Per-page digests of the KV event hashes (events.hashing), kept by the event

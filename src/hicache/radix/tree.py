@@ -597,6 +597,7 @@ class HiRadixTree:
         upper.host_ref = child.host_ref
         upper.hit_count = child.hit_count
         upper.last_access = child.last_access
+        upper.l3_stored = child.l3_stored
         if child.page_keys is not None:
             upper.page_keys = child.page_keys[:num_pages]
             child.page_keys = child.page_keys[num_pages:]

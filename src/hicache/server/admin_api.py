@@ -12,7 +12,8 @@ ever sees L3 change under it. SGLang's ``/clear_hicache_storage_backend``
 idle rule; L1 and L2 keep their pages. Two of SGLang's routes that act on
 every client's requests, ``/flush_cache`` and ``/abort_request`` with
 ``abort_all``, are open on a server without a key (as in SGLang) and need
-this key on a server with one (``authorize_if_keyed``).
+this key on a server with one (``authorize_if_keyed``). ``POST /hicache/drain`` (the
+same key) starts draining the worker (``server/drain.py``): 202, or 409 when draining.
 
 The ``dynamic`` backend imports the Python module its extra config names and
 runs it: through this API that would turn the admin key into a key to run any
@@ -164,3 +165,21 @@ async def check_integrity(request: Request) -> dict[str, Any]:
     except RuntimeError as error:  # a request slipped in meanwhile
         raise APIError(409, str(error)) from None
     return {"ok": True}
+
+
+DRAIN_ROUTE = "/hicache/drain"
+
+
+@router.post(DRAIN_ROUTE, status_code=202)
+async def drain(request: Request) -> dict[str, Any]:
+    """Start draining this worker (``server/drain.py``): 202 with what it will do (the
+    requests in flight to finish, the L1/L2 pages L3 lacks now, the deadline), 409 when it
+    is draining already."""
+    state = get_state(request)
+    authorize(state, request)
+    if state.drain is None:
+        raise APIError(400, "this server has no drain")
+    plan = await state.drain.begin("POST " + DRAIN_ROUTE)
+    if plan is None:
+        raise APIError(409, "the worker is draining already")
+    return plan

@@ -10,7 +10,7 @@ code after ``uvicorn.run`` may never run. Routes:
     POST (or PUT) /generate                                          (generate_api)
     POST /tokenize, /detokenize (and /v1/...), /abort_request;
     GET /health_generate                                             (native_api)
-    PUT/GET/DELETE /hicache/storage-backend                          (admin_api)
+    PUT/GET/DELETE /hicache/storage-backend, POST /hicache/drain     (admin_api)
     POST /flush_cache   GET /health   GET /metrics
     GET /get_model_info, /model_info, /get_server_info, /server_info  (server_info)
 
@@ -26,20 +26,22 @@ naming another model, or none, is served that one model unless ``strict_model_na
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from hicache import __version__
 from hicache.server import admin_api, generate_api, native_api, openai_api
 from hicache.server.access_log import AccessLogMiddleware
 from hicache.server.admin_api import authorize_if_keyed
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
+from hicache.server.drain import DEFAULT_DRAIN_TIMEOUT_S, DrainCollector, DrainEngine, Drainer
 from hicache.server.errors import APIError, install_error_handlers
 from hicache.server.l3_path_root import resolve_root
 from hicache.server.metrics import ServerMetrics
@@ -58,9 +60,12 @@ def create_app(
     l3_path_root: str | Path | None = None,
     strict_model_name: bool = False,
     access_log: bool = True,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    on_drained: Callable[[], None] | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        drain.loop = asyncio.get_running_loop()  # where a SIGTERM's drain is scheduled
         try:
             yield
         finally:
@@ -82,6 +87,12 @@ def create_app(
         l3_path_root=resolve_root(l3_path_root),
         strict_model_name=strict_model_name,
     )
+    state: ServerState = app.state.hicache
+    drain = Drainer(
+        cast(DrainEngine, engine), state.rids_in_flight, drain_timeout_s, on_done=on_drained
+    )
+    state.drain = drain
+    state.metrics.registry.register(DrainCollector(drain))
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if access_log:  # outermost: it sees every answer, a 413 from the body limit too
@@ -91,9 +102,11 @@ def create_app(
     app.include_router(admin_api.router)
     app.include_router(native_api.router)
 
-    @app.get("/health")
-    async def health(request: Request) -> dict[str, Any]:
+    @app.get("/health", response_model=None)
+    async def health(request: Request) -> dict[str, Any] | Response:
         state = get_state(request)
+        if state.draining:  # the router stops sending here at once
+            return JSONResponse({"status": "draining"}, status_code=503)
         # Off the event loop: an engine in its own process answers over its pipe.
         status = await run_in_threadpool(state.engine.storage_status)
         l3 = {key: status[key] for key in ("attached", "backend", "error") if key in status}
@@ -153,8 +166,11 @@ def create_app(
         }
         routing_info = getattr(engine, "routing_info", None)
         routing = routing_info() if routing_info is not None else None
-        return server_info(
-            state.info, state.served_model_name, l3, limits, counters, __version__, routing
-        )
+        return {
+            **server_info(
+                state.info, state.served_model_name, l3, limits, counters, __version__, routing
+            ),
+            "draining": state.draining,
+        }
 
     return app

@@ -10,6 +10,7 @@ step. ``Generation`` then yields the outputs, records the finished request's
 latencies, and closes the engine's stream in every case — closing it early is
 what aborts the request and frees its pages. The request's id is held
 (``ServerState.claim_rid``) from submission until the stream is closed.
+A draining worker (``server/drain.py``) refuses new requests here: 503, ``Retry-After: 0``.
 ``first_token_s`` is when the first generated token reached the server, in
 seconds after arrival (SGLang's ``ttft``, known from the first streamed chunk on).
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from hicache.engine.api import GenerateOutput, GenerateRequest, RequestError, TokenLogprob
 from hicache.server.access_log import record_output
 from hicache.server.client_watch import ClientWatch, until_client_leaves
+from hicache.server.drain import REFUSAL
 from hicache.server.errors import APIError
 from hicache.server.state import ServerState
 
@@ -131,6 +133,8 @@ async def start_generation(
     becomes a 400, a rid already in flight too. With ``watch``, a client that leaves
     meanwhile ends the wait (``ClientGone``) and the engine drops the request."""
     started = time.monotonic()
+    if state.draining:  # a router retries elsewhere at once
+        raise APIError(503, REFUSAL, headers={"Retry-After": "0"})
     state.claim_rid(request.rid)
     stream = state.engine.generate(request)
     try:

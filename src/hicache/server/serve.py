@@ -15,13 +15,17 @@ random weights of a preset's shape. Tiers come off one at a time::
 Exit status: 2 when the engine cannot start (a flag, a pool the machine cannot hold,
 or under tensor parallelism any rank's failure, with the reason the ranks agreed);
 1 when the engine process, or any rank of it, died while serving (every request in
-flight failed first); 130 after Ctrl-C; 0 after a clean stop.
+flight failed first); 130 after Ctrl-C; 0 after a clean stop. The first SIGTERM drains
+the worker (``server/drain.py``: requests finish, what L3 lacks is written to it, within
+``--drain-timeout-s``) and then exits 0; a second one exits at once, 0 as well.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
+from types import FrameType
 
 import uvicorn
 
@@ -34,6 +38,7 @@ from hicache.server.admin_api import ADMIN_ALLOW_DYNAMIC_FLAG
 from hicache.server.app import create_app
 from hicache.server.args import NO_STORAGE_BACKEND
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, add_max_request_bytes_arg
+from hicache.server.drain import DEFAULT_DRAIN_TIMEOUT_S, Drainer
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.l3_path_root import FLAG as L3_PATH_ROOT_FLAG
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
@@ -78,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Python module named in its extra config: whoever holds the admin key can then run "
         "any code as this server's user. Off by default (a 403); "
         "--hicache-storage-backend dynamic at start-up needs no such flag",
+    )
+    group.add_argument(
+        "--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
+        help="on SIGTERM (the first) or POST /hicache/drain: stop taking requests (/health "
+        "503 draining), let those in flight finish, write every L1/L2 page L3 lacks to L3 "
+        "hottest first, then exit 0, all within this many seconds (requests still running "
+        "then are aborted); a second SIGTERM exits at once (default: %(default)s)",
     )
     add_max_request_bytes_arg(group, DEFAULT_MAX_REQUEST_BYTES)
     group.add_argument(
@@ -185,6 +197,26 @@ def _tokenizer_path(args: argparse.Namespace, engine: Engine | EngineClient) -> 
     return client_tokenizer_path(args.model_path, engine.tokenizer, args.dtype, engine.device)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM drains the worker (``server/drain.py``), which stops
+    the server once drained; a second SIGTERM stops it at once. Neither is re-raised once
+    the server stopped (uvicorn re-raises the signals it caught), so a drained worker
+    exits 0. SIGINT (Ctrl-C) stops at once, as before."""
+
+    drainer: Drainer | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        drainer = self.drainer
+        if sig != signal.SIGTERM or drainer is None:
+            super().handle_exit(sig, frame)
+            return
+        if not drainer.draining and not self.should_exit and drainer.begin_soon("SIGTERM"):
+            return
+        logger.warning("SIGTERM while draining: stopping at once")
+        self.should_exit = True
+        self.force_exit = True
+
+
 def main(args: argparse.Namespace) -> int:
     problem = _check_tiers(args)
     if problem is not None:
@@ -218,6 +250,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     stopped = False
 
+    def drained() -> None:  # on the event loop, once the drain is over: exit 0
+        for server in servers:
+            server.should_exit = True
+
     def stop_engine() -> None:
         # Once: from the app's shutdown, or below when uvicorn never got that far.
         nonlocal stopped
@@ -235,6 +271,7 @@ def main(args: argparse.Namespace) -> int:
             on_shutdown=stop_engine, max_request_bytes=args.max_request_bytes,
             l3_path_root=args.l3_path_root, strict_model_name=args.strict_model_name,
             access_log=not args.disable_access_log,
+            drain_timeout_s=args.drain_timeout_s, on_drained=drained,
         )
         level = logging.getLogger().getEffectiveLevel()
         config = uvicorn.Config(
@@ -245,7 +282,8 @@ def main(args: argparse.Namespace) -> int:
             # Streams still open this long after a stop signal are cut (which aborts them).
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        server = uvicorn.Server(config)
+        server = DrainingServer(config)
+        server.drainer = app.state.hicache.drain
         servers.append(server)
         if not engine_died:
             server.run()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 
@@ -16,6 +16,9 @@ from hicache.server.l3_path_root import resolve_root
 from hicache.server.metrics import ServerMetrics
 from hicache.server.server_info import ServerInfo
 from hicache.tokenizer.base import Tokenizer
+
+if TYPE_CHECKING:
+    from hicache.server.drain import Drainer
 
 
 class ServedEngine(EngineProtocol, Protocol):
@@ -48,6 +51,12 @@ class ServerState:
     rids_in_flight: set[str] = field(default_factory=set)
     # --strict-model-name: a request naming another model is a 404 instead of served.
     strict_model_name: bool = False
+    # The worker's drain (``server/drain.py``; None: an app built without one).
+    drain: Drainer | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.drain is not None and self.drain.draining
 
     def check_model(self, model: str | None, strict: bool | None = None) -> None:
         """Whether a request's ``model`` may be served here: by default (as SGLang) any
