@@ -144,13 +144,14 @@ class Scheduler:
         self._inbox.put(("call", (fn, future)))
         return future
 
-    def call_op(self, name: str) -> Future[Any]:
-        """Run the cache operation ``name`` (``cache_ops.CACHE_OPS``) between steps; under
-        tensor parallelism every rank runs it at the same point of the same tick."""
+    def call_op(self, name: str, *args: Any) -> Future[Any]:
+        """Run the cache operation ``name`` (``cache_ops.CACHE_OPS``) with ``args`` between
+        steps; under tensor parallelism every rank runs it at the same point of the same
+        tick (the arguments travel with the name, so they must pickle)."""
         if name not in CACHE_OPS:
             raise ValueError(f"no cache operation {name!r}")
         future: Future[Any] = Future()
-        self._inbox.put(("op", (name, future)))
+        self._inbox.put(("op", ((name, args), future)))
         return future
 
     def gather(self, name: str) -> Future[list[Any]]:
@@ -269,7 +270,7 @@ class Scheduler:
 
     def handle(self, kind: str, payload: Any) -> None:
         """Apply one inbox item: ``("add", Req)``, ``("abort", rid)``, ``("call", (fn,
-        future))``, ``("op", (name, future or None))`` or ``("gather", (name, future))``."""
+        future))``, ``("op", ((name, args), future or None))`` or ``("gather", (name, future))``."""
         lifecycle = self.lifecycle
         if kind == "add":
             req: Req = payload
@@ -288,15 +289,15 @@ class Scheduler:
             name, gather_future = payload
             _resolve(gather_future, lambda: [RANK_READS[name](self)])
         elif kind == "op":
-            name, op_future = payload
+            (name, args), op_future = payload
             op = CACHE_OPS[name]
             if op_future is None:  # a follower rank: the outcome is rank 0's to report
                 try:
-                    op(self)
+                    op(self, *args)
                 except Exception:  # rank 0 fails alike and reports it
                     logger.exception("cache operation %s failed", name)
                 return
-            _resolve(op_future, lambda: op(self))
+            _resolve(op_future, lambda: op(self, *args))
         else:
             fn, future = payload
             _resolve(future, fn)
