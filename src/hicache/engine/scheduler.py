@@ -184,6 +184,8 @@ class Scheduler:
     def is_idle(self) -> bool:
         if self.lifecycle.running or self.lifecycle.waiting:
             return False
+        if self.cache.l3_warms:  # their prefetches hold host pages a flush would free
+            return False
         if self.decode_intake is not None and self.decode_intake.num_held:
             return False
         handoff = self.lifecycle.prefill_handoff
@@ -246,9 +248,9 @@ class Scheduler:
         self.lifecycle.finish_all(message)
 
     def _wait_for_work(self) -> None:
-        # Requests held for an L3 prefetch need polling; otherwise sleep until
+        # Requests held for an L3 prefetch (and warms) need polling; otherwise sleep until
         # something arrives (the cap keeps background copies acknowledged).
-        block = 0.002 if self.lifecycle.waiting else 0.05
+        block = 0.002 if self.lifecycle.waiting or self.cache.l3_warms else 0.05
         self._drain_inbox(block_s=block)
 
     def _drain_inbox(self, block_s: float) -> None:
