@@ -184,3 +184,22 @@ def test_without_l3_it_is_a_conflict() -> None:
         response = warm(server, {"input_ids": [PROMPTS[3]]})
     assert response.status_code == 409
     assert "no L3" in response.json()["error"]["message"]
+
+
+def test_a_warm_past_its_timeout_answers_and_leaks_nothing(filled: Filled) -> None:
+    extra = json.dumps({"backend": "file", "read_latency_ms": 1500, "prefetch_threshold": PAGE,
+                        "backend_extra": {"path": str(filled.l3_dir)}})
+    args = ["--enable-hierarchical-cache", "--hicache-storage-backend", "throttled",
+            "--hicache-storage-backend-extra-config", extra]
+    with serve_in_thread(args, admin_api_key=KEY) as slow:
+        response = warm(slow, {"input_ids": [PROMPTS[3]], "timeout_s": 0.2})
+
+        assert response.status_code == 200, response.text
+        (result,) = response.json()["results"]
+        assert result["outcome"] == "clipped" and result["tokens"] == 0
+        assert "timed out" in result["reason"]
+        assert slow.wait_idle()
+        # The lookup still running when the warm ended releases what it held on return.
+        assert slow.wait_until(lambda: slow.engine.metrics()["host_pool_used_pages"] == 0)
+        slow.engine.check_integrity()
+        assert generate(slow, PROMPTS[3])["output_ids"] == filled.cold[3]
