@@ -42,7 +42,7 @@ from hicache.server.drain import DEFAULT_DRAIN_TIMEOUT_S, Drainer
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.l3_path_root import FLAG as L3_PATH_ROOT_FLAG
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
-from hicache.server.warm import DEFAULT_WARM_HOST_FRACTION
+from hicache.server.warm import DEFAULT_WARM_HOST_FRACTION, host_fraction
 from hicache.storage.base import StorageError
 
 logger = logging.getLogger("hicache.serve")
@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "then are aborted); a second SIGTERM exits at once (default: %(default)s)",
     )
     group.add_argument(
-        "--warm-host-fraction", type=float, default=DEFAULT_WARM_HOST_FRACTION, metavar="F",
+        "--warm-host-fraction", type=host_fraction, default=DEFAULT_WARM_HOST_FRACTION,
+        metavar="F",
         help="the share of the host pool (L2) a POST /hicache/warm may fill with prefixes "
         "prefetched from L3, when its body names none (default: %(default)s)",
     )
@@ -225,8 +226,6 @@ class DrainingServer(uvicorn.Server):
 
 def main(args: argparse.Namespace) -> int:
     problem = _check_tiers(args)
-    if problem is None and not 0.0 < args.warm_host_fraction <= 1.0:
-        problem = f"--warm-host-fraction must be in (0, 1], got {args.warm_host_fraction}"
     if problem is not None:
         logger.error("%s", problem)
         return 2

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import uuid
 from typing import Any, Protocol
@@ -75,6 +76,16 @@ def check_fraction(fraction: float) -> float:
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"--warm-host-fraction must be in (0, 1], got {fraction}")
     return fraction
+
+
+def host_fraction(text: str) -> float:
+    """The flag's argparse type: a bad value is a usage error naming it."""
+    try:
+        return check_fraction(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number in (0, 1], got {text!r}"
+        ) from None
 
 
 def validate_items(
