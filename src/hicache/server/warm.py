@@ -12,7 +12,7 @@ Invariants:
 
 - a body that is not valid (not a list, empty, ids outside the vocabulary, a prompt
   longer than the context, more than ``MAX_ITEMS`` items, a fraction outside (0, 1])
-  is a 400 and nothing is warmed; no L3 attached is a 409;
+  is a 400 and nothing is warmed; no L3 attached, or a draining worker, is a 409;
 - the answer (200) comes once every prefetch is settled, or at the timeout, when what
   is in flight is settled keeping what landed: one outcome per item, in order;
 - nothing is computed and nothing reaches the device: a later request finds the pages
@@ -157,6 +157,8 @@ async def warm_route(request: Request) -> dict[str, Any]:
         ids = await tokenization.tokenize(engine, item) if isinstance(item, str) else item
         check_length(index, len(ids), engine.max_context_len, "text")
         items.append(ids)
+    if state.draining:  # its host tier is about to go: warming it would only delay the drain
+        raise APIError(409, "the worker is draining: warm another worker")
     status = await run_in_threadpool(engine.storage_status)
     if not status.get("attached"):
         raise APIError(409, "no L3 storage backend is attached: there is nothing to warm from")

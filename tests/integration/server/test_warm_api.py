@@ -179,11 +179,16 @@ def test_the_admin_key_is_required(server: RunningServer) -> None:
         assert warm(keyless, {"input_ids": [PROMPTS[3]]}).status_code == 400
 
 
-def test_without_l3_it_is_a_conflict() -> None:
+def test_without_l3_or_while_draining_it_is_a_conflict() -> None:
     with serve_in_thread(["--enable-hierarchical-cache"], admin_api_key=KEY) as server:
         response = warm(server, {"input_ids": [PROMPTS[3]]})
-    assert response.status_code == 409
-    assert "no L3" in response.json()["error"]["message"]
+        assert response.status_code == 409
+        assert "no L3" in response.json()["error"]["message"]
+        drained = httpx.post(f"{server.url}/hicache/drain", headers=AUTH, timeout=TIMEOUT)
+        assert drained.status_code == 202
+        response = warm(server, {"input_ids": [PROMPTS[3]]})
+        assert response.status_code == 409
+        assert "draining" in response.json()["error"]["message"]
 
 
 def test_a_warm_past_its_timeout_answers_and_leaks_nothing(filled: Filled) -> None:
