@@ -42,6 +42,9 @@ class Step:
 
     requests: tuple[GenerateRequest, ...]
     op_after: str | None = None
+    # Prefixes warmed from L3 into L2 after ``op_after`` (``cache/warm.py``), stepped until
+    # done; their outcomes go to ``RankResult.warm_results``.
+    warm_after: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class RankResult:
     l3_put_keys: list[bytes] = field(default_factory=list)  # every key this rank wrote to L3
     # This rank's L3 calls stalled (not returned) as each cache operation ended, in order.
     stalled_after_ops: list[int] = field(default_factory=list)
+    # Per Step.warm_after, on rank 0 (or alone): the warm's outcomes.
+    warm_results: list[list[dict[str, Any]]] = field(default_factory=list)
 
 
 def greedy(max_new_tokens: int = 6) -> SamplingParams:
@@ -173,10 +178,10 @@ def _record_stalls_after_ops(engine: Engine, result: RankResult) -> None:
     if tier is None:
         return
     for name, op in list(CACHE_OPS.items()):
-        if name == "check_integrity":
+        if name == "check_integrity" or name.startswith("warm_"):  # a warm: many steps
             continue
-        def recorded(scheduler: Any, op: Any = op) -> Any:
-            value = op(scheduler)
+        def recorded(scheduler: Any, *args: Any, op: Any = op) -> Any:
+            value = op(scheduler, *args)
             result.stalled_after_ops.append(tier.controller.num_stalled_calls)
             return value
 
@@ -239,6 +244,13 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
         if not worked:
             time.sleep(IDLE_TICK_S)  # waiting on a thread (an L3 lookup or read): let it run
 
+    def run_op(name: str, *args: Any) -> Any:
+        if replicated is None:
+            return CACHE_OPS[name](scheduler, *args)
+        future = scheduler.call_op(name, *args)
+        tick()
+        return future.result(timeout=0)
+
     for step in scenario.steps:
         reqs = [engine._replica_req(AddRequest(r, r.rid or "", None, time.monotonic()))
                 for r in step.requests]
@@ -250,12 +262,17 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
             tick()
         _record(result, reqs)
         if step.op_after is not None:
-            if replicated is None:
-                CACHE_OPS[step.op_after](scheduler)
-            else:
-                future = scheduler.call_op(step.op_after)
+            run_op(step.op_after)
+        if step.warm_after:
+            items = [list(p) for p in step.warm_after]
+            progress = run_op("warm_start", "w", items, 1.0)
+            for _ in range(MAX_TICKS):
+                if progress["done"]:
+                    break
                 tick()
-                future.result(timeout=0)
+                progress = run_op("warm_step", "w")
+            assert progress["done"], "the warm never settled"
+            result.warm_results.append(progress["results"])
     if replicated is not None:
         # Prefetches still draining (a rank's read not returned) and backups not agreed
         # (a detached tier's too) settle on every rank before the group stops: a decision

@@ -65,6 +65,7 @@ from hicache.transfer import create_io_backend
 if TYPE_CHECKING:
     from hicache.cache.drain import L3Drain
     from hicache.cache.l3 import PrefetchHandle, StorageTier
+    from hicache.cache.warm import L3Warm
     from hicache.events.emitter import KVEventEmitter
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,8 @@ class HierarchicalCache:
         self.storage: StorageTier | None = None
         # The drain to L3 under way before the worker exits (``cache/drain.py``), if any.
         self.l3_drain: L3Drain | None = None
+        # Warms from L3 under way (``cache/warm.py``), by the id their caller gave.
+        self.l3_warms: dict[str, L3Warm] = {}
         # Under tensor parallelism (set by the replicated scheduler before any request):
         # L3 decisions wait for the ranks' agreement and read the tick clock.
         self.replicated = False

@@ -3,8 +3,9 @@
 They are named (``CACHE_OPS``) rather than passed as closures so that, under tensor
 parallelism, rank 0 can tell every rank to run the same one at the same point of the
 same tick (``engine/replication.py``): each rank's cache must change alike. Every
-operation is a function of its ``CacheHost`` alone (the scheduler: its cache, and
-whether it is idle); its result is what rank 0's caller gets.
+operation is a function of its ``CacheHost`` (the scheduler: its cache, and whether
+it is idle) and of the plain, picklable arguments its caller gave (the same on every
+rank); its result is what rank 0's caller gets.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 
 from hicache.cache.drain import DrainProgress, L3Drain, pages_lacking
 from hicache.cache.hierarchical_cache import HierarchicalCache
+from hicache.cache.warm import L3Warm
 from hicache.storage.base import StorageError
 from hicache.storage.controller import StorageMetrics
 
@@ -91,7 +93,42 @@ def l3_lacking_pages(host: CacheHost) -> int:
     return 0 if host.cache.storage is None else pages_lacking(host.cache)
 
 
-CACHE_OPS: dict[str, Callable[[CacheHost], Any]] = {
+def warm_start(
+    host: CacheHost, warm_id: str, items: list[list[int]], max_host_fraction: float
+) -> dict[str, Any]:
+    """Start warming the host tier from L3 with the prefixes ``items`` (``cache/warm.py``)
+    within ``max_host_fraction`` of the host pool; the caller steps ``warm_step`` until
+    ``done``, or ends it with ``warm_stop``. Returns ``L3Warm.progress()``."""
+    cache = host.cache
+    if warm_id in cache.l3_warms:
+        raise ValueError(f"warm {warm_id!r} is already running")
+    warm = L3Warm(cache, items, max_host_fraction)
+    cache.l3_warms[warm_id] = warm
+    return _warm_step(cache, warm_id)
+
+
+def warm_step(host: CacheHost, warm_id: str) -> dict[str, Any]:
+    """Settle the warm's done prefetches and start those that fit; forgotten once done."""
+    return _warm_step(host.cache, warm_id)
+
+
+def warm_stop(host: CacheHost, warm_id: str) -> dict[str, Any]:
+    """End the warm now, keeping what landed (the caller's deadline)."""
+    warm = host.cache.l3_warms.pop(warm_id, None)
+    return {"done": True, "results": []} if warm is None else warm.stop()
+
+
+def _warm_step(cache: HierarchicalCache, warm_id: str) -> dict[str, Any]:
+    warm = cache.l3_warms.get(warm_id)
+    if warm is None:
+        return {"done": True, "results": []}
+    progress = warm.step()
+    if warm.done:
+        del cache.l3_warms[warm_id]
+    return progress
+
+
+CACHE_OPS: dict[str, Callable[..., Any]] = {
     "flush": flush,
     "check_integrity": check_integrity,
     "evict_device_cache": evict_device_cache,
@@ -99,6 +136,9 @@ CACHE_OPS: dict[str, Callable[[CacheHost], Any]] = {
     "clear_storage": clear_storage,
     "drain_l3_step": drain_l3_step,
     "l3_lacking_pages": l3_lacking_pages,
+    "warm_start": warm_start,
+    "warm_step": warm_step,
+    "warm_stop": warm_stop,
 }
 
 

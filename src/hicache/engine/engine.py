@@ -254,11 +254,11 @@ class Engine:
             return fn()
         return self.scheduler.call(fn).result(timeout=_CONTROL_TIMEOUT_S)
 
-    def _run_op(self, name: str) -> Any:
+    def _run_op(self, name: str, *args: Any) -> Any:
         """A cache operation (``cache_ops``), on every rank's scheduler thread."""
         if self._thread is None:
-            return CACHE_OPS[name](self.scheduler)
-        return self.scheduler.call_op(name).result(timeout=_CONTROL_TIMEOUT_S)
+            return CACHE_OPS[name](self.scheduler, *args)
+        return self.scheduler.call_op(name, *args).result(timeout=_CONTROL_TIMEOUT_S)
 
     def flush_cache(self) -> bool:
         return bool(self._run_op("flush"))
@@ -283,6 +283,22 @@ class Engine:
     def l3_lacking_pages(self) -> int:
         """Pages in L1 or L2 that L3 lacks as far as this worker knows (0 without L3)."""
         return int(self._run_op("l3_lacking_pages"))
+
+    def warm_start(
+        self, warm_id: str, items: list[list[int]], max_host_fraction: float
+    ) -> dict[str, Any]:
+        """Start prefetching the prefixes ``items`` from L3 into the host tier, within
+        ``max_host_fraction`` of the host pool (``cache/warm.py``); step ``warm_step``
+        until ``done``, or end it with ``warm_stop``."""
+        return dict(self._run_op("warm_start", warm_id, items, max_host_fraction))
+
+    def warm_step(self, warm_id: str) -> dict[str, Any]:
+        """Where the warm stands (its done prefetches settled, more started)."""
+        return dict(self._run_op("warm_step", warm_id))
+
+    def warm_stop(self, warm_id: str) -> dict[str, Any]:
+        """End the warm now, keeping what landed; its final outcomes."""
+        return dict(self._run_op("warm_stop", warm_id))
 
     def abort_all(self, message: str) -> int:
         """Abort every request queued or running with ``message`` as its error; returns

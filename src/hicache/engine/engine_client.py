@@ -365,6 +365,20 @@ class EngineClient:
     def l3_lacking_pages(self) -> int:
         return int(self._call("l3_lacking_pages"))
 
+    def warm_start(
+        self, warm_id: str, items: list[list[int]], max_host_fraction: float
+    ) -> dict[str, Any]:
+        value: dict[str, Any] = self._call("warm_start", warm_id, items, max_host_fraction)
+        return value
+
+    def warm_step(self, warm_id: str) -> dict[str, Any]:
+        value: dict[str, Any] = self._call("warm_step", warm_id)
+        return value
+
+    def warm_stop(self, warm_id: str) -> dict[str, Any]:
+        value: dict[str, Any] = self._call("warm_stop", warm_id)
+        return value
+
     def abort_all(self, message: str) -> int:
         return int(self._call("abort_all", message))
 

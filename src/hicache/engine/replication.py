@@ -75,8 +75,8 @@ class AddRequest:
     arrived: float  # rank 0's time.monotonic() at its arrival
 
 
-# An event of a tick: ("add", AddRequest), ("abort", rid), ("op", cache operation name)
-# or ("gather", rank read name).
+# An event of a tick: ("add", AddRequest), ("abort", rid), ("op", (cache operation name,
+# its arguments)) or ("gather", rank read name).
 Event = tuple[str, Any]
 
 

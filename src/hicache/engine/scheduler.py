@@ -144,13 +144,14 @@ class Scheduler:
         self._inbox.put(("call", (fn, future)))
         return future
 
-    def call_op(self, name: str) -> Future[Any]:
-        """Run the cache operation ``name`` (``cache_ops.CACHE_OPS``) between steps; under
-        tensor parallelism every rank runs it at the same point of the same tick."""
+    def call_op(self, name: str, *args: Any) -> Future[Any]:
+        """Run the cache operation ``name`` (``cache_ops.CACHE_OPS``) with ``args`` between
+        steps; under tensor parallelism every rank runs it at the same point of the same
+        tick (the arguments travel with the name, so they must pickle)."""
         if name not in CACHE_OPS:
             raise ValueError(f"no cache operation {name!r}")
         future: Future[Any] = Future()
-        self._inbox.put(("op", (name, future)))
+        self._inbox.put(("op", ((name, args), future)))
         return future
 
     def gather(self, name: str) -> Future[list[Any]]:
@@ -182,6 +183,8 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         if self.lifecycle.running or self.lifecycle.waiting:
+            return False
+        if self.cache.l3_warms:  # their prefetches hold host pages a flush would free
             return False
         if self.decode_intake is not None and self.decode_intake.num_held:
             return False
@@ -245,9 +248,9 @@ class Scheduler:
         self.lifecycle.finish_all(message)
 
     def _wait_for_work(self) -> None:
-        # Requests held for an L3 prefetch need polling; otherwise sleep until
+        # Requests held for an L3 prefetch (and warms) need polling; otherwise sleep until
         # something arrives (the cap keeps background copies acknowledged).
-        block = 0.002 if self.lifecycle.waiting else 0.05
+        block = 0.002 if self.lifecycle.waiting or self.cache.l3_warms else 0.05
         self._drain_inbox(block_s=block)
 
     def _drain_inbox(self, block_s: float) -> None:
@@ -269,7 +272,7 @@ class Scheduler:
 
     def handle(self, kind: str, payload: Any) -> None:
         """Apply one inbox item: ``("add", Req)``, ``("abort", rid)``, ``("call", (fn,
-        future))``, ``("op", (name, future or None))`` or ``("gather", (name, future))``."""
+        future))``, ``("op", ((name, args), future or None))`` or ``("gather", (name, future))``."""
         lifecycle = self.lifecycle
         if kind == "add":
             req: Req = payload
@@ -288,15 +291,15 @@ class Scheduler:
             name, gather_future = payload
             _resolve(gather_future, lambda: [RANK_READS[name](self)])
         elif kind == "op":
-            name, op_future = payload
+            (name, args), op_future = payload
             op = CACHE_OPS[name]
             if op_future is None:  # a follower rank: the outcome is rank 0's to report
                 try:
-                    op(self)
+                    op(self, *args)
                 except Exception:  # rank 0 fails alike and reports it
                     logger.exception("cache operation %s failed", name)
                 return
-            _resolve(op_future, lambda: op(self))
+            _resolve(op_future, lambda: op(self, *args))
         else:
             fn, future = payload
             _resolve(future, fn)

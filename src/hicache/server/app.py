@@ -11,6 +11,7 @@ code after ``uvicorn.run`` may never run. Routes:
     POST /tokenize, /detokenize (and /v1/...), /abort_request;
     GET /health_generate                                             (native_api)
     PUT/GET/DELETE /hicache/storage-backend, POST /hicache/drain     (admin_api)
+    POST /hicache/warm                                               (warm)
     POST /flush_cache   GET /health   GET /metrics
     GET /get_model_info, /model_info, /get_server_info, /server_info  (server_info)
 
@@ -37,7 +38,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from hicache import __version__
-from hicache.server import admin_api, generate_api, native_api, openai_api
+from hicache.server import admin_api, generate_api, native_api, openai_api, warm
 from hicache.server.access_log import AccessLogMiddleware
 from hicache.server.admin_api import authorize_if_keyed
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -62,6 +63,7 @@ def create_app(
     access_log: bool = True,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     on_drained: Callable[[], None] | None = None,
+    warm_host_fraction: float = warm.DEFAULT_WARM_HOST_FRACTION,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -86,6 +88,7 @@ def create_app(
         admin_allow_dynamic_backend=admin_allow_dynamic_backend,
         l3_path_root=resolve_root(l3_path_root),
         strict_model_name=strict_model_name,
+        warm_host_fraction=warm.check_fraction(warm_host_fraction),
     )
     state: ServerState = app.state.hicache
     drain = Drainer(
@@ -100,6 +103,7 @@ def create_app(
     app.include_router(openai_api.router)
     app.include_router(generate_api.router)
     app.include_router(admin_api.router)
+    app.include_router(warm.router)
     app.include_router(native_api.router)
 
     @app.get("/health", response_model=None)

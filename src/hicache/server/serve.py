@@ -42,6 +42,7 @@ from hicache.server.drain import DEFAULT_DRAIN_TIMEOUT_S, Drainer
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.l3_path_root import FLAG as L3_PATH_ROOT_FLAG
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
+from hicache.server.warm import DEFAULT_WARM_HOST_FRACTION, host_fraction
 from hicache.storage.base import StorageError
 
 logger = logging.getLogger("hicache.serve")
@@ -90,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "503 draining), let those in flight finish, write every L1/L2 page L3 lacks to L3 "
         "hottest first, then exit 0, all within this many seconds (requests still running "
         "then are aborted); a second SIGTERM exits at once (default: %(default)s)",
+    )
+    group.add_argument(
+        "--warm-host-fraction", type=host_fraction, default=DEFAULT_WARM_HOST_FRACTION,
+        metavar="F",
+        help="the share of the host pool (L2) a POST /hicache/warm may fill with prefixes "
+        "prefetched from L3, when its body names none (default: %(default)s)",
     )
     add_max_request_bytes_arg(group, DEFAULT_MAX_REQUEST_BYTES)
     group.add_argument(
@@ -272,6 +279,7 @@ def main(args: argparse.Namespace) -> int:
             l3_path_root=args.l3_path_root, strict_model_name=args.strict_model_name,
             access_log=not args.disable_access_log,
             drain_timeout_s=args.drain_timeout_s, on_drained=drained,
+            warm_host_fraction=args.warm_host_fraction,
         )
         level = logging.getLogger().getEffectiveLevel()
         config = uvicorn.Config(

@@ -53,6 +53,8 @@ class ServerState:
     strict_model_name: bool = False
     # The worker's drain (``server/drain.py``; None: an app built without one).
     drain: Drainer | None = None
+    # The host-pool share a POST /hicache/warm may fill when its body names none.
+    warm_host_fraction: float = 0.5
 
     @property
     def draining(self) -> bool:

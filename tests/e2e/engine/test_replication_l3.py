@@ -98,6 +98,30 @@ def test_tp2_reads_back_from_l3_like_one_rank(alone: RankResult, tmp_path: Path)
     assert leader.cached == alone.cached
 
 
+# Cold requests, a flush, a warm of both prompts from L3 into L2, the prompts again.
+WARM_STEPS = (
+    Step((_request("a", 1, 23), _request("b", 2, 30)), op_after="flush",
+         warm_after=(prompt(1, 23, VOCAB), prompt(2, 30, VOCAB))),
+    Step((_request("a-l2", 1, 23), _request("b-l2", 2, 30))),
+)
+
+
+def test_tp2_warms_l2_from_l3_like_one_rank(alone: RankResult, tmp_path: Path) -> None:
+    single = run_scenario(SINGLE_RANK, Scenario(_config(tmp_path / "alone", 1), WARM_STEPS))
+    (warmed,) = single.warm_results
+    assert [(r["outcome"], r["tokens"]) for r in warmed] == [("warmed", 20), ("warmed", 28)]
+    assert single.cached["a-l2"] == (0, 20) and single.cached["b-l2"] == (0, 28)
+    assert single.storage_tokens["a-l2"] == single.storage_tokens["b-l2"] == 0
+    assert single.tokens["a-l2"] == alone.tokens["a"]
+
+    scenario = Scenario(_config(tmp_path / "tp", 2), WARM_STEPS)
+    leader, follower = run_ranks(run_scenario, 2, scenario)
+    _assert_ranks_alike(leader, follower)
+    assert leader.warm_results == single.warm_results
+    assert leader.cached == single.cached
+    assert leader.tokens == single.tokens
+
+
 @pytest.mark.parametrize(("rank", "call"), [(1, "exists"), (0, "get"), (1, "get")])
 def test_a_rank_whose_l3_falls_short_shortens_the_prefix_for_all(
     alone: RankResult, tmp_path: Path, rank: int, call: str
