@@ -7,14 +7,14 @@ lookup host-backed the cached part of a longer prompt) or when a drain writes it
 prompts sent to worker 0 alone, sharing nothing with the others, so reach L3 only
 through its drain.
 
-Three clients hold multi-turn conversations through the router. Mid-way worker 0 gets
-SIGTERM and drains. Its L3 writes wait behind a gate file
+Three clients hold multi-turn conversations through the router (one has its answers
+streamed). Mid-way worker 0 gets SIGTERM and drains. Its L3 writes wait behind a gate file
 (tests/gated_file_backend.py) while the test watches the router take it out of routing
 as draining and the clients' requests go on; then the gate opens, the drain writes,
 and the process exits 0. A new ``hicache serve`` starts at the same port with the same
 flags; the clients, paused before their last turns until then, finish through it all.
 
-Checked: no client request fails; the drained worker exits 0 having written its pages;
+Checked: no client request fails (each gets every token); the drained worker exits 0 having written its pages;
 the router showed it draining (/workers, /metrics) and routes to the restarted one
 again; the restarted worker answers prompts only the drained one had seen with pages
 from L3 and exactly the greedy tokens of their cold answers.
@@ -58,6 +58,7 @@ STORE = {"prefetch_threshold": PAGE, "io_timeout_s": 120.0, "prefetch_timeout_ma
 # Probes every 0.2 s: the router notices a worker leave or come back soon.
 ROUTER_FLAGS = ("--policy", "tier_aware", "--health-interval", "0.2")
 THREADS, TURNS = 3, 15
+NEW_TOKENS = 4
 DRAIN_AFTER = 9  # requests answered before the SIGTERM (others are under way)
 # Each conversation waits here for the restarted worker: the turns before it that were
 # not answered at the SIGTERM are all sent while the drain is held.
@@ -154,7 +155,13 @@ class Conversations:
         with self.lock:
             return self.answered
 
+    def reached(self, answered: int) -> bool:
+        """Have ``answered`` requests been answered, or has one failed (no use waiting)?"""
+        with self.lock:
+            return self.answered >= answered or bool(self.failures)
+
     def _talk(self, seed: int) -> None:
+        stream = seed == THREADS - 1  # one conversation has its answers streamed
         history = [(11 * i + 37 * seed) % 190 + 1 for i in range(3 * PAGE)]
         with httpx.Client(base_url=self.url, timeout=TIMEOUT_S) as client:
             for turn in range(TURNS):
@@ -163,15 +170,11 @@ class Conversations:
                     return
                 prompt = [*history, *((7 * i + turn + seed) % 190 + 1 for i in range(PAGE))]
                 try:
-                    reply = client.post("/generate", json=_body(prompt))
-                except httpx.HTTPError as error:
+                    answer = _ask(client, prompt, stream)
+                except (httpx.HTTPError, ClientFailure) as error:
                     self._failed(f"conversation {seed} turn {turn}: {error!r}")
-                    continue
-                if reply.status_code != 200:
-                    self._failed(f"conversation {seed} turn {turn}: {reply.status_code} "
-                                 f"{reply.text}")
-                    continue
-                history = [*prompt, *reply.json()["output_ids"]]
+                    return
+                history = [*prompt, *answer]
                 with self.lock:
                     self.answered += 1
 
@@ -181,9 +184,34 @@ class Conversations:
 
 
 # ---------------------------------------------------------------------- helpers
+class ClientFailure(Exception):
+    """What a client got instead of a whole answer."""
+
+
 def _body(prompt: list[int]) -> dict[str, Any]:
-    return {"input_ids": prompt,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    return {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+
+
+def _ask(client: httpx.Client, prompt: list[int], stream: bool) -> list[int]:
+    """The answer's tokens, every one of them; ClientFailure otherwise."""
+    if stream:
+        with client.stream("POST", "/generate", json={**_body(prompt), "stream": True}) as reply:
+            if reply.status_code != 200:
+                raise ClientFailure(f"{reply.status_code} {reply.read()!r}")
+            events = [line.removeprefix("data: ") for line in reply.iter_lines()
+                      if line.startswith("data: ")]
+        if len(events) < 2 or events[-1] != "[DONE]":
+            raise ClientFailure(f"the stream broke off: {events[-2:]}")
+        output = json.loads(events[-2])["output_ids"]  # each event has the tokens so far
+    else:
+        response = client.post("/generate", json=_body(prompt))
+        if response.status_code != 200:
+            raise ClientFailure(f"{response.status_code} {response.text}")
+        output = response.json()["output_ids"]
+    if len(output) != NEW_TOKENS:
+        raise ClientFailure(f"{len(output)} tokens, not {NEW_TOKENS}: {output}")
+    return [int(token) for token in output]
 
 
 def _generate(url: str, prompt: list[int]) -> dict[str, Any]:
@@ -216,8 +244,8 @@ def test_a_worker_drained_and_restarted_behind_the_router_loses_no_request(rig: 
     conversations = Conversations(router.url)
     conversations.start()
     try:
-        assert wait_until(lambda: conversations.count() >= DRAIN_AFTER, TIMEOUT_S), \
-            conversations.failures
+        assert wait_until(lambda: conversations.reached(DRAIN_AFTER), TIMEOUT_S)
+        assert conversations.failures == [], conversations.failures
         rig.write_gate.touch()  # the drain's writes wait until the gate opens
         process = drained.process
         assert process is not None
@@ -236,8 +264,9 @@ def test_a_worker_drained_and_restarted_behind_the_router_loses_no_request(rig: 
         assert scrape(drained.url).total("hicache_drain_pages_to_write") >= MARKER_PAGES
         # The conversations go on while it drains (to the other worker, or refused by
         # the draining one and sent on by the router), up to their pause.
-        assert wait_until(lambda: conversations.count() == THREADS * RESUME_TURN, TIMEOUT_S), \
-            conversations.failures
+        assert wait_until(lambda: conversations.reached(THREADS * RESUME_TURN), TIMEOUT_S)
+        assert conversations.failures == [], conversations.failures
+        assert conversations.count() == THREADS * RESUME_TURN  # all paused
         assert process.poll() is None  # still draining
         assert THREADS * RESUME_TURN - at_sigterm >= 1  # so some were answered during it
 
