@@ -14,10 +14,10 @@ as draining and the clients' requests go on; then the gate opens, the drain writ
 and the process exits 0. A new ``hicache serve`` starts at the same port with the same
 flags; the clients, paused before their last turns until then, finish through it all.
 
-Checked: no client request fails (each gets every token); the drained worker exits 0 having written its pages;
-the router showed it draining (/workers, /metrics) and routes to the restarted one
-again; the restarted worker answers prompts only the drained one had seen with pages
-from L3 and exactly the greedy tokens of their cold answers.
+Checked: no client request fails (each gets every token); the drained worker exits 0
+having written its pages; the router showed it draining (/workers, /metrics) and routes
+to the restarted one again; the restarted worker answers prompts only the drained one
+had seen with pages from L3 and exactly the greedy tokens of their cold answers.
 """
 
 from __future__ import annotations
