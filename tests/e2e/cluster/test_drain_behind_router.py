@@ -15,9 +15,10 @@ and the process exits 0. A new ``hicache serve`` starts at the same port with th
 flags; the clients, paused before their last turns until then, finish through it all.
 
 Checked: no client request fails (each gets every token); the drained worker exits 0
-having written its pages; the router showed it draining (/workers, /metrics) and routes
-to the restarted one again; the restarted worker answers prompts only the drained one
-had seen with pages from L3 and exactly the greedy tokens of their cold answers.
+having written its pages; the router showed it draining (/workers, /metrics), learned
+the pages it wrote from its EXTERNAL events, and routes to the restarted one again; the
+restarted worker answers prompts only the drained one had seen with pages from L3 and
+exactly the greedy tokens of their cold answers.
 """
 
 from __future__ import annotations
@@ -227,6 +228,11 @@ def _router_state(router: ChildServer, url: str) -> str | None:
     return next((str(w["state"]) for w in workers if w["url"] == url), None)
 
 
+def _external_overlap(router: ChildServer) -> float:
+    """The pages of the routed prompts the router knew in the shared L3 (or above)."""
+    return float(scrape(router.url).total("router_overlap_pages_sum", tier="EXTERNAL"))
+
+
 def _routed_to(router: ChildServer, url: str) -> float:
     """Requests the router sent to the worker at ``url`` (whichever process it was)."""
     return float(scrape(router.url).by_label("router_requests_total", "worker").get(url, 0.0))
@@ -300,10 +306,16 @@ def test_a_worker_drained_and_restarted_behind_the_router_loses_no_request(rig: 
     assert _router_state(router, other.url) == "up"
 
     # Prompts only the drained worker saw: their pages come from what its drain wrote,
-    # and the answer is the cold one.
-    for prompt, first in zip(MARKERS, cold, strict=True):
-        warm = _generate(restarted.url, prompt)
+    # and the answer is the cold one. The first goes through the router: the drain
+    # announced what it wrote (EXTERNAL events, before it exited), so the router counts
+    # its pages in the shared L3 for both workers (a tie: the restarted one gets it).
+    external_before = _external_overlap(router)
+    routed_before = _routed_to(router, restarted.url)
+    for n, (prompt, first) in enumerate(zip(MARKERS, cold, strict=True)):
+        warm = _generate(router.url if n == 0 else restarted.url, prompt)
         # Every whole page: the drain wrote them all.
         stored = warm["meta_info"]["cached_tokens_details"]["storage"]
         assert stored == len(prompt) // PAGE * PAGE, warm["meta_info"]
         assert warm["output_ids"] == first["output_ids"]
+    assert _external_overlap(router) - external_before == len(MARKERS[0]) // PAGE
+    assert _routed_to(router, restarted.url) == routed_before + 1
