@@ -88,22 +88,28 @@ def _worker_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def _worker(run_dir: Path, index: int, gated_store: dict[str, Any]) -> ServerProcess:
+def _worker(run_dir: Path, index: int) -> ServerProcess:
+    """Worker ``index`` on the shared L3, its writes held while its own gate file exists."""
+    store = {"module_path": "tests.gated_file_backend", "class_name": "GatedFileBackend",
+             "path": str(run_dir / "l3"), "gate": str(run_dir / "no-read-gate"),
+             "write_gate": str(_write_gate(run_dir, index)), **STORE}
     events = EventEndpoints(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     flags = [*WORKER_FLAGS, "--hicache-storage-backend", "dynamic",
-             "--hicache-storage-backend-extra-config", json.dumps(gated_store),
+             "--hicache-storage-backend-extra-config", json.dumps(store),
              KV_EVENTS_FLAG, events.config_json()]
     return ServerProcess(flags, run_dir / f"worker-{index}.log", env=_worker_env(),
                          startup_timeout_s=TIMEOUT_S, name=f"worker {index}")
 
 
+def _write_gate(run_dir: Path, index: int) -> Path:
+    return run_dir / f"write-gate-{index}"
+
+
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
-    write_gate = tmp_path / "write-gate"
-    gated_store = {"module_path": "tests.gated_file_backend", "class_name": "GatedFileBackend",
-                   "path": str(tmp_path / "l3"), "gate": str(tmp_path / "no-read-gate"),
-                   "write_gate": str(write_gate), **STORE}
-    workers = [_worker(tmp_path, index, gated_store) for index in range(2)]
+    # Only worker 0's writes are ever held: worker 1 stores as usual meanwhile.
+    write_gate = _write_gate(tmp_path, 0)
+    workers = [_worker(tmp_path, index) for index in range(2)]
     port = free_port()
     router = ChildServer(
         [sys.executable, "-m", "hicache", "--log-level", "info", "router",
