@@ -45,7 +45,7 @@ from tests.waiting import wait_until
 REPO_ROOT = Path(__file__).resolve().parents[3]
 PAGE = 16
 # Pools far above what the test sends (under 2000 tokens a worker): nothing is evicted,
-# so with write back nothing reaches L3 but what the drain writes.
+# so with write back the marker prompts (below) reach L3 only through the drain.
 WORKER_FLAGS = (
     "--load-format", "dummy", "--model-preset", "tiny", "--device", "cpu",
     "--page-size", str(PAGE), "--num-threads", "1", "--max-total-tokens", "4096",
