@@ -47,6 +47,10 @@ _STOP: Final = object()
 _IDLE_POLL_S: Final = 0.05
 _START_TIMEOUT_S: Final = 10.0
 _JOIN_TIMEOUT_S: Final = 10.0
+# How long a closing publisher still lets subscribers take what was sent: the last batches
+# of a worker that exits (a drain's EXTERNAL pages) reach no one otherwise, as there is no
+# process left to replay them. Bounded: a stuck subscriber does not hold the exit.
+CLOSE_LINGER_S: Final = 2.0
 
 
 class EventPublisherError(OSError):
@@ -109,7 +113,8 @@ class ZmqEventPublisher:
         return self
 
     def close(self) -> None:
-        """Publish what is queued, close both sockets (linger 0) and join the thread."""
+        """Publish what is queued, close both sockets and join the thread. What was sent
+        still goes out to the subscribers for up to ``CLOSE_LINGER_S``, then is dropped."""
         if self._closed:
             return
         self._closed = True
@@ -164,6 +169,9 @@ class ZmqEventPublisher:
             self._started.set()
         try:
             self._serve(pub, replay)
+            # Closing: what the subscribers have not taken yet still goes out (a socket
+            # closed with linger 0 drops it). Only the PUB socket: a replay is not awaited.
+            pub.setsockopt(zmq.LINGER, int(CLOSE_LINGER_S * 1000))
         except Exception:  # a bug here must not pass silently: routers would go stale
             logger.exception("the KV event publisher thread failed; no more events")
         finally:

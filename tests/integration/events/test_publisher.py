@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -24,6 +25,8 @@ TOPIC = "kv-events"
 # Waits for a batch, a replay or the publisher thread: guards against a hang, far above what
 # a machine busy with other work needs.
 WAIT_MS = 60_000
+# Batches of about 225 kB published just before a close.
+CLOSE_BATCHES = 90
 
 
 def batch(n: int) -> KVEventBatch:
@@ -196,8 +199,7 @@ def test_close_sends_what_was_queued_and_releases_the_ports() -> None:
     for n in range(50):
         publisher.publish(batch(n))
     publisher.close()
-    # Every queued batch went out through the socket before it closed (with linger
-    # 0, what a subscriber had not taken yet is then dropped: it replays or resyncs).
+    # Every queued batch went out through the socket before it closed.
     assert publisher.num_published == 50
     publisher.publish(batch(99))  # after close: ignored, no error
     assert publisher.num_published == 50
@@ -207,6 +209,38 @@ def test_close_sends_what_was_queued_and_releases_the_ports() -> None:
         config(endpoint=publisher.endpoint, replay_endpoint=publisher.replay_endpoint)
     ).start()
     again.close()
+
+
+def test_close_lets_a_subscriber_take_what_was_sent(
+    context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    # A worker's last batches (a drain's EXTERNAL pages) just before it exits: nothing
+    # can replay them afterwards, so close must not drop what is still on its way.
+    publisher = ZmqEventPublisher(config()).start()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 1)  # a subscriber that takes nothing until it reads
+    sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+    assert publisher.endpoint is not None
+    sub.connect(publisher.endpoint)
+    probes = joined(publisher, sub)
+    # About 20 MB: far more than the loopback socket buffers hold, so most of it is
+    # still in the PUB socket when it closes.
+    big = [BlockRemoved(list(range(1 << 40, (1 << 40) + 25_000)), "GPU")]
+    for n in range(CLOSE_BATCHES):
+        publisher.publish(KVEventBatch(ts=float(n), events=big))
+    wait_published(publisher, probes + CLOSE_BATCHES)
+    closing = threading.Thread(target=publisher.close)
+    closing.start()  # it waits for the subscriber to take the rest (bounded)
+    payloads = []
+    try:
+        # Taken as fast as they come (decoded afterwards): the close waits only so long.
+        while len(payloads) < CLOSE_BATCHES and sub.poll(WAIT_MS):
+            payloads.append(sub.recv_multipart()[2])
+    finally:
+        closing.join(WAIT_MS / 1000)
+    assert [decode_batch(p).ts for p in payloads] == [float(n) for n in range(CLOSE_BATCHES)]
+    assert not closing.is_alive()
 
 
 def test_an_address_in_use_fails_start_with_a_clear_error(
