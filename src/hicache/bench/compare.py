@@ -131,10 +131,13 @@ CONFIG_NAMES = tuple(c.name for c in CONFIGS)
 # each by round 2) pass ~2.9K tokens through between two visits to one of them, well past
 # L1 + L2, so its later rounds come from L3 whatever the timing (at L2 = 2x L1 the two were
 # within 5% of each other and the tier a prefix came back from depended on the timing).
+# --hicache-reuse-policy load: the smoke run shows the tiers serving; on the tiny model a
+# prompt computes in about the time its pages take to read, so the cost policy's choice
+# between the two would follow the machine's load.
 SMOKE_SERVER_ARGS = (
     "--model-preset tiny --device cpu --max-total-tokens 1024 --page-size 16 "
     "--max-running-requests 8 --chunked-prefill-size 1024 --hicache-ratio 1.25 "
-    "--hicache-storage-prefetch-policy wait_complete"
+    "--hicache-storage-prefetch-policy wait_complete --hicache-reuse-policy load"
 )
 SMOKE_WORKLOAD = {
     "num_clients": 8, "num_rounds": 3, "request_length": 384, "sub_question_length": 32,

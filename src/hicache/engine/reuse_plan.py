@@ -28,8 +28,9 @@ most ``MAX_CANDIDATES`` evenly spaced ones, both ends and the landed boundary
 always in), so a cost model of another shape would still be minimised.
 
 Loading everything is kept when it is predicted within ``LOAD_TOLERANCE`` (5%) plus
-``LOAD_TOLERANCE_S`` (5 ms) of the fastest choice: it spares the batch's compute, and
-a gain smaller than that is within what the model does not price.
+``LOAD_TOLERANCE_S`` (20 ms) of the fastest choice: it spares the batch's compute, and
+a gain smaller than that is within what the model does not price (a lookup's round trip,
+the scheduler's polling while a request waits).
 
 Invariants: pure (no torch, no clock); ``c`` is a page boundary between the device
 hit and the end of what the tiers hold, never below the device hit (device pages
@@ -51,7 +52,7 @@ MAX_CANDIDATES = 64
 # spares the batch the compute, and the model does not price a load's small fixed costs
 # (the lookup, the scheduler's polling), so a choice that wins by less is noise.
 LOAD_TOLERANCE = 0.05
-LOAD_TOLERANCE_S = 0.005
+LOAD_TOLERANCE_S = 0.02
 
 
 class Decision(str, Enum):

@@ -99,7 +99,7 @@ def test_the_chosen_boundary_is_the_minimum_over_every_page() -> None:
     # A chunked prefill with a dear step makes the recompute a staircase, so the best
     # boundary can sit inside the range; the plan must find the brute-force minimum.
     coef = PrefillCoefficients(0.2, 1e-4, 1e-8, 0.0)
-    c = costs(load_per_page=12e-3, prefill=coef, chunk=100, load_latency=1e-3)
+    c = costs(load_per_page=20e-3, prefill=coef, chunk=100, load_latency=1e-3)
     s = ReuseSituation(prompt_tokens=700, page_size=PAGE, device_tokens=32, host_tokens=640)
     plan = plan_reuse(s, c)
     assert plan is not None
