@@ -313,6 +313,9 @@ class PinningController:
     def unpin(self, keys: list[bytes]) -> None:
         self.unpins.append(list(keys))
 
+    def wait_idle(self) -> bool:
+        return True
+
 
 @dataclass
 class StandInStorage:
@@ -331,6 +334,9 @@ class StandInStorage:
 
     def poll(self) -> None:
         pass
+
+    def retain_stalled_host_pages(self, pages: Any) -> Any:
+        return pages
 
 
 def test_l3_pin_writes_what_l3_lacks_then_pins_and_unpins(cache: HierarchicalCache) -> None:
@@ -382,7 +388,7 @@ def test_l3_pin_of_device_only_pages_waits_for_their_host_copy(
 
 
 # ----------------------------------------------------------------- flush
-def test_flush_forgets_every_hint(cache: HierarchicalCache) -> None:
+def test_flush_forgets_every_hint_on_l1_and_l2(cache: HierarchicalCache) -> None:
     tokens = conversation(8, seed=1)
     warm(cache, tokens)
     cache.hints.apply([pin(tokens), Hint(HintKind.RETAIN, tuple(tokens))])
@@ -392,3 +398,17 @@ def test_flush_forgets_every_hint(cache: HierarchicalCache) -> None:
     assert status["pinned_pages_by_tenant"] == {}
     cache.poll()
     cache.check_integrity()
+    warm(cache, tokens)  # cached again: pinned anew, within the whole budget
+    assert one(cache, pin(tokens)).outcome is ACCEPTED
+
+
+def test_l3_pins_outlive_a_flush(cache: HierarchicalCache) -> None:
+    tokens = conversation(8, seed=1)
+    warm(cache, tokens)
+    storage = StandInStorage()
+    cache.storage = storage  # type: ignore[assignment]
+    one(cache, pin(tokens, tier="l3"))
+    cache.flush()
+    assert cache.hints.status()["l3_pins"] == 1 and not storage.controller.unpins
+    assert one(cache, Hint(HintKind.UNPIN, tuple(tokens))).outcome is ACCEPTED
+    assert len(storage.controller.unpins) == 1

@@ -391,8 +391,8 @@ class HintBook:
 
     def _send_l3_pin(self, record: _Pin) -> None:
         storage = self._cache.storage
-        if storage is None:
-            return
+        if storage is None or not self._cache.writes_to_l3:
+            return  # (an MLA rank but 0 shares rank 0's pages: rank 0 pins them)
         controller = cast(_PinningController, storage.controller)
         until_unix = time.time() + max(0.0, record.until - self._cache.clock())
         controller.pin(record.l3_keys, until_unix)
@@ -422,20 +422,21 @@ class HintBook:
                     found = True
         return found
 
-    def _release(self, record: _Pin) -> None:
+    def _release(self, record: _Pin, in_tree: bool = True) -> None:
         del self._pins[record.key]
         self._tenant_records[record.tenant] -= 1
         if not self._tenant_records[record.tenant]:
             del self._tenant_records[record.tenant]
         if record.node is not None:
-            self._cache.tree.unpin(record.node)
+            if in_tree:
+                self._cache.tree.unpin(record.node)
             self._tenant_pages[record.tenant] -= record.pages
             if not self._tenant_pages[record.tenant]:
                 del self._tenant_pages[record.tenant]
         if record.l3_keys:
             if record in self._l3_waiting:
                 self._l3_waiting.remove(record)  # never sent: nothing to unpin
-            elif self._cache.storage is not None:
+            elif self._cache.storage is not None and self._cache.writes_to_l3:
                 cast(_PinningController, self._cache.storage.controller).unpin(record.l3_keys)
 
     # ------------------------------------------------------------ retain
@@ -566,10 +567,7 @@ class HintBook:
         return {
             "pinned_pages": tree.num_pinned_pages,
             "pinned_pages_by_tenant": dict(self._tenant_pages),
-            "retained_pages": sum(
-                len(n.tokens) // tree.page_bytes for n in tree.iter_nodes()
-                if n.evict_class > 0
-            ),
+            "retained_pages": tree.num_retained_pages,
             "pin_budget_pages": self.pin_budget_pages,
             "tenant_pin_budget_pages": self.tenant_pin_budget_pages,
             "records": len(self._pins),
@@ -579,19 +577,19 @@ class HintBook:
         }
 
     def clear(self) -> None:
-        """Forget every hint (the cache is flushed): background prefetches stop, L3 pins
-        are released; the tree's pins and classes go with the tree."""
+        """Forget every hint on L1 and L2 (the cache is flushed, after its copies landed):
+        background prefetches stop, host pins go (the tree's pins and classes go with the
+        tree). L3 keeps its pages through a flush, and so its pins: they stay, to be
+        unpinned or to expire; one waiting for its copies is sent now."""
         for background in self._background:
             background.warm.stop()
         self._background.clear()
-        storage = self._cache.storage
-        for record in self._pins.values():
-            if record.l3_keys and record not in self._l3_waiting and storage is not None:
-                cast(_PinningController, storage.controller).unpin(record.l3_keys)
-        self._pins.clear()
-        self._expiry.clear()
-        self._tenant_pages.clear()
-        self._tenant_records.clear()
+        for record in list(self._pins.values()):
+            if record.node is not None:
+                self._release(record, in_tree=False)  # its tree is being dropped
+        for record in self._l3_waiting:
+            record.waiting = []
+            self._send_l3_pin(record)
         self._l3_waiting.clear()
 
     # --------------------------------------------------------- internals
@@ -602,13 +600,17 @@ class HintBook:
     def _add(self, record: _Pin) -> None:
         self._pins[record.key] = record
         self._tenant_records[record.tenant] += 1
-        heapq.heappush(self._expiry, (record.until, record.seq, record.key))
+        self._push_expiry(record)
 
     def _refresh(self, record: _Pin, until: float) -> None:
         record.until = until
         record.seq = self._next_seq()
-        heapq.heappush(self._expiry, (until, record.seq, record.key))
+        self._push_expiry(record)
+
+    def _push_expiry(self, record: _Pin) -> None:
+        heapq.heappush(self._expiry, (record.until, record.seq, record.key))
         if len(self._expiry) > 2 * len(self._pins) + 1024:
+            # Entries of released or refreshed records: dropped (amortised O(1)).
             self._expiry = [
                 e for e in self._expiry
                 if (r := self._pins.get(e[2])) is not None and r.seq == e[1]

@@ -87,6 +87,7 @@ class HiRadixTree:
         self.num_host_pages = 0
         self.num_protected_device_pages = 0
         self.num_pinned_pages = 0
+        self.num_retained_pages = 0
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -517,6 +518,11 @@ class HiRadixTree:
 
     def _set_class(self, node: TreeNode, cls: int) -> None:
         dropped = cls < node.evict_class
+        pages = len(node.tokens) // self.page_bytes
+        if node.evict_class == RETAINED:
+            self.num_retained_pages -= pages
+        if cls == RETAINED:
+            self.num_retained_pages += pages
         node.evict_class = cls
         if dropped:
             # The node's entries now sit above its key: a fresh one makes it findable.
@@ -640,7 +646,7 @@ class HiRadixTree:
     # ------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
         """Assert every structural invariant; raises AssertionError naming the broken one."""
-        num_nodes = dev = host = protected = pinned = 0
+        num_nodes = dev = host = protected = pinned = retained = 0
         device_keys = _lowest_keys(self._device_heap)
         host_keys = _lowest_keys(self._host_heap)
         retain_entries = {(entry[1], entry[0]) for entry in self._retain_heap}
@@ -684,6 +690,7 @@ class HiRadixTree:
                 pinned += pages
             assert node.evict_class in (DEMOTED, ORDINARY, RETAINED), f"{node!r}: bad class"
             if node.evict_class == RETAINED:
+                retained += pages
                 assert (node.id, node.retain_until) in retain_entries, (
                     f"{node!r}: retained without a deadline entry"
                 )
@@ -700,6 +707,9 @@ class HiRadixTree:
         assert num_nodes == self.num_nodes, f"node count {self.num_nodes} != {num_nodes}"
         assert pinned == self.num_pinned_pages, (
             f"pinned pages {self.num_pinned_pages} != {pinned}"
+        )
+        assert retained == self.num_retained_pages, (
+            f"retained pages {self.num_retained_pages} != {retained}"
         )
         assert dev == self.num_device_pages, f"device pages {self.num_device_pages} != {dev}"
         assert host == self.num_host_pages, f"host pages {self.num_host_pages} != {host}"
@@ -818,6 +828,8 @@ class HiRadixTree:
         """Remove a childless, unlocked node; returns the pages of the tier it was in."""
         assert not node.children and node.lock_ref == 0 and node.host_ref == 0
         assert node.pin_ref == 0, f"{node!r}: a pinned node is never deleted"
+        if node.evict_class == RETAINED:  # evicted once nothing ordinary was left
+            self.num_retained_pages -= len(node.tokens) // self.page_bytes
         parent = node.parent
         assert parent is not None
         if self.observer is not None:
