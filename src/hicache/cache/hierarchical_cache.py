@@ -685,6 +685,7 @@ class HierarchicalCache:
     def check_integrity(self, held_device_pages: PageIds | None = None) -> None:
         """Every page is in exactly one place: the tree, a request (``held``), or a free list."""
         self.tree.check_integrity()
+        self.hints.check_integrity()
         self._check_pool(
             self.device_pool.allocator, self.tree.device_page_ids(),
             no_pages() if held_device_pages is None else held_device_pages, "device",

@@ -562,7 +562,35 @@ class HintBook:
                 logger.debug("deferred pin landed: %s", outcome)
 
     # ------------------------------------------------------------ status
+    def check_integrity(self) -> None:
+        """Every host pin's path is in the tree and pinned; the counts match the records."""
+        pins: Counter[int] = Counter()
+        tenant_pages: Counter[str] = Counter()
+        tenant_records: Counter[str] = Counter()
+        for record in self._pins.values():
+            tenant_records[record.tenant] += 1
+            node = record.node
+            if node is None:
+                assert record.l3_keys, f"{record.key[:3]}: a pin of neither tier"
+                continue
+            tenant_pages[record.tenant] += record.pages
+            path = _path(node)
+            assert path and path[0].parent is self._cache.tree.root, (
+                f"{record.key[:3]}: its pinned node left the tree"
+            )
+            for item in path:
+                pins[item.id] += 1
+            assert sum(len(n.tokens) for n in path) // self._cache.tree.page_bytes == (
+                record.pages
+            ), f"{record.key[:3]}: pinned path of another length"
+        for node in self._cache.tree.iter_nodes():
+            assert node.pin_ref == pins[node.id], f"{node!r}: pins {pins[node.id]} records"
+        assert +tenant_pages == +self._tenant_pages, "tenant pinned pages"
+        assert +tenant_records == +self._tenant_records, "tenant record counts"
+
     def status(self) -> dict[str, Any]:
+        """For /metrics. ``pinned_pages`` counts each page once; ``pinned_pages_by_tenant``
+        what each tenant's pins are charged (each pin its full length)."""
         tree = self._cache.tree
         return {
             "pinned_pages": tree.num_pinned_pages,
