@@ -17,6 +17,7 @@ from hicache.engine.config import (
 )
 from hicache.model.loader import LoadFormat
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
+from hicache.server.server_info import server_info_from_args
 from hicache.storage.config import PrefetchPolicy, StorageConfig
 
 
@@ -119,3 +120,12 @@ def test_help_documents_num_threads(capsys: pytest.CaptureFixture[str]) -> None:
         parse("--help")
     out = capsys.readouterr().out
     assert "--num-threads N" in out and "OMP_NUM_THREADS" in out
+
+
+def test_server_info_reports_the_hint_flags() -> None:
+    info = server_info_from_args(parse("--hicache-pin-tenant-fraction", "0.1"))
+    assert {key: info.server_args[key] for key in (
+        "hicache_pin_max_fraction", "hicache_pin_tenant_fraction", "hicache_hint_max_ttl_s",
+        "hicache_retain_ttl_s",
+    )} == {"hicache_pin_max_fraction": 0.5, "hicache_pin_tenant_fraction": 0.1,
+           "hicache_hint_max_ttl_s": 86400.0, "hicache_retain_ttl_s": 600.0}
