@@ -474,15 +474,6 @@ class HiRadixTree:
         self.num_pinned_pages -= released
         return released
 
-    def unpinned_pages(self, node: TreeNode) -> int:
-        """Pages of root..node that no pin holds yet (what pinning it would add)."""
-        pages = 0
-        while node.parent is not None:
-            if node.pin_ref == 0:
-                pages += len(node.tokens) // self.page_bytes
-            node = node.parent
-        return pages
-
     def demote(self, node: TreeNode) -> None:
         """Class -1: evicted before every ordinary node; its retain (if any) ends."""
         node.retain_until = 0.0
