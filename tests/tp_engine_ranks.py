@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from hicache.distributed.group import TPGroup
-from hicache.engine.api import GenerateRequest, SamplingParams
+from hicache.engine.api import GenerateRequest, Hint, SamplingParams
 from hicache.engine.build import build_engine
 from hicache.engine.cache_ops import CACHE_OPS
 from hicache.engine.config import EngineConfig
@@ -45,6 +45,9 @@ class Step:
     # Prefixes warmed from L3 into L2 after ``op_after`` (``cache/warm.py``), stepped until
     # done; their outcomes go to ``RankResult.warm_results``.
     warm_after: tuple[tuple[int, ...], ...] = ()
+    # Hints applied after ``op_after`` (``cache/hints.py``, the ``hints_apply`` operation);
+    # their outcomes go to ``RankResult.hint_results``.
+    hints_after: tuple[Hint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,10 @@ class RankResult:
     stalled_after_ops: list[int] = field(default_factory=list)
     # Per Step.warm_after, on rank 0 (or alone): the warm's outcomes.
     warm_results: list[list[dict[str, Any]]] = field(default_factory=list)
+    # Per Step.hints_after, on rank 0 (or alone): the hints' outcomes.
+    hint_results: list[list[dict[str, Any]]] = field(default_factory=list)
+    # Per tick, before its agreement: pinned and retained pages (alike on every rank).
+    hinted_pages: list[tuple[int, int]] = field(default_factory=list)
 
 
 def greedy(max_new_tokens: int = 6) -> SamplingParams:
@@ -213,6 +220,8 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
                 result.host_protected_nodes.append(
                     sum(node.host_ref > 0 for node in engine.cache.tree.iter_nodes())
                 )
+            tree = engine.cache.tree
+            result.hinted_pages.append((tree.num_pinned_pages, tree.num_retained_pages))
             seen = real()
             result.observed.append(seen.num_landed_writes)
             if tp.rank == scenario.lagging_rank and replicated.num_ticks < scenario.lag_ticks:
@@ -273,6 +282,9 @@ def _drive(engine: Engine, tp: TPGroup, scenario: Scenario) -> RankResult:
                 progress = run_op("warm_step", "w")
             assert progress["done"], "the warm never settled"
             result.warm_results.append(progress["results"])
+        if step.hints_after:
+            outcomes = run_op("hints_apply", list(step.hints_after))
+            result.hint_results.append([outcome.as_dict() for outcome in outcomes])
     if replicated is not None:
         # Prefetches still draining (a rank's read not returned) and backups not agreed
         # (a detached tier's too) settle on every rank before the group stops: a decision

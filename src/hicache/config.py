@@ -8,6 +8,7 @@ and defaults follow SGLang's so that existing launch scripts keep working.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -92,6 +93,13 @@ class CacheConfig:
     # more in launch and bookkeeping than recomputing a few tokens.
     load_back_threshold_tokens: int = 10
     reuse_policy: ReusePolicy = ReusePolicy.COST
+    # Hints (cache/hints.py): the share of the host pool all pins together may hold, and
+    # each tenant's pins; the longest TTL a pin or retain may ask (longer ones are clipped
+    # to it); a retain's TTL when its hint gives none.
+    pin_max_fraction: float = 0.5
+    pin_tenant_fraction: float = 0.25
+    hint_max_ttl_s: float = 86400.0
+    retain_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         # Accept plain strings (from argparse or JSON) and normalise them to enums.
@@ -127,6 +135,22 @@ class CacheConfig:
             )
         if self.load_back_threshold_tokens < 0:
             raise ConfigError("load_back_threshold_tokens must be >= 0")
+        for flag, fraction in (("--hicache-pin-max-fraction", self.pin_max_fraction),
+                               ("--hicache-pin-tenant-fraction", self.pin_tenant_fraction)):
+            if not 0.0 <= fraction <= 1.0:
+                raise ConfigError(
+                    f"{flag} is a share of the host pool, in [0, 1] (0: no pins), got {fraction}"
+                )
+        if not (math.isfinite(self.hint_max_ttl_s) and self.hint_max_ttl_s > 0):
+            raise ConfigError(
+                f"--hicache-hint-max-ttl-s must be a positive number of seconds, got "
+                f"{self.hint_max_ttl_s}"
+            )
+        if not (math.isfinite(self.retain_ttl_s) and 0 < self.retain_ttl_s <= self.hint_max_ttl_s):
+            raise ConfigError(
+                f"--hicache-retain-ttl-s must be positive and at most --hicache-hint-max-ttl-s "
+                f"({self.hint_max_ttl_s}), got {self.retain_ttl_s}"
+            )
 
     @property
     def host_pool_from_flags(self) -> bool:

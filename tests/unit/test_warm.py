@@ -69,10 +69,10 @@ class FakeCache:
             config=SimpleNamespace(prefetch_threshold=self.threshold),
         )
 
-    def peek(self, tokens: list[int]) -> Any:
+    def peek(self, tokens: list[int], extra_key: str | None = None) -> Any:
         return SimpleNamespace(num_device_pages=0, num_host_pages=self.cached.get(tokens[0], 0))
 
-    def prefetch(self, tokens: list[int]) -> Handle | None:
+    def prefetch(self, tokens: list[int], extra_key: str | None = None) -> Handle | None:
         local = self.cached.get(tokens[0], 0) * PAGE
         asked = len(tokens) // PAGE * PAGE - local
         if asked < self.threshold:
@@ -136,7 +136,7 @@ def test_a_lookup_not_answered_holds_what_it_asked_for() -> None:
     warm = start(cache, [prompt(1, 4), prompt(2, 4)], 0.5)  # 6 pages
     original = cache.prefetch
 
-    def unanswered(tokens: list[int]) -> Handle | None:
+    def unanswered(tokens: list[int], extra_key: str | None = None) -> Handle | None:
         handle = original(tokens)
         if handle is not None:
             handle.found = -1

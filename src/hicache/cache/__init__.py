@@ -13,6 +13,9 @@ copies between them and the L3 tier together.
   tier reaches the cache through it alone;
 - ``l3_agreement.py``: under tensor parallelism, what the ranks agree on about L3
   each tick (the tier decides only from the agreed values);
+- ``drain.py``, ``warm.py``: L1 and L2 written to L3 before an exit; prefixes read from L3
+  into L2 ahead of their requests;
+- ``hints.py``: ``HintBook``, what pin, unpin, retain, prefetch and demote hints do;
 - ``stats.py``: the counters of what the cache did.
 
 Everything here runs on the scheduler thread.

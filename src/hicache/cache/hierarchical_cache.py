@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from hicache.cache.hints import HintBook
 from hicache.cache.l3_agreement import L3Progress
 from hicache.cache.l3_context import L3Context
 from hicache.cache.stats import CacheStats
@@ -159,6 +160,8 @@ class HierarchicalCache:
         # L3 decisions wait for the ranks' agreement and read the tick clock.
         self.replicated = False
         self.clock: Callable[[], float] = time.monotonic
+        # What hints asked (``cache/hints.py``): pins, retains, their prefetches.
+        self.hints = HintBook(self)
         # Detached tiers whose stalled L3 calls have not returned: polled until they
         # do, since the host pages those calls may touch are reserved until then.
         self._retired_storage: list[StorageTier] = []
@@ -428,6 +431,7 @@ class HierarchicalCache:
             self.storage.poll()
         if self.tree.num_protected_device_pages:
             raise RuntimeError("flush while requests hold cached prefixes")
+        self.hints.clear()  # every pin and class goes with the tree
         self.device_pool.allocator.free(self.tree.device_page_ids())
         if self.host_pool is not None:
             host_pages = self.tree.host_page_ids()
@@ -483,6 +487,7 @@ class HierarchicalCache:
     def poll(self, wait: bool = False) -> int:
         """Acknowledge landed writes (all in-flight ones if ``wait``); returns how many."""
         if self.controller is None:
+            self.hints.poll()  # retains expire on a device-only cache too
             return 0
         if wait:
             return self._acknowledge(self.controller.wait_writes(), wait=True)
@@ -501,8 +506,14 @@ class HierarchicalCache:
         """Acknowledge the ``num_landed_writes`` oldest writes (at most what
         ``observe_progress`` saw) and advance L3 work; returns how many were acknowledged."""
         if self.controller is None:
+            self.hints.poll()
             return 0
-        return self._acknowledge(self.controller.take_writes(num_landed_writes), wait=False)
+        acknowledged = self._acknowledge(
+            self.controller.take_writes(num_landed_writes), wait=False
+        )
+        # After the copies are acknowledged: an L3 pin waiting for them goes out now.
+        self.hints.poll()
+        return acknowledged
 
     def observe_l3_progress(self) -> L3Progress:
         """Under tensor parallelism: this rank's L3 progress to agree on (changes nothing)."""
@@ -674,6 +685,7 @@ class HierarchicalCache:
     def check_integrity(self, held_device_pages: PageIds | None = None) -> None:
         """Every page is in exactly one place: the tree, a request (``held``), or a free list."""
         self.tree.check_integrity()
+        self.hints.check_integrity()
         self._check_pool(
             self.device_pool.allocator, self.tree.device_page_ids(),
             no_pages() if held_device_pages is None else held_device_pages, "device",

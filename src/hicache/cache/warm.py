@@ -84,6 +84,7 @@ def settle_outcome(
 class _Item:
     index: int
     tokens: list[int]
+    extra_key: str | None = None
     missing_tokens: int = 0
     asked_tokens: int = 0
     handle: PrefetchHandle | None = None
@@ -93,12 +94,17 @@ class L3Warm:
     """One warm of ``items`` (token-id lists), within ``max_host_fraction`` of the host pool."""
 
     def __init__(
-        self, cache: HierarchicalCache, items: list[list[int]], max_host_fraction: float
+        self, cache: HierarchicalCache, items: list[list[int]], max_host_fraction: float,
+        extra_keys: list[str | None] | None = None,
     ) -> None:
+        """``extra_keys``: each item's cache salt (None: unsalted)."""
         self._cache = cache
         host_pages = cache.host_pool.num_pages if cache.host_pool is not None else 0
         self.budget_pages = int(host_pages * max_host_fraction)
-        self._pending: deque[_Item] = deque(_Item(i, list(t)) for i, t in enumerate(items))
+        salts = extra_keys if extra_keys is not None else [None] * len(items)
+        self._pending: deque[_Item] = deque(
+            _Item(i, list(t), salt) for i, (t, salt) in enumerate(zip(items, salts, strict=True))
+        )
         self._running: list[_Item] = []
         self._held_pages = 0  # host pages this warm's settled prefetches brought
         self._results: dict[int, WarmResult] = {}
@@ -146,7 +152,7 @@ class L3Warm:
             return self._end(item, WarmOutcome.REJECTED, f"shorter than one page ({page} tokens)")
         if cache.storage is None:
             return self._end(item, WarmOutcome.REJECTED, "no L3 storage backend is attached")
-        peek = cache.peek(item.tokens)
+        peek = cache.peek(item.tokens, item.extra_key)
         missing = whole - peek.num_device_pages - peek.num_host_pages
         if missing <= 0:
             return self._end(item, WarmOutcome.WARMED, "already cached")
@@ -164,7 +170,7 @@ class L3Warm:
             return False  # the L3 tier's in-flight budget: wait for ours to land
         item.missing_tokens, item.asked_tokens = missing * page, asked * page
         end = (whole - missing + asked) * page
-        handle = cache.prefetch(item.tokens[:end])
+        handle = cache.prefetch(item.tokens[:end], item.extra_key)
         if handle is None:
             threshold = storage.config.prefetch_threshold
             if item.asked_tokens < threshold:
@@ -205,4 +211,4 @@ class L3Warm:
 
     def _same_start(self, item: _Item, other: _Item) -> bool:
         page = self._cache.page_size
-        return item.tokens[:page] == other.tokens[:page]
+        return item.tokens[:page] == other.tokens[:page] and item.extra_key == other.extra_key

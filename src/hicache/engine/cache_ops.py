@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from hicache.cache.drain import DrainProgress, L3Drain, pages_lacking
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.cache.warm import L3Warm
+from hicache.engine.api import Hint, HintOutcome
 from hicache.storage.base import StorageError
 from hicache.storage.controller import StorageMetrics
 
@@ -128,6 +129,17 @@ def _warm_step(cache: HierarchicalCache, warm_id: str) -> dict[str, Any]:
     return progress
 
 
+def hints_apply(host: CacheHost, hints: list[Hint]) -> list[HintOutcome]:
+    """Apply ``hints`` (``cache/hints.py``): one outcome each, in order. Each names its
+    prefix (a hint without ``input_ids`` is rejected here: only a request has its own)."""
+    return host.cache.hints.apply(hints)
+
+
+def hint_status(host: CacheHost) -> dict[str, Any]:
+    """What hints hold: pinned and retained pages, budgets, records, outcome counts."""
+    return host.cache.hints.status()
+
+
 CACHE_OPS: dict[str, Callable[..., Any]] = {
     "flush": flush,
     "check_integrity": check_integrity,
@@ -139,6 +151,8 @@ CACHE_OPS: dict[str, Callable[..., Any]] = {
     "warm_start": warm_start,
     "warm_step": warm_step,
     "warm_stop": warm_stop,
+    "hints_apply": hints_apply,
+    "hint_status": hint_status,
 }
 
 

@@ -18,8 +18,14 @@ from typing import Any
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.distributed.group import SINGLE_RANK, TPGroup
-from hicache.engine.api import GenerateOutput, GenerateRequest, validate_request
-from hicache.engine.cache_ops import CACHE_OPS
+from hicache.engine.api import (
+    GenerateOutput,
+    GenerateRequest,
+    Hint,
+    HintOutcome,
+    validate_request,
+)
+from hicache.engine.cache_ops import CACHE_OPS, hint_status
 from hicache.engine.config import SchedulerLimits
 from hicache.engine.disaggregation import DisaggregationRuntime
 from hicache.engine.grammar import Grammars
@@ -299,6 +305,15 @@ class Engine:
     def warm_stop(self, warm_id: str) -> dict[str, Any]:
         """End the warm now, keeping what landed; its final outcomes."""
         return dict(self._run_op("warm_stop", warm_id))
+
+    def apply_hints(self, hints: list[Hint]) -> list[HintOutcome]:
+        """Apply cache hints (pin, unpin, retain, prefetch, demote; ``cache/hints.py``) on
+        every rank's scheduler thread; one outcome per hint, in order."""
+        return list(self._run_op("hints_apply", list(hints)))
+
+    def hint_status(self) -> dict[str, Any]:
+        """What hints hold now (pinned and retained pages, budgets, outcome counts)."""
+        return dict(self._on_scheduler(lambda: hint_status(self.scheduler)))
 
     def abort_all(self, message: str) -> int:
         """Abort every request queued or running with ``message`` as its error; returns

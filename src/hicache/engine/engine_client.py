@@ -49,6 +49,8 @@ from hicache.engine.api import (
     CachedTokens,
     GenerateOutput,
     GenerateRequest,
+    Hint,
+    HintOutcome,
     validate_request,
 )
 from hicache.engine.config import EngineConfig
@@ -377,6 +379,14 @@ class EngineClient:
 
     def warm_stop(self, warm_id: str) -> dict[str, Any]:
         value: dict[str, Any] = self._call("warm_stop", warm_id)
+        return value
+
+    def apply_hints(self, hints: list[Hint]) -> list[HintOutcome]:
+        value: list[HintOutcome] = self._call("apply_hints", list(hints))
+        return value
+
+    def hint_status(self) -> dict[str, Any]:
+        value: dict[str, Any] = self._call("hint_status")
         return value
 
     def abort_all(self, message: str) -> int:

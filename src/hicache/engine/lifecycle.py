@@ -293,6 +293,11 @@ class RequestLifecycle:
                 reason = "stop"
         self.prefetcher.cancel(req)
         phase = req.phase
+        # Its own hints are about what its KV covers: the tokens computed (the last output
+        # token never is), or its prompt when it never ran.
+        hinted = req.token_slice(0, req.num_computed) if phase is not Phase.WAITING else list(
+            req.request.input_ids
+        )
         if phase is not Phase.WAITING:
             # Keep the KV of a request that finished (or was aborted) mid-way: it
             # is valid, and the next turn of the conversation will want it.
@@ -300,6 +305,8 @@ class RequestLifecycle:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
+        if req.request.hints:
+            self._apply_own_hints(req, hinted)
         req.phase = Phase.FINISHED
         req.finish_reason = reason
         req.error = error
@@ -311,6 +318,15 @@ class RequestLifecycle:
         else:
             self.counters.num_finished += 1
         self.outputs.add(req, final=True)
+
+    def _apply_own_hints(self, req: Req, tokens: list[int]) -> None:
+        """Its hints, now that its KV is in the tree; one's failure fails none."""
+        try:
+            req.hint_outcomes = self.cache.hints.apply(
+                req.request.hints, own_tokens=tokens, own_extra_key=req.request.extra_key
+            )
+        except Exception:  # the request's output still goes out
+            logger.exception("the hints of request %s failed", req.rid)
 
     def finish_held(
         self, req: Req, reason: str, error: str | None = None, flush_text: bool = True

@@ -217,6 +217,7 @@ class OutputThread:
             finish_reason=reason, prompt_tokens=req.prompt_len, completion_tokens=num_ids,
             cached_tokens=req.cached, ttft_s=ttft, latency_s=latency, error=error,
             output_logprobs=output_logprobs, input_logprobs=input_logprobs, reuse=reuse,
+            hints=req.hint_outcomes if final else None,
         )
 
     @staticmethod

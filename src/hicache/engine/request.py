@@ -18,7 +18,7 @@ import torch
 
 from hicache.cache.hierarchical_cache import PrefixHit
 from hicache.cache.l3 import PrefetchHandle
-from hicache.engine.api import CachedTokens, GenerateRequest, TokenLogprob
+from hicache.engine.api import CachedTokens, GenerateRequest, HintOutcome, TokenLogprob
 from hicache.engine.grammar import GrammarState
 from hicache.engine.logprobs import first_prompt_token
 from hicache.engine.output_thread import Stream
@@ -68,6 +68,8 @@ class Req:
     scanned_chars: int = 0
     finish_reason: str | None = None
     finished_at: float = 0.0
+    # The outcomes of its own hints (GenerateRequest.hints), applied at its finish.
+    hint_outcomes: list[HintOutcome] | None = None
     error: str | None = None
     num_retractions: int = 0
     row: int | None = None  # its row of the model runner's page table while it runs

@@ -25,12 +25,18 @@ class TreeNode:
       device writes and loads); a locked node is never evicted from either tier.
     - ``host_ref`` counts in-flight L3 operations on the host copy; a protected
       host copy is never evicted.
+    - ``pin_ref`` counts pins (hints, ``cache/hints.py``) of the path root..node: a
+      pinned node's host copy is never evicted and, without one, it is not deleted
+      from the device (write_back copies it to the host first).
+    - ``evict_class`` orders eviction before ``last_access``: -1 demoted (first), 0
+      ordinary, +1 retained until ``retain_until`` (after every ordinary node).
     """
 
     __slots__ = (
         "children",
         "device_pages",
         "event_digests",
+        "evict_class",
         "extra_key",
         "hit_count",
         "host_pages",
@@ -41,6 +47,8 @@ class TreeNode:
         "lock_ref",
         "page_keys",
         "parent",
+        "pin_ref",
+        "retain_until",
         "tokens",
     )
 
@@ -59,6 +67,11 @@ class TreeNode:
         self.host_pages: PageIds | None = None
         self.lock_ref = 0
         self.host_ref = 0
+        self.pin_ref = 0
+        # Eviction class (-1 demoted, 0 ordinary, +1 retained) and, when retained, the
+        # deadline on the hint book's clock (0.0: not retained).
+        self.evict_class = 0
+        self.retain_until = 0.0
         self.hit_count = 0
         self.last_access = 0
         # This worker saw every page of the node land in L3 (a finished backup); a drain
@@ -93,7 +106,8 @@ class TreeNode:
         where = ("D" if self.on_device else "") + ("H" if self.on_host else "")
         return (
             f"TreeNode(id={self.id}, tokens={self.num_tokens}, at={where or '-'}, "
-            f"lock={self.lock_ref}, host_ref={self.host_ref}, hits={self.hit_count})"
+            f"lock={self.lock_ref}, host_ref={self.host_ref}, pin={self.pin_ref}, "
+            f"class={self.evict_class}, hits={self.hit_count})"
         )
 
 

@@ -8,21 +8,30 @@ Key structure choices, all for the latency of match and insert:
   and ``==`` (memcmp), and children are found by the bytes of their first page.
   Children of the root are additionally keyed by the request's extra key
   (cache salt), so different salts never share a node.
-- LRU eviction uses one min-heap per tier of (last_access, id, node) entries,
-  pushed only when a node *may have become* evictable. Access times only grow,
-  so an entry can be stale but never too new: a popped entry whose time is
-  older than the node's is pushed back with the current time. The first valid,
-  current entry popped is therefore the true least-recently-used candidate,
-  and no operation scans the whole tree.
-- ``lock_ref`` and ``host_ref`` are path counts (root..node), so splitting a
-  node copies them to the new upper half and unlocking the original node
-  still releases both halves.
+- Eviction uses one min-heap per tier of (class, last_access, id, node) entries,
+  pushed only when a node *may have become* evictable. The class comes from hints
+  (``cache/hints.py``): -1 demoted nodes go before ordinary ones (0), retained ones
+  (+1, until their deadline) after all of them; within a class, least recently used
+  first. A node's key mostly grows (access times only grow, a retain raises the
+  class): an entry below the node's key is pushed back with the current key when
+  popped. When a key drops (a demote, a retain expiring) a fresh entry is pushed at
+  once, so an entry popped with a key *above* the node's is stale and skipped. The
+  first valid, current entry popped is therefore the true next candidate, and no
+  operation scans the whole tree.
+- Retain deadlines sit in their own min-heap of (deadline, id, node), so that
+  ``expire_retains`` finds the due ones without a scan; a split node's upper half
+  gets its own entry.
+- ``lock_ref``, ``host_ref`` and ``pin_ref`` are path counts (root..node), so
+  splitting a node copies them to the new upper half and unlocking the original
+  node still releases both halves. ``num_pinned_pages`` counts the pages of pinned
+  nodes exactly (0<->1 transitions of ``pin_ref``); each is on the host, or is a
+  device page a copy to the host will keep (pinned nodes are never deleted).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -40,7 +49,10 @@ from hicache.radix.results import (
     no_pages,
 )
 
-_HeapEntry = tuple[int, int, TreeNode]
+_HeapEntry = tuple[int, int, int, TreeNode]
+_RetainEntry = tuple[float, int, TreeNode]
+
+DEMOTED, ORDINARY, RETAINED = -1, 0, 1
 
 
 class TreeError(RuntimeError):
@@ -69,10 +81,13 @@ class HiRadixTree:
         self._clock = 0
         self._device_heap: list[_HeapEntry] = []
         self._host_heap: list[_HeapEntry] = []
+        self._retain_heap: list[_RetainEntry] = []
         self.num_nodes = 0
         self.num_device_pages = 0
         self.num_host_pages = 0
         self.num_protected_device_pages = 0
+        self.num_pinned_pages = 0
+        self.num_retained_pages = 0
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -100,6 +115,8 @@ class HiRadixTree:
             if not data.startswith(child.tokens, pos):
                 child = self._split(child, self._common_pages(child.tokens, data, pos, limit))
             child.last_access = self._clock
+            if child.evict_class == DEMOTED:
+                child.evict_class = ORDINARY  # used again: the conversation is not over
             if child.device_pages is not None:
                 device_parts.append(child.device_pages)
                 last_device = child
@@ -208,6 +225,8 @@ class HiRadixTree:
                 duplicates.append(mine[differ])
             num_cached_pages += n
             child.last_access = self._clock
+            if child.evict_class == DEMOTED:
+                child.evict_class = ORDINARY
             child.hit_count += 1
             path.append(child)
             node = child
@@ -400,12 +419,115 @@ class HiRadixTree:
                 or current.host_pages is None
                 or current.lock_ref
                 or current.host_ref
+                or current.pin_ref
             ):
                 return None
             below.append(current)
             stack.extend(current.children.values())
         # Children before parents: each is a childless leaf when deleted.
         return np.concatenate([self._delete(current) for current in reversed(below)])
+
+    # ---------------------------------------------------------------- hints
+    def walk_prefix(self, tokens: TokenIds | bytes, extra_key: str | None = None) -> list[TreeNode]:
+        """The nodes holding the cached whole pages of ``tokens``, root-first; the last one
+        may reach past them (the match ends inside it). No split, no LRU touch."""
+        data = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+        limit = len(data) - len(data) % self.page_bytes
+        nodes: list[TreeNode] = []
+        node = self.root
+        pos = 0
+        while pos < limit:
+            child = node.children.get(
+                self._child_key(node, data[pos : pos + self.page_bytes], extra_key)
+            )
+            if child is None:
+                break
+            nodes.append(child)
+            if not data.startswith(child.tokens, pos):
+                break  # the match ends inside this node
+            node = child
+            pos += len(child.tokens)
+        return nodes
+
+    def pin(self, node: TreeNode) -> int:
+        """Pin the path root..node; returns the pages that became pinned."""
+        added = 0
+        while node.parent is not None:
+            if node.pin_ref == 0:
+                added += len(node.tokens) // self.page_bytes
+            node.pin_ref += 1
+            node = node.parent
+        self.num_pinned_pages += added
+        return added
+
+    def unpin(self, node: TreeNode) -> int:
+        """Release one pin of root..node; returns the pages no pin holds any more."""
+        released = 0
+        while node.parent is not None:
+            if node.pin_ref <= 0:
+                raise TreeError(f"unpin of an unpinned node {node!r}")
+            node.pin_ref -= 1
+            if node.pin_ref == 0:
+                released += len(node.tokens) // self.page_bytes
+                self._push_candidate(node)
+            node = node.parent
+        self.num_pinned_pages -= released
+        return released
+
+    def demote(self, node: TreeNode) -> None:
+        """Class -1: evicted before every ordinary node; its retain (if any) ends."""
+        node.retain_until = 0.0
+        self._set_class(node, DEMOTED)
+
+    def retain(self, node: TreeNode, until: float) -> None:
+        """Class +1 until ``until`` (the hint book's clock; a later deadline only extends)."""
+        if node.parent is None:
+            return
+        if node.evict_class == RETAINED and node.retain_until >= until:
+            return
+        node.retain_until = until
+        heapq.heappush(self._retain_heap, (until, node.id, node))
+        self._set_class(node, RETAINED)
+
+    def expire_retains(self, now: float) -> int:
+        """End the retains due at ``now``; O(1) when none is due. Returns how many ended."""
+        heap = self._retain_heap
+        ended = 0
+        while heap and heap[0][0] <= now:
+            until, _, node = heapq.heappop(heap)
+            if node.parent is None or node.evict_class != RETAINED or node.retain_until != until:
+                continue  # deleted, demoted, or extended (a later entry stands for it)
+            node.retain_until = 0.0
+            self._set_class(node, ORDINARY)
+            ended += 1
+        return ended
+
+    @property
+    def has_retains(self) -> bool:
+        """Is a retain deadline pending (``expire_retains`` may have work)?"""
+        return bool(self._retain_heap)
+
+    def _set_class(self, node: TreeNode, cls: int) -> None:
+        dropped = cls < node.evict_class
+        pages = len(node.tokens) // self.page_bytes
+        if node.evict_class == RETAINED:
+            self.num_retained_pages -= pages
+        if cls == RETAINED:
+            self.num_retained_pages += pages
+        node.evict_class = cls
+        if dropped:
+            # The node's entries now sit above its key: a fresh one makes it findable.
+            self._push_candidate(node)
+
+    def _current(self, heap: list[_HeapEntry], node: TreeNode, cls: int, stamp: int) -> bool:
+        """Is a popped entry (``cls``, ``stamp``) the node's current key? One below it is
+        pushed back at the current key; one above it is stale (a fresh one was pushed)."""
+        popped = (cls, stamp)
+        key = (node.evict_class, node.last_access)
+        if popped < key:
+            heapq.heappush(heap, (node.evict_class, node.last_access, node.id, node))
+            return False
+        return popped == key
 
     # ------------------------------------------------------------ eviction
     def evict_device(self, num_pages: int) -> DeviceEviction:
@@ -421,11 +543,10 @@ class HiRadixTree:
         counted = demoted = deleted = 0
         write_back = self.write_policy is WritePolicy.WRITE_BACK
         while counted < num_pages and self._device_heap:
-            stamp, _, node = heapq.heappop(self._device_heap)
+            cls, stamp, _, node = heapq.heappop(self._device_heap)
             if not self._device_evictable(node) or node.id in pending_ids:
                 continue
-            if stamp < node.last_access:
-                heapq.heappush(self._device_heap, (node.last_access, node.id, node))
+            if not self._current(self._device_heap, node, cls, stamp):
                 continue
             assert node.device_pages is not None
             counted += len(node.device_pages)
@@ -443,7 +564,9 @@ class HiRadixTree:
         # call must still find them (once locked for backup they are skipped).
         for node in pending:
             if self._device_evictable(node):
-                heapq.heappush(self._device_heap, (node.last_access, node.id, node))
+                heapq.heappush(
+                    self._device_heap, (node.evict_class, node.last_access, node.id, node)
+                )
         return DeviceEviction(
             freed_pages=np.concatenate(freed) if freed else no_pages(),
             pending_write_back=pending,
@@ -456,11 +579,10 @@ class HiRadixTree:
         freed: list[PageIds] = []
         got = 0
         while got < num_pages and self._host_heap:
-            stamp, _, node = heapq.heappop(self._host_heap)
+            cls, stamp, _, node = heapq.heappop(self._host_heap)
             if not self._host_evictable(node):
                 continue
-            if stamp < node.last_access:
-                heapq.heappush(self._host_heap, (node.last_access, node.id, node))
+            if not self._current(self._host_heap, node, cls, stamp):
                 continue
             pages = self._delete(node)
             got += len(pages)
@@ -515,9 +637,10 @@ class HiRadixTree:
     # ------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
         """Assert every structural invariant; raises AssertionError naming the broken one."""
-        num_nodes = dev = host = protected = 0
-        device_heap_ids = {entry[2].id for entry in self._device_heap}
-        host_heap_ids = {entry[2].id for entry in self._host_heap}
+        num_nodes = dev = host = protected = pinned = retained = 0
+        device_keys = _lowest_keys(self._device_heap)
+        host_keys = _lowest_keys(self._host_heap)
+        retain_entries = {(entry[1], entry[0]) for entry in self._retain_heap}
         for node in self.iter_nodes():
             num_nodes += 1
             parent = node.parent
@@ -551,11 +674,34 @@ class HiRadixTree:
             )
             if node.page_keys is not None:
                 assert len(node.page_keys) == pages, f"{node!r}: page key count"
+            assert node.pin_ref >= sum(c.pin_ref for c in node.children.values()), (
+                f"{node!r}: pin count below its children's"
+            )
+            if node.pin_ref > 0:
+                pinned += pages
+            assert node.evict_class in (DEMOTED, ORDINARY, RETAINED), f"{node!r}: bad class"
+            if node.evict_class == RETAINED:
+                retained += pages
+                assert (node.id, node.retain_until) in retain_entries, (
+                    f"{node!r}: retained without a deadline entry"
+                )
+            # Evictable: some entry at or below its key (one above it is stale).
+            evict_key = (node.evict_class, node.last_access)
             if self._device_evictable(node):
-                assert node.id in device_heap_ids, f"{node!r}: evictable but not an LRU candidate"
+                assert device_keys.get(node.id, (2, 0)) <= evict_key, (
+                    f"{node!r}: evictable but not an eviction candidate at its key"
+                )
             if self._host_evictable(node):
-                assert node.id in host_heap_ids, f"{node!r}: host-evictable but not a candidate"
+                assert host_keys.get(node.id, (2, 0)) <= evict_key, (
+                    f"{node!r}: host-evictable but not a candidate at its key"
+                )
         assert num_nodes == self.num_nodes, f"node count {self.num_nodes} != {num_nodes}"
+        assert pinned == self.num_pinned_pages, (
+            f"pinned pages {self.num_pinned_pages} != {pinned}"
+        )
+        assert retained == self.num_retained_pages, (
+            f"retained pages {self.num_retained_pages} != {retained}"
+        )
         assert dev == self.num_device_pages, f"device pages {self.num_device_pages} != {dev}"
         assert host == self.num_host_pages, f"host pages {self.num_host_pages} != {host}"
         assert protected == self.num_protected_device_pages, (
@@ -595,6 +741,9 @@ class HiRadixTree:
         upper.host_pages = slice_pages(child.host_pages, 0, num_pages)
         upper.lock_ref = child.lock_ref
         upper.host_ref = child.host_ref
+        upper.pin_ref = child.pin_ref
+        upper.evict_class = child.evict_class
+        upper.retain_until = child.retain_until
         upper.hit_count = child.hit_count
         upper.last_access = child.last_access
         upper.l3_stored = child.l3_stored
@@ -611,6 +760,8 @@ class HiRadixTree:
         upper.children[child.tokens[: self.page_bytes]] = child
         parent.children[key] = upper
         self.num_nodes += 1
+        if upper.evict_class == RETAINED:
+            heapq.heappush(self._retain_heap, (upper.retain_until, upper.id, upper))
         return upper
 
     def _new_leaf(
@@ -624,7 +775,7 @@ class HiRadixTree:
         parent.children[key] = leaf
         self.num_nodes += 1
         self.num_device_pages += len(device_pages)
-        heapq.heappush(self._device_heap, (leaf.last_access, leaf.id, leaf))
+        heapq.heappush(self._device_heap, (leaf.evict_class, leaf.last_access, leaf.id, leaf))
         if self.observer is not None:
             self.observer.device_stored(leaf)
         return leaf
@@ -667,6 +818,9 @@ class HiRadixTree:
     def _delete(self, node: TreeNode) -> PageIds:
         """Remove a childless, unlocked node; returns the pages of the tier it was in."""
         assert not node.children and node.lock_ref == 0 and node.host_ref == 0
+        assert node.pin_ref == 0, f"{node!r}: a pinned node is never deleted"
+        if node.evict_class == RETAINED:  # evicted once nothing ordinary was left
+            self.num_retained_pages -= len(node.tokens) // self.page_bytes
         parent = node.parent
         assert parent is not None
         if self.observer is not None:
@@ -705,6 +859,9 @@ class HiRadixTree:
             node.parent is not None
             and node.device_pages is not None
             and node.lock_ref == 0
+            # A pinned node without a host copy is not deleted; write_back copies it first.
+            and (node.pin_ref == 0 or node.host_pages is not None
+                 or self.write_policy is WritePolicy.WRITE_BACK)
             and not node.has_device_child()
         )
 
@@ -715,14 +872,16 @@ class HiRadixTree:
             and node.host_pages is not None
             and node.lock_ref == 0
             and node.host_ref == 0
+            and node.pin_ref == 0
             and not node.children
         )
 
     def _push_candidate(self, node: TreeNode) -> None:
+        entry = (node.evict_class, node.last_access, node.id, node)
         if self._device_evictable(node):
-            heapq.heappush(self._device_heap, (node.last_access, node.id, node))
+            heapq.heappush(self._device_heap, entry)
         elif self._host_evictable(node):
-            heapq.heappush(self._host_heap, (node.last_access, node.id, node))
+            heapq.heappush(self._host_heap, entry)
         else:
             return
         self._maybe_compact()
@@ -731,8 +890,35 @@ class HiRadixTree:
         """Drop stale heap entries once they outnumber live nodes (amortised O(1))."""
         limit = 2 * self.num_nodes + 1024
         if len(self._device_heap) > limit:
-            self._device_heap = [e for e in self._device_heap if self._device_evictable(e[2])]
-            heapq.heapify(self._device_heap)
+            self._device_heap = _one_current_entry(self._device_heap, self._device_evictable)
         if len(self._host_heap) > limit:
-            self._host_heap = [e for e in self._host_heap if self._host_evictable(e[2])]
-            heapq.heapify(self._host_heap)
+            self._host_heap = _one_current_entry(self._host_heap, self._host_evictable)
+        if len(self._retain_heap) > limit:
+            self._retain_heap = [e for e in self._retain_heap if _current_retain(e)]
+            heapq.heapify(self._retain_heap)
+
+
+def _one_current_entry(
+    heap: list[_HeapEntry], evictable: Callable[[TreeNode], bool]
+) -> list[_HeapEntry]:
+    """The heap rebuilt with one entry per candidate still evictable, at its current key
+    (every evictable node has an entry, so none is lost)."""
+    nodes = {entry[3].id: entry[3] for entry in heap if evictable(entry[3])}
+    rebuilt = [(n.evict_class, n.last_access, n.id, n) for n in nodes.values()]
+    heapq.heapify(rebuilt)
+    return rebuilt
+
+
+def _lowest_keys(heap: list[_HeapEntry]) -> dict[int, tuple[int, int]]:
+    """The lowest (class, last_access) of each node's entries in ``heap``."""
+    keys: dict[int, tuple[int, int]] = {}
+    for cls, stamp, node_id, _ in heap:
+        key = (cls, stamp)
+        if key < keys.get(node_id, (2, 0)):
+            keys[node_id] = key
+    return keys
+
+
+def _current_retain(entry: _RetainEntry) -> bool:
+    until, _, node = entry
+    return node.parent is not None and node.evict_class == RETAINED and node.retain_until == until

@@ -76,6 +76,25 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
         "faster to load than to compute again (priced with the live cost model); load: "
         "always load what the tiers hold (default: %(default)s)",
     )
+    group.add_argument(
+        "--hicache-pin-max-fraction", type=float, default=_DEFAULTS["pin_max_fraction"],
+        help="share of the host pool that all pin hints together may hold, in [0, 1] "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--hicache-pin-tenant-fraction", type=float, default=_DEFAULTS["pin_tenant_fraction"],
+        help="share of the host pool that one tenant's pin hints may hold, in [0, 1] "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--hicache-hint-max-ttl-s", type=float, default=_DEFAULTS["hint_max_ttl_s"],
+        help="longest TTL a pin or retain hint may ask, in seconds; longer ones are clipped "
+        "to it (default: %(default)s)",
+    )
+    group.add_argument(
+        "--hicache-retain-ttl-s", type=float, default=_DEFAULTS["retain_ttl_s"],
+        help="a retain hint's TTL when it gives none, in seconds (default: %(default)s)",
+    )
 
 
 def add_storage_args(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +153,10 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
             io_backend=args.hicache_io_backend,
             mem_layout=args.hicache_mem_layout,
             reuse_policy=args.hicache_reuse_policy,
+            pin_max_fraction=args.hicache_pin_max_fraction,
+            pin_tenant_fraction=args.hicache_pin_tenant_fraction,
+            hint_max_ttl_s=args.hicache_hint_max_ttl_s,
+            retain_ttl_s=args.hicache_retain_ttl_s,
         )
     except ConfigError:
         raise

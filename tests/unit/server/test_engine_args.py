@@ -17,6 +17,7 @@ from hicache.engine.config import (
 )
 from hicache.model.loader import LoadFormat
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
+from hicache.server.server_info import server_info_from_args
 from hicache.storage.config import PrefetchPolicy, StorageConfig
 
 
@@ -82,6 +83,12 @@ def test_every_flag_reaches_its_field() -> None:
     assert engine_config_from_args(parse("--model-preset", "tiny")).model.preset == "tiny"
     assert engine_config_from_args(parse("--disable-radix-cache")).scheduling.disable_radix_cache
     assert config.parallel == ParallelConfig(tp_size=1)
+    hints = engine_config_from_args(parse(
+        "--hicache-pin-max-fraction", "0.6", "--hicache-pin-tenant-fraction", "0.1",
+        "--hicache-hint-max-ttl-s", "3600", "--hicache-retain-ttl-s", "30",
+    )).cache
+    assert (hints.pin_max_fraction, hints.pin_tenant_fraction) == (0.6, 0.1)
+    assert (hints.hint_max_ttl_s, hints.retain_ttl_s) == (3600.0, 30.0)
     for flag in ("--tp-size", "--tensor-parallel-size"):  # ours and SGLang's long name
         assert engine_config_from_args(parse(flag, "2")).parallel == ParallelConfig(tp_size=2)
 
@@ -95,6 +102,11 @@ def test_every_flag_reaches_its_field() -> None:
         (("--disable-radix-cache", "--enable-hierarchical-cache"), "--disable-radix-cache"),
         (("--hicache-ratio", "1"), "--hicache-ratio must be greater than 1"),
         (("--tp-size", "0"), "--tp-size must be >= 1"),
+        (("--hicache-pin-max-fraction", "1.5"), "--hicache-pin-max-fraction"),
+        (("--hicache-pin-tenant-fraction", "-0.1"), "--hicache-pin-tenant-fraction"),
+        (("--hicache-hint-max-ttl-s", "inf"), "--hicache-hint-max-ttl-s"),
+        (("--hicache-hint-max-ttl-s", "10", "--hicache-retain-ttl-s", "60"),
+         "--hicache-retain-ttl-s"),
     ],
 )
 def test_bad_flags_fail_naming_the_flag(flags: tuple[str, ...], words: str) -> None:
@@ -108,3 +120,12 @@ def test_help_documents_num_threads(capsys: pytest.CaptureFixture[str]) -> None:
         parse("--help")
     out = capsys.readouterr().out
     assert "--num-threads N" in out and "OMP_NUM_THREADS" in out
+
+
+def test_server_info_reports_the_hint_flags() -> None:
+    info = server_info_from_args(parse("--hicache-pin-tenant-fraction", "0.1"))
+    assert {key: info.server_args[key] for key in (
+        "hicache_pin_max_fraction", "hicache_pin_tenant_fraction", "hicache_hint_max_ttl_s",
+        "hicache_retain_ttl_s",
+    )} == {"hicache_pin_max_fraction": 0.5, "hicache_pin_tenant_fraction": 0.1,
+           "hicache_hint_max_ttl_s": 86400.0, "hicache_retain_ttl_s": 600.0}
