@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Literal, Protocol
 
 
@@ -173,6 +174,48 @@ class Bootstrap:
     room: int
 
 
+class HintKind(str, Enum):
+    PIN = "pin"
+    UNPIN = "unpin"
+    RETAIN = "retain"
+    PREFETCH = "prefetch"
+    DEMOTE = "demote"
+
+
+class HintOutcomeKind(str, Enum):
+    ACCEPTED = "accepted"
+    CLIPPED = "clipped"
+    DEFERRED = "deferred"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class Hint:
+    kind: HintKind
+    # The prefix the hint is about. None only on a request's own hints (GenerateRequest.hints):
+    # then it is that request's prompt + generated tokens, applied when the request finishes.
+    input_ids: tuple[int, ...] | None = None
+    ttl_s: float | None = None      # pin / retain: None = the configured default
+    tier: str = "host"              # pin only: "host" (L2) or "l3"
+    tenant: str = "default"         # pins are budgeted per tenant and in total
+    extra_key: str | None = None    # cache salt, as GenerateRequest.extra_key
+
+
+@dataclass(frozen=True)
+class HintOutcome:
+    index: int
+    kind: HintKind
+    outcome: HintOutcomeKind
+    tokens: int = 0            # tokens of the prefix the hint now covers
+    clipped_tokens: int = 0    # tokens asked for but not covered (clipped)
+    reason: str = ""           # why (clipped / deferred / rejected), empty when accepted
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "kind": self.kind.value, "outcome": self.outcome.value,
+                "tokens": self.tokens, "clipped_tokens": self.clipped_tokens,
+                "reason": self.reason}
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     input_ids: tuple[int, ...]
@@ -183,6 +226,8 @@ class GenerateRequest:
     logprobs: LogprobParams | None = None  # None: no log probabilities
     # Set on the requests a router sends to a prefill and a decode instance (disaggregation).
     bootstrap: Bootstrap | None = None
+    # Hints about this request's own prefix (prompt + output), applied when it finishes.
+    hints: tuple[Hint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -251,6 +296,8 @@ class GenerateOutput:
     input_logprobs: tuple[TokenLogprob, ...] = ()
     # When finished, for a request the host tier or L3 held part of: what it loaded.
     reuse: ReuseReport | None = None
+    # When finished, for a request with hints: their outcomes, in the order given.
+    hints: list[HintOutcome] | None = None
 
 
 def validate_request(request: GenerateRequest, vocab_size: int, max_context_len: int) -> None:
