@@ -244,8 +244,11 @@ def create_router_app(
         async def send(url: str, content: bytes) -> tuple[int, Any]:
             return await state.proxy.request_json(url, "POST", HINTS_PATH, content, headers)
 
-        return await forward_hints(body, workers, state.policy, state.index,
-                                   reference.page_size, tokenizer, send)
+        context = reference.server_info.get("max_req_input_len")
+        return await forward_hints(
+            body, workers, state.policy, state.index, reference.page_size, tokenizer, send,
+            max_prefix_tokens=context if isinstance(context, int) and context > 0 else None,
+        )
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

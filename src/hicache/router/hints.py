@@ -19,8 +19,11 @@ per-worker outcomes under ``"workers"``. A worker that fails or refuses (unreach
 draining, a 4xx) answers its items as rejected with its status and message: the
 others' hints stand.
 
-Invariants: a malformed body is a 400 naming ``hints[i]`` and no worker hears of it;
-with no healthy worker the answer is a 503 and nothing is sent.
+Invariants: a malformed body is a 400 naming ``hints[i]`` and no worker hears of it
+(a negative id, or a prefix longer than the workers' context where they report it, is
+malformed here too); with no healthy worker the answer is a 503 and nothing is sent. Ids
+past the vocabulary are the workers' to judge (the router does not know its size): the
+worker refuses its call with a 400, and its items come back rejected with that message.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from starlette.concurrency import run_in_threadpool
 
 from hicache.events.hashing import page_hashes
 from hicache.router.credentials import redact
-from hicache.router.types import RouteRequest, RoutingPolicy, TierIndex
+from hicache.router.types import RouteDecision, RouteRequest, RoutingPolicy, TierIndex
 from hicache.router.workers import Worker
 from hicache.server.errors import APIError
 from hicache.server.hint_protocol import HintItem
@@ -79,6 +82,19 @@ def item_ids(item: HintItem, tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(item.text)
 
 
+def check_prefix(position: int, ids: Sequence[int], max_tokens: int | None) -> None:
+    """APIError(400) naming ``hints[position]`` for a prefix no worker can hold."""
+    where = f"hints[{position}]"
+    if not ids:
+        raise APIError(400, f"{where}: the text is no tokens", param=where)
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise APIError(400, f"{where}: the prefix is {len(ids)} tokens, longer than the "
+                       f"workers' context ({max_tokens})", param=where)
+    negative = [t for t in ids if t < 0]
+    if negative:
+        raise APIError(400, f"{where}: negative token ids: {negative[:8]}", param=where)
+
+
 def forwarded_item(item: HintItem, ids: list[int]) -> dict[str, Any]:
     """The item as a worker gets it: the same hint, the prefix as token ids."""
     body = item.model_dump(exclude_none=True, exclude={"text"})
@@ -90,21 +106,27 @@ async def place(
     items: Sequence[HintItem], ids: Sequence[list[int]], workers: Sequence[Worker],
     policy: RoutingPolicy, index: TierIndex, page_size: int,
 ) -> list[_Placed]:
-    """Where each item goes (see the module docstring)."""
+    """Where each item goes (see the module docstring). The policy's choices are asked
+    for all at once: a policy may wait on the shared pool for each."""
     urls = [w.url for w in workers]
+    loads = [w.load() for w in workers]
     placed = []
+    routed: list[tuple[_Placed, Awaitable[RouteDecision]]] = []
     for item, tokens in zip(items, ids, strict=True):
         hashes = page_hashes(tokens, page_size)
         entry = _Placed(forwarded_item(item, tokens))
         if item.kind in _ROUTED_KINDS:
             request = RouteRequest(page_hashes=hashes, prompt_tokens=len(tokens),
-                                   workers=[w.load() for w in workers], page_size=page_size)
-            entry.targets = [(await policy.choose(request, tokens)).worker]
+                                   workers=loads, page_size=page_size)
+            routed.append((entry, policy.choose(request, tokens)))
         else:
             overlaps = index.overlaps(hashes, urls) if hashes else {}
             holders = [url for url in urls if url in overlaps and overlaps[url].host > 0]
             entry.targets = holders or list(urls)
         placed.append(entry)
+    decisions = await asyncio.gather(*(choice for _, choice in routed))
+    for (entry, _), decision in zip(routed, decisions, strict=True):
+        entry.targets = [decision.worker]
     return placed
 
 
@@ -142,18 +164,18 @@ def merge(index: int, per_worker: Mapping[str, dict[str, Any]]) -> dict[str, Any
 async def forward_hints(
     body: Mapping[str, Any], workers: Sequence[Worker], policy: RoutingPolicy,
     index: TierIndex, page_size: int, tokenizer: Tokenizer, send: Send,
+    max_prefix_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Check, place and send the body's hints; the merged outcomes (``{"results"}``).
-    ``send(url, content)`` posts one worker's body and answers (status, JSON or text)."""
+    ``send(url, content)`` posts one worker's body and answers (status, JSON or text);
+    ``max_prefix_tokens``: the workers' context, when known."""
     items = parse_body(body)
     if not workers:
         raise APIError(503, "no healthy worker to send the hints to")
     ids = [await run_in_threadpool(item_ids, item, tokenizer) if item.text is not None
            else item_ids(item, tokenizer) for item in items]
     for position, tokens in enumerate(ids):
-        if not tokens:
-            raise APIError(400, f"hints[{position}]: the text is no tokens",
-                           param=f"hints[{position}]")
+        check_prefix(position, tokens, max_prefix_tokens)
     placed = await place(items, ids, workers, policy, index, page_size)
     by_worker: dict[str, list[int]] = {}
     for position, entry in enumerate(placed):

@@ -107,7 +107,7 @@ def test_a_refusing_worker_rejects_its_items_and_the_others_stand() -> None:
 
 
 def test_a_malformed_body_is_a_400_and_no_worker_hears_of_it() -> None:
-    worker = FakeWorker()
+    worker = FakeWorker(extra_info={"max_req_input_len": 64})
     with fake_workers(worker) as urls, running_router(urls) as router:
         for body, expected in [
             ({"hints": [{"kind": "pin", "input_ids": IDS}, {"kind": "hold", "input_ids": IDS}]},
@@ -116,6 +116,8 @@ def test_a_malformed_body_is_a_400_and_no_worker_hears_of_it() -> None:
             ({"hints": []}, "hints is empty"),
             ({"hints": "pin"}, "list of objects"),
             ({"hints": [], "more": 1}, "more"),
+            ({"hints": [{"kind": "pin", "input_ids": [1, -2]}]}, "hints[0]: negative"),
+            ({"hints": [{"kind": "pin", "input_ids": [1] * 65}]}, "longer than the workers'"),
         ]:
             response = router.post("/hicache/hints", json=body)
             assert response.status_code == 400, response.text
