@@ -37,7 +37,7 @@ from starlette.responses import Response
 
 from hicache import __version__
 from hicache.router.fan_out import fan_out_answer
-from hicache.router.hints import HINTS_PATH, forward_hints
+from hicache.router.hints import HINTS_PATH, forward_hints, metric_labels
 from hicache.router.hints import parse_body as parse_hints
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.prompt import PromptKind, PromptTokenizer, prompt_pages
@@ -245,10 +245,13 @@ def create_router_app(
             return await state.proxy.request_json(url, "POST", HINTS_PATH, content, headers)
 
         context = reference.server_info.get("max_req_input_len")
-        return await forward_hints(
+        answer = await forward_hints(
             body, workers, state.policy, state.index, reference.page_size, tokenizer, send,
             max_prefix_tokens=context if isinstance(context, int) and context > 0 else None,
         )
+        for outcome in answer["results"]:
+            state.metrics.hints.labels(*metric_labels(outcome)).inc()
+        return answer
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -49,6 +49,7 @@ HINTS_PATH: Final = "/hicache/hints"
 # The kinds that follow the prefix to where it lives (or will); the others reach every
 # holder.
 _ROUTED_KINDS: Final = frozenset({"pin", "retain", "prefetch"})
+_KINDS: Final = frozenset({"pin", "unpin", "retain", "prefetch", "demote"})
 _RANK: Final = {"accepted": 0, "clipped": 1, "deferred": 2, "rejected": 3}
 # Posts one worker's body (its url, the JSON content): (status, JSON answer or text).
 Send = Callable[[str, bytes], Awaitable[tuple[int, Any]]]
@@ -149,6 +150,13 @@ def _worker_results(
                         "reason": reason} for index in sent}
     return {index: {**result, "index": index}
             for index, result in zip(sent, results, strict=True)}
+
+
+def metric_labels(result: Mapping[str, Any]) -> tuple[str, str]:
+    """(kind, outcome) of a merged result as metric labels: a worker's answer is not
+    trusted to keep the label set bounded, so anything unknown is "other"."""
+    kind, outcome = str(result.get("kind")), str(result.get("outcome"))
+    return (kind if kind in _KINDS else "other", outcome if outcome in _RANK else "other")
 
 
 def merge(index: int, per_worker: Mapping[str, dict[str, Any]]) -> dict[str, Any]:

@@ -101,9 +101,12 @@ def test_a_refusing_worker_rejects_its_items_and_the_others_stand() -> None:
         ]})
         assert response.status_code == 200, response.text
         pin, demote = response.json()["results"]
+        metrics = router.get("/metrics").text
     assert pin["worker"] == urls[0] and pin["outcome"] == "rejected"
     assert "409" in pin["reason"] and "draining" in pin["reason"]
     assert demote["worker"] == urls[1] and demote["outcome"] == "accepted"
+    assert 'router_hints_total{kind="pin",outcome="rejected"} 1.0' in metrics
+    assert 'router_hints_total{kind="demote",outcome="accepted"} 1.0' in metrics
 
 
 def test_a_malformed_body_is_a_400_and_no_worker_hears_of_it() -> None:
