@@ -38,7 +38,7 @@ from starlette.concurrency import run_in_threadpool
 
 from hicache.events.hashing import page_hashes
 from hicache.router.credentials import redact
-from hicache.router.types import RouteDecision, RouteRequest, RoutingPolicy, TierIndex
+from hicache.router.types import RouteRequest, RoutingPolicy, TierIndex
 from hicache.router.workers import Worker
 from hicache.server.errors import APIError
 from hicache.server.hint_protocol import HintItem
@@ -51,6 +51,8 @@ HINTS_PATH: Final = "/hicache/hints"
 _ROUTED_KINDS: Final = frozenset({"pin", "retain", "prefetch"})
 _KINDS: Final = frozenset({"pin", "unpin", "retain", "prefetch", "demote"})
 _RANK: Final = {"accepted": 0, "clipped": 1, "deferred": 2, "rejected": 3}
+# Policy choices asked at once for one call (a policy may query the shared pool for each).
+MAX_CONCURRENT_CHOICES: Final = 16
 # Posts one worker's body (its url, the JSON content): (status, JSON answer or text).
 Send = Callable[[str, bytes], Awaitable[tuple[int, Any]]]
 
@@ -108,26 +110,44 @@ async def place(
     policy: RoutingPolicy, index: TierIndex, page_size: int,
 ) -> list[_Placed]:
     """Where each item goes (see the module docstring). The policy's choices are asked
-    for all at once: a policy may wait on the shared pool for each."""
+    side by side (up to ``MAX_CONCURRENT_CHOICES``): a policy may wait on the shared pool
+    for each."""
     urls = [w.url for w in workers]
     loads = [w.load() for w in workers]
+
+    def hash_and_find_holders() -> list[tuple[list[int], list[str]]]:
+        # Off the event loop: a call may name a thousand context-long prefixes.
+        out = []
+        for item, tokens in zip(items, ids, strict=True):
+            hashes = page_hashes(tokens, page_size)
+            holders: list[str] = []
+            if item.kind not in _ROUTED_KINDS and hashes:
+                overlaps = index.overlaps(hashes, urls)
+                holders = [url for url in urls if url in overlaps and overlaps[url].host > 0]
+            out.append((hashes, holders))
+        return out
+
+    found = await run_in_threadpool(hash_and_find_holders)
+    limit = asyncio.Semaphore(MAX_CONCURRENT_CHOICES)
+
+    async def choose(hashes: list[int], tokens: list[int]) -> str:
+        request = RouteRequest(page_hashes=hashes, prompt_tokens=len(tokens), workers=loads,
+                               page_size=page_size)
+        async with limit:
+            return (await policy.choose(request, tokens)).worker
+
     placed = []
-    routed: list[tuple[_Placed, Awaitable[RouteDecision]]] = []
-    for item, tokens in zip(items, ids, strict=True):
-        hashes = page_hashes(tokens, page_size)
+    routed: list[tuple[_Placed, Awaitable[str]]] = []
+    for item, tokens, (hashes, holders) in zip(items, ids, found, strict=True):
         entry = _Placed(forwarded_item(item, tokens))
         if item.kind in _ROUTED_KINDS:
-            request = RouteRequest(page_hashes=hashes, prompt_tokens=len(tokens),
-                                   workers=loads, page_size=page_size)
-            routed.append((entry, policy.choose(request, tokens)))
+            routed.append((entry, choose(hashes, tokens)))
         else:
-            overlaps = index.overlaps(hashes, urls) if hashes else {}
-            holders = [url for url in urls if url in overlaps and overlaps[url].host > 0]
             entry.targets = holders or list(urls)
         placed.append(entry)
-    decisions = await asyncio.gather(*(choice for _, choice in routed))
-    for (entry, _), decision in zip(routed, decisions, strict=True):
-        entry.targets = [decision.worker]
+    chosen = await asyncio.gather(*(choice for _, choice in routed))
+    for (entry, _), url in zip(routed, chosen, strict=True):
+        entry.targets = [url]
     return placed
 
 
