@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 
 from hicache.engine.api import Hint, HintOutcome
 from hicache.server import tokenization
-from hicache.server.body import parse_body
+from hicache.server.body import sized_off_loop, validate_json
 from hicache.server.errors import APIError, describe_validation_error
 from hicache.server.hint_protocol import MAX_ITEMS, HintItem
 from hicache.server.protocol import cache_key
@@ -90,8 +90,18 @@ def check_ids(index: int, ids: list[int], vocab_size: int, max_context_len: int)
                        f"{bad[:8]}", param=where)
 
 
+def checked_items(raw: bytes, vocab_size: int, max_context_len: int) -> list[HintItem]:
+    """The body's items, each checked, the token-id prefixes too; APIError(400) naming
+    the first bad one."""
+    items = parse_items(validate_json(HintsRequest, raw).hints)
+    for index, item in enumerate(items):
+        if item.input_ids is not None:
+            check_ids(index, item.input_ids, vocab_size, max_context_len)
+    return items
+
+
 async def engine_hints(engine: HintEngine, items: list[HintItem]) -> list[Hint]:
-    """The items as the engine's hints, texts tokenized; APIError(400) for a bad prefix."""
+    """The items as the engine's hints, texts tokenized (and checked as ids are)."""
     hints = []
     for index, item in enumerate(items):
         if item.text is not None:
@@ -99,10 +109,10 @@ async def engine_hints(engine: HintEngine, items: list[HintItem]) -> list[Hint]:
             if not ids:
                 raise APIError(400, f"hints[{index}]: the text is no tokens",
                                param=f"hints[{index}]")
+            check_ids(index, ids, engine.vocab_size, engine.max_context_len)
         else:
             assert item.input_ids is not None
             ids = item.input_ids
-        check_ids(index, ids, engine.vocab_size, engine.max_context_len)
         hints.append(item.to_hint(tuple(ids), cache_key(None, item.cache_salt)))
     return hints
 
@@ -111,9 +121,11 @@ async def engine_hints(engine: HintEngine, items: list[HintItem]) -> list[Hint]:
 async def hints_route(request: Request) -> dict[str, Any]:
     """Apply the body's hints (see the module docstring)."""
     state = get_state(request)
-    body = await parse_body(request, HintsRequest)
-    items = parse_items(body.hints)
     engine: Any = state.engine  # the engine API has the hints, the protocol does not promise it
+    raw = await request.body()
+    # Off the event loop when large: a call may name a thousand context-long prefixes.
+    items = await sized_off_loop(
+        len(raw), lambda: checked_items(raw, engine.vocab_size, engine.max_context_len))
     hints = await engine_hints(engine, items)
     if state.draining:  # its host tier is about to go: a pin or a retain would be lost
         raise APIError(409, "the worker is draining: send hints to another worker")
