@@ -266,6 +266,16 @@ def test_generate_takes_hints_and_answers_their_outcomes_in_meta_info(
     assert "hints" not in plain.json()["meta_info"] and engine.requests[-1].hints == ()
 
 
+def test_a_generate_batch_gives_the_hints_to_each_prompt(
+    client: httpx.Client, engine: HintingEngine,
+) -> None:
+    response = client.post("/generate", json={"text": ["hello", "world"],
+                                               "hicache_hints": OWN_HINTS})
+    assert response.status_code == 200, response.text
+    assert [r.hints for r in engine.requests[-2:]] == [expected_own(None)] * 2
+    assert [r["meta_info"]["hints"] for r in response.json()] == [own_outcomes()] * 2
+
+
 def test_generate_streams_the_outcomes_in_its_last_chunk(
     client: httpx.Client, engine: HintingEngine,
 ) -> None:
