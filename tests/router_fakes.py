@@ -213,6 +213,10 @@ class FakeWorker:
     flushed: int = 0
     aborts: list[dict[str, Any]] = field(default_factory=list)
     extra_info: dict[str, Any] = field(default_factory=dict)  # more /get_server_info fields
+    # POST /hicache/hints: each item answered with this outcome (tokens: its ids), or the
+    # whole call refused with hint_status when that is not 200.
+    hint_outcome: str = "accepted"
+    hint_status: int = 200
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"page_size": self.page_size, "served_model_name": self.model,
@@ -253,6 +257,19 @@ def fake_worker_app(worker: FakeWorker) -> FastAPI:
     async def abort(request: Request) -> Response:
         worker.aborts.append(await request.json())
         return Response(status_code=200)
+
+    @app.post("/hicache/hints")
+    async def hints(request: Request) -> Response:
+        body = await request.json()
+        worker.requests.append((request.url.path, body))
+        if worker.hint_status != 200:
+            return JSONResponse({"error": {"message": "the worker is draining"}},
+                                status_code=worker.hint_status)
+        return JSONResponse({"results": [
+            {"index": i, "kind": item["kind"], "outcome": worker.hint_outcome,
+             "tokens": len(item["input_ids"]), "clipped_tokens": 0, "reason": ""}
+            for i, item in enumerate(body["hints"])
+        ]})
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")

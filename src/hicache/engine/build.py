@@ -230,7 +230,8 @@ def _assemble(
             model_name=model_identity(part.model_path, model.resolved_load_format, preset,
                                       device),
             storage=storage if storage.enabled and not scheduling.disable_radix_cache else None,
-            events=KVEventEmitter(page_size, publisher) if publisher is not None else None,
+            events=(KVEventEmitter(page_size, publisher, config.events.pin_events)
+                    if publisher is not None else None),
             tp_rank=tp.rank, tp_size=tp.size, host_num_pages=host_pages,
         )
     except BaseException:

@@ -4,7 +4,7 @@ Parsed from ``--kv-events-config``, a JSON object with SGLang's and vLLM's keys:
 
     {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557",
      "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "kv-events",
-     "buffer_steps": 10000, "hwm": 100000}
+     "buffer_steps": 10000, "hwm": 100000, "pin_events": false}
 
 Off by default (``"publisher": "null"``). A key we do not know, or a value
 that cannot work, is a ConfigError at start-up: a typo that silently turned
@@ -33,7 +33,9 @@ class KVEventsConfig:
     replay. ``hwm``: the PUB socket's send high-water mark (messages a slow
     subscriber may fall behind before ZMQ drops them for it). ``max_queue_size``:
     batches waiting for the publisher thread; past it the newest are dropped
-    (and counted) rather than blocking the scheduler.
+    (and counted) rather than blocking the scheduler. ``pin_events``: also publish
+    ``BlockPinned`` when host pages are pinned or unpinned (``hicache router`` scores
+    them); off by default, as SGLang's router cannot decode a batch carrying one.
     """
 
     publisher: str = "null"
@@ -43,6 +45,7 @@ class KVEventsConfig:
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 100_000
+    pin_events: bool = False
 
     def __post_init__(self) -> None:
         if self.publisher not in PUBLISHERS:
@@ -60,6 +63,8 @@ class KVEventsConfig:
                 )
         if not isinstance(self.topic, str):
             raise ConfigError(f"{FLAG}: topic must be a string, got {self.topic!r}")
+        if not isinstance(self.pin_events, bool):
+            raise ConfigError(f"{FLAG}: pin_events must be true or false, got {self.pin_events!r}")
         for name, least in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:

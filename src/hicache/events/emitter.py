@@ -13,6 +13,7 @@ cache produces them (medium in brackets):
                                                        store [EXTERNAL] unless announced
     this worker's L3 backup put succeeded              store [EXTERNAL] (the pages stored)
     /flush_cache                                       AllBlocksCleared
+    host pages pinned / unpinned (with pin_events)     pinned [CPU_PINNED] true / false
 
 Events go out in the order the transitions happen on the scheduler thread, so
 within a step a page's store in its new tier precedes its removal from the
@@ -53,6 +54,7 @@ from hicache.events.messages import (
     MEDIUM_EXTERNAL,
     MEDIUM_GPU,
     AllBlocksCleared,
+    BlockPinned,
     BlockRemoved,
     BlockStored,
     KVEvent,
@@ -61,6 +63,7 @@ from hicache.events.messages import (
 from hicache.events.publisher import EventPublisher
 from hicache.radix.keys import unpack_tokens
 from hicache.radix.node import TreeNode
+from hicache.radix.observer import TierObserver
 
 # Page hashes remembered as announced EXTERNAL (about 100 bytes each).
 EXTERNAL_MEMORY_PAGES: Final = 1 << 16
@@ -82,16 +85,21 @@ class PageRun:
         )
 
 
-class KVEventEmitter:
+class KVEventEmitter(TierObserver):
     """Implements the tree's TierObserver; the cache calls the copy and L3 hooks.
 
     Runs on the scheduler thread only. ``end_step`` hands what the step
-    produced to the publisher as one batch.
+    produced to the publisher as one batch. ``pin_events``: pins are published
+    (``BlockPinned``); without it they are not, and the stream stays one SGLang's
+    router decodes.
     """
 
-    def __init__(self, page_size: int, publisher: EventPublisher) -> None:
+    def __init__(
+        self, page_size: int, publisher: EventPublisher, pin_events: bool = False,
+    ) -> None:
         self.page_size = page_size
         self.publisher = publisher
+        self.pin_events = pin_events
         self._pending: list[KVEvent] = []
         # Copies in flight, by node id: captured when issued, so a node split
         # meanwhile still reports every page the copy moved.
@@ -115,6 +123,12 @@ class KVEventEmitter:
 
     def host_removed(self, node: TreeNode) -> None:
         self._removed(node, MEDIUM_CPU)
+
+    def pins_changed(self, node: TreeNode, pinned: bool) -> None:
+        if self.pin_events:
+            hashes = [digest_to_hash(d) for d in self._digests(node)]
+            self._pending.append(BlockPinned(block_hashes=hashes, pinned=pinned,
+                                             medium=MEDIUM_CPU))
 
     # ------------------------------------------------------- the cache's hooks
     def host_copy_issued(self, node: TreeNode) -> None:

@@ -4,6 +4,10 @@ A batch travels as one ZMQ multipart message: topic, an 8-byte big-endian
 sequence number, and the msgpack encoding of a :class:`KVEventBatch`. Structs
 are array-like (positional fields, trailing defaults omitted) and events are
 tagged with their class name, which is what those routers' decoders expect.
+
+``BlockPinned`` is ours (pages pinned or unpinned on a tier, so that a router can count
+a pinned page as a sure hit): SGLang's decoder knows no such tag and would refuse the
+whole batch, so a worker sends it only when its config asks (``pin_events``).
 """
 
 from __future__ import annotations
@@ -43,7 +47,16 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+class BlockPinned(KVCacheEvent):
+    """``block_hashes`` were pinned (``pinned``) or unpinned in ``medium``: a pinned
+    page is not evicted from that tier until unpinned or its TTL ends."""
+
+    block_hashes: list[int]
+    pinned: bool
+    medium: str | None = None
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlockPinned
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

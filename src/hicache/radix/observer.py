@@ -6,6 +6,9 @@ the tree records the host pages when the copy is issued, but they hold the KV
 only once it lands, which the cache learns and reports (see
 ``hicache.events.emitter``). Observers run on the tree's thread and must not
 block or change the tree.
+
+``pins_changed`` has a default (nothing): an observer that does not care about pins
+subclasses ``TierObserver`` and leaves it out.
 """
 
 from __future__ import annotations
@@ -29,3 +32,8 @@ class TierObserver(Protocol):
 
     def host_removed(self, node: TreeNode) -> None:
         """A host-only ``node`` is deleted: its KV is in no tier of this worker now."""
+
+    def pins_changed(self, node: TreeNode, pinned: bool) -> None:
+        """``node``'s host pages were pinned (``pinned``) or lost their last pin (unpinned,
+        or the pin's TTL ended): a pinned page is not evicted from the host tier."""
+        return None

@@ -5,6 +5,7 @@
     POST /tokenize, /detokenize (and /v1/...)               any healthy worker's answer
     POST /flush_cache                                       every healthy worker
     POST /abort_request                                     every healthy or draining one
+    POST /hicache/hints                                     where each prefix is (``hints``)
     GET  /health, /get_server_info, /metrics                the router's own
     GET/POST/DELETE /workers                                the worker list (admin)
 
@@ -36,6 +37,8 @@ from starlette.responses import Response
 
 from hicache import __version__
 from hicache.router.fan_out import fan_out_answer
+from hicache.router.hints import HINTS_PATH, forward_hints, metric_labels
+from hicache.router.hints import parse_body as parse_hints
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.prompt import PromptKind, PromptTokenizer, prompt_pages
 from hicache.router.proxy import Proxy
@@ -224,6 +227,31 @@ def create_router_app(
                                             headers=admin_headers(request),
                                             include_draining=True)
         return fan_out_answer(results, "sent")
+
+    @app.post(HINTS_PATH)
+    async def hints(request: Request) -> dict[str, Any]:
+        """Each hint to the worker(s) its prefix is on (``router/hints.py``)."""
+        state = get_router_state(request)
+        body = await read_json_object(await request.body())
+        reference = state.workers.reference
+        workers = state.workers.healthy()
+        if reference is None or not workers:
+            parse_hints(body)  # a malformed body is still a 400
+            raise APIError(503, "no healthy worker to send the hints to")
+        tokenizer = await _tokenizer(state)
+        headers = admin_headers(request)  # the client's key, if any, as sent
+
+        async def send(url: str, content: bytes) -> tuple[int, Any]:
+            return await state.proxy.request_json(url, "POST", HINTS_PATH, content, headers)
+
+        context = reference.server_info.get("max_req_input_len")
+        answer = await forward_hints(
+            body, workers, state.policy, state.index, reference.page_size, tokenizer, send,
+            max_prefix_tokens=context if isinstance(context, int) and context > 0 else None,
+        )
+        for outcome in answer["results"]:
+            state.metrics.hints.labels(*metric_labels(outcome)).inc()
+        return answer
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -20,6 +20,14 @@ Tiers, from the top (the media of Dynamo's KV events):
 
 A page known to a worker in a tier counts for the tiers below it too: the host
 overlap counts pages on device or host, the external overlap pages anywhere.
+
+Pins (``BlockPinned``, sent by workers whose events config has ``pin_events``): a page
+a worker pinned on its host (or device) tier is a sure hit there, whatever else the
+index heard of it, so it counts as held on that worker's host until the worker unpins
+it, removes it from its host tier (the worker's word on its own pages wins over a pin
+whose end was not announced), or is cleared. A pin in EXTERNAL says the page is in the
+shared pool. Pinned pages are kept per worker like the private tiers, so clearing a
+worker costs its own pins.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from hicache.events.messages import (
     MEDIUM_EXTERNAL,
     MEDIUM_GPU,
     AllBlocksCleared,
+    BlockPinned,
     BlockStored,
     KVEventBatch,
 )
@@ -78,6 +87,9 @@ class PageIndex:
         # worker -> its pages per private tier (what clear/remove must undo)
         self._gpu_pages: dict[str, set[int]] = {}
         self._cpu_pages: dict[str, set[int]] = {}
+        # page hash -> mask of the workers that pinned it locally; worker -> its pins
+        self._pinned: dict[int, int] = {}
+        self._pinned_pages: dict[str, set[int]] = {}
         # The shared pool as announced, oldest first (a dict is an ordered set).
         self._external: dict[int, None] = {}
 
@@ -100,7 +112,9 @@ class PageIndex:
                     self._clear_locked(worker, bit)
                     continue
                 tier = _TIER_OF_MEDIUM[event.medium]
-                if isinstance(event, BlockStored):
+                if isinstance(event, BlockPinned):
+                    self._pin_locked(worker, bit, tier, event.block_hashes, event.pinned)
+                elif isinstance(event, BlockStored):
                     self._store_locked(worker, bit, tier, event.block_hashes)
                 else:
                     self._remove_locked(worker, bit, tier, event.block_hashes)
@@ -118,7 +132,7 @@ class PageIndex:
             if bit is None:
                 return
             self._clear_locked(worker, bit)
-            del self._gpu_pages[worker], self._cpu_pages[worker]
+            del self._gpu_pages[worker], self._cpu_pages[worker], self._pinned_pages[worker]
             self._free_bits.append(bit)
 
     # -------------------------------------------------------------- lookup
@@ -140,9 +154,10 @@ class PageIndex:
             # Workers still matching every page so far, per tier: gpu <= host <= ext.
             gpu_alive = host_alive = ext_alive = candidates
             gpu_get, cpu_get, external = self._gpu.get, self._cpu.get, self._external
+            pinned_get = self._pinned.get
             for position, page in enumerate(page_hashes):
                 on_gpu = gpu_get(page, 0)
-                local = on_gpu | cpu_get(page, 0)
+                local = on_gpu | cpu_get(page, 0) | pinned_get(page, 0)
                 if gpu_alive & ~on_gpu:
                     _record(gpu_alive & ~on_gpu, position, gpu_len)
                     gpu_alive &= on_gpu
@@ -172,6 +187,11 @@ class PageIndex:
         with self._lock:
             return len(self._gpu) + len(self._cpu) + len(self._external)
 
+    def worker_pinned_pages(self, worker: str) -> int:
+        """How many pages a worker has pinned now, as its events said."""
+        with self._lock:
+            return len(self._pinned_pages.get(worker, ()))
+
     def worker_pages(self, worker: str) -> dict[str, int]:
         """How many pages a worker announced per tier it owns (for metrics)."""
         with self._lock:
@@ -186,7 +206,8 @@ class PageIndex:
             assert len(self._external) <= self.max_external_pages
             assert not set(self._bits.values()) & set(self._free_bits)
             assert _NO_PAGES_BIT not in self._bits.values()
-            for masks, pages in ((self._gpu, self._gpu_pages), (self._cpu, self._cpu_pages)):
+            for masks, pages in ((self._gpu, self._gpu_pages), (self._cpu, self._cpu_pages),
+                                 (self._pinned, self._pinned_pages)):
                 assert set(pages) == set(self._bits)
                 expected: dict[int, int] = {}
                 for worker, held in pages.items():
@@ -202,6 +223,7 @@ class PageIndex:
             self._bits[worker] = bit
             self._gpu_pages[worker] = set()
             self._cpu_pages[worker] = set()
+            self._pinned_pages[worker] = set()
         return bit
 
     def _tier_locked(self, worker: str, tier: str) -> tuple[dict[int, int], set[int]]:
@@ -233,20 +255,48 @@ class PageIndex:
                 self._external.pop(page, None)
             return
         masks, held = self._tier_locked(worker, tier)
-        keep = ~(1 << bit)
+        if tier == MEDIUM_CPU:
+            hashes = list(hashes)
+            # Gone from its host tier: no longer a sure hit there, pinned or not.
+            _unmark(self._pinned, self._pinned_pages[worker], bit, hashes)
+        _unmark(masks, held, bit, hashes)
+
+    def _pin_locked(
+        self, worker: str, bit: int, tier: str, hashes: Iterable[int], pinned: bool,
+    ) -> None:
+        if tier == MEDIUM_EXTERNAL:
+            if pinned:  # pinned in the shared pool: it is there
+                self._store_locked(worker, bit, tier, hashes)
+            return
+        held = self._pinned_pages[worker]
+        if not pinned:
+            _unmark(self._pinned, held, bit, hashes)
+            return
+        flag = 1 << bit
+        masks = self._pinned
         for page in hashes:
-            if page in held:
-                held.discard(page)
-                mask = masks[page] & keep
-                if mask:
-                    masks[page] = mask
-                else:
-                    del masks[page]
+            masks[page] = masks.get(page, 0) | flag
+            held.add(page)
 
     def _clear_locked(self, worker: str, bit: int) -> None:
         for tier in (MEDIUM_GPU, MEDIUM_CPU):
             _, held = self._tier_locked(worker, tier)
             self._remove_locked(worker, bit, tier, list(held))
+        held = self._pinned_pages[worker]
+        _unmark(self._pinned, held, bit, list(held))
+
+
+def _unmark(masks: dict[int, int], held: set[int], bit: int, hashes: Iterable[int]) -> None:
+    """Take ``bit`` off ``hashes`` in ``masks`` (those the worker holds in ``held``)."""
+    keep = ~(1 << bit)
+    for page in hashes:
+        if page in held:
+            held.discard(page)
+            mask = masks[page] & keep
+            if mask:
+                masks[page] = mask
+            else:
+                del masks[page]
 
 
 def _record(mask: int, position: int, into: dict[int, int]) -> None:

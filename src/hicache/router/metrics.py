@@ -14,7 +14,8 @@ answer broke off), retries, and clients that left before their answer was whole
 (``before_answer``: the worker's request was dropped with them; ``answering``:
 during a streamed answer), and the requests a draining worker refused (each sent
 on to another worker; the draining workers are the ``router_worker_draining``
-gauge). A ``worker`` label never carries the credentials of a
+gauge). Forwarded cache hints are counted by kind and outcome (``router_hints_total``).
+A ``worker`` label never carries the credentials of a
 worker's URL (``credentials.redact``).
 Each router owns its registry, so several in one process (tests) never clash.
 """
@@ -79,6 +80,11 @@ class RouterMetrics:
         self.retries = Counter(
             "router_retries", "requests sent again to another worker after the first one "
             "failed before answering", registry=r,
+        )
+        self.hints = Counter(
+            "router_hints", "cache hints forwarded (POST /hicache/hints), by kind and the "
+            "outcome the client got (the best of the workers' for one sent to several)",
+            ["kind", "outcome"], registry=r,
         )
         self.unavailable = Counter(
             "router_unavailable", "requests refused with 503: no healthy worker", registry=r,

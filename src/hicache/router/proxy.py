@@ -196,27 +196,32 @@ class Proxy:
         to every healthy worker, and with ``include_draining`` the draining ones too (they
         still run requests): url -> (status, JSON answer or text); status 502 for a
         worker that could not be reached."""
-        sent = {**(headers or {}), **({"content-type": "application/json"} if content else {})}
         workers = self._workers.reachable() if include_draining else self._workers.healthy()
         if not workers:
             raise self._unavailable([])
-
-        async def one(worker: Worker) -> tuple[int, Any]:
-            try:
-                response = await self._client.request(
-                    method, f"{worker.url}{path}", content=content, timeout=self._timeout,
-                    headers=sent or None,
-                )
-            except httpx.HTTPError as error:
-                self._metrics.worker_failed(worker.url, "before_answer")
-                return 502, redact(f"{type(error).__name__}: {error}")
-            try:
-                return response.status_code, response.json()
-            except ValueError:
-                return response.status_code, response.text
-
-        results = await asyncio.gather(*(one(w) for w in workers))
+        results = await asyncio.gather(
+            *(self.request_json(w.url, method, path, content, headers) for w in workers))
         return {w.url: result for w, result in zip(workers, results, strict=True)}
+
+    async def request_json(
+        self, url: str, method: str, path: str, content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        """One worker's answer to a small request: (status, JSON answer or text); status
+        502 when it could not be reached."""
+        sent = {**(headers or {}), **({"content-type": "application/json"} if content else {})}
+        try:
+            response = await self._client.request(
+                method, f"{url}{path}", content=content, timeout=self._timeout,
+                headers=sent or None,
+            )
+        except httpx.HTTPError as error:
+            self._metrics.worker_failed(url, "before_answer")
+            return 502, redact(f"{type(error).__name__}: {error}")
+        try:
+            return response.status_code, response.json()
+        except ValueError:
+            return response.status_code, response.text
 
     def _chosen(self, decision: RouteDecision, candidates: list[Worker]) -> Worker:
         for worker in candidates:

@@ -125,7 +125,8 @@ def add_kv_events_args(parser: argparse.ArgumentParser) -> None:
         help="publish KV cache events for a router (SGLang's and vLLM's format), e.g. "
         '\'{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": '
         '"tcp://127.0.0.1:5558", "topic": "kv-events"}\'; also buffer_steps, hwm, '
-        "max_queue_size (default: off)",
+        "max_queue_size, and pin_events (true: also publish pins as BlockPinned, which "
+        "hicache router reads and SGLang's router cannot) (default: off)",
     )
 
 

@@ -220,3 +220,4 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     sglext: SglExt | None = None
+    hicache_hints: list[dict[str, Any]] | None = None  # outcomes of the request's hints

@@ -35,8 +35,10 @@ def sample_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
         bootstrap = request.bootstrap  # disaggregated: a room of its own (sample_room)
         if bootstrap is not None:
             bootstrap = dataclasses.replace(bootstrap, room=sample_room(bootstrap.room, index))
+        # The request's own hints go with its first sample only: one outcome per hint.
         out.append(dataclasses.replace(request, rid=f"{request.rid}-{index}", sampling=sampling,
-                                       bootstrap=bootstrap))
+                                       bootstrap=bootstrap, hints=request.hints if index == 0
+                                       else ()))
     return out
 
 

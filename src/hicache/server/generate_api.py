@@ -36,6 +36,7 @@ from hicache.server.generate_protocol import (
     GenerateResponse,
 )
 from hicache.server.generation import Generation
+from hicache.server.hint_protocol import request_hints
 from hicache.server.logprobs_format import TokenTexts, sglang_fields
 from hicache.server.output_text import OutputText, TextOptions, finish_reason
 from hicache.server.protocol import MAX_CHOICES, CachedTokensDetails
@@ -80,6 +81,7 @@ class _Running:
             e2e_latency=latency,
             ttft=generation.first_token_s,
             reuse=None if output.reuse is None else output.reuse.as_dict(),
+            hints=None if output.hints is None else [h.as_dict() for h in output.hints],
         )
         if self.logprobs is not None:
             fields = sglang_fields(self.logprobs, self.input_logprobs, self.output_logprobs,
@@ -141,6 +143,7 @@ async def _start(
         tuple(input_ids), sampling, rid=rid, extra_key=body.item_cache_key(index),
         logprobs=logprobs,
         bootstrap=request_bootstrap(state, *body.item_bootstrap(index)),
+        hints=request_hints(body.hicache_hints, body.item_cache_key(index)),
     )
     if not 1 <= (params.n or 1) <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {params.n}",

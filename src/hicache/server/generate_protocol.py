@@ -6,7 +6,9 @@ and router work unchanged); what this server does not implement is accepted at
 its neutral value only (``Neutral``, see ``protocol``). A request is one prompt
 (``text`` a string, ``input_ids`` a list of ids) or a batch (a list of strings,
 a list of id lists); per-item fields (``rid``, ``sampling_params``,
-``extra_key``) may then be lists of the batch's length.
+``extra_key``) may then be lists of the batch's length. ``hicache_hints`` (pin, retain,
+... the request's own prompt and output: ``hint_protocol``) apply to every prompt of a
+batch; their outcomes come back in ``meta_info.hints``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
 from hicache.engine.api import LogprobParams, SamplingParams
+from hicache.server.hint_protocol import RequestHint
 from hicache.server.protocol import (
     OFF,
     OFF_FALSE,
@@ -140,6 +143,8 @@ class GenerateReqInput(StrictModel):
     external_trace_header: dict[str, Any] | None = None
     received_time: float | None = None
     stream_options: dict[str, Any] | None = None
+    # Cache hints about this request's prompt + output, applied when it finishes.
+    hicache_hints: list[RequestHint] | None = None
     # Accepted only at their neutral values (see Neutral).
     return_sampling_mask: Annotated[Any, OFF_FALSE] = None
     return_flat_raw_top_logprobs: Annotated[Any, OFF_FALSE] = False
@@ -284,12 +289,15 @@ class GenerateMetaInfo(BaseModel):
     # Where the host tier or L3 held part of the prompt: how much was loaded and how
     # much computed again, with the predicted and actual times (``ReuseReport``).
     reuse: dict[str, Any] | None = None
+    # The outcomes of the request's ``hicache_hints`` (``HintOutcome.as_dict``), on the
+    # finished result only.
+    hints: list[dict[str, Any]] | None = None
 
     def dump(self) -> dict[str, Any]:
         """As SGLang writes it: the logprob entries only when asked for, ``reuse`` only
-        where a choice was made."""
+        where a choice was made, ``hints`` only where the request gave some."""
         payload = self.model_dump()
-        for name in (*LOGPROB_FIELDS, "reuse"):
+        for name in (*LOGPROB_FIELDS, "reuse", "hints"):
             if payload[name] is None:
                 del payload[name]
         return payload

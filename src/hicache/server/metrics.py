@@ -26,6 +26,10 @@ named ``hicache_cost_*``: the predicted cold prefill seconds per token labelled 
 page, and each attached L3 backend's read latency and bandwidth labelled by
 ``backend``; an estimate still unknown (too few samples) has no series.
 
+The warm's calls are counted by the server (``hicache_warm_requests_total``,
+``hicache_warm_tokens_total``, ``hicache_warm_items_total{outcome}``); the cache hints'
+series come from the engine's hint status (``hint_metrics``).
+
 Each server owns its registry: several apps in one process (tests) never
 share or clash on series.
 """
@@ -35,12 +39,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hicache.engine.api import EngineProtocol, GenerateOutput
+from hicache.server.hint_metrics import HintCollector
 
 PREFIX = "hicache_"
 
@@ -334,7 +340,27 @@ class ServerMetrics:
             "the first token of a request whose load-or-recompute choice was priced",
             ["decision"], buckets=PREDICTION_RATIO_BUCKETS, registry=self.registry,
         )
+        self.warm_requests = Counter(
+            PREFIX + "warm_requests", "POST /hicache/warm calls that ran (a 400 or 409 is not "
+            "counted)", registry=self.registry,
+        )
+        self.warm_tokens = Counter(
+            PREFIX + "warm_tokens", "tokens the warm calls brought from L3 into the host tier",
+            registry=self.registry,
+        )
+        self.warm_items = Counter(
+            PREFIX + "warm_items", "prefixes the warm calls named, by outcome",
+            ["outcome"], registry=self.registry,
+        )
         self.registry.register(EngineCollector(engine))
+        self.registry.register(HintCollector(engine))
+
+    def observe_warm(self, results: list[dict[str, Any]]) -> None:
+        """Count one warm call that ran, from its per-item outcomes."""
+        self.warm_requests.inc()
+        for result in results:
+            self.warm_items.labels(str(result["outcome"])).inc()
+            self.warm_tokens.inc(int(result["tokens"]))
 
     def observe(self, output: GenerateOutput) -> None:
         """Record a finished request's latencies and load-or-recompute choice (aborted ones

@@ -9,7 +9,10 @@ the cache as ``prompt_tokens_details.cached_tokens`` (every tier together);
 of n choices its own), with the usage of all the samples on the last of them
 when no usage chunk follows (SGLang's ``bench_serving --cache-report`` reads
 both from any chunk, and its completions client needs every chunk to have a
-choice). Choices carry SGLang's ``matched_stop``. A chat request with tools
+choice). Choices carry SGLang's ``matched_stop``. A body's ``hicache_hints`` (hints about
+its own prompt + output, ``hint_protocol``) answer in the response's top-level
+``hicache_hints``; streamed, on the chunk with the finish reason of the sample that
+carried them (the first of each prompt). A chat request with tools
 gets the model's ``<tool_call>`` blocks back as ``tool_calls`` (finish reason
 "tool_calls"); streamed, content streams up to the first call and the calls
 come in one delta at the end.
@@ -51,6 +54,7 @@ from hicache.server.choices import merged, sample_requests, start_samples, usage
 from hicache.server.client_watch import ClientWatch
 from hicache.server.errors import APIError, error_payload
 from hicache.server.generation import Generation
+from hicache.server.hint_protocol import request_hints
 from hicache.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from hicache.server.output_text import OutputText, TextOptions
 from hicache.server.protocol import (
@@ -136,6 +140,7 @@ async def create_completion(request: Request) -> Response:
         sample_requests(GenerateRequest(
             tuple(ids), sampling, rid=rid if len(prompts) == 1 else f"{rid}-{i}",
             extra_key=body.cache_key, logprobs=logprobs, bootstrap=_bootstrap(state, body),
+            hints=request_hints(body.hicache_hints, body.cache_key),
         ), body.n) for i, ids in enumerate(prompt_ids)
     ], watch)
     options = TextOptions(body.skip_special_tokens, body.no_stop_trim)
@@ -171,6 +176,7 @@ async def create_completion(request: Request) -> Response:
         usage=usage_of_samples(wholes, body.n),
         sglext=_sglext_of_prompts(wholes, body.n) if body.return_cached_tokens_details
         else None,
+        hicache_hints=_hint_outcomes(wholes),
     )
     return JSONResponse(_dump(response))
 
@@ -228,8 +234,18 @@ async def _collect_all(
 
 
 def _dump(response: CompletionResponse | ChatCompletionResponse) -> dict[str, Any]:
-    # sglext is left out when not asked for (the other nulls are OpenAI's).
-    return response.model_dump(exclude={"sglext"} if response.sglext is None else None)
+    # sglext and hicache_hints are left out when not asked for (the other nulls are OpenAI's).
+    exclude = {name for name in ("sglext", "hicache_hints") if getattr(response, name) is None}
+    return response.model_dump(exclude=exclude or None)
+
+
+def _hint_outcomes(outputs: Sequence[GenerateOutput]) -> list[dict[str, Any]] | None:
+    """The outcomes of the request's hicache_hints: those of every output that carried
+    hints (the first sample of each prompt), in order; None when it gave none."""
+    carried = [o.hints for o in outputs if o.hints is not None]
+    if not carried:
+        return None
+    return [outcome.as_dict() for outcomes in carried for outcome in outcomes]
 
 
 def _finish_extras(
@@ -241,9 +257,12 @@ def _finish_extras(
     one included) and no usage chunk follows, the usage of all of them, so that a cache
     report divides the cached tokens by the prompt tokens the server counted (a chat
     template adds some to the client's)."""
+    extras: dict[str, Any] = {}
+    if output.hints is not None:  # the request's hint outcomes, on its sample's last chunk
+        extras["hicache_hints"] = [outcome.as_dict() for outcome in output.hints]
     if not with_sglext:
-        return {}
-    extras: dict[str, Any] = {"sglext": sglext_of(output).model_dump()}
+        return extras
+    extras["sglext"] = sglext_of(output).model_dump()
     if not include_usage and len(finals) == samples:
         extras["usage"] = usage_of_samples(
             [finals[i] for i in range(samples)], per_prompt).model_dump()
@@ -348,8 +367,8 @@ async def create_chat_completion(request: Request) -> Response:
     watch = ClientWatch(request.receive)
     generations = await start_samples(state, sample_requests(
         GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=body.cache_key,
-                        logprobs=logprobs,
-                        bootstrap=_bootstrap(state, body)), body.n,
+                        logprobs=logprobs, bootstrap=_bootstrap(state, body),
+                        hints=request_hints(body.hicache_hints, body.cache_key)), body.n,
     ), watch=watch)
     texts = TokenTexts(state.engine.tokenizer) if body.logprobs else None
     tools = body.tools_enabled
@@ -387,6 +406,7 @@ async def create_chat_completion(request: Request) -> Response:
         id=rid, created=created, model=state.served_model_name, choices=out,
         usage=usage_of_samples(wholes),
         sglext=sglext_of(wholes[0]) if body.return_cached_tokens_details else None,
+        hicache_hints=_hint_outcomes(wholes),
     )
     return JSONResponse(_dump(response))
 

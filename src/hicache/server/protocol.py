@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from hicache.engine.api import GrammarSpec, SamplingParams
+from hicache.server.hint_protocol import RequestHint
 from hicache.server.structured_output import (
     one_grammar,
     response_format_grammar,
@@ -152,6 +153,9 @@ class _OpenAISampling(StrictModel):
     extra_key: str | None = None  # extension: cache namespace
     cache_salt: str | None = None  # extension: cache namespace
     return_cached_tokens_details: bool = False  # extension: sglext.cached_tokens_details
+    # Extension: cache hints about the prompt + output (hint_protocol), applied when the
+    # request finishes; outcomes in the response's top-level "hicache_hints".
+    hicache_hints: list[RequestHint] | None = None
     # Labels and hints with no effect on one worker.
     session_id: str | None = None
     metadata: dict[str, str] | None = None
@@ -316,6 +320,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     sglext: SglExt | None = None
+    hicache_hints: list[dict[str, Any]] | None = None  # outcomes of the request's hints
 
 
 class ModelCard(BaseModel):

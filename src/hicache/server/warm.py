@@ -164,5 +164,6 @@ async def warm_route(request: Request) -> dict[str, Any]:
         raise APIError(409, "no L3 storage backend is attached: there is nothing to warm from")
     fraction = body.max_host_fraction or state.warm_host_fraction
     results = await warm(engine, items, fraction, body.timeout_s)
+    state.metrics.observe_warm(results)
     warmed = sum(int(r["tokens"]) for r in results)
     return {"results": results, "tokens": warmed, "max_host_fraction": fraction}
