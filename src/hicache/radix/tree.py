@@ -455,6 +455,8 @@ class HiRadixTree:
         while node.parent is not None:
             if node.pin_ref == 0:
                 added += len(node.tokens) // self.page_bytes
+                if self.observer is not None:
+                    self.observer.pins_changed(node, True)
             node.pin_ref += 1
             node = node.parent
         self.num_pinned_pages += added
@@ -469,6 +471,8 @@ class HiRadixTree:
             node.pin_ref -= 1
             if node.pin_ref == 0:
                 released += len(node.tokens) // self.page_bytes
+                if self.observer is not None:
+                    self.observer.pins_changed(node, False)
                 self._push_candidate(node)
             node = node.parent
         self.num_pinned_pages -= released
