@@ -245,6 +245,7 @@ class Worker:
     healthy: bool = True  # in routing
     draining: bool = False  # out of routing as draining (never while healthy)
     warming: bool = False  # joined, its warm not done: routed to only as a last resort
+    warm_generation: int = 0  # which warm is the current one (a newer join supersedes)
     active_requests: int = 0  # proxied, not finished
     active_prompt_pages: int = 0  # prompt pages of those requests (the decode_blocks term)
     subscriber: EventSubscriber | None = None
@@ -544,17 +545,21 @@ class WorkerRegistry:
         if warmer is None or not warmer.enabled:
             return
         worker.warming = True
+        worker.warm_generation += 1
         task = asyncio.get_running_loop().create_task(
-            self._warm(worker, warmer), name=f"warm {redact(worker.url)}")
+            self._warm(worker, warmer, worker.warm_generation),
+            name=f"warm {redact(worker.url)}")
         self._warm_tasks.add(task)
         task.add_done_callback(self._warm_tasks.discard)
 
-    async def _warm(self, worker: Worker, warmer: JoinWarmer) -> None:
+    async def _warm(self, worker: Worker, warmer: JoinWarmer, generation: int) -> None:
         try:
             await warmer.warm(worker.url, worker.info.server_info)
         finally:
-            # Still the same worker, still warming (not gone down or draining meanwhile).
-            if self._workers.get(worker.url) is worker and worker.warming:
+            # Still the same worker, still warming (not gone down or draining meanwhile),
+            # and this still its current warm (not one it came back again after).
+            if self._workers.get(worker.url) is worker and worker.warming \
+                    and worker.warm_generation == generation:
                 worker.warming = False
                 logger.info("worker %s is warm: routed to", redact(worker.url))
 

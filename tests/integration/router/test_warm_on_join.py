@@ -212,3 +212,30 @@ def test_with_warming_off_a_joining_worker_is_routed_to_at_once() -> None:
         assert state(router, new_url) == "up"
         assert generate(router, prompt(2000, 1)) == "new"
         assert new.warms == []
+
+
+def test_a_worker_that_goes_down_while_warming_is_warmed_again_when_it_is_back() -> None:
+    old, slow = Warmable("old"), Warmable("slow", warm_mode="hold")
+    server = RestartableServer(warmable_app(slow))
+    try:
+        with serving(old) as (old_url,), server, running_router(
+            [old_url], policy=LastPolicy(), admin_api_key=KEY, warm_on_join_timeout_s=60,
+        ) as router:
+            generate(router, prompt(1000, 3))
+            add(router, server.url)
+            assert wait_until(lambda: len(slow.warms) == 1)
+            server.stop()  # its first warm breaks off with it
+            assert wait_until(lambda: state(router, server.url) == "down")
+            assert router.workers()[server.url]["warming"] is False
+            server.start()
+            assert wait_until(lambda: len(slow.warms) == 2)
+            # The first warm broke off (failed); the second keeps it warming.
+            assert wait_until(lambda: sample(scrape(router.url), "router_warms_total",
+                                             outcome="failed") == 1.0)
+            assert state(router, server.url) == "warming"
+            assert generate(router, prompt(2000, 1)) == "old"
+            slow.release.set()
+            assert wait_until(lambda: state(router, server.url) == "up")
+            assert generate(router, prompt(3000, 1)) == "slow"
+    finally:
+        slow.release.set()
