@@ -155,8 +155,9 @@ class StorageBackend(ABC):
 
     # ------------------------------------------------------------ pins
     #: Whether ``pin`` keeps pages: a backend that can pin sets it (``storage.controller``
-    #: and the cache ask before pinning to L3).
-    supports_pins: ClassVar[bool] = False
+    #: and the cache ask before pinning to L3). A wrapper sets it per instance, from what
+    #: it wraps.
+    supports_pins: bool = False
 
     def pin(self, keys: Sequence[bytes], until_unix_s: float) -> int:
         """Keep the pages of ``keys`` (stored, or stored later) from eviction until

@@ -28,6 +28,7 @@ from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.backends.file import backend as file_backend
 from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.backends.file.pins import PINS_DIR
+from hicache.storage.backends.throttled.backend import ThrottledBackend
 from hicache.storage.base import StorageBackend, StorageError
 from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.controller import StorageController
@@ -326,3 +327,21 @@ def test_a_pin_that_raises_is_counted_not_propagated(
         assert metrics.pin_pages_failed == 3 and metrics.failures == {"pin_raised": 1}
     finally:
         controller.stop()
+
+
+def test_a_throttled_file_store_pins_through_to_the_file_store(root: Path) -> None:
+    backend = ThrottledBackend({"backend": "file",
+                                "backend_extra": {"path": str(root), "max_bytes": CAP}})
+    host = HostPool(GEOMETRY, 64, PAGE_SIZE, MemLayout.PAGE_FIRST, pin_memory=False)
+    backend.attach(host)
+    try:
+        assert backend.supports_pins
+        keys = chain(2, seed=1)
+        fill_random(host, ids(0, 2), seed=2)
+        assert backend.set(keys, ids(0, 2)) == 2
+        assert backend.pin(keys, FAR) == 2
+        assert len(list((root / PINS_DIR).glob("??/*"))) == 2
+        assert backend.unpin(keys) == 2
+        assert not list((root / PINS_DIR).glob("??/*"))
+    finally:
+        backend.close()
