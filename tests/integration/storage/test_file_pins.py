@@ -25,6 +25,7 @@ from hicache.memory.allocator import PageIds
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
+from hicache.storage.backends.dynamic.backend import DynamicBackend
 from hicache.storage.backends.file import backend as file_backend
 from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.backends.file.pins import PINS_DIR
@@ -341,6 +342,24 @@ def test_a_throttled_file_store_pins_through_to_the_file_store(root: Path) -> No
         assert backend.set(keys, ids(0, 2)) == 2
         assert backend.pin(keys, FAR) == 2
         assert len(list((root / PINS_DIR).glob("??/*"))) == 2
+        assert backend.unpin(keys) == 2
+        assert not list((root / PINS_DIR).glob("??/*"))
+    finally:
+        backend.close()
+
+
+def test_a_file_store_loaded_as_a_dynamic_backend_pins_through_it(root: Path) -> None:
+    backend = DynamicBackend({"module_path": "hicache.storage.backends.file.backend",
+                              "class_name": "FileBackend", "path": str(root)})
+    host = HostPool(GEOMETRY, 64, PAGE_SIZE, MemLayout.PAGE_FIRST, pin_memory=False)
+    backend.attach(host)
+    try:
+        assert backend.supports_pins
+        keys = chain(2, seed=1)
+        assert backend.pin(keys, FAR) == 2
+        assert len(list((root / PINS_DIR).glob("??/*"))) == 2
+        with pytest.raises(StorageError, match="16 bytes"):
+            backend.pin([b"short"], FAR)
         assert backend.unpin(keys) == 2
         assert not list((root / PINS_DIR).glob("??/*"))
     finally:
