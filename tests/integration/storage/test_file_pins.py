@@ -364,3 +364,25 @@ def test_a_file_store_loaded_as_a_dynamic_backend_pins_through_it(root: Path) ->
         assert not list((root / PINS_DIR).glob("??/*"))
     finally:
         backend.close()
+
+
+def test_markers_long_expired_and_dead_writers_temporaries_are_swept_at_attach(
+    root: Path, open_file: Opener
+) -> None:
+    first, _ = open_file()
+    live, stale, recent = chain(3, seed=1)
+    assert first.pin([live], FAR) == 1
+    assert first.pin([stale], time.time() + 1) == 1
+    assert first.pin([recent], time.time() + 1) == 1
+    markers = {key: root / PINS_DIR / name[:2] / name for key in (live, stale, recent)
+               for name in [object_name(key, PayloadOrder.TOKEN_MAJOR)]}
+    long_ago = time.time() - 3600
+    os.utime(markers[stale], (long_ago, long_ago))
+    just_now = time.time() - 1
+    os.utime(markers[recent], (just_now, just_now))  # expired, but within the grace
+    leftover = markers[live].parent / f".{markers[live].name}.1.2.tmp"
+    leftover.touch()
+    os.utime(leftover, (long_ago, long_ago))
+    open_file()
+    assert markers[live].exists() and markers[recent].exists()
+    assert not markers[stale].exists() and not leftover.exists()

@@ -412,7 +412,8 @@ class FileBackend(StorageBackend):
         """Drop least recently used pages until ``incoming_bytes`` more fit under the cap;
         pinned pages are set aside instead (module docstring), so it may fall short."""
         now = time.time()
-        if self._held and now >= self._held_recheck_at:
+        over = self._total_bytes + incoming_bytes > self.max_bytes
+        if over and self._held and now >= self._held_recheck_at:  # only when room is needed
             self._recheck_held_locked(now)
         while self._index and self._total_bytes + incoming_bytes > self.max_bytes:
             name, size = self._index.popitem(last=False)
