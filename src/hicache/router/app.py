@@ -39,11 +39,13 @@ from hicache import __version__
 from hicache.router.fan_out import fan_out_answer
 from hicache.router.hints import HINTS_PATH, forward_hints, metric_labels
 from hicache.router.hints import parse_body as parse_hints
+from hicache.router.history import RequestHistory
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.prompt import PromptKind, PromptTokenizer, prompt_pages
 from hicache.router.proxy import Proxy
 from hicache.router.settings import RouterSettings, SettingsError, check_worker_url
 from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
+from hicache.router.warm import JoinWarmer
 from hicache.router.workers import WorkerError, WorkerInfo, WorkerRegistry
 from hicache.server.admin_api import check_bearer
 from hicache.server.body import sized_off_loop
@@ -64,6 +66,7 @@ class RouterState:
     proxy: Proxy
     metrics: RouterMetrics
     tokenizer: PromptTokenizer
+    history: RequestHistory  # recent prompts, for warming joining workers
 
 
 def get_router_state(request: Request) -> RouterState:
@@ -134,13 +137,16 @@ def create_router_app(
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         timeout=settings.request_timeout_s,
     )
+    history = RequestHistory()
+    warmer = JoinWarmer(history, client, settings.warm_on_join_timeout_s,
+                        settings.admin_api_key)
     registry = WorkerRegistry(index, client, health_interval_s=settings.health_interval_s,
-                              tier_costs=tier_costs)
-    metrics = RouterMetrics(registry, index.num_pages)
+                              tier_costs=tier_costs, warmer=warmer)
+    metrics = RouterMetrics(registry, index.num_pages, warmer=warmer)
     state = RouterState(
         settings=settings, index=index, policy=policy, workers=registry,
         proxy=Proxy(registry, policy, metrics, client, settings.request_timeout_s),
-        metrics=metrics, tokenizer=PromptTokenizer(settings.tokenizer),
+        metrics=metrics, tokenizer=PromptTokenizer(settings.tokenizer), history=history,
     )
 
     @asynccontextmanager
@@ -179,8 +185,11 @@ def create_router_app(
         tokenizer = await _tokenizer(state)
         ids, hashes = await run_in_threadpool(prompt_pages, kind, body, tokenizer,
                                               reference.page_size)
-        return await state.proxy.route(request.url.path, raw, request.headers, ids, hashes,
-                                       multiplier, request.receive)
+        response = await state.proxy.route(request.url.path, raw, request.headers, ids,
+                                           hashes, multiplier, request.receive)
+        if response.status_code == 200:  # a prompt a worker took: worth warming with
+            state.history.record(ids, hashes)
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -337,6 +346,7 @@ def authorize_admin(settings: RouterSettings, request: Request) -> None:
 def _workers_view(state: RouterState) -> list[dict[str, Any]]:
     return [
         {**w.info.public(), "healthy": w.healthy, "state": w.state, "draining": w.draining,
+         "warming": w.warming,
          "active_requests": w.active_requests,
          "kv_events_last_sequence": w.event_counts.last_sequence}
         for w in state.workers.all()

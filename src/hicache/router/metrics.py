@@ -15,6 +15,8 @@ answer broke off), retries, and clients that left before their answer was whole
 during a streamed answer), and the requests a draining worker refused (each sent
 on to another worker; the draining workers are the ``router_worker_draining``
 gauge). Forwarded cache hints are counted by kind and outcome (``router_hints_total``).
+Warm-on-join (``warm.py``): ``router_warms_total{outcome}``, the tokens
+warmed ``router_warm_tokens_total``, and the ``router_worker_warming`` gauge.
 A ``worker`` label never carries the credentials of a
 worker's URL (``credentials.redact``).
 Each router owns its registry, so several in one process (tests) never clash.
@@ -31,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from hicache.router.credentials import redact
 from hicache.router.types import TIERS, RouteDecision
+from hicache.router.warm import JoinWarmer
 from hicache.router.workers import Worker
 
 
@@ -51,7 +54,8 @@ _TIER_FIELDS = dict(zip(TIERS, ("gpu", "host", "external"), strict=True))
 
 
 class RouterMetrics:
-    def __init__(self, workers: WorkerSource, indexed_pages: Callable[[], int]) -> None:
+    def __init__(self, workers: WorkerSource, indexed_pages: Callable[[], int],
+                 warmer: JoinWarmer | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.decision_latency = Histogram(
@@ -110,7 +114,7 @@ class RouterMetrics:
             "(scored from the index alone; the answer is kept for the next decisions), failed "
             "(the pool could not answer)", ["outcome"], registry=r,
         )
-        r.register(_LiveState(workers, indexed_pages))
+        r.register(_LiveState(workers, indexed_pages, warmer))
 
     def sent(self, worker_url: str) -> None:
         """A request went to the worker."""
@@ -143,9 +147,11 @@ class RouterMetrics:
 
 
 class _LiveState(Collector):
-    def __init__(self, workers: WorkerSource, indexed_pages: Callable[[], int]) -> None:
+    def __init__(self, workers: WorkerSource, indexed_pages: Callable[[], int],
+                 warmer: JoinWarmer | None = None) -> None:
         self._workers = workers
         self._indexed_pages = indexed_pages
+        self._warmer = warmer
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("router_worker_up", "1 while the worker is routed to",
@@ -155,6 +161,9 @@ class _LiveState(Collector):
                                      labels=["worker"])
         active = GaugeMetricFamily("router_worker_active_requests",
                                    "requests in flight at the worker", labels=["worker"])
+        warming = GaugeMetricFamily("router_worker_warming", "1 while the worker that joined "
+                                    "is warmed from L3 (routed to only as a last resort)",
+                                    labels=["worker"])
         counters = {
             name: CounterMetricFamily(f"router_kv_event_{name}", text, labels=["worker"])
             for name, text in (
@@ -171,11 +180,24 @@ class _LiveState(Collector):
             up.add_metric([label], 1.0 if worker.healthy else 0.0)
             draining.add_metric([label], 1.0 if worker.draining else 0.0)
             active.add_metric([label], worker.active_requests)
+            warming.add_metric([label], 1.0 if worker.warming else 0.0)
             for name, family in counters.items():
                 family.add_metric([label], getattr(worker.event_counts, name))
         yield up
         yield draining
         yield active
+        yield warming
         yield from counters.values()
         yield GaugeMetricFamily("router_indexed_pages", "pages the index holds",
                                 value=self._indexed_pages())
+        if self._warmer is not None:
+            warms = CounterMetricFamily(
+                "router_warms", "warms of joining workers from L3, by outcome: warmed, "
+                "timeout, failed, skipped (no L3, no host pool size, nothing recorded)",
+                labels=["outcome"])
+            for outcome, count in self._warmer.outcomes.items():
+                warms.add_metric([outcome], count)
+            yield warms
+            yield CounterMetricFamily("router_warm_tokens", "prompt tokens joining workers "
+                                      "reported warmed into their host tier",
+                                      value=self._warmer.tokens)

@@ -155,7 +155,8 @@ class Proxy:
         failure before any answer; APIError(503) when none is left."""
         tried: list[str] = []
         while True:
-            candidates = [w for w in self._workers.healthy() if w.url not in tried]
+            # Warming workers only when no other is left (``WorkerRegistry.routable``).
+            candidates = self._workers.routable(excluding=tried)
             if not candidates:
                 raise self._unavailable(tried)
             request = RouteRequest(

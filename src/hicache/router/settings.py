@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from urllib.parse import urlsplit
@@ -77,6 +78,9 @@ class RouterSettings:
     request_timeout_s: float = 600.0
     # How long start-up waits for the --worker-urls to answer /get_server_info.
     worker_startup_timeout_s: float = 300.0
+    # How long a joining worker's warm from L3 may take before it is routed to (0: no
+    # warm, a joining worker is routed to at once). See router/warm.py.
+    warm_on_join_timeout_s: float = 20.0
     # Prefill-decode disaggregation: each request goes to a prefill instance (chosen by
     # --policy, from its cached prefix) and a decode instance (by --decode-policy).
     pd_disaggregation: bool = False
@@ -103,6 +107,9 @@ class RouterSettings:
                             ("--worker-startup-timeout", self.worker_startup_timeout_s)):
             if not value > 0:
                 raise SettingsError(f"{name} must be > 0 seconds, got {value}")
+        if not (self.warm_on_join_timeout_s >= 0 and math.isfinite(self.warm_on_join_timeout_s)):
+            raise SettingsError("--warm-on-join-timeout-s must be >= 0 seconds (0: no warm), "
+                                f"got {self.warm_on_join_timeout_s}")
         if self.max_request_bytes <= 0:
             raise SettingsError(f"--max-request-bytes must be > 0, got {self.max_request_bytes}")
 
@@ -267,6 +274,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-startup-timeout", type=float, default=d.worker_startup_timeout_s,
         help="seconds start-up waits for --worker-urls to answer (default: %(default)s)",
     )
+    group.add_argument(
+        "--warm-on-join-timeout-s", type=float, default=d.warm_on_join_timeout_s,
+        help="a worker that joins (POST /workers, or back after a restart) first gets the "
+        "most recent prompts prefetched from L3 into its host tier (up to its "
+        "--warm-host-fraction), and is routed to once that is done or after this many "
+        "seconds; 0 routes to it at once (default: %(default)s)",
+    )
     pd = parser.add_argument_group("prefill-decode disaggregation")
     pd.add_argument(
         "--pd-disaggregation", action="store_true",
@@ -304,6 +318,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         admin_api_key=args.admin_api_key or None,  # an empty key would let anyone in
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
         worker_startup_timeout_s=args.worker_startup_timeout,
+        warm_on_join_timeout_s=args.warm_on_join_timeout_s,
         max_request_bytes=args.max_request_bytes,
         pd_disaggregation=args.pd_disaggregation, prefill=parse_prefill_args(args.prefill),
         decode_urls=tuple(dict.fromkeys(normalize_worker_url(u) for (u,) in args.decode)),

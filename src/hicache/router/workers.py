@@ -24,6 +24,12 @@ keeps going (what it writes to L3 while draining is the shared pool's), and it
 returns to routing only at a /health 200 (a worker restarted at the same URL),
 rediscovered as a down worker is; a refused probe takes it down (it exited).
 Invariant: a draining worker is never ``healthy`` (in routing).
+
+A worker that joins (added through the admin API, or a known worker back after being
+down or draining) is first *warming* (``warm.py``): healthy and probed, but routed to
+only while no other healthy worker is done warming (``routable``), until its warm
+answered or timed out. Invariant: a warming worker is healthy; leaving routing ends
+its warming.
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -54,6 +60,9 @@ from hicache.router.settings import normalize_worker_url
 from hicache.router.subscriber import EventEndpoints, EventSubscriber, SubscriberCounts
 from hicache.router.tier_costs import measured_tier_costs
 from hicache.router.types import TierCosts, TierIndex, WorkerLoad
+
+if TYPE_CHECKING:
+    from hicache.router.warm import JoinWarmer
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +244,8 @@ class Worker:
     info: WorkerInfo
     healthy: bool = True  # in routing
     draining: bool = False  # out of routing as draining (never while healthy)
+    warming: bool = False  # joined, its warm not done: routed to only as a last resort
+    warm_generation: int = 0  # which warm is the current one (a newer join supersedes)
     active_requests: int = 0  # proxied, not finished
     active_prompt_pages: int = 0  # prompt pages of those requests (the decode_blocks term)
     subscriber: EventSubscriber | None = None
@@ -248,9 +259,10 @@ class Worker:
 
     @property
     def state(self) -> str:
-        """"up" (routed to), "draining", or "down"."""
+        """"up" (routed to), "warming" (up, routed to as a last resort), "draining", or
+        "down"."""
         if self.healthy:
-            return "up"
+            return "warming" if self.warming else "up"
         return "draining" if self.draining else "down"
 
     def load(self) -> WorkerLoad:
@@ -266,9 +278,12 @@ class WorkerRegistry:
     def __init__(
         self, index: TierIndex, client: httpx.AsyncClient, *, health_interval_s: float,
         zmq_context: zmq.asyncio.Context | None = None,
-        tier_costs: dict[str, TierCosts] | None = None,
+        tier_costs: dict[str, TierCosts] | None = None, warmer: JoinWarmer | None = None,
     ) -> None:
         self._index = index
+        # Warms joining workers (None or disabled: a joining worker is routable at once).
+        self.warmer = warmer
+        self._warm_tasks: set[asyncio.Task[None]] = set()
         # With --tier-costs measured: each worker's costs, refreshed from its
         # /get_server_info and /metrics at every successful probe (the policy reads them).
         self._tier_costs = tier_costs
@@ -296,6 +311,14 @@ class WorkerRegistry:
     def healthy(self) -> list[Worker]:
         return [w for w in self._workers.values() if w.healthy]
 
+    def routable(self, excluding: Collection[str] = ()) -> list[Worker]:
+        """The healthy workers done warming, but for ``excluding`` (urls); all those
+        healthy when every one of them is still warming (a cold worker serves better
+        than none)."""
+        healthy = [w for w in self.healthy() if w.url not in excluding]
+        warm = [w for w in healthy if not w.warming]
+        return warm or healthy
+
     def reachable(self) -> list[Worker]:
         """Routed to or draining: the workers that may run requests now."""
         return [w for w in self._workers.values() if w.healthy or w.draining]
@@ -303,8 +326,9 @@ class WorkerRegistry:
     def get(self, url: str) -> Worker | None:
         return self._workers.get(normalize_worker_url(url))
 
-    def add(self, info: WorkerInfo) -> Worker:
-        """Register a discovered worker and start following its events."""
+    def add(self, info: WorkerInfo, *, join: bool = False) -> Worker:
+        """Register a discovered worker and start following its events; ``join``: it
+        joins a running router (the admin API), so it is warmed first."""
         if info.url in self._workers:
             raise WorkerExistsError(f"worker {info.url} is already registered")
         if self.reference is not None:
@@ -320,6 +344,8 @@ class WorkerRegistry:
         logger.info("worker %s added%s: model %r, page size %d, KV events %s", info.url,
                     " as draining" if draining else "", info.model, info.page_size,
                     info.events.endpoint if info.events else "none")
+        if join and worker.healthy:
+            self._begin_warm(worker)
         return worker
 
     async def add_url(self, url: str) -> Worker:
@@ -328,7 +354,7 @@ class WorkerRegistry:
             if url in self._workers:
                 raise WorkerExistsError(f"worker {url} is already registered")
             info = await fetch_worker_info(self._client, url)
-            return self.add(info)
+            return self.add(info, join=True)
 
     async def remove(self, url: str) -> None:
         url = normalize_worker_url(url)
@@ -356,6 +382,10 @@ class WorkerRegistry:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for warm in list(self._warm_tasks):
+            warm.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await warm
         for worker in self._workers.values():
             await self._stop_events(worker)
         if self._own_zmq:
@@ -367,7 +397,7 @@ class WorkerRegistry:
         if worker is None or not (worker.healthy or worker.draining):
             return
         was = worker.state
-        worker.healthy = worker.draining = False
+        worker.healthy = worker.draining = worker.warming = False
         await self._stop_events(worker)
         self._index.remove_worker(url)
         if was == "draining":
@@ -384,7 +414,7 @@ class WorkerRegistry:
         if worker is None or worker.draining:
             return
         was_up = worker.healthy
-        worker.healthy, worker.draining = False, True
+        worker.healthy, worker.draining, worker.warming = False, True, False
         worker.health.reset()
         if was_up:
             logger.warning("worker %s is draining (%s): no new requests go there, its "
@@ -505,6 +535,33 @@ class WorkerRegistry:
         worker.health.reset()
         self._start_events(worker)
         logger.info("worker %s is back: resyncing its index from its KV events", worker.url)
+        self._begin_warm(worker)
+
+    # -- warm on join
+
+    def _begin_warm(self, worker: Worker) -> None:
+        """Warm a joining worker; routable (``routable``) once its warm is over."""
+        warmer = self.warmer
+        if warmer is None or not warmer.enabled:
+            return
+        worker.warming = True
+        worker.warm_generation += 1
+        task = asyncio.get_running_loop().create_task(
+            self._warm(worker, warmer, worker.warm_generation),
+            name=f"warm {redact(worker.url)}")
+        self._warm_tasks.add(task)
+        task.add_done_callback(self._warm_tasks.discard)
+
+    async def _warm(self, worker: Worker, warmer: JoinWarmer, generation: int) -> None:
+        try:
+            await warmer.warm(worker.url, worker.info.server_info)
+        finally:
+            # Still the same worker, still warming (not gone down or draining meanwhile),
+            # and this still its current warm (not one it came back again after).
+            if self._workers.get(worker.url) is worker and worker.warming \
+                    and worker.warm_generation == generation:
+                worker.warming = False
+                logger.info("worker %s is warm: routed to", redact(worker.url))
 
     # -- events
 

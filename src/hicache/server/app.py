@@ -162,6 +162,8 @@ def create_app(
             "max_total_num_tokens": int(pages * page_size) if pages and page_size else None,
             "max_req_input_len": engine.max_context_len,
             "context_length": engine.max_context_len,
+            # What a router's warm-on-join may fill of the host pool (router/warm.py).
+            "hicache_warm_host_fraction": state.warm_host_fraction,
             # Which attention backend runs (auto resolves per device); engines that do
             # not say (stand-ins in tests) report None.
             "attention_backend": getattr(engine, "attention_backend", None),

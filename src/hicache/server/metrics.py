@@ -177,6 +177,11 @@ SERIES: dict[str, Series] = {
     ),
     "storage_backup_pages_failed": _counter("l3_backup_pages_failed", "L3 page writes that failed"),
     "storage_backup_seconds": _counter("l3_backup_seconds", "time spent writing L3 pages"),
+    "storage_pin_pages": _counter("l3_pin_pages", "pages pinned in L3"),
+    "storage_unpin_pages": _counter("l3_unpin_pages", "pages whose L3 pin was removed"),
+    "storage_pin_pages_failed": _counter(
+        "l3_pin_pages_failed", "pages an L3 pin or unpin did not reach"
+    ),
     "storage_prefetch_gbps": _gauge("l3_prefetch_gbps", "mean L3 read bandwidth, GB/s"),
     "storage_backup_gbps": _gauge("l3_backup_gbps", "mean L3 write bandwidth, GB/s"),
     "storage_stalled_calls": _gauge(

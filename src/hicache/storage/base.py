@@ -153,6 +153,27 @@ class StorageBackend(ABC):
             self._drop(keys)
         return len(keys)
 
+    # ------------------------------------------------------------ pins
+    #: Whether ``pin`` keeps pages: a backend that can pin sets it (``storage.controller``
+    #: and the cache ask before pinning to L3). A wrapper sets it per instance, from what
+    #: it wraps.
+    supports_pins: bool = False
+
+    def pin(self, keys: Sequence[bytes], until_unix_s: float) -> int:
+        """Keep the pages of ``keys`` (stored, or stored later) from eviction until
+        ``until_unix_s`` (wall clock, unix seconds), for every client of the store.
+        Returns how many leading keys are pinned. A backend that cannot pin
+        (``supports_pins`` False) raises ``StorageError``: calling it is misuse."""
+        self._check_open(keys)
+        raise StorageError(f"{self.name} storage cannot pin pages")
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Remove the pins of ``keys`` (keys without one are ignored); their pages are
+        evictable again. Returns how many keys were unpinned: 0 for a backend that
+        cannot pin (nothing is pinned there)."""
+        self._check_open(keys)
+        return 0
+
     def _drop(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional hook
         """Delete the objects of ``keys`` (for ``discard``). A backend that cannot delete
         leaves them: a damaged page then stays a miss, refused at every load."""

@@ -6,7 +6,9 @@ behind another:
   continues in L3: batched ``exists``);
 - the *read* thread runs prefetch reads (L3 -> freshly allocated host pages);
 - the *write* thread runs backups (host pages -> L3; ``set`` skips the pages
-  L3 already has, so no ``exists`` pass precedes it).
+  L3 already has, so no ``exists`` pass precedes it), discards, and pins
+  (``pin``/``unpin``: queued behind the backups submitted before them, so a pin
+  of pages being backed up lands once they are stored; nobody waits for them).
 
 Every backend call has a deadline (``io_timeout_s``). Each thread hands its
 calls to a runner thread (``DeadlineCaller``) and waits at most that long; a
@@ -26,7 +28,9 @@ backend is a miss.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import queue
 import threading
 import time
@@ -117,6 +121,15 @@ class DiscardOp:
 
 
 @dataclass(eq=False)
+class PinOp:
+    """Pin ``keys`` in L3 until ``until_unix_s``, or unpin them when it is None. Fire and
+    forget: ``poll`` never reports it; its outcome is in the metrics."""
+
+    keys: list[bytes]
+    until_unix_s: float | None
+
+
+@dataclass(eq=False)
 class StalledCall:
     """A backend call that missed its deadline and still runs (a thread cannot be stopped).
 
@@ -140,6 +153,9 @@ class StorageMetrics:
     backup_pages_existing: int = 0
     backup_pages_failed: int = 0
     backup_seconds: float = 0.0
+    pin_pages: int = 0  # pages pinned in L3 (each pin call's pages)
+    unpin_pages: int = 0
+    pin_pages_failed: int = 0  # pages a pin or unpin did not reach
     # Gauges: calls past their deadline that have not returned, and the host pages they hold.
     stalled_calls: int = 0
     stalled_host_pages: int = 0
@@ -259,6 +275,32 @@ class StorageController:
         self._begin()
         self._write_q.put(op)
 
+    @property
+    def supports_pins(self) -> bool:
+        """Can L3 pin pages (``StorageBackend.supports_pins``)?"""
+        return bool(self.backend.supports_pins)
+
+    def pin(self, keys: Sequence[bytes], until_unix_s: float) -> None:
+        """Queue a pin of ``keys`` until ``until_unix_s`` (wall clock) on the write thread;
+        never blocks. Raises StorageError for misuse only: a backend that cannot pin, or
+        an expiry that is not a finite time."""
+        if not self.supports_pins:
+            raise StorageError(f"L3 ({self.backend.name}) cannot pin pages")
+        if isinstance(until_unix_s, bool) or not isinstance(until_unix_s, int | float) \
+                or not math.isfinite(until_unix_s):
+            raise StorageError(f"a pin's expiry is unix seconds, got {until_unix_s!r}")
+        self._submit_pin(PinOp(list(keys), float(until_unix_s)))
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Queue the removal of ``keys``' pins on the write thread; never blocks."""
+        if self.supports_pins:
+            self._submit_pin(PinOp(list(keys), None))
+
+    def _submit_pin(self, op: PinOp) -> None:
+        if op.keys:
+            self._begin()
+            self._write_q.put(op)
+
     def poll(self) -> list[_Event]:
         """Finished operations: ("queried" | "loaded", PrefetchOp), ("backed_up", BackupOp);
         and stall reports: ("stalled" | "returned", StalledCall).
@@ -348,6 +390,10 @@ class StorageController:
                     self._call("write", "discard", self.backend.discard, op.keys)
                 self._finish(("discarded", op))
                 continue
+            if isinstance(op, PinOp):
+                self._pin(op)
+                self._finish(None)
+                continue
             assert isinstance(op, BackupOp)
             if not self._stopping.is_set():
                 self._write(op)
@@ -364,6 +410,9 @@ class StorageController:
                 return
             if isinstance(op, DiscardOp):
                 self._finish(("discarded", op))
+            elif isinstance(op, PinOp):
+                self._note_pin_failed(op, FailureReason.DETACHED)
+                self._finish(None)
             elif isinstance(op, BackupOp):
                 self._note_backup_failed(op, FailureReason.DETACHED)
                 self._finish(("backed_up", op))
@@ -431,6 +480,36 @@ class StorageController:
             self.metrics.backup_pages_stored += stored - existing
             self.metrics.backup_pages_failed += len(keys) - stored
             self.metrics.backup_seconds += time.perf_counter() - began
+
+    def _pin(self, op: PinOp) -> None:
+        """Pin or unpin ``op``'s keys, batch by batch; pages not reached count as failed."""
+        if self._stopping.is_set():
+            self._note_pin_failed(op, FailureReason.DETACHED)
+            return
+        until = op.until_unix_s
+        what = "unpin" if until is None else "pin"
+        done = 0
+        for start in range(0, len(op.keys), MAX_BATCH_PAGES):
+            batch = op.keys[start : start + MAX_BATCH_PAGES]
+            if until is None:
+                n = self._call("write", what, self.backend.unpin, batch).count
+            else:
+                pin_until = functools.partial(self.backend.pin, until_unix_s=until)
+                n = self._call("write", what, pin_until, batch).count
+            done += n
+            if until is not None and n < len(batch):
+                break  # a pin stops at its first failure (the backend counted why)
+        with self._metrics_lock:
+            if until is None:
+                self.metrics.unpin_pages += done
+            else:
+                self.metrics.pin_pages += done
+                self.metrics.pin_pages_failed += len(op.keys) - done
+
+    def _note_pin_failed(self, op: PinOp, reason: FailureReason) -> None:
+        with self._metrics_lock:
+            self.metrics.pin_pages_failed += len(op.keys)
+            self.metrics.fail(reason, len(op.keys))
 
     def _note_backup_failed(self, op: BackupOp, reason: FailureReason) -> None:
         with self._metrics_lock:
@@ -543,12 +622,14 @@ class StorageController:
         with self._idle:
             self._outstanding += 1
 
-    def _finish(self, event: _Event) -> None:
+    def _finish(self, event: _Event | None) -> None:
+        """An operation is done: report ``event`` to ``poll`` (None: nothing to report)."""
         # The backend's own reasons reach the log from the runner threads (``_measured``).
         with self._metrics_lock:
             failures = dict(self.metrics.failures)
         self.failure_log.observe("controller", failures)
-        self._done.put(event)
+        if event is not None:
+            self._done.put(event)
         with self._idle:
             self._outstanding -= 1
             self._idle.notify_all()

@@ -54,6 +54,7 @@ class FailureReason(str, Enum):
     # Normal operation rather than damage.
     EVICTED = "evicted"
     EVICTED_NO_SPACE = "evicted_no_space"
+    PINNED_FULL = "pinned_full"
     DETACHED = "detached"
     # The storage controller: calls it did not make, or that raised.
     BREAKER_OPEN = "breaker_open"
@@ -62,6 +63,8 @@ class FailureReason(str, Enum):
     GET_RAISED = "get_raised"
     SET_RAISED = "set_raised"
     DISCARD_RAISED = "discard_raised"
+    PIN_RAISED = "pin_raised"
+    UNPIN_RAISED = "unpin_raised"
 
     def __str__(self) -> str:
         return self.value
@@ -113,6 +116,8 @@ MEANINGS: dict[FailureReason, str] = {
     FailureReason.EVICTED: "pages were evicted to stay under the store's size cap",
     FailureReason.EVICTED_NO_SPACE: "the file system under L3 was full, so least recently used "
     "pages were evicted to make room (set max_bytes below the free space to avoid this)",
+    FailureReason.PINNED_FULL: "pinned pages alone fill the store's size cap, so a new page "
+    "was refused rather than evicting a pinned one (unpin, shorten pins, or raise max_bytes)",
     FailureReason.DETACHED: "queued backups were dropped because L3 was detached",
     FailureReason.BREAKER_OPEN: "L3 calls were skipped while the circuit breaker is open after "
     "repeated failures",
@@ -123,6 +128,10 @@ MEANINGS: dict[FailureReason, str] = {
     FailureReason.SET_RAISED: "the backend raised on a write (the error is logged with it)",
     FailureReason.DISCARD_RAISED: "the backend raised while dropping pages found damaged (the "
     "error is logged with it)",
+    FailureReason.PIN_RAISED: "the backend raised while pinning pages (the error is logged "
+    "with it)",
+    FailureReason.UNPIN_RAISED: "the backend raised while unpinning pages (the error is "
+    "logged with it)",
 }
 
 UNDESCRIBED = "a failure reason this server has no description for"
@@ -135,7 +144,8 @@ def meaning(reason: str) -> str:
 
 
 _RAISED = {"exists": FailureReason.EXISTS_RAISED, "get": FailureReason.GET_RAISED,
-           "set": FailureReason.SET_RAISED, "discard": FailureReason.DISCARD_RAISED}
+           "set": FailureReason.SET_RAISED, "discard": FailureReason.DISCARD_RAISED,
+           "pin": FailureReason.PIN_RAISED, "unpin": FailureReason.UNPIN_RAISED}
 
 
 def raised_reason(call: str) -> FailureReason:

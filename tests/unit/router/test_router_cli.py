@@ -44,6 +44,8 @@ def test_flags_become_settings() -> None:
     assert defaults.shared_cache_multiplier == 0.0
     assert defaults.shared_cache_type is SharedCacheType.NONE
     assert parse("--admin-api-key", "").admin_api_key is None
+    assert defaults.warm_on_join_timeout_s == 20.0
+    assert parse("--warm-on-join-timeout-s", "0").warm_on_join_timeout_s == 0.0  # no warm
 
 
 @pytest.mark.parametrize(("argv", "what"), [
@@ -54,6 +56,8 @@ def test_flags_become_settings() -> None:
     (("--shared-cache-multiplier", "-0.1"), "--shared-cache-multiplier"),
     (("--overlap-weight", "-1"), "--overlap-weight"),
     (("--health-interval", "0"), "--health-interval"),
+    (("--warm-on-join-timeout-s", "-1"), "--warm-on-join-timeout-s"),
+    (("--warm-on-join-timeout-s", "inf"), "--warm-on-join-timeout-s"),
 ])
 def test_bad_values_are_refused_naming_the_flag(argv: tuple[str, ...], what: str) -> None:
     with pytest.raises(SettingsError, match=what):

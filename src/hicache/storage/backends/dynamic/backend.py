@@ -21,6 +21,9 @@ close) so the class never sees a malformed call, and clamps answers to
 ``0..len(keys)``. For a class without ``stats()`` it counts what the answers
 show: lookups, pages read, short reads (as "missing"), and pages stored by
 ``set`` as written (a bare answer cannot tell written from already there).
+
+Pins: a class whose ``supports_pins`` is true and that has callable ``pin(keys,
+until_unix_s)`` and ``unpin(keys)`` pins through the wrapper; any other cannot pin.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class DynamicBackend(StorageBackend):
         check_instance(instance, self.target)
         self.inner: Any = instance
         self._has_stats = callable(getattr(instance, "stats", None))
+        self.supports_pins = getattr(instance, "supports_pins", False) is True and all(
+            callable(getattr(instance, method, None)) for method in ("pin", "unpin"))
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
@@ -129,6 +134,18 @@ class DynamicBackend(StorageBackend):
     def clear(self) -> None:
         self._ready([])
         self.inner.clear()
+
+    def pin(self, keys: Sequence[bytes], until_unix_s: float) -> int:
+        self._ready(keys)
+        if not self.supports_pins:
+            return super().pin(keys, until_unix_s)  # refused: it cannot pin
+        return self._clamp(self.inner.pin(keys, until_unix_s), keys, "pin")
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        self._ready(keys)
+        if not self.supports_pins:
+            return super().unpin(keys)
+        return self._clamp(self.inner.unpin(keys), keys, "unpin")
 
     def stats(self) -> StorageStats:
         if not self._has_stats:

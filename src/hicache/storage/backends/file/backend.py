@@ -29,6 +29,15 @@ but often advance their clock only every few milliseconds), so a new instance
 adopts what is on disk in its LRU order: the order survives restarts. Each
 instance enforces the cap on the files it knows of (what it wrote, found at
 start-up, or found on use); a shared directory is bounded by the sum of the caps.
+
+Pins (``pins``): a page with a live pin marker in the directory is never evicted,
+by the cap nor by the ENOSPC path, whichever instance pinned it. Eviction meets
+a pinned page as the least recently used and sets it aside (``_held``: still
+counted in the size, no longer a candidate); held pages go back into the LRU
+order, as its oldest, once their pin is found expired or removed (checked again
+at the earliest expiry, or every ``HELD_RECHECK_S`` for another instance's
+unpin). When the pinned pages alone fill the cap, a new page is refused
+("pinned_full") rather than evicting a pinned one.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.pins import PinMarkers, check_expiry
 from hicache.storage.backends.file.settings import FileSettings
 from hicache.storage.base import StorageBackend, StorageUnavailableError
 from hicache.storage.failure_reasons import CountedReason, FailureReason
@@ -75,11 +85,16 @@ try:
 except (AttributeError, ValueError, OSError):
     _IOV_MAX = 1024
 
+# How often held (pinned) pages are checked again for an unpin by another instance
+# sharing the directory, while the cap needs room.
+HELD_RECHECK_S = 1.0
+
 
 class FileBackend(StorageBackend):
     """See the module docstring."""
 
     name = "file"
+    supports_pins = True
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
@@ -94,6 +109,11 @@ class FileBackend(StorageBackend):
         self._total_bytes = 0
         self._regions: PageRegions | None = None
         self._last_stamp_ns = 0
+        self._pins = PinMarkers(self.root)
+        # Pinned pages eviction met: name -> (file bytes, pin expiry). Counted in
+        # _total_bytes, never evicted. Guarded by self._lock.
+        self._held: dict[str, tuple[int, float]] = {}
+        self._held_recheck_at = 0.0
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
@@ -101,6 +121,7 @@ class FileBackend(StorageBackend):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             found = self._scan()
+            self._pins.sweep()
         except OSError as error:
             raise StorageUnavailableError(
                 f"file storage: cannot use directory {self.root}: {error}"
@@ -175,6 +196,33 @@ class FileBackend(StorageBackend):
         self._count_write(num_written, num_skipped, regions.page_bytes, began)
         return num_stored
 
+    def pin(self, keys: Sequence[bytes], until_unix_s: float) -> int:
+        """Pin ``keys``' pages until ``until_unix_s`` (unix seconds) for every instance on
+        the directory; a page not stored yet is pinned once written. Returns how many
+        leading keys are pinned (a marker that cannot be written stops there, counted)."""
+        regions = self._ready(keys)
+        until = check_expiry(until_unix_s)
+        if until <= time.time():  # already over: nothing to keep
+            return len(keys)
+        for index, key in enumerate(keys):
+            try:
+                self._pins.pin(object_name(key, regions.order), until)
+            except OSError:
+                self._fail(FailureReason.IO_ERROR)
+                return index
+        return len(keys)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Remove ``keys``' pins (whoever set them): their pages are evictable again, as
+        the least recently used. Keys without a pin are ignored. Returns len(keys)."""
+        regions = self._ready(keys)
+        for key in keys:
+            name = object_name(key, regions.order)
+            self._pins.unpin(name)
+            with self._lock:
+                self._release_locked(name)
+        return len(keys)
+
     def clear(self) -> None:
         """Remove every page file in the directory (any instance's) and stale temporaries;
         a file with a page's name but not our header is left alone (``holds_our_page``)."""
@@ -185,11 +233,17 @@ class FileBackend(StorageBackend):
                 if holds_our_page(path, name):
                     unlink_quietly(path)
             self._index.clear()
+            self._held.clear()
             self._total_bytes = 0
+            # Pins name pages of the store: with the pages gone they name nothing.
+            for name in self._pin_names():
+                self._pins.unpin(name)
 
     def check_integrity(self) -> None:
         with self._lock:
-            assert self._total_bytes == sum(self._index.values()), "size accounting drifted"
+            held = sum(size for size, _ in self._held.values())
+            assert self._total_bytes == sum(self._index.values()) + held, "size accounting drifted"
+            assert not set(self._index) & set(self._held), "a page both held and evictable"
             assert self._total_bytes <= self.max_bytes or not self._index, "over the cap"
 
     # ------------------------------------------------------------ internals
@@ -222,7 +276,7 @@ class FileBackend(StorageBackend):
         wrongly would leave the page missing for good.
         """
         with self._lock:
-            if name in self._index and not on_disk:
+            if (name in self._index or name in self._held) and not on_disk:
                 return True
             try:
                 info = os.stat(self._path(name))
@@ -233,16 +287,19 @@ class FileBackend(StorageBackend):
                 self._forget_locked(name)
                 return False
             size = info.st_size
-            if name not in self._index:
+            if name not in self._index and name not in self._held:
                 self._index[name] = size
                 self._total_bytes += size
                 self._evict_locked(0)
-            return name in self._index
+            return name in self._index or name in self._held
 
     def _forget_locked(self, name: str) -> None:
         size = self._index.pop(name, None)
         if size is not None:
             self._total_bytes -= size
+        held = self._held.pop(name, None)
+        if held is not None:
+            self._total_bytes -= held[0]
 
     def _read_page(
         self, regions: PageRegions, key: bytes, page: int
@@ -293,7 +350,7 @@ class FileBackend(StorageBackend):
                 return fault
             if name in self._index:
                 self._index.move_to_end(name)
-            else:  # written by another instance since we last looked
+            elif name not in self._held:  # written by another instance since we last looked
                 self._index[name] = size
                 self._total_bytes += size
                 self._evict_locked(0)
@@ -316,6 +373,8 @@ class FileBackend(StorageBackend):
         temp = f"{self._dir(name)}/{temp_name(name, os.getpid(), threading.get_ident())}"
         with self._lock:
             self._evict_locked(file_bytes)
+            if self._total_bytes + file_bytes > self.max_bytes:
+                return FailureReason.PINNED_FULL  # only pinned pages are left to evict
             stamp = self._next_stamp_locked()
         try:
             self._write_file(temp, [*views, header])
@@ -350,12 +409,41 @@ class FileBackend(StorageBackend):
         return self._last_stamp_ns
 
     def _evict_locked(self, incoming_bytes: int) -> None:
-        """Drop least recently used pages until ``incoming_bytes`` more fit under the cap."""
+        """Drop least recently used pages until ``incoming_bytes`` more fit under the cap;
+        pinned pages are set aside instead (module docstring), so it may fall short."""
+        now = time.time()
+        over = self._total_bytes + incoming_bytes > self.max_bytes
+        if over and self._held and now >= self._held_recheck_at:  # only when room is needed
+            self._recheck_held_locked(now)
         while self._index and self._total_bytes + incoming_bytes > self.max_bytes:
             name, size = self._index.popitem(last=False)
+            until = self._pins.expiry(name, now)
+            if until is not None:
+                self._held[name] = (size, until)
+                self._held_recheck_at = min(self._held_recheck_at, until)
+                continue
             self._total_bytes -= size
             self._stats.fail(FailureReason.EVICTED)
             unlink_quietly(self._path(name))
+
+    def _recheck_held_locked(self, now: float) -> None:
+        """Put held pages whose pin expired or was removed back into the LRU order."""
+        next_check = now + HELD_RECHECK_S
+        for name in list(self._held):
+            until = self._pins.expiry(name, now)
+            if until is None:
+                self._release_locked(name)
+            else:
+                self._held[name] = (self._held[name][0], until)
+                next_check = min(next_check, until)
+        self._held_recheck_at = next_check
+
+    def _release_locked(self, name: str) -> None:
+        """A held page is evictable again, as the least recently used."""
+        held = self._held.pop(name, None)
+        if held is not None:
+            self._index[name] = held[0]
+            self._index.move_to_end(name, last=False)
 
     def _evict_for_space(self, needed_bytes: int, keep: frozenset[str]) -> int:
         """The file system is full: drop least recently used pages (except ``keep``) until
@@ -363,10 +451,11 @@ class FileBackend(StorageBackend):
         with self._lock:
             victims: list[str] = []
             freed_bytes = 0
+            now = time.time()
             for name, size in self._index.items():  # least recently used first
                 if freed_bytes >= needed_bytes:
                     break
-                if name not in keep:
+                if name not in keep and self._pins.expiry(name, now) is None:
                     victims.append(name)
                     freed_bytes += size
             for name in victims:
@@ -375,6 +464,21 @@ class FileBackend(StorageBackend):
             if victims:
                 self._stats.fail(FailureReason.EVICTED_NO_SPACE, len(victims))
         return len(victims)
+
+    def _pin_names(self) -> list[str]:
+        """The page names of every pin marker, live or not."""
+        found: list[str] = []
+        root = self._pins.root
+        if not root.is_dir():
+            return found
+        for sub in root.iterdir():
+            if len(sub.name) != 2 or not sub.is_dir():
+                continue
+            with os.scandir(sub) as entries:
+                for entry in entries:
+                    if is_page_name(entry.name):
+                        found.append(entry.name)
+        return found
 
     def _scan(self) -> list[tuple[int, str, int]]:
         """(mtime ns, name, bytes) of every page file; removes stale temporaries."""

@@ -21,7 +21,8 @@ Invariants:
   (a miss moves nothing) at the read bandwidth; ``exists`` the read latency only; ``set``
   the write latency plus the bytes of every page it was handed (pages the wrapped store
   skips as already stored are charged too: which were skipped cannot be told apart from
-  other calls' counts). An empty batch, ``discard`` and ``clear`` are not delayed.
+  other calls' counts). An empty batch, ``discard``, ``clear``, ``pin`` and ``unpin``
+  are not delayed; the pins are the wrapped backend's (``supports_pins`` too).
 - Bandwidth is per instance and direction, shared by parallel calls; latency is per call
   (``link.Link``). The wait holds no lock, so a call past its deadline is abandoned like
   one to a slow real store, and the controller's stall handling and breaker see exactly
@@ -74,6 +75,7 @@ class ThrottledBackend(StorageBackend):
         if inner is None:
             inner = create_storage_backend(settings.backend, settings.backend_extra)
         self.read_link, self.write_link, self.inner = read_link, write_link, inner
+        self.supports_pins = inner.supports_pins
         self._read_wait_s = 0.0  # guarded by self._lock
         self._write_wait_s = 0.0
 
@@ -110,6 +112,12 @@ class ThrottledBackend(StorageBackend):
 
     def clear(self) -> None:
         self.inner.clear()
+
+    def pin(self, keys: Sequence[bytes], until_unix_s: float) -> int:
+        return self.inner.pin(keys, until_unix_s)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self.inner.unpin(keys)
 
     def stats(self) -> StorageStats:
         stats = self.inner.stats()
