@@ -100,6 +100,9 @@ class CacheConfig:
     pin_tenant_fraction: float = 0.25
     hint_max_ttl_s: float = 86400.0
     retain_ttl_s: float = 600.0
+    # The share of the host pool a warm (a prefetch hint, or POST /hicache/warm without
+    # its own) may fill from L3: the server's --warm-host-fraction.
+    warm_host_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         # Accept plain strings (from argparse or JSON) and normalise them to enums.
@@ -141,6 +144,10 @@ class CacheConfig:
                 raise ConfigError(
                     f"{flag} is a share of the host pool, in [0, 1] (0: no pins), got {fraction}"
                 )
+        if not 0.0 < self.warm_host_fraction <= 1.0:
+            raise ConfigError(
+                f"--warm-host-fraction must be in (0, 1], got {self.warm_host_fraction}"
+            )
         if not (math.isfinite(self.hint_max_ttl_s) and self.hint_max_ttl_s > 0):
             raise ConfigError(
                 f"--hicache-hint-max-ttl-s must be a positive number of seconds, got "

@@ -17,7 +17,7 @@ operation or a finishing request, ``poll`` from the cache's own poll every tick.
   the pages L3 lacks are written first, in the order the write thread keeps.
 - retain: the prefix's nodes are evicted after every ordinary node until the TTL.
 - prefetch: what L3 holds of the prefix comes into the host tier, in the background
-  (``cache/warm.py``), within ``prefetch_host_fraction`` of the host pool per call.
+  (``cache/warm.py``), within ``--warm-host-fraction`` of the host pool per call.
 - demote: the prefix's own nodes (walking up from its end while a node has no other
   child) are evicted before every ordinary node; pinned pages stay pinned.
 
@@ -60,7 +60,6 @@ MAX_RECORDS = 65_536
 MAX_RECORDS_PER_TENANT = 4_096
 MAX_PREFETCHES = 64  # background L3 reads (prefetch hints and deferred pins) at once
 MAX_TENANT_CHARS = 128
-PREFETCH_HOST_FRACTION = 0.5
 TIERS = ("host", "l3")
 
 _ACCEPTED, _CLIPPED = HintOutcomeKind.ACCEPTED, HintOutcomeKind.CLIPPED
@@ -128,7 +127,7 @@ class HintBook:
         host_pages = cache.host_pool.num_pages if cache.host_pool is not None else 0
         self.pin_budget_pages = int(host_pages * config.pin_max_fraction)
         self.tenant_pin_budget_pages = int(host_pages * config.pin_tenant_fraction)
-        self.prefetch_host_fraction = PREFETCH_HOST_FRACTION
+        self.prefetch_host_fraction = config.warm_host_fraction
         self.outcomes: Counter[str] = Counter()
         self._pins: dict[_Key, _Pin] = {}
         self._expiry: list[tuple[float, int, _Key]] = []

@@ -158,6 +158,8 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
             pin_tenant_fraction=args.hicache_pin_tenant_fraction,
             hint_max_ttl_s=args.hicache_hint_max_ttl_s,
             retain_ttl_s=args.hicache_retain_ttl_s,
+            # A server flag (server/serve.py): parsers of the engine alone lack it.
+            warm_host_fraction=getattr(args, "warm_host_fraction", 0.5),
         )
     except ConfigError:
         raise

@@ -129,3 +129,13 @@ def test_server_info_reports_the_hint_flags() -> None:
         "hicache_retain_ttl_s",
     )} == {"hicache_pin_max_fraction": 0.5, "hicache_pin_tenant_fraction": 0.1,
            "hicache_hint_max_ttl_s": 86400.0, "hicache_retain_ttl_s": 600.0}
+
+
+def test_the_servers_warm_host_fraction_reaches_the_cache_config() -> None:
+    """Prefetch hints fill the host pool within the server's --warm-host-fraction."""
+    assert engine_config_from_args(parse()).cache.warm_host_fraction == 0.5
+    args = parse()
+    args.warm_host_fraction = 0.25  # a flag of `hicache serve` (server/serve.py)
+    assert engine_config_from_args(args).cache.warm_host_fraction == 0.25
+    with pytest.raises(ConfigError, match="--warm-host-fraction"):
+        CacheConfig(warm_host_fraction=0.0)
