@@ -344,7 +344,6 @@ def main(args: argparse.Namespace) -> int:
     run_root = Path(args.run_dir) if args.run_dir else out.with_name(out.name + ".runs")
     header = {
         "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-        "argv": sys.argv[1:],
         "cpus": os.cpu_count(), "model": args.model, "worker_args": list(plan.worker_args),
         "num_workers": args.num_workers, "conversations": args.conversations,
         "in_flight": args.in_flight, "first_prompt_tokens": args.first_prompt_tokens,
