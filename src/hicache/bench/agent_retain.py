@@ -133,8 +133,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
     )
     l1 = args.max_total_tokens
     l2 = int(l1 * args.hicache_ratio)
-    session_tokens = shape.first_prompt_tokens + (args.turns - 1) * (
-        args.output_tokens + args.turn_tokens) + args.output_tokens
+    shape.check_fits(args.max_total_tokens, "--max-total-tokens")
+    if args.filler_tokens + 1 > args.max_total_tokens:
+        raise AgentRetainError("--filler-tokens must leave room for an answer within "
+                               "--max-total-tokens")
+    session_tokens = shape.longest_tokens
     pause = args.sessions * args.fillers_per_pause * args.filler_tokens
     notes = [
         f"L1 {l1} tokens, L2 {l2} tokens, no L3",

@@ -45,6 +45,20 @@ class ConversationShape:
         if self.round_tokens < 0:
             raise WorkloadError("round tokens must be >= 0")
 
+    @property
+    def longest_tokens(self) -> int:
+        """The last round's prompt and answer: the most a conversation's request needs."""
+        return self.first_prompt_tokens + (self.max_rounds - 1) * (
+            self.output_tokens + self.round_tokens) + self.output_tokens
+
+    def check_fits(self, context_tokens: int, flag: str) -> None:
+        """WorkloadError unless the longest request fits ``context_tokens`` (a worker's
+        device pool, which also bounds its context)."""
+        if self.longest_tokens > context_tokens:
+            raise WorkloadError(
+                f"a conversation's last round needs {self.longest_tokens} tokens (prompt and "
+                f"answer), more than {flag} {context_tokens}: fewer rounds or shorter prompts")
+
     def session(self, number: int, maker: PromptMaker, seed: int) -> Session:
         """Conversation ``number``: its own random stream, so it shares no prefix."""
         rng = np.random.default_rng([seed, number])

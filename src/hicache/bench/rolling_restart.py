@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,8 @@ MODEL_ARGS: dict[str, tuple[str, ...]] = {
 MODEL_L3_EXTRA: dict[str, dict[str, Any]] = {"smollm2": {}, "tiny": {"prefetch_threshold": 16}}
 # The router probes each worker this often: it notices one leave or come back soon.
 ROUTER_HEALTH_INTERVAL_S = 0.5
+# Distinct failure messages kept in the report (the JSON stays small however many failed).
+MAX_FAILURE_MESSAGES = 10
 
 
 class RollingRestartError(RuntimeError):
@@ -148,6 +151,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise RollingRestartError("--hicache-ratio must be > 1")
     shape = ConversationShape(args.first_prompt_tokens, args.round_tokens, args.output_tokens,
                               args.max_rounds)
+    shape.check_fits(args.max_total_tokens, "--max-total-tokens")
     worker_args = (*MODEL_ARGS[args.model], *shlex.split(args.worker_args),
                    "--drain-timeout-s", f"{args.drain_timeout_s:g}")
     return Plan(modes, shape, worker_args, dict(MODEL_L3_EXTRA[args.model]))
@@ -174,6 +178,8 @@ class ModeRun:
     mode: str
     windows: dict[str, CacheTally] = field(default_factory=dict)
     restarts: list[Restart] = field(default_factory=list)
+    # The failed requests' errors: the most frequent messages, each with its count.
+    failures: dict[str, int] = field(default_factory=dict)
     error: str | None = None
 
     @property
@@ -198,7 +204,7 @@ class ModeRun:
             "mode": self.mode, "error": self.error, "failed": self.failed,
             "windows": {name: tally.to_json() for name, tally in self.windows.items()},
             "cached_share_ratio": self.cached_share_ratio,
-            "restarts": [r.to_json() for r in self.restarts],
+            "restarts": [r.to_json() for r in self.restarts], "failures": self.failures,
         }
 
 
@@ -252,6 +258,9 @@ def run_mode(mode: str, args: argparse.Namespace, plan: Plan, run_dir: Path) -> 
         records = load.records()
         run.windows = {name: CacheTally.of(r.record for r in records if r.phase == name)
                        for name in WINDOWS}
+        errors = Counter(f"{r.phase}: {(r.record.error or '')[:200]}"
+                         for r in records if not r.record.ok)
+        run.failures = dict(errors.most_common(MAX_FAILURE_MESSAGES))
     return run
 
 
@@ -314,15 +323,18 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
 # ------------------------------------------------------------------------ report
 def report_table(runs: list[ModeRun]) -> str:
     """Per mode: the windows compared and the restarts."""
-    headers = ["mode", "failed", "before prompt", "before cached", "after prompt",
-               "after cached", "after/before", "restart s (each)", "exit codes"]
+    headers = ["mode", "failed", "before prompt", "before cached", "during restarts cached",
+               "after prompt", "after cached", "after/before", "restart s (each)",
+               "exit codes"]
     rows = []
     for run in runs:
         before = run.windows.get("before", CacheTally())
+        during = run.windows.get("restart", CacheTally())
         after = run.windows.get("after", CacheTally())
         rows.append([
             run.mode, run.failed, before.prompt_tokens, _cached_cell(before),
-            after.prompt_tokens, _cached_cell(after), times(run.cached_share_ratio),
+            _cached_cell(during), after.prompt_tokens, _cached_cell(after),
+            times(run.cached_share_ratio),
             " ".join(f"{r.total_s:.1f}" for r in run.restarts) or "-",
             " ".join(str(r.exit_code) for r in run.restarts) or "-",
         ])
@@ -361,5 +373,8 @@ def main(args: argparse.Namespace) -> int:
     out.write_text(json.dumps({"config": header, "runs": [r.to_json() for r in runs]},
                               indent=2) + "\n", encoding="utf-8")
     print(report_table(runs))
+    for run in runs:
+        for message, count in run.failures.items():
+            print(f"[{run.mode}] {count} failed: {message}")
     print(f"wrote {out}")
     return 0 if all(run.ok for run in runs) else 1

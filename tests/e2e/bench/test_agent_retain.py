@@ -30,6 +30,8 @@ def test_bad_flags_fail_before_any_worker(
         (["--fillers-per-pause", "-1"], "--fillers-per-pause must be >= 0"),
         (["--hicache-ratio", "1"], "--hicache-ratio > 1"),
         (["--retain-ttl-s", "0"], "--retain-ttl-s must be > 0"),
+        (["--turns", "20"], "more than --max-total-tokens 1024"),
+        (["--filler-tokens", "1024"], "--filler-tokens must leave room for an answer"),
     ):
         assert main(["bench", "agent-retain", "--out", str(out), *flags]) == 2
         assert message in capsys.readouterr().err

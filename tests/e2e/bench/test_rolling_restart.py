@@ -30,8 +30,11 @@ def test_bad_flags_fail_before_any_process(
         (["--before-s", "-1"], "must be >= 0"),
         (["--hicache-ratio", "1"], "--hicache-ratio must be > 1"),
         (["--max-rounds", "0"], "rounds must be >= 1"),
+        (["--max-rounds", "20"], "last round needs 1920 tokens (prompt and answer), more "
+                                 "than --max-total-tokens 1024"),
     ):
-        assert main(["bench", "rolling-restart", "--out", str(out), *flags]) == 2
+        assert main(["bench", "rolling-restart", "--out", str(out), "--max-total-tokens",
+                     "1024", *flags]) == 2
         assert message in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "out.json.runs").exists()
 
