@@ -48,6 +48,8 @@ from hicache.bench.workload import PromptMaker, WorkloadError
 from hicache.testing.server_process import ChildServer, ServerStartError
 
 MODES = ("drain", "kill")
+# Issue 33: the cached share after the restarts >= 0.8 of before, no request failed.
+TARGET_RATIO = 0.8
 WINDOWS = ("warmup", "before", "restart", "after")
 TIERS = ("device", "host", "storage")
 # The worker flags each --model stands for; "smollm2" is serve's default model.
@@ -195,6 +197,15 @@ class ModeRun:
         return ratio(after.cached_share, before.cached_share)
 
     @property
+    def target_met(self) -> bool | None:
+        """No failed request and the after/before ratio >= TARGET_RATIO; None when the
+        ratio could not be measured."""
+        share_ratio = self.cached_share_ratio
+        if self.error is not None or share_ratio is None:
+            return None
+        return self.failed == 0 and share_ratio >= TARGET_RATIO
+
+    @property
     def ok(self) -> bool:
         drained_clean = self.mode != "drain" or all(r.exit_code == 0 for r in self.restarts)
         return self.error is None and self.failed == 0 and drained_clean
@@ -203,7 +214,8 @@ class ModeRun:
         return {
             "mode": self.mode, "error": self.error, "failed": self.failed,
             "windows": {name: tally.to_json() for name, tally in self.windows.items()},
-            "cached_share_ratio": self.cached_share_ratio,
+            "cached_share_ratio": self.cached_share_ratio, "target_ratio": TARGET_RATIO,
+            "target_met": self.target_met,
             "restarts": [r.to_json() for r in self.restarts], "failures": self.failures,
         }
 
@@ -325,7 +337,7 @@ def report_table(runs: list[ModeRun]) -> str:
     """Per mode: the windows compared and the restarts."""
     headers = ["mode", "failed", "before prompt", "before cached", "during restarts cached",
                "after prompt", "after cached", "after/before", "restart s (each)",
-               "exit codes"]
+               "exit codes", "target"]
     rows = []
     for run in runs:
         before = run.windows.get("before", CacheTally())
@@ -337,6 +349,7 @@ def report_table(runs: list[ModeRun]) -> str:
             times(run.cached_share_ratio),
             " ".join(f"{r.total_s:.1f}" for r in run.restarts) or "-",
             " ".join(str(r.exit_code) for r in run.restarts) or "-",
+            {True: "met", False: "NOT met", None: "-"}[run.target_met],
         ])
     return markdown_table(headers, rows)
 

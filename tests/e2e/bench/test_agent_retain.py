@@ -70,4 +70,5 @@ def test_smoke_run_with_and_without_retain_hints(
         assert report["resume_cached_ratio"] == pytest.approx(with_hints / without)
     else:
         assert report["resume_cached_ratio"] is None
+    assert report["target_met"] == (with_hints >= 1.5 * without and with_hints > 0)
     assert "hints / none" in printed and (tmp_path / "ar.json.runs" / "hints").is_dir()

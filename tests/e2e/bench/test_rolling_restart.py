@@ -62,6 +62,7 @@ def test_smoke_run_drains_every_worker_behind_the_router(tmp_path: Path) -> None
         assert sum(window["cached_by_tier"].values()) <= window["cached_tokens"]
     assert run["cached_share_ratio"] == pytest.approx(
         after["cached_share"] / before["cached_share"])
+    assert run["target_met"] == (run["cached_share_ratio"] >= 0.8)  # reported, not required
     assert [r["worker"] for r in run["restarts"]] == [0, 1]
     assert all(r["exit_code"] == 0 for r in run["restarts"]), run["restarts"]
     assert all(r["total_s"] >= r["stop_s"] > 0 for r in run["restarts"])

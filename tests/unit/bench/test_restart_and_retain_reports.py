@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.bench.agent_retain import VariantRun, _ratio_text, hints_body, resume_ratio
+from hicache.bench.agent_retain import (
+    VariantRun,
+    _ratio_text,
+    hints_body,
+    resume_ratio,
+    target_met,
+)
 from hicache.bench.cache_tally import CacheTally
 from hicache.bench.report import RequestRecord
 from hicache.bench.rolling_restart import ModeRun, Restart, report_table
@@ -30,7 +36,9 @@ def test_the_restart_ratio_is_of_the_windows_cached_shares() -> None:
     assert run.ok and run.to_json()["cached_share_ratio"] == run.cached_share_ratio
     assert ModeRun("drain", windows={"before": tally(0, 0), "after": tally(5, 1)}
                    ).cached_share_ratio is None
-    assert "0.80x" in report_table([run])
+    assert run.target_met and "0.80x" in report_table([run])
+    short = ModeRun("kill", windows={"before": tally(1000, 600), "after": tally(500, 200)})
+    assert short.target_met is False and "NOT met" in report_table([short])
 
 
 def test_a_failed_request_or_an_unclean_drain_fails_the_mode_a_killed_worker_does_not() -> None:
@@ -54,6 +62,10 @@ def test_the_retain_ratio_is_of_the_resumes_cached_tokens_of_clean_variants() ->
     assert resume_ratio([nothing, hints]) is None
     assert _ratio_text([nothing, hints], None) == "unbounded (90 against 0)"
     assert _ratio_text([none, hints], 3.0) == "3.00x"
+    assert target_met([none, hints]) and target_met([nothing, hints])
+    assert target_met([hints, VariantRun("none", resumes=[record(100, 61)])]) is False
+    assert target_met([nothing, VariantRun("hints", resumes=[record(100, 0)])]) is False
+    assert target_met([none, broken]) is None
 
 
 def test_only_the_hints_variant_carries_a_retain_hint() -> None:
