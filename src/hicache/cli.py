@@ -49,6 +49,11 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
                "router policy"),
     "pd": ("hicache.bench.pd_bench", "multi-turn conversations on one instance and on a "
            "prefill-decode pair: TTFT and ITL side by side"),
+    "rolling-restart": ("hicache.bench.rolling_restart", "a rolling restart of every worker "
+                        "behind the router under traffic: failed requests, cache served "
+                        "before and after"),
+    "agent-retain": ("hicache.bench.agent_retain", "agent sessions pausing past the host "
+                     "tier: cached tokens on resume with and without retain hints"),
 }
 
 _COMMANDS = ("serve", "router", "demo", "bench")

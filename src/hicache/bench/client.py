@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -64,6 +64,8 @@ class RequestResult:
     finish_reason: str | None = None
     chunks: int = 0
     error: str | None = None
+    # The outcomes of the request's own cache hints (hicache_hints), as the server gave them.
+    hints: list[dict[str, Any]] | None = None
 
 
 # ------------------------------------------------------------------------ stream parsing
@@ -84,6 +86,7 @@ class _Stream:
         self.cached_tokens: int | None = None
         self.cached_by_tier: dict[str, int] | None = None
         self.finish_reason: str | None = None
+        self.hints: list[dict[str, Any]] | None = None
         self.error: str | None = None
 
     def feed(self, event: dict[str, Any], now: float) -> None:
@@ -129,7 +132,7 @@ class _Stream:
             ttft_from_content=from_content, itl_s=self.itl, prompt_tokens=self.prompt_tokens,
             output_tokens=output_tokens, cached_tokens=self.cached_tokens,
             cached_by_tier=self.cached_by_tier, text=self.text, output_ids=self.output_ids,
-            finish_reason=self.finish_reason, chunks=self.chunks, error=error,
+            finish_reason=self.finish_reason, chunks=self.chunks, error=error, hints=self.hints,
         )
 
     @property
@@ -157,6 +160,9 @@ class OpenAIStream(_Stream):
                 self._output(1, now)
             if choice.get("finish_reason"):
                 self.finish_reason = str(choice["finish_reason"])
+        hints = event.get("hicache_hints")
+        if isinstance(hints, list):
+            self.hints = [h for h in hints if isinstance(h, dict)]
         usage = event.get("usage")
         if usage:
             self.prompt_tokens = _int_or(usage.get("prompt_tokens"), self.prompt_tokens)
@@ -212,6 +218,9 @@ class GenerateStream(_Stream):
         details = meta.get("cached_tokens_details")
         if isinstance(details, dict):
             self.cached_by_tier = _tiers(details)
+        hints = meta.get("hints")
+        if isinstance(hints, list):
+            self.hints = [h for h in hints if isinstance(h, dict)]
         reason = meta.get("finish_reason")
         if reason:
             self.finish_reason = str(reason.get("type")) if isinstance(reason, dict) else str(
@@ -314,8 +323,15 @@ class BenchClient:
             pass
         return "default"
 
-    def payload(self, prompt: Prompt, max_tokens: int) -> tuple[str, dict[str, Any]]:
-        """The route and JSON body for one streamed request."""
+    def payload(
+        self, prompt: Prompt, max_tokens: int, extra: Mapping[str, Any] | None = None,
+    ) -> tuple[str, dict[str, Any]]:
+        """The route and JSON body for one streamed request; ``extra``'s fields are added
+        to the body as they are (e.g. ``hicache_hints``)."""
+        route, body = self._payload(prompt, max_tokens)
+        return route, {**body, **(extra or {})}
+
+    def _payload(self, prompt: Prompt, max_tokens: int) -> tuple[str, dict[str, Any]]:
         if self.api is ApiStyle.OPENAI:
             body: dict[str, Any] = {
                 "model": self.model or "default",
@@ -340,9 +356,12 @@ class BenchClient:
             "stream": True,
         }
 
-    async def send(self, prompt: Prompt, max_tokens: int) -> RequestResult:
-        """Send one streamed request and time it; never raises for server or network errors."""
-        route, body = self.payload(prompt, max_tokens)
+    async def send(
+        self, prompt: Prompt, max_tokens: int, extra: Mapping[str, Any] | None = None,
+    ) -> RequestResult:
+        """Send one streamed request and time it; never raises for server or network errors.
+        ``extra``: more body fields (see ``payload``)."""
+        route, body = self.payload(prompt, max_tokens, extra)
         sent_at = time.perf_counter()
         stream: _Stream = (
             OpenAIStream(sent_at) if self.api is ApiStyle.OPENAI else GenerateStream(sent_at)
