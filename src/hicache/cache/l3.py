@@ -210,7 +210,8 @@ class StorageTier:
             wait_s = self.config.prefetch_timeout_max
         deadline = context.clock() + wait_s
         handle = PrefetchHandle(
-            op=PrefetchOp(keys), data=data[: whole * page_bytes], extra_key=extra_key,
+            op=PrefetchOp(keys, tenant=extra_key), data=data[: whole * page_bytes],
+            extra_key=extra_key,
             start_page=start_page, anchor=anchor, deadline=deadline,
             num_requested_tokens=missing_tokens, replicated=context.replicated(),
         )
@@ -328,7 +329,7 @@ class StorageTier:
         self._backups[node.id] = node
         if self._context.events is not None:
             self._context.events.l3_put_issued(node)
-        op = BackupOp(list(keys), node.host_pages.copy(), node)
+        op = BackupOp(list(keys), node.host_pages.copy(), node, tenant=node.extra_key)
         if self._context.replicated():
             self.agreement.add_backup(op)
         if not self._context.writes_to_l3:

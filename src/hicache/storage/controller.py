@@ -45,6 +45,7 @@ from hicache.openmp import one_openmp_thread_here
 from hicache.radix.results import no_pages
 from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend, StorageError, StorageStats
 from hicache.storage.breaker import CircuitBreaker
+from hicache.storage.call_tenant import call_tenant
 from hicache.storage.deadline import Call, DeadlineCaller
 from hicache.storage.failure_log import FailureLog
 from hicache.storage.failure_reasons import FailureReason, raised_reason
@@ -81,6 +82,7 @@ class PrefetchOp:
     num_claimed: int = 0
     io_done: bool = False
     owner: Any = None  # the scheduler's handle
+    tenant: str | None = None  # the request's cache salt (storage/call_tenant.py)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def claim(self, stop: int) -> bool:
@@ -111,6 +113,7 @@ class BackupOp:
     owner: Any = None  # the scheduler's tree node
     num_stored: int = 0
     num_existing: int = 0
+    tenant: str | None = None  # the node's cache salt (storage/call_tenant.py)
 
 
 @dataclass(eq=False)
@@ -532,8 +535,9 @@ class StorageController:
             return _Answer()
         args: tuple[Any, ...] = (keys,) if host_pages is None else (keys, host_pages)
         pages = no_pages() if host_pages is None else np.asarray(host_pages).copy()
+        tenant = None if op is None else op.tenant
         call = self._callers[thread].run(
-            lambda: self._measured(fn, args), self.io_timeout_s,
+            lambda: self._measured(fn, args, tenant), self.io_timeout_s,
             lambda late: self._on_stall(late, what, pages, op),
         )
         if call.abandoned:
@@ -553,14 +557,18 @@ class StorageController:
             self.breaker.record_success()
         return _Answer(max(0, min(answer.count, len(keys))), answer.num_skipped_existing)
 
-    def _measured(self, fn: Callable[..., int], args: tuple[Any, ...]) -> tuple[_Answer, bool]:
-        """Runs on the runner: the call, and whether the backend counted an outage meanwhile.
+    def _measured(
+        self, fn: Callable[..., int], args: tuple[Any, ...], tenant: str | None = None,
+    ) -> tuple[_Answer, bool]:
+        """Runs on the runner: the call (for ``tenant``: ``call_tenant.py``), and whether
+        the backend counted an outage meanwhile.
 
         The stats are read here, not on the waiting thread: a backend whose call
         hangs may hold the lock its ``stats()`` takes.
         """
         before = self._stats()
-        count = int(fn(*args))
+        with call_tenant(tenant):
+            count = int(fn(*args))
         after = self._stats()
         if before is None or after is None:
             return _Answer(count), False
