@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from hicache.cli import build_parser
 from hicache.config import ConfigError
+from hicache.server import serve
 from hicache.tenancy.identity import (
     ANONYMOUS,
     Caller,
@@ -125,3 +127,21 @@ def test_labels_name_the_default_tenant() -> None:
     for bad in ("", "a b", "a/b", "t" * 129):
         with pytest.raises(ValueError, match="1-128 characters"):
             check_tenant_name(bad)
+
+
+def test_hicache_serve_refuses_a_bad_key_file_before_loading_anything(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_engine(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the engine must not be built with a bad key file")
+
+    monkeypatch.setattr(serve, "build_engine", no_engine)
+    monkeypatch.setattr(serve, "EngineClient", no_engine)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("plain:k acme\nplain:k globex\n")
+    args = build_parser().parse_args(["serve", "--api-keys", str(keys), "--single-process"])
+    assert serve.main(args) == 2
+    assert f"{keys}:2: the same key as line 1" in caplog.text
+    args = build_parser().parse_args(["serve", "--tenant-header", "bad header"])
+    assert serve.main(args) == 2
+    assert "--tenant-header" in caplog.text
