@@ -209,6 +209,7 @@ class FakeWorker:
     stream_delay_s: float = 0.0  # between streamed chunks
     answer_delay_s: float = 0.0  # before a non-streamed answer
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)  # each request's, in order
     cancelled: list[str] = field(default_factory=list)
     flushed: int = 0
     aborts: list[dict[str, Any]] = field(default_factory=list)
@@ -262,6 +263,7 @@ def fake_worker_app(worker: FakeWorker) -> FastAPI:
     async def hints(request: Request) -> Response:
         body = await request.json()
         worker.requests.append((request.url.path, body))
+        worker.headers.append(dict(request.headers))
         if worker.hint_status != 200:
             return JSONResponse({"error": {"message": "the worker is draining"}},
                                 status_code=worker.hint_status)
@@ -282,6 +284,7 @@ def fake_worker_app(worker: FakeWorker) -> FastAPI:
     async def answer(request: Request) -> Response:
         body = await request.json()
         worker.requests.append((request.url.path, body))
+        worker.headers.append(dict(request.headers))
         tag = str(body.get("tag", ""))
         if not body.get("stream"):
             # As a worker does: the request is dropped when its client is gone.

@@ -28,6 +28,7 @@ from hicache.server.drain import DEFAULT_DRAIN_TIMEOUT_S
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
 from hicache.server.warm import DEFAULT_WARM_HOST_FRACTION
+from hicache.tenancy.identity import TenantIdentity
 from tests.waiting import wait_until
 
 # On CPU even where a GPU is present: the same numbers, hence the same greedy outputs,
@@ -102,6 +103,7 @@ def serve_in_thread(
     strict_model_name: bool = False, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     on_drained: Callable[[], None] | None = None,
     warm_host_fraction: float = DEFAULT_WARM_HOST_FRACTION,
+    identity: TenantIdentity | None = None,
 ) -> Iterator[RunningServer]:
     args = parse_test_args(engine_args)
     engine = build_engine(engine_config_from_args(args))
@@ -114,7 +116,7 @@ def serve_in_thread(
                 args.model_path, engine.tokenizer, args.dtype, args.device)),
             max_request_bytes=max_request_bytes, l3_path_root=l3_path_root,
             strict_model_name=strict_model_name, drain_timeout_s=drain_timeout_s,
-            on_drained=on_drained, warm_host_fraction=warm_host_fraction,
+            on_drained=on_drained, warm_host_fraction=warm_host_fraction, identity=identity,
         )
         with serve_app_in_thread(app) as url:
             yield RunningServer(url, engine)

@@ -31,12 +31,12 @@ Hashes (``events.hashing``): per full page, chained from the parent page, so
 the router computes the same values from a request's token ids. Each node
 keeps its pages' digests (``TreeNode.event_digests``, split with the node) and
 a child chains from its parent's last one: a page is hashed once, when it
-first enters the tree. The request's extra key (cache salt) is left out, as
-SGLang does: salted and unsalted copies of the same tokens announce the same
-hashes, so a router may count a salted prefix as a hit for an unsalted request
-(and see it removed while another namespace still holds it); routing is a
-little off then, never the KV served, which the worker's own namespaced tree
-decides.
+first enters the tree. The tenant (the node's extra key, the request's cache
+salt) is part of the hashes: a root child's first page chains from
+``hashing.tenant_root_digest(extra_key)``, which is nothing for the default tenant
+(its hashes are SGLang's, unchanged) and a per-tenant digest otherwise. So two
+tenants' copies of the same tokens announce different hashes, and a router that
+hashes a request with its tenant never counts another tenant's pages as hits.
 
 Nothing here runs when events are off: the cache then has no emitter and the
 tree no observer, so no page is ever hashed.
@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
-from hicache.events.hashing import digest_to_hash, packed_page_digests
+from hicache.events.hashing import digest_to_hash, packed_page_digests, tenant_root_digest
 from hicache.events.messages import (
     MEDIUM_CPU,
     MEDIUM_EXTERNAL,
@@ -186,7 +186,9 @@ class KVEventEmitter(TierObserver):
         for item in reversed(missing):
             parent = item.parent
             assert parent is not None
-            last = None if parent.is_root else parent.event_digests[-1]  # type: ignore[index]
+            # A root child starts its tenant's chain (root children are keyed by tenant).
+            last = (tenant_root_digest(item.extra_key) if parent.is_root
+                    else parent.event_digests[-1])  # type: ignore[index]
             item.event_digests = packed_page_digests(item.tokens, self.page_size, last)
         assert node.event_digests is not None
         return node.event_digests

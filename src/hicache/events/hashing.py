@@ -6,6 +6,12 @@ first page) followed by each token id as 4 little-endian bytes; the event
 carries the digest's first 8 bytes read as a big-endian signed int64. Chaining
 through the parent makes a page's hash name its whole prefix, so equal hashes
 mean equal prefixes (up to SHA-256 collisions), whatever worker computed them.
+
+Tenants: the default tenant's pages (``extra_key`` None) hash exactly as SGLang's,
+so its router keeps working for untenanted traffic. Every other tenant's first
+page chains from ``tenant_root_digest(extra_key)`` instead of nothing, so the
+same tokens of two tenants never share a hash, and a router that hashes with the
+request's tenant (``hicache router``) never scores one tenant's pages as another's.
 """
 
 from __future__ import annotations
@@ -32,6 +38,16 @@ def _digest(page: bytes, parent_digest: bytes | None) -> bytes:
         hasher.update(parent_digest)
     hasher.update(page)
     return hasher.digest()
+
+
+def tenant_root_digest(extra_key: str | None) -> bytes | None:
+    """The digest a tenant's first page chains from: None (nothing, as SGLang) for the
+    default tenant, else a SHA-256 of the tenant's extra key, domain-separated from page
+    digests (those hash whole pages of 4-byte tokens, never this prefix)."""
+    if extra_key is None:
+        return None
+    return hashlib.sha256(
+        b"hicache-tenant\x00" + extra_key.encode("utf-8", "surrogatepass")).digest()
 
 
 def digest_to_hash(digest: bytes) -> int:

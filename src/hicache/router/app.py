@@ -13,6 +13,9 @@ A routed request's JSON body is read once: its prompt is hashed into pages
 (``prompt``), ``router_config_override`` (the router's, Dynamo's per-request
 ``shared_cache_multiplier``) is taken out, and the rest goes to the worker as
 sent. A body that is not a JSON object is a 400 and no worker hears of it.
+With ``--api-keys`` / ``--tenant-header`` the router resolves each request's tenant as
+its workers do (``tenancy.identity``: a 401 for a missing key before anything else),
+hashes its pages in that tenant's chain and forwards the credentials unchanged.
 A body over ``--max-request-bytes`` is a 413 before it is read, and a large one
 is parsed off the event loop. With ``--admin-api-key``, changing the worker
 list, /flush_cache and /abort_request with ``abort_all`` need ``Authorization:
@@ -41,7 +44,7 @@ from hicache.router.hints import HINTS_PATH, forward_hints, metric_labels
 from hicache.router.hints import parse_body as parse_hints
 from hicache.router.history import RequestHistory
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
-from hicache.router.prompt import PromptKind, PromptTokenizer, prompt_pages
+from hicache.router.prompt import PromptKind, PromptTokenizer, body_cache_key, prompt_pages
 from hicache.router.proxy import Proxy
 from hicache.router.settings import RouterSettings, SettingsError, check_worker_url
 from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
@@ -51,6 +54,7 @@ from hicache.server.admin_api import check_bearer
 from hicache.server.body import sized_off_loop
 from hicache.server.body_limit import BodyLimitMiddleware
 from hicache.server.errors import APIError, install_error_handlers
+from hicache.server.tenant import TenantMiddleware, request_caller, request_tenant
 from hicache.tokenizer.base import Tokenizer
 
 OVERRIDE_FIELD = "router_config_override"
@@ -88,6 +92,16 @@ def admin_headers(request: Request) -> dict[str, str] | None:
     """The client's admin key, passed on to the workers of a fan-out (they check it)."""
     key = request.headers.get("authorization")
     return {"authorization": key} if key else None
+
+
+def tenant_headers(request: Request, settings: RouterSettings) -> dict[str, str] | None:
+    """The client's key and, with --tenant-header, that header: what a worker needs to
+    resolve the same tenant the router did."""
+    headers = admin_headers(request) or {}
+    name = settings.identity.tenant_header
+    if name is not None and name in request.headers:
+        headers[name] = request.headers[name]
+    return headers or None
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -166,6 +180,10 @@ def create_router_app(
                   "cheapest", lifespan=lifespan)
     app.state.router = state
     install_error_handlers(app)
+    if settings.identity.enabled:
+        # The same identity as the workers': a refused caller costs no tokenizing and
+        # no worker hears of it; the credentials then go on to the worker as sent.
+        app.add_middleware(TenantMiddleware, identity=settings.identity)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
 
     async def routed(request: Request, kind: PromptKind) -> Response:
@@ -183,11 +201,14 @@ def create_router_app(
             return await state.proxy.route(request.url.path, raw, request.headers, [], [],
                                            multiplier, request.receive)
         tokenizer = await _tokenizer(state)
+        tenant = request_tenant(request, body_cache_key(body))
         ids, hashes = await run_in_threadpool(prompt_pages, kind, body, tokenizer,
-                                              reference.page_size)
+                                              reference.page_size, tenant)
         response = await state.proxy.route(request.url.path, raw, request.headers, ids,
-                                           hashes, multiplier, request.receive)
-        if response.status_code == 200:  # a prompt a worker took: worth warming with
+                                           hashes, multiplier, request.receive, tenant)
+        # A prompt a worker took is worth warming a joining worker with; a tenant's only
+        # with its credentials, which the router does not keep: the default tenant's only.
+        if response.status_code == 200 and tenant is None:
             state.history.record(ids, hashes)
         return response
 
@@ -248,7 +269,8 @@ def create_router_app(
             parse_hints(body)  # a malformed body is still a 400
             raise APIError(503, "no healthy worker to send the hints to")
         tokenizer = await _tokenizer(state)
-        headers = admin_headers(request)  # the client's key, if any, as sent
+        # The client's key, and the gateway's tenant header, as sent.
+        headers = tenant_headers(request, state.settings)
 
         async def send(url: str, content: bytes) -> tuple[int, Any]:
             return await state.proxy.request_json(url, "POST", HINTS_PATH, content, headers)
@@ -257,6 +279,7 @@ def create_router_app(
         answer = await forward_hints(
             body, workers, state.policy, state.index, reference.page_size, tokenizer, send,
             max_prefix_tokens=context if isinstance(context, int) and context > 0 else None,
+            caller=request_caller(request),
         )
         for outcome in answer["results"]:
             state.metrics.hints.labels(*metric_labels(outcome)).inc()

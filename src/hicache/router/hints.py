@@ -36,13 +36,15 @@ from typing import Any, Final
 
 from starlette.concurrency import run_in_threadpool
 
-from hicache.events.hashing import page_hashes
+from hicache.events.hashing import page_hashes, tenant_root_digest
 from hicache.router.credentials import redact
 from hicache.router.types import RouteRequest, RoutingPolicy, TierIndex
 from hicache.router.workers import Worker
 from hicache.server.errors import APIError
 from hicache.server.hint_protocol import HintItem
 from hicache.server.hints import parse_items
+from hicache.server.protocol import cache_key
+from hicache.tenancy.identity import ANONYMOUS, Caller
 from hicache.tokenizer.base import Tokenizer
 
 HINTS_PATH: Final = "/hicache/hints"
@@ -107,19 +109,21 @@ def forwarded_item(item: HintItem, ids: list[int]) -> dict[str, Any]:
 
 async def place(
     items: Sequence[HintItem], ids: Sequence[list[int]], workers: Sequence[Worker],
-    policy: RoutingPolicy, index: TierIndex, page_size: int,
+    policy: RoutingPolicy, index: TierIndex, page_size: int, caller: Caller = ANONYMOUS,
 ) -> list[_Placed]:
     """Where each item goes (see the module docstring). The policy's choices are asked
     side by side (up to ``MAX_CONCURRENT_CHOICES``): a policy may wait on the shared pool
     for each."""
     urls = [w.url for w in workers]
     loads = [w.load() for w in workers]
+    # Each item's tenant, as the worker resolves it (server/hints.py, tenancy.identity).
+    tenants = [caller.tenant(cache_key(None, item.cache_salt)) for item in items]
 
     def hash_and_find_holders() -> list[tuple[list[int], list[str]]]:
         # Off the event loop: a call may name a thousand context-long prefixes.
         out = []
-        for item, tokens in zip(items, ids, strict=True):
-            hashes = page_hashes(tokens, page_size)
+        for item, tokens, tenant in zip(items, ids, tenants, strict=True):
+            hashes = page_hashes(tokens, page_size, tenant_root_digest(tenant))
             holders: list[str] = []
             if item.kind not in _ROUTED_KINDS and hashes:
                 overlaps = index.overlaps(hashes, urls)
@@ -130,18 +134,19 @@ async def place(
     found = await run_in_threadpool(hash_and_find_holders)
     limit = asyncio.Semaphore(MAX_CONCURRENT_CHOICES)
 
-    async def choose(hashes: list[int], tokens: list[int]) -> str:
+    async def choose(hashes: list[int], tokens: list[int], tenant: str | None) -> str:
         request = RouteRequest(page_hashes=hashes, prompt_tokens=len(tokens), workers=loads,
-                               page_size=page_size)
+                               page_size=page_size, tenant=tenant)
         async with limit:
             return (await policy.choose(request, tokens)).worker
 
     placed = []
     routed: list[tuple[_Placed, Awaitable[str]]] = []
-    for item, tokens, (hashes, holders) in zip(items, ids, found, strict=True):
+    for item, tokens, tenant, (hashes, holders) in zip(items, ids, tenants, found,
+                                                       strict=True):
         entry = _Placed(forwarded_item(item, tokens))
         if item.kind in _ROUTED_KINDS:
-            routed.append((entry, choose(hashes, tokens)))
+            routed.append((entry, choose(hashes, tokens, tenant)))
         else:
             entry.targets = holders or list(urls)
         placed.append(entry)
@@ -192,11 +197,12 @@ def merge(index: int, per_worker: Mapping[str, dict[str, Any]]) -> dict[str, Any
 async def forward_hints(
     body: Mapping[str, Any], workers: Sequence[Worker], policy: RoutingPolicy,
     index: TierIndex, page_size: int, tokenizer: Tokenizer, send: Send,
-    max_prefix_tokens: int | None = None,
+    max_prefix_tokens: int | None = None, caller: Caller = ANONYMOUS,
 ) -> dict[str, Any]:
     """Check, place and send the body's hints; the merged outcomes (``{"results"}``).
     ``send(url, content)`` posts one worker's body and answers (status, JSON or text);
-    ``max_prefix_tokens``: the workers' context, when known."""
+    ``max_prefix_tokens``: the workers' context, when known; ``caller``: whose hints they
+    are (each prefix hashes in its tenant's chain, as the worker keys it)."""
     items = parse_body(body)
     if not workers:
         raise APIError(503, "no healthy worker to send the hints to")
@@ -204,7 +210,7 @@ async def forward_hints(
            else item_ids(item, tokenizer) for item in items]
     for position, tokens in enumerate(ids):
         check_prefix(position, tokens, max_prefix_tokens)
-    placed = await place(items, ids, workers, policy, index, page_size)
+    placed = await place(items, ids, workers, policy, index, page_size, caller)
     by_worker: dict[str, list[int]] = {}
     for position, entry in enumerate(placed):
         for url in entry.targets:

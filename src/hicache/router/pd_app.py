@@ -41,13 +41,14 @@ from hicache.router.fan_out import fan_out_answer
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.pd_pools import NullIndex, PDPools, create_decode_chooser
 from hicache.router.pd_proxy import PDProxy
-from hicache.router.prompt import PromptKind, PromptTokenizer, prompt_pages
+from hicache.router.prompt import PromptKind, PromptTokenizer, body_cache_key, prompt_pages
 from hicache.router.proxy import Proxy
 from hicache.router.settings import RouterSettings
 from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
 from hicache.router.workers import Worker, WorkerInfo, WorkerRegistry
 from hicache.server.body_limit import BodyLimitMiddleware
 from hicache.server.errors import install_error_handlers
+from hicache.server.tenant import TenantMiddleware, request_tenant
 from hicache.tokenizer.base import Tokenizer
 
 
@@ -116,6 +117,8 @@ def create_pd_router_app(
                   lifespan=lifespan)
     app.state.router = state
     install_error_handlers(app)
+    if settings.identity.enabled:  # as the plain router (router/app.py)
+        app.add_middleware(TenantMiddleware, identity=settings.identity)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
 
     async def routed(request: Request, kind: PromptKind) -> Response:
@@ -125,12 +128,13 @@ def create_pd_router_app(
         ids: list[int] = []
         hashes: list[int] = []
         reference = state.pools.prefill.reference
+        tenant = request_tenant(request, body_cache_key(body))
         if reference is not None and state.pools.prefill.healthy():
             tokenizer = await _tokenizer(state)
             ids, hashes = await run_in_threadpool(prompt_pages, kind, body, tokenizer,
-                                                  reference.page_size)
+                                                  reference.page_size, tenant)
         return await state.proxy.route(request.url.path, body, request.headers, ids, hashes,
-                                       multiplier, request.receive)
+                                       multiplier, request.receive, tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

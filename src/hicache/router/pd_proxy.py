@@ -133,12 +133,12 @@ class PDProxy:
     async def route(
         self, path: str, body: dict[str, Any], headers: Mapping[str, str],
         token_ids: list[int], hashes: list[int], shared_cache_multiplier: float | None,
-        receive: Receive,
+        receive: Receive, tenant: str | None = None,
     ) -> Response:
         tried: list[str] = []
         while True:
             prefill = await self._choose_prefill(token_ids, hashes, shared_cache_multiplier,
-                                                 tried)
+                                                 tried, tenant)
             decode = self._choose_decode(tried)
             bootstrap = new_bootstrap(prefill.url, self._pools.bootstrap_ports[prefill.url])
             content = json.dumps({**body, **bootstrap.fields()}, ensure_ascii=False).encode()
@@ -153,7 +153,7 @@ class PDProxy:
 
     async def _choose_prefill(
         self, token_ids: list[int], hashes: list[int], multiplier: float | None,
-        tried: list[str],
+        tried: list[str], tenant: str | None = None,
     ) -> Worker:
         candidates = [w for w in self._pools.prefill.healthy() if w.url not in tried]
         if not candidates:
@@ -161,7 +161,7 @@ class PDProxy:
         request = RouteRequest(
             page_hashes=hashes, prompt_tokens=len(token_ids),
             workers=[w.load() for w in candidates], shared_cache_multiplier=multiplier,
-            page_size=self._pools.prefill.page_size,
+            page_size=self._pools.prefill.page_size, tenant=tenant,
         )
         started = time.perf_counter()
         decision = await self._policy.choose(request, token_ids)

@@ -212,7 +212,9 @@ class TierAwarePolicy(_Policy):
         page = _page_size(request)
         began = time.monotonic()
         query: asyncio.Future[Sequence[bool]] | None = None
-        if self.shared is not None and request.page_hashes:
+        # The shared pool is named by the workers' default-tenant key seed: a tenant's L3
+        # pages have other names, so its requests score from the index (tenant hashes) alone.
+        if self.shared is not None and request.page_hashes and request.tenant is None:
             query = await _start_query(self.shared, request.page_hashes, token_ids)
         try:
             overlaps = self.index.overlaps(request.page_hashes, [w.url for w in request.workers])

@@ -6,6 +6,12 @@ sent them; else the text through the model's tokenizer as the worker does it
 ``chat_prompt_ids`` for messages). A batch routes by its first prompt. A body
 the worker will refuse anyway (a wrong field, a template error) routes with no
 pages, by load alone: the worker's answer is the error the client gets.
+
+Tenants: the body's cache key (``body_cache_key``: ``extra_key``/``cache_salt`` as
+the worker reads them, a batch's first) resolved against the caller's identity
+(``tenancy.identity``) is the worker's ``extra_key``; the pages hash chained from
+that tenant's root digest (``events.hashing.tenant_root_digest``), as the worker's
+KV events announce them, so one tenant's pages never score for another's prompt.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from hicache.events.hashing import page_hashes
+from hicache.events.hashing import page_hashes, tenant_root_digest
 from hicache.server.chat_prompt import chat_prompt_ids
 from hicache.server.chat_protocol import ChatCompletionRequest
 from hicache.server.errors import APIError
+from hicache.server.protocol import cache_key
 from hicache.tokenizer.base import Tokenizer
 from hicache.tokenizer.load import load_tokenizer
 
@@ -80,12 +87,27 @@ def prompt_token_ids(
     return []
 
 
+def _first_text(value: Any) -> str | None:
+    """A field as the worker reads it for the first prompt: a text, or a batch's first."""
+    if isinstance(value, list) and value:
+        value = value[0]
+    return value if isinstance(value, str) else None
+
+
+def body_cache_key(body: Mapping[str, Any]) -> str | None:
+    """The body's cache namespace (``server.protocol.cache_key`` of its ``extra_key`` and
+    ``cache_salt``; a batch's first prompt's). A malformed field counts as none: the worker
+    refuses that body anyway."""
+    return cache_key(_first_text(body.get("extra_key")), _first_text(body.get("cache_salt")))
+
+
 def prompt_pages(
     kind: PromptKind, body: Mapping[str, Any], tokenizer: Tokenizer | None, page_size: int,
+    tenant: str | None = None,
 ) -> tuple[list[int], list[int]]:
-    """(token ids, their full pages' hashes)."""
+    """(token ids, their full pages' hashes in ``tenant``'s chain)."""
     ids = prompt_token_ids(kind, body, tokenizer)
-    return ids, page_hashes(ids, page_size)
+    return ids, page_hashes(ids, page_size, tenant_root_digest(tenant))
 
 
 class PromptTokenizer:

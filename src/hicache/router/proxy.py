@@ -150,6 +150,7 @@ class Proxy:
     async def route(
         self, path: str, content: bytes, headers: Mapping[str, str], token_ids: list[int],
         hashes: list[int], shared_cache_multiplier: float | None, receive: Receive,
+        tenant: str | None = None,
     ) -> UpstreamResponse:
         """POST ``content`` to the policy's choice among healthy workers, next choice on a
         failure before any answer; APIError(503) when none is left."""
@@ -163,7 +164,7 @@ class Proxy:
                 page_hashes=hashes, prompt_tokens=len(token_ids),
                 workers=[w.load() for w in candidates],
                 shared_cache_multiplier=shared_cache_multiplier,
-                page_size=self._workers.page_size,
+                page_size=self._workers.page_size, tenant=tenant,
             )
             started = time.perf_counter()
             decision = await self._policy.choose(request, token_ids)

@@ -13,11 +13,13 @@ import argparse
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
+from hicache.config import ConfigError
 from hicache.router.credentials import redact
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, add_max_request_bytes_arg
+from hicache.tenancy.identity import TenantIdentity, add_identity_args, identity_from_flags
 
 
 class PolicyName(str, enum.Enum):
@@ -72,6 +74,8 @@ class RouterSettings:
     # None: the admin routes need no key. Set, it guards the worker list, /flush_cache and
     # /abort_request with abort_all (the client's key is passed on to the workers).
     admin_api_key: str | None = None
+    # --api-keys and --tenant-header: who a request is, hence its tenant (tenancy.identity).
+    identity: TenantIdentity = field(default_factory=TenantIdentity)
     # Largest request body accepted (a 413 beyond it, before it is read), as the workers'.
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     health_interval_s: float = 2.0
@@ -137,6 +141,9 @@ class RouterSettings:
             value = getattr(self, f.name)
             if f.name == "admin_api_key":
                 value = value is not None
+            elif f.name == "identity":  # whether keys are required, never their digests
+                value = {"api_keys": value.api_keys is not None,
+                         "tenant_header": value.tenant_header}
             elif isinstance(value, enum.Enum):
                 value = value.value
             elif f.name == "prefill":
@@ -261,6 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "abort_all; the key a client sends is passed on to the workers, so give them the same "
         "--admin-api-key (default: no key needed)",
     )
+    add_identity_args(group)
     add_max_request_bytes_arg(group, d.max_request_bytes)
     group.add_argument(
         "--health-interval", type=float, default=d.health_interval_s,
@@ -309,6 +317,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     """Raises SettingsError on a bad value."""
     urls = tuple(dict.fromkeys(normalize_worker_url(u) for u in args.worker_urls))
+    try:
+        identity = identity_from_flags(args.api_keys, args.tenant_header)
+    except ConfigError as error:
+        raise SettingsError(str(error)) from None
     return RouterSettings(
         worker_urls=urls, host=args.host, port=args.port, policy=PolicyName(args.policy),
         overlap_weight=args.overlap_weight,
@@ -316,6 +328,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         shared_cache_type=SharedCacheType(args.shared_cache_type),
         tier_costs=TierCostsMode(args.tier_costs), tokenizer=args.tokenizer,
         admin_api_key=args.admin_api_key or None,  # an empty key would let anyone in
+        identity=identity,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,
         worker_startup_timeout_s=args.worker_startup_timeout,
         warm_on_join_timeout_s=args.warm_on_join_timeout_s,

@@ -57,6 +57,9 @@ class RouteRequest:
     shared_cache_multiplier: float | None = None  # per-request override; None: the router's
     # Tokens per page, as the hashes were computed; the scoring policies need it.
     page_size: int | None = None
+    # The request's tenant (its workers' extra_key), which its hashes chain from
+    # (events.hashing.tenant_root_digest); None: the default tenant.
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ a 413 beyond it: ``body_limit``) and parsed off the event loop when large
 (``--l3-path-root``). The served model name defaults to the engine's; ``hicache serve`` passes
 ``--served-model-name``, else ``--model-path`` as given (as SGLang does). A request
 naming another model, or none, is served that one model unless ``strict_model_name``
-(``--strict-model-name``: a 404). Each request is logged in one line (``access_log``;
-``--disable-access-log`` turns it off).
+(``--strict-model-name``: a 404). With ``identity`` (``--api-keys``, ``--tenant-header``)
+the model routes need a tenant's key and run as its tenant (``tenant``). Each request is
+logged in one line (``access_log``; ``--disable-access-log`` turns it off).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from hicache.server.l3_path_root import resolve_root
 from hicache.server.metrics import ServerMetrics
 from hicache.server.server_info import ServerInfo, l3_description, model_info, server_info
 from hicache.server.state import ServedEngine, ServerState, get_state
+from hicache.server.tenant import TenantMiddleware
+from hicache.tenancy.identity import TenantIdentity
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -65,6 +68,7 @@ def create_app(
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     on_drained: Callable[[], None] | None = None,
     warm_host_fraction: float = warm.DEFAULT_WARM_HOST_FRACTION,
+    identity: TenantIdentity | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,6 +102,9 @@ def create_app(
     state.drain = drain
     state.metrics.registry.register(DrainCollector(drain))
     install_error_handlers(app)
+    if identity is not None and identity.enabled:
+        # Inside the body limit: a refused caller's body is never read at all.
+        app.add_middleware(TenantMiddleware, identity=identity)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if access_log:  # outermost: it sees every answer, a 413 from the body limit too
         app.add_middleware(AccessLogMiddleware)

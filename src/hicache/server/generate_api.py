@@ -42,6 +42,7 @@ from hicache.server.output_text import OutputText, TextOptions, finish_reason
 from hicache.server.protocol import MAX_CHOICES, CachedTokensDetails
 from hicache.server.sse import DONE, EventStreamResponse, event
 from hicache.server.state import ServerState, get_state
+from hicache.server.tenant import request_tenant
 
 router = APIRouter()
 
@@ -102,7 +103,7 @@ async def generate(request: Request) -> Response:
     # dropped there, never prefilled.
     watch = ClientWatch(request.receive)
     if not body.is_batch and samples[0] == 1:
-        running = (await _start(state, body, 0, watch))[0]
+        running = (await _start(state, request, body, 0, watch))[0]
         if body.stream:
             return EventStreamResponse(_events(running))
         result = await _complete(running, watch)
@@ -110,7 +111,7 @@ async def generate(request: Request) -> Response:
     # A batch, or n samples of one prompt: a list of results, prompt by prompt and each
     # prompt's samples in order (as SGLang answers); streamed, each chunk names its "index"
     # in that order.
-    batch = await _start_batch(state, body, watch)
+    batch = await _start_batch(state, request, body, watch)
     if body.stream:
         return EventStreamResponse(_batch_events(batch))
     try:
@@ -122,7 +123,8 @@ async def generate(request: Request) -> Response:
 
 
 async def _start(
-    state: ServerState, body: GenerateReqInput, index: int, watch: ClientWatch
+    state: ServerState, request: Request, body: GenerateReqInput, index: int,
+    watch: ClientWatch,
 ) -> list[_Running]:
     """The prompt's samples (one unless ``n``), started (see choices.start_samples)."""
     prompt = body.item_prompt(index)
@@ -139,11 +141,12 @@ async def _start(
     sampling = params.to_engine(max_new_tokens)
     rid = body.item_rid(index) or uuid.uuid4().hex
     logprobs = body.item_logprobs(index)
+    tenant = request_tenant(request, body.item_cache_key(index))
     engine_request = GenerateRequest(
-        tuple(input_ids), sampling, rid=rid, extra_key=body.item_cache_key(index),
+        tuple(input_ids), sampling, rid=rid, extra_key=tenant,
         logprobs=logprobs,
         bootstrap=request_bootstrap(state, *body.item_bootstrap(index)),
-        hints=request_hints(body.hicache_hints, body.item_cache_key(index)),
+        hints=request_hints(body.hicache_hints, tenant),
     )
     if not 1 <= (params.n or 1) <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {params.n}",
@@ -163,12 +166,12 @@ async def _start(
 
 
 async def _start_batch(
-    state: ServerState, body: GenerateReqInput, watch: ClientWatch
+    state: ServerState, request: Request, body: GenerateReqInput, watch: ClientWatch
 ) -> list[_Running]:
     """Submit every prompt at once (each waits for its first token); if one is refused,
     the others are stopped and the error names the refused prompt."""
     outcomes = await asyncio.gather(
-        *(_start(state, body, i, watch) for i in range(body.batch_size)),
+        *(_start(state, request, body, i, watch) for i in range(body.batch_size)),
         return_exceptions=True,
     )
     started = [r for o in outcomes if isinstance(o, list) for r in o]

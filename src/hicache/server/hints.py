@@ -35,6 +35,8 @@ from hicache.server.errors import APIError, describe_validation_error
 from hicache.server.hint_protocol import MAX_ITEMS, HintItem
 from hicache.server.protocol import cache_key
 from hicache.server.state import get_state
+from hicache.server.tenant import request_caller
+from hicache.tenancy.identity import ANONYMOUS, Caller
 
 router = APIRouter()
 
@@ -100,8 +102,11 @@ def checked_items(raw: bytes, vocab_size: int, max_context_len: int) -> list[Hin
     return items
 
 
-async def engine_hints(engine: HintEngine, items: list[HintItem]) -> list[Hint]:
-    """The items as the engine's hints, texts tokenized (and checked as ids are)."""
+async def engine_hints(
+    engine: HintEngine, items: list[HintItem], caller: Caller = ANONYMOUS,
+) -> list[Hint]:
+    """The items as the engine's hints, texts tokenized (and checked as ids are), each
+    in its tenant's namespace (its ``cache_salt`` resolved against ``caller``)."""
     hints = []
     for index, item in enumerate(items):
         if item.text is not None:
@@ -113,7 +118,7 @@ async def engine_hints(engine: HintEngine, items: list[HintItem]) -> list[Hint]:
         else:
             assert item.input_ids is not None
             ids = item.input_ids
-        hints.append(item.to_hint(tuple(ids), cache_key(None, item.cache_salt)))
+        hints.append(item.to_hint(tuple(ids), caller.tenant(cache_key(None, item.cache_salt))))
     return hints
 
 
@@ -126,7 +131,7 @@ async def hints_route(request: Request) -> dict[str, Any]:
     # Off the event loop when large: a call may name a thousand context-long prefixes.
     items = await sized_off_loop(
         len(raw), lambda: checked_items(raw, engine.vocab_size, engine.max_context_len))
-    hints = await engine_hints(engine, items)
+    hints = await engine_hints(engine, items, request_caller(request))
     if state.draining:  # its host tier is about to go: a pin or a retain would be lost
         raise APIError(409, "the worker is draining: send hints to another worker")
     outcomes: list[HintOutcome] = await run_in_threadpool(engine.apply_hints, hints)

@@ -29,6 +29,7 @@ from types import FrameType
 
 import uvicorn
 
+from hicache.config import ConfigError
 from hicache.engine.build import build_engine
 from hicache.engine.engine import Engine
 from hicache.engine.engine_client import EngineClient, EngineStartError
@@ -44,6 +45,7 @@ from hicache.server.l3_path_root import FLAG as L3_PATH_ROOT_FLAG
 from hicache.server.server_info import client_tokenizer_path, server_info_from_args
 from hicache.server.warm import DEFAULT_WARM_HOST_FRACTION, host_fraction
 from hicache.storage.base import StorageError
+from hicache.tenancy.identity import add_identity_args, identity_from_flags
 
 logger = logging.getLogger("hicache.serve")
 
@@ -72,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="key for the admin API (PUT/GET/DELETE /hicache/storage-backend); "
         "without it the admin API is off",
     )
+    add_identity_args(group)
     group.add_argument(
         "--single-process", action="store_true",
         help="run the engine (scheduler, model, cache threads) in the HTTP server's process; "
@@ -229,6 +232,11 @@ def main(args: argparse.Namespace) -> int:
     if problem is not None:
         logger.error("%s", problem)
         return 2
+    try:  # before the engine: a bad key file costs no model load
+        identity = identity_from_flags(args.api_keys, args.tenant_header)
+    except ConfigError as error:
+        logger.error("%s", error)
+        return 2
     servers: list[uvicorn.Server] = []
     engine_died = False
 
@@ -279,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
             l3_path_root=args.l3_path_root, strict_model_name=args.strict_model_name,
             access_log=not args.disable_access_log,
             drain_timeout_s=args.drain_timeout_s, on_drained=drained,
-            warm_host_fraction=args.warm_host_fraction,
+            warm_host_fraction=args.warm_host_fraction, identity=identity,
         )
         level = logging.getLogger().getEffectiveLevel()
         config = uvicorn.Config(

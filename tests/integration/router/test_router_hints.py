@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hicache.events.hashing import page_hashes
+from hicache.events.hashing import page_hashes, tenant_root_digest
 from hicache.router.types import RouteDecision, RouteRequest
 from hicache.tokenizer.byte_level import ByteTokenizer
 from tests.router_fakes import FakeWorker, fake_workers
@@ -56,9 +56,11 @@ def test_pin_retain_and_prefetch_go_where_the_policy_routes_their_prefix() -> No
         {"kind": "retain", "input_ids": text_ids, "tenant": "default", "cache_salt": "s"},
         {"kind": "prefetch", "input_ids": IDS[:4], "tenant": "default"},
     ]]
-    # The policy was asked about each prefix's pages, as for a request with that prompt.
+    # The policy was asked about each prefix's pages, as for a request with that prompt
+    # (a salted one in its salt's chain, as the worker's events announce its pages).
     asked = [(list(r.page_hashes), ids) for r, ids in policy.requests]
-    assert asked == [(page_hashes(IDS, PAGE), IDS), (page_hashes(text_ids, PAGE), text_ids),
+    salted = page_hashes(text_ids, PAGE, tenant_root_digest("\x00s"))
+    assert asked == [(page_hashes(IDS, PAGE), IDS), (salted, text_ids),
                      (page_hashes(IDS[:4], PAGE), IDS[:4])]
     assert [r["index"] for r in results] == [0, 1, 2]
     assert all(r["worker"] == urls[1] and r["outcome"] == "accepted" for r in results)

@@ -1,0 +1,11 @@
+"""Tenancy: who a request's cached pages belong to.
+
+A tenant is a cache salt: whatever names it (the body's ``cache_salt`` /
+``extra_key``, an API key's tenant, a trusted gateway's header) ends as the
+engine request's ``extra_key``, which seeds every page key, keys the tree's root
+children and names L3 objects, so two tenants never share a page in any tier.
+
+- ``names``: the default tenant's label and the rule for tenant names;
+- ``identity``: ``--api-keys`` files, ``--tenant-header``, and the precedence that
+  turns a request's credentials and body into its tenant.
+"""

@@ -1,0 +1,26 @@
+"""Tenant names: the label of the default tenant and the rule a configured name follows.
+
+Invariants: ``tenant_label`` maps the default tenant (``extra_key`` None) to
+``DEFAULT_TENANT_LABEL`` and every other tenant to its own ``extra_key``; a name
+``check_tenant_name`` accepts never contains "/" (nested salts use it, see
+``identity``) nor whitespace (key files split on it).
+"""
+
+from __future__ import annotations
+
+import re
+
+DEFAULT_TENANT_LABEL = "default"
+_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+
+
+def tenant_label(extra_key: str | None) -> str:
+    return DEFAULT_TENANT_LABEL if extra_key is None else extra_key
+
+
+def check_tenant_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise ValueError(
+            f"a tenant name is 1-128 characters of A-Z a-z 0-9 _ . : @ -, got {name!r}"
+        )
+    return name
