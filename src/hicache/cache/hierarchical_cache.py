@@ -132,15 +132,20 @@ class HierarchicalCache:
         namespace = KeyNamespace(
             model_name, geometry.describe(), config.page_size, tp_rank=key_rank, tp_size=key_size
         )
-        self.tree = HiRadixTree(config.page_size, config.write_policy, namespace, events)
         self.stats = CacheStats()
         self.host_pool: HostPool | None = None
         self.controller: CacheController | None = None
+        # Each tenant's host quota in pages (tenant_host_fractions of the host pool).
+        self.host_quotas: dict[str | None, int] = {}
         if config.enable_hierarchical_cache:
             page_bytes = geometry.page_bytes(self.page_size)
             host_pages = host_num_pages if host_num_pages is not None else config.host_num_pages(
                 device_num_pages, page_bytes, host_memory_for_pools()
             )
+            self.host_quotas = {
+                tenant: int(share * host_pages)
+                for tenant, share in config.tenant_host_fractions.items()
+            }
             self.host_pool = HostPool(geometry, host_pages, config.page_size, config.mem_layout)
             io = create_io_backend(config.io_backend, self.host_pool, self.device_pool)
             self.controller = CacheController(io)
@@ -150,6 +155,9 @@ class HierarchicalCache:
             # agree on every verdict, so there each L3 read verifies its pages itself.
             if self.controller.copier is not None and tp_size == 1:
                 self.host_pool.digests.defer_checks = True
+        self.tree = HiRadixTree(
+            config.page_size, config.write_policy, namespace, events, self.host_quotas
+        )
         self._writing: dict[int, TreeNode] = {}
         self.storage: StorageTier | None = None
         # The drain to L3 under way before the worker exits (``cache/drain.py``), if any.
@@ -439,7 +447,8 @@ class HierarchicalCache:
                 host_pages = tier.retain_stalled_host_pages(host_pages)
             self.host_pool.allocator.free(host_pages)
         self.tree = HiRadixTree(
-            self.page_size, self.config.write_policy, self.tree.namespace, self.events
+            self.page_size, self.config.write_policy, self.tree.namespace, self.events,
+            self.host_quotas,
         )
         if self.events is not None:
             self.events.cleared()
@@ -639,9 +648,28 @@ class HierarchicalCache:
         if freed is not None:
             self.host_pool.allocator.free(freed)
 
-    def alloc_host(self, num_pages: int) -> PageIds:
-        """Up to ``num_pages`` free host pages, evicting host-only LRU leaves for room."""
+    def alloc_host(self, num_pages: int, tenant: str | None = None) -> PageIds:
+        """Up to ``num_pages`` free host pages for ``tenant``'s KV, evicting host-only LRU
+        leaves for room.
+
+        A tenant with a host quota gets no more than the quota leaves it: past it, its
+        own least recently used host-only pages are evicted first (never another
+        tenant's; a host copy of a page still on the device stays until the page leaves
+        the device), and what they cannot make room for (held, or on the device) is not
+        given: a backup without its pages is skipped, the request still answers. The
+        quota counts the pages in the tree: pages a prefetch holds until it lands count
+        from then on, so prefetches in flight together may overshoot it by their size.
+        """
         assert self.host_pool is not None
+        quota = self.tree.host_quota(tenant)
+        if quota is not None:
+            over = self.tree.tenant_host_pages(tenant) + num_pages - quota
+            if over > 0:
+                freed = self.tree.evict_host_tenant(tenant, over)
+                self.host_pool.allocator.free(freed)
+                self.stats.num_host_evicted_pages += len(freed)
+                self.stats.num_host_quota_evicted_pages += len(freed)
+                num_pages = min(num_pages, max(0, quota - self.tree.tenant_host_pages(tenant)))
         allocator = self.host_pool.allocator
         if not allocator.can_allocate(num_pages):
             freed = self.tree.evict_host(num_pages - allocator.num_free_pages)
@@ -665,7 +693,7 @@ class HierarchicalCache:
             return False
         assert node.device_pages is not None
         need = len(node.device_pages)
-        host_pages = self.alloc_host(need)
+        host_pages = self.alloc_host(need, node.extra_key)
         if len(host_pages) < need:
             self.host_pool.allocator.free(host_pages)
             self.stats.num_backup_skipped_pages += need
