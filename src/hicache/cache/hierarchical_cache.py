@@ -58,9 +58,10 @@ from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, TokenIds, pack_tokens
 from hicache.radix.node import TreeNode
 from hicache.radix.results import InsertResult, PrefixPeek, no_pages
-from hicache.radix.tree import HiRadixTree
+from hicache.radix.tree import HiRadixTree, TenantRemoval
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.config import StorageConfig
+from hicache.tenancy.store import tenant_store
 from hicache.transfer import create_io_backend
 
 if TYPE_CHECKING:
@@ -173,6 +174,9 @@ class HierarchicalCache:
         # Detached tiers whose stalled L3 calls have not returned: polled until they
         # do, since the host pages those calls may touch are reserved until then.
         self._retired_storage: list[StorageTier] = []
+        # Nodes a tenant purge removed from L1 and L2, by tenant, until its L3 pass
+        # announces their L3 copies gone (``purge_tenant_l3``).
+        self._purged_nodes: dict[str | None, list[TreeNode]] = {}
         # Why L3 is not attached although configured (reported by /health and logs).
         self.storage_error: str | None = None
         if storage is not None and storage.enabled:
@@ -440,6 +444,7 @@ class HierarchicalCache:
         if self.tree.num_protected_device_pages:
             raise RuntimeError("flush while requests hold cached prefixes")
         self.hints.clear()  # every pin and class goes with the tree
+        self._purged_nodes.clear()
         self.device_pool.allocator.free(self.tree.device_page_ids())
         if self.host_pool is not None:
             host_pages = self.tree.host_page_ids()
@@ -452,6 +457,44 @@ class HierarchicalCache:
         )
         if self.events is not None:
             self.events.cleared()
+
+    # ------------------------------------------------------------ tenants
+    def purge_tenant(self, tenant: str | None) -> TenantRemoval:
+        """Remove every page of ``tenant`` from L1 and L2 that nothing holds, and free it.
+
+        Landed device->host copies are acknowledged first, so only pages a request, a copy
+        or an L3 call still holds are left (counted in the result; the caller aborts the
+        tenant's requests and calls again until none is left). The KV events of each tier
+        go out with the next batch; the removed nodes are kept for ``purge_tenant_l3``.
+        """
+        self.poll(wait=True)
+        removal = self.tree.remove_tenant(tenant)
+        self.device_pool.allocator.free(removal.device_pages)
+        if self.host_pool is not None:
+            self.host_pool.allocator.free(removal.host_pages)
+        if removal.nodes and self.events is not None:
+            self._purged_nodes.setdefault(tenant, []).extend(removal.nodes)
+        return removal
+
+    def purge_tenant_l3(
+        self, tenant: str | None, timeout_s: float
+    ) -> tuple[int | None, str | None]:
+        """Remove ``tenant``'s objects from the attached L3 store: (objects removed, None),
+        or (None, why not) without L3 or when the store cannot. Then the pages the purge
+        removed from L1 and L2 that this worker had seen in L3 are announced gone from it
+        (EXTERNAL), when it did."""
+        nodes = self._purged_nodes.pop(tenant, [])
+        if self.storage is None:
+            return None, "no L3 storage is attached"
+        if not self.writes_to_l3:
+            return 0, None  # an MLA follower rank: rank 0 purges the store they share
+        try:
+            removed = tenant_store(self.storage.controller).purge_tenant(tenant, timeout_s)
+        except StorageError as error:
+            return None, str(error)
+        if self.events is not None:
+            self.events.l3_removed(nodes)
+        return removed, None
 
     def alloc_device(self, num_pages: int) -> PageIds:
         """``num_pages`` free device pages, evicting from the tree as needed."""

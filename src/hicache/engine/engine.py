@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 _CONTROL_TIMEOUT_S = 120.0
 # How long a metrics read waits for the ranks' L3 counters (one tick, normally).
 GATHER_TIMEOUT_S = 5.0
+# A tenant purge: how often it looks again at pages something still held, and the least
+# time its L3 pass gets even when the L1/L2 passes used up the caller's deadline.
+PURGE_RETRY_S = 0.05
+PURGE_MIN_L3_TIMEOUT_S = 1.0
 
 
 class Engine:
@@ -331,6 +336,58 @@ class Engine:
         sched = self.scheduler
         rids = sched.call(
             lambda: [req.rid for req in (*sched.running_requests(), *sched.waiting_requests())]
+        ).result(timeout=_CONTROL_TIMEOUT_S)
+        for rid in rids:
+            self.scheduler.abort(rid)
+        return len(rids)
+
+    def purge_tenant(self, tenant: str | None, timeout_s: float) -> dict[str, Any]:
+        """Remove every page of ``tenant`` from L1, L2 and L3 (``cache_ops.purge_tenant``).
+
+        The tenant's requests, queued or running, are aborted first: a purge must not wait
+        on a client that keeps a stream open, and a request served from pages being purged
+        could write them back. Pages something else still holds for a moment (a copy, an
+        L3 call) are purged by passes repeated until none is left or ``timeout_s`` passes
+        (then they are reported as ``kept_*``); L3 is purged after them (within what is
+        left of ``timeout_s``, at least ``PURGE_MIN_L3_TIMEOUT_S``), so that no backup in
+        flight writes the tenant back into L3. A request of the tenant that arrives during
+        the purge is served (cold) and may cache pages again.
+        """
+        deadline = time.monotonic() + timeout_s
+        aborted = self._abort_tenant(tenant)
+        totals = {"device_pages": 0, "host_pages": 0}
+        result = self._run_op("purge_tenant", tenant, None)
+        pause = threading.Event()  # never set: a wait that is a pause between passes
+        while True:
+            for key in totals:
+                totals[key] += int(result[key])
+            held = result["kept_device_pages"] + result["kept_host_pages"]
+            if not held or time.monotonic() >= deadline:
+                break
+            pause.wait(PURGE_RETRY_S)
+            result = self._run_op("purge_tenant", tenant, None)
+        l3_timeout = max(deadline - time.monotonic(), PURGE_MIN_L3_TIMEOUT_S)
+        final = self._run_op("purge_tenant", tenant, l3_timeout)
+        for key in totals:
+            totals[key] += int(final[key])
+        return {
+            **totals,
+            "kept_device_pages": int(final["kept_device_pages"]),
+            "kept_host_pages": int(final["kept_host_pages"]),
+            "l3_objects": final["l3_objects"],
+            "l3_error": final["l3_error"],
+            "aborted_requests": aborted,
+        }
+
+    def _abort_tenant(self, tenant: str | None) -> int:
+        """Abort the tenant's queued and running requests; returns how many (by rid: under
+        tensor parallelism each abort is replicated)."""
+        if self._thread is None:
+            return 0
+        sched = self.scheduler
+        rids = sched.call(
+            lambda: [req.rid for req in (*sched.running_requests(), *sched.waiting_requests())
+                     if req.request.extra_key == tenant]
         ).result(timeout=_CONTROL_TIMEOUT_S)
         for rid in rids:
             self.scheduler.abort(rid)
