@@ -61,7 +61,6 @@ from hicache.radix.results import InsertResult, PrefixPeek, no_pages
 from hicache.radix.tree import HiRadixTree, TenantRemoval
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.config import StorageConfig
-from hicache.tenancy.store import tenant_store
 from hicache.transfer import create_io_backend
 
 if TYPE_CHECKING:
@@ -489,7 +488,7 @@ class HierarchicalCache:
         if not self.writes_to_l3:
             return 0, None  # an MLA follower rank: rank 0 purges the store they share
         try:
-            removed = tenant_store(self.storage.controller).purge_tenant(tenant, timeout_s)
+            removed = self.storage.controller.purge_tenant(tenant, timeout_s)
         except StorageError as error:
             return None, str(error)
         if self.events is not None:
