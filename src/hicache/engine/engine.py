@@ -45,6 +45,7 @@ from hicache.storage.base import StorageError
 from hicache.storage.config import storage_config
 from hicache.storage.controller import StorageMetrics
 from hicache.storage.frame import PayloadOrder
+from hicache.tenancy.names import tenant_label
 from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -480,6 +481,32 @@ class Engine:
             out["memory_resident_bytes"] = float(resident)
         return out
 
+    def _tenant_bytes(self) -> dict[str, float]:
+        """Bytes of each tenant's KV per tier, ``tenant_bytes_<tier>_<tenant label>``, for
+        every tenant holding any (/metrics keeps the largest: ``server/tenant_metrics``).
+        L1 and L2 are rank 0's tree's counts (under tensor parallelism each rank holds its
+        shard of the same pages); L3 is what the store reports."""
+        cache = self.cache
+        tree = cache.tree
+        out: dict[str, float] = {}
+
+        def add(tier: str, tenant: str | None, num_bytes: int) -> None:
+            key = f"tenant_bytes_{tier}_{tenant_label(tenant)}"
+            out[key] = out.get(key, 0.0) + float(num_bytes)
+
+        # Copies: the scheduler thread changes the counts while this runs (a dict copy
+        # is one step for the interpreter).
+        for tenant, pages in dict(tree.device_pages_by_tenant).items():
+            add("device", tenant, pages * cache.device_pool.page_bytes)
+        if cache.host_pool is not None:
+            for tenant, pages in dict(tree.host_pages_by_tenant).items():
+                add("host", tenant, pages * cache.host_pool.page_bytes)
+        storage = cache.storage
+        if storage is not None:
+            for tenant, num_bytes in storage.controller.tenant_usage().items():
+                add("l3", tenant, num_bytes)
+        return out
+
     def metrics(self) -> dict[str, float]:
         cache, sched = self.cache, self.scheduler
         out: dict[str, float] = {f"engine_{k}": float(v) for k, v in
@@ -510,6 +537,7 @@ class Engine:
             out["host_pool_usage"] = host.num_used_pages / host.num_pages
         storage = cache.storage
         out.update(self._memory_metrics())
+        out.update(self._tenant_bytes())
         # Rank 0's live costs (the ranks step together), the attached store's reads too.
         reads = {storage.backend.name: storage.read_time} if storage is not None else {}
         out.update(sched.cost_model.metrics(reads))

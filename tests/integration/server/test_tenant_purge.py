@@ -1,11 +1,13 @@
 """DELETE /hicache/tenants/{tenant} on a real server (tiny model, L2 on, a file L3, KV
 events on): the tenant's pages leave L1 and L2, its next request is cold and answers as
 cold, another tenant's identical prompt stays a hit; the admin key, bad names (400) and
-idempotence; the KV events announce the removal from each tier, L3 (EXTERNAL) included.
+idempotence; the KV events announce the removal from each tier, L3 (EXTERNAL) included;
+a running request of the tenant is aborted first. /metrics shows each tenant's bytes.
 
-The L3 controller's ``purge_tenant`` is a stand-in here (the tenant-aware store is
-another part's): it records the call and empties the store directory, which is all this
-worker's L3 objects and more than the tenant's; the other tenant's hits come from L1.
+The L3 controller's ``purge_tenant`` and ``tenant_usage`` are stand-ins here (the
+tenant-aware store is another part's): the purge records the call and empties the store
+directory, which is all this worker's L3 objects and more than the tenant's (the other
+tenant's hits come from L1); the usage is a fixed answer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ PAGE = 16
 KEY = "purge-admin-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
 TIMEOUT = httpx.Timeout(60.0)
+L3_USAGE: dict[str | None, int] = {"tenant-m": 4096, None: 100}
 
 
 class FakeL3Purge:
@@ -64,6 +67,7 @@ def server(l3_dir: Path) -> Iterator[RunningServer]:
         storage = running.engine.cache.storage
         assert storage is not None
         setattr(storage.controller, "purge_tenant", FakeL3Purge(l3_dir))  # noqa: B010
+        setattr(storage.controller, "tenant_usage", lambda: L3_USAGE)  # noqa: B010
         yield running
 
 
@@ -243,3 +247,33 @@ def test_a_running_request_of_the_tenant_is_aborted_first(server: RunningServer)
     tree = server.engine.cache.tree
     assert tree.tenant_device_pages("tenant-s") == tree.tenant_host_pages("tenant-s") == 0
     server.engine.check_integrity()
+
+
+def tenant_bytes(server: RunningServer) -> dict[tuple[str, str], float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if line.startswith("hicache_tenant_bytes{"):
+            labels, value = line.rsplit(" ", 1)
+            pairs = dict(item.split("=", 1) for item in labels[labels.index("{") + 1 : -1]
+                         .split(","))
+            out[(pairs["tier"].strip('"'), pairs["tenant"].strip('"'))] = float(value)
+    return out
+
+
+def test_metrics_show_each_tenants_bytes_per_tier(server: RunningServer) -> None:
+    generate(server, prompt(6), "tenant-m")
+    settle(server)
+    cache = server.engine.cache
+    assert cache.host_pool is not None
+    tree = cache.tree
+    device = tree.tenant_device_pages("tenant-m") * cache.device_pool.page_bytes
+    host = tree.tenant_host_pages("tenant-m") * cache.host_pool.page_bytes
+    got = tenant_bytes(server)
+    assert got[("device", "tenant-m")] == device > 0
+    assert got[("host", "tenant-m")] == host > 0
+    assert got[("l3", "tenant-m")] == 4096
+    assert got[("l3", "default")] == 100
+    assert purge(server, "tenant-m").status_code == 200
+    after = tenant_bytes(server)
+    assert ("device", "tenant-m") not in after and ("host", "tenant-m") not in after
