@@ -1,7 +1,8 @@
 """The purge_tenant cache operation on a real cache (L1 + L2, an in-memory L3 whose
 controller's tenant purge is a stand-in): the tenant's pages are freed in both pools and
-the other tenant's stay; L3 is purged only on the pass that asks for it; a store that
-cannot purge, or no store at all, is an ``l3_error`` while L1 and L2 are purged."""
+the other tenant's stay, its pins released (another tenant's kept); L3 is purged only on
+the pass that asks for it; a store that cannot purge, or no store at all, is an
+``l3_error`` while L1 and L2 are purged."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import CacheConfig, IOBackendKind
+from hicache.engine.api import Hint, HintKind, HintOutcomeKind
 from hicache.engine.cache_ops import purge_tenant
 from hicache.memory.geometry import KVGeometry
 from hicache.storage.base import StorageError
@@ -103,4 +105,21 @@ def test_without_l3_the_l3_pass_says_so(cache: HierarchicalCache) -> None:
     out = purge_tenant(host(cache), None, 1.0)  # type: ignore[arg-type]
     assert out["l3_objects"] is None and "no L3" in out["l3_error"]
     assert out["device_pages"] == 4
+    cache.check_integrity()
+
+
+def test_purge_releases_the_tenants_pins_and_keeps_anothers(cache: HierarchicalCache) -> None:
+    mine, theirs = conversation(8, seed=1), conversation(8, seed=2)
+    fill(cache, mine, "a")
+    fill(cache, theirs, "b")
+    outcomes = cache.hints.apply([
+        Hint(HintKind.PIN, tuple(mine), ttl_s=60.0, tenant="ta", extra_key="a"),
+        Hint(HintKind.PIN, tuple(theirs), ttl_s=60.0, tenant="tb", extra_key="b"),
+    ])
+    assert [o.outcome for o in outcomes] == [HintOutcomeKind.ACCEPTED] * 2
+    assert cache.tree.num_pinned_pages == 8
+    out = purge_tenant(host(cache), "a", None)  # type: ignore[arg-type]
+    assert (out["device_pages"], out["kept_device_pages"], out["kept_host_pages"]) == (4, 0, 0)
+    assert cache.tree.num_pinned_pages == 4  # b's pin stands
+    assert cache.hints.status()["pinned_pages_by_tenant"] == {"tb": 4}
     cache.check_integrity()

@@ -461,12 +461,14 @@ class HierarchicalCache:
     def purge_tenant(self, tenant: str | None) -> TenantRemoval:
         """Remove every page of ``tenant`` from L1 and L2 that nothing holds, and free it.
 
+        The tenant's pins go first (``HintBook.drop_extra_key``): a purge outranks a hint.
         Landed device->host copies are acknowledged first, so only pages a request, a copy
         or an L3 call still holds are left (counted in the result; the caller aborts the
         tenant's requests and calls again until none is left). The KV events of each tier
         go out with the next batch; the removed nodes are kept for ``purge_tenant_l3``.
         """
         self.poll(wait=True)
+        self.hints.drop_extra_key(tenant)
         removal = self.tree.remove_tenant(tenant)
         self.device_pool.allocator.free(removal.device_pages)
         if self.host_pool is not None:
