@@ -118,3 +118,24 @@ def test_quota_survives_a_flush(cache: HierarchicalCache) -> None:
 def test_a_bad_share_is_a_config_error(share: float) -> None:
     with pytest.raises(ConfigError, match="tenant 'a'"):
         CacheConfig(tenant_host_fractions={"a": share})
+
+
+def test_write_back_eviction_frees_the_device_past_the_quota() -> None:
+    """Under write_back a backup is the only way to free a device page: a tenant at its
+    quota must not make the device pool unusable for others."""
+    config = CacheConfig(
+        page_size=PAGE, enable_hierarchical_cache=True, io_backend="direct",
+        load_back_threshold_tokens=1, write_policy="write_back",
+        tenant_host_fractions={"a": 0.1},  # 4 host pages
+    )
+    cache = HierarchicalCache(config, GEOMETRY, DEVICE_PAGES, host_num_pages=HOST_PAGES)
+    try:
+        for seed in range(3):  # 12 device pages of a, none backed up yet
+            serve(cache, conversation(8, seed=seed), "a")
+        assert cache.tree.tenant_device_pages("a") == 12
+        # b needs 10 device pages: a's are written back (past a's quota) to make room.
+        assert serve(cache, conversation(20, seed=9), "b") == 0
+        assert cache.tree.tenant_device_pages("b") == 10
+        assert serve(cache, conversation(8, seed=0), "a") == 8  # a's KV kept, the cold KV
+    finally:
+        cache.close()

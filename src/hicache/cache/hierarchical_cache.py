@@ -510,7 +510,9 @@ class HierarchicalCache:
             if eviction.pending_write_back:
                 issued = 0
                 for node in eviction.pending_write_back:
-                    if not self._backup(node):
+                    # The only way to free these device pages: past the tenant's quota
+                    # if its own host pages cannot make room (it evicts them first).
+                    if not self._backup(node, within_quota=False):
                         break
                     issued += 1
                 if issued == 0:
@@ -692,7 +694,9 @@ class HierarchicalCache:
         if freed is not None:
             self.host_pool.allocator.free(freed)
 
-    def alloc_host(self, num_pages: int, tenant: str | None = None) -> PageIds:
+    def alloc_host(
+        self, num_pages: int, tenant: str | None = None, within_quota: bool = True
+    ) -> PageIds:
         """Up to ``num_pages`` free host pages for ``tenant``'s KV, evicting host-only LRU
         leaves for room.
 
@@ -700,7 +704,10 @@ class HierarchicalCache:
         own least recently used host-only pages are evicted first (never another
         tenant's; a host copy of a page still on the device stays until the page leaves
         the device), and what they cannot make room for (held, or on the device) is not
-        given: a backup without its pages is skipped, the request still answers. The
+        given: a backup without its pages is skipped, the request still answers.
+        ``within_quota=False`` (a write_back eviction, whose backup is the only way to free
+        a device page) still evicts the tenant's own pages first but may then take it past
+        its quota; its next allocations evict its own pages until it is back under it. The
         quota counts the pages in the tree: pages a prefetch holds until it lands count
         from then on, so prefetches in flight together may overshoot it by their size.
         """
@@ -713,7 +720,9 @@ class HierarchicalCache:
                 self.host_pool.allocator.free(freed)
                 self.stats.num_host_evicted_pages += len(freed)
                 self.stats.num_host_quota_evicted_pages += len(freed)
-                num_pages = min(num_pages, max(0, quota - self.tree.tenant_host_pages(tenant)))
+                if within_quota:
+                    room = max(0, quota - self.tree.tenant_host_pages(tenant))
+                    num_pages = min(num_pages, room)
         allocator = self.host_pool.allocator
         if not allocator.can_allocate(num_pages):
             freed = self.tree.evict_host(num_pages - allocator.num_free_pages)
@@ -731,13 +740,14 @@ class HierarchicalCache:
         """Start copying device-only ``node`` to the host; False when there is no room."""
         return self._backup(node)
 
-    def _backup(self, node: TreeNode) -> bool:
-        """Start copying ``node`` to the host; False when the host pool has no room."""
+    def _backup(self, node: TreeNode, within_quota: bool = True) -> bool:
+        """Start copying ``node`` to the host; False when the host pool has no room (or,
+        ``within_quota``, its tenant's host quota leaves none: ``alloc_host``)."""
         if self.controller is None or self.host_pool is None:
             return False
         assert node.device_pages is not None
         need = len(node.device_pages)
-        host_pages = self.alloc_host(need, node.extra_key)
+        host_pages = self.alloc_host(need, node.extra_key, within_quota)
         if len(host_pages) < need:
             self.host_pool.allocator.free(host_pages)
             self.stats.num_backup_skipped_pages += need
