@@ -1,7 +1,8 @@
 """Host quotas per tenant on a real cache (L1 + L2): a tenant past its share of the host
 pool evicts its own least recently used host-only pages, never another tenant's; when its
 own pages cannot make room its new pages are not backed up, and every request still gets
-the cold KV; the quota survives a flush; bad shares are a ConfigError."""
+the cold KV; a prefetch from L3 is cut at the quota; under write_back a device eviction
+may pass it; the quota survives a flush; bad shares are a ConfigError."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import torch
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import CacheConfig, ConfigError
 from hicache.memory.geometry import KVGeometry
-from tests.kv_oracle import conversation, expected_kv
+from hicache.storage.config import PrefetchPolicy, StorageConfig
+from tests.kv_oracle import conversation, expected_kv, settle
+from tests.storage_reference import MemoryBackend, MemoryStore
+from tests.waiting import wait_until
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 PAGE = 2
@@ -137,5 +141,41 @@ def test_write_back_eviction_frees_the_device_past_the_quota() -> None:
         assert serve(cache, conversation(20, seed=9), "b") == 0
         assert cache.tree.tenant_device_pages("b") == 10
         assert serve(cache, conversation(8, seed=0), "a") == 8  # a's KV kept, the cold KV
+    finally:
+        cache.close()
+
+
+def test_a_prefetch_from_l3_stays_within_the_quota() -> None:
+    config = CacheConfig(
+        page_size=PAGE, enable_hierarchical_cache=True, io_backend="direct",
+        load_back_threshold_tokens=1, tenant_host_fractions={"a": QUOTA},  # 10 host pages
+    )
+    cache = HierarchicalCache(config, GEOMETRY, DEVICE_PAGES, host_num_pages=HOST_PAGES)
+    try:
+        cache.attach_storage(
+            StorageConfig(backend="memory", prefetch_threshold=1,
+                          prefetch_policy=PrefetchPolicy.WAIT_COMPLETE),
+            MemoryBackend(MemoryStore()),
+        )
+        long_prompt = conversation(28, seed=5)  # 14 pages: more than a's quota
+        serve(cache, long_prompt[:20], "a")  # 10 pages of it go to L3 through the host
+        settle(cache)
+        cache.flush()
+        serve(cache, long_prompt[20:], "a")  # an unrelated 4 pages of a's on the host
+        settle(cache)
+        handle = cache.prefetch(long_prompt, "a")
+        assert handle is not None
+
+        def ready() -> bool:
+            cache.poll()
+            return cache.prefetch_ready(handle)
+
+        assert wait_until(ready, 60.0, poll_s=0.001)
+        landed = cache.finish_prefetch(handle)
+        assert 0 < landed < 20  # the quota cut it short...
+        assert cache.tree.tenant_host_pages("a") <= 10  # ...and a stays within it
+        # What landed is the cold KV (serve checks), the rest is computed.
+        assert serve(cache, long_prompt, "a") == landed
+        settle(cache)
     finally:
         cache.close()
