@@ -167,3 +167,45 @@ def test_remove_tenant_tells_the_observer_of_each_tier() -> None:
     recorder.calls.clear()
     tree.remove_tenant("a")
     assert recorder.calls == [("device_removed", node.id), ("host_removed", node.id)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_operations_keep_the_tenant_counts_and_isolation(seed: int) -> None:
+    """Inserts, backups, evictions of both tiers, tenant evictions and purges in a random
+    order: the integrity check (per-tenant counts, tenant heaps) holds after each, a tenant
+    eviction never takes another tenant's pages, a purge leaves none of the tenant's."""
+    rng = np.random.default_rng(seed)
+    tenants: list[str | None] = ["a", "b", None]
+    tree = HiRadixTree(page_size=2, host_quotas={"a": 6, None: 4})
+    next_page = [0]
+
+    def fresh(n: int) -> np.ndarray:
+        next_page[0] += n
+        return np.arange(next_page[0] - n, next_page[0], dtype=np.int64)
+
+    for _ in range(300):
+        tenant = tenants[int(rng.integers(len(tenants)))]
+        op = int(rng.integers(6))
+        if op <= 1:  # a request: insert, and back up what can be
+            tokens = [int(t) for t in rng.integers(0, 3, size=2 * int(rng.integers(1, 5)))]
+            result = tree.insert(tokens, fresh(len(tokens) // 2), tenant)
+            for node in result.backup_candidates:
+                assert node.device_pages is not None
+                tree.begin_backup(node, fresh(len(node.device_pages)))
+                tree.finish_backup(node)
+        elif op == 2:
+            tree.evict_device(int(rng.integers(1, 6)))
+        elif op == 3:
+            tree.evict_host(int(rng.integers(1, 4)))
+        elif op == 4 and tenant in ("a", None):
+            others = {t: n for t, n in tree.host_pages_by_tenant.items() if t != tenant}
+            tree.evict_host_tenant(tenant, int(rng.integers(1, 4)))
+            assert {t: n for t, n in tree.host_pages_by_tenant.items() if t != tenant} == others
+        elif op == 5 and rng.random() < 0.2:
+            others_device = {t: n for t, n in tree.device_pages_by_tenant.items() if t != tenant}
+            tree.remove_tenant(tenant)
+            assert tenant not in tree.device_pages_by_tenant
+            assert tenant not in tree.host_pages_by_tenant
+            assert {t: n for t, n in tree.device_pages_by_tenant.items()
+                    if t != tenant} == others_device
+        tree.check_integrity()
