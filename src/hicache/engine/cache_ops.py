@@ -135,7 +135,9 @@ def purge_tenant(host: CacheHost, tenant: str | None, l3_timeout_s: float | None
     run: what one still holds is left and counted (``kept_*``); the engine aborts the
     tenant's requests first and calls again until nothing is kept or its deadline passes,
     and only then purges L3, so that no backup in flight writes the tenant back to L3
-    after its purge. Publishes the KV events at once (the engine may be idle)."""
+    after its purge. The L3 pass holds the scheduler for its length (at most
+    ``l3_timeout_s``), as ``clear_storage`` does: the store's calls are the scheduler
+    thread's to make. Publishes the KV events at once (the engine may be idle)."""
     cache = host.cache
     removal = cache.purge_tenant(tenant)
     out: dict[str, Any] = {
