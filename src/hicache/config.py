@@ -9,7 +9,8 @@ and defaults follow SGLang's so that existing launch scripts keep working.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -103,6 +104,10 @@ class CacheConfig:
     # The share of the host pool a warm (a prefetch hint, or POST /hicache/warm without
     # its own) may fill from L3: the server's --warm-host-fraction.
     warm_host_fraction: float = 0.5
+    # Host quotas: the share of the host pool each listed tenant (extra_key; None is the
+    # default tenant) may hold; a tenant over it evicts its own LRU host pages first
+    # (``HierarchicalCache.alloc_host``). Unlisted tenants have no quota of their own.
+    tenant_host_fractions: Mapping[str | None, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Accept plain strings (from argparse or JSON) and normalise them to enums.
@@ -143,6 +148,12 @@ class CacheConfig:
             if not 0.0 <= fraction <= 1.0:
                 raise ConfigError(
                     f"{flag} is a share of the host pool, in [0, 1] (0: no pins), got {fraction}"
+                )
+        for tenant, share in self.tenant_host_fractions.items():
+            if not 0.0 <= share <= 1.0:
+                raise ConfigError(
+                    f"the host quota of tenant {tenant!r} is a share of the host pool, in "
+                    f"[0, 1], got {share}"
                 )
         if not 0.0 < self.warm_host_fraction <= 1.0:
             raise ConfigError(

@@ -58,7 +58,7 @@ from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, TokenIds, pack_tokens
 from hicache.radix.node import TreeNode
 from hicache.radix.results import InsertResult, PrefixPeek, no_pages
-from hicache.radix.tree import HiRadixTree
+from hicache.radix.tree import HiRadixTree, TenantRemoval
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.config import StorageConfig
 from hicache.transfer import create_io_backend
@@ -132,15 +132,20 @@ class HierarchicalCache:
         namespace = KeyNamespace(
             model_name, geometry.describe(), config.page_size, tp_rank=key_rank, tp_size=key_size
         )
-        self.tree = HiRadixTree(config.page_size, config.write_policy, namespace, events)
         self.stats = CacheStats()
         self.host_pool: HostPool | None = None
         self.controller: CacheController | None = None
+        # Each tenant's host quota in pages (tenant_host_fractions of the host pool).
+        self.host_quotas: dict[str | None, int] = {}
         if config.enable_hierarchical_cache:
             page_bytes = geometry.page_bytes(self.page_size)
             host_pages = host_num_pages if host_num_pages is not None else config.host_num_pages(
                 device_num_pages, page_bytes, host_memory_for_pools()
             )
+            self.host_quotas = {
+                tenant: int(share * host_pages)
+                for tenant, share in config.tenant_host_fractions.items()
+            }
             self.host_pool = HostPool(geometry, host_pages, config.page_size, config.mem_layout)
             io = create_io_backend(config.io_backend, self.host_pool, self.device_pool)
             self.controller = CacheController(io)
@@ -150,6 +155,9 @@ class HierarchicalCache:
             # agree on every verdict, so there each L3 read verifies its pages itself.
             if self.controller.copier is not None and tp_size == 1:
                 self.host_pool.digests.defer_checks = True
+        self.tree = HiRadixTree(
+            config.page_size, config.write_policy, namespace, events, self.host_quotas
+        )
         self._writing: dict[int, TreeNode] = {}
         self.storage: StorageTier | None = None
         # The drain to L3 under way before the worker exits (``cache/drain.py``), if any.
@@ -165,6 +173,9 @@ class HierarchicalCache:
         # Detached tiers whose stalled L3 calls have not returned: polled until they
         # do, since the host pages those calls may touch are reserved until then.
         self._retired_storage: list[StorageTier] = []
+        # Nodes a tenant purge removed from L1 and L2, by tenant, until its L3 pass
+        # announces their L3 copies gone (``purge_tenant_l3``).
+        self._purged_nodes: dict[str | None, list[TreeNode]] = {}
         # Why L3 is not attached although configured (reported by /health and logs).
         self.storage_error: str | None = None
         if storage is not None and storage.enabled:
@@ -432,6 +443,7 @@ class HierarchicalCache:
         if self.tree.num_protected_device_pages:
             raise RuntimeError("flush while requests hold cached prefixes")
         self.hints.clear()  # every pin and class goes with the tree
+        self._purged_nodes.clear()
         self.device_pool.allocator.free(self.tree.device_page_ids())
         if self.host_pool is not None:
             host_pages = self.tree.host_page_ids()
@@ -439,10 +451,51 @@ class HierarchicalCache:
                 host_pages = tier.retain_stalled_host_pages(host_pages)
             self.host_pool.allocator.free(host_pages)
         self.tree = HiRadixTree(
-            self.page_size, self.config.write_policy, self.tree.namespace, self.events
+            self.page_size, self.config.write_policy, self.tree.namespace, self.events,
+            self.host_quotas,
         )
         if self.events is not None:
             self.events.cleared()
+
+    # ------------------------------------------------------------ tenants
+    def purge_tenant(self, tenant: str | None) -> TenantRemoval:
+        """Remove every page of ``tenant`` from L1 and L2 that nothing holds, and free it.
+
+        The tenant's pins go first (``HintBook.drop_extra_key``): a purge outranks a hint.
+        Landed device->host copies are acknowledged first, so only pages a request, a copy
+        or an L3 call still holds are left (counted in the result; the caller aborts the
+        tenant's requests and calls again until none is left). The KV events of each tier
+        go out with the next batch; the removed nodes are kept for ``purge_tenant_l3``.
+        """
+        self.poll(wait=True)
+        self.hints.drop_extra_key(tenant)
+        removal = self.tree.remove_tenant(tenant)
+        self.device_pool.allocator.free(removal.device_pages)
+        if self.host_pool is not None:
+            self.host_pool.allocator.free(removal.host_pages)
+        if removal.nodes and self.events is not None:
+            self._purged_nodes.setdefault(tenant, []).extend(removal.nodes)
+        return removal
+
+    def purge_tenant_l3(
+        self, tenant: str | None, timeout_s: float
+    ) -> tuple[int | None, str | None]:
+        """Remove ``tenant``'s objects from the attached L3 store: (objects removed, None),
+        or (None, why not) without L3 or when the store cannot. Then the pages the purge
+        removed from L1 and L2 that this worker had seen in L3 are announced gone from it
+        (EXTERNAL), when it did."""
+        nodes = self._purged_nodes.pop(tenant, [])
+        if self.storage is None:
+            return None, "no L3 storage is attached"
+        if not self.writes_to_l3:
+            return 0, None  # an MLA follower rank: rank 0 purges the store they share
+        try:
+            removed = self.storage.controller.purge_tenant(tenant, timeout_s)
+        except StorageError as error:
+            return None, str(error)
+        if self.events is not None:
+            self.events.l3_removed(nodes)
+        return removed, None
 
     def alloc_device(self, num_pages: int) -> PageIds:
         """``num_pages`` free device pages, evicting from the tree as needed."""
@@ -457,7 +510,9 @@ class HierarchicalCache:
             if eviction.pending_write_back:
                 issued = 0
                 for node in eviction.pending_write_back:
-                    if not self._backup(node):
+                    # The only way to free these device pages: past the tenant's quota
+                    # if its own host pages cannot make room (it evicts them first).
+                    if not self._backup(node, within_quota=False):
                         break
                     issued += 1
                 if issued == 0:
@@ -639,9 +694,35 @@ class HierarchicalCache:
         if freed is not None:
             self.host_pool.allocator.free(freed)
 
-    def alloc_host(self, num_pages: int) -> PageIds:
-        """Up to ``num_pages`` free host pages, evicting host-only LRU leaves for room."""
+    def alloc_host(
+        self, num_pages: int, tenant: str | None = None, within_quota: bool = True
+    ) -> PageIds:
+        """Up to ``num_pages`` free host pages for ``tenant``'s KV, evicting host-only LRU
+        leaves for room.
+
+        A tenant with a host quota gets no more than the quota leaves it: past it, its
+        own least recently used host-only pages are evicted first (never another
+        tenant's; a host copy of a page still on the device stays until the page leaves
+        the device), and what they cannot make room for (held, or on the device) is not
+        given: a backup without its pages is skipped, the request still answers.
+        ``within_quota=False`` (a write_back eviction, whose backup is the only way to free
+        a device page) still evicts the tenant's own pages first but may then take it past
+        its quota; its next allocations evict its own pages until it is back under it. The
+        quota counts the pages in the tree: pages a prefetch holds until it lands count
+        from then on, so prefetches in flight together may overshoot it by their size.
+        """
         assert self.host_pool is not None
+        quota = self.tree.host_quota(tenant)
+        if quota is not None:
+            over = self.tree.tenant_host_pages(tenant) + num_pages - quota
+            if over > 0:
+                freed = self.tree.evict_host_tenant(tenant, over)
+                self.host_pool.allocator.free(freed)
+                self.stats.num_host_evicted_pages += len(freed)
+                self.stats.num_host_quota_evicted_pages += len(freed)
+                if within_quota:
+                    room = max(0, quota - self.tree.tenant_host_pages(tenant))
+                    num_pages = min(num_pages, room)
         allocator = self.host_pool.allocator
         if not allocator.can_allocate(num_pages):
             freed = self.tree.evict_host(num_pages - allocator.num_free_pages)
@@ -659,13 +740,14 @@ class HierarchicalCache:
         """Start copying device-only ``node`` to the host; False when there is no room."""
         return self._backup(node)
 
-    def _backup(self, node: TreeNode) -> bool:
-        """Start copying ``node`` to the host; False when the host pool has no room."""
+    def _backup(self, node: TreeNode, within_quota: bool = True) -> bool:
+        """Start copying ``node`` to the host; False when the host pool has no room (or,
+        ``within_quota``, its tenant's host quota leaves none: ``alloc_host``)."""
         if self.controller is None or self.host_pool is None:
             return False
         assert node.device_pages is not None
         need = len(node.device_pages)
-        host_pages = self.alloc_host(need)
+        host_pages = self.alloc_host(need, node.extra_key, within_quota)
         if len(host_pages) < need:
             self.host_pool.allocator.free(host_pages)
             self.stats.num_backup_skipped_pages += need

@@ -603,6 +603,19 @@ class HintBook:
             "outcomes": dict(self.outcomes),
         }
 
+    def drop_extra_key(self, extra_key: str | None) -> int:
+        """Release every pin of a prefix under ``extra_key`` (a tenant purge: its pages are
+        going from every tier), host and L3, and cancel the pins waiting for such a prefix
+        to land; returns how many pins were released."""
+        records = [record for record in self._pins.values() if record.key[2] == extra_key]
+        for record in records:
+            self._release(record)
+        for background in self._background:
+            for i, pending in enumerate(background.pins):
+                if pending is not None and pending.extra_key == extra_key:
+                    background.pins[i] = None
+        return len(records)
+
     def clear(self) -> None:
         """Forget every hint on L1 and L2 (the cache is flushed, after its copies landed):
         background prefetches stop, host pins go (the tree's pins and classes go with the

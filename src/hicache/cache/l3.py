@@ -405,7 +405,7 @@ class StorageTier:
         if op.cancelled.is_set() or not self.controller.running:
             return False  # detaching: no new reads
         want = min(num_found_pages, self._budget - self._in_flight_pages)
-        pages = self._context.alloc_host(want) if want > 0 else no_pages()
+        pages = self._context.alloc_host(want, op.tenant) if want > 0 else no_pages()
         if len(pages) == 0:
             handle.no_room = num_found_pages > 0
             return False

@@ -43,7 +43,7 @@ class L3Context:
     replicated: Callable[[], bool]
     clock: Callable[[], float]
     # Up to n free host pages, evicting host-only leaves for room.
-    alloc_host: Callable[[int], PageIds]
+    alloc_host: Callable[[int, str | None], PageIds]  # (pages, tenant): within its quota
     free_host: Callable[[PageIds], None]
     # Start copying a device-only node to the host; False when the host has no room.
     backup_node: Callable[[TreeNode], bool]

@@ -16,6 +16,8 @@ class CacheStats:
     num_backup_skipped_pages: int = 0
     num_device_evicted_pages: int = 0
     num_host_evicted_pages: int = 0
+    # Of those, evicted because their tenant was at its host quota (its own pages).
+    num_host_quota_evicted_pages: int = 0
     # L3: tokens a prefetch put into the tree, pages written to L3 by backups.
     num_storage_hit_tokens: int = 0
     num_storage_backed_up_pages: int = 0

@@ -129,6 +129,29 @@ def _warm_step(cache: HierarchicalCache, warm_id: str) -> dict[str, Any]:
     return progress
 
 
+def purge_tenant(host: CacheHost, tenant: str | None, l3_timeout_s: float | None) -> dict[str, Any]:
+    """Remove ``tenant``'s pages from L1 and L2 (``HierarchicalCache.purge_tenant``), and,
+    with ``l3_timeout_s``, then its L3 objects (``purge_tenant_l3``). Runs while requests
+    run: what one still holds is left and counted (``kept_*``); the engine aborts the
+    tenant's requests first and calls again until nothing is kept or its deadline passes,
+    and only then purges L3, so that no backup in flight writes the tenant back to L3
+    after its purge. The L3 pass holds the scheduler for its length (at most
+    ``l3_timeout_s``), as ``clear_storage`` does: the store's calls are the scheduler
+    thread's to make. Publishes the KV events at once (the engine may be idle)."""
+    cache = host.cache
+    removal = cache.purge_tenant(tenant)
+    out: dict[str, Any] = {
+        "device_pages": len(removal.device_pages),
+        "host_pages": len(removal.host_pages),
+        "kept_device_pages": removal.kept_device_pages,
+        "kept_host_pages": removal.kept_host_pages,
+    }
+    if l3_timeout_s is not None:
+        out["l3_objects"], out["l3_error"] = cache.purge_tenant_l3(tenant, l3_timeout_s)
+    cache.publish_events()
+    return out
+
+
 def hints_apply(host: CacheHost, hints: list[Hint]) -> list[HintOutcome]:
     """Apply ``hints`` (``cache/hints.py``): one outcome each, in order. Each names its
     prefix (a hint without ``input_ids`` is rejected here: only a request has its own)."""
@@ -153,6 +176,7 @@ CACHE_OPS: dict[str, Callable[..., Any]] = {
     "warm_stop": warm_stop,
     "hints_apply": hints_apply,
     "hint_status": hint_status,
+    "purge_tenant": purge_tenant,
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -44,6 +45,7 @@ from hicache.storage.base import StorageError
 from hicache.storage.config import storage_config
 from hicache.storage.controller import StorageMetrics
 from hicache.storage.frame import PayloadOrder
+from hicache.tenancy.names import tenant_label
 from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,10 @@ logger = logging.getLogger(__name__)
 _CONTROL_TIMEOUT_S = 120.0
 # How long a metrics read waits for the ranks' L3 counters (one tick, normally).
 GATHER_TIMEOUT_S = 5.0
+# A tenant purge: how often it looks again at pages something still held, and the least
+# time its L3 pass gets even when the L1/L2 passes used up the caller's deadline.
+PURGE_RETRY_S = 0.05
+PURGE_MIN_L3_TIMEOUT_S = 1.0
 
 
 class Engine:
@@ -336,6 +342,58 @@ class Engine:
             self.scheduler.abort(rid)
         return len(rids)
 
+    def purge_tenant(self, tenant: str | None, timeout_s: float) -> dict[str, Any]:
+        """Remove every page of ``tenant`` from L1, L2 and L3 (``cache_ops.purge_tenant``).
+
+        The tenant's requests, queued or running, are aborted first: a purge must not wait
+        on a client that keeps a stream open, and a request served from pages being purged
+        could write them back. Pages something else still holds for a moment (a copy, an
+        L3 call) are purged by passes repeated until none is left or ``timeout_s`` passes
+        (then they are reported as ``kept_*``); L3 is purged after them (within what is
+        left of ``timeout_s``, at least ``PURGE_MIN_L3_TIMEOUT_S``), so that no backup in
+        flight writes the tenant back into L3. A request of the tenant that arrives during
+        the purge is served (cold) and may cache pages again.
+        """
+        deadline = time.monotonic() + timeout_s
+        aborted = self._abort_tenant(tenant)
+        totals = {"device_pages": 0, "host_pages": 0}
+        result = self._run_op("purge_tenant", tenant, None)
+        pause = threading.Event()  # never set: a wait that is a pause between passes
+        while True:
+            for key in totals:
+                totals[key] += int(result[key])
+            held = result["kept_device_pages"] + result["kept_host_pages"]
+            if not held or time.monotonic() >= deadline:
+                break
+            pause.wait(PURGE_RETRY_S)
+            result = self._run_op("purge_tenant", tenant, None)
+        l3_timeout = max(deadline - time.monotonic(), PURGE_MIN_L3_TIMEOUT_S)
+        final = self._run_op("purge_tenant", tenant, l3_timeout)
+        for key in totals:
+            totals[key] += int(final[key])
+        return {
+            **totals,
+            "kept_device_pages": int(final["kept_device_pages"]),
+            "kept_host_pages": int(final["kept_host_pages"]),
+            "l3_objects": final["l3_objects"],
+            "l3_error": final["l3_error"],
+            "aborted_requests": aborted,
+        }
+
+    def _abort_tenant(self, tenant: str | None) -> int:
+        """Abort the tenant's queued and running requests; returns how many (by rid: under
+        tensor parallelism each abort is replicated)."""
+        if self._thread is None:
+            return 0
+        sched = self.scheduler
+        rids = sched.call(
+            lambda: [req.rid for req in (*sched.running_requests(), *sched.waiting_requests())
+                     if req.request.extra_key == tenant]
+        ).result(timeout=_CONTROL_TIMEOUT_S)
+        for rid in rids:
+            self.scheduler.abort(rid)
+        return len(rids)
+
     def attach_storage(self, backend: str, extra_config: dict[str, Any], policy: str) -> None:
         config = storage_config(backend, policy, extra_config)
         if self.tp.size > 1:
@@ -423,6 +481,32 @@ class Engine:
             out["memory_resident_bytes"] = float(resident)
         return out
 
+    def _tenant_bytes(self) -> dict[str, float]:
+        """Bytes of each tenant's KV per tier, ``tenant_bytes_<tier>_<tenant label>``, for
+        every tenant holding any (/metrics keeps the largest: ``server/tenant_metrics``).
+        L1 and L2 are rank 0's tree's counts (under tensor parallelism each rank holds its
+        shard of the same pages); L3 is what the store reports."""
+        cache = self.cache
+        tree = cache.tree
+        out: dict[str, float] = {}
+
+        def add(tier: str, tenant: str | None, num_bytes: int) -> None:
+            key = f"tenant_bytes_{tier}_{tenant_label(tenant)}"
+            out[key] = out.get(key, 0.0) + float(num_bytes)
+
+        # Copies: the scheduler thread changes the counts while this runs (a dict copy
+        # is one step for the interpreter).
+        for tenant, pages in dict(tree.device_pages_by_tenant).items():
+            add("device", tenant, pages * cache.device_pool.page_bytes)
+        if cache.host_pool is not None:
+            for tenant, pages in dict(tree.host_pages_by_tenant).items():
+                add("host", tenant, pages * cache.host_pool.page_bytes)
+        storage = cache.storage
+        if storage is not None:
+            for tenant, num_bytes in storage.controller.tenant_usage().items():
+                add("l3", tenant, num_bytes)
+        return out
+
     def metrics(self) -> dict[str, float]:
         cache, sched = self.cache, self.scheduler
         out: dict[str, float] = {f"engine_{k}": float(v) for k, v in
@@ -453,6 +537,7 @@ class Engine:
             out["host_pool_usage"] = host.num_used_pages / host.num_pages
         storage = cache.storage
         out.update(self._memory_metrics())
+        out.update(self._tenant_bytes())
         # Rank 0's live costs (the ranks step together), the attached store's reads too.
         reads = {storage.backend.name: storage.read_time} if storage is not None else {}
         out.update(sched.cost_model.metrics(reads))

@@ -392,6 +392,10 @@ class EngineClient:
     def abort_all(self, message: str) -> int:
         return int(self._call("abort_all", message))
 
+    def purge_tenant(self, tenant: str | None, timeout_s: float) -> dict[str, Any]:
+        value: dict[str, Any] = self._call("purge_tenant", tenant, timeout_s)
+        return value
+
     def _call(self, name: str, *args: Any) -> Any:
         future: Future[Any] = Future()
         call_id = next(self._call_ids)

@@ -79,7 +79,7 @@ CALLS = frozenset({
     "clear_storage",
     "check_integrity", "evict_device_cache", "routing_info",
     "drain_l3_step", "l3_lacking_pages", "abort_all", "warm_start", "warm_step", "warm_stop",
-    "apply_hints", "hint_status",
+    "apply_hints", "hint_status", "purge_tenant",
 })
 # What a failure to build the engine means for the user (bad flags, a file, memory, a
 # rank that could not start), reported as a message rather than a traceback, as an

@@ -13,6 +13,11 @@ cache produces them (medium in brackets):
                                                        store [EXTERNAL] unless announced
     this worker's L3 backup put succeeded              store [EXTERNAL] (the pages stored)
     /flush_cache                                       AllBlocksCleared
+    tenant purge (DELETE /hicache/tenants/{tenant})    remove [GPU] and/or [CPU_PINNED]
+                                                       for each node, then, once its L3
+                                                       objects are purged, remove
+                                                       [EXTERNAL] for those of its pages
+                                                       this worker saw in L3
     host pages pinned / unpinned (with pin_events)     pinned [CPU_PINNED] true / false
 
 Events go out in the order the transitions happen on the scheduler thread, so
@@ -21,7 +26,8 @@ old one (a demotion only follows a landed copy; a load-back removes nothing).
 
 EXTERNAL means "this worker put or found these pages in L3": there is no
 removal, since pages leave the shared store by other evictors and other
-instances without this worker learning of it. A router should take the shared
+instances without this worker learning of it, except a tenant purge, which this
+worker ordered. A router should take the shared
 pool's own answer (a batch existence query) as the truth and these events as
 a hint. Announcements are remembered (a bounded set of hashes, cleared with
 the cache) so a page fetched again is not announced again; one forgotten is
@@ -145,6 +151,20 @@ class KVEventEmitter(TierObserver):
         run = self._l3_puts.pop(node.id)
         if num_stored_pages > 0:
             self._announce_external(run.head(num_stored_pages, self.page_size), only_new=False)
+
+    def l3_removed(self, nodes: list[TreeNode]) -> None:
+        """A tenant purge removed the tenant's L3 objects: the pages of ``nodes`` (removed
+        from L1 and L2 by the same purge, so hashed already) that this worker announced in
+        L3 leave EXTERNAL, and are forgotten as announced."""
+        for node in nodes:
+            if node.event_digests is None:
+                continue  # never hashed: never announced
+            hashes = [digest_to_hash(d) for d in node.event_digests]
+            gone = [h for h in hashes if node.l3_stored or h in self._external]
+            for h in gone:
+                self._external.pop(h, None)
+            if gone:
+                self._pending.append(BlockRemoved(block_hashes=gone, medium=MEDIUM_EXTERNAL))
 
     def cleared(self) -> None:
         """Every page left L1 and L2 (a flush); L3 announcements are forgotten too,

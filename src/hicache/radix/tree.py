@@ -26,12 +26,23 @@ Key structure choices, all for the latency of match and insert:
   node still releases both halves. ``num_pinned_pages`` counts the pages of pinned
   nodes exactly (0<->1 transitions of ``pin_ref``); each is on the host, or is a
   device page a copy to the host will keep (pinned nodes are never deleted).
+- Pages are counted per tenant (a node's tenant is its ``extra_key``, the salt its
+  root child is keyed by) in each tier, exactly as they come and go: wherever
+  ``num_device_pages`` / ``num_host_pages`` change, so does the tenant's count, and
+  ``check_integrity`` recounts both. A tenant with a host quota (``host_quotas``, in
+  pages) also has its own host heap, fed exactly like the shared one, so that
+  ``evict_host_tenant`` finds the tenant's least recently used host pages without
+  looking at another tenant's (nor scanning the tree).
+- ``remove_tenant`` (a purge) deletes every node of a tenant that nothing holds
+  (no lock, host protection or pin), leaves first, telling the observer of each
+  tier the pages leave.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,6 +70,19 @@ class TreeError(RuntimeError):
     """A call that would break the tree's invariants (a bug in the caller)."""
 
 
+@dataclass(frozen=True)
+class TenantRemoval:
+    """What ``remove_tenant`` deleted: the pages to free in each pool, the nodes it
+    unlinked (root-last: a child before its parent) and the pages it had to leave
+    because something held them (a running request, an L3 call, a pin)."""
+
+    device_pages: PageIds
+    host_pages: PageIds
+    nodes: list[TreeNode]
+    kept_device_pages: int
+    kept_host_pages: int
+
+
 class HiRadixTree:
     def __init__(
         self,
@@ -66,7 +90,10 @@ class HiRadixTree:
         write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
         namespace: KeyNamespace | None = None,
         observer: TierObserver | None = None,
+        host_quotas: Mapping[str | None, int] | None = None,
     ) -> None:
+        """``host_quotas``: the most host pages each listed tenant may hold (None is the
+        default tenant); a listed tenant gets its own host eviction heap."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
@@ -88,6 +115,16 @@ class HiRadixTree:
         self.num_protected_device_pages = 0
         self.num_pinned_pages = 0
         self.num_retained_pages = 0
+        # Pages per tenant (extra_key) in each tier; a tenant at 0 is dropped.
+        self.device_pages_by_tenant: dict[str | None, int] = {}
+        self.host_pages_by_tenant: dict[str | None, int] = {}
+        self.host_quotas: dict[str | None, int] = dict(host_quotas or {})
+        for tenant, quota in self.host_quotas.items():
+            if quota < 0:
+                raise ValueError(f"host quota of tenant {tenant!r} must be >= 0, got {quota}")
+        self._tenant_host_heaps: dict[str | None, list[_HeapEntry]] = {
+            tenant: [] for tenant in self.host_quotas
+        }
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -301,7 +338,7 @@ class HiRadixTree:
                 mine = host_pages[page - start_page : page - start_page + n]
                 if child.host_pages is None:
                     child.host_pages = np.array(mine, dtype=np.int64)
-                    self.num_host_pages += n
+                    self._count_host(child, n)
                     new_pages += n
                     self._push_candidate(child)
                     if self.observer is not None:
@@ -367,7 +404,7 @@ class HiRadixTree:
         if len(host_pages) != len(node.device_pages):
             raise TreeError("host_pages must have one page per node page")
         node.host_pages = np.asarray(host_pages, dtype=np.int64)
-        self.num_host_pages += len(host_pages)
+        self._count_host(node, len(host_pages))
         self.lock(node)
 
     def finish_backup(self, node: TreeNode) -> None:
@@ -382,7 +419,7 @@ class HiRadixTree:
             raise TreeError("abort_backup of a node whose children are backed up")
         pages = node.host_pages
         node.host_pages = None
-        self.num_host_pages -= len(pages)
+        self._count_host(node, -len(pages))
         self.unlock(node)
         return pages
 
@@ -593,6 +630,99 @@ class HiRadixTree:
             freed.append(pages)
         return np.concatenate(freed) if freed else no_pages()
 
+    def evict_host_tenant(self, extra_key: str | None, num_pages: int) -> PageIds:
+        """Delete the host-only leaves of one tenant with a host quota, least recently used
+        first, until ``num_pages`` are freed or none is evictable; another tenant's pages
+        are never looked at. Returns the freed host pages."""
+        heap = self._tenant_host_heaps.get(extra_key)
+        if heap is None:
+            raise TreeError(f"tenant {extra_key!r} has no host quota: no heap of its own")
+        freed: list[PageIds] = []
+        got = 0
+        while got < num_pages and heap:
+            cls, stamp, _, node = heapq.heappop(heap)
+            if not self._host_evictable(node):
+                continue
+            if not self._current(heap, node, cls, stamp):
+                continue
+            pages = self._delete(node)
+            got += len(pages)
+            freed.append(pages)
+        return np.concatenate(freed) if freed else no_pages()
+
+    # ---------------------------------------------------------------- tenants
+    def host_quota(self, extra_key: str | None) -> int | None:
+        """The most host pages the tenant may hold (None: no quota of its own)."""
+        return self.host_quotas.get(extra_key)
+
+    def tenant_device_pages(self, extra_key: str | None) -> int:
+        return self.device_pages_by_tenant.get(extra_key, 0)
+
+    def tenant_host_pages(self, extra_key: str | None) -> int:
+        return self.host_pages_by_tenant.get(extra_key, 0)
+
+    def remove_tenant(self, extra_key: str | None) -> TenantRemoval:
+        """Delete every node of the tenant that nothing holds, in both tiers, children
+        before parents; the observer hears each tier the pages leave (device, then host).
+
+        A node something holds (a lock, an L3 call's host protection, a pin) stays, and
+        so do its ancestors, which those counts cover too: the tree stays a tree. The
+        pages of the nodes left are counted in the result.
+        """
+        tops = [child for child in self.root.children.values() if child.extra_key == extra_key]
+        order: list[TreeNode] = []
+        stack = tops
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        device: list[PageIds] = []
+        host: list[PageIds] = []
+        removed: list[TreeNode] = []
+        kept_device = kept_host = 0
+        for node in reversed(order):  # every descendant before its ancestors
+            if node.lock_ref or node.host_ref or node.pin_ref or node.children:
+                kept_device += 0 if node.device_pages is None else len(node.device_pages)
+                kept_host += 0 if node.host_pages is None else len(node.host_pages)
+                continue
+            parent = node.parent
+            assert parent is not None
+            if self.observer is not None:
+                if node.device_pages is not None:
+                    self.observer.device_removed(node)
+                if node.host_pages is not None:
+                    self.observer.host_removed(node)
+            if node.device_pages is not None:
+                device.append(node.device_pages)
+                self._count_device(node, -len(node.device_pages))
+            if node.host_pages is not None:
+                host.append(node.host_pages)
+                self._count_host(node, -len(node.host_pages))
+            if node.evict_class == RETAINED:
+                self.num_retained_pages -= len(node.tokens) // self.page_bytes
+            key = self._child_key(parent, node.tokens[: self.page_bytes], node.extra_key)
+            del parent.children[key]
+            node.parent = None
+            node.device_pages = node.host_pages = None
+            self.num_nodes -= 1
+            removed.append(node)
+            self._push_candidate(parent)  # a kept parent may be evictable now
+        return TenantRemoval(
+            device_pages=np.concatenate(device) if device else no_pages(),
+            host_pages=np.concatenate(host) if host else no_pages(),
+            nodes=removed,
+            kept_device_pages=kept_device,
+            kept_host_pages=kept_host,
+        )
+
+    def _count_device(self, node: TreeNode, delta: int) -> None:
+        self.num_device_pages += delta
+        _add(self.device_pages_by_tenant, node.extra_key, delta)
+
+    def _count_host(self, node: TreeNode, delta: int) -> None:
+        self.num_host_pages += delta
+        _add(self.host_pages_by_tenant, node.extra_key, delta)
+
     # ----------------------------------------------------------- page keys
     def page_keys(self, node: TreeNode) -> list[bytes]:
         """Chained page keys of ``node`` (radix.keys), computed on first use."""
@@ -645,6 +775,9 @@ class HiRadixTree:
         device_keys = _lowest_keys(self._device_heap)
         host_keys = _lowest_keys(self._host_heap)
         retain_entries = {(entry[1], entry[0]) for entry in self._retain_heap}
+        tenant_keys = {t: _lowest_keys(h) for t, h in self._tenant_host_heaps.items()}
+        device_by_tenant: dict[str | None, int] = {}
+        host_by_tenant: dict[str | None, int] = {}
         for node in self.iter_nodes():
             num_nodes += 1
             parent = node.parent
@@ -662,6 +795,7 @@ class HiRadixTree:
                     f"{node!r}: on device under a parent that is not"
                 )
                 dev += pages
+                _add(device_by_tenant, node.extra_key, pages)
                 if node.lock_ref > 0:
                     protected += pages
             if node.host_pages is not None:
@@ -670,6 +804,10 @@ class HiRadixTree:
                     f"{node!r}: backup not contiguous from the root"
                 )
                 host += pages
+                _add(host_by_tenant, node.extra_key, pages)
+            assert node.extra_key == parent.extra_key or parent.is_root, (
+                f"{node!r}: another tenant than its parent"
+            )
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), (
                 f"{node!r}: lock count below its children's"
             )
@@ -699,6 +837,11 @@ class HiRadixTree:
                 assert host_keys.get(node.id, (2, 0)) <= evict_key, (
                     f"{node!r}: host-evictable but not a candidate at its key"
                 )
+                own = tenant_keys.get(node.extra_key)
+                if own is not None:
+                    assert own.get(node.id, (2, 0)) <= evict_key, (
+                        f"{node!r}: host-evictable but not in its tenant's heap at its key"
+                    )
         assert num_nodes == self.num_nodes, f"node count {self.num_nodes} != {num_nodes}"
         assert pinned == self.num_pinned_pages, (
             f"pinned pages {self.num_pinned_pages} != {pinned}"
@@ -708,6 +851,12 @@ class HiRadixTree:
         )
         assert dev == self.num_device_pages, f"device pages {self.num_device_pages} != {dev}"
         assert host == self.num_host_pages, f"host pages {self.num_host_pages} != {host}"
+        assert device_by_tenant == self.device_pages_by_tenant, (
+            f"device pages by tenant {self.device_pages_by_tenant} != {device_by_tenant}"
+        )
+        assert host_by_tenant == self.host_pages_by_tenant, (
+            f"host pages by tenant {self.host_pages_by_tenant} != {host_by_tenant}"
+        )
         assert protected == self.num_protected_device_pages, (
             f"protected pages {self.num_protected_device_pages} != {protected}"
         )
@@ -778,7 +927,7 @@ class HiRadixTree:
         leaf.hit_count = 1
         parent.children[key] = leaf
         self.num_nodes += 1
-        self.num_device_pages += len(device_pages)
+        self._count_device(leaf, len(device_pages))
         heapq.heappush(self._device_heap, (leaf.evict_class, leaf.last_access, leaf.id, leaf))
         if self.observer is not None:
             self.observer.device_stored(leaf)
@@ -793,13 +942,13 @@ class HiRadixTree:
         leaf.last_access = self._clock
         parent.children[key] = leaf
         self.num_nodes += 1
-        self.num_host_pages += len(host_pages)
+        self._count_host(leaf, len(host_pages))
         self._push_candidate(leaf)
         return leaf
 
     def _adopt_device_pages(self, node: TreeNode, device_pages: PageIds) -> None:
         node.device_pages = np.array(device_pages, dtype=np.int64)
-        self.num_device_pages += len(device_pages)
+        self._count_device(node, len(device_pages))
         if node.lock_ref > 0:
             self.num_protected_device_pages += len(device_pages)
         self._push_candidate(node)
@@ -813,7 +962,7 @@ class HiRadixTree:
         if self.observer is not None:
             self.observer.device_removed(node)
         node.device_pages = None
-        self.num_device_pages -= len(pages)
+        self._count_device(node, -len(pages))
         self._push_candidate(node)
         assert node.parent is not None
         self._push_candidate(node.parent)
@@ -839,11 +988,11 @@ class HiRadixTree:
             # Only unbacked device leaves are deleted from the device tier.
             assert node.host_pages is None
             pages = node.device_pages
-            self.num_device_pages -= len(pages)
+            self._count_device(node, -len(pages))
         else:
             assert node.host_pages is not None
             pages = node.host_pages
-            self.num_host_pages -= len(pages)
+            self._count_host(node, -len(pages))
         node.device_pages = node.host_pages = None
         self._push_candidate(parent)
         return pages
@@ -886,6 +1035,9 @@ class HiRadixTree:
             heapq.heappush(self._device_heap, entry)
         elif self._host_evictable(node):
             heapq.heappush(self._host_heap, entry)
+            tenant_heap = self._tenant_host_heaps.get(node.extra_key)
+            if tenant_heap is not None:
+                heapq.heappush(tenant_heap, entry)
         else:
             return
         self._maybe_compact()
@@ -897,6 +1049,9 @@ class HiRadixTree:
             self._device_heap = _one_current_entry(self._device_heap, self._device_evictable)
         if len(self._host_heap) > limit:
             self._host_heap = _one_current_entry(self._host_heap, self._host_evictable)
+        for tenant, heap in self._tenant_host_heaps.items():
+            if len(heap) > limit:
+                self._tenant_host_heaps[tenant] = _one_current_entry(heap, self._host_evictable)
         if len(self._retain_heap) > limit:
             self._retain_heap = [e for e in self._retain_heap if _current_retain(e)]
             heapq.heapify(self._retain_heap)
@@ -911,6 +1066,17 @@ def _one_current_entry(
     rebuilt = [(n.evict_class, n.last_access, n.id, n) for n in nodes.values()]
     heapq.heapify(rebuilt)
     return rebuilt
+
+
+def _add(counts: dict[str | None, int], tenant: str | None, delta: int) -> None:
+    """Add ``delta`` to the tenant's count, dropping it at 0 (the dict stays as small as
+    the set of tenants holding pages)."""
+    total = counts.get(tenant, 0) + delta
+    assert total >= 0, f"tenant {tenant!r}: page count below zero"
+    if total:
+        counts[tenant] = total
+    else:
+        counts.pop(tenant, None)
 
 
 def _lowest_keys(heap: list[_HeapEntry]) -> dict[int, tuple[int, int]]:

@@ -13,6 +13,7 @@ code after ``uvicorn.run`` may never run. Routes:
     PUT/GET/DELETE /hicache/storage-backend, POST /hicache/drain     (admin_api)
     POST /hicache/warm                                               (warm)
     POST /hicache/hints                                              (hints)
+    DELETE /hicache/tenants/{tenant}                                 (tenants_api)
     POST /flush_cache   GET /health   GET /metrics
     GET /get_model_info, /model_info, /get_server_info, /server_info  (server_info)
 
@@ -40,7 +41,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from hicache import __version__
-from hicache.server import admin_api, generate_api, hints, native_api, openai_api, warm
+from hicache.server import (
+    admin_api,
+    generate_api,
+    hints,
+    native_api,
+    openai_api,
+    tenants_api,
+    warm,
+)
 from hicache.server.access_log import AccessLogMiddleware
 from hicache.server.admin_api import authorize_if_keyed
 from hicache.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -114,6 +123,7 @@ def create_app(
     app.include_router(warm.router)
     app.include_router(hints.router)
     app.include_router(native_api.router)
+    app.include_router(tenants_api.router)
 
     @app.get("/health", response_model=None)
     async def health(request: Request) -> dict[str, Any] | Response:

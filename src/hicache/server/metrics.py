@@ -26,6 +26,9 @@ named ``hicache_cost_*``: the predicted cold prefill seconds per token labelled 
 page, and each attached L3 backend's read latency and bandwidth labelled by
 ``backend``; an estimate still unknown (too few samples) has no series.
 
+Each tenant's cached bytes per tier are ``hicache_tenant_bytes{tier,tenant}``, with a
+bounded label set (``tenant_metrics``).
+
 The warm's calls are counted by the server (``hicache_warm_requests_total``,
 ``hicache_warm_tokens_total``, ``hicache_warm_items_total{outcome}``); the cache hints'
 series come from the engine's hint status (``hint_metrics``).
@@ -47,6 +50,8 @@ from prometheus_client.registry import Collector
 
 from hicache.engine.api import EngineProtocol, GenerateOutput
 from hicache.server.hint_metrics import HintCollector
+from hicache.server.tenant_metrics import KEY_PREFIX as TENANT_KEY_PREFIX
+from hicache.server.tenant_metrics import tenant_bytes_family
 
 PREFIX = "hicache_"
 
@@ -305,7 +310,7 @@ class EngineCollector(Collector):
             family.add_metric([value for _, value in series.labels], value)
 
         for key, value in values.items():
-            if key in _SKIPPED:
+            if key in _SKIPPED or key.startswith(TENANT_KEY_PREFIX):
                 continue
             series = _failure_series(key) or _cost_series(key)
             add(series or SERIES.get(key) or _fallback(key), value)
@@ -319,6 +324,7 @@ class EngineCollector(Collector):
             add(_gauge("device_pool_usage", "fraction of the device (L1) pool in use"),
                 values.get("device_pool_used_pages", 0.0) / pages)
         yield from families.values()
+        yield tenant_bytes_family(values)
 
 
 class ServerMetrics:

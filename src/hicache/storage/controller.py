@@ -341,6 +341,18 @@ class StorageController:
                                f"{type(call.error).__name__}: {call.error}")
         logger.info("L3 (%s) cleared", self.backend.name)
 
+    def purge_tenant(self, tenant: str | None, timeout_s: float) -> int:
+        """Remove every object of ``tenant`` (its cache salt) from the store within
+        ``timeout_s``; returns how many. StorageError where the backend cannot list or name
+        one tenant's objects, which no backend does yet: the caller reports it and keeps
+        what it purged from L1 and L2."""
+        raise StorageError(f"L3 ({self.backend.name}) cannot purge one tenant's objects yet")
+
+    def tenant_usage(self) -> dict[str | None, int]:
+        """Bytes each tenant holds in the store, as far as the backend counts them (no
+        backend counts them yet: none)."""
+        return {}
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every submitted operation has finished (tests, detach, shutdown).
 
