@@ -50,6 +50,7 @@ from hicache.config import WritePolicy
 from hicache.engine.api import Hint, HintKind, HintOutcome, HintOutcomeKind
 from hicache.radix.keys import chain_page_keys, pack_tokens, unpack_tokens
 from hicache.radix.node import TreeNode
+from hicache.tenancy.names import within_tenant
 
 if TYPE_CHECKING:
     from hicache.cache.hierarchical_cache import HierarchicalCache
@@ -607,12 +608,13 @@ class HintBook:
         """Release every pin of a prefix under ``extra_key`` (a tenant purge: its pages are
         going from every tier), host and L3, and cancel the pins waiting for such a prefix
         to land; returns how many pins were released."""
-        records = [record for record in self._pins.values() if record.key[2] == extra_key]
+        records = [record for record in self._pins.values()
+                   if within_tenant(record.key[2], extra_key)]
         for record in records:
             self._release(record)
         for background in self._background:
             for i, pending in enumerate(background.pins):
-                if pending is not None and pending.extra_key == extra_key:
+                if pending is not None and within_tenant(pending.extra_key, extra_key):
                     background.pins[i] = None
         return len(records)
 

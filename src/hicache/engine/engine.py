@@ -45,7 +45,7 @@ from hicache.storage.base import StorageError
 from hicache.storage.config import storage_config
 from hicache.storage.controller import StorageMetrics
 from hicache.storage.frame import PayloadOrder
-from hicache.tenancy.names import tenant_label
+from hicache.tenancy.names import tenant_label, within_tenant
 from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -388,7 +388,7 @@ class Engine:
         sched = self.scheduler
         rids = sched.call(
             lambda: [req.rid for req in (*sched.running_requests(), *sched.waiting_requests())
-                     if req.request.extra_key == tenant]
+                     if within_tenant(req.request.extra_key, tenant)]
         ).result(timeout=_CONTROL_TIMEOUT_S)
         for rid in rids:
             self.scheduler.abort(rid)

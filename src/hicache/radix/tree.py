@@ -59,6 +59,7 @@ from hicache.radix.results import (
     PrefixPeek,
     no_pages,
 )
+from hicache.tenancy.names import within_tenant
 
 _HeapEntry = tuple[int, int, int, TreeNode]
 _RetainEntry = tuple[float, int, TreeNode]
@@ -669,7 +670,9 @@ class HiRadixTree:
         so do its ancestors, which those counts cover too: the tree stays a tree. The
         pages of the nodes left are counted in the result.
         """
-        tops = [child for child in self.root.children.values() if child.extra_key == extra_key]
+        # The tenant's own namespace and those nested in it (its salts, tenancy/names.py).
+        tops = [child for child in self.root.children.values()
+                if within_tenant(child.extra_key, extra_key)]
         order: list[TreeNode] = []
         stack = tops
         while stack:

@@ -115,11 +115,14 @@ def as_tuple(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 def cache_key(extra_key: str | None, cache_salt: str | None) -> str | None:
-    """SGLang's two cache namespaces as one engine key: requests differing in either
-    never share cached KV."""
-    if cache_salt is None:
+    """SGLang's two cache namespaces as one engine key, the request's tenant
+    (``tenancy/``): the cache salt names the tenant (so a tenant named by a salt and the
+    same one named by an API key are one, and ``DELETE /hicache/tenants/<salt>`` purges
+    it), SGLang's extra key alone names one too, and with both the extra key is a
+    namespace inside the salt's tenant. Requests differing in either never share KV."""
+    if not cache_salt:
         return extra_key or None
-    return f"{extra_key or ''}\x00{cache_salt}"
+    return cache_salt if not extra_key else f"{cache_salt}\x00{extra_key}"
 
 
 # The most samples of one prompt a request may ask (``n``; each is an engine request).

@@ -24,3 +24,18 @@ def check_tenant_name(name: str) -> str:
             f"a tenant name is 1-128 characters of A-Z a-z 0-9 _ . : @ -, got {name!r}"
         )
     return name
+
+
+# How namespaces nest inside a tenant: a salt under an authenticated tenant ("acme/s1",
+# tenancy/identity.py) and an extra key under a salt ("acme\x00e", server/protocol.py).
+NESTING_SEPARATORS = ("/", "\x00")
+
+
+def within_tenant(extra_key: str | None, tenant: str | None) -> bool:
+    """Whether ``extra_key`` is ``tenant``'s namespace or one nested in it (what a purge of
+    ``tenant`` removes). The default tenant (None) has nothing nested."""
+    if extra_key is None or tenant is None:
+        return extra_key == tenant
+    return extra_key == tenant or extra_key.startswith(
+        tuple(tenant + separator for separator in NESTING_SEPARATORS)
+    )

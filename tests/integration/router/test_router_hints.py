@@ -59,7 +59,7 @@ def test_pin_retain_and_prefetch_go_where_the_policy_routes_their_prefix() -> No
     # The policy was asked about each prefix's pages, as for a request with that prompt
     # (a salted one in its salt's chain, as the worker's events announce its pages).
     asked = [(list(r.page_hashes), ids) for r, ids in policy.requests]
-    salted = page_hashes(text_ids, PAGE, tenant_root_digest("\x00s"))
+    salted = page_hashes(text_ids, PAGE, tenant_root_digest("s"))
     assert asked == [(page_hashes(IDS, PAGE), IDS), (salted, text_ids),
                      (page_hashes(IDS[:4], PAGE), IDS[:4])]
     assert [r["index"] for r in results] == [0, 1, 2]

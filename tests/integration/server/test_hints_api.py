@@ -147,7 +147,7 @@ def test_hints_reach_the_engine_and_their_outcomes_come_back_in_order(
     assert response.status_code == 200, response.text
     assert len(engine.applied) == before + 1
     pin, retain, demote, unpin, prefetch = engine.applied[-1]
-    assert pin == Hint(HintKind.PIN, (1, 2, 3, 4, 5), 60.0, "l3", "acme", "\x00s1")
+    assert pin == Hint(HintKind.PIN, (1, 2, 3, 4, 5), 60.0, "l3", "acme", "s1")
     # Texts are tokenized as /generate tokenizes a prompt; defaults fill the rest.
     assert retain == Hint(HintKind.RETAIN, tuple(b"hello"), 30.5, "host", "default", None)
     assert demote.kind is HintKind.DEMOTE and demote.ttl_s is None
@@ -260,7 +260,7 @@ def test_generate_takes_hints_and_answers_their_outcomes_in_meta_info(
     response = client.post("/generate", json={"text": "hello", "cache_salt": "s",
                                                "hicache_hints": OWN_HINTS})
     assert response.status_code == 200, response.text
-    assert engine.requests[-1].hints == expected_own("\x00s")
+    assert engine.requests[-1].hints == expected_own("s")
     assert response.json()["meta_info"]["hints"] == own_outcomes()
     plain = client.post("/generate", json={"text": "hello"})
     assert "hints" not in plain.json()["meta_info"] and engine.requests[-1].hints == ()

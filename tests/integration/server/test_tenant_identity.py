@@ -134,9 +134,10 @@ def test_a_tenants_identical_prompt_is_cold_in_every_tier(server: RunningServer)
 def test_a_salt_never_leaves_the_keys_tenant(server: RunningServer) -> None:
     ids = prompt(4)
     generate(server, ids, KEY_A)
-    # B names A as its salt, as extra_key or cache_salt: nested under B, cold.
-    assert cached(generate(server, ids, KEY_B, extra_key="acme"))["device"] == 0
+    # B names A as its salt: nested under B (globex/acme), cold.
     assert cached(generate(server, ids, KEY_B, cache_salt="acme"))["device"] == 0
+    # A salt and an extra key alone name one namespace: B's own, which now holds the prompt.
+    assert cached(generate(server, ids, KEY_B, extra_key="acme"))["device"] == 6 * PAGE
     # A naming itself is A; A naming another salt is a namespace of A's own.
     assert cached(generate(server, ids, KEY_A, extra_key="acme"))["device"] == 6 * PAGE
     assert cached(generate(server, ids, KEY_A, cache_salt="s1"))["device"] == 0

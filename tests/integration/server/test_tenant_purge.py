@@ -21,7 +21,7 @@ import httpx
 import pytest
 import zmq
 
-from hicache.events.hashing import page_hashes
+from hicache.events.hashing import page_hashes, tenant_root_digest
 from hicache.events.messages import MEDIUM_CPU, MEDIUM_EXTERNAL, MEDIUM_GPU, BlockRemoved
 from tests.integration.events.test_engine_events import TOPIC, EventReader
 from tests.server_fixtures import RunningServer, serve_in_thread
@@ -174,7 +174,8 @@ def test_the_kv_events_announce_the_removal(server: RunningServer) -> None:
     for event in events:
         assert isinstance(event, BlockRemoved), event
         removed.setdefault(event.medium, set()).update(event.block_hashes)
-    prompt_pages = set(page_hashes(ids, PAGE)[:3])
+    # A non-default tenant's pages hash in its own chain (events/hashing.tenant_root_digest).
+    prompt_pages = set(page_hashes(ids, PAGE, tenant_root_digest("tenant-e"))[:3])
     for medium in (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_EXTERNAL):
         assert prompt_pages <= removed.get(medium, set()), f"{medium}: {removed}"
 
@@ -277,3 +278,43 @@ def test_metrics_show_each_tenants_bytes_per_tier(server: RunningServer) -> None
     assert purge(server, "tenant-m").status_code == 200
     after = tenant_bytes(server)
     assert ("device", "tenant-m") not in after and ("host", "tenant-m") not in after
+
+
+def test_a_purge_takes_the_namespaces_nested_in_the_tenant(
+    server: RunningServer, fake_purge: FakeL3Purge,
+) -> None:
+    """A tenant named by a cache salt is the tenant of that name: the purge of "tenant-n"
+    removes its own pages, those of an extra key inside its salt ("tenant-n" NUL "e") and
+    of a salt nested under it ("tenant-n/s1", as an authenticated tenant's salt), and
+    nothing of "tenant-nx", whose name only starts alike."""
+    ids = prompt(7)
+    bodies: dict[str, dict[str, Any]] = {
+        "own": {"cache_salt": "tenant-n"},
+        "extra key inside": {"cache_salt": "tenant-n", "extra_key": "e"},
+        "nested salt": {"extra_key": "tenant-n/s1"},
+        "look-alike": {"cache_salt": "tenant-nx"},
+    }
+
+    def run(body: dict[str, Any]) -> int:
+        response = httpx.post(f"{server.url}/generate", timeout=TIMEOUT, json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            **body,
+        })
+        assert response.status_code == 200, response.text
+        cached: int = response.json()["meta_info"]["cached_tokens"]
+        return cached
+
+    for body in bodies.values():
+        assert run(body) == 0  # every namespace starts cold: none shares another's pages
+    settle(server)
+    for body in bodies.values():
+        assert run(body) >= 3 * PAGE
+    settle(server)
+    response = purge(server, "tenant-n")
+    assert response.status_code == 200, response.text
+    assert response.json()["host_pages"] + response.json()["device_pages"] >= 3 * 3
+    after = {name: run(body) for name, body in bodies.items()}
+    assert after["own"] == after["extra key inside"] == after["nested salt"] == 0, after
+    assert after["look-alike"] >= 3 * PAGE, after
+    settle(server)
+    server.engine.check_integrity()
