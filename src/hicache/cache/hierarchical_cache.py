@@ -167,6 +167,9 @@ class HierarchicalCache:
         self._retired_storage: list[StorageTier] = []
         # Why L3 is not attached although configured (reported by /health and logs).
         self.storage_error: str | None = None
+        # The server's L3 encryption keys: every store attached, at start-up or later
+        # through the admin API, seals its pages with them (never plaintext).
+        self.l3_encryption = storage.encryption if storage is not None else None
         if storage is not None and storage.enabled:
             try:
                 self.attach_storage(storage)
@@ -224,6 +227,11 @@ class HierarchicalCache:
             backend = registry.create_storage_backend(config.backend, config.backend_extra)
             assert isinstance(backend, StorageBackend)
         try:
+            encryption = config.encryption or self.l3_encryption
+            if encryption is not None and backend.sealer is None:
+                from hicache.storage.sealing import Sealer  # cryptography: loaded on use
+
+                backend.use_sealer(Sealer(encryption))
             backend.attach(self.host_pool)
         except Exception:
             backend.close()
