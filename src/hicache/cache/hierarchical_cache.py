@@ -38,7 +38,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -213,6 +213,8 @@ class HierarchicalCache:
             raise StorageError(
                 "L3 storage needs the host pool: add --enable-hierarchical-cache"
             )
+        if config.encryption is None and self.l3_encryption is not None:
+            config = replace(config, encryption=self.l3_encryption)  # an admin API attach
         if self.storage is not None:
             if backend is None and self.storage.config.same_backend(config):
                 self.storage.config = config
@@ -227,11 +229,10 @@ class HierarchicalCache:
             backend = registry.create_storage_backend(config.backend, config.backend_extra)
             assert isinstance(backend, StorageBackend)
         try:
-            encryption = config.encryption or self.l3_encryption
-            if encryption is not None and backend.sealer is None:
+            if config.encryption is not None and backend.sealer is None:
                 from hicache.storage.sealing import Sealer  # cryptography: loaded on use
 
-                backend.use_sealer(Sealer(encryption))
+                backend.use_sealer(Sealer(config.encryption))
             backend.attach(self.host_pool)
         except Exception:
             backend.close()

@@ -18,6 +18,7 @@ from hicache.config import ConfigError
 from hicache.engine.api import GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
 from hicache.server.serve import main as serve_main
+from hicache.storage.base import StorageError
 from hicache.storage.frame import SEALED_FORMAT_VERSION, SEALED_HEADER_BYTES
 from tests.engine_helpers import (  # noqa: F401 - make_engine_fixture: a fixture
     Run,
@@ -26,7 +27,7 @@ from tests.engine_helpers import (  # noqa: F401 - make_engine_fixture: a fixtur
     make_engine_fixture,
 )
 from tests.integration.engine.test_engine_cache_reuse import prompt
-from tests.l3_engine_checks import REUSED, l3_engine_flags
+from tests.l3_engine_checks import ENGINE_FLAGS, REUSED, l3_engine_flags
 
 KEYS = f"acme 1 {'a1' * 32}\n* 1 {'5e' * 32}\n"
 OTHER_KEYS = f"acme 1 {'0c' * 32}\n* 1 {'5e' * 32}\n"
@@ -141,3 +142,28 @@ def test_a_backend_that_cannot_seal_is_refused_at_start_up(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match="the lmcache backend cannot encrypt pages"):
         engine_config("--enable-hierarchical-cache", "--hicache-storage-backend", "lmcache",
                       "--l3-encryption-keys", str(keys))
+
+
+def test_a_store_attached_later_through_the_admin_api_is_sealed_too(
+    make_engine: Callable[..., Engine], tmp_path: Path,
+) -> None:
+    """The server's keys apply to every store it attaches, not only the one at start-up:
+    an attach through the admin API never writes plaintext, and refuses a backend that
+    cannot seal."""
+    keys = key_file(tmp_path, "keys", KEYS)
+    engine = make_engine(*ENGINE_FLAGS, "--hicache-storage-backend", "none",
+                         "--hicache-reuse-policy", "load", "--l3-encryption-keys", str(keys))
+    assert engine.cache.storage is None
+    with pytest.raises(StorageError, match="'lmcache' cannot encrypt pages"):
+        engine.attach_storage("lmcache", {"remote_url": "lm://127.0.0.1:1"}, "wait_complete")
+    store = tmp_path / "attached"
+    extra = {"path": str(store), "prefetch_threshold": 64}
+    engine.attach_storage("file", extra, "wait_complete")
+    engine.attach_storage("file", extra, "timeout")  # the same store: only the policy changes
+    ids = prompt(22)
+    cold = ask(engine, ids, "acme")
+    assert engine.flush_cache()
+    warm = ask(engine, ids, "acme")
+    assert warm.last.cached_tokens.storage == REUSED and warm.token_ids == cold.token_ids
+    files = page_files(store)
+    assert files and all(p.read_bytes()[-SEALED_HEADER_BYTES:][4] == 2 for p in files)
