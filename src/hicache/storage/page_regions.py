@@ -165,6 +165,18 @@ class PageRegions:
         fault = self.check_header(header, key)
         return fault if fault is not None else self.check_landed(header, page, verify_checksum)
 
+    def land(
+        self, header: Buffer, page: int, payload: Buffer, verify_checksum: bool
+    ) -> Fault | None:
+        """Put ``payload`` (an object's payload a store handed back, with its checked
+        ``header``) into page ``page`` and check it: ``copy_in`` and ``check_landed``, or,
+        for a sealed page, its decryption from ``payload`` into the page (one pass)."""
+        if self.sealer is not None:
+            self.digests.forget([page])
+            return self.sealer.open(header, self.views(page), payload)
+        self.copy_in(page, payload)
+        return self.check_landed(header, page, verify_checksum)
+
     def check_landed(self, header: Buffer, page: int, verify_checksum: bool) -> Fault | None:
         """The payload's fault, if any, of page ``page`` read into the pool with a checked
         ``header``. Without ``verify_checksum`` nothing is checked (and nothing known of

@@ -82,18 +82,29 @@ class Sealer:
         set_tag(header, encryptor.tag)
         return bytes(header)
 
-    def open(self, header: Buffer, payload: Sequence[memoryview]) -> Fault | None:
+    def open(
+        self, header: Buffer, payload: Sequence[memoryview], source: Buffer | None = None
+    ) -> Fault | None:
         """Decrypt ``payload`` (a page's fragments holding its ciphertext, in payload
-        order) in place, under the key a checked sealed ``header`` names; the fault
-        (``UNKNOWN_KEY``, ``BAD_TAG``), or None when it authenticated."""
+        order) in place, or, given ``source`` (the whole ciphertext, as a store handed it
+        back), from ``source`` into ``payload``: the decryption is then the copy. Under
+        the key a checked sealed ``header`` names; the fault (``UNKNOWN_KEY``,
+        ``BAD_TAG``), or None when it authenticated."""
         tag, nonce, key_id = sealed_fields(header)
         tenant_key = self.ring.read_key(current_tenant(), key_id)
         if tenant_key is None:
             return Fault.UNKNOWN_KEY
         decryptor = Cipher(self._cipher(tenant_key), modes.GCM(nonce, tag)).decryptor()
         decryptor.authenticate_additional_data(sealed_aad(header))
-        for fragment in payload:
-            decryptor.update_into(fragment, fragment)
+        if source is None:
+            for fragment in payload:
+                decryptor.update_into(fragment, fragment)
+        else:
+            ciphertext, offset = memoryview(source).cast("B"), 0
+            for fragment in payload:
+                size = fragment.nbytes
+                decryptor.update_into(ciphertext[offset : offset + size], fragment)
+                offset += size
         try:
             decryptor.finalize()
         except InvalidTag:

@@ -165,3 +165,25 @@ def test_staging_is_reused_by_the_thread() -> None:
     first = sealer.staging(1000)
     assert len(first) == 1000 and len(sealer.staging(10)) == 10
     assert first.obj is sealer.staging(500).obj
+
+
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_a_payload_handed_back_by_a_store_is_decrypted_into_the_page(
+    layout: MemLayout,
+) -> None:
+    """``land``: a store's own copy of the ciphertext is decrypted straight into the page's
+    regions (no copy first); the same for a plain page is a copy and its check."""
+    regions = regions_of(layout, Sealer(RING))
+    original = plain(regions, 2)
+    ciphertext, header = seal(regions, 2, KEY, "acme")
+    with call_tenant("acme"):
+        assert regions.land(header, 5, ciphertext, True) is None
+        assert plain(regions, 5) == original
+        damaged = bytearray(ciphertext)
+        damaged[-1] ^= 0x80
+        assert regions.land(header, 4, bytes(damaged), True) is Fault.BAD_TAG
+    clear = regions_of(layout, None)
+    payload = plain(clear, 1)
+    framed = clear.frame(1, KEY)
+    assert framed is not None
+    assert clear.land(framed[1], 3, payload, True) is None and plain(clear, 3) == payload

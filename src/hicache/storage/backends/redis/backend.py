@@ -43,7 +43,8 @@ one round trip; NX still keeps a page that another instance stored meanwhile
 from being rewritten. A SET's value goes to the socket straight from the
 page's regions in the host pool and its header (``wire``: no copy);
 on the way in, the payload is copied from MGET's reply into the page's
-regions once it is verified.
+regions once it is verified (a sealed page is decrypted from the reply into
+them instead: the decryption is the copy, ``PageRegions.land``).
 
 Failures. The client retries a failed command once at once (a pooled
 connection the server closed, e.g. after a restart, is reconnected), then
@@ -343,8 +344,7 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
             if fault is None:
                 fault = regions.check_header(header, keys[i])
             if fault is None:
-                regions.copy_in(pages[i], payload)
-                fault = regions.check_landed(header, pages[i], self.settings.verify_checksum)
+                fault = regions.land(header, pages[i], payload, self.settings.verify_checksum)
             if fault is not None:
                 self._fail(fault)
                 self._delete(client, names[i])
