@@ -89,6 +89,20 @@ class SealedChecks(StorageContract):
         finally:
             other.close()
 
+    def test_a_tenant_without_a_key_stores_nothing(
+        self, namespace: KeyNamespace, store: Any
+    ) -> None:
+        backend = sealed(self.make_plain_backend(store), f"acme 1 {'a1' * 32}\n")
+        backend.attach(self.make_host(MemLayout.PAGE_FIRST))
+        try:
+            keys = self.keys(namespace, 3, salt="globex")
+            with call_tenant("globex"):
+                assert backend.set(keys, page_range(0, 3)) == 0
+                assert backend.exists(keys) == 0
+            assert backend.stats().failures.get("no_key", 0) == 1
+        finally:
+            backend.close()
+
     def make_plain_backend(self, store: Any) -> StorageBackend:
         raise NotImplementedError
 

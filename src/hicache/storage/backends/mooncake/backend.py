@@ -47,8 +47,9 @@ bytes and copies them into the client's local buffer first).
 
 Sealed pages (``--l3-encryption-keys``, ``storage.sealing``): a page's ciphertext
 cannot be put from the page itself, so it is sealed into a second registered
-staging area (``SEAL_STAGING_BYTES`` per slot) and put from there, a batch in as
-many parts as that area holds, one after the other; headers are 64 bytes. Reads
+staging area (``SEAL_STAGING_BYTES`` per slot) and put from there, a batch in
+parts of half that area, the helper thread sealing the next part into one half
+while Mooncake puts the last from the other; headers are 64 bytes. Reads
 land the ciphertext in the host page as plain reads do, and the helper thread
 opens (decrypts in place) what it would otherwise hash.
 
@@ -195,11 +196,12 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         self._check_attachable(self._client is not None)
         regions = PageRegions(host, self.sealer)
         if self.sealer is not None:
+            # Pages per part: half the area (two parts are in flight, _put_sealed).
             self._sealed_pages = min(
-                MAX_BATCH_PAGES, max(1, SEAL_STAGING_BYTES // regions.page_bytes)
+                MAX_BATCH_PAGES, max(1, SEAL_STAGING_BYTES // (2 * regions.page_bytes))
             )
             self._sealed = np.zeros(
-                (_STAGING_SLOTS, self._sealed_pages * regions.page_bytes), dtype=np.uint8
+                (_STAGING_SLOTS, 2 * self._sealed_pages * regions.page_bytes), dtype=np.uint8
             )
         client = acquire_client(self.settings)
         registered: list[int] = []
@@ -399,48 +401,66 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
 
     def _put_sealed(self, batch: _MooncakePut, todo: list[int], codes: dict[int, int]) -> None:
         """Seal the pages ``todo`` into this slot's ciphertext staging and put them from
-        there, in parts of what it holds, recording each page's code in ``codes``;
-        stops at the first part that did not store completely, or a page without a key
-        (counted "no_key", no code)."""
+        there, recording each page's code in ``codes``: in parts of half the staging
+        area, the helper thread sealing part k+1 into one half while part k is put from
+        the other (``_write_behind``). Stops after the first part that did not store
+        completely. A tenant without a key has nothing put (counted "no_key")."""
         client, regions, keys, pages, names = (
             batch.client, batch.regions, batch.keys, batch.pages, batch.names
         )
-        assert self._sealed is not None
+        assert self._sealed is not None and regions.sealer is not None
+        tenant = current_tenant()  # the helper thread seals for it
+        if regions.sealer.ring.write_key(tenant) is None:
+            self._fail(FailureReason.NO_KEY)
+            return
         page_bytes, header_bytes = regions.page_bytes, regions.header_bytes
         per_part = self._sealed_pages
+        parts = [
+            range(start, min(start + per_part, len(todo)))
+            for start in range(0, len(todo), per_part)
+        ]
         with self._staging_slot() as slot:
             base = self._slot_offset(slot)
-            ciphertext = self._sealed[slot].data
-            ciphertext_address = int(self._sealed[slot].ctypes.data)
-            for start in range(0, len(todo), per_part):
-                chosen = todo[start : start + per_part]
-                buffers: list[list[int]] = []
-                for j, i in enumerate(chosen):
-                    out = ciphertext[j * page_bytes : (j + 1) * page_bytes]
-                    framed = regions.frame(pages[i], keys[i], out)
-                    if framed is None:
-                        self._fail(FailureReason.NO_KEY)
-                        chosen = chosen[:j]
-                        break
-                    offset = base + j * _SLOT_BYTES
-                    self._staging_view[offset : offset + header_bytes] = framed[1]
-                    buffers.append(
-                        [ciphertext_address + j * page_bytes, self._staging_address + offset]
-                    )
-                if not chosen:
-                    return
-                chosen_names = [names[i] for i in chosen]
-                sizes = [[page_bytes, header_bytes]] * len(chosen)
+            area = self._sealed[slot]
+            area_view, area_address = area.data, int(area.ctypes.data)
+
+            def half(part: range) -> int:
+                """Where part ``part``'s ciphertext starts in the area (alternate halves)."""
+                return (part.start // per_part) % 2 * per_part * page_bytes
+
+            def pack(part: range) -> None:
+                with call_tenant(tenant):
+                    for j in part:
+                        i = todo[j]
+                        offset = half(part) + (j - part.start) * page_bytes
+                        framed = regions.frame(
+                            pages[i], keys[i], area_view[offset : offset + page_bytes]
+                        )
+                        assert framed is not None, "the tenant's key was checked"
+                        slot_offset = base + j * _SLOT_BYTES
+                        self._staging_view[slot_offset : slot_offset + header_bytes] = (
+                            framed[1]
+                        )
+
+            def put(part: range) -> bool:
+                chosen = [todo[j] for j in part]
+                buffers = [
+                    [area_address + half(part) + (j - part.start) * page_bytes,
+                     self._staging_address + base + j * _SLOT_BYTES]
+                    for j in part
+                ]
                 results = self._call(
                     client, len(chosen),
-                    partial(_put_from, names=chosen_names, buffers=buffers, sizes=sizes),
+                    partial(_put_from, names=[names[i] for i in chosen], buffers=buffers,
+                            sizes=[[page_bytes, header_bytes]] * len(chosen)),
                 )
                 for i, code in zip(chosen, results or (), strict=False):
                     codes[i] = code
-                if results is None or len(chosen) < min(per_part, len(todo) - start) or any(
-                    code not in (0, OBJECT_ALREADY_EXISTS) for code in results
-                ):
-                    return
+                return results is not None and all(
+                    code in (0, OBJECT_ALREADY_EXISTS) for code in results
+                )
+
+            self._write_behind(parts, pack, put)
 
     def _settle_put(self, todo: list[int], stored: list[bool], codes: dict[int, int]) -> int:
         """Mark what the puts' ``codes`` stored; count the first page left unstored by its
