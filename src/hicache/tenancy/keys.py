@@ -27,13 +27,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
+import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hicache.config import ConfigError
 from hicache.tenancy.names import check_tenant_name, tenant_label
+
+logger = logging.getLogger(__name__)
 
 KEYS_FLAG = "--l3-encryption-keys"
 # The tenant of a line that stands for every tenant without keys of its own.
@@ -79,11 +84,18 @@ class KeyRing:
 
 
 def load_key_file(path: str | Path) -> KeyRing:
-    """Read and check a key file; ConfigError naming ``path`` (and the line) if it is bad."""
+    """Read and check a key file; ConfigError naming ``path`` (and the line) if it is bad.
+    A file that other users may read is used, with a warning (keep it mode 0600)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
+        mode = os.stat(path).st_mode
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"{KEYS_FLAG}: cannot read {path}: {error}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning(
+            "%s: %s is readable by other users (mode %o): anyone who can read it can read "
+            "every page sealed under its keys; chmod 600 it", KEYS_FLAG, path, mode & 0o777,
+        )
     return parse_key_file(text, str(path))
 
 

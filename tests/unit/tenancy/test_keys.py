@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import logging
 import re
 from pathlib import Path
 
@@ -90,3 +91,18 @@ def test_tenant_names() -> None:
     for bad in ("", "a b", "x" * 129, "ü"):
         with pytest.raises(ValueError, match="1-128 characters"):
             check_tenant_name(bad)
+
+
+def test_a_key_file_others_can_read_is_used_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"* 1 {HEX_A}\n")
+    path.chmod(0o600)
+    with caplog.at_level(logging.WARNING):
+        assert load_key_file(path).write_key(None) is not None
+    assert not caplog.records
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        assert load_key_file(path).write_key(None) is not None
+    assert "readable by other users (mode 644)" in caplog.text
