@@ -61,7 +61,7 @@ def page_files(store: Path) -> list[Path]:
 
 
 def test_sealed_pages_answer_as_cold_and_only_the_same_keys_read_them(
-    make_engine: Callable[..., Engine], tmp_path: Path,
+    make_engine: Callable[..., Engine], tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     store = tmp_path / "l3"
     keys = key_file(tmp_path, "keys", KEYS)
@@ -105,10 +105,12 @@ def test_sealed_pages_answer_as_cold_and_only_the_same_keys_read_them(
 
     # Another key file (acme's key differs): acme misses, counted, and answers as cold.
     stranger = make_engine(*flags(store, key_file(tmp_path, "other", OTHER_KEYS)))
-    missed = ask(stranger, ids, "acme")
+    with caplog.at_level(logging.WARNING, logger="hicache.storage.failure_log"):
+        missed = ask(stranger, ids, "acme")
     assert missed.last.cached_tokens.storage == 0
     assert missed.token_ids == cold["acme"]
     assert failures(stranger).get("bad_tag", 0) >= 1
+    assert "failed authentication" in caplog.text  # logged with what it means
 
 
 @pytest.mark.parametrize(
