@@ -169,3 +169,32 @@ def test_a_store_attached_later_through_the_admin_api_is_sealed_too(
     assert warm.last.cached_tokens.storage == REUSED and warm.token_ids == cold.token_ids
     files = page_files(store)
     assert files and all(p.read_bytes()[-SEALED_HEADER_BYTES:][4] == 2 for p in files)
+
+
+def test_rotation_reads_old_pages_and_deleting_a_key_shreds_them(
+    make_engine: Callable[..., Engine], tmp_path: Path,
+) -> None:
+    """Appending a key rotates (new pages sealed under it, old ones still read); deleting
+    the old key makes everything sealed under it a miss (counted unknown_key): the pages
+    are gone for every server using the file, wherever the store keeps them."""
+    store = tmp_path / "l3"
+    old, new = f"acme 1 {'a1' * 32}\n", f"acme 2 {'a2' * 32}\n"
+    before, after = prompt(23), prompt(24)
+    first = make_engine(*flags(store, key_file(tmp_path, "v1", old)))
+    cold_before = ask(first, before, "acme").token_ids
+    assert first.flush_cache()
+    first.shutdown()
+
+    rotated = make_engine(*flags(store, key_file(tmp_path, "v2", old + new)))
+    hit = ask(rotated, before, "acme")  # written under key 1, read with it
+    assert hit.last.cached_tokens.storage == REUSED and hit.token_ids == cold_before
+    cold_after = ask(rotated, after, "acme").token_ids  # sealed under key 2
+    assert rotated.flush_cache()
+    rotated.shutdown()
+
+    shredded = make_engine(*flags(store, key_file(tmp_path, "v3", new)))
+    gone = ask(shredded, before, "acme")
+    assert gone.last.cached_tokens.storage == 0 and gone.token_ids == cold_before
+    assert failures(shredded).get("unknown_key", 0) >= 1
+    kept = ask(shredded, after, "acme")
+    assert kept.last.cached_tokens.storage == REUSED and kept.token_ids == cold_after
