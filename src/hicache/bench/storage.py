@@ -32,6 +32,13 @@ parallelism does): puts hash every page and gets verify it.
 
 Throughput is GB/s (1 GB = 1e9 B) of KV payload (headers not counted) and
 pages/s; "x" is the backend's throughput over the baseline's.
+
+``--encryption-keys FILE`` (or ``random``: one fresh key for every tenant) runs each
+backend that seals (``storage.registry.SEALING_BACKENDS``) again with its pages sealed
+under the file's key for the default tenant (``storage.sealing``), as
+``<backend> sealed`` rows whose "x" is over the same backend in the clear: what
+encryption at rest costs next to the plain path. Sealed pages carry no checksum, so the
+plain path is measured as configured (checksums in the copies, or at put and get).
 """
 
 from __future__ import annotations
@@ -55,17 +62,24 @@ import numpy as np
 import torch
 
 from hicache.bench import page_copies
-from hicache.config import MemLayout
+from hicache.config import ConfigError, MemLayout
 from hicache.memory.allocator import PageIds
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import GEOMETRY_PRESETS, KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.base import MAX_BATCH_PAGES, StorageBackend, StorageError
-from hicache.storage.registry import BACKENDS, create_storage_backend, unavailable_reason
+from hicache.storage.registry import (
+    BACKENDS,
+    SEALING_BACKENDS,
+    create_storage_backend,
+    unavailable_reason,
+)
+from hicache.tenancy.keys import KeyRing, load_key_file, parse_key_file
 
 _WARMUP = 1
 _OPS = ("put", "get")
+SEALED = " sealed"  # suffix of a sealed run's backend name in the results
 
 
 @dataclass(frozen=True)
@@ -193,6 +207,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--verify-at-get", action="store_true",
         help="puts hash every page and gets verify it (what a CUDA device or tensor "
         "parallelism does) instead of the checksum moving into a CPU device's page copies",
+    )
+    parser.add_argument(
+        "--encryption-keys", type=str, default=None, metavar="FILE|random",
+        help="also run each backend that can with its pages sealed (AES-256-GCM) under this "
+        "key file's key for the default tenant, or a fresh random key, and print sealed / "
+        "plain throughput",
     )
     parser.add_argument("--json", type=str, default=None, help="write raw results here")
 
@@ -480,7 +500,8 @@ def _make_workload(args: argparse.Namespace, geometry: KVGeometry, work_dir: Pat
 
 
 def _run_backend(
-    args: argparse.Namespace, name: str, workload: Workload, skipped: dict[str, str]
+    args: argparse.Namespace, name: str, workload: Workload, skipped: dict[str, str],
+    ring: KeyRing | None = None,
 ) -> list[Result]:
     with contextlib.ExitStack() as stack:
         extra = SETUPS[name](args, workload, stack)
@@ -489,6 +510,15 @@ def _run_backend(
             return []
         if args.no_verify_checksum:
             extra = {**extra, "verify_checksum": False}
+        # Sealed first: the plain run's reads leave the checksums the copies verify.
+        sealed_results: list[Result] = []
+        if ring is not None and name in SEALING_BACKENDS:
+            try:
+                sealed_results = _measure_sealed(name, extra, workload, ring)
+            except StorageError as error:
+                skipped[name + SEALED] = str(error)
+        elif ring is not None:
+            skipped[name + SEALED] = f"the {name} backend cannot seal pages"
         try:
             backend = create_storage_backend(name, extra)
             backend.attach(workload.host)
@@ -514,9 +544,38 @@ def _run_backend(
                 _result(label, "get", workload, run.get_s),
             ]
             print(f"{label}: {run.label}", file=sys.stderr, flush=True)
+        results += sealed_results
         summary = ", ".join(f"{r.backend} {r.op} {r.gbps:.2f} GB/s" for r in results)
         print(summary, file=sys.stderr, flush=True)
         return results
+
+
+def _measure_sealed(
+    name: str, extra: dict[str, Any], workload: Workload, ring: KeyRing
+) -> list[Result]:
+    """Backend ``name`` with every page sealed under ``ring``'s default-tenant key."""
+    from hicache.storage.sealing import Sealer  # cryptography: loaded on use
+
+    sealed = create_storage_backend(name, extra)
+    sealed.use_sealer(Sealer(ring))
+    sealed.attach(workload.host)
+    try:
+        put_s, get_s = _measure_backend(workload, sealed)
+    finally:
+        sealed.close()
+    return [
+        _result(name + SEALED, "put", workload, put_s),
+        _result(name + SEALED, "get", workload, get_s),
+    ]
+
+
+def _key_ring(args: argparse.Namespace) -> KeyRing | None:
+    """The keys of ``--encryption-keys``: a file's, or one random key for every tenant."""
+    if args.encryption_keys is None:
+        return None
+    if args.encryption_keys == "random":
+        return parse_key_file(f"* 1 {os.urandom(32).hex()}\n", "random")
+    return load_key_file(args.encryption_keys)
 
 
 def _measure_copies(workload: Workload) -> list[Result]:
@@ -558,12 +617,33 @@ def _print_table(args: argparse.Namespace, workload: Workload, results: list[Res
     for r in results:
         if r.backend.endswith(" baseline"):
             continue
-        base = by_key.get((f"{r.backend} baseline", r.op))
+        # A sealed run is measured against the same backend in the clear.
+        reference = r.backend[: -len(SEALED)] if r.backend.endswith(SEALED) else None
+        base = by_key.get((reference or f"{r.backend} baseline", r.op))
         base_text = f"{base.gbps:.2f}" if base else "-"
         ratio = f"{r.gbps / base.gbps:.2f}" if base else "-"
         print(
             f"| {r.backend} | {r.op} | {r.gbps:.2f} | {r.pages_per_s:.0f} | {base_text} | {ratio} |"
         )
+    sealed = sealed_ratios(results)
+    if sealed:
+        print()
+        print("sealed / plain throughput (target >= 0.8): " + ", ".join(
+            f"{name} {op} {ratio:.2f}x" for (name, op), ratio in sealed.items()
+        ))
+
+
+def sealed_ratios(results: list[Result]) -> dict[tuple[str, str], float]:
+    """(backend, op) -> sealed GB/s over the same backend's plain GB/s."""
+    by_key = {(r.backend, r.op): r for r in results}
+    ratios: dict[tuple[str, str], float] = {}
+    for r in results:
+        if r.backend.endswith(SEALED):
+            name = r.backend[: -len(SEALED)]
+            plain = by_key.get((name, r.op))
+            if plain is not None:
+                ratios[(name, r.op)] = r.gbps / plain.gbps
+    return ratios
 
 
 def main(args: argparse.Namespace) -> int:
@@ -588,6 +668,15 @@ def main(args: argparse.Namespace) -> int:
             print(f"--preset: unknown {args.preset!r}; choose from {', '.join(PRESETS)}")
             return 2
         geometry = PRESETS[args.preset].kv_geometry()
+    try:
+        ring = _key_ring(args)
+    except ConfigError as error:
+        print(error)
+        return 2
+    if ring is not None and ring.write_key(None) is None:
+        print(f"--encryption-keys: {ring.source} has no key for the default tenant "
+              "(a 'default' or '*' line): the benchmark's pages are the default tenant's")
+        return 2
     parent = Path(args.dir).expanduser() if args.dir else None
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
@@ -597,7 +686,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         workload = _make_workload(args, geometry, work_dir)
         for name in names:
-            results += _run_backend(args, name, workload, skipped)
+            results += _run_backend(args, name, workload, skipped, ring)
         if results and workload.device is not None and not args.no_verify_checksum:
             results += _measure_copies(workload)
     finally:
@@ -615,6 +704,9 @@ def main(args: argparse.Namespace) -> int:
             "verify_checksum": not args.no_verify_checksum,
             "repeats": args.repeats, "warmup": _WARMUP, "skipped": skipped,
             "results": [asdict(r) for r in results],
+            "sealed_over_plain": {
+                f"{name} {op}": ratio for (name, op), ratio in sealed_ratios(results).items()
+            },
         }
         with open(args.json, "w") as handle:
             json.dump(payload, handle, indent=1)

@@ -38,7 +38,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -178,6 +178,9 @@ class HierarchicalCache:
         self._purged_nodes: dict[str | None, list[TreeNode]] = {}
         # Why L3 is not attached although configured (reported by /health and logs).
         self.storage_error: str | None = None
+        # The server's L3 encryption keys: every store attached, at start-up or later
+        # through the admin API, seals its pages with them (never plaintext).
+        self.l3_encryption = storage.encryption if storage is not None else None
         if storage is not None and storage.enabled:
             try:
                 self.attach_storage(storage)
@@ -221,6 +224,8 @@ class HierarchicalCache:
             raise StorageError(
                 "L3 storage needs the host pool: add --enable-hierarchical-cache"
             )
+        if config.encryption is None and self.l3_encryption is not None:
+            config = replace(config, encryption=self.l3_encryption)  # an admin API attach
         if self.storage is not None:
             if backend is None and self.storage.config.same_backend(config):
                 self.storage.config = config
@@ -235,6 +240,10 @@ class HierarchicalCache:
             backend = registry.create_storage_backend(config.backend, config.backend_extra)
             assert isinstance(backend, StorageBackend)
         try:
+            if config.encryption is not None and backend.sealer is None:
+                from hicache.storage.sealing import Sealer  # cryptography: loaded on use
+
+                backend.use_sealer(Sealer(config.encryption))
             backend.attach(self.host_pool)
         except Exception:
             backend.close()

@@ -229,7 +229,8 @@ def _assemble(
             cache_config, part.geometry, device_pages, device,
             model_name=model_identity(part.model_path, model.resolved_load_format, preset,
                                       device),
-            storage=storage if storage.enabled and not scheduling.disable_radix_cache else None,
+            # Passed even when L3 is off: its encryption keys apply to a store attached later.
+            storage=storage if not scheduling.disable_radix_cache else None,
             events=(KVEventEmitter(page_size, publisher, config.events.pin_events)
                     if publisher is not None else None),
             tp_rank=tp.rank, tp_size=tp.size, host_num_pages=host_pages,

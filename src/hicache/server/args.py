@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from hicache.config import (
     CacheConfig,
@@ -22,7 +22,8 @@ from hicache.storage.config import (
     load_extra_config,
     storage_config,
 )
-from hicache.storage.registry import BACKENDS
+from hicache.storage.registry import BACKENDS, SEALING_BACKENDS
+from hicache.tenancy.keys import KEYS_FLAG, load_key_file
 
 # Backends the registry knows (a new backend needs no edit here); "dynamic" loads any
 # class named in the extra config.
@@ -116,6 +117,13 @@ def add_storage_args(parser: argparse.ArgumentParser) -> None:
         "the observed L3 read time), prefetch_timeout_max for the cache; every other key "
         "goes to the backend",
     )
+    group.add_argument(
+        KEYS_FLAG, default=None, metavar="FILE",
+        help="encrypt every page written to L3 with AES-256-GCM under its tenant's key: "
+        "lines '<tenant|*> <key id> <64 hex digits or base64>'; a tenant's last line "
+        "writes, all its lines read; '*' is every tenant without lines of its own "
+        "(file, redis and mooncake backends; default: pages are stored in the clear)",
+    )
 
 
 def add_kv_events_args(parser: argparse.ArgumentParser) -> None:
@@ -139,7 +147,16 @@ def storage_config_from_args(args: argparse.Namespace) -> StorageConfig:
     backend = args.hicache_storage_backend
     if backend == NO_STORAGE_BACKEND:
         backend = None
-    return storage_config(backend, args.hicache_storage_prefetch_policy, extra)
+    config = storage_config(backend, args.hicache_storage_prefetch_policy, extra)
+    keys_file = getattr(args, "l3_encryption_keys", None)
+    if keys_file is None:
+        return config
+    if backend is not None and backend not in SEALING_BACKENDS:
+        raise ConfigError(
+            f"{KEYS_FLAG}: the {backend} backend cannot encrypt pages; use one of "
+            f"{', '.join(sorted(SEALING_BACKENDS))}"
+        )
+    return replace(config, encryption=load_key_file(keys_file))
 
 
 def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:

@@ -43,6 +43,7 @@ from hicache.storage.failure_reasons import CountedReason, FailureReason
 
 if TYPE_CHECKING:  # the pool is torch's; backends' settings and the router import this torch-free
     from hicache.memory.host_pool import HostPool
+    from hicache.storage.sealing import Sealer
 
 PAGE_KEY_BYTES = 16
 # Largest batch a backend is handed; callers split longer chains.
@@ -94,6 +95,24 @@ class StorageBackend(ABC):
         self._stats = StorageStats()
         # Set by a backend's close(); every later call is misuse (``_check_open``).
         self._closed = False
+        # Seals every page written and opens every page read (``use_sealer``).
+        self.sealer: Sealer | None = None
+
+    #: Whether the backend seals pages when given a sealer (``storage.sealing``): it
+    #: builds and checks its frames through ``PageRegions(host, self.sealer)``.
+    supports_sealing: ClassVar[bool] = False
+
+    def use_sealer(self, sealer: Sealer) -> None:
+        """Seal every page from now on (called before ``attach``). A backend that cannot
+        refuses: it would write plaintext."""
+        if not self.supports_sealing:
+            raise StorageError(
+                f"L3 storage backend {self.name!r} cannot encrypt pages "
+                "(--l3-encryption-keys): use the file, redis or mooncake backend"
+            )
+        if self._host is not None:
+            raise StorageError(f"{self.name} storage: a sealer is given before attach()")
+        self.sealer = sealer
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:

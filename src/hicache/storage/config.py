@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from hicache.config import ConfigError, parse_enum
+from hicache.tenancy.keys import KeyRing
 
 EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
 # prefetch_timeout_per_ki_token: follow the observed L3 read time.
@@ -66,6 +67,9 @@ class StorageConfig:
     # moving one batch can legitimately take longer.
     io_timeout_s: float = 10.0
     backend_extra: Mapping[str, Any] = field(default_factory=dict)
+    # --l3-encryption-keys: every page written to L3 is sealed with its tenant's key
+    # (``storage.sealing``); None: pages are stored in the clear.
+    encryption: KeyRing | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -120,8 +124,10 @@ class StorageConfig:
 
     def same_backend(self, other: StorageConfig) -> bool:
         """Same store (re-attaching it only updates the policies)."""
-        return self.backend == other.backend and dict(self.backend_extra) == dict(
-            other.backend_extra
+        return (
+            self.backend == other.backend
+            and dict(self.backend_extra) == dict(other.backend_extra)
+            and self.encryption == other.encryption
         )
 
 

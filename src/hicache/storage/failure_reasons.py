@@ -34,6 +34,10 @@ class FailureReason(str, Enum):
     WRONG_KEY = "wrong_key"
     WRONG_LENGTH = "wrong_length"
     CORRUPT = "corrupt"
+    UNKNOWN_KEY = "unknown_key"
+    BAD_TAG = "bad_tag"
+    # A sealed page that cannot be written: its tenant has no key in the key file.
+    NO_KEY = "no_key"
     # A page that is not there to read.
     MISSING = "missing"
     NOT_READY = "not_ready"
@@ -91,6 +95,14 @@ MEANINGS: dict[FailureReason, str] = {
     "dropped",
     FailureReason.CORRUPT: "a stored page failed its checksum; it was dropped from L3 and its "
     "tokens are recomputed (check the disk or the network under L3)",
+    FailureReason.UNKNOWN_KEY: "a sealed page names a key id the encryption key file has not "
+    "for its tenant (a removed key: crypto-shredded, or another instance's key file); it was "
+    "dropped and its tokens are recomputed",
+    FailureReason.BAD_TAG: "a sealed page failed authentication (damaged, moved to another "
+    "page's name, or sealed with another secret under the same key id); it was dropped and "
+    "its tokens are recomputed",
+    FailureReason.NO_KEY: "a tenant has no key in the encryption key file (no line of its own "
+    "and no '*' line), so its pages are not written to L3",
     FailureReason.MISSING: "a page L3 listed was gone when read (evicted or removed by another "
     "instance); its tokens are recomputed",
     FailureReason.NOT_READY: "a page was still being written by another instance",

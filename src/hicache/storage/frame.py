@@ -25,6 +25,20 @@ Two host layouts store a page's rows in different orders (page_first is
 token-major, layer_first and page_first_direct are layer-major). The order is
 part of both the header and the object name, so instances that use different
 layouts never read each other's pages as garbage; they simply do not share.
+Sealed pages (``--l3-encryption-keys``, ``storage.sealing``) use format version 2:
+the payload is the page's AES-256-GCM ciphertext (same length), and the header
+is 64 bytes, the first 48 laid out as above with the GCM tag in place of the
+checksum (authenticated encryption replaces it), then::
+
+        48     12  the nonce (random per page)
+        60      4  the key id (``tenancy.keys``) that sealed it
+
+The associated data is the whole header but the tag (``sealed_aad``), so the page
+key, row order and length are authenticated with the payload: an object moved
+to another page's name, or sealed under another key, fails the tag. An instance
+reads only its own version (sealed, or plain): the other is a ``BAD_VERSION``
+fault, a miss.
+
 The geometry (MHA K and V, or one MLA latent per layer) is not in the header:
 it is in the page key's namespace (``KVGeometry.describe``), so an MLA page and
 an MHA page never share a key; the payload length double-checks it.
@@ -43,10 +57,18 @@ from hicache.storage.base import PAGE_KEY_BYTES
 
 MAGIC = b"HCKV"
 FORMAT_VERSION = 1
+SEALED_FORMAT_VERSION = 2
 _HEADER = struct.Struct("<4sBBHQ16s16s")
 HEADER_BYTES = _HEADER.size
 CHECKSUM_BYTES = 16
 assert HEADER_BYTES == 48
+# The sealed header: the plain one's fields (tag for checksum), then nonce and key id.
+_SEALED = struct.Struct("<4sBBHQ16s16s12sI")
+SEALED_HEADER_BYTES = _SEALED.size
+TAG_BYTES = 16
+NONCE_BYTES = 12
+_TAG_AT = 32
+assert SEALED_HEADER_BYTES == 64
 
 # Anything that exposes the buffer protocol (bytes, bytearray, memoryview of a page).
 Buffer = bytes | bytearray | memoryview
@@ -88,6 +110,8 @@ class Fault(str, Enum):
     WRONG_KEY = "wrong_key"  # the header names another page
     WRONG_LENGTH = "wrong_length"  # payload length differs from this pool's page size
     CORRUPT = "corrupt"  # payload checksum mismatch
+    UNKNOWN_KEY = "unknown_key"  # sealed under a key id the key file has not (for its tenant)
+    BAD_TAG = "bad_tag"  # a sealed page that fails authentication (damaged, moved, wrong key)
 
 
 def object_name(key: bytes, order: PayloadOrder) -> str:
@@ -127,16 +151,52 @@ def pack_header_into(
     )
 
 
+def header_bytes(sealed: bool) -> int:
+    """Bytes of the header an instance writes and reads (sealed or plain)."""
+    return SEALED_HEADER_BYTES if sealed else HEADER_BYTES
+
+
+def encode_sealed_header(
+    key: bytes, order: PayloadOrder, payload_bytes: int, nonce: bytes, key_id: int
+) -> bytearray:
+    """A sealed header with a zero tag (the seal fills it in: ``set_tag``)."""
+    return bytearray(_SEALED.pack(
+        MAGIC, SEALED_FORMAT_VERSION, int(order), SEALED_HEADER_BYTES, payload_bytes, key,
+        bytes(TAG_BYTES), nonce, key_id,
+    ))
+
+
+def sealed_aad(header: Buffer) -> bytes:
+    """The associated data of a sealed page: its header without the tag."""
+    view = memoryview(header)
+    return bytes(view[:_TAG_AT]) + bytes(view[_TAG_AT + TAG_BYTES : SEALED_HEADER_BYTES])
+
+
+def set_tag(header: bytearray, tag: bytes) -> None:
+    header[_TAG_AT : _TAG_AT + TAG_BYTES] = tag
+
+
+def sealed_fields(header: Buffer) -> tuple[bytes, bytes, int]:
+    """(tag, nonce, key id) of a (checked) sealed header."""
+    fields = _SEALED.unpack_from(header)
+    return fields[6], fields[7], fields[8]
+
+
 def check_header(
-    header: Buffer, key: bytes, order: PayloadOrder, payload_bytes: int
+    header: Buffer, key: bytes, order: PayloadOrder, payload_bytes: int, sealed: bool = False
 ) -> Fault | None:
-    """The fault in ``header`` for page ``key`` of ``payload_bytes`` bytes, or None."""
-    if len(header) < HEADER_BYTES:
+    """The fault in ``header`` for page ``key`` of ``payload_bytes`` bytes, or None.
+    ``sealed``: the header must be a sealed one (version 2), else a plain one."""
+    expected_bytes = header_bytes(sealed)
+    if len(header) < expected_bytes:
         return Fault.SHORT_READ
-    magic, version, got_order, header_bytes, got_bytes, got_key, _ = _HEADER.unpack_from(header)
+    magic, version, got_order, got_header_bytes, got_bytes, got_key, _ = (
+        _HEADER.unpack_from(header)
+    )
     if magic != MAGIC:
         return Fault.BAD_MAGIC
-    if version != FORMAT_VERSION or header_bytes != HEADER_BYTES:
+    expected_version = SEALED_FORMAT_VERSION if sealed else FORMAT_VERSION
+    if version != expected_version or got_header_bytes != expected_bytes:
         return Fault.BAD_VERSION
     if got_order != order:
         return Fault.WRONG_ORDER

@@ -20,7 +20,12 @@ import socket
 import zlib
 from stat import S_ISREG
 
-from hicache.storage.frame import HEADER_BYTES, PayloadOrder, check_header
+from hicache.storage.frame import (
+    HEADER_BYTES,
+    SEALED_HEADER_BYTES,
+    PayloadOrder,
+    check_header,
+)
 
 # A temporary file whose writer is still running is only stale past this age (a
 # page write takes milliseconds; this only guards against a recycled pid).
@@ -29,8 +34,9 @@ TEMP_SUFFIX = ".tmp"
 _NAME_TAILS = tuple(f".{order.tag}" for order in PayloadOrder)
 _NAME_CHARS = 32 + 3  # hex key + ".lm" / ".tm"
 # Bytes after the payload in a page file: the header alone (file, buffered nixl) or the
-# header padded to a 4096-byte block (nixl with O_DIRECT).
-TRAILER_SIZES = (HEADER_BYTES, 4096)
+# header padded to a 4096-byte block (nixl with O_DIRECT), or a sealed page's header
+# (``storage.sealing``), each with whether it is sealed.
+TRAILER_SIZES = ((HEADER_BYTES, False), (4096, False), (SEALED_HEADER_BYTES, True))
 # Names the writing machine in temporaries: a process id means nothing on another host
 # sharing the directory (over NFS, say), so there only age makes a temporary stale.
 _HOST_TAG = format(zlib.crc32(socket.gethostname().encode()), "08x")
@@ -69,10 +75,11 @@ def holds_our_page(path: str, name: str) -> bool:
     try:
         info = os.fstat(fd)
         size = info.st_size if S_ISREG(info.st_mode) else -1
-        for trailer in TRAILER_SIZES:
+        for trailer, sealed in TRAILER_SIZES:
             payload = size - trailer
             if payload >= 0 and check_header(
-                os.pread(fd, HEADER_BYTES, payload), key, order, payload
+                os.pread(fd, trailer if sealed else HEADER_BYTES, payload), key, order,
+                payload, sealed,
             ) is None:
                 return True
         return False

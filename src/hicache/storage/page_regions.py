@@ -16,9 +16,18 @@ The payload checksum goes through here too (``checksum``, ``check_read``): a
 page the cache checksummed while copying it into the pool is not hashed again
 for its frame, and a page read from L3 is verified by the cache's load when the
 cache does that (``memory.page_digests``), not by a hash pass of its own here.
+
+Sealing (``storage.sealing``) goes through here as well, when the backend was
+given a ``Sealer``: ``frame`` then seals the page into a staging buffer and
+answers that buffer as the payload, and ``check_header`` / ``check_landed`` check a
+sealed header and open the page in place. A backend that encodes and checks its
+frames only through ``frame``, ``header_bytes``, ``check_header`` and ``check_landed``
+(or ``check_read``) seals and opens every page without knowing of it.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,14 +39,22 @@ from hicache.storage.frame import (
     PayloadOrder,
     check_header,
     checksum,
+    encode_header,
+    header_bytes,
     header_checksum,
 )
+
+if TYPE_CHECKING:  # imports cryptography: only backends given a sealer load it
+    from hicache.storage.sealing import Sealer
 
 
 class PageRegions:
     """Byte regions of every page of one host pool (offsets into ``host.flat``)."""
 
-    def __init__(self, host: HostPool) -> None:
+    def __init__(self, host: HostPool, sealer: Sealer | None = None) -> None:
+        self.sealer = sealer
+        # Bytes of the header trailing each object (sealed headers are longer).
+        self.header_bytes = header_bytes(sealer is not None)
         geometry = host.geometry
         strides = host.strides
         element_bytes = geometry.element_bytes
@@ -99,6 +116,40 @@ class PageRegions:
         for k, view in enumerate(self.views(page)):
             target[k * size : (k + 1) * size] = view
 
+    # ------------------------------------------------------------ frames
+    def frame(
+        self, page: int, key: bytes, staging: memoryview | None = None
+    ) -> tuple[list[memoryview], bytes] | None:
+        """Page ``page``'s object for key ``key`` as (payload fragments, header): its
+        regions and plain header, or, when sealing, its ciphertext in ``staging``
+        (``page_bytes`` of a ``staging_for`` buffer) and sealed header. None when the
+        page may not be written (its tenant has no key: counted by the caller)."""
+        if self.sealer is None:
+            return self.views(page), encode_header(
+                key, self.order, self.page_bytes, self.checksum(page)
+            )
+        assert staging is not None, "a sealing backend passes a staging buffer"
+        out = staging[: self.page_bytes]
+        header = self.sealer.seal(key, self.order, self.views(page), out)
+        return None if header is None else ([out], header)
+
+    def staging_for(self, pages: int) -> memoryview | None:
+        """A buffer of ``pages`` pages to seal into (this thread's, reused), or None when
+        pages are not sealed. Page ``j`` of a batch seals into ``page_slice(buffer, j)``."""
+        if self.sealer is None:
+            return None
+        return self.sealer.staging(pages * self.page_bytes)
+
+    def page_slice(self, staging: memoryview | None, index: int) -> memoryview | None:
+        if staging is None:
+            return None
+        return staging[index * self.page_bytes : (index + 1) * self.page_bytes]
+
+    def check_header(self, header: Buffer, key: bytes) -> Fault | None:
+        """The fault in an object's ``header`` (sealed or plain, as this instance writes)
+        for page ``key``, or None."""
+        return check_header(header, key, self.order, self.page_bytes, self.sealer is not None)
+
     # ------------------------------------------------------------ checksums
     def checksum(self, page: int) -> bytes:
         """Page ``page``'s payload checksum for its frame: the one the cache took while
@@ -111,16 +162,33 @@ class PageRegions:
     ) -> Fault | None:
         """The fault of page ``page``, just read into the pool with frame ``header``: the
         header's (magic, version, order, key, length), then ``check_landed``'s."""
-        fault = check_header(header, key, self.order, self.page_bytes)
+        fault = self.check_header(header, key)
         return fault if fault is not None else self.check_landed(header, page, verify_checksum)
+
+    def land(
+        self, header: Buffer, page: int, payload: Buffer, verify_checksum: bool
+    ) -> Fault | None:
+        """Put ``payload`` (an object's payload a store handed back, with its checked
+        ``header``) into page ``page`` and check it: ``copy_in`` and ``check_landed``, or,
+        for a sealed page, its decryption from ``payload`` into the page (one pass)."""
+        if self.sealer is not None:
+            self.digests.forget([page])
+            return self.sealer.open(header, self.views(page), payload)
+        self.copy_in(page, payload)
+        return self.check_landed(header, page, verify_checksum)
 
     def check_landed(self, header: Buffer, page: int, verify_checksum: bool) -> Fault | None:
         """The payload's fault, if any, of page ``page`` read into the pool with a checked
         ``header``. Without ``verify_checksum`` nothing is checked (and nothing known of
         the page's checksum); when the cache's loads check L3 pages
         (``digests.defer_checks``) the header's checksum is recorded for that check;
-        otherwise the page is hashed here."""
+        otherwise the page is hashed here. A sealed page is opened instead (decrypted
+        in place): its tag, not a checksum, says whether it is whole, whatever
+        ``verify_checksum`` says."""
         digests = self.digests
+        if self.sealer is not None:
+            digests.forget([page])  # no checksum is known of it either way
+            return self.sealer.open(header, self.views(page))
         if not verify_checksum:
             digests.forget([page])
             return None

@@ -90,6 +90,10 @@ BACKENDS: dict[str, BackendEntry] = {
 }
 
 
+# Backends that seal pages under --l3-encryption-keys (``StorageBackend.supports_sealing``;
+# known here without importing them, so that start-up refuses the others at once).
+SEALING_BACKENDS = frozenset({"file", "redis", "mooncake"})
+
 # Backends that wrap another one: their extra-config keys naming it and holding its own
 # extra config. What is checked of a backend by name (the admin API's refusal of code
 # loading, its confinement of paths) is checked of the backends it wraps too.

@@ -8,6 +8,8 @@ children and names L3 objects, so two tenants never share a page in any tier.
 - ``names``: the default tenant's label and the rule for tenant names;
 - ``identity``: ``--api-keys`` files, ``--tenant-header``, and the precedence that
   turns a request's credentials and body into its tenant;
+- ``keys``: ``--l3-encryption-keys`` files, the AES-GCM keys L3 pages are sealed with
+  per tenant (``storage/sealing.py``);
 - what the cache keeps per tenant (page counts per tier, host quotas, purge) lives with
   the tree (``radix/tree.py``) and the cache (``cache/hierarchical_cache.py``).
 """

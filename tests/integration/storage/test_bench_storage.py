@@ -122,3 +122,38 @@ def test_the_mla_geometry_moves_mla_pages(tmp_path: Path) -> None:
     assert {r["backend"] for r in results["results"]} == {
         "file", "file baseline", "copy + checksum", "copy + checksum baseline", "direct copy",
     }
+
+
+def test_encryption_keys_add_sealed_runs_against_the_plain_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"* 3 {'c4' * 32}\n")
+    out = tmp_path / "results.json"
+    assert bench.main(parse(*TINY, "--dir", str(tmp_path / "work"), "--json", str(out),
+                            "--encryption-keys", str(keys))) == 0
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    measured = {(r["backend"], r["op"]): r for r in results["results"]}
+    assert {("file sealed", "put"), ("file sealed", "get")} <= set(measured)
+    for op in ("put", "get"):
+        ratio = results["sealed_over_plain"][f"file {op}"]
+        assert ratio == pytest.approx(
+            measured[("file sealed", op)]["gbps"] / measured[("file", op)]["gbps"]
+        )
+        assert f"file {op} {ratio:.2f}x" in printed
+    assert "sealed / plain throughput (target >= 0.8)" in printed
+    # The copies still have the plain run's checksums to verify.
+    assert ("copy + checksum", "load") in measured
+
+
+def test_a_key_file_without_a_default_key_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"acme 1 {'c4' * 32}\n")
+    assert bench.main(parse(*TINY, "--encryption-keys", str(keys))) == 2
+    assert "no key for the default tenant" in capsys.readouterr().out
+    keys.write_text("acme 1 short\n")
+    assert bench.main(parse(*TINY, "--encryption-keys", str(keys))) == 2
+    assert f"{keys}:1: malformed key" in capsys.readouterr().out

@@ -8,7 +8,8 @@ Extra config:
                      make room for the rest of the batch and the write is retried once.
     fsync            fsync each page and its directory before it becomes visible (default false:
                      a crash may lose recent pages, never expose a torn one)
-    verify_checksum  hash every page read against its header (default true)
+    verify_checksum  hash every page read against its header (default true; sealed
+                     pages are authenticated instead, ``storage.sealing``)
 
 Layout on disk: ``<path>/<first two hex digits>/<key hex>.<order tag>``, each file
 the payload followed by its ``frame`` header (a trailer, not a prefix: with the
@@ -60,13 +61,7 @@ from hicache.storage.backends.file.pins import PinMarkers, check_expiry
 from hicache.storage.backends.file.settings import FileSettings
 from hicache.storage.base import StorageBackend, StorageUnavailableError
 from hicache.storage.failure_reasons import CountedReason, FailureReason
-from hicache.storage.frame import (
-    HEADER_BYTES,
-    Fault,
-    check_header,
-    encode_header,
-    object_name,
-)
+from hicache.storage.frame import Fault, object_name
 from hicache.storage.options import read_settings
 from hicache.storage.page_files import (
     TEMP_SUFFIX,
@@ -95,6 +90,7 @@ class FileBackend(StorageBackend):
 
     name = "file"
     supports_pins = True
+    supports_sealing = True
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
@@ -117,7 +113,7 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
-        regions = PageRegions(host)
+        regions = PageRegions(host, self.sealer)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             found = self._scan()
@@ -184,7 +180,7 @@ class FileBackend(StorageBackend):
             reason = self._write_page(regions, name, key, page)
             if reason is FailureReason.NO_SPACE and not made_room:
                 made_room = True
-                needed_bytes = (len(keys) - index) * (HEADER_BYTES + regions.page_bytes)
+                needed_bytes = (len(keys) - index) * (regions.header_bytes + regions.page_bytes)
                 # The batch's own pages stay: the answer is a prefix of stored pages.
                 if self._evict_for_space(needed_bytes, keep=frozenset(names)):
                     reason = self._write_page(regions, name, key, page)
@@ -307,8 +303,8 @@ class FileBackend(StorageBackend):
         """Read one page into host page ``page``; the failure reason, or None."""
         name = object_name(key, regions.order)
         path = self._path(name)
-        expected = HEADER_BYTES + regions.page_bytes
-        header = bytearray(HEADER_BYTES)
+        expected = regions.header_bytes + regions.page_bytes
+        header = bytearray(regions.header_bytes)
         views = regions.views(page)
         # O_NONBLOCK: opening a FIFO (or a device) put in place of a page file must not
         # wait for a writer; it changes nothing for a regular file, the only kind read.
@@ -337,7 +333,7 @@ class FileBackend(StorageBackend):
         if got < expected:
             fault = Fault.SHORT_READ
         else:
-            fault = check_header(header, key, regions.order, regions.page_bytes)
+            fault = regions.check_header(header, key)
             if fault is None and size != expected:
                 fault = Fault.WRONG_LENGTH  # trailing bytes: not a file we wrote
             if fault is None:
@@ -364,11 +360,13 @@ class FileBackend(StorageBackend):
         self, regions: PageRegions, name: str, key: bytes, page: int
     ) -> FailureReason | None:
         """Store host page ``page`` as ``name``; the failure reason, or None."""
-        file_bytes = HEADER_BYTES + regions.page_bytes
+        file_bytes = regions.header_bytes + regions.page_bytes
         if file_bytes > self.max_bytes:
             return FailureReason.OVER_CAPACITY
-        views = regions.views(page)
-        header = encode_header(key, regions.order, regions.page_bytes, regions.checksum(page))
+        framed = regions.frame(page, key, regions.staging_for(1))
+        if framed is None:
+            return FailureReason.NO_KEY
+        payload, header = framed
         path = self._path(name)
         temp = f"{self._dir(name)}/{temp_name(name, os.getpid(), threading.get_ident())}"
         with self._lock:
@@ -377,7 +375,7 @@ class FileBackend(StorageBackend):
                 return FailureReason.PINNED_FULL  # only pinned pages are left to evict
             stamp = self._next_stamp_locked()
         try:
-            self._write_file(temp, [*views, header])
+            self._write_file(temp, [*payload, header])
             os.utime(temp, ns=(stamp, stamp))
             os.replace(temp, path)
             if self.fsync:

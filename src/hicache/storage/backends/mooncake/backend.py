@@ -45,6 +45,14 @@ page: twice the index entries and lookups, and a reader could pair a header
 with a payload from another write) and over ``put_parts`` (it takes Python
 bytes and copies them into the client's local buffer first).
 
+Sealed pages (``--l3-encryption-keys``, ``storage.sealing``): a page's ciphertext
+cannot be put from the page itself, so it is sealed into a second registered
+staging area (``SEAL_STAGING_BYTES`` per slot) and put from there, a batch in
+parts of half that area, the helper thread sealing the next part into one half
+while Mooncake puts the last from the other; headers are 64 bytes. Reads
+land the ciphertext in the host page as plain reads do, and the helper thread
+opens (decrypts in place) what it would otherwise hash.
+
 Checksums cost a pass over every page, which the backend keeps in the CPU's
 cache (``cache_steps``): a batch moves in steps of about half the
 last-level cache, one Mooncake call each; a helper thread hashes the next
@@ -96,6 +104,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -119,9 +128,10 @@ from hicache.storage.backends.mooncake.client import (
 )
 from hicache.storage.backends.mooncake.settings import MooncakeSettings
 from hicache.storage.base import MAX_BATCH_PAGES, LookupPutBackend, PutBatch
+from hicache.storage.call_tenant import call_tenant, current_tenant
 from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import (
-    HEADER_BYTES,
+    SEALED_HEADER_BYTES,
     length_fault,
     object_name,
     pack_header_into,
@@ -140,6 +150,11 @@ PAGE_PIECE_BYTES = COPY_PIECE_BYTES
 # Header staging slots: one batch each. The controller runs at most one get or
 # set at a time; the spare slots serve other callers (a benchmark) without waiting.
 _STAGING_SLOTS = 4
+# Bytes of one header slot: room for a sealed header (a plain one uses the first 48).
+_SLOT_BYTES = SEALED_HEADER_BYTES
+# Sealed pages' ciphertext staging, per slot (registered; a sealed batch is put in parts
+# of what fits, at least one page).
+SEAL_STAGING_BYTES = 8 << 20
 # Every object name this backend writes (what clear() removes): hex key + order tag.
 _NAME_PATTERN = r"^[0-9a-f]{32}\.(lm|tm)$"
 
@@ -155,6 +170,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
     """See the module docstring."""
 
     name = "mooncake"
+    supports_sealing = True
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
@@ -164,27 +180,38 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         self._regions: PageRegions | None = None
         self._pool_address = 0
         # [slot, page, header bytes]: where batch headers are packed and read.
-        self._staging = np.zeros((_STAGING_SLOTS, MAX_BATCH_PAGES, HEADER_BYTES), dtype=np.uint8)
+        self._staging = np.zeros((_STAGING_SLOTS, MAX_BATCH_PAGES, _SLOT_BYTES), dtype=np.uint8)
         self._staging_view = self._staging.reshape(-1).data
         self._staging_address = int(self._staging.ctypes.data)
         self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(_STAGING_SLOTS):
             self._free_slots.put(slot)
         self._executor: ThreadPoolExecutor | None = None
+        # Sealing: [slot, pages * page bytes] of ciphertext, made at attach.
+        self._sealed: np.ndarray | None = None
+        self._sealed_pages = 0
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
         self._check_attachable(self._client is not None)
-        regions = PageRegions(host)
+        regions = PageRegions(host, self.sealer)
+        if self.sealer is not None:
+            # Pages per part: half the area (two parts are in flight, _put_sealed).
+            self._sealed_pages = min(
+                MAX_BATCH_PAGES, max(1, SEAL_STAGING_BYTES // (2 * regions.page_bytes))
+            )
+            self._sealed = np.zeros(
+                (_STAGING_SLOTS, 2 * self._sealed_pages * regions.page_bytes), dtype=np.uint8
+            )
         client = acquire_client(self.settings)
+        registered: list[int] = []
         try:
-            client.register(regions.base_address, regions.pool_bytes)
-            try:
-                client.register(self._staging_address, self._staging.nbytes)
-            except BaseException:
-                client.unregister(regions.base_address)
-                raise
+            for address, nbytes in self._registrations(regions):
+                client.register(address, nbytes)
+                registered.append(address)
         except BaseException:
+            for address in registered:
+                client.unregister(address)
             release_client(client)
             raise
         super().attach(host)
@@ -204,7 +231,19 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         if client is not None:
             client.unregister(self._pool_address)
             client.unregister(self._staging_address)
+            if self._sealed is not None:
+                client.unregister(int(self._sealed.ctypes.data))
             release_client(client)
+
+    def _registrations(self, regions: PageRegions) -> list[tuple[int, int]]:
+        """(address, bytes) of the memory Mooncake moves pages from and into."""
+        memory = [
+            (regions.base_address, regions.pool_bytes),
+            (self._staging_address, self._staging.nbytes),
+        ]
+        if self._sealed is not None:
+            memory.append((int(self._sealed.ctypes.data), self._sealed.nbytes))
+        return memory
 
     @property
     def reachable(self) -> bool:
@@ -242,13 +281,16 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         began = time.perf_counter()
         pages = np.asarray(host_pages).tolist()
         names = [object_name(key, regions.order) for key in keys]
-        expected = regions.page_bytes + HEADER_BYTES
+        expected = regions.page_bytes + regions.header_bytes
         num_read = 0
         with self._staging_slot() as slot:
             base = self._slot_offset(slot)
 
-            # Hashing here (not left to the cache's load): in cache steps, in pieces.
-            hashing = self.verify_checksum and not regions.digests.defer_checks
+            # Hashing (or opening sealed pages) here, not left to the cache's load: in
+            # cache steps, in pieces.
+            hashing = regions.sealer is not None or (
+                self.verify_checksum and not regions.digests.defer_checks
+            )
 
             def read(part: range) -> list[int] | None:
                 buffers, sizes = self._buffer_lists(
@@ -260,12 +302,18 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                     lambda store: store.batch_get_into_multi_buffers(part_names, buffers, sizes),
                 )
 
+            tenant = current_tenant()  # the helper thread opens sealed pages for it
+
             def verify(part: range, codes: list[int]) -> int:
                 """How many leading pages of ``part`` are good (the first bad one is counted)."""
+                with call_tenant(tenant):
+                    return verify_for_tenant(part, codes)
+
+            def verify_for_tenant(part: range, codes: list[int]) -> int:
                 for i, code in zip(part, codes, strict=True):
                     reason = self._check_read(
                         client, regions, names[i], keys[i], pages[i], code, expected,
-                        base + i * HEADER_BYTES,
+                        base + i * _SLOT_BYTES,
                     )
                     if reason is not None:
                         self._fail(reason)
@@ -313,6 +361,9 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             batch.client, batch.regions, batch.keys, batch.pages, batch.names
         )
         codes: dict[int, int] = {}
+        if regions.sealer is not None:
+            self._put_sealed(batch, todo, codes)
+            return self._settle_put(todo, stored, codes)
         # Pages the cache checksummed while copying them in need no hash here.
         hashing = any(regions.digests.digest(pages[i]) is None for i in todo)
         with self._staging_slot() as slot:
@@ -323,7 +374,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                     i = todo[j]
                     digest = regions.checksum(pages[i])
                     pack_header_into(
-                        self._staging_view, base + j * HEADER_BYTES, keys[i], regions.order,
+                        self._staging_view, base + j * _SLOT_BYTES, keys[i], regions.order,
                         regions.page_bytes, digest,
                     )
 
@@ -346,6 +397,74 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                 )
 
             self._write_behind(self._parts(len(todo), regions.page_bytes, hashing), pack, put)
+        return self._settle_put(todo, stored, codes)
+
+    def _put_sealed(self, batch: _MooncakePut, todo: list[int], codes: dict[int, int]) -> None:
+        """Seal the pages ``todo`` into this slot's ciphertext staging and put them from
+        there, recording each page's code in ``codes``: in parts of half the staging
+        area, the helper thread sealing part k+1 into one half while part k is put from
+        the other (``_write_behind``). Stops after the first part that did not store
+        completely. A tenant without a key has nothing put (counted "no_key")."""
+        client, regions, keys, pages, names = (
+            batch.client, batch.regions, batch.keys, batch.pages, batch.names
+        )
+        assert self._sealed is not None and regions.sealer is not None
+        tenant = current_tenant()  # the helper thread seals for it
+        if regions.sealer.ring.write_key(tenant) is None:
+            self._fail(FailureReason.NO_KEY)
+            return
+        page_bytes, header_bytes = regions.page_bytes, regions.header_bytes
+        per_part = self._sealed_pages
+        parts = [
+            range(start, min(start + per_part, len(todo)))
+            for start in range(0, len(todo), per_part)
+        ]
+        with self._staging_slot() as slot:
+            base = self._slot_offset(slot)
+            area = self._sealed[slot]
+            area_view, area_address = area.data, int(area.ctypes.data)
+
+            def half(part: range) -> int:
+                """Where part ``part``'s ciphertext starts in the area (alternate halves)."""
+                return (part.start // per_part) % 2 * per_part * page_bytes
+
+            def pack(part: range) -> None:
+                with call_tenant(tenant):
+                    for j in part:
+                        i = todo[j]
+                        offset = half(part) + (j - part.start) * page_bytes
+                        framed = regions.frame(
+                            pages[i], keys[i], area_view[offset : offset + page_bytes]
+                        )
+                        assert framed is not None, "the tenant's key was checked"
+                        slot_offset = base + j * _SLOT_BYTES
+                        self._staging_view[slot_offset : slot_offset + header_bytes] = (
+                            framed[1]
+                        )
+
+            def put(part: range) -> bool:
+                chosen = [todo[j] for j in part]
+                buffers = [
+                    [area_address + half(part) + (j - part.start) * page_bytes,
+                     self._staging_address + base + j * _SLOT_BYTES]
+                    for j in part
+                ]
+                results = self._call(
+                    client, len(chosen),
+                    partial(_put_from, names=[names[i] for i in chosen], buffers=buffers,
+                            sizes=[[page_bytes, header_bytes]] * len(chosen)),
+                )
+                for i, code in zip(chosen, results or (), strict=False):
+                    codes[i] = code
+                return results is not None and all(
+                    code in (0, OBJECT_ALREADY_EXISTS) for code in results
+                )
+
+            self._write_behind(parts, pack, put)
+
+    def _settle_put(self, todo: list[int], stored: list[bool], codes: dict[int, int]) -> int:
+        """Mark what the puts' ``codes`` stored; count the first page left unstored by its
+        code. Returns how many pages were written."""
         num_written = 0
         for i, code in codes.items():
             if code == 0:
@@ -400,7 +519,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
 
     @staticmethod
     def _slot_offset(slot: int) -> int:
-        return slot * MAX_BATCH_PAGES * HEADER_BYTES
+        return slot * MAX_BATCH_PAGES * _SLOT_BYTES
 
     def _buffer_lists(
         self, regions: PageRegions, pages: list[int], slot_offset: int, part: range,
@@ -424,9 +543,9 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                 )
             else:
                 pieces = regions.addresses(page)
-            pieces.append(header + slot * HEADER_BYTES)
+            pieces.append(header + slot * _SLOT_BYTES)
             buffers.append(pieces)
-        object_sizes = [*object_sizes, HEADER_BYTES]
+        object_sizes = [*object_sizes, regions.header_bytes]
         return buffers, [object_sizes] * len(pages)
 
     @staticmethod
@@ -527,7 +646,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         else:
             fault = length_fault(code, expected)
             if fault is None:
-                header = self._staging_view[header_offset : header_offset + HEADER_BYTES]
+                header = self._staging_view[header_offset : header_offset + regions.header_bytes]
                 fault = regions.check_read(header, page, key, self.verify_checksum)
             if fault is None:
                 return None
@@ -555,3 +674,11 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             return
         if code not in (0, OBJECT_NOT_FOUND):
             logger.warning("mooncake: removing bad object %s failed (code %d)", name, code)
+
+
+def _put_from(
+    store: Any, names: list[str], buffers: list[list[int]], sizes: list[list[int]]
+) -> Sequence[int]:
+    """One multi-buffer put of ``names`` (for ``MooncakeBackend._call``)."""
+    codes: Sequence[int] = store.batch_put_from_multi_buffers(names, buffers, sizes)
+    return codes

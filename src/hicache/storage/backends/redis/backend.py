@@ -43,7 +43,8 @@ one round trip; NX still keeps a page that another instance stored meanwhile
 from being rewritten. A SET's value goes to the socket straight from the
 page's regions in the host pool and its header (``wire``: no copy);
 on the way in, the payload is copied from MGET's reply into the page's
-regions once it is verified.
+regions once it is verified (a sealed page is decrypted from the reply into
+them instead: the decryption is the copy, ``PageRegions.land``).
 
 Failures. The client retries a failed command once at once (a pooled
 connection the server closed, e.g. after a restart, is reconnected), then
@@ -75,7 +76,7 @@ from redis.retry import Retry
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
 from hicache.storage.backends.redis.settings import RedisSettings
-from hicache.storage.backends.redis.wire import Fragment, pipelined, set_command
+from hicache.storage.backends.redis.wire import pipelined, set_command
 from hicache.storage.base import (
     LookupPutBackend,
     PutBatch,
@@ -84,13 +85,7 @@ from hicache.storage.base import (
     first_gap,
 )
 from hicache.storage.failure_reasons import FailureReason
-from hicache.storage.frame import (
-    HEADER_BYTES,
-    check_header,
-    encode_header,
-    length_fault,
-    object_name,
-)
+from hicache.storage.frame import length_fault, object_name
 from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
 
@@ -113,6 +108,7 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
     """See the module docstring."""
 
     name = "redis"
+    supports_sealing = True
 
     def __init__(self, extra_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(extra_config)
@@ -127,7 +123,7 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
         self._check_attachable(self._client is not None)
-        regions = PageRegions(host)
+        regions = PageRegions(host, self.sealer)
         settings = self.settings
         try:
             pool = redis.ConnectionPool.from_url(
@@ -192,7 +188,7 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         names = self._names(keys, regions)
         pages = np.asarray(host_pages).tolist()
         num_read = 0
-        for part in self._parts(len(keys), regions.page_bytes):
+        for part in self._parts(len(keys), regions):
             part_names = names[part.start : part.stop]
             values = self._call(len(part), partial(client.mget, part_names))
             if values is None or len(values) != len(part):
@@ -238,15 +234,23 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         num_written = 0
         regions, keys, pages, names = batch.regions, batch.keys, batch.pages, batch.names
         pool = batch.client.connection_pool
-        for part in self._parts(len(todo), regions.page_bytes):
+        for part in self._parts(len(todo), regions):
             chosen = todo[part.start : part.stop]
-            commands = [
-                set_command(
-                    names[i], self._fragments(regions, keys[i], pages[i]), nx=True,
-                    px_ms=self._ttl_ms,
+            # Sealed pages: their ciphertext, in one staging buffer for the part.
+            staging = regions.staging_for(len(chosen))
+            commands = []
+            for j, i in enumerate(chosen):
+                framed = regions.frame(pages[i], keys[i], regions.page_slice(staging, j))
+                if framed is None:  # no key for the tenant: stored up to here
+                    self._fail(FailureReason.NO_KEY)
+                    chosen = chosen[:j]
+                    break
+                payload, header = framed
+                commands.append(
+                    set_command(names[i], [*payload, header], nx=True, px_ms=self._ttl_ms)
                 )
-                for i in chosen
-            ]
+            if not commands:
+                break
             # Redis answers each SET on its own; a refused one comes back as its error.
             results = self._call(len(chosen), partial(pipelined, pool, commands))
             if results is None:
@@ -261,7 +265,7 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
                 stored[i] = True
                 if result is not None:  # None: another instance stored it since our EXISTS
                     num_written += 1
-            if failed:
+            if failed or len(chosen) < part.stop - part.start:
                 break
         return num_written
 
@@ -312,18 +316,12 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
             return None
         return [bool(count) for count in found]
 
-    def _parts(self, count: int, page_bytes: int) -> Iterator[range]:
+    def _parts(self, count: int, regions: PageRegions) -> Iterator[range]:
         """Consecutive ranges of at most ``max_batch_bytes`` of pages (at least one page each)."""
-        per_part = max(1, self.settings.max_batch_bytes // (page_bytes + HEADER_BYTES))
+        object_bytes = regions.page_bytes + regions.header_bytes
+        per_part = max(1, self.settings.max_batch_bytes // object_bytes)
         for start in range(0, count, per_part):
             yield range(start, min(start + per_part, count))
-
-    @staticmethod
-    def _fragments(regions: PageRegions, key: bytes, page: int) -> list[Fragment]:
-        """``payload || header`` of host page ``page``: its regions in the pool, then its header."""
-        views = regions.views(page)
-        header = encode_header(key, regions.order, regions.page_bytes, regions.checksum(page))
-        return [*views, header]
 
     def _land(
         self, client: redis.Redis, regions: PageRegions, part: range, names: list[bytes],
@@ -342,12 +340,11 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
                 return j
             data = memoryview(value)
             payload, header = data[:page_bytes], data[page_bytes:]
-            fault = length_fault(len(data), page_bytes + HEADER_BYTES)
+            fault = length_fault(len(data), page_bytes + regions.header_bytes)
             if fault is None:
-                fault = check_header(header, keys[i], regions.order, page_bytes)
+                fault = regions.check_header(header, keys[i])
             if fault is None:
-                regions.copy_in(pages[i], payload)
-                fault = regions.check_landed(header, pages[i], self.settings.verify_checksum)
+                fault = regions.land(header, pages[i], payload, self.settings.verify_checksum)
             if fault is not None:
                 self._fail(fault)
                 self._delete(client, names[i])

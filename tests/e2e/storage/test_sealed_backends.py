@@ -1,0 +1,168 @@
+"""The backend contract with every page sealed (--l3-encryption-keys) over a real
+redis-server and a real mooncake_master, and what each stores: ciphertext only, which a
+reader with another key takes as a miss."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import redis
+
+import hicache.storage.backends.mooncake.backend as mooncake_module
+from hicache.config import MemLayout
+from hicache.radix.keys import KeyNamespace
+from hicache.storage.backends.mooncake.backend import MooncakeBackend
+from hicache.storage.backends.redis.backend import RedisBackend
+from hicache.storage.base import StorageBackend, StorageError
+from hicache.storage.call_tenant import call_tenant
+from hicache.storage.registry import (
+    BACKENDS,
+    SEALING_BACKENDS,
+    create_storage_backend,
+    unavailable_reason,
+)
+from hicache.storage.sealing import Sealer
+from hicache.tenancy.keys import parse_key_file
+from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
+    anchor_fixture,
+    extra_fixture,
+    master_fixture,
+)
+from tests.redis_fixtures import extra_fixture as redis_extra_fixture  # noqa: F401
+from tests.redis_fixtures import server_fixture  # noqa: F401 - a fixture
+from tests.storage_contract import (
+    OpenBackend,
+    StorageContract,
+    as_bytes,
+    fill_random,
+    page_bytes_of,
+    page_range,
+)
+
+KEYS = f"acme 1 {'a1' * 32}\n* 2 {'5a' * 32}\n"
+OTHER_KEYS = f"acme 1 {'0b' * 32}\n* 2 {'5a' * 32}\n"
+
+
+def sealed(backend: StorageBackend, keys: str = KEYS) -> StorageBackend:
+    backend.use_sealer(Sealer(parse_key_file(keys, "test.keys")))
+    return backend
+
+
+class SealedChecks(StorageContract):
+    """What a sealed backend adds to the contract (mixed into each backend's class)."""
+
+    frames_pages = False  # a GCM tag, not a checksum, guards a sealed page
+
+    def stored_values(self, backend: StorageBackend, keys: list[bytes]) -> list[bytes]:
+        raise NotImplementedError
+
+    def test_the_store_holds_ciphertext_that_only_the_tenants_key_opens(
+        self, open_backend: OpenBackend, namespace: KeyNamespace, store: Any
+    ) -> None:
+        writer, host = open_backend(MemLayout.PAGE_FIRST)
+        keys = self.keys(namespace, 3, salt="acme")
+        values = fill_random(host, page_range(0, 3), seed=5)
+        with call_tenant("acme"):
+            assert writer.set(keys, page_range(0, 3)) == 3
+        plain = as_bytes(values)
+        page_bytes = len(plain) // 3
+        for index, value in enumerate(self.stored_values(writer, keys)):
+            page = plain[index * page_bytes : (index + 1) * page_bytes]
+            assert len(value) == page_bytes + 64 and page[:64] not in value
+        with call_tenant("acme"):
+            assert writer.get(keys, page_range(10, 13)) == 3
+        assert page_bytes_of(host, page_range(10, 13)) == plain
+        # Another tenant (the '*' key) and another key file: misses, counted.
+        with call_tenant("globex"):
+            assert writer.get(keys, page_range(20, 23)) == 0
+        assert writer.stats().failures.get("unknown_key", 0) == 1
+        with call_tenant("acme"):
+            assert writer.set(keys, page_range(0, 3)) == 3  # stored again
+        other = sealed(self.make_plain_backend(store), OTHER_KEYS)
+        other.attach(self.make_host(MemLayout.PAGE_FIRST))
+        try:
+            with call_tenant("acme"):
+                assert other.get(keys, page_range(0, 3)) == 0
+            assert other.stats().failures.get("bad_tag", 0) == 1
+        finally:
+            other.close()
+
+    def test_a_tenant_without_a_key_stores_nothing(
+        self, namespace: KeyNamespace, store: Any
+    ) -> None:
+        backend = sealed(self.make_plain_backend(store), f"acme 1 {'a1' * 32}\n")
+        backend.attach(self.make_host(MemLayout.PAGE_FIRST))
+        try:
+            keys = self.keys(namespace, 3, salt="globex")
+            with call_tenant("globex"):
+                assert backend.set(keys, page_range(0, 3)) == 0
+                assert backend.exists(keys) == 0
+            assert backend.stats().failures.get("no_key", 0) == 1
+        finally:
+            backend.close()
+
+    def make_plain_backend(self, store: Any) -> StorageBackend:
+        raise NotImplementedError
+
+    def make_backend(self, store: Any) -> StorageBackend:
+        return sealed(self.make_plain_backend(store))
+
+
+class TestSealedRedis(SealedChecks):
+    @pytest.fixture
+    def store(self, redis_extra: dict[str, Any]) -> Any:
+        return redis_extra
+
+    def make_plain_backend(self, store: Any) -> StorageBackend:
+        return RedisBackend(store)
+
+    def stored_values(self, backend: StorageBackend, keys: list[bytes]) -> list[bytes]:
+        assert isinstance(backend, RedisBackend)
+        client: redis.Redis = backend.raw_client
+        return [bytes(client.get(backend.key_of(key))) for key in keys]
+
+
+class TestSealedRedisOnePagePerPipeline(TestSealedRedis):
+    @pytest.fixture
+    def store(self, redis_extra: dict[str, Any]) -> Any:
+        return {**redis_extra, "max_batch_bytes": 1}
+
+
+class TestSealedMooncake(SealedChecks):
+    @pytest.fixture
+    def store(self, mooncake_extra: dict[str, Any], mooncake_anchor: MooncakeBackend) -> Any:
+        return mooncake_extra
+
+    def make_plain_backend(self, store: Any) -> StorageBackend:
+        return MooncakeBackend(store)
+
+    def stored_values(self, backend: StorageBackend, keys: list[bytes]) -> list[bytes]:
+        assert isinstance(backend, MooncakeBackend)
+        names = [f"{key.hex()}.tm" for key in keys]
+        return [bytes(backend.raw_store.get(name)) for name in names]
+
+
+class TestSealedMooncakeInParts(TestSealedMooncake):
+    """Sealed puts split into parts of one page (a staging area smaller than a batch), and
+    reads opened on the helper thread in chunks."""
+
+    @pytest.fixture(autouse=True)
+    def small_parts(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(mooncake_module, "SEAL_STAGING_BYTES", 1)
+        monkeypatch.setattr(mooncake_module, "PIPELINE_CHUNK_BYTES", 1)
+
+
+def test_start_up_knows_which_backends_seal() -> None:
+    """The registry's list (what start-up refuses the flag for, without importing a
+    backend) is what the backends themselves say."""
+    for name, entry in BACKENDS.items():
+        if unavailable_reason(name) is not None:
+            continue
+        backend_class = getattr(importlib.import_module(entry.module), entry.class_name)
+        assert backend_class.supports_sealing == (name in SEALING_BACKENDS), name
+    with pytest.raises(StorageError, match="'throttled' cannot encrypt pages"):
+        create_storage_backend(
+            "throttled", {"backend": "file", "backend_extra": {"path": "/nonexistent"}}
+        ).use_sealer(Sealer(parse_key_file(KEYS, "k")))
