@@ -213,6 +213,7 @@ class HierarchicalCache:
         if self.storage is not None:
             if backend is None and self.storage.config.same_backend(config):
                 self.storage.config = config
+                self.storage.backend.set_tenant_quotas(config.tenant_quotas)
                 return
             raise StorageError(
                 f"L3 backend {self.storage.backend.name!r} is attached: detach it first"
@@ -224,6 +225,7 @@ class HierarchicalCache:
             backend = registry.create_storage_backend(config.backend, config.backend_extra)
             assert isinstance(backend, StorageBackend)
         try:
+            backend.set_tenant_quotas(config.tenant_quotas)
             backend.attach(self.host_pool)
         except Exception:
             backend.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import fields
 
 from hicache.config import (
@@ -23,6 +24,7 @@ from hicache.storage.config import (
     storage_config,
 )
 from hicache.storage.registry import BACKENDS
+from hicache.tenancy.quotas import load_tenant_quotas
 
 # Backends the registry knows (a new backend needs no edit here); "dynamic" loads any
 # class named in the extra config.
@@ -116,6 +118,12 @@ def add_storage_args(parser: argparse.ArgumentParser) -> None:
         "the observed L3 read time), prefetch_timeout_max for the cache; every other key "
         "goes to the backend",
     )
+    group.add_argument(
+        "--tenant-quotas", default=None, metavar="FILE",
+        help="per-tenant limits, one line per tenant: '<tenant|default|*> l3=<bytes, e.g. "
+        "2GB> host=<fraction of the host pool> l3_ttl=<seconds>' (at least one); a tenant "
+        "over its L3 quota evicts its own least recently used pages (default: no limits)",
+    )
 
 
 def add_kv_events_args(parser: argparse.ArgumentParser) -> None:
@@ -139,7 +147,11 @@ def storage_config_from_args(args: argparse.Namespace) -> StorageConfig:
     backend = args.hicache_storage_backend
     if backend == NO_STORAGE_BACKEND:
         backend = None
-    return storage_config(backend, args.hicache_storage_prefetch_policy, extra)
+    config = storage_config(backend, args.hicache_storage_prefetch_policy, extra)
+    quotas_file = getattr(args, "tenant_quotas", None)  # parsers of the engine alone lack it
+    if quotas_file is None:
+        return config
+    return dataclasses.replace(config, tenant_quotas=load_tenant_quotas(quotas_file))
 
 
 def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:

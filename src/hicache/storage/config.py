@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from hicache.config import ConfigError, parse_enum
+from hicache.tenancy.quotas import TenantQuotas
 
 EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
 # prefetch_timeout_per_ki_token: follow the observed L3 read time.
@@ -66,6 +67,9 @@ class StorageConfig:
     # moving one batch can legitimately take longer.
     io_timeout_s: float = 10.0
     backend_extra: Mapping[str, Any] = field(default_factory=dict)
+    # ``--tenant-quotas``: L3 bytes and page age per tenant, enforced by the backend
+    # (``StorageBackend.set_tenant_quotas``; what each enforces: its docstring).
+    tenant_quotas: TenantQuotas | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(

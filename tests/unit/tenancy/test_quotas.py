@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from hicache.config import ConfigError
-from hicache.tenancy.quotas import TenantQuota, load_tenant_quotas, parse_tenant_quotas
+from hicache.tenancy.quotas import TenantQuota, parse_tenant_quotas
 
 
 def test_lines_set_bytes_share_and_ttl_per_tenant() -> None:
@@ -53,15 +51,3 @@ def test_bad_lines_name_the_file_and_line(text: str, line: int, says: str) -> No
         parse_tenant_quotas(text, "quotas.txt")
     assert str(raised.value).startswith(f"quotas.txt:{line}: ")
     assert says in str(raised.value)
-
-
-def test_load_reads_the_file_and_names_it_in_errors(tmp_path: Path) -> None:
-    good = tmp_path / "quotas.txt"
-    good.write_text("acme l3=4KB\n")
-    assert load_tenant_quotas(good).l3_bytes("acme") == 4000
-    bad = tmp_path / "bad.txt"
-    bad.write_text("acme l3=4KB\nacme l3=1\n")
-    with pytest.raises(ConfigError, match=f"{bad}:2: "):
-        load_tenant_quotas(bad)
-    with pytest.raises(ConfigError, match="cannot read"):
-        load_tenant_quotas(tmp_path / "missing.txt")
