@@ -85,6 +85,22 @@ close.
 Note: Mooncake's transfer engine listens for its peers (handshake and data
 ports) on all interfaces whatever ``local_hostname`` says; ``local_hostname``
 only decides the address it advertises.
+
+Tenants (``call_tenant.current_tenant()`` of each call). The default tenant's objects
+are named as above; tenant ``t``'s are ``t<32 hex>:<frame.object_name>``, the hex a
+hash of the tenant (``file.tenant_dirs.tenant_dir_name``), so a lookup only ever finds
+the calling tenant's pages and ``purge_tenant`` removes a tenant's objects with one
+``remove_by_regex``, whichever instance wrote them. With ``--tenant-quotas``:
+- ``l3=``: enforced on the objects *this instance* wrote (their bytes per tenant, least
+  recently written or read first): a backup that would take the tenant past its quota
+  first removes the tenant's oldest such objects, never another tenant's nor one of the
+  same batch; the pages that still do not fit are refused ("tenant_quota_full"). It
+  cannot count other instances' writes nor see the master's own evictions (a page found
+  missing on read is forgotten): several instances bound a tenant by the sum of theirs.
+- ``l3_ttl=``: not enforced. The Mooncake client sets no expiry per object (its lease
+  TTL only guards reads in flight); the master's eviction under memory pressure is the
+  only retention.
+``tenant_usage`` reports the per-instance counts.
 """
 
 from __future__ import annotations
@@ -92,6 +108,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -102,6 +119,7 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.tenant_dirs import tenant_dir_name
 from hicache.storage.backends.mooncake.cache_steps import (
     COPY_PIECE_BYTES,
     cache_step_bytes,
@@ -118,7 +136,8 @@ from hicache.storage.backends.mooncake.client import (
     release_client,
 )
 from hicache.storage.backends.mooncake.settings import MooncakeSettings
-from hicache.storage.base import MAX_BATCH_PAGES, LookupPutBackend, PutBatch
+from hicache.storage.base import MAX_BATCH_PAGES, LookupPutBackend, PutBatch, StorageError
+from hicache.storage.call_tenant import current_tenant
 from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import (
     HEADER_BYTES,
@@ -128,6 +147,7 @@ from hicache.storage.frame import (
 )
 from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
+from hicache.storage.tenant_pages import TenantPages
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +160,10 @@ PAGE_PIECE_BYTES = COPY_PIECE_BYTES
 # Header staging slots: one batch each. The controller runs at most one get or
 # set at a time; the spare slots serve other callers (a benchmark) without waiting.
 _STAGING_SLOTS = 4
-# Every object name this backend writes (what clear() removes): hex key + order tag.
-_NAME_PATTERN = r"^[0-9a-f]{32}\.(lm|tm)$"
+# Every object name this backend writes (what clear() removes): a tenant's prefix
+# (none for the default tenant), hex key, order tag.
+_PAGE = r"[0-9a-f]{32}\.(lm|tm)$"
+_NAME_PATTERN = r"^(t[0-9a-f]{32}:)?" + _PAGE
 
 
 @dataclass
@@ -149,6 +171,7 @@ class _MooncakePut(PutBatch):
     client: MooncakeClient
     regions: PageRegions
     names: list[str]
+    tenant: str | None
 
 
 class MooncakeBackend(LookupPutBackend[_MooncakePut]):
@@ -171,6 +194,8 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         for slot in range(_STAGING_SLOTS):
             self._free_slots.put(slot)
         self._executor: ThreadPoolExecutor | None = None
+        # The objects this instance wrote, by tenant (quotas, usage). Guarded by self._lock.
+        self._pages = TenantPages()
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
@@ -224,7 +249,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         self._count_exists_query()
         if not keys:
             return 0
-        names = [object_name(key, regions.order) for key in keys]
+        names = self._names(keys, regions, current_tenant())
         codes = self._call(client, len(keys), lambda store: store.batch_is_exist(names))
         if codes is None:
             return 0
@@ -241,7 +266,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             return 0
         began = time.perf_counter()
         pages = np.asarray(host_pages).tolist()
-        names = [object_name(key, regions.order) for key in keys]
+        names = self._names(keys, regions, current_tenant())
         expected = regions.page_bytes + HEADER_BYTES
         num_read = 0
         with self._staging_slot() as slot:
@@ -269,7 +294,11 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                     )
                     if reason is not None:
                         self._fail(reason)
+                        with self._lock:
+                            self._pages.remove(names[i])
                         return i - part.start
+                    with self._lock:
+                        self._pages.touch(names[i])
                 return len(part)
 
             parts = self._parts(len(keys), regions.page_bytes, hashing)
@@ -292,13 +321,43 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         if removed < 0:
             client.saw_codes([removed])
             self._fail(failure_reason(removed))
+            return
+        with self._lock:
+            self._pages.clear()
+
+    def tenant_usage(self) -> dict[str | None, int]:
+        """Bytes per tenant of the objects this instance wrote (module docstring)."""
+        with self._lock:
+            return self._pages.usage()
+
+    def purge_tenant(self, tenant: str | None) -> int:
+        """Remove every object of ``tenant`` (any instance's, whatever its lease); how
+        many. StorageError when the master cannot be asked or refuses."""
+        client, _ = self._ready([])
+        if not client.usable():
+            raise StorageError("mooncake storage: the master is unreachable; nothing purged")
+        pattern = "^" + re.escape(_tenant_prefix(tenant)) + _PAGE
+        try:
+            removed = int(client.store.remove_by_regex(pattern, True))
+        except Exception as error:  # the binding raised
+            raise StorageError(f"mooncake storage: purging a tenant failed: "
+                               f"{type(error).__name__}: {error}") from error
+        if removed < 0:
+            client.saw_codes([removed])
+            raise StorageError(f"mooncake storage: purging a tenant failed "
+                               f"({failure_reason(removed).value}, code {removed})")
+        with self._lock:
+            for name in self._pages.names(tenant):
+                self._pages.remove(name)
+        return removed
 
     # ------------------------------------------------------ put steps (set)
     def _begin_put(self, keys: Sequence[bytes], host_pages: PageIds) -> _MooncakePut:
         client, regions = self._ready(keys, host_pages)
+        tenant = current_tenant()
         return _MooncakePut(
             keys, np.asarray(host_pages).tolist(), regions.page_bytes, client, regions,
-            [object_name(key, regions.order) for key in keys],
+            self._names(keys, regions, tenant), tenant,
         )
 
     def _lookup(self, batch: _MooncakePut) -> list[bool] | None:
@@ -313,6 +372,10 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             batch.client, batch.regions, batch.keys, batch.pages, batch.names
         )
         codes: dict[int, int] = {}
+        object_bytes = regions.page_bytes + HEADER_BYTES
+        todo = todo[: self._make_tenant_room(batch, len(todo), object_bytes)]
+        if not todo:
+            return 0
         # Pages the cache checksummed while copying them in need no hash here.
         hashing = any(regions.digests.digest(pages[i]) is None for i in todo)
         with self._staging_slot() as slot:
@@ -350,6 +413,8 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         for i, code in codes.items():
             if code == 0:
                 num_written += 1
+                with self._lock:
+                    self._pages.add(names[i], batch.tenant, object_bytes)
             if code in (0, OBJECT_ALREADY_EXISTS):  # or another instance stored it meanwhile
                 stored[i] = True
         # The first page left unstored is counted by its code (a call that could not be
@@ -360,6 +425,38 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         return num_written
 
     # ------------------------------------------------------------ internals
+    @staticmethod
+    def _names(keys: Sequence[bytes], regions: PageRegions, tenant: str | None) -> list[str]:
+        prefix = _tenant_prefix(tenant)
+        return [prefix + object_name(key, regions.order) for key in keys]
+
+    def _make_tenant_room(self, batch: _MooncakePut, count: int, object_bytes: int) -> int:
+        """How many of ``count`` new pages of the batch's tenant fit in its quota, after
+        removing its oldest objects this instance wrote (none of the batch) for room."""
+        limit = None if self.tenant_quotas is None else self.tenant_quotas.l3_bytes(batch.tenant)
+        if limit is None or count == 0:
+            return count
+        keep = set(batch.names)
+        victims: list[str] = []
+        with self._lock:
+            used = self._pages.bytes_of(batch.tenant)
+            for name, size in self._pages.oldest(batch.tenant):
+                if used + count * object_bytes <= limit:
+                    break
+                if name not in keep:
+                    victims.append(name)
+                    self._pages.remove(name)
+                    used -= size
+        if victims:
+            self._fail(FailureReason.EVICTED_TENANT_QUOTA, len(victims))
+            if batch.client.usable():
+                for name in victims:
+                    self._remove(batch.client, name)
+        fits = max(0, min(count, (limit - used) // object_bytes))
+        if fits < count:
+            self._fail(FailureReason.TENANT_QUOTA_FULL)
+        return fits
+
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
     ) -> tuple[MooncakeClient, PageRegions]:
@@ -543,8 +640,10 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
     def _drop(self, keys: Sequence[bytes]) -> None:
         client, regions = self._ready(keys)
         if client.usable():
-            for key in keys:
-                self._remove(client, object_name(key, regions.order))
+            for name in self._names(keys, regions, current_tenant()):
+                self._remove(client, name)
+                with self._lock:
+                    self._pages.remove(name)
 
     def _remove(self, client: MooncakeClient, name: str) -> None:
         """Drop a bad object, even while leased to readers (it must not be read again)."""
@@ -555,3 +654,8 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             return
         if code not in (0, OBJECT_NOT_FOUND):
             logger.warning("mooncake: removing bad object %s failed (code %d)", name, code)
+
+
+def _tenant_prefix(tenant: str | None) -> str:
+    """What ``tenant``'s object names start with (module docstring)."""
+    return "" if tenant is None else tenant_dir_name(tenant) + ":"
