@@ -15,6 +15,7 @@ from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.backends.file.tenant_dirs import TENANTS_DIR
+from hicache.storage.backends.throttled.backend import ThrottledBackend
 from hicache.storage.base import StorageBackend, StorageError
 from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.call_tenant import call_tenant
@@ -192,4 +193,20 @@ def test_a_backend_that_cannot_list_a_tenant_says_so(tmp_path: Path) -> None:
             controller.purge_tenant("acme", 60.0)
     finally:
         controller.stop()
+        backend.close()
+
+
+def test_a_throttled_store_reports_and_purges_its_inner_stores_tenants(tmp_path: Path) -> None:
+    host = HostPool(GEOMETRY, 8, PAGE, MemLayout.PAGE_FIRST, pin_memory=False)
+    backend = ThrottledBackend({"backend": "file", "backend_extra": {"path": str(tmp_path)}})
+    backend.set_tenant_quotas(parse_tenant_quotas("acme l3=1\n", "quotas.txt"))
+    backend.attach(host)
+    try:
+        assert put(backend.inner, "other", keys_of("other", 2)) == 2
+        with call_tenant("acme"):  # a quota smaller than a page: refused by the inner store
+            assert backend.set(keys_of("acme", 1), np.arange(1)) == 0
+        assert backend.tenant_usage() == {"other": 2 * file_bytes(host)}
+        assert backend.purge_tenant("other") == 2
+        assert backend.tenant_usage() == {}
+    finally:
         backend.close()
