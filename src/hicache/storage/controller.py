@@ -532,7 +532,7 @@ class StorageController:
             if op.cancelled.is_set():
                 break
             batch = op.keys[start : start + MAX_BATCH_PAGES]
-            n = self._call("query", "exists", self.backend.exists, batch).count
+            n = self._call("query", "exists", self.backend.exists, batch, op=op).count
             found += n
             if n < len(batch):
                 break

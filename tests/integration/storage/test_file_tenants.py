@@ -19,7 +19,7 @@ from hicache.storage.backends.throttled.backend import ThrottledBackend
 from hicache.storage.base import StorageBackend, StorageError
 from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.call_tenant import call_tenant
-from hicache.storage.controller import BackupOp, StorageController
+from hicache.storage.controller import BackupOp, PrefetchOp, StorageController
 from hicache.storage.frame import HEADER_BYTES
 from hicache.tenancy.quotas import parse_tenant_quotas
 from tests.integration.storage.test_clear_store import GEOMETRY, PAGE
@@ -209,4 +209,21 @@ def test_a_throttled_store_reports_and_purges_its_inner_stores_tenants(tmp_path:
         assert backend.purge_tenant("other") == 2
         assert backend.tenant_usage() == {}
     finally:
+        backend.close()
+
+
+def test_a_prefetch_lookup_asks_for_its_own_tenants_pages(tmp_path: Path) -> None:
+    backend, _ = open_store(tmp_path)
+    controller = StorageController(backend, CircuitBreaker())
+    controller.start()
+    try:
+        keys = keys_of("acme", 3)
+        assert put(backend, "acme", keys) == 3
+        queries = [PrefetchOp(keys, tenant=tenant) for tenant in ("acme", "other", None)]
+        for query in queries:
+            controller.submit_query(query)
+        assert controller.wait_idle(60.0)
+        assert [query.num_existing for query in queries] == [3, 0, 0]
+    finally:
+        controller.stop()
         backend.close()
