@@ -8,16 +8,22 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
+from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import MemLayout
+from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.storage.backends.redis.backend import RedisBackend
 from hicache.storage.base import StorageBackend
 from hicache.storage.call_tenant import call_tenant
+from hicache.tenancy.quotas import parse_tenant_quotas
+from tests.l3_caches import make_l3_cache
 from tests.redis_fixtures import (  # noqa: F401 - fixtures, used by name
     extra_fixture,
     server_fixture,
 )
+from tests.tenant_l3_cache_checks import check_a_tenant_over_quota_loses_its_own_oldest_pages_only
 from tests.tenant_l3_checks import (
     GEOMETRY,
     HOST_PAGES,
@@ -32,6 +38,8 @@ from tests.tenant_l3_checks import (
     with_quotas,
 )
 from tests.waiting import wait_until
+
+CACHE_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 
 
 @pytest.fixture
@@ -87,3 +95,13 @@ def test_clear_removes_every_tenants_pages(open_backend: OpenBackend) -> None:
     assert found(backend, "acme", keys_of("acme", 2)) == [False, False]
     assert found(backend, None, keys_of(None, 2)) == [False, False]
     assert backend.tenant_usage() == {}
+
+
+def test_through_the_cache_a_tenant_over_quota_loses_only_its_own_pages(
+    redis_extra: dict[str, Any],
+) -> None:
+    def make_cache(quotas: str) -> HierarchicalCache:
+        return make_l3_cache("redis", redis_extra, CACHE_GEOMETRY, page_size=4,
+                             tenant_quotas=parse_tenant_quotas(quotas, "quotas.txt"))
+
+    check_a_tenant_over_quota_loses_its_own_oldest_pages_only(make_cache, CACHE_GEOMETRY, 4)
