@@ -5,6 +5,7 @@ second instance sharing the directory learns all of it from its scan."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from hicache.storage.frame import HEADER_BYTES
 from hicache.tenancy.quotas import parse_tenant_quotas
 from tests.integration.storage.test_clear_store import GEOMETRY, PAGE
 from tests.storage_contract import as_bytes, fill_random
+from tests.waiting import wait_until
 
 NAMESPACE = KeyNamespace("tenant-quota-test", GEOMETRY.describe(), PAGE)
 
@@ -225,5 +227,42 @@ def test_a_prefetch_lookup_asks_for_its_own_tenants_pages(tmp_path: Path) -> Non
         assert controller.wait_idle(60.0)
         assert [query.num_existing for query in queries] == [3, 0, 0]
     finally:
+        controller.stop()
+        backend.close()
+
+
+class SlowPurge(FileBackend):
+    """A store whose purge waits for the test to let it go."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__({"path": str(path)})
+        self.release = threading.Event()
+
+    def purge_tenant(self, tenant: str | None) -> int:
+        self.release.wait(60.0)
+        return super().purge_tenant(tenant)
+
+
+def test_a_purge_past_its_deadline_says_so_and_finishes_in_the_background(
+    tmp_path: Path,
+) -> None:
+    host = HostPool(GEOMETRY, 8, PAGE, MemLayout.PAGE_FIRST, pin_memory=False)
+    backend = SlowPurge(tmp_path)
+    backend.attach(host)
+    controller = StorageController(backend, CircuitBreaker())
+    with pytest.raises(StorageError, match="L3 is not running"):
+        controller.purge_tenant("acme", 1.0)
+    controller.start()
+    try:
+        assert put(backend, "acme", keys_of("acme", 2)) == 2
+        with pytest.raises(StorageError, match=r"did not finish in 0\.2 s"):
+            controller.purge_tenant("acme", 0.2)
+        backend.release.set()
+        assert wait_until(lambda: backend.tenant_usage() == {}, 60.0)
+        # The write thread is free again: backups and purges go on.
+        controller.submit_backup(BackupOp(keys_of("acme", 1), np.arange(1), tenant="acme"))
+        assert controller.purge_tenant("acme", 60.0) == 1
+    finally:
+        backend.release.set()
         controller.stop()
         backend.close()
