@@ -34,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import time
@@ -167,6 +168,9 @@ class HierarchicalCache:
         self._retired_storage: list[StorageTier] = []
         # Why L3 is not attached although configured (reported by /health and logs).
         self.storage_error: str | None = None
+        # ``--tenant-quotas`` for L3: kept for a store attached later without them (the
+        # admin attach endpoint), so every store this server attaches enforces them.
+        self.tenant_quotas = None if storage is None else storage.tenant_quotas
         if storage is not None and storage.enabled:
             try:
                 self.attach_storage(storage)
@@ -210,6 +214,9 @@ class HierarchicalCache:
             raise StorageError(
                 "L3 storage needs the host pool: add --enable-hierarchical-cache"
             )
+        if config.tenant_quotas is None:
+            config = dataclasses.replace(config, tenant_quotas=self.tenant_quotas)
+        self.tenant_quotas = config.tenant_quotas
         if self.storage is not None:
             if backend is None and self.storage.config.same_backend(config):
                 self.storage.config = config
