@@ -11,6 +11,7 @@ of the sizes of ``t``'s names; each tenant's order runs from least to most recen
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -66,6 +67,10 @@ class TenantPages:
         """``tenant``'s (name, size), least recently used first (a copy: safe to remove
         while iterating)."""
         return iter(list(self._orders.get(tenant, {}).items()))
+
+    def least_recent(self, tenant: str | None, count: int) -> list[str]:
+        """Up to ``count`` of ``tenant``'s names, least recently used first."""
+        return list(itertools.islice(self._orders.get(tenant, ()), count))
 
     def names(self, tenant: str | None) -> list[str]:
         return list(self._orders.get(tenant, ()))

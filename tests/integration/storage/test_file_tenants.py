@@ -266,3 +266,18 @@ def test_a_purge_past_its_deadline_says_so_and_finishes_in_the_background(
         backend.release.set()
         controller.stop()
         backend.close()
+
+
+def test_a_backup_removes_its_tenants_expired_pages_nobody_asked_for(tmp_path: Path) -> None:
+    backend, host = open_store(tmp_path, "acme l3_ttl=60\n")
+    stale = keys_of("acme", 2)
+    assert put(backend, "acme", stale) == 2
+    old_ns = (int(os.path.getmtime(tmp_path)) - 3600) * 10**9
+    for root, _, names in os.walk(tmp_path):
+        for name in names:
+            if name.endswith((".lm", ".tm")):
+                os.utime(os.path.join(root, name), ns=(old_ns, old_ns))
+    assert put(backend, "acme", keys_of("acme", 1, start=500), first_page=2) == 1
+    assert backend.tenant_usage() == {"acme": file_bytes(host)}  # only the fresh page
+    assert backend.stats().failures["expired"] == 2
+    backend.check_integrity()

@@ -15,6 +15,7 @@ def test_orders_bytes_and_moves() -> None:
     pages.touch("a1")
     assert [name for name, _ in pages.oldest("a")] == ["a2", "a1"]
     pages.demote("a1")
+    assert pages.least_recent("a", 1) == ["a1"] and pages.least_recent("x", 3) == []
     assert pages.names("a") == ["a1", "a2"]
     pages.add("a1", "b", 3)  # re-recorded: one owner at a time
     assert pages.usage() == {"a": 10, "b": 8, None: 7}

@@ -50,7 +50,8 @@ tenant's files, whichever instance wrote them. With ``--tenant-quotas``
   Like the cap, each instance enforces it on the pages it knows of (written, found at
   attach or on use): instances sharing the directory bound a tenant by the sum of theirs.
 - ``l3_ttl=``: a page not used (written or read) for that long is a miss ("expired")
-  and removed, when met by a lookup, read or write, or by the scan at attach.
+  and removed, pinned or not, when met by a lookup, read or write, by the scan at
+  attach, or by the tenant's next backup (which checks its least recently used pages).
 ``tenant_usage`` reports the bytes per tenant of the pages this instance knows of.
 """
 
@@ -103,6 +104,8 @@ try:
 except (AttributeError, ValueError, OSError):
     _IOV_MAX = 1024
 
+# Most of a tenant's oldest pages one backup checks against the tenant's TTL.
+EXPIRE_SWEEP_PAGES = 64
 # How often held (pinned) pages are checked again for an unpin by another instance
 # sharing the directory, while the cap needs room.
 HELD_RECHECK_S = 1.0
@@ -206,6 +209,7 @@ class FileBackend(StorageBackend):
         made_room = False  # one eviction round per batch when the file system is full
         pages = np.asarray(host_pages).tolist()
         tenant = current_tenant()
+        self._expire_oldest(tenant)
         # The batch's own pages stay: the answer is a prefix of stored pages.
         keep = frozenset(names)
         for index, (name, key, page) in enumerate(zip(names, keys, pages, strict=True)):
@@ -360,6 +364,18 @@ class FileBackend(StorageBackend):
             unlink_quietly(path)
             self._stats.fail(FailureReason.EXPIRED)
         return True
+
+    def _expire_oldest(self, tenant: str | None) -> None:
+        """Remove ``tenant``'s least recently used pages while they are past its TTL (at
+        each backup: pages nobody asks for again expire too). Stops at the first page in
+        its TTL, so a backup pays one stat when nothing expired."""
+        if self._ttl_s(tenant) is None:
+            return
+        with self._lock:
+            oldest = self._pages.least_recent(tenant, EXPIRE_SWEEP_PAGES)
+        for name in oldest:
+            if name in self._held or not self._expired(name, tenant):
+                return
 
     def _known(self, name: str, tenant: str | None, on_disk: bool = False) -> bool:
         """Is ``tenant``'s page stored? Adopts a file another instance wrote (one stat).
