@@ -374,7 +374,7 @@ class FileBackend(StorageBackend):
         with self._lock:
             oldest = self._pages.least_recent(tenant, EXPIRE_SWEEP_PAGES)
         for name in oldest:
-            if name in self._held or not self._expired(name, tenant):
+            if not self._expired(name, tenant):  # pinned pages expire too
                 return
 
     def _known(self, name: str, tenant: str | None, on_disk: bool = False) -> bool:
