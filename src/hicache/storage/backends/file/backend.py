@@ -42,7 +42,9 @@ unpin). When the pinned pages alone fill the cap, a new page is refused
 Tenants (``call_tenant.current_tenant()`` of each call): a tenant's pages live in a
 directory of its own (``tenant_dirs``), so every instance's scan knows whose each page
 is, a lookup only ever finds the calling tenant's pages, and ``purge_tenant`` removes a
-tenant's files, whichever instance wrote them. With ``--tenant-quotas``
+tenant's files, whichever instance wrote them (its directory and name file stay, so an
+instance writing for the tenant meanwhile leaves pages a scan still knows). With
+``--tenant-quotas``
 (``set_tenant_quotas``):
 - ``l3=``: a page written for a tenant over its quota first evicts that tenant's own
   least recently used pages (never another tenant's, never a pinned one nor one of the
