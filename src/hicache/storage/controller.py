@@ -8,7 +8,10 @@ behind another:
 - the *write* thread runs backups (host pages -> L3; ``set`` skips the pages
   L3 already has, so no ``exists`` pass precedes it), discards, and pins
   (``pin``/``unpin``: queued behind the backups submitted before them, so a pin
-  of pages being backed up lands once they are stored; nobody waits for them).
+  of pages being backed up lands once they are stored; nobody waits for them),
+  and tenant purges (``purge_tenant``: behind the backups queued before it, its
+  caller waiting up to its own deadline); after each backup, discard and purge it
+  notes the backend's bytes per tenant, which ``tenant_usage`` answers from.
 
 Every backend call has a deadline (``io_timeout_s``). Each thread hands its
 calls to a runner thread (``DeadlineCaller``) and waits at most that long; a
