@@ -181,6 +181,9 @@ class HierarchicalCache:
         # The server's L3 encryption keys: every store attached, at start-up or later
         # through the admin API, seals its pages with them (never plaintext).
         self.l3_encryption = storage.encryption if storage is not None else None
+        # ``--tenant-quotas`` for L3: kept for a store attached later without them (the
+        # admin attach endpoint), so every store this server attaches enforces them.
+        self.tenant_quotas = None if storage is None else storage.tenant_quotas
         if storage is not None and storage.enabled:
             try:
                 self.attach_storage(storage)
@@ -226,9 +229,13 @@ class HierarchicalCache:
             )
         if config.encryption is None and self.l3_encryption is not None:
             config = replace(config, encryption=self.l3_encryption)  # an admin API attach
+        if config.tenant_quotas is None:
+            config = replace(config, tenant_quotas=self.tenant_quotas)
+        self.tenant_quotas = config.tenant_quotas
         if self.storage is not None:
             if backend is None and self.storage.config.same_backend(config):
                 self.storage.config = config
+                self.storage.backend.set_tenant_quotas(config.tenant_quotas)
                 return
             raise StorageError(
                 f"L3 backend {self.storage.backend.name!r} is attached: detach it first"
@@ -244,6 +251,7 @@ class HierarchicalCache:
                 from hicache.storage.sealing import Sealer  # cryptography: loaded on use
 
                 backend.use_sealer(Sealer(config.encryption))
+            backend.set_tenant_quotas(config.tenant_quotas)
             backend.attach(self.host_pool)
         except Exception:
             backend.close()

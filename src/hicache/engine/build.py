@@ -235,6 +235,8 @@ def _assemble(
                     if publisher is not None else None),
             tp_rank=tp.rank, tp_size=tp.size, host_num_pages=host_pages,
         )
+        # Started without L3: a store attached later still enforces --tenant-quotas.
+        cache.tenant_quotas = storage.tenant_quotas
     except BaseException:
         if publisher is not None:
             publisher.close()

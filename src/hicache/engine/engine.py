@@ -485,7 +485,7 @@ class Engine:
         """Bytes of each tenant's KV per tier, ``tenant_bytes_<tier>_<tenant label>``, for
         every tenant holding any (/metrics keeps the largest: ``server/tenant_metrics``).
         L1 and L2 are rank 0's tree's counts (under tensor parallelism each rank holds its
-        shard of the same pages); L3 is what the store reports."""
+        shard of the same pages); L3 is what the store reports (nothing when it cannot tell)."""
         cache = self.cache
         tree = cache.tree
         out: dict[str, float] = {}
@@ -501,10 +501,11 @@ class Engine:
         if cache.host_pool is not None:
             for tenant, pages in dict(tree.host_pages_by_tenant).items():
                 add("host", tenant, pages * cache.host_pool.page_bytes)
-        storage = cache.storage
-        if storage is not None:
-            for tenant, num_bytes in storage.controller.tenant_usage().items():
-                add("l3", tenant, num_bytes)
+        # None: the store cannot tell (or has not told yet) who holds what, so L3 has no
+        # series rather than a misleading zero for every tenant.
+        usage = None if cache.storage is None else cache.storage.controller.tenant_usage()
+        for tenant, num_bytes in (usage or {}).items():
+            add("l3", tenant, num_bytes)
         return out
 
     def metrics(self) -> dict[str, float]:

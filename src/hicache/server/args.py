@@ -24,6 +24,7 @@ from hicache.storage.config import (
 )
 from hicache.storage.registry import BACKENDS, SEALING_BACKENDS
 from hicache.tenancy.keys import KEYS_FLAG, load_key_file
+from hicache.tenancy.quotas import load_tenant_quotas
 
 # Backends the registry knows (a new backend needs no edit here); "dynamic" loads any
 # class named in the extra config.
@@ -124,6 +125,12 @@ def add_storage_args(parser: argparse.ArgumentParser) -> None:
         "writes, all its lines read; '*' is every tenant without lines of its own "
         "(file, redis and mooncake backends; default: pages are stored in the clear)",
     )
+    group.add_argument(
+        "--tenant-quotas", default=None, metavar="FILE",
+        help="per-tenant limits, one line per tenant: '<tenant|default|*> l3=<bytes, e.g. "
+        "2GB> host=<fraction of the host pool> l3_ttl=<seconds>' (at least one); a tenant "
+        "over its L3 quota evicts its own least recently used pages (default: no limits)",
+    )
 
 
 def add_kv_events_args(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +155,9 @@ def storage_config_from_args(args: argparse.Namespace) -> StorageConfig:
     if backend == NO_STORAGE_BACKEND:
         backend = None
     config = storage_config(backend, args.hicache_storage_prefetch_policy, extra)
+    quotas_file = getattr(args, "tenant_quotas", None)  # parsers of the engine alone lack it
+    if quotas_file is not None:
+        config = replace(config, tenant_quotas=load_tenant_quotas(quotas_file))
     keys_file = getattr(args, "l3_encryption_keys", None)
     if keys_file is None:
         return config

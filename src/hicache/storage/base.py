@@ -44,6 +44,7 @@ from hicache.storage.failure_reasons import CountedReason, FailureReason
 if TYPE_CHECKING:  # the pool is torch's; backends' settings and the router import this torch-free
     from hicache.memory.host_pool import HostPool
     from hicache.storage.sealing import Sealer
+    from hicache.tenancy.quotas import TenantQuotas
 
 PAGE_KEY_BYTES = 16
 # Largest batch a backend is handed; callers split longer chains.
@@ -97,6 +98,9 @@ class StorageBackend(ABC):
         self._closed = False
         # Seals every page written and opens every page read (``use_sealer``).
         self.sealer: Sealer | None = None
+        # ``--tenant-quotas``: what a backend that acts per tenant enforces of it (its
+        # module docstring says what); None: no limits.
+        self.tenant_quotas: TenantQuotas | None = None
 
     #: Whether the backend seals pages when given a sealer (``storage.sealing``): it
     #: builds and checks its frames through ``PageRegions(host, self.sealer)``.
@@ -196,6 +200,25 @@ class StorageBackend(ABC):
     def _drop(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional hook
         """Delete the objects of ``keys`` (for ``discard``). A backend that cannot delete
         leaves them: a damaged page then stays a miss, refused at every load."""
+
+    # ------------------------------------------------------------ tenants
+    # The tenant of a ``set``/``get``/``exists`` is ``call_tenant.current_tenant()``; a
+    # backend that records it per object can report and remove a tenant's pages.
+    def set_tenant_quotas(self, quotas: TenantQuotas | None) -> None:
+        """Use ``quotas`` (L3 bytes and page age per tenant) from now on; called before
+        ``attach``. A backend that cannot act per tenant ignores them (its docstring says)."""
+        self.tenant_quotas = quotas
+
+    def tenant_usage(self) -> dict[str | None, int] | None:
+        """Bytes per tenant (None: the default tenant) of the pages this backend knows of,
+        from what it keeps in memory (never a round trip to the store: the controller
+        asks after every backup); None: this backend cannot tell."""
+        return None
+
+    def purge_tenant(self, tenant: str | None) -> int:
+        """Remove every page of ``tenant`` from the store; returns how many objects were
+        removed. Raises StorageError where the backend cannot list a tenant's pages."""
+        raise StorageError(f"{self.name} cannot list a tenant's pages")
 
     @abstractmethod
     def clear(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Final, Literal
 
 from hicache.config import ConfigError, parse_enum
 from hicache.tenancy.keys import KeyRing
+from hicache.tenancy.quotas import TenantQuotas
 
 EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
 # prefetch_timeout_per_ki_token: follow the observed L3 read time.
@@ -70,6 +71,9 @@ class StorageConfig:
     # --l3-encryption-keys: every page written to L3 is sealed with its tenant's key
     # (``storage.sealing``); None: pages are stored in the clear.
     encryption: KeyRing | None = None
+    # ``--tenant-quotas``: L3 bytes and page age per tenant, enforced by the backend
+    # (``StorageBackend.set_tenant_quotas``; what each enforces: its docstring).
+    tenant_quotas: TenantQuotas | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(

@@ -8,7 +8,10 @@ behind another:
 - the *write* thread runs backups (host pages -> L3; ``set`` skips the pages
   L3 already has, so no ``exists`` pass precedes it), discards, and pins
   (``pin``/``unpin``: queued behind the backups submitted before them, so a pin
-  of pages being backed up lands once they are stored; nobody waits for them).
+  of pages being backed up lands once they are stored; nobody waits for them),
+  and tenant purges (``purge_tenant``: behind the backups queued before it, its
+  caller waiting up to its own deadline); after each backup, discard and purge it
+  notes the backend's bytes per tenant, which ``tenant_usage`` answers from.
 
 Every backend call has a deadline (``io_timeout_s``). Each thread hands its
 calls to a runner thread (``DeadlineCaller``) and waits at most that long; a
@@ -133,6 +136,19 @@ class PinOp:
 
 
 @dataclass(eq=False)
+class PurgeOp:
+    """Remove a tenant's pages from L3 (``backend.purge_tenant``), on the write thread,
+    before ``deadline`` (monotonic seconds). ``done`` is set once it is over: then
+    ``removed`` is the objects removed, or ``error`` says why not."""
+
+    tenant: str | None
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    removed: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
 class StalledCall:
     """A backend call that missed its deadline and still runs (a thread cannot be stopped).
 
@@ -219,6 +235,9 @@ class StorageController:
         self._stopping = threading.Event()
         self._idle = threading.Condition()
         self._outstanding = 0
+        # The backend's bytes per tenant as last asked (write thread), for
+        # ``tenant_usage``; None: not known (yet, or the backend cannot tell).
+        self._tenant_usage: dict[str | None, int] | None = None
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -341,17 +360,29 @@ class StorageController:
                                f"{type(call.error).__name__}: {call.error}")
         logger.info("L3 (%s) cleared", self.backend.name)
 
-    def purge_tenant(self, tenant: str | None, timeout_s: float) -> int:
-        """Remove every object of ``tenant`` (its cache salt) from the store within
-        ``timeout_s``; returns how many. StorageError where the backend cannot list or name
-        one tenant's objects, which no backend does yet: the caller reports it and keeps
-        what it purged from L1 and L2."""
-        raise StorageError(f"L3 ({self.backend.name}) cannot purge one tenant's objects yet")
+    def tenant_usage(self) -> dict[str | None, int] | None:
+        """L3 bytes per tenant as last known (refreshed by the write thread after each
+        backup, discard and purge); never blocks on the store. None: not known."""
+        with self._metrics_lock:
+            return None if self._tenant_usage is None else dict(self._tenant_usage)
 
-    def tenant_usage(self) -> dict[str | None, int]:
-        """Bytes each tenant holds in the store, as far as the backend counts them (no
-        backend counts them yet: none)."""
-        return {}
+    def purge_tenant(self, tenant: str | None, timeout_s: float) -> int:
+        """Remove ``tenant``'s pages from L3 (``backend.purge_tenant``) on the write
+        thread, after the writes queued before it, within ``timeout_s``; returns the
+        objects removed. StorageError when it could not: the backend cannot list a
+        tenant's pages, it failed, or it did not finish in time (an abandoned purge
+        goes on in the background and logs its end)."""
+        if not self.running:
+            raise StorageError("L3 is not running: nothing to purge")
+        op = PurgeOp(tenant, time.monotonic() + timeout_s)
+        self._begin()
+        self._write_q.put(op)
+        if not op.done.wait(timeout_s):
+            raise StorageError(f"purging a tenant from L3 ({self.backend.name}) did not "
+                               f"finish in {timeout_s:g} s; it goes on in the background")
+        if op.error is not None:
+            raise StorageError(op.error)
+        return op.removed
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every submitted operation has finished (tests, detach, shutdown).
@@ -395,6 +426,7 @@ class StorageController:
             self._finish(("loaded", op))
 
     def _write_loop(self) -> None:
+        self._refresh_tenant_usage()
         while True:
             op = self._write_q.get()
             if op is _STOP:
@@ -403,10 +435,16 @@ class StorageController:
             if isinstance(op, DiscardOp):
                 if not self._stopping.is_set():
                     self._call("write", "discard", self.backend.discard, op.keys)
+                self._refresh_tenant_usage()
                 self._finish(("discarded", op))
                 continue
             if isinstance(op, PinOp):
                 self._pin(op)
+                self._finish(None)
+                continue
+            if isinstance(op, PurgeOp):
+                self._purge(op)
+                self._refresh_tenant_usage()
                 self._finish(None)
                 continue
             assert isinstance(op, BackupOp)
@@ -414,7 +452,54 @@ class StorageController:
                 self._write(op)
             else:
                 self._note_backup_failed(op, FailureReason.DETACHED)
+            self._refresh_tenant_usage()
             self._finish(("backed_up", op))
+
+    def _refresh_tenant_usage(self) -> None:
+        """Write thread: ask the backend its bytes per tenant (from its memory: cheap)."""
+        try:
+            usage = self.backend.tenant_usage()
+        except Exception as error:  # a backend that fails here is only not reported
+            logger.warning("L3 (%s) tenant usage failed: %s", self.backend.name, error)
+            usage = None
+        with self._metrics_lock:
+            self._tenant_usage = usage
+
+    def _purge(self, op: PurgeOp) -> None:
+        """Write thread: run ``op`` within what is left of its deadline."""
+        if self._stopping.is_set():
+            op.error = "L3 is being detached: nothing purged"
+            op.done.set()
+            return
+        remaining = op.deadline - time.monotonic()
+        if remaining <= 0:
+            op.error = "the purge waited past its deadline behind other L3 writes"
+            op.done.set()
+            return
+        name = self.backend.name
+
+        def late(call: Call) -> None:
+            outcome = "failed" if call.error is not None else "finished"
+            logger.warning("L3 (%s) purge of a tenant %s after its deadline", name, outcome)
+
+        purging = DeadlineCaller("hicache-l3-purge", late)
+        try:
+            call = purging.run(
+                lambda: self.backend.purge_tenant(op.tenant), remaining, lambda call: None
+            )
+        finally:
+            purging.close()
+        if call.abandoned:
+            op.error = (f"purging a tenant from L3 ({name}) did not finish in time; "
+                        "it goes on in the background")
+        elif call.error is not None:
+            op.error = (call.error.args[0] if isinstance(call.error, StorageError)
+                        else f"purging a tenant from L3 ({name}) failed: "
+                             f"{type(call.error).__name__}: {call.error}")
+        else:
+            op.removed = int(call.value)
+            logger.info("L3 (%s): purged %d objects of a tenant", name, op.removed)
+        op.done.set()
 
     def _drain(self, q: queue.SimpleQueue[Any]) -> None:
         """Report every queued operation as finished with nothing done (stopping)."""
@@ -427,6 +512,10 @@ class StorageController:
                 self._finish(("discarded", op))
             elif isinstance(op, PinOp):
                 self._note_pin_failed(op, FailureReason.DETACHED)
+                self._finish(None)
+            elif isinstance(op, PurgeOp):
+                op.error = "L3 is being detached: nothing purged"
+                op.done.set()
                 self._finish(None)
             elif isinstance(op, BackupOp):
                 self._note_backup_failed(op, FailureReason.DETACHED)
@@ -446,7 +535,7 @@ class StorageController:
             if op.cancelled.is_set():
                 break
             batch = op.keys[start : start + MAX_BATCH_PAGES]
-            n = self._call("query", "exists", self.backend.exists, batch).count
+            n = self._call("query", "exists", self.backend.exists, batch, op=op).count
             found += n
             if n < len(batch):
                 break

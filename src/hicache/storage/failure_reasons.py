@@ -59,6 +59,9 @@ class FailureReason(str, Enum):
     EVICTED = "evicted"
     EVICTED_NO_SPACE = "evicted_no_space"
     PINNED_FULL = "pinned_full"
+    EVICTED_TENANT_QUOTA = "evicted_tenant_quota"
+    TENANT_QUOTA_FULL = "tenant_quota_full"
+    EXPIRED = "expired"
     DETACHED = "detached"
     # The storage controller: calls it did not make, or that raised.
     BREAKER_OPEN = "breaker_open"
@@ -78,7 +81,10 @@ class FailureReason(str, Enum):
 CountedReason = Union[FailureReason, "Fault"]
 
 # Normal operation rather than damage: logged at INFO.
-ROUTINE_REASONS = frozenset({FailureReason.EVICTED, FailureReason.DETACHED})
+ROUTINE_REASONS = frozenset({
+    FailureReason.EVICTED, FailureReason.DETACHED, FailureReason.EVICTED_TENANT_QUOTA,
+    FailureReason.EXPIRED,
+})
 
 # What each reason means for the operator (policy as data: a new reason needs only a row).
 MEANINGS: dict[FailureReason, str] = {
@@ -130,6 +136,12 @@ MEANINGS: dict[FailureReason, str] = {
     "pages were evicted to make room (set max_bytes below the free space to avoid this)",
     FailureReason.PINNED_FULL: "pinned pages alone fill the store's size cap, so a new page "
     "was refused rather than evicting a pinned one (unpin, shorten pins, or raise max_bytes)",
+    FailureReason.EVICTED_TENANT_QUOTA: "a tenant's pages were evicted, its least recently "
+    "used first, to keep it under its L3 quota (--tenant-quotas l3=)",
+    FailureReason.TENANT_QUOTA_FULL: "a tenant's L3 quota could not take a page (the page is "
+    "larger than the quota, or the tenant's other pages are pinned or in the same backup)",
+    FailureReason.EXPIRED: "a tenant's page was older than its L3 TTL (--tenant-quotas "
+    "l3_ttl=): a miss, and removed",
     FailureReason.DETACHED: "queued backups were dropped because L3 was detached",
     FailureReason.BREAKER_OPEN: "L3 calls were skipped while the circuit breaker is open after "
     "repeated failures",

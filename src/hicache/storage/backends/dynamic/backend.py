@@ -43,6 +43,7 @@ from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
 from hicache.storage.base import StorageBackend, StorageError, StorageStats
 from hicache.storage.failure_reasons import FailureReason
+from hicache.tenancy.quotas import TenantQuotas
 
 # Method name -> the arguments a call passes (after self), for the shape check.
 REQUIRED_METHODS: dict[str, tuple[str, ...]] = {
@@ -146,6 +147,35 @@ class DynamicBackend(StorageBackend):
         if not self.supports_pins:
             return super().unpin(keys)
         return self._clamp(self.inner.unpin(keys), keys, "unpin")
+
+    # Tenants: forwarded to a class that defines them (a StorageBackend subclass does);
+    # otherwise the contract's defaults (no usage, no purge).
+    def set_tenant_quotas(self, quotas: TenantQuotas | None) -> None:
+        super().set_tenant_quotas(quotas)
+        forward = getattr(self.inner, "set_tenant_quotas", None)
+        if callable(forward):
+            forward(quotas)
+
+    def tenant_usage(self) -> dict[str | None, int] | None:
+        usage = getattr(self.inner, "tenant_usage", None)
+        if not callable(usage):
+            return None
+        value = usage()
+        if value is not None and not isinstance(value, dict):
+            raise StorageError(f"{_SOURCE}: {self.target}.tenant_usage() must return a dict "
+                               f"or None, got {type(value).__name__}")
+        return value
+
+    def purge_tenant(self, tenant: str | None) -> int:
+        self._ready([])
+        purge = getattr(self.inner, "purge_tenant", None)
+        if not callable(purge):
+            return super().purge_tenant(tenant)
+        value = purge(tenant)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise StorageError(f"{_SOURCE}: {self.target}.purge_tenant() must return a count "
+                               f">= 0, got {value!r}")
+        return value
 
     def stats(self) -> StorageStats:
         if not self._has_stats:

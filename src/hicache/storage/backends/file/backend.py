@@ -39,6 +39,23 @@ order, as its oldest, once their pin is found expired or removed (checked again
 at the earliest expiry, or every ``HELD_RECHECK_S`` for another instance's
 unpin). When the pinned pages alone fill the cap, a new page is refused
 ("pinned_full") rather than evicting a pinned one.
+
+Tenants (``call_tenant.current_tenant()`` of each call): a tenant's pages live in a
+directory of its own (``tenant_dirs``), so every instance's scan knows whose each page
+is, a lookup only ever finds the calling tenant's pages, and ``purge_tenant`` removes a
+tenant's files, whichever instance wrote them (its directory and name file stay, so an
+instance writing for the tenant meanwhile leaves pages a scan still knows). With
+``--tenant-quotas``
+(``set_tenant_quotas``):
+- ``l3=``: a page written for a tenant over its quota first evicts that tenant's own
+  least recently used pages (never another tenant's, never a pinned one nor one of the
+  same batch); when they cannot make room the page is refused ("tenant_quota_full").
+  Like the cap, each instance enforces it on the pages it knows of (written, found at
+  attach or on use): instances sharing the directory bound a tenant by the sum of theirs.
+- ``l3_ttl=``: a page not used (written or read) for that long is a miss ("expired")
+  and removed, pinned or not, when met by a lookup, read or write, by the scan at
+  attach, or by the tenant's next backup (which checks its least recently used pages).
+``tenant_usage`` reports the bytes per tenant of the pages this instance knows of.
 """
 
 from __future__ import annotations
@@ -50,6 +67,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from stat import S_ISREG
 from typing import Any
 
@@ -59,7 +77,9 @@ from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
 from hicache.storage.backends.file.pins import PinMarkers, check_expiry
 from hicache.storage.backends.file.settings import FileSettings
+from hicache.storage.backends.file.tenant_dirs import ensure_tenant_dir, tenant_dirs, tenant_root
 from hicache.storage.base import StorageBackend, StorageUnavailableError
+from hicache.storage.call_tenant import current_tenant
 from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import Fault, object_name
 from hicache.storage.options import read_settings
@@ -74,12 +94,15 @@ from hicache.storage.page_files import (
     unlink_quietly,
 )
 from hicache.storage.page_regions import PageRegions
+from hicache.storage.tenant_pages import TenantPages
 
 try:
     _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
 except (AttributeError, ValueError, OSError):
     _IOV_MAX = 1024
 
+# Most of a tenant's oldest pages one backup checks against the tenant's TTL.
+EXPIRE_SWEEP_PAGES = 64
 # How often held (pinned) pages are checked again for an unpin by another instance
 # sharing the directory, while the cap needs room.
 HELD_RECHECK_S = 1.0
@@ -110,6 +133,10 @@ class FileBackend(StorageBackend):
         # _total_bytes, never evicted. Guarded by self._lock.
         self._held: dict[str, tuple[int, float]] = {}
         self._held_recheck_at = 0.0
+        # Every page of _index and _held by tenant (for quotas, usage, purge). Guarded
+        # by self._lock.
+        self._pages = TenantPages()
+        self._named_tenants: set[str] = set()  # tenant directories known to exist
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
@@ -124,10 +151,14 @@ class FileBackend(StorageBackend):
             ) from error
         super().attach(host)
         self._regions = regions
+        now = time.time()
         with self._lock:
-            for _, name, size in sorted(found):
-                self._index[name] = size
-                self._total_bytes += size
+            for mtime_ns, name, size, tenant in sorted(found, key=lambda f: (f[0], f[1])):
+                if self._past_ttl(tenant, mtime_ns, now):
+                    unlink_quietly(self._path(name, tenant))
+                    self._stats.fail(FailureReason.EXPIRED)
+                    continue
+                self._add_locked(name, tenant, size)
             self._evict_locked(0)
 
     def close(self) -> None:
@@ -147,8 +178,10 @@ class FileBackend(StorageBackend):
     def exists(self, keys: Sequence[bytes]) -> int:
         regions = self._ready(keys)
         self._count_exists_query()
+        tenant = current_tenant()
         for i, key in enumerate(keys):
-            if not self._known(object_name(key, regions.order)):
+            name = object_name(key, regions.order)
+            if not self._known(name, tenant) or self._expired(name, tenant):
                 return i
         return len(keys)
 
@@ -156,8 +189,9 @@ class FileBackend(StorageBackend):
         regions = self._ready(keys, host_pages)
         began = time.perf_counter()
         num_read = 0
+        tenant = current_tenant()
         for key, page in zip(keys, np.asarray(host_pages).tolist(), strict=True):
-            fault = self._read_page(regions, key, page)
+            fault = self._read_page(regions, key, page, tenant)
             if fault is not None:
                 self._fail(fault)
                 break
@@ -172,18 +206,21 @@ class FileBackend(StorageBackend):
         names = [object_name(key, regions.order) for key in keys]
         made_room = False  # one eviction round per batch when the file system is full
         pages = np.asarray(host_pages).tolist()
+        tenant = current_tenant()
+        self._expire_oldest(tenant)
+        # The batch's own pages stay: the answer is a prefix of stored pages.
+        keep = frozenset(names)
         for index, (name, key, page) in enumerate(zip(names, keys, pages, strict=True)):
-            if self._known(name, on_disk=True):
+            if self._known(name, tenant, on_disk=True) and not self._expired(name, tenant):
                 num_skipped += 1
                 num_stored += 1
                 continue
-            reason = self._write_page(regions, name, key, page)
+            reason = self._write_page(regions, name, key, page, tenant, keep)
             if reason is FailureReason.NO_SPACE and not made_room:
                 made_room = True
                 needed_bytes = (len(keys) - index) * (regions.header_bytes + regions.page_bytes)
-                # The batch's own pages stay: the answer is a prefix of stored pages.
-                if self._evict_for_space(needed_bytes, keep=frozenset(names)):
-                    reason = self._write_page(regions, name, key, page)
+                if self._evict_for_space(needed_bytes, keep=keep):
+                    reason = self._write_page(regions, name, key, page, tenant, keep)
             if reason is not None:
                 self._fail(reason)
                 break
@@ -224,32 +261,57 @@ class FileBackend(StorageBackend):
         a file with a page's name but not our header is left alone (``holds_our_page``)."""
         self._ready([])
         with self._lock:
-            for _, name, _ in self._scan():
-                path = self._path(name)
+            for _, name, _, tenant in self._scan():
+                path = self._path(name, tenant)
                 if holds_our_page(path, name):
                     unlink_quietly(path)
             self._index.clear()
             self._held.clear()
+            self._pages.clear()
             self._total_bytes = 0
             # Pins name pages of the store: with the pages gone they name nothing.
             for name in self._pin_names():
                 self._pins.unpin(name)
 
+    def tenant_usage(self) -> dict[str | None, int]:
+        """Bytes per tenant of the pages this instance knows of (headers included)."""
+        with self._lock:
+            return self._pages.usage()
+
+    def purge_tenant(self, tenant: str | None) -> int:
+        """Remove every page file of ``tenant`` in the directory, whichever instance
+        wrote it; returns how many. Pins are left (they expire; a pin names no tenant)."""
+        self._ready([])
+        removed = 0
+        with self._lock:
+            for _, name, _, _ in self._scan(only=tenant):
+                path = self._path(name, tenant)
+                if holds_our_page(path, name):
+                    unlink_quietly(path)
+                    removed += 1
+            for name in self._pages.names(tenant):
+                self._forget_locked(name)
+        return removed
+
     def check_integrity(self) -> None:
         with self._lock:
             held = sum(size for size, _ in self._held.values())
             assert self._total_bytes == sum(self._index.values()) + held, "size accounting drifted"
+            assert self._total_bytes == sum(self._pages.usage().values()), "tenant bytes drifted"
+            assert len(self._pages) == len(self._index) + len(self._held), "tenant index drifted"
             assert not set(self._index) & set(self._held), "a page both held and evictable"
             assert self._total_bytes <= self.max_bytes or not self._index, "over the cap"
 
     # ------------------------------------------------------------ internals
     def _drop(self, keys: Sequence[bytes]) -> None:
         regions = self._ready(keys)
+        tenant = current_tenant()
         for key in keys:
             name = object_name(key, regions.order)
             with self._lock:
+                path = self._recorded_path(name, tenant)
                 self._forget_locked(name)
-                unlink_quietly(self._path(name))
+                unlink_quietly(path)
 
     def _ready(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> PageRegions:
         self._check_open(keys, host_pages)
@@ -257,14 +319,64 @@ class FileBackend(StorageBackend):
             raise self._not_attached()
         return self._regions
 
-    def _dir(self, name: str) -> str:
-        return f"{self._root_text}/{name[:2]}"
+    def _dir(self, name: str, tenant: str | None) -> str:
+        return f"{tenant_root(self._root_text, tenant)}/{name[:2]}"
 
-    def _path(self, name: str) -> str:
-        return page_path(self._root_text, name)
+    def _path(self, name: str, tenant: str | None) -> str:
+        return page_path(tenant_root(self._root_text, tenant), name)
 
-    def _known(self, name: str, on_disk: bool = False) -> bool:
-        """Is the page stored? Adopts a file another instance wrote (one stat).
+    def _recorded_path(self, name: str, tenant: str | None) -> str:
+        """The file of ``name``: where its recorded tenant keeps it, else ``tenant``'s."""
+        if name in self._pages:
+            tenant = self._pages.tenant_of(name)
+        return self._path(name, tenant)
+
+    def _add_locked(self, name: str, tenant: str | None, size: int) -> None:
+        """A page found or written: the most recently used, of its tenant too."""
+        self._index[name] = size
+        self._total_bytes += size
+        self._pages.add(name, tenant, size)
+
+    def _ttl_s(self, tenant: str | None) -> float | None:
+        quotas = self.tenant_quotas
+        return None if quotas is None else quotas.l3_ttl_s(tenant)
+
+    def _past_ttl(self, tenant: str | None, mtime_ns: int, now: float) -> bool:
+        ttl = self._ttl_s(tenant)
+        return ttl is not None and mtime_ns < (now - ttl) * 1e9
+
+    def _expired(self, name: str, tenant: str | None) -> bool:
+        """Is ``tenant``'s page unused for longer than its TTL? Then it is removed, and
+        counted (one stat, only for a tenant with a TTL)."""
+        if self._ttl_s(tenant) is None:
+            return False
+        path = self._path(name, tenant)
+        try:
+            mtime_ns = os.stat(path).st_mtime_ns
+        except OSError:
+            return False  # gone meanwhile: the read or write finds out
+        if not self._past_ttl(tenant, mtime_ns, time.time()):
+            return False
+        with self._lock:
+            self._forget_locked(name)
+            unlink_quietly(path)
+            self._stats.fail(FailureReason.EXPIRED)
+        return True
+
+    def _expire_oldest(self, tenant: str | None) -> None:
+        """Remove ``tenant``'s least recently used pages while they are past its TTL (at
+        each backup: pages nobody asks for again expire too). Stops at the first page in
+        its TTL, so a backup pays one stat when nothing expired."""
+        if self._ttl_s(tenant) is None:
+            return
+        with self._lock:
+            oldest = self._pages.least_recent(tenant, EXPIRE_SWEEP_PAGES)
+        for name in oldest:
+            if not self._expired(name, tenant):  # pinned pages expire too
+                return
+
+    def _known(self, name: str, tenant: str | None, on_disk: bool = False) -> bool:
+        """Is ``tenant``'s page stored? Adopts a file another instance wrote (one stat).
 
         A page in the index is taken as stored unless ``on_disk`` asks to check
         the file (another instance sharing the directory may have evicted it):
@@ -272,22 +384,25 @@ class FileBackend(StorageBackend):
         wrongly would leave the page missing for good.
         """
         with self._lock:
-            if (name in self._index or name in self._held) and not on_disk:
+            # Recorded as another tenant's (never, with salted keys): not this tenant's.
+            ours = name not in self._pages or self._pages.tenant_of(name) == tenant
+            if ours and (name in self._index or name in self._held) and not on_disk:
                 return True
             try:
-                info = os.stat(self._path(name))
+                info = os.stat(self._path(name, tenant))
             except OSError:
-                self._forget_locked(name)
+                if ours:
+                    self._forget_locked(name)
                 return False
             if not S_ISREG(info.st_mode):  # a FIFO, device or directory is no page
-                self._forget_locked(name)
+                if ours:
+                    self._forget_locked(name)
                 return False
             size = info.st_size
-            if name not in self._index and name not in self._held:
-                self._index[name] = size
-                self._total_bytes += size
+            if name not in self._pages:
+                self._add_locked(name, tenant, size)
                 self._evict_locked(0)
-            return name in self._index or name in self._held
+            return name in self._pages and self._pages.tenant_of(name) == tenant
 
     def _forget_locked(self, name: str) -> None:
         size = self._index.pop(name, None)
@@ -296,13 +411,14 @@ class FileBackend(StorageBackend):
         held = self._held.pop(name, None)
         if held is not None:
             self._total_bytes -= held[0]
+        self._pages.remove(name)
 
     def _read_page(
-        self, regions: PageRegions, key: bytes, page: int
+        self, regions: PageRegions, key: bytes, page: int, tenant: str | None
     ) -> CountedReason | None:
-        """Read one page into host page ``page``; the failure reason, or None."""
+        """Read one of ``tenant``'s pages into host page ``page``; the failure reason, or None."""
         name = object_name(key, regions.order)
-        path = self._path(name)
+        path = self._path(name, tenant)
         expected = regions.header_bytes + regions.page_bytes
         header = bytearray(regions.header_bytes)
         views = regions.views(page)
@@ -324,6 +440,11 @@ class FileBackend(StorageBackend):
                     self._forget_locked(name)
                 return FailureReason.NOT_REGULAR_FILE
             size = info.st_size
+            if self._past_ttl(tenant, info.st_mtime_ns, time.time()):
+                with self._lock:
+                    self._forget_locked(name)
+                    unlink_quietly(path)
+                return FailureReason.EXPIRED
             got = _readv_full(fd, [*views, memoryview(header)])
         except OSError:
             return FailureReason.IO_ERROR
@@ -346,9 +467,9 @@ class FileBackend(StorageBackend):
                 return fault
             if name in self._index:
                 self._index.move_to_end(name)
+                self._pages.touch(name)
             elif name not in self._held:  # written by another instance since we last looked
-                self._index[name] = size
-                self._total_bytes += size
+                self._add_locked(name, tenant, size)
                 self._evict_locked(0)
             stamp = self._next_stamp_locked()
         # Evicted or replaced meanwhile: the read itself was complete.
@@ -357,19 +478,32 @@ class FileBackend(StorageBackend):
         return None
 
     def _write_page(
-        self, regions: PageRegions, name: str, key: bytes, page: int
+        self, regions: PageRegions, name: str, key: bytes, page: int, tenant: str | None,
+        keep: frozenset[str],
     ) -> FailureReason | None:
-        """Store host page ``page`` as ``name``; the failure reason, or None."""
+        """Store host page ``page`` as ``tenant``'s ``name`` (evicting none of ``keep``
+        for the tenant's quota); the failure reason, or None."""
         file_bytes = regions.header_bytes + regions.page_bytes
         if file_bytes > self.max_bytes:
             return FailureReason.OVER_CAPACITY
+        if tenant is not None and tenant not in self._named_tenants:
+            try:
+                ensure_tenant_dir(self._root_text, tenant)
+            except OSError as error:
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    return FailureReason.NO_SPACE
+                return FailureReason.IO_ERROR
+            self._named_tenants.add(tenant)
+        # Sealed for the call's tenant (``current_tenant``), the one named here.
         framed = regions.frame(page, key, regions.staging_for(1))
         if framed is None:
             return FailureReason.NO_KEY
         payload, header = framed
-        path = self._path(name)
-        temp = f"{self._dir(name)}/{temp_name(name, os.getpid(), threading.get_ident())}"
+        path = self._path(name, tenant)
+        temp = f"{self._dir(name, tenant)}/{temp_name(name, os.getpid(), threading.get_ident())}"
         with self._lock:
+            if not self._make_tenant_room_locked(tenant, file_bytes, keep):
+                return FailureReason.TENANT_QUOTA_FULL
             self._evict_locked(file_bytes)
             if self._total_bytes + file_bytes > self.max_bytes:
                 return FailureReason.PINNED_FULL  # only pinned pages are left to evict
@@ -379,7 +513,7 @@ class FileBackend(StorageBackend):
             os.utime(temp, ns=(stamp, stamp))
             os.replace(temp, path)
             if self.fsync:
-                _fsync_directory(self._dir(name))
+                _fsync_directory(self._dir(name, tenant))
         except OSError as error:
             unlink_quietly(temp)
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -387,10 +521,38 @@ class FileBackend(StorageBackend):
             return FailureReason.IO_ERROR
         with self._lock:
             self._forget_locked(name)  # a concurrent writer of the same page won the race
-            self._index[name] = file_bytes
-            self._total_bytes += file_bytes
+            self._add_locked(name, tenant, file_bytes)
             self._evict_locked(0)
         return None
+
+    def _make_tenant_room_locked(
+        self, tenant: str | None, incoming_bytes: int, keep: frozenset[str]
+    ) -> bool:
+        """Evict ``tenant``'s own least recently used pages (not pinned ones, nor
+        ``keep``) until ``incoming_bytes`` more fit in its L3 quota; whether they do."""
+        quotas = self.tenant_quotas
+        limit = None if quotas is None else quotas.l3_bytes(tenant)
+        if limit is None:
+            return True
+        if self._pages.bytes_of(tenant) + incoming_bytes <= limit:
+            return True
+        now = time.time()
+        for name, size in self._pages.oldest(tenant):
+            if self._pages.bytes_of(tenant) + incoming_bytes <= limit:
+                break
+            if name in keep or name in self._held:
+                continue
+            until = self._pins.expiry(name, now)
+            if until is not None:  # set aside, as the cap's eviction does
+                del self._index[name]
+                self._held[name] = (size, until)
+                self._held_recheck_at = min(self._held_recheck_at, until)
+                continue
+            path = self._path(name, tenant)
+            self._forget_locked(name)
+            unlink_quietly(path)
+            self._stats.fail(FailureReason.EVICTED_TENANT_QUOTA)
+        return self._pages.bytes_of(tenant) + incoming_bytes <= limit
 
     def _write_file(self, path: str, buffers: list[Any]) -> None:
         fd = create_file(path, getattr(os, "O_CLOEXEC", 0))
@@ -422,7 +584,8 @@ class FileBackend(StorageBackend):
                 continue
             self._total_bytes -= size
             self._stats.fail(FailureReason.EVICTED)
-            unlink_quietly(self._path(name))
+            tenant, _ = self._pages.remove(name) or (None, 0)
+            unlink_quietly(self._path(name, tenant))
 
     def _recheck_held_locked(self, now: float) -> None:
         """Put held pages whose pin expired or was removed back into the LRU order."""
@@ -442,6 +605,7 @@ class FileBackend(StorageBackend):
         if held is not None:
             self._index[name] = held[0]
             self._index.move_to_end(name, last=False)
+            self._pages.demote(name)
 
     def _evict_for_space(self, needed_bytes: int, keep: frozenset[str]) -> int:
         """The file system is full: drop least recently used pages (except ``keep``) until
@@ -457,8 +621,9 @@ class FileBackend(StorageBackend):
                     victims.append(name)
                     freed_bytes += size
             for name in victims:
+                path = self._recorded_path(name, None)
                 self._forget_locked(name)
-                unlink_quietly(self._path(name))
+                unlink_quietly(path)
             if victims:
                 self._stats.fail(FailureReason.EVICTED_NO_SPACE, len(victims))
         return len(victims)
@@ -478,11 +643,27 @@ class FileBackend(StorageBackend):
                         found.append(entry.name)
         return found
 
-    def _scan(self) -> list[tuple[int, str, int]]:
-        """(mtime ns, name, bytes) of every page file; removes stale temporaries."""
+    _EVERY_TENANT: object = object()
+
+    def _scan(self, only: object = _EVERY_TENANT) -> list[tuple[int, str, int, str | None]]:
+        """(mtime ns, name, bytes, tenant) of every page file (of tenant ``only`` when
+        given); removes stale temporaries."""
+        roots: list[tuple[str | None, Path]] = []
+        if only is self._EVERY_TENANT or only is None:
+            roots.append((None, self.root))
+        for named, directory in tenant_dirs(self.root):
+            if only is self._EVERY_TENANT or only == named:
+                roots.append((named, directory))
+        found: list[tuple[int, str, int, str | None]] = []
+        for tenant, root in roots:
+            found.extend((mtime, name, size, tenant) for mtime, name, size in self._scan_dir(root))
+        return found
+
+    def _scan_dir(self, root: Path) -> list[tuple[int, str, int]]:
+        """(mtime ns, name, bytes) of the page files of one tenant's directory."""
         found: list[tuple[int, str, int]] = []
         now = time.time()
-        for sub in self.root.iterdir():
+        for sub in root.iterdir():
             if len(sub.name) != 2 or not sub.is_dir():
                 continue
             with os.scandir(sub) as entries:

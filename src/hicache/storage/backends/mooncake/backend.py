@@ -93,6 +93,22 @@ close.
 Note: Mooncake's transfer engine listens for its peers (handshake and data
 ports) on all interfaces whatever ``local_hostname`` says; ``local_hostname``
 only decides the address it advertises.
+
+Tenants (``call_tenant.current_tenant()`` of each call). The default tenant's objects
+are named as above; tenant ``t``'s are ``t<32 hex>:<frame.object_name>``, the hex a
+hash of the tenant (``file.tenant_dirs.tenant_dir_name``), so a lookup only ever finds
+the calling tenant's pages and ``purge_tenant`` removes a tenant's objects with one
+``remove_by_regex``, whichever instance wrote them. With ``--tenant-quotas``:
+- ``l3=``: enforced on the objects *this instance* wrote (their bytes per tenant, least
+  recently written or read first): a backup that would take the tenant past its quota
+  first removes the tenant's oldest such objects, never another tenant's nor one of the
+  same batch; the pages that still do not fit are refused ("tenant_quota_full"). It
+  cannot count other instances' writes nor see the master's own evictions (a page found
+  missing on read is forgotten): several instances bound a tenant by the sum of theirs.
+- ``l3_ttl=``: not enforced. The Mooncake client sets no expiry per object (its lease
+  TTL only guards reads in flight); the master's eviction under memory pressure is the
+  only retention.
+``tenant_usage`` reports the per-instance counts.
 """
 
 from __future__ import annotations
@@ -100,6 +116,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -111,6 +128,7 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.tenant_dirs import tenant_dir_name
 from hicache.storage.backends.mooncake.cache_steps import (
     COPY_PIECE_BYTES,
     cache_step_bytes,
@@ -127,7 +145,7 @@ from hicache.storage.backends.mooncake.client import (
     release_client,
 )
 from hicache.storage.backends.mooncake.settings import MooncakeSettings
-from hicache.storage.base import MAX_BATCH_PAGES, LookupPutBackend, PutBatch
+from hicache.storage.base import MAX_BATCH_PAGES, LookupPutBackend, PutBatch, StorageError
 from hicache.storage.call_tenant import call_tenant, current_tenant
 from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import (
@@ -138,6 +156,7 @@ from hicache.storage.frame import (
 )
 from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
+from hicache.storage.tenant_pages import TenantPages
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +174,10 @@ _SLOT_BYTES = SEALED_HEADER_BYTES
 # Sealed pages' ciphertext staging, per slot (registered; a sealed batch is put in parts
 # of what fits, at least one page).
 SEAL_STAGING_BYTES = 8 << 20
-# Every object name this backend writes (what clear() removes): hex key + order tag.
-_NAME_PATTERN = r"^[0-9a-f]{32}\.(lm|tm)$"
+# Every object name this backend writes (what clear() removes): a tenant's prefix
+# (none for the default tenant), hex key, order tag.
+_PAGE = r"[0-9a-f]{32}\.(lm|tm)$"
+_NAME_PATTERN = r"^(t[0-9a-f]{32}:)?" + _PAGE
 
 
 @dataclass
@@ -164,6 +185,7 @@ class _MooncakePut(PutBatch):
     client: MooncakeClient
     regions: PageRegions
     names: list[str]
+    tenant: str | None
 
 
 class MooncakeBackend(LookupPutBackend[_MooncakePut]):
@@ -190,6 +212,8 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         # Sealing: [slot, pages * page bytes] of ciphertext, made at attach.
         self._sealed: np.ndarray | None = None
         self._sealed_pages = 0
+        # The objects this instance wrote, by tenant (quotas, usage). Guarded by self._lock.
+        self._pages = TenantPages()
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
@@ -263,7 +287,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         self._count_exists_query()
         if not keys:
             return 0
-        names = [object_name(key, regions.order) for key in keys]
+        names = self._names(keys, regions, current_tenant())
         codes = self._call(client, len(keys), lambda store: store.batch_is_exist(names))
         if codes is None:
             return 0
@@ -280,7 +304,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             return 0
         began = time.perf_counter()
         pages = np.asarray(host_pages).tolist()
-        names = [object_name(key, regions.order) for key in keys]
+        names = self._names(keys, regions, current_tenant())
         expected = regions.page_bytes + regions.header_bytes
         num_read = 0
         with self._staging_slot() as slot:
@@ -317,7 +341,11 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                     )
                     if reason is not None:
                         self._fail(reason)
+                        with self._lock:
+                            self._pages.remove(names[i])
                         return i - part.start
+                    with self._lock:
+                        self._pages.touch(names[i])
                 return len(part)
 
             parts = self._parts(len(keys), regions.page_bytes, hashing)
@@ -340,13 +368,43 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         if removed < 0:
             client.saw_codes([removed])
             self._fail(failure_reason(removed))
+            return
+        with self._lock:
+            self._pages.clear()
+
+    def tenant_usage(self) -> dict[str | None, int]:
+        """Bytes per tenant of the objects this instance wrote (module docstring)."""
+        with self._lock:
+            return self._pages.usage()
+
+    def purge_tenant(self, tenant: str | None) -> int:
+        """Remove every object of ``tenant`` (any instance's, whatever its lease); how
+        many. StorageError when the master cannot be asked or refuses."""
+        client, _ = self._ready([])
+        if not client.usable():
+            raise StorageError("mooncake storage: the master is unreachable; nothing purged")
+        pattern = "^" + re.escape(_tenant_prefix(tenant)) + _PAGE
+        try:
+            removed = int(client.store.remove_by_regex(pattern, True))
+        except Exception as error:  # the binding raised
+            raise StorageError(f"mooncake storage: purging a tenant failed: "
+                               f"{type(error).__name__}: {error}") from error
+        if removed < 0:
+            client.saw_codes([removed])
+            raise StorageError(f"mooncake storage: purging a tenant failed "
+                               f"({failure_reason(removed).value}, code {removed})")
+        with self._lock:
+            for name in self._pages.names(tenant):
+                self._pages.remove(name)
+        return removed
 
     # ------------------------------------------------------ put steps (set)
     def _begin_put(self, keys: Sequence[bytes], host_pages: PageIds) -> _MooncakePut:
         client, regions = self._ready(keys, host_pages)
+        tenant = current_tenant()
         return _MooncakePut(
             keys, np.asarray(host_pages).tolist(), regions.page_bytes, client, regions,
-            [object_name(key, regions.order) for key in keys],
+            self._names(keys, regions, tenant), tenant,
         )
 
     def _lookup(self, batch: _MooncakePut) -> list[bool] | None:
@@ -361,9 +419,13 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             batch.client, batch.regions, batch.keys, batch.pages, batch.names
         )
         codes: dict[int, int] = {}
+        object_bytes = regions.page_bytes + regions.header_bytes
+        todo = todo[: self._make_tenant_room(batch, len(todo), object_bytes)]
+        if not todo:
+            return 0
         if regions.sealer is not None:
             self._put_sealed(batch, todo, codes)
-            return self._settle_put(todo, stored, codes)
+            return self._settle_put(batch, todo, stored, codes, object_bytes)
         # Pages the cache checksummed while copying them in need no hash here.
         hashing = any(regions.digests.digest(pages[i]) is None for i in todo)
         with self._staging_slot() as slot:
@@ -397,7 +459,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                 )
 
             self._write_behind(self._parts(len(todo), regions.page_bytes, hashing), pack, put)
-        return self._settle_put(todo, stored, codes)
+        return self._settle_put(batch, todo, stored, codes, object_bytes)
 
     def _put_sealed(self, batch: _MooncakePut, todo: list[int], codes: dict[int, int]) -> None:
         """Seal the pages ``todo`` into this slot's ciphertext staging and put them from
@@ -462,13 +524,20 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
 
             self._write_behind(parts, pack, put)
 
-    def _settle_put(self, todo: list[int], stored: list[bool], codes: dict[int, int]) -> int:
-        """Mark what the puts' ``codes`` stored; count the first page left unstored by its
-        code. Returns how many pages were written."""
+    def _settle_put(
+        self, batch: _MooncakePut, todo: list[int], stored: list[bool], codes: dict[int, int],
+        object_bytes: int,
+    ) -> int:
+        """Mark what the puts' ``codes`` stored (recording the pages written as the batch's
+        tenant's, ``object_bytes`` each); count the first page left unstored by its code.
+        Returns how many pages were written."""
+        names = batch.names
         num_written = 0
         for i, code in codes.items():
             if code == 0:
                 num_written += 1
+                with self._lock:
+                    self._pages.add(names[i], batch.tenant, object_bytes)
             if code in (0, OBJECT_ALREADY_EXISTS):  # or another instance stored it meanwhile
                 stored[i] = True
         # The first page left unstored is counted by its code (a call that could not be
@@ -479,6 +548,38 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         return num_written
 
     # ------------------------------------------------------------ internals
+    @staticmethod
+    def _names(keys: Sequence[bytes], regions: PageRegions, tenant: str | None) -> list[str]:
+        prefix = _tenant_prefix(tenant)
+        return [prefix + object_name(key, regions.order) for key in keys]
+
+    def _make_tenant_room(self, batch: _MooncakePut, count: int, object_bytes: int) -> int:
+        """How many of ``count`` new pages of the batch's tenant fit in its quota, after
+        removing its oldest objects this instance wrote (none of the batch) for room."""
+        limit = None if self.tenant_quotas is None else self.tenant_quotas.l3_bytes(batch.tenant)
+        if limit is None or count == 0:
+            return count
+        keep = set(batch.names)
+        victims: list[str] = []
+        with self._lock:
+            used = self._pages.bytes_of(batch.tenant)
+            for name, size in self._pages.oldest(batch.tenant):
+                if used + count * object_bytes <= limit:
+                    break
+                if name not in keep:
+                    victims.append(name)
+                    self._pages.remove(name)
+                    used -= size
+        if victims:
+            self._fail(FailureReason.EVICTED_TENANT_QUOTA, len(victims))
+            if batch.client.usable():
+                for name in victims:
+                    self._remove(batch.client, name)
+        fits = max(0, min(count, (limit - used) // object_bytes))
+        if fits < count:
+            self._fail(FailureReason.TENANT_QUOTA_FULL)
+        return fits
+
     def _ready(
         self, keys: Sequence[bytes], host_pages: PageIds | None = None
     ) -> tuple[MooncakeClient, PageRegions]:
@@ -662,8 +763,10 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
     def _drop(self, keys: Sequence[bytes]) -> None:
         client, regions = self._ready(keys)
         if client.usable():
-            for key in keys:
-                self._remove(client, object_name(key, regions.order))
+            for name in self._names(keys, regions, current_tenant()):
+                self._remove(client, name)
+                with self._lock:
+                    self._pages.remove(name)
 
     def _remove(self, client: MooncakeClient, name: str) -> None:
         """Drop a bad object, even while leased to readers (it must not be read again)."""
@@ -682,3 +785,8 @@ def _put_from(
     """One multi-buffer put of ``names`` (for ``MooncakeBackend._call``)."""
     codes: Sequence[int] = store.batch_put_from_multi_buffers(names, buffers, sizes)
     return codes
+
+
+def _tenant_prefix(tenant: str | None) -> str:
+    """What ``tenant``'s object names start with (module docstring)."""
+    return "" if tenant is None else tenant_dir_name(tenant) + ":"

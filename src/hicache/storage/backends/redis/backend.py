@@ -57,6 +57,22 @@ gone refuses connections at once, so a call fails in well under a second; a
 remote host that drops packets costs ``connect_timeout_s`` per call until the
 breaker opens. A server that cannot be reached at attach is a
 ``StorageUnavailableError``.
+
+Tenants (``call_tenant.current_tenant()`` of each call). The default tenant's pages are
+named as above; tenant ``t``'s are ``<prefix>t<32 hex>:<frame.object_name>``, the hex a
+hash of the tenant (``file.tenant_dirs.tenant_dir_name``), so a lookup only ever finds
+the calling tenant's pages and ``purge_tenant`` removes a tenant's pages by one SCAN of
+its names, whichever instance wrote them. With ``--tenant-quotas``:
+- ``l3_ttl=``: the tenant's pages are SET with that expiry (PX; it replaces ``ttl_s``
+  for them): Redis itself drops them, counted from when each was written.
+- ``l3=``: enforced on the pages *this instance* wrote (it keeps their bytes per tenant,
+  least recently written or read first): a backup that would take the tenant past its
+  quota first deletes the tenant's oldest such pages, never another tenant's nor one of
+  the same batch; the pages that still do not fit are refused ("tenant_quota_full").
+  It cannot count pages other instances wrote, nor see what Redis evicted or expired
+  on its own (a page found missing on read is forgotten): with several instances a
+  tenant may hold up to the sum of their quotas.
+``tenant_usage`` reports those per-instance counts.
 """
 
 from __future__ import annotations
@@ -75,6 +91,7 @@ from redis.retry import Retry
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.tenant_dirs import tenant_dir_name
 from hicache.storage.backends.redis.settings import RedisSettings
 from hicache.storage.backends.redis.wire import pipelined, set_command
 from hicache.storage.base import (
@@ -84,10 +101,12 @@ from hicache.storage.base import (
     StorageUnavailableError,
     first_gap,
 )
+from hicache.storage.call_tenant import current_tenant
 from hicache.storage.failure_reasons import FailureReason
 from hicache.storage.frame import length_fault, object_name
 from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
+from hicache.storage.tenant_pages import TenantPages
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +121,7 @@ class _RedisPut(PutBatch):
     client: redis.Redis
     regions: PageRegions
     names: list[bytes]
+    tenant: str | None
 
 
 class RedisBackend(LookupPutBackend[_RedisPut]):
@@ -119,6 +139,8 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         )
         self._client: redis.Redis | None = None
         self._regions: PageRegions | None = None
+        # The pages this instance wrote, by tenant (quotas, usage). Guarded by self._lock.
+        self._pages = TenantPages()
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
@@ -166,10 +188,10 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         client, _ = self._ready([])
         return client
 
-    def key_of(self, key: bytes) -> bytes:
-        """The Redis key a page is stored under (its prefix, hex key and order tag)."""
+    def key_of(self, key: bytes, tenant: str | None = None) -> bytes:
+        """The Redis key ``tenant``'s page is stored under (prefix, hex key, order tag)."""
         _, regions = self._ready([])
-        return self._prefix + object_name(key, regions.order).encode()
+        return self._tenant_prefix(tenant) + object_name(key, regions.order).encode()
 
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
@@ -177,7 +199,7 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         self._count_exists_query()
         if not keys:
             return 0
-        found = self._stored(client, self._names(keys, regions))
+        found = self._stored(client, self._names(keys, regions, current_tenant()))
         return 0 if found is None else first_gap(found)
 
     def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
@@ -185,7 +207,7 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         if not keys:
             return 0
         began = time.perf_counter()
-        names = self._names(keys, regions)
+        names = self._names(keys, regions, current_tenant())
         pages = np.asarray(host_pages).tolist()
         num_read = 0
         for part in self._parts(len(keys), regions):
@@ -201,30 +223,43 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         return num_read
 
     def clear(self) -> None:
-        """Remove every page key under this backend's prefix (any instance's), nothing else."""
+        """Remove every page key under this backend's prefix (any instance's, any
+        tenant's), nothing else."""
         client, _ = self._ready([])
-        pattern = _glob_escape(self._prefix) + b"[0-9a-f]" * 32 + b".[lt]m"
+        escaped = _glob_escape(self._prefix)
+        self._call(1, partial(_unlink_matching, client, escaped + _PAGE_PATTERN))
+        self._call(1, partial(_unlink_matching, client, escaped + b"t" + _HEX32 + b":"
+                              + _PAGE_PATTERN))
+        with self._lock:
+            self._pages.clear()
 
-        def remove_all() -> int:
-            removed = 0
-            batch: list[bytes] = []
-            for name in client.scan_iter(match=pattern, count=_CLEAR_CHUNK):
-                batch.append(name)
-                if len(batch) >= _CLEAR_CHUNK:
-                    removed += int(client.unlink(*batch))
-                    batch.clear()
-            if batch:
-                removed += int(client.unlink(*batch))
-            return removed
+    def tenant_usage(self) -> dict[str | None, int]:
+        """Bytes per tenant of the pages this instance wrote (module docstring)."""
+        with self._lock:
+            return self._pages.usage()
 
-        self._call(1, remove_all)
+    def purge_tenant(self, tenant: str | None) -> int:
+        """Delete every page of ``tenant`` under the prefix (any instance's); how many.
+        StorageError when the server fails it (some may be gone already)."""
+        client, _ = self._ready([])
+        pattern = _glob_escape(self._tenant_prefix(tenant)) + _PAGE_PATTERN
+        try:
+            removed = _unlink_matching(client, pattern)
+        except (redis.RedisError, OSError) as error:
+            raise StorageError(f"redis storage: purging a tenant failed: "
+                               f"{type(error).__name__}: {error}") from error
+        with self._lock:
+            for name in self._pages.names(tenant):
+                self._pages.remove(name)
+        return removed
 
     # ------------------------------------------------------ put steps (set)
     def _begin_put(self, keys: Sequence[bytes], host_pages: PageIds) -> _RedisPut:
         client, regions = self._ready(keys, host_pages)
+        tenant = current_tenant()
         return _RedisPut(
             keys, np.asarray(host_pages).tolist(), regions.page_bytes, client, regions,
-            self._names(keys, regions),
+            self._names(keys, regions, tenant), tenant,
         )
 
     def _lookup(self, batch: _RedisPut) -> list[bool] | None:
@@ -234,6 +269,9 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         num_written = 0
         regions, keys, pages, names = batch.regions, batch.keys, batch.pages, batch.names
         pool = batch.client.connection_pool
+        object_bytes = regions.page_bytes + regions.header_bytes
+        todo = todo[: self._make_tenant_room(batch, len(todo), object_bytes)]
+        px_ms = self._tenant_ttl_ms(batch.tenant)
         for part in self._parts(len(todo), regions):
             chosen = todo[part.start : part.stop]
             # Sealed pages: their ciphertext, in one staging buffer for the part.
@@ -247,7 +285,7 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
                     break
                 payload, header = framed
                 commands.append(
-                    set_command(names[i], [*payload, header], nx=True, px_ms=self._ttl_ms)
+                    set_command(names[i], [*payload, header], nx=True, px_ms=px_ms)
                 )
             if not commands:
                 break
@@ -265,6 +303,8 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
                 stored[i] = True
                 if result is not None:  # None: another instance stored it since our EXISTS
                     num_written += 1
+                    with self._lock:
+                        self._pages.add(names[i].decode(), batch.tenant, object_bytes)
             if failed or len(chosen) < part.stop - part.start:
                 break
         return num_written
@@ -278,9 +318,46 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
             raise self._not_attached()
         return self._client, self._regions
 
-    def _names(self, keys: Sequence[bytes], regions: PageRegions) -> list[bytes]:
-        prefix, order = self._prefix, regions.order
+    def _tenant_prefix(self, tenant: str | None) -> bytes:
+        """What ``tenant``'s page names start with (module docstring)."""
+        if tenant is None:
+            return self._prefix
+        return self._prefix + tenant_dir_name(tenant).encode() + b":"
+
+    def _names(
+        self, keys: Sequence[bytes], regions: PageRegions, tenant: str | None
+    ) -> list[bytes]:
+        prefix, order = self._tenant_prefix(tenant), regions.order
         return [prefix + object_name(key, order).encode() for key in keys]
+
+    def _tenant_ttl_ms(self, tenant: str | None) -> int | None:
+        ttl = None if self.tenant_quotas is None else self.tenant_quotas.l3_ttl_s(tenant)
+        return self._ttl_ms if ttl is None else max(1, round(ttl * 1000))
+
+    def _make_tenant_room(self, batch: _RedisPut, count: int, object_bytes: int) -> int:
+        """How many of ``count`` new pages of the batch's tenant fit in its quota, after
+        deleting its oldest pages this instance wrote (none of the batch) to make room."""
+        limit = None if self.tenant_quotas is None else self.tenant_quotas.l3_bytes(batch.tenant)
+        if limit is None or count == 0:
+            return count
+        keep = {name.decode() for name in batch.names}
+        victims: list[str] = []
+        with self._lock:
+            used = self._pages.bytes_of(batch.tenant)
+            for name, size in self._pages.oldest(batch.tenant):
+                if used + count * object_bytes <= limit:
+                    break
+                if name not in keep:
+                    victims.append(name)
+                    self._pages.remove(name)
+                    used -= size
+        if victims:
+            self._fail(FailureReason.EVICTED_TENANT_QUOTA, len(victims))
+            self._call(len(victims), partial(batch.client.unlink, *victims))
+        fits = max(0, min(count, (limit - used) // object_bytes))
+        if fits < count:
+            self._fail(FailureReason.TENANT_QUOTA_FULL)
+        return fits
 
     def _call(self, pages: int, fn: Callable[[], T]) -> T | None:
         """``fn()``, or None when the server failed it (counted against ``pages``)."""
@@ -294,8 +371,10 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
 
     def _drop(self, keys: Sequence[bytes]) -> None:
         client, regions = self._ready(keys)
-        for name in self._names(keys, regions):
+        for name in self._names(keys, regions, current_tenant()):
             self._delete(client, name)
+            with self._lock:
+                self._pages.remove(name.decode())
 
     @staticmethod
     def _delete(client: redis.Redis, name: bytes) -> None:
@@ -337,6 +416,8 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
             value = values[j]
             if value is None:  # never stored, expired, evicted, or not a string value
                 self._fail(FailureReason.MISSING)
+                with self._lock:
+                    self._pages.remove(names[i].decode())
                 return j
             data = memoryview(value)
             payload, header = data[:page_bytes], data[page_bytes:]
@@ -348,7 +429,11 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
             if fault is not None:
                 self._fail(fault)
                 self._delete(client, names[i])
+                with self._lock:
+                    self._pages.remove(names[i].decode())
                 return j
+            with self._lock:
+                self._pages.touch(names[i].decode())
         return len(part)
 
 
@@ -363,6 +448,24 @@ def _reason(error: BaseException) -> FailureReason:
     if isinstance(error, redis.exceptions.ReadOnlyError):
         return FailureReason.READ_ONLY  # a replica
     return FailureReason.IO_ERROR
+
+
+_HEX32 = b"[0-9a-f]" * 32
+_PAGE_PATTERN = _HEX32 + b".[lt]m"  # frame.object_name in a SCAN MATCH pattern
+
+
+def _unlink_matching(client: redis.Redis, pattern: bytes) -> int:
+    """Delete every key matching ``pattern`` (SCAN, then UNLINK in chunks); how many."""
+    removed = 0
+    batch: list[bytes] = []
+    for name in client.scan_iter(match=pattern, count=_CLEAR_CHUNK):
+        batch.append(name)
+        if len(batch) >= _CLEAR_CHUNK:
+            removed += int(client.unlink(*batch))
+            batch.clear()
+    if batch:
+        removed += int(client.unlink(*batch))
+    return removed
 
 
 def _glob_escape(text: bytes) -> bytes:

@@ -45,6 +45,7 @@ from hicache.storage.backends.throttled.settings import NAME, ThrottledSettings
 from hicache.storage.base import StorageBackend, StorageStats
 from hicache.storage.options import read_settings
 from hicache.storage.registry import create_storage_backend
+from hicache.tenancy.quotas import TenantQuotas
 
 _MS = 1e-3
 
@@ -118,6 +119,17 @@ class ThrottledBackend(StorageBackend):
 
     def unpin(self, keys: Sequence[bytes]) -> int:
         return self.inner.unpin(keys)
+
+    # Tenants are the inner store's (it reads the call's tenant itself).
+    def set_tenant_quotas(self, quotas: TenantQuotas | None) -> None:
+        super().set_tenant_quotas(quotas)
+        self.inner.set_tenant_quotas(quotas)
+
+    def tenant_usage(self) -> dict[str | None, int] | None:
+        return self.inner.tenant_usage()
+
+    def purge_tenant(self, tenant: str | None) -> int:
+        return self.inner.purge_tenant(tenant)
 
     def stats(self) -> StorageStats:
         stats = self.inner.stats()

@@ -1,0 +1,88 @@
+"""Which tenant each known L3 object belongs to, in least recently used order per tenant.
+
+A backend that acts per tenant (``--tenant-quotas``: quotas, usage, purge) keeps one:
+the file backend for every page in its directory it knows of, the Redis and Mooncake
+backends for the pages this instance wrote. Not thread-safe: the owner guards it with
+its lock.
+
+Invariants: an object name belongs to one tenant at a time; ``bytes_of(t)`` is the sum
+of the sizes of ``t``'s names; each tenant's order runs from least to most recently used.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterator
+
+
+class TenantPages:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self._orders: dict[str | None, OrderedDict[str, int]] = {}
+        self._tenant: dict[str, str | None] = {}
+        self._bytes: dict[str | None, int] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tenant
+
+    def __len__(self) -> int:
+        return len(self._tenant)
+
+    def add(self, name: str, tenant: str | None, size: int) -> None:
+        """Record ``name`` as ``tenant``'s, the most recently used (replacing any record)."""
+        self.remove(name)
+        self._tenant[name] = tenant
+        self._orders.setdefault(tenant, OrderedDict())[name] = size
+        self._bytes[tenant] = self._bytes.get(tenant, 0) + size
+
+    def remove(self, name: str) -> tuple[str | None, int] | None:
+        """Forget ``name``; its (tenant, size), or None when it was not recorded."""
+        if name not in self._tenant:
+            return None
+        tenant = self._tenant.pop(name)
+        order = self._orders[tenant]
+        size = order.pop(name)
+        self._bytes[tenant] -= size
+        if not order:
+            del self._orders[tenant], self._bytes[tenant]
+        return tenant, size
+
+    def tenant_of(self, name: str) -> str | None:
+        """The tenant of a recorded ``name`` (KeyError when it is not recorded)."""
+        return self._tenant[name]
+
+    def touch(self, name: str) -> None:
+        """``name`` was used: it becomes its tenant's most recently used."""
+        if name in self._tenant:
+            self._orders[self._tenant[name]].move_to_end(name)
+
+    def demote(self, name: str) -> None:
+        """``name`` becomes its tenant's least recently used."""
+        if name in self._tenant:
+            self._orders[self._tenant[name]].move_to_end(name, last=False)
+
+    def oldest(self, tenant: str | None) -> Iterator[tuple[str, int]]:
+        """``tenant``'s (name, size), least recently used first (a copy: safe to remove
+        while iterating)."""
+        return iter(list(self._orders.get(tenant, {}).items()))
+
+    def least_recent(self, tenant: str | None, count: int) -> list[str]:
+        """Up to ``count`` of ``tenant``'s names, least recently used first."""
+        return list(itertools.islice(self._orders.get(tenant, ()), count))
+
+    def names(self, tenant: str | None) -> list[str]:
+        return list(self._orders.get(tenant, ()))
+
+    def bytes_of(self, tenant: str | None) -> int:
+        return self._bytes.get(tenant, 0)
+
+    def usage(self) -> dict[str | None, int]:
+        """Bytes per tenant that has any object."""
+        return dict(self._bytes)
+
+    def clear(self) -> None:
+        self._orders.clear()
+        self._tenant.clear()
+        self._bytes.clear()
