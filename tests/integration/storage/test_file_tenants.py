@@ -156,6 +156,36 @@ def test_usage_and_purge_are_shared_through_the_directory(tmp_path: Path) -> Non
     second.check_integrity()
 
 
+def test_a_purge_takes_the_namespaces_nested_in_the_tenant(tmp_path: Path) -> None:
+    """A salt under the tenant ("acme/s1") and an extra key inside its salt ("acme\x00e")
+    go with it, whichever instance wrote them; a tenant whose name only starts with the
+    same letters ("acme2") and the default tenant stay."""
+    first, host = open_store(tmp_path)
+    page = file_bytes(host)
+    pages = {
+        tenant: keys_of(tenant, 2)
+        for tenant in ("acme", "acme/s1", "acme\x00e", "acme2", None)
+    }
+    for tenant, keys in pages.items():
+        assert put(first, tenant, keys) == 2
+    second, _ = open_store(tmp_path)
+    assert second.purge_tenant("acme") == 6
+    for tenant in ("acme", "acme/s1", "acme\x00e"):
+        assert stored(second, tenant, pages[tenant]) == [False] * 2
+        with call_tenant(tenant):  # gone for the writer too: its index learns at the read
+            assert first.get(pages[tenant], np.arange(2)) == 0
+    for backend in (first, second):
+        assert stored(backend, "acme2", pages["acme2"]) == [True] * 2
+        assert stored(backend, None, pages[None]) == [True] * 2
+    assert second.tenant_usage() == {"acme2": 2 * page, None: 2 * page}
+    # The purging instance forgets its own records of the nested namespaces too.
+    assert put(first, "acme/s1", pages["acme/s1"]) == 2
+    assert first.purge_tenant("acme") == 2
+    assert set(first.tenant_usage()) == {"acme2", None}
+    first.check_integrity()
+    second.check_integrity()
+
+
 def test_the_controller_purges_on_the_write_thread_and_reports_usage(tmp_path: Path) -> None:
     backend, host = open_store(tmp_path)
     page = file_bytes(host)

@@ -43,8 +43,10 @@ unpin). When the pinned pages alone fill the cap, a new page is refused
 Tenants (``call_tenant.current_tenant()`` of each call): a tenant's pages live in a
 directory of its own (``tenant_dirs``), so every instance's scan knows whose each page
 is, a lookup only ever finds the calling tenant's pages, and ``purge_tenant`` removes a
-tenant's files, whichever instance wrote them (its directory and name file stay, so an
-instance writing for the tenant meanwhile leaves pages a scan still knows). With
+tenant's files and those of the namespaces nested in it (``tenancy.names.within_tenant``,
+told by their directories' name files), whichever instance wrote them (the directories and
+name files stay, so an instance writing for the tenant meanwhile leaves pages a scan
+still knows). With
 ``--tenant-quotas``
 (``set_tenant_quotas``):
 - ``l3=``: a page written for a tenant over its quota first evicts that tenant's own
@@ -66,7 +68,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from stat import S_ISREG
 from typing import Any
@@ -95,6 +97,7 @@ from hicache.storage.page_files import (
 )
 from hicache.storage.page_regions import PageRegions
 from hicache.storage.tenant_pages import TenantPages
+from hicache.tenancy.names import within_tenant
 
 try:
     _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
@@ -279,18 +282,21 @@ class FileBackend(StorageBackend):
             return self._pages.usage()
 
     def purge_tenant(self, tenant: str | None) -> int:
-        """Remove every page file of ``tenant`` in the directory, whichever instance
+        """Remove every page file of ``tenant`` and of the namespaces nested in it
+        (``within_tenant``: a salt under it, an extra key inside its salt; the name files
+        of their directories say whose they are) in the directory, whichever instance
         wrote it; returns how many. Pins are left (they expire; a pin names no tenant)."""
         self._ready([])
         removed = 0
         with self._lock:
-            for _, name, _, _ in self._scan(only=tenant):
-                path = self._path(name, tenant)
+            for _, name, _, owner in self._scan(only=lambda named: within_tenant(named, tenant)):
+                path = self._path(name, owner)
                 if holds_our_page(path, name):
                     unlink_quietly(path)
                     removed += 1
-            for name in self._pages.names(tenant):
-                self._forget_locked(name)
+            for owner in [named for named in self._pages.usage() if within_tenant(named, tenant)]:
+                for name in self._pages.names(owner):
+                    self._forget_locked(name)
         return removed
 
     def check_integrity(self) -> None:
@@ -643,16 +649,16 @@ class FileBackend(StorageBackend):
                         found.append(entry.name)
         return found
 
-    _EVERY_TENANT: object = object()
-
-    def _scan(self, only: object = _EVERY_TENANT) -> list[tuple[int, str, int, str | None]]:
-        """(mtime ns, name, bytes, tenant) of every page file (of tenant ``only`` when
-        given); removes stale temporaries."""
+    def _scan(
+        self, only: Callable[[str | None], bool] | None = None
+    ) -> list[tuple[int, str, int, str | None]]:
+        """(mtime ns, name, bytes, tenant) of every page file (of the tenants ``only``
+        accepts, when given); removes stale temporaries."""
         roots: list[tuple[str | None, Path]] = []
-        if only is self._EVERY_TENANT or only is None:
+        if only is None or only(None):
             roots.append((None, self.root))
         for named, directory in tenant_dirs(self.root):
-            if only is self._EVERY_TENANT or only == named:
+            if only is None or only(named):
                 roots.append((named, directory))
         found: list[tuple[int, str, int, str | None]] = []
         for tenant, root in roots:

@@ -109,6 +109,12 @@ the calling tenant's pages and ``purge_tenant`` removes a tenant's objects with 
   TTL only guards reads in flight); the master's eviction under memory pressure is the
   only retention.
 ``tenant_usage`` reports the per-instance counts.
+A namespace nested in a tenant (``tenancy.names.within_tenant``: a salt under it, an extra
+key inside its salt) hashes to a prefix of its own, which no regex of the tenant's
+matches: ``purge_tenant(t)`` removes ``t``'s own objects only. The cache's purge of ``t``
+takes the nested namespaces from L1 and L2; their L3 objects go by a purge of their own
+name, or by the tenant's quota or the master's eviction (the file backend, whose
+directories carry their tenant's name, removes them with ``t``'s).
 """
 
 from __future__ import annotations

@@ -73,6 +73,12 @@ its names, whichever instance wrote them. With ``--tenant-quotas``:
   on its own (a page found missing on read is forgotten): with several instances a
   tenant may hold up to the sum of their quotas.
 ``tenant_usage`` reports those per-instance counts.
+A namespace nested in a tenant (``tenancy.names.within_tenant``: a salt under it, an extra
+key inside its salt) hashes to a prefix of its own, which no pattern of the tenant's
+matches: ``purge_tenant(t)`` removes ``t``'s own pages only. The cache's purge of ``t``
+takes the nested namespaces from L1 and L2; their L3 pages go by a purge of their own
+name, or by their TTL, quota or the server's eviction (the file backend, whose directories
+carry their tenant's name, removes them with ``t``'s).
 """
 
 from __future__ import annotations
