@@ -4,10 +4,9 @@ cold, another tenant's identical prompt stays a hit; the admin key, bad names (4
 idempotence; the KV events announce the removal from each tier, L3 (EXTERNAL) included;
 a running request of the tenant is aborted first. /metrics shows each tenant's bytes.
 
-The L3 controller's ``purge_tenant`` and ``tenant_usage`` are stand-ins here (the
-tenant-aware store is another part's): the purge records the call and empties the store
-directory, which is all this worker's L3 objects and more than the tenant's (the other
-tenant's hits come from L1); the usage is a fixed answer.
+L3 is the real file store: the purge removes the tenant's files (its directory under
+``tenants/`` and those of the namespaces nested in it) and no other tenant's, and the
+usage in /metrics is what the store counts.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import zmq
 
 from hicache.events.hashing import page_hashes, tenant_root_digest
 from hicache.events.messages import MEDIUM_CPU, MEDIUM_EXTERNAL, MEDIUM_GPU, BlockRemoved
+from hicache.storage.backends.file.tenant_dirs import tenant_root
 from tests.integration.events.test_engine_events import TOPIC, EventReader
 from tests.server_fixtures import RunningServer, serve_in_thread
 
@@ -30,23 +30,12 @@ PAGE = 16
 KEY = "purge-admin-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
 TIMEOUT = httpx.Timeout(60.0)
-L3_USAGE: dict[str | None, int] = {"tenant-m": 4096, None: 100}
 
 
-class FakeL3Purge:
-    """Stands in for ``StorageController.purge_tenant``: records the calls, empties the
-    store directory and answers how many objects it removed."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.calls: list[tuple[str | None, float]] = []
-
-    def __call__(self, tenant: str | None, timeout_s: float) -> int:
-        self.calls.append((tenant, timeout_s))
-        removed = [path for path in self.root.rglob("*") if path.is_file()]
-        for path in removed:
-            path.unlink()
-        return len(removed)
+def l3_pages(l3_dir: Path, tenant: str) -> list[Path]:
+    """The page files of ``tenant`` in the file store (``file.tenant_dirs``)."""
+    return [path for path in Path(tenant_root(str(l3_dir), tenant)).glob("??/*.?m")
+            if path.is_file()]
 
 
 @pytest.fixture(scope="module")
@@ -64,20 +53,8 @@ def server(l3_dir: Path) -> Iterator[RunningServer]:
             "--hicache-storage-backend-extra-config", json.dumps({"path": str(l3_dir)}),
             "--kv-events-config", json.dumps(events)]
     with serve_in_thread(args, admin_api_key=KEY) as running:
-        storage = running.engine.cache.storage
-        assert storage is not None
-        setattr(storage.controller, "purge_tenant", FakeL3Purge(l3_dir))  # noqa: B010
-        setattr(storage.controller, "tenant_usage", lambda: L3_USAGE)  # noqa: B010
+        assert running.engine.cache.storage is not None
         yield running
-
-
-@pytest.fixture
-def fake_purge(server: RunningServer) -> FakeL3Purge:
-    storage = server.engine.cache.storage
-    assert storage is not None
-    fake = storage.controller.purge_tenant  # type: ignore[attr-defined]
-    assert isinstance(fake, FakeL3Purge)
-    return fake
 
 
 def prompt(seed: int, pages: int = 3) -> list[int]:
@@ -117,7 +94,7 @@ def purge(server: RunningServer, tenant: str, headers: dict[str, str] | None = N
 
 
 def test_purge_makes_the_tenant_cold_and_leaves_another_tenant_hit(
-    server: RunningServer, fake_purge: FakeL3Purge,
+    server: RunningServer, l3_dir: Path,
 ) -> None:
     ids = prompt(1)
     cold_a = generate(server, ids, "tenant-a")
@@ -133,6 +110,9 @@ def test_purge_makes_the_tenant_cold_and_leaves_another_tenant_hit(
     host_a = tree.tenant_host_pages("tenant-a")
     assert device_a >= 3 and host_a >= 3
     held_b = (tree.tenant_device_pages("tenant-b"), tree.tenant_host_pages("tenant-b"))
+    files_a = len(l3_pages(l3_dir, "tenant-a"))
+    files_b = sorted(l3_pages(l3_dir, "tenant-b"))
+    assert files_a >= 3 and len(files_b) >= 3
 
     response = purge(server, "tenant-a")
     assert response.status_code == 200, response.text
@@ -142,8 +122,9 @@ def test_purge_makes_the_tenant_cold_and_leaves_another_tenant_hit(
         "kept_device_pages": 0, "kept_host_pages": 0, "l3_objects": answer["l3_objects"],
         "aborted_requests": 0,
     }
-    assert answer["l3_objects"] >= 3
-    assert fake_purge.calls[-1][0] == "tenant-a"
+    assert answer["l3_objects"] == files_a
+    assert l3_pages(l3_dir, "tenant-a") == []
+    assert sorted(l3_pages(l3_dir, "tenant-b")) == files_b  # another tenant's files stay
     assert tree.tenant_device_pages("tenant-a") == tree.tenant_host_pages("tenant-a") == 0
     assert (tree.tenant_device_pages("tenant-b"), tree.tenant_host_pages("tenant-b")) == held_b
 
@@ -273,20 +254,24 @@ def test_metrics_show_each_tenants_bytes_per_tier(server: RunningServer) -> None
     got = tenant_bytes(server)
     assert got[("device", "tenant-m")] == device > 0
     assert got[("host", "tenant-m")] == host > 0
-    assert got[("l3", "tenant-m")] == 4096
-    assert got[("l3", "default")] == 100
+    assert cache.storage is not None
+    usage = cache.storage.controller.tenant_usage()
+    assert usage is not None
+    assert got[("l3", "tenant-m")] == usage["tenant-m"] >= 3 * cache.host_pool.page_bytes
     assert purge(server, "tenant-m").status_code == 200
     after = tenant_bytes(server)
-    assert ("device", "tenant-m") not in after and ("host", "tenant-m") not in after
+    for tier in ("device", "host", "l3"):
+        assert (tier, "tenant-m") not in after, after
 
 
 def test_a_purge_takes_the_namespaces_nested_in_the_tenant(
-    server: RunningServer, fake_purge: FakeL3Purge,
+    server: RunningServer, l3_dir: Path,
 ) -> None:
     """A tenant named by a cache salt is the tenant of that name: the purge of "tenant-n"
     removes its own pages, those of an extra key inside its salt ("tenant-n" NUL "e") and
     of a salt nested under it ("tenant-n/s1", as an authenticated tenant's salt), and
-    nothing of "tenant-nx", whose name only starts alike."""
+    nothing of "tenant-nx", whose name only starts alike: in every tier, L3 included
+    (with the load policy a page left in L3 would answer the next request)."""
     ids = prompt(7)
     bodies: dict[str, dict[str, Any]] = {
         "own": {"cache_salt": "tenant-n"},
@@ -310,9 +295,14 @@ def test_a_purge_takes_the_namespaces_nested_in_the_tenant(
     for body in bodies.values():
         assert run(body) >= 3 * PAGE
     settle(server)
+    namespaces = ("tenant-n", "tenant-n\x00e", "tenant-n/s1")
+    assert all(len(l3_pages(l3_dir, name)) >= 3 for name in (*namespaces, "tenant-nx"))
     response = purge(server, "tenant-n")
     assert response.status_code == 200, response.text
     assert response.json()["host_pages"] + response.json()["device_pages"] >= 3 * 3
+    assert response.json()["l3_objects"] >= 3 * 3
+    assert [name for name in namespaces if l3_pages(l3_dir, name)] == []
+    assert len(l3_pages(l3_dir, "tenant-nx")) >= 3
     after = {name: run(body) for name, body in bodies.items()}
     assert after["own"] == after["extra key inside"] == after["nested salt"] == 0, after
     assert after["look-alike"] >= 3 * PAGE, after
