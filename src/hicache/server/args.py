@@ -128,8 +128,9 @@ def add_storage_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tenant-quotas", default=None, metavar="FILE",
         help="per-tenant limits, one line per tenant: '<tenant|default|*> l3=<bytes, e.g. "
-        "2GB> host=<fraction of the host pool> l3_ttl=<seconds>' (at least one); a tenant "
-        "over its L3 quota evicts its own least recently used pages (default: no limits)",
+        "2GB> host=<fraction of the host pool> l3_ttl=<seconds>' (at least one; host= not "
+        "on the '*' line); a tenant over a quota evicts its own least recently used pages "
+        "(default: no limits)",
     )
 
 
@@ -169,6 +170,13 @@ def storage_config_from_args(args: argparse.Namespace) -> StorageConfig:
     return replace(config, encryption=load_key_file(keys_file))
 
 
+def _tenant_host_fractions(args: argparse.Namespace) -> dict[str | None, float]:
+    """The host= shares of ``--tenant-quotas`` (read here as well as for L3: a server
+    without L3 still has host quotas)."""
+    quotas_file = getattr(args, "tenant_quotas", None)  # parsers of the engine alone lack it
+    return {} if quotas_file is None else load_tenant_quotas(quotas_file).host_fractions()
+
+
 def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
     """Build the CacheConfig; ConfigError messages name the flag to change."""
     try:
@@ -187,6 +195,7 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
             retain_ttl_s=args.hicache_retain_ttl_s,
             # A server flag (server/serve.py): parsers of the engine alone lack it.
             warm_host_fraction=getattr(args, "warm_host_fraction", 0.5),
+            tenant_host_fractions=_tenant_host_fractions(args),
         )
     except ConfigError:
         raise

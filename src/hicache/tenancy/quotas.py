@@ -11,7 +11,9 @@ One tenant per line, ``#`` starts a comment, blank lines are ignored::
   16 * 2^30); a backup past it evicts the tenant's own least recently used pages first,
   never another tenant's (what each backend can enforce: its module docstring).
 - ``host=<fraction>``: the tenant's share of the host pool, in (0, 1]; enforced by the
-  tree side (``TenantQuotas.host_fraction``).
+  tree (``CacheConfig.tenant_host_fractions``, from ``TenantQuotas.host_fractions``), which
+  keeps a heap per tenant with a quota: only a named tenant's line (or ``default``'s) may
+  set it, not the ``*`` line.
 - ``l3_ttl=<seconds>``: an L3 page older than this is a miss, and removed.
 
 The tenant is a tenant name (``names.check_tenant_name``), ``default`` for the default
@@ -69,6 +71,14 @@ class TenantQuotas:
         quota = self.quota(tenant)
         return None if quota is None else quota.host_fraction
 
+    def host_fractions(self) -> dict[str | None, float]:
+        """The host shares of the tenants whose lines set one (the ``*`` line cannot)."""
+        return {
+            tenant: quota.host_fraction
+            for tenant, quota in self.by_tenant.items()
+            if quota.host_fraction is not None
+        }
+
     @property
     def has_l3_limits(self) -> bool:
         """Does any line bound a tenant's L3 bytes or page age?"""
@@ -102,6 +112,11 @@ def parse_tenant_quotas(text: str, source: str) -> TenantQuotas:
             if name in seen:
                 raise ValueError(f"tenant {name!r} is already given a line")
             quota = _parse_settings(settings)
+            if name == ANY_TENANT and quota.host_fraction is not None:
+                raise ValueError(
+                    "host= is a tenant's own share of the host pool: give it on the "
+                    "tenant's line, not the '*' line"
+                )
         except ValueError as error:
             raise ConfigError(f"{where}: {error}") from None
         seen.add(name)

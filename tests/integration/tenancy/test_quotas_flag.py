@@ -11,7 +11,11 @@ import pytest
 
 from hicache.cli import build_parser
 from hicache.config import ConfigError
-from hicache.server.args import add_storage_args, storage_config_from_args
+from hicache.server.args import (
+    add_storage_args,
+    cache_config_from_args,
+    storage_config_from_args,
+)
 from hicache.server.serve import main as serve_main
 from hicache.storage.config import StorageConfig
 from hicache.tenancy.quotas import load_tenant_quotas
@@ -32,6 +36,20 @@ def test_the_flag_loads_the_file_into_the_l3_config(tmp_path: Path) -> None:
     assert config.tenant_quotas.host_fraction("acme") == 0.5
     assert config.tenant_quotas.l3_ttl_s("anyone") == 60.0
     assert parse().tenant_quotas is None
+
+
+def test_host_shares_reach_the_cache_config(tmp_path: Path) -> None:
+    """host= is the tree's host quota (CacheConfig.tenant_host_fractions), with or without
+    L3; a line without host= gives its tenant none."""
+    quotas = tmp_path / "quotas.txt"
+    quotas.write_text("acme host=0.5\ndefault l3=1MB host=0.25\nbeta l3=1MB\n* l3=1GB\n")
+    args = build_parser().parse_args([
+        "serve", "--model-preset", "tiny", "--enable-hierarchical-cache",
+        "--tenant-quotas", str(quotas),
+    ])
+    assert cache_config_from_args(args).tenant_host_fractions == {"acme": 0.5, None: 0.25}
+    plain = build_parser().parse_args(["serve", "--model-preset", "tiny"])
+    assert cache_config_from_args(plain).tenant_host_fractions == {}
 
 
 def test_load_names_the_file_and_line(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ def test_lines_set_bytes_share_and_ttl_per_tenant() -> None:
     assert quotas.l3_bytes("other") == 10**6  # the "*" line
     assert quotas.host_fraction("other") is None
     assert quotas.host_fraction("acme") == 0.25
+    assert quotas.host_fractions() == {"acme": 0.25}
     assert quotas.l3_ttl_s("acme") == 3600.0 and quotas.l3_ttl_s(None) is None
     assert quotas.has_l3_limits
 
@@ -44,6 +45,7 @@ def test_a_tenant_without_a_line_or_star_is_unlimited() -> None:
         ("acme l3=1\n\nacme l3=2\n", 3, "already given a line"),
         ("* l3=1\n* l3=2\n", 2, "already given a line"),
         ("acme l3=1 l3=2\n", 1, "given twice"),
+        ("acme host=0.5\n* l3=1 host=0.1\n", 2, "not the '*' line"),
     ],
 )
 def test_bad_lines_name_the_file_and_line(text: str, line: int, says: str) -> None:
