@@ -264,6 +264,22 @@ def test_metrics_show_each_tenants_bytes_per_tier(server: RunningServer) -> None
         assert (tier, "tenant-m") not in after, after
 
 
+def test_metrics_have_no_l3_series_while_the_store_cannot_tell(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store that does not know (yet) who holds what (``tenant_usage()`` None) gives no
+    l3 series rather than zeros; the device and host tiers are reported all the same."""
+    generate(server, prompt(8), "tenant-u")
+    settle(server)
+    storage = server.engine.cache.storage
+    assert storage is not None
+    assert ("l3", "tenant-u") in tenant_bytes(server)
+    monkeypatch.setattr(storage.controller, "tenant_usage", lambda: None)
+    got = tenant_bytes(server)
+    assert [key for key in got if key[0] == "l3"] == []
+    assert got[("device", "tenant-u")] > 0
+
+
 def test_a_purge_takes_the_namespaces_nested_in_the_tenant(
     server: RunningServer, l3_dir: Path,
 ) -> None:
