@@ -21,10 +21,12 @@ from hicache.storage.base import StorageBackend, StorageError
 from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.call_tenant import call_tenant
 from hicache.storage.controller import BackupOp, PrefetchOp, StorageController
-from hicache.storage.frame import HEADER_BYTES
+from hicache.storage.frame import HEADER_BYTES, SEALED_HEADER_BYTES
+from hicache.storage.sealing import Sealer
+from hicache.tenancy.keys import parse_key_file
 from hicache.tenancy.quotas import parse_tenant_quotas
 from tests.integration.storage.test_clear_store import GEOMETRY, PAGE
-from tests.storage_contract import as_bytes, fill_random
+from tests.storage_contract import as_bytes, fill_random, page_bytes_of, page_range
 from tests.waiting import wait_until
 
 NAMESPACE = KeyNamespace("tenant-quota-test", GEOMETRY.describe(), PAGE)
@@ -74,6 +76,40 @@ def test_a_tenant_over_its_quota_evicts_its_own_oldest_pages_only(tmp_path: Path
     assert backend.tenant_usage() == {"acme": 3 * page, "other": 4 * page}
     assert backend.stats().failures["evicted_tenant_quota"] == 2
     backend.check_integrity()
+
+
+def test_sealed_pages_count_their_sealed_size_against_the_quota(tmp_path: Path) -> None:
+    """With --l3-encryption-keys each tenant's files are sealed under its key and its quota
+    counts them at their sealed size (the larger header): the quota keeps the same number
+    of pages as its bytes allow, the pages read back are the ones written, and a store
+    with another key for the tenant finds its pages but cannot open them."""
+    keys = f"acme 1 {'a1' * 32}\n* 2 {'5a' * 32}\n"
+    host = HostPool(GEOMETRY, 16, PAGE, MemLayout.PAGE_FIRST, pin_memory=False)
+    page = SEALED_HEADER_BYTES + host.page_bytes
+    backend = FileBackend({"path": str(tmp_path)})
+    backend.set_tenant_quotas(parse_tenant_quotas(f"acme l3={3 * page}\n", "quotas.txt"))
+    backend.use_sealer(Sealer(parse_key_file(keys, "test.keys")))
+    backend.attach(host)
+    values = fill_random(host, page_range(0, 5), seed=3)
+    acme = keys_of("acme", 5)
+    assert put(backend, "acme", acme[:3]) == 3
+    assert put(backend, "acme", acme[3:5], first_page=3) == 2
+    assert stored(backend, "acme", acme) == [False, False, True, True, True]
+    assert backend.tenant_usage() == {"acme": 3 * page}
+    files = list(tmp_path.glob("tenants/*/??/*.?m"))
+    assert len(files) == 3 and all(f.stat().st_size == page for f in files)
+    with call_tenant("acme"):
+        assert backend.get(acme[2:5], np.arange(10, 13)) == 3
+    assert page_bytes_of(host, page_range(10, 13)) == as_bytes(values[2:5])
+    backend.check_integrity()
+    other = FileBackend({"path": str(tmp_path)})
+    other.use_sealer(Sealer(parse_key_file(f"acme 1 {'0b' * 32}\n", "other.keys")))
+    other.attach(HostPool(GEOMETRY, 4, PAGE, MemLayout.PAGE_FIRST, pin_memory=False))
+    with call_tenant("acme"):
+        assert other.get(acme[2:3], np.arange(1)) == 0
+    assert other.stats().failures.get("bad_tag", 0) == 1
+    other.close()
+    backend.close()
 
 
 def test_a_batch_never_evicts_its_own_pages_for_the_quota(tmp_path: Path) -> None:
