@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 
 class TenantPages:
@@ -67,6 +67,26 @@ class TenantPages:
         """``tenant``'s (name, size), least recently used first (a copy: safe to remove
         while iterating)."""
         return iter(list(self._orders.get(tenant, {}).items()))
+
+    def evict_for(
+        self, tenant: str | None, count: int, object_bytes: int, limit: int,
+        keep: Collection[str],
+    ) -> tuple[list[str], int]:
+        """Make room in ``tenant``'s quota of ``limit`` bytes for ``count`` new objects of
+        ``object_bytes``: forget its least recently used objects (never one in ``keep``:
+        the batch being written) until they fit or none is left. Returns the names
+        forgotten, for the caller to delete from its store, and how many of the ``count``
+        fit then."""
+        victims: list[str] = []
+        used = self.bytes_of(tenant)
+        for name, size in self.oldest(tenant):
+            if used + count * object_bytes <= limit:
+                break
+            if name not in keep:
+                victims.append(name)
+                self.remove(name)
+                used -= size
+        return victims, max(0, min(count, (limit - used) // object_bytes))
 
     def least_recent(self, tenant: str | None, count: int) -> list[str]:
         """Up to ``count`` of ``tenant``'s names, least recently used first."""

@@ -25,3 +25,18 @@ def test_orders_bytes_and_moves() -> None:
     assert "a" not in pages.usage() and len(pages) == 3
     pages.clear()
     assert pages.usage() == {} and "b1" not in pages
+
+
+def test_evict_for_forgets_the_tenants_oldest_until_the_batch_fits() -> None:
+    pages = TenantPages()
+    for name in ("a1", "a2", "a3"):
+        pages.add(name, "acme", 10)
+    pages.add("g1", "globex", 10)
+    # 30 of acme's 40 bytes used; 2 new objects of 10: one old object must go, never a1
+    # (in the batch) nor globex's.
+    victims, fits = pages.evict_for("acme", 2, 10, 40, keep={"a1"})
+    assert (victims, fits) == (["a2"], 2)
+    assert pages.bytes_of("acme") == 20 and pages.bytes_of("globex") == 10
+    # Nothing of its own may go: what fits is what is left of the quota.
+    victims, fits = pages.evict_for("acme", 5, 10, 40, keep={"a1", "a3"})
+    assert (victims, fits) == ([], 2)

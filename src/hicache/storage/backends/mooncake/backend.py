@@ -566,22 +566,13 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         if limit is None or count == 0:
             return count
         keep = set(batch.names)
-        victims: list[str] = []
         with self._lock:
-            used = self._pages.bytes_of(batch.tenant)
-            for name, size in self._pages.oldest(batch.tenant):
-                if used + count * object_bytes <= limit:
-                    break
-                if name not in keep:
-                    victims.append(name)
-                    self._pages.remove(name)
-                    used -= size
+            victims, fits = self._pages.evict_for(batch.tenant, count, object_bytes, limit, keep)
         if victims:
             self._fail(FailureReason.EVICTED_TENANT_QUOTA, len(victims))
             if batch.client.usable():
                 for name in victims:
                     self._remove(batch.client, name)
-        fits = max(0, min(count, (limit - used) // object_bytes))
         if fits < count:
             self._fail(FailureReason.TENANT_QUOTA_FULL)
         return fits

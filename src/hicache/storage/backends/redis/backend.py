@@ -347,20 +347,11 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         if limit is None or count == 0:
             return count
         keep = {name.decode() for name in batch.names}
-        victims: list[str] = []
         with self._lock:
-            used = self._pages.bytes_of(batch.tenant)
-            for name, size in self._pages.oldest(batch.tenant):
-                if used + count * object_bytes <= limit:
-                    break
-                if name not in keep:
-                    victims.append(name)
-                    self._pages.remove(name)
-                    used -= size
+            victims, fits = self._pages.evict_for(batch.tenant, count, object_bytes, limit, keep)
         if victims:
             self._fail(FailureReason.EVICTED_TENANT_QUOTA, len(victims))
             self._call(len(victims), partial(batch.client.unlink, *victims))
-        fits = max(0, min(count, (limit - used) // object_bytes))
         if fits < count:
             self._fail(FailureReason.TENANT_QUOTA_FULL)
         return fits
