@@ -42,7 +42,7 @@ from hicache.server.output_text import OutputText, TextOptions, finish_reason
 from hicache.server.protocol import MAX_CHOICES, CachedTokensDetails
 from hicache.server.sse import DONE, EventStreamResponse, event
 from hicache.server.state import ServerState, get_state
-from hicache.server.tenant import request_tenant
+from hicache.server.tenant import request_caller, request_tenant
 
 router = APIRouter()
 
@@ -146,7 +146,7 @@ async def _start(
         tuple(input_ids), sampling, rid=rid, extra_key=tenant,
         logprobs=logprobs,
         bootstrap=request_bootstrap(state, *body.item_bootstrap(index)),
-        hints=request_hints(body.hicache_hints, tenant),
+        hints=request_hints(body.hicache_hints, tenant, request_caller(request).identity),
     )
     if not 1 <= (params.n or 1) <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {params.n}",

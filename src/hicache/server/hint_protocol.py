@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hicache.engine.api import Hint, HintKind
+from hicache.server.errors import APIError
 
 # More hints than this in one call is a flood, not a list of conversations.
 MAX_ITEMS = 1024
@@ -57,10 +58,22 @@ class RequestHint(BaseModel):
             raise ValueError(f"tier applies to pin only, not {self.kind}")
         return self
 
-    def to_hint(self, input_ids: tuple[int, ...] | None, extra_key: str | None) -> Hint:
+    def to_hint(
+        self, input_ids: tuple[int, ...] | None, extra_key: str | None,
+        identity: str | None = None,
+    ) -> Hint:
+        """The engine's hint; an authenticated caller's pins are charged to its own tenant
+        (``identity``): naming another is a ValueError, so no key holder spends another
+        tenant's pin budget."""
+        tenant = self.tenant
+        if identity is not None:
+            if "tenant" in self.model_fields_set and self.tenant != identity:
+                raise ValueError(f"tenant {self.tenant!r} is not the caller's tenant "
+                                 f"{identity!r}: leave it out")
+            tenant = identity
         return Hint(
             kind=HintKind(self.kind), input_ids=input_ids, ttl_s=self.ttl_s,
-            tier=self.tier or "host", tenant=self.tenant, extra_key=extra_key,
+            tier=self.tier or "host", tenant=tenant, extra_key=extra_key,
         )
 
 
@@ -82,7 +95,15 @@ class HintItem(RequestHint):
 
 
 def request_hints(
-    hints: list[RequestHint] | None, extra_key: str | None,
+    hints: list[RequestHint] | None, extra_key: str | None, identity: str | None = None,
 ) -> tuple[Hint, ...]:
-    """A generation body's ``hicache_hints`` as the engine request's own hints."""
-    return tuple(h.to_hint(None, extra_key) for h in hints or ())
+    """A generation body's ``hicache_hints`` as the engine request's own hints (an
+    APIError 400 for a tenant that is not the authenticated caller's ``identity``)."""
+    out = []
+    for index, hint in enumerate(hints or ()):
+        try:
+            out.append(hint.to_hint(None, extra_key, identity))
+        except ValueError as error:
+            raise APIError(400, f"hicache_hints[{index}]: {error}",
+                           param=f"hicache_hints[{index}]") from None
+    return tuple(out)

@@ -118,7 +118,11 @@ async def engine_hints(
         else:
             assert item.input_ids is not None
             ids = item.input_ids
-        hints.append(item.to_hint(tuple(ids), caller.tenant(cache_key(None, item.cache_salt))))
+        try:
+            hints.append(item.to_hint(tuple(ids), caller.tenant(cache_key(None, item.cache_salt)),
+                                      caller.identity))
+        except ValueError as error:
+            raise APIError(400, f"hints[{index}]: {error}", param=f"hints[{index}]") from None
     return hints
 
 

@@ -68,7 +68,7 @@ from hicache.server.protocol import (
 )
 from hicache.server.sse import DONE, EventStreamResponse, event
 from hicache.server.state import ServerState, get_state, last_path_component
-from hicache.server.tenant import request_tenant
+from hicache.server.tenant import request_caller, request_tenant
 from hicache.server.tool_parser import ParsedToolCall, ToolCallStream, parse_tool_calls
 
 router = APIRouter()
@@ -138,11 +138,12 @@ async def create_completion(request: Request) -> Response:
     # A batch's prompts are engine requests <rid>-<i> (then <rid>-<i>-<j> for n samples),
     # started together; choices are numbered prompt-major, as OpenAI numbers them.
     tenant = request_tenant(request, body.cache_key)
+    hints = request_hints(body.hicache_hints, tenant, request_caller(request).identity)
     groups = await _start_prompts(state, [
         sample_requests(GenerateRequest(
             tuple(ids), sampling, rid=rid if len(prompts) == 1 else f"{rid}-{i}",
             extra_key=tenant, logprobs=logprobs, bootstrap=_bootstrap(state, body),
-            hints=request_hints(body.hicache_hints, tenant),
+            hints=hints,
         ), body.n) for i, ids in enumerate(prompt_ids)
     ], watch)
     options = TextOptions(body.skip_special_tokens, body.no_stop_trim)
@@ -368,10 +369,11 @@ async def create_chat_completion(request: Request) -> Response:
     # A client that leaves while its request is queued drops it there (never prefilled).
     watch = ClientWatch(request.receive)
     tenant = request_tenant(request, body.cache_key)
+    hints = request_hints(body.hicache_hints, tenant, request_caller(request).identity)
     generations = await start_samples(state, sample_requests(
         GenerateRequest(tuple(input_ids), sampling, rid=rid, extra_key=tenant,
                         logprobs=logprobs, bootstrap=_bootstrap(state, body),
-                        hints=request_hints(body.hicache_hints, tenant)), body.n,
+                        hints=hints), body.n,
     ), watch=watch)
     texts = TokenTexts(state.engine.tokenizer) if body.logprobs else None
     tools = body.tools_enabled

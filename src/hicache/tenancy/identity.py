@@ -145,6 +145,12 @@ class Caller:
     def tenant(self, body_key: str | None) -> str | None:
         return resolve_tenant(body_key, self.key_tenant, self.header_tenant)
 
+    @property
+    def identity(self) -> str | None:
+        """The tenant the caller authenticated as (its key's, else its header's), whatever
+        salt its body names: what its hints' pin budgets are charged to."""
+        return self.key_tenant if self.key_tenant is not None else self.header_tenant
+
 
 ANONYMOUS = Caller()
 

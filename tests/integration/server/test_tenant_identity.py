@@ -180,3 +180,28 @@ def test_a_gateway_header_names_the_tenant(tmp_path: Path) -> None:
         refused = httpx.post(f"{server.url}/generate", headers={"X-Tenant": "a/b"},
                              json={"input_ids": [1, 2]}, timeout=TIMEOUT)
         assert refused.status_code == 400 and "x-tenant" in refused.text
+
+
+def test_an_authenticated_callers_pins_are_charged_to_its_own_tenant(
+    server: RunningServer,
+) -> None:
+    """A key holder's hints spend its own tenant's pin budget: one naming no tenant is
+    charged to the key's, one naming another tenant is a 400 that applies nothing."""
+    ids = prompt(5)
+    generate(server, ids, KEY_A)
+    assert server.wait_idle()
+    refused = post(server, "/hicache/hints", {"hints": [
+        {"kind": "pin", "input_ids": ids, "tenant": "globex"}]}, KEY_A)
+    assert refused.status_code == 400 and "hints[0]" in refused.text, refused.text
+    assert "not the caller's tenant" in refused.text
+    own = post(server, "/generate", {
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 1},
+        "hicache_hints": [{"kind": "pin", "tenant": "globex"}]}, KEY_A)
+    assert own.status_code == 400 and "hicache_hints[0]" in own.text, own.text
+    assert server.engine.hint_status()["pinned_pages_by_tenant"] == {}
+    accepted = post(server, "/hicache/hints", {"hints": [
+        {"kind": "pin", "input_ids": ids}]}, KEY_A)
+    assert accepted.status_code == 200, accepted.text
+    [pin] = accepted.json()["results"]
+    assert pin["outcome"] == "accepted", pin
+    assert server.engine.hint_status()["pinned_pages_by_tenant"] == {"acme": 6}
