@@ -55,7 +55,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 #   STEPS="env pytest"    STEPS="env bench_transfer bench_attention bench_direct_dma bench_direct_gather"
 #   STEPS="env bench_transfer_mla"
 #   STEPS="env bench_prefill bench_l2_ttft bench_load_vs_recompute"    STEPS="env compare_llama"
-#   STEPS="env bench_storage compare_qwen"    STEPS="env compare_cuda_graph"
+#   STEPS="env bench_storage bench_storage_sealed compare_qwen"    STEPS="env compare_cuda_graph"
 # (default: every step); LIMIT_<step>=S sets one step's limit in seconds. The benchmarks write their JSON as they go.
 # The GPU tests (and the model tests with CUDA cases); -rA lists every outcome, so a run cut
 # short by its limit still says what passed. The CPU unit suite runs in CI, not here.
@@ -86,13 +86,19 @@ run bench_l2_ttft 240 "$PY" -m hicache bench l2-ttft --model-preset llama3-8b \
 # throttled from unlimited down to 500 MB/s, half in L2 and all in L3 (--mixed), and a full L2
 # hit, each next to the same prompt recomputed cold and to the engine's own choice, Llama-3-8B
 # dummy bf16 weights (the baseline without the choice and mixed rows: 83 s on an H200).
+# LVR_POINTS narrows the sweep to fit a short call.
+read -r -a lvr_points <<< "${LVR_POINTS:-2:none 2:8GB 2:2GB 2:500MB}"
 run bench_load_vs_recompute 300 "$PY" -m hicache bench load-vs-recompute --model-preset llama3-8b \
-  --device cuda --tokens 4096 16384 --points 2:none 2:8GB 2:2GB 2:500MB --mixed --repeats 2 \
+  --device cuda --tokens 4096 16384 --points "${lvr_points[@]}" --mixed --repeats 2 \
   --json "$OUT/load_vs_recompute.json"
 # L3 backends next to their plain baselines on a host with cores and memory bandwidth to spare
 # (mooncake is reported as skipped when its client is not installed there).
 run bench_storage 120 "$PY" -m hicache bench storage --backends file,mooncake \
   --json "$OUT/storage.json"
+# The same with every page sealed (AES-256-GCM, one random key per tenant) next to plain: what
+# encryption at rest costs where cores are to spare (issue 32's target is for the CPU machine).
+run bench_storage_sealed 120 "$PY" -m hicache bench storage --backends file,mooncake \
+  --encryption-keys random --json "$OUT/storage_sealed.json"
 
 # The comparison driver (no cache, L1, L1+L2, L1+L2+L3 file and Mooncake), one device call each.
 # Its many files (summaries, request logs, server logs, table, plot) come back as one archive.

@@ -39,7 +39,7 @@ download() {  # download REQUIREMENT...: binary wheels for the host, with their 
 
 # The versions pyproject.toml asks for; pip resolves them (and their needs) for the host.
 download "fastapi>=0.110" "uvicorn>=0.29" "pydantic>=2.6" "openai>=1.30" \
-  "pyzmq>=26.0" "msgspec>=0.18" "prometheus-client>=0.20"
+  "pyzmq>=26.0" "msgspec>=0.18" "prometheus-client>=0.20" "cryptography==50.0.2"
 # GGUF loading and transformers' GGUF reference (accelerate), without their dependencies
 # (torch...): the host has them.
 download --no-deps "gguf>=0.19" "accelerate>=1.0"
