@@ -56,3 +56,17 @@ def test_cuda_graph_decode_equals_eager(make_engine: Callable[..., Engine], dtyp
         torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
     assert recorded.replays[6] >= 1 and recorded.replays[1] >= 8, recorded.replays
     graphs.check_integrity()
+
+
+def test_the_cost_model_leaves_out_each_kind_of_steps_first_on_cuda(
+    make_engine: Callable[..., Engine],
+) -> None:
+    from tests.engine_helpers import run
+
+    engine = make_engine("--device", "cuda", "--model-preset", "tiny")
+    model = engine.scheduler.cost_model
+    assert model.skip_warmup
+    run(engine, list(range(3, 40)), max_new_tokens=2)  # the first cold step: compiles
+    run(engine, list(range(50, 90)), max_new_tokens=2)
+    assert model.warmup_steps_skipped == 1
+    assert model.prefill.num_samples == 1

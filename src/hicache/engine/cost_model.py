@@ -6,7 +6,8 @@ as it does the L3 bandwidth gauges: the ranks step in lockstep). It holds:
 - ``prefill``: a forward step's seconds from its prompt tokens, the attention
   pairs they compute and the decode rows beside them (``estimators.py`` says why
   that form), fed once per step that computed prompt tokens, on the scheduler
-  thread, with the same wall time the ``engine_prefill_step_seconds`` counter sums;
+  thread, with the same wall time the ``engine_prefill_step_seconds`` counter sums,
+  except, on a GPU, the first step of each kind (``step_kind``): its kernels compile;
 - ``l2_load``: a host->device load's seconds from its pages, fed with the loads the
   cache controller timed (``CacheController.take_load_samples``);
 - per attached L3 backend, its read latency and bandwidth: kept by the L3 tier
@@ -22,7 +23,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from hicache.engine.reuse_plan import CostSnapshot
-from hicache.estimators import PrefillCoefficients, PrefillEstimate, TransferEstimate
+from hicache.estimators import (
+    PrefillCoefficients,
+    PrefillEstimate,
+    TransferEstimate,
+    attention_pairs,
+)
 from hicache.storage.bandwidth import ReadTimeEstimate
 
 # Cold prompt lengths the prefill estimate is reported at (tokens).
@@ -31,17 +37,39 @@ REFERENCE_CONTEXTS = (1024, 4096, 16384)
 REFERENCE_PAGES = 64
 
 
+def step_kind(new_tokens: int, pairs: int, decode_rows: int) -> tuple[bool, bool]:
+    """A prefill step's kind, as its kernels differ: whether its prompts attend a cached
+    prefix (more pairs than prompts alone could make: a cold step's ``pairs`` is at most
+    ``attention_pairs(new_tokens, 0)``), and whether decode rows ran beside them."""
+    return pairs > attention_pairs(new_tokens, 0), decode_rows > 0
+
+
 class CostModel:
-    def __init__(self, chunk_tokens: int | None = None) -> None:
+    def __init__(self, chunk_tokens: int | None = None, skip_warmup: bool = False) -> None:
+        """``skip_warmup``: leave the first step of each kind out of the prefill fit (on
+        devices whose kernels compile on first use: a GPU's Triton kernels)."""
         # The scheduler's chunked prefill: a long prompt is that many steps.
         self.chunk_tokens = chunk_tokens
+        self.skip_warmup = skip_warmup
         self.prefill = PrefillEstimate()
         self.l2_load = TransferEstimate()
+        self._seen_kinds: set[tuple[bool, bool]] = set()
+        self.warmup_steps_skipped = 0
 
     def observe_step(self, new_tokens: int, pairs: int, decode_rows: int,
-                     seconds: float) -> None:
-        """A forward step that computed ``new_tokens`` prompt tokens (scheduler thread)."""
-        self.prefill.observe(new_tokens, pairs, decode_rows, seconds)
+                     seconds: float) -> bool:
+        """A forward step that computed ``new_tokens`` prompt tokens (scheduler thread);
+        False when the sample was left out (the first step of its kind: a warm-up)."""
+        kind = step_kind(new_tokens, pairs, decode_rows)
+        if self.skip_warmup and kind not in self._seen_kinds:
+            # On a GPU the first step of each kind compiles its kernels (Triton: a 0.15 s
+            # prefill measured near 1 s). Fed to the fit, it skews the first decisions a
+            # fresh engine makes (until ``min_samples`` more dilute it). A CPU has no such
+            # step: there every sample counts.
+            self._seen_kinds.add(kind)
+            self.warmup_steps_skipped += 1
+            return False
+        return self.prefill.observe(new_tokens, pairs, decode_rows, seconds)
 
     def observe_loads(self, samples: Iterable[tuple[int, float]]) -> None:
         """Landed host->device loads, as (pages, seconds)."""

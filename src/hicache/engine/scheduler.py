@@ -94,7 +94,10 @@ class Scheduler:
         self.page_size = cache.page_size
         self.counters = EngineCounters()
         # Live costs of this instance, fed by every step (``cost_model.py``).
-        self.cost_model = CostModel(limits.chunked_prefill_size)
+        self.cost_model = CostModel(
+            limits.chunked_prefill_size,
+            skip_warmup=cache.device_pool.device.type == "cuda",
+        )
         # The last forward's shape: its attention pairs and decode rows (forward_step).
         self._step_pairs = 0
         self._step_decode_rows = 0

@@ -64,3 +64,26 @@ def test_learned_numbers_and_their_block() -> None:
 
 def test_no_block_from_an_engine_without_a_cost_model() -> None:
     assert cost_model_description({"engine_num_steps": 3.0}) is None
+
+
+def test_on_a_gpu_the_first_step_of_each_kind_is_a_warm_up_left_out() -> None:
+    model = CostModel(chunk_tokens=1024, skip_warmup=True)
+    # cold, over a cached prefix, cold beside decodes, prefix beside decodes: four kinds.
+    kinds = [(256, attention_pairs(256, 0), 0), (256, attention_pairs(256, 512), 0),
+             (256, attention_pairs(256, 0), 3), (256, attention_pairs(256, 512), 3)]
+    for new, pairs, rows in kinds:
+        assert not model.observe_step(new, pairs, rows, 10.0)  # compiling: seconds, not ms
+        assert model.observe_step(new, pairs, rows, 0.003)
+    assert model.warmup_steps_skipped == 4
+    assert model.prefill.num_samples == 4
+    for new in (64, 128, 512, 1024, 96):
+        assert model.observe_step(new, attention_pairs(new, 0), 0, 0.001 + 1e-5 * new)
+    # No 10 s sample in the fit: a 2K-token cold prompt is predicted in milliseconds.
+    predicted = model.predict_prefill(2048)
+    assert predicted is not None and predicted < 0.1
+
+
+def test_on_a_cpu_every_step_counts() -> None:
+    model = CostModel(chunk_tokens=1024)
+    assert model.observe_step(256, attention_pairs(256, 0), 0, 0.003)
+    assert model.warmup_steps_skipped == 0 and model.prefill.num_samples == 1
