@@ -61,6 +61,7 @@ from hicache.radix.results import InsertResult, PrefixPeek, no_pages
 from hicache.radix.tree import HiRadixTree, TenantRemoval
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.config import StorageConfig
+from hicache.storage.controller import PurgeOp
 from hicache.transfer import create_io_backend
 
 if TYPE_CHECKING:
@@ -174,8 +175,10 @@ class HierarchicalCache:
         # do, since the host pages those calls may touch are reserved until then.
         self._retired_storage: list[StorageTier] = []
         # Nodes a tenant purge removed from L1 and L2, by tenant, until its L3 pass
-        # announces their L3 copies gone (``purge_tenant_l3``).
+        # announces their L3 copies gone (``begin_purge_tenant_l3``).
         self._purged_nodes: dict[str | None, list[TreeNode]] = {}
+        # L3 purges queued and not yet finished: their removed nodes, by purge id.
+        self._l3_purges: dict[int, list[TreeNode]] = {}
         # Why L3 is not attached although configured (reported by /health and logs).
         self.storage_error: str | None = None
         # The server's L3 encryption keys: every store attached, at start-up or later
@@ -461,6 +464,7 @@ class HierarchicalCache:
             raise RuntimeError("flush while requests hold cached prefixes")
         self.hints.clear()  # every pin and class goes with the tree
         self._purged_nodes.clear()
+        self._l3_purges.clear()
         self.device_pool.allocator.free(self.tree.device_page_ids())
         if self.host_pool is not None:
             host_pages = self.tree.host_page_ids()
@@ -482,7 +486,7 @@ class HierarchicalCache:
         Landed device->host copies are acknowledged first, so only pages a request, a copy
         or an L3 call still holds are left (counted in the result; the caller aborts the
         tenant's requests and calls again until none is left). The KV events of each tier
-        go out with the next batch; the removed nodes are kept for ``purge_tenant_l3``.
+        go out with the next batch; the removed nodes are kept for ``begin_purge_tenant_l3``.
         """
         self.poll(wait=True)
         self.hints.drop_extra_key(tenant)
@@ -494,25 +498,34 @@ class HierarchicalCache:
             self._purged_nodes.setdefault(tenant, []).extend(removal.nodes)
         return removal
 
-    def purge_tenant_l3(
+    def begin_purge_tenant_l3(
         self, tenant: str | None, timeout_s: float
-    ) -> tuple[int | None, str | None]:
-        """Remove ``tenant``'s objects from the attached L3 store: (objects removed, None),
-        or (None, why not) without L3 or when the store cannot. Then the pages the purge
-        removed from L1 and L2 that this worker had seen in L3 are announced gone from it
-        (EXTERNAL), when it did."""
+    ) -> tuple[PurgeOp | None, str | None]:
+        """Queue the removal of ``tenant``'s objects from the attached L3 store and return
+        at once (the store's work runs on its write thread, never this one): (the queued
+        purge, None), (None, None) where another rank purges the store, or (None, why not)
+        without L3 or when it cannot. The caller waits for the purge off the scheduler
+        thread (``StorageController.wait_purge``), then calls ``finish_purge_tenant_l3``."""
         nodes = self._purged_nodes.pop(tenant, [])
         if self.storage is None:
             return None, "no L3 storage is attached"
         if not self.writes_to_l3:
-            return 0, None  # an MLA follower rank: rank 0 purges the store they share
+            return None, None  # an MLA follower rank: rank 0 purges the store they share
         try:
-            removed = self.storage.controller.purge_tenant(tenant, timeout_s)
+            op = self.storage.controller.submit_purge(tenant, timeout_s)
         except StorageError as error:
             return None, str(error)
-        if self.events is not None:
+        self._l3_purges[id(op)] = nodes
+        return op, None
+
+    def finish_purge_tenant_l3(self, purge_id: int, purged: bool) -> None:
+        """The L3 purge ``purge_id`` (``id`` of what ``begin_purge_tenant_l3`` returned) is
+        over: when it ``purged``, the pages the purge removed from L1 and L2 that this
+        worker had seen in L3 are announced gone from it (EXTERNAL). Unknown ids (another
+        rank's, or a cleared cache's) are ignored."""
+        nodes = self._l3_purges.pop(purge_id, None)
+        if purged and nodes and self.events is not None:
             self.events.l3_removed(nodes)
-        return removed, None
 
     def alloc_device(self, num_pages: int) -> PageIds:
         """``num_pages`` free device pages, evicting from the tree as needed."""

@@ -18,7 +18,7 @@ from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.cache.warm import L3Warm
 from hicache.engine.api import Hint, HintOutcome
 from hicache.storage.base import StorageError
-from hicache.storage.controller import StorageMetrics
+from hicache.storage.controller import PurgeOp, StorageMetrics
 
 
 class CacheHost(Protocol):
@@ -131,13 +131,14 @@ def _warm_step(cache: HierarchicalCache, warm_id: str) -> dict[str, Any]:
 
 def purge_tenant(host: CacheHost, tenant: str | None, l3_timeout_s: float | None) -> dict[str, Any]:
     """Remove ``tenant``'s pages from L1 and L2 (``HierarchicalCache.purge_tenant``), and,
-    with ``l3_timeout_s``, then its L3 objects (``purge_tenant_l3``). Runs while requests
-    run: what one still holds is left and counted (``kept_*``); the engine aborts the
-    tenant's requests first and calls again until nothing is kept or its deadline passes,
-    and only then purges L3, so that no backup in flight writes the tenant back to L3
-    after its purge. The L3 pass holds the scheduler for its length (at most
-    ``l3_timeout_s``), as ``clear_storage`` does: the store's calls are the scheduler
-    thread's to make. Publishes the KV events at once (the engine may be idle)."""
+    with ``l3_timeout_s``, queue the removal of its L3 objects (``begin_purge_tenant_l3``).
+    Runs while requests run: what one still holds is left and counted (``kept_*``); the
+    engine aborts the tenant's requests first and calls again until nothing is kept or
+    its deadline passes, and only then purges L3, so that no backup in flight writes the
+    tenant back to L3 after its purge. The L3 purge runs on the store's write thread and
+    the engine waits for it off this thread (``l3_purge``: the queued purge, on rank 0 the
+    object itself), then calls ``purge_tenant_l3_done``: a store however slow never holds
+    the scheduler. Publishes the KV events at once (the engine may be idle)."""
     cache = host.cache
     removal = cache.purge_tenant(tenant)
     out: dict[str, Any] = {
@@ -147,9 +148,37 @@ def purge_tenant(host: CacheHost, tenant: str | None, l3_timeout_s: float | None
         "kept_host_pages": removal.kept_host_pages,
     }
     if l3_timeout_s is not None:
-        out["l3_objects"], out["l3_error"] = cache.purge_tenant_l3(tenant, l3_timeout_s)
+        out["l3_purge"], out["l3_error"] = cache.begin_purge_tenant_l3(tenant, l3_timeout_s)
     cache.publish_events()
     return out
+
+
+def wait_l3_purge(
+    cache: HierarchicalCache, out: dict[str, Any], timeout_s: float,
+    done: Callable[[int, bool], object],
+) -> tuple[int | None, str | None]:
+    """On the caller's thread (never the scheduler's): wait for the L3 purge a
+    ``purge_tenant`` pass queued (``out``, its answer), then ``done(purge_id, purged)``
+    runs ``purge_tenant_l3_done`` on the scheduler. (objects removed, None) or (None,
+    why not)."""
+    op: PurgeOp | None = out.get("l3_purge")
+    error: str | None = out.get("l3_error")
+    if op is None:  # not queued: no L3, it could not, or another rank purges it
+        return (None, error) if error is not None else (0, None)
+    assert cache.storage is not None  # it queued the purge
+    try:
+        removed: int | None = cache.storage.controller.wait_purge(op, timeout_s)
+    except StorageError as failure:
+        removed, error = None, str(failure)
+    done(id(op), removed is not None)
+    return removed, error
+
+
+def purge_tenant_l3_done(host: CacheHost, purge_id: int, purged: bool) -> None:
+    """An L3 purge ``purge_tenant`` queued is over (``finish_purge_tenant_l3``): its KV
+    events (the pages gone from L3) go out at once."""
+    host.cache.finish_purge_tenant_l3(purge_id, purged)
+    host.cache.publish_events()
 
 
 def hints_apply(host: CacheHost, hints: list[Hint]) -> list[HintOutcome]:
@@ -177,6 +206,7 @@ CACHE_OPS: dict[str, Callable[..., Any]] = {
     "hints_apply": hints_apply,
     "hint_status": hint_status,
     "purge_tenant": purge_tenant,
+    "purge_tenant_l3_done": purge_tenant_l3_done,
 }
 
 

@@ -26,7 +26,7 @@ from hicache.engine.api import (
     HintOutcome,
     validate_request,
 )
-from hicache.engine.cache_ops import CACHE_OPS, hint_status
+from hicache.engine.cache_ops import CACHE_OPS, hint_status, wait_l3_purge
 from hicache.engine.config import SchedulerLimits
 from hicache.engine.disaggregation import DisaggregationRuntime
 from hicache.engine.grammar import Grammars
@@ -371,12 +371,16 @@ class Engine:
         final = self._run_op("purge_tenant", tenant, l3_timeout)
         for key in totals:
             totals[key] += int(final[key])
+        l3_objects, l3_error = wait_l3_purge(
+            self.cache, final, l3_timeout,
+            lambda purge_id, purged: self._run_op("purge_tenant_l3_done", purge_id, purged),
+        )
         return {
             **totals,
             "kept_device_pages": int(final["kept_device_pages"]),
             "kept_host_pages": int(final["kept_host_pages"]),
-            "l3_objects": final["l3_objects"],
-            "l3_error": final["l3_error"],
+            "l3_objects": l3_objects,
+            "l3_error": l3_error,
             "aborted_requests": aborted,
         }
 

@@ -374,11 +374,21 @@ class StorageController:
         objects removed. StorageError when it could not: the backend cannot list a
         tenant's pages, it failed, or it did not finish in time (an abandoned purge
         goes on in the background and logs its end)."""
+        return self.wait_purge(self.submit_purge(tenant, timeout_s), timeout_s)
+
+    def submit_purge(self, tenant: str | None, timeout_s: float) -> PurgeOp:
+        """Queue the purge of ``purge_tenant`` and return at once (the scheduler thread's
+        half: it must not wait on the store); ``wait_purge`` waits for it elsewhere."""
         if not self.running:
             raise StorageError("L3 is not running: nothing to purge")
         op = PurgeOp(tenant, time.monotonic() + timeout_s)
         self._begin()
         self._write_q.put(op)
+        return op
+
+    def wait_purge(self, op: PurgeOp, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for ``op`` (``submit_purge``): the objects removed, or
+        StorageError as ``purge_tenant`` says."""
         # The write thread may see the deadline pass before this wait does: one message.
         if not op.done.wait(timeout_s) or op.late:
             raise StorageError(f"purging a tenant from L3 ({self.backend.name}) did not "

@@ -12,6 +12,7 @@ usage in /metrics is what the store counts.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -324,3 +325,38 @@ def test_a_purge_takes_the_namespaces_nested_in_the_tenant(
     assert after["look-alike"] >= 3 * PAGE, after
     settle(server)
     server.engine.check_integrity()
+
+
+def test_a_slow_l3_purge_does_not_hold_the_scheduler(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The store's purge blocks until released: requests keep being served meanwhile
+    # (the scheduler only queues the purge; the endpoint's thread waits for it).
+    ids = prompt(61)
+    generate(server, ids, "tenant-w")
+    settle(server)
+    storage = server.engine.cache.storage
+    assert storage is not None
+    backend = storage.controller.backend
+    entered, release = threading.Event(), threading.Event()
+    real = backend.purge_tenant
+
+    def slow_purge(tenant: str | None) -> int:
+        entered.set()
+        assert release.wait(60.0)
+        return real(tenant)
+
+    monkeypatch.setattr(backend, "purge_tenant", slow_purge)
+    answers: list[httpx.Response] = []
+    deleting = threading.Thread(target=lambda: answers.append(purge(server, "tenant-w")))
+    deleting.start()
+    try:
+        assert entered.wait(60.0), "the store's purge never started"
+        served = generate(server, prompt(62), "tenant-v")  # while the purge is blocked
+        assert served["meta_info"]["completion_tokens"] == 4
+        assert not answers  # the purge is still waiting for the store
+    finally:
+        release.set()
+        deleting.join(60.0)
+    assert len(answers) == 1 and answers[0].status_code == 200, answers
+    assert answers[0].json()["l3_objects"] >= 1
