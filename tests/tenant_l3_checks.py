@@ -98,19 +98,33 @@ def check_purge_removes_one_tenants_pages_of_every_instance(open_backend: OpenBa
     try:
         size = object_bytes(first)
         acme, other, plain = keys_of("acme", 3), keys_of("other", 2), keys_of(None, 2)
+        # Namespaces nested in acme (a salt under it, an extra key under that salt) go
+        # with it; a tenant whose name only starts the same way does not.
+        salted, extra = keys_of("acme/s1", 2), keys_of("acme/s1\x00e", 1)
+        lookalike = keys_of("acme2", 1)
         assert put(first, "acme", acme) == 3
+        assert put(first, "acme/s1", salted) == 2
+        assert put(first, "acme/s1\x00e", extra) == 1
+        assert put(first, "acme2", lookalike) == 1
         assert put(first, "other", other) == 2
         assert put(first, None, plain) == 2
-        assert first.tenant_usage() == {"acme": 3 * size, "other": 2 * size, None: 2 * size}
-        assert second.purge_tenant("acme") == 3  # pages the first instance wrote
+        assert first.tenant_usage() == {
+            "acme": 3 * size, "acme/s1": 2 * size, "acme/s1\x00e": size, "acme2": size,
+            "other": 2 * size, None: 2 * size,
+        }
+        assert second.purge_tenant("acme") == 6  # pages the first instance wrote
         assert found(first, "acme", acme) == [False] * 3
+        assert found(first, "acme/s1", salted) == [False] * 2
+        assert found(first, "acme/s1\x00e", extra) == [False]
+        assert found(first, "acme2", lookalike) == [True]
         assert found(first, "other", other) == [True] * 2
         assert found(first, None, plain) == [True] * 2
         assert first.purge_tenant("acme") == 0
-        assert first.tenant_usage() == {"other": 2 * size, None: 2 * size}
+        assert first.tenant_usage() == {"acme2": size, "other": 2 * size, None: 2 * size}
         assert first.purge_tenant(None) == 2
         assert found(second, None, plain) == [False] * 2
         assert found(second, "other", other) == [True] * 2
+        assert found(second, "acme2", lookalike) == [True]
     finally:
         first.close()
         second.close()

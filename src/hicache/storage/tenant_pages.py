@@ -15,6 +15,8 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 
+from hicache.tenancy.names import within_tenant
+
 
 class TenantPages:
     """See the module docstring."""
@@ -94,6 +96,12 @@ class TenantPages:
 
     def names(self, tenant: str | None) -> list[str]:
         return list(self._orders.get(tenant, ()))
+
+    def forget_tenant(self, tenant: str | None) -> None:
+        """Drop the names of ``tenant`` and of the namespaces nested in it (a purge)."""
+        for owner in [t for t in self._orders if within_tenant(t, tenant)]:
+            for name in self.names(owner):
+                self.remove(name)
 
     def bytes_of(self, tenant: str | None) -> int:
         return self._bytes.get(tenant, 0)

@@ -39,3 +39,11 @@ def within_tenant(extra_key: str | None, tenant: str | None) -> bool:
     return extra_key == tenant or extra_key.startswith(
         tuple(tenant + separator for separator in NESTING_SEPARATORS)
     )
+
+
+def namespace_chain(extra_key: str) -> list[str]:
+    """``extra_key`` and the namespaces it is nested in, outermost first
+    (``"acme/s1\x00e"`` -> ``["acme", "acme/s1", "acme/s1\x00e"]``): each entry is a
+    tenant whose purge takes ``extra_key`` (``within_tenant``)."""
+    cuts = [i for i, char in enumerate(extra_key) if i and char in NESTING_SEPARATORS]
+    return [extra_key[:i] for i in cuts] + [extra_key]

@@ -20,12 +20,26 @@ import hashlib
 import os
 from pathlib import Path
 
+from hicache.tenancy.names import namespace_chain
+
 TENANTS_DIR = "tenants"
 NAME_FILE = "tenant"
 
 
 def tenant_dir_name(tenant: str) -> str:
     return "t" + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def tenant_key_prefix(tenant: str) -> str:
+    """What a key-value store's object names of ``tenant`` start with (Redis, Mooncake):
+    the ``tenant_dir_name`` of each namespace it is nested in, outermost first, each
+    followed by ":". A namespace nested in a tenant so starts with the tenant's prefix
+    (one match purges both), and no other tenant's does (the hashes are of whole names)."""
+    return "".join(tenant_dir_name(name) + ":" for name in namespace_chain(tenant))
+
+
+# What follows a tenant's ``tenant_key_prefix`` in the names of the namespaces nested in it.
+NESTED_PREFIX_REGEX = r"(?:t[0-9a-f]{32}:)*"
 
 
 def tenant_root(root: str, tenant: str | None) -> str:

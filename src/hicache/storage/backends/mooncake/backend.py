@@ -97,8 +97,10 @@ only decides the address it advertises.
 Tenants (``call_tenant.current_tenant()`` of each call). The default tenant's objects
 are named as above; tenant ``t``'s are ``t<32 hex>:<frame.object_name>``, the hex a
 hash of the tenant (``file.tenant_dirs.tenant_dir_name``), so a lookup only ever finds
-the calling tenant's pages and ``purge_tenant`` removes a tenant's objects with one
-``remove_by_regex``, whichever instance wrote them. With ``--tenant-quotas``:
+the calling tenant's pages; a namespace nested in ``t`` (``t/salt``) adds its own
+``t<32 hex>:`` after ``t``'s (``tenant_key_prefix``), so ``purge_tenant`` removes a
+tenant's objects and its nested namespaces' with one ``remove_by_regex``, whichever
+instance wrote them. With ``--tenant-quotas``:
 - ``l3=``: enforced on the objects *this instance* wrote (their bytes per tenant, least
   recently written or read first): a backup that would take the tenant past its quota
   first removes the tenant's oldest such objects, never another tenant's nor one of the
@@ -134,7 +136,7 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.backends.file.tenant_dirs import tenant_dir_name
+from hicache.storage.backends.file.tenant_dirs import NESTED_PREFIX_REGEX, tenant_key_prefix
 from hicache.storage.backends.mooncake.cache_steps import (
     COPY_PIECE_BYTES,
     cache_step_bytes,
@@ -389,7 +391,8 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         client, _ = self._ready([])
         if not client.usable():
             raise StorageError("mooncake storage: the master is unreachable; nothing purged")
-        pattern = "^" + re.escape(_tenant_prefix(tenant)) + _PAGE
+        nested = "" if tenant is None else NESTED_PREFIX_REGEX  # and its nested namespaces'
+        pattern = "^" + re.escape(_tenant_prefix(tenant)) + nested + _PAGE
         try:
             removed = int(client.store.remove_by_regex(pattern, True))
         except Exception as error:  # the binding raised
@@ -400,8 +403,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             raise StorageError(f"mooncake storage: purging a tenant failed "
                                f"({failure_reason(removed).value}, code {removed})")
         with self._lock:
-            for name in self._pages.names(tenant):
-                self._pages.remove(name)
+            self._pages.forget_tenant(tenant)
         return removed
 
     # ------------------------------------------------------ put steps (set)
@@ -786,4 +788,4 @@ def _put_from(
 
 def _tenant_prefix(tenant: str | None) -> str:
     """What ``tenant``'s object names start with (module docstring)."""
-    return "" if tenant is None else tenant_dir_name(tenant) + ":"
+    return "" if tenant is None else tenant_key_prefix(tenant)

@@ -61,8 +61,10 @@ breaker opens. A server that cannot be reached at attach is a
 Tenants (``call_tenant.current_tenant()`` of each call). The default tenant's pages are
 named as above; tenant ``t``'s are ``<prefix>t<32 hex>:<frame.object_name>``, the hex a
 hash of the tenant (``file.tenant_dirs.tenant_dir_name``), so a lookup only ever finds
-the calling tenant's pages and ``purge_tenant`` removes a tenant's pages by one SCAN of
-its names, whichever instance wrote them. With ``--tenant-quotas``:
+the calling tenant's pages; a namespace nested in ``t`` (``t/salt``) adds its own
+``t<32 hex>:`` after ``t``'s (``tenant_key_prefix``), so ``purge_tenant`` removes a
+tenant's pages and its nested namespaces' by one SCAN of its names, whichever instance
+wrote them. With ``--tenant-quotas``:
 - ``l3_ttl=``: the tenant's pages are SET with that expiry (PX; it replaces ``ttl_s``
   for them): Redis itself drops them, counted from when each was written.
 - ``l3=``: enforced on the pages *this instance* wrote (it keeps their bytes per tenant,
@@ -97,7 +99,7 @@ from redis.retry import Retry
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.backends.file.tenant_dirs import tenant_dir_name
+from hicache.storage.backends.file.tenant_dirs import tenant_key_prefix
 from hicache.storage.backends.redis.settings import RedisSettings
 from hicache.storage.backends.redis.wire import pipelined, set_command
 from hicache.storage.base import (
@@ -248,15 +250,18 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         """Delete every page of ``tenant`` under the prefix (any instance's); how many.
         StorageError when the server fails it (some may be gone already)."""
         client, _ = self._ready([])
-        pattern = _glob_escape(self._tenant_prefix(tenant)) + _PAGE_PATTERN
+        # A tenant's nested namespaces' names extend its prefix (``tenant_key_prefix``):
+        # "*" takes them too. The default tenant has none, and its prefix starts every
+        # other tenant's: only its own pages match.
+        nested = b"" if tenant is None else b"*"
+        pattern = _glob_escape(self._tenant_prefix(tenant)) + nested + _PAGE_PATTERN
         try:
             removed = _unlink_matching(client, pattern)
         except (redis.RedisError, OSError) as error:
             raise StorageError(f"redis storage: purging a tenant failed: "
                                f"{type(error).__name__}: {error}") from error
         with self._lock:
-            for name in self._pages.names(tenant):
-                self._pages.remove(name)
+            self._pages.forget_tenant(tenant)
         return removed
 
     # ------------------------------------------------------ put steps (set)
@@ -328,7 +333,7 @@ class RedisBackend(LookupPutBackend[_RedisPut]):
         """What ``tenant``'s page names start with (module docstring)."""
         if tenant is None:
             return self._prefix
-        return self._prefix + tenant_dir_name(tenant).encode() + b":"
+        return self._prefix + tenant_key_prefix(tenant).encode()
 
     def _names(
         self, keys: Sequence[bytes], regions: PageRegions, tenant: str | None
