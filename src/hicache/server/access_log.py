@@ -4,13 +4,15 @@
 on the ``hicache.access`` logger, once the response is sent (a stream: once it
 ended or the client left)::
 
-    POST /v1/chat/completions 200 812.4ms prompt=412 cached=384 output=37 rid=chatcmpl-5f..
+    POST /v1/chat/completions 200 812.4ms prompt=412 cached=384 output=37 tenant=acme rid=chatc..
 
 The token counts are summed over the request's engine requests (n samples, a
 batch of prompts: each counts its own prompt and cached tokens, as the engine
-saw them); requests that generate nothing log zeros and no rid. Never the
-prompt or output text. GET /health and GET /metrics, which routers and
-Prometheus poll every few seconds, log at debug level instead.
+saw them); requests that generate nothing log zeros and no rid. ``tenant`` is
+the outermost tenant the request ran as (``tenancy.names.namespace_chain``: a salt
+nested in a tenant is logged as the tenant, never the salt; ``default`` for none; ``-``
+where no tenant was resolved). Never the prompt or output text. GET /health and GET
+/metrics, which routers and Prometheus poll every few seconds, log at debug level instead.
 
 How the counts arrive: the middleware puts a fresh ``AccessRecord`` in a context
 variable; the route's work (the handler, its streaming body, the tasks it
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hicache.engine.api import GenerateOutput
+from hicache.tenancy.names import DEFAULT_TENANT_LABEL, namespace_chain
 
 logger = logging.getLogger("hicache.access")
 
@@ -44,6 +47,7 @@ class AccessRecord:
     cached_tokens: int = 0
     output_tokens: int = 0
     rids: list[str] = field(default_factory=list)
+    tenant: str = "-"
 
     def describe_rid(self) -> str:
         if not self.rids:
@@ -53,6 +57,14 @@ class AccessRecord:
 
 
 _current: ContextVar[AccessRecord | None] = ContextVar("hicache_access_record", default=None)
+
+
+def record_tenant(extra_key: str | None) -> None:
+    """Name the tenant the HTTP request being served runs as (if logged)."""
+    record = _current.get()
+    if record is not None:
+        record.tenant = (DEFAULT_TENANT_LABEL if extra_key is None
+                         else namespace_chain(extra_key)[0])
 
 
 def record_output(output: GenerateOutput) -> None:
@@ -93,7 +105,8 @@ class AccessLogMiddleware:
             level = logging.DEBUG if (method, path) in POLLED else logging.INFO
             if logger.isEnabledFor(level):
                 logger.log(
-                    level, "%s %s %d %.1fms prompt=%d cached=%d output=%d rid=%s", method,
-                    path, status, (time.monotonic() - started) * 1000, record.prompt_tokens,
-                    record.cached_tokens, record.output_tokens, record.describe_rid(),
+                    level, "%s %s %d %.1fms prompt=%d cached=%d output=%d tenant=%s rid=%s",
+                    method, path, status, (time.monotonic() - started) * 1000,
+                    record.prompt_tokens, record.cached_tokens, record.output_tokens,
+                    record.tenant, record.describe_rid(),
                 )

@@ -19,6 +19,7 @@ from __future__ import annotations
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from hicache.server.access_log import record_tenant
 from hicache.server.errors import error_response
 from hicache.tenancy.identity import ANONYMOUS, Caller, IdentityError, TenantIdentity
 
@@ -60,4 +61,6 @@ def request_caller(request: Request) -> Caller:
 def request_tenant(request: Request, body_key: str | None) -> str | None:
     """The request's tenant, its engine ``extra_key``: ``body_key`` (the body's
     ``cache_salt``/``extra_key``) resolved against the caller's identity."""
-    return request_caller(request).tenant(body_key)
+    tenant = request_caller(request).tenant(body_key)
+    record_tenant(tenant)  # the access log names the tenant it served
+    return tenant

@@ -27,7 +27,7 @@ from tests.waiting import wait_until
 MODEL = "tiny-test-model"
 SECRET = "a prompt whose text must never reach the log"
 LINE = re.compile(r"^(\S+) (\S+) (\d{3}) ([\d.]+)ms prompt=(\d+) cached=(\d+) output=(\d+) "
-                  r"rid=(.+)$")
+                  r"tenant=(\S+) rid=(.+)$")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,8 @@ def test_a_line_per_request_with_its_tokens(
         assert record.levelno == logging.INFO
         match = LINE.match(record.getMessage())
         assert match is not None, record.getMessage()
-        method, _, status, ms, prompt, cached, output, rid = match.groups()
+        method, _, status, ms, prompt, cached, output, tenant, rid = match.groups()
+        assert tenant == "default"
         assert (method, status) == ("POST", "200") and float(ms) > 0
         # Each of the two samples counts its prompt (the second found it cached).
         assert int(prompt) == 2 * reply.usage.prompt_tokens
@@ -71,22 +72,25 @@ def test_a_line_per_request_with_its_tokens(
         assert int(cached) >= 1
         assert rid == "access-log-chat-0 (+1 more)"
 
-        # Streamed: the line comes when the stream ended, with its tokens.
+        # Streamed: the line comes when the stream ended, with its tokens; a salt nested in
+        # a tenant is logged as that tenant, never as the salt.
         chunks = list(client.completions.create(
             model=MODEL, prompt=SECRET, max_tokens=4, stream=True,
-            extra_body={"rid": "access-log-stream", "ignore_eos": True},
+            extra_body={"rid": "access-log-stream", "ignore_eos": True,
+                        "cache_salt": "acme", "extra_key": "private-salt"},
         ))
         assert chunks
         [record] = access_lines(caplog, "/v1/completions")
         match = LINE.match(record.getMessage())
         assert match is not None
-        assert match.group(7) == "4" and match.group(8) == "access-log-stream"
+        assert match.group(7) == "4" and match.group(9) == "access-log-stream"
+        assert match.group(8) == "acme" and "private-salt" not in record.getMessage()
 
     # Refusals and unknown routes are logged too, with no tokens.
     httpx.post(f"{server.url}/v1/completions", json={"prompt": ""}, timeout=30.0)
     records = access_lines(caplog, "/v1/completions", count=2)
     assert records[-1].getMessage().startswith("POST /v1/completions 400 ")
-    assert records[-1].getMessage().endswith("prompt=0 cached=0 output=0 rid=-")
+    assert records[-1].getMessage().endswith("prompt=0 cached=0 output=0 tenant=- rid=-")
     httpx.get(f"{server.url}/v2/nothing", timeout=30.0)
     [record] = access_lines(caplog, "/v2/nothing")
     assert record.getMessage().startswith("GET /v2/nothing 404 ")
