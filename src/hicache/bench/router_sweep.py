@@ -18,7 +18,8 @@ Sizes per point: each worker's L1 holds ``L1_CONTEXTS`` of the prompt class's lo
 conversation (rounded up to 256 tokens), its L2 is ``--hicache-ratio`` times that, and the
 number of conversations makes the working set the point's multiple of the cluster's
 L1 + L2. So points of one prompt class share their workers and differ only in how much the
-conversations outgrow them. A run stops sending after ``--sweep-point-seconds``.
+conversations outgrow them. A run stops sending after ``--sweep-point-seconds`` (recorded
+per point: the long prompts may be given more time in another session of the same sweep).
 
 Each point runs, in a fresh cluster per run: ``hicache router`` with its default policy
 (whatever it is at run time) and with every ``--policies`` given, and SGLang's router
@@ -205,7 +206,9 @@ def point_sizes(
 
 @dataclass(frozen=True)
 class SweepSettings:
-    """What must match for a point in the state file to count as done."""
+    """The sweep's settings; all but ``point_seconds`` must match for a point in the state
+    file to count as done (a run's length may differ per session, e.g. longer for the
+    long prompts: each point records its own)."""
 
     num_workers: int
     worker_args: str
@@ -219,8 +222,8 @@ class SweepSettings:
     def to_json(self) -> dict[str, Any]:
         return {
             "num_workers": self.num_workers, "worker_args": self.worker_args,
-            "hicache_ratio": self.hicache_ratio, "point_seconds": self.point_seconds,
-            "repeats": self.repeats, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "hicache_ratio": self.hicache_ratio, "repeats": self.repeats,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
             "contenders": [c.to_json() for c in self.contenders], "seed": self.seed,
         }
 
@@ -333,10 +336,11 @@ def run_point(
     """Every contender at ``point``, ``--repeats`` times, a fresh cluster each."""
     sizes = point_sizes(point, settings.num_workers, settings.hicache_ratio,
                         settings.kv_bytes_per_token)
+    sizes_json = {**sizes.to_json(), "point_seconds": settings.point_seconds}
     rate = None
     if point.load_fraction is not None:
         if not capacity_rps:
-            return PointResult.failed(point.id, point_fields(point), sizes.to_json(),
+            return PointResult.failed(point.id, point_fields(point), sizes_json,
                                       "no capacity measured at the closed-loop point")
         rate = point.load_fraction * capacity_rps
     spec = LoadSpec(
@@ -360,7 +364,7 @@ def run_point(
             status = "ok" if run.error is None else f"FAILED: {run.error.splitlines()[0]}"
             print(f"[{point.id}] {run.stem}: {status}", flush=True)
             runs.append((contender, run))
-    return PointResult.of(point.id, point_fields(point), sizes.to_json(), rate, capacity_rps,
+    return PointResult.of(point.id, point_fields(point), sizes_json, rate, capacity_rps,
                           runs, settings.contenders)
 
 
@@ -401,7 +405,8 @@ def main(args: argparse.Namespace) -> int:
         "- contenders: " + "; ".join(
             f"{c.name} (`{c.program or 'hicache router'} --policy {c.policy} {c.args}`)".replace(
                 " `)", "`)") for c in settings.contenders),
-        f"- each run stops sending after {settings.point_seconds:g} s; repeats: "
+        f"- each run stops sending after {settings.point_seconds:g} s (this session's "
+        "points; see Sizes); repeats: "
         f"{settings.repeats} (order reversed on even repeats); seed {settings.seed}",
         f"- CPUs: {os.cpu_count()} on the machine",
     ]

@@ -370,10 +370,11 @@ def write_sweep_report(
         "## Sizes", "",
         markdown_table(
             ["point", "conversations", "rounds", "first prompt", "working set tokens",
-             "L1 / L2 per worker", "small L3 cap MB", "status"],
+             "L1 / L2 per worker", "small L3 cap MB", "run s", "status"],
             [[r.id, r.sizes["num_clients"], r.sizes["num_rounds"], r.sizes["request_length"],
               r.sizes["working_set_tokens"], f"{r.sizes['l1_tokens']} / {r.sizes['l2_tokens']}",
               None if r.sizes["l3_max_bytes"] is None else r.sizes["l3_max_bytes"] / 1e6,
+              r.sizes.get("point_seconds"),
               "ok" if r.done else "; ".join(r.errors) or "no result"] for r in results],
         ), "",
     ]

@@ -111,7 +111,7 @@ def _result(point: SweepPoint, errors: list[str] | None = None,
 
 def test_state_round_trips_and_counts_only_clean_points_as_done(tmp_path: Path) -> None:
     path = tmp_path / "router_sweep.json"
-    settings = {"num_workers": 3, "point_seconds": 40.0}
+    settings = {"num_workers": 3, "seed": 0}
     state = SweepState.load(path, settings)
     closed = SweepPoint("short", 2.0, "all", "closed")
     broken = SweepPoint("short", 4.0, "all", "closed")
@@ -123,8 +123,8 @@ def test_state_round_trips_and_counts_only_clean_points_as_done(tmp_path: Path) 
     assert not again.done("short-ws1-l3all-closed")
     restored = again.result(closed.id)
     assert restored is not None and restored.contenders == _result(closed).contenders
-    with pytest.raises(ValueError, match="point_seconds"):
-        SweepState.load(path, {"num_workers": 3, "point_seconds": 60.0})
+    with pytest.raises(ValueError, match="num_workers"):
+        SweepState.load(path, {"num_workers": 2, "seed": 0})
 
 
 def test_main_resumes_and_gives_open_points_their_capacity(
@@ -156,9 +156,15 @@ def test_main_resumes_and_gives_open_points_their_capacity(
     flags[-1] = "closed,poisson50,poisson90"
     assert router_sweep.main(sweep_args(out, *flags)) == 0
     assert calls == [("short-ws2-l3all-poisson90", 7.5)]
-    # Other settings do not mix into this state.
-    assert router_sweep.main(sweep_args(out, *flags, "--sweep-point-seconds", "5")) == 2
-    assert calls == [("short-ws2-l3all-poisson90", 7.5)]
+    # Other settings do not mix into this state; another run length does (per point).
+    assert router_sweep.main(sweep_args(out, *flags, "--num-workers", "2")) == 2
+    flags[-1] = "closed,poisson50,poisson90"
+    flags[-3] = "long"
+    assert router_sweep.main(sweep_args(out, *flags, "--sweep-point-seconds", "90")) == 0
+    assert [c[0] for c in calls[1:]] == [
+        "long-ws2-l3all-closed", "long-ws2-l3all-poisson50", "long-ws2-l3all-poisson90"]
+    data = json.loads((out / "router_sweep.json").read_text())
+    assert len(data["points"]) == 6
 
 
 def test_bad_sweep_flags_fail_before_any_process(
