@@ -205,9 +205,10 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
                        "SmolLM2-135M in f32)")
     group.add_argument("--sglang-program", default=None, metavar="COMMAND",
                        help="SGLang's router (default: python -m sglang_router.launch_router)")
-    group.add_argument("--sglang-args", default="", metavar="FLAGS",
+    group.add_argument("--sglang-args", action="append", default=None, metavar="FLAGS",
                        help="also run SGLang's router with these flags, e.g. "
-                       "'--cache-threshold 0.3 --balance-abs-threshold 16'")
+                       "'--cache-threshold 0.3 --balance-abs-threshold 16' (repeat for more "
+                       "settings; the best per metric is the reference)")
 
 
 def resolve_sizes(args: argparse.Namespace) -> None:

@@ -206,9 +206,9 @@ def point_sizes(
 
 @dataclass(frozen=True)
 class SweepSettings:
-    """The sweep's settings; all but ``point_seconds`` must match for a point in the state
-    file to count as done (a run's length may differ per session, e.g. longer for the
-    long prompts: each point records its own)."""
+    """The sweep's settings. The cluster's (``to_json``) must match the state file's; the
+    run length may differ per session (e.g. longer for the long prompts: each point records
+    its own), and so may the contenders (each is matched per point by its setting)."""
 
     num_workers: int
     worker_args: str
@@ -223,8 +223,7 @@ class SweepSettings:
         return {
             "num_workers": self.num_workers, "worker_args": self.worker_args,
             "hicache_ratio": self.hicache_ratio, "repeats": self.repeats,
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "contenders": [c.to_json() for c in self.contenders], "seed": self.seed,
+            "kv_bytes_per_token": self.kv_bytes_per_token, "seed": self.seed,
         }
 
 
@@ -243,9 +242,10 @@ def contenders(args: argparse.Namespace) -> tuple[Contender, ...]:
         for p in dict.fromkeys(policies)
     ]
     theirs = [Contender("sglang", "sglang", SGLANG_POLICY, "", args.sglang_program)]
-    if args.sglang_args:
-        theirs.append(Contender(
-            "sglang-tuned", "sglang", SGLANG_POLICY, args.sglang_args, args.sglang_program))
+    tuned = list(dict.fromkeys(args.sglang_args or []))
+    for index, flags in enumerate(tuned, 1):
+        name = "sglang-tuned" if len(tuned) == 1 else f"sglang-tuned-{index}"
+        theirs.append(Contender(name, "sglang", SGLANG_POLICY, flags, args.sglang_program))
     return (*ours, *theirs)
 
 
@@ -331,9 +331,10 @@ def _runner(spec: LoadSpec, args: argparse.Namespace) -> Any:
 
 def run_point(
     point: SweepPoint, args: argparse.Namespace, settings: SweepSettings, out_dir: Path,
-    capacity_rps: float | None,
+    capacity_rps: float | None, todo: Sequence[Contender], previous: PointResult | None,
 ) -> PointResult:
-    """Every contender at ``point``, ``--repeats`` times, a fresh cluster each."""
+    """The contenders of ``todo`` at ``point``, ``--repeats`` times, a fresh cluster each;
+    ``previous``'s results of the others kept."""
     sizes = point_sizes(point, settings.num_workers, settings.hicache_ratio,
                         settings.kv_bytes_per_token)
     sizes_json = {**sizes.to_json(), "point_seconds": settings.point_seconds}
@@ -349,7 +350,7 @@ def run_point(
     )
     point_dir = out_dir / "points" / point.id
     point_dir.mkdir(parents=True, exist_ok=True)
-    by_name = {c.name: c for c in settings.contenders}
+    by_name = {c.name: c for c in todo}
     runs: list[tuple[Contender, PolicyRun]] = []
     for repeat in range(1, settings.repeats + 1):
         for name in run_order(list(by_name), repeat):
@@ -365,7 +366,7 @@ def run_point(
             print(f"[{point.id}] {run.stem}: {status}", flush=True)
             runs.append((contender, run))
     return PointResult.of(point.id, point_fields(point), sizes_json, rate, capacity_rps,
-                          runs, settings.contenders)
+                          runs, todo, previous)
 
 
 def point_fields(point: SweepPoint) -> dict[str, Any]:
@@ -411,18 +412,19 @@ def main(args: argparse.Namespace) -> int:
         f"- CPUs: {os.cpu_count()} on the machine",
     ]
     print("\n".join(header), flush=True)
-    todo = [p for p in points if not state.done(p.id)]
+    todo = [p for p in points if state.missing(p.id, settings.contenders)]
     print(f"{len(points)} points asked, {len(points) - len(todo)} already done", flush=True)
     for point in todo:
         capacity = None
         if point.load_fraction is not None:
             capacity = capacity_of(state.result(point.capacity_point().id))
-        result = run_point(point, args, settings, out_dir, capacity)
+        result = run_point(point, args, settings, out_dir, capacity,
+                           state.missing(point.id, settings.contenders), state.result(point.id))
         state.record(result)
         state.save()
         write_sweep_report(state, [p.id for p in points], out_dir, header)
     md = write_sweep_report(state, [p.id for p in points], out_dir, header)
     print(md.read_text(encoding="utf-8"))
     print(f"wrote {md}")
-    failed = any(not state.done(p.id) for p in points)
+    failed = any(state.missing(p.id, settings.contenders) for p in points)
     return 1 if failed else 0

@@ -17,9 +17,12 @@ both routers the same schedule, so their throughputs match (the offered load) wh
 keep up, and a router that falls behind shows it in its TTFT, which every point evaluates.
 
 A target whose ratio could not be measured (a side has no result) is None, never met.
-``router_sweep.json`` holds the sweep's settings and every point's result; a point counts
-as done when every run of it finished without a failed request, and a state file written
-with other settings is refused rather than mixed.
+``router_sweep.json`` holds the sweep's settings and every point's result. A contender is
+done at a point when the point has its result with the same setting (kind, policy, flags,
+program) and every run of the point finished without a failed request; a later session
+runs only the contenders not done there (all of them where a run failed), and keeps the
+others' results, so a setting added later (another ``--sglang-args``) runs alone. A state
+file written with other cluster settings is refused rather than mixed.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class ContenderStats:
     ttft_p99_s: float | None
     request_rps: float  # successful requests / s
     tier_share: dict[str, float]
+    setting: dict[str, Any] = field(default_factory=dict)  # the Contender's to_json()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,13 +144,14 @@ def evaluate(
     )
 
 
-def contender_stats(name: str, kind: str, runs: Sequence[PolicyRun]) -> ContenderStats:
+def contender_stats(contender: Contender, runs: Sequence[PolicyRun]) -> ContenderStats:
+    name, kind, setting = contender.name, contender.kind, contender.to_json()
     pooled = [r for r in policy_results(runs) if r.policy == name]
     summaries = [r.summary for r in runs if r.summary is not None]
     duration = math.fsum(s.duration_s for s in summaries)
     ok = math.fsum(s.request_throughput * s.duration_s for s in summaries)
     if not pooled:
-        return ContenderStats(name, kind, len(runs), 0, 0, 0.0, None, None, 0.0, {})
+        return ContenderStats(name, kind, len(runs), 0, 0, 0.0, None, None, 0.0, {}, setting)
     p = pooled[0]
     return ContenderStats(
         name=name, kind=kind, runs=len(runs), requests=p.requests, failed=p.failed,
@@ -154,6 +159,7 @@ def contender_stats(name: str, kind: str, runs: Sequence[PolicyRun]) -> Contende
         ttft_mean_s=None if p.ttft_s is None else p.ttft_s.mean,
         ttft_p99_s=None if p.ttft_s is None else p.ttft_s.p99,
         request_rps=ok / duration if duration > 0 else 0.0, tier_share=p.tier_share,
+        setting=setting,
     )
 
 
@@ -167,8 +173,17 @@ class PointResult:
     contenders: list[ContenderStats] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
+    def missing(self, contenders: Sequence[Contender]) -> list[Contender]:
+        """Of ``contenders``, those this result does not hold done (module docstring)."""
+        if self.errors:
+            return list(contenders)
+        held = {(c.name, json.dumps(c.setting, sort_keys=True)) for c in self.contenders}
+        return [c for c in contenders
+                if (c.name, json.dumps(c.to_json(), sort_keys=True)) not in held]
+
     @property
     def done(self) -> bool:
+        """Every run of this point finished without a failed request."""
         return not self.errors and bool(self.contenders)
 
     @property
@@ -193,12 +208,16 @@ class PointResult:
     def of(
         cls, point_id: str, point: dict[str, Any], sizes: dict[str, Any], rate: float | None,
         capacity: float | None, runs: Sequence[tuple[Contender, PolicyRun]],
-        contenders: Sequence[Contender],
+        contenders: Sequence[Contender], previous: PointResult | None = None,
     ) -> PointResult:
+        """The runs of ``contenders`` (this session's), and ``previous``'s results of any
+        other contender (an earlier session's, kept when it had no failed run)."""
         stats = [
-            contender_stats(c.name, c.kind, [r for k, r in runs if k.name == c.name])
-            for c in contenders
+            contender_stats(c, [r for k, r in runs if k.name == c.name]) for c in contenders
         ]
+        if previous is not None and not previous.errors:
+            ran = {c.name for c in contenders}
+            stats = [c for c in previous.contenders if c.name not in ran] + stats
         if rate is None:  # a closed-loop point measures the capacity its open ones use
             reference = next((s for s in stats if s.name == REFERENCE), None)
             capacity = reference.request_rps if reference and reference.request_rps else None
@@ -251,6 +270,11 @@ class SweepState:
     def done(self, point_id: str) -> bool:
         result = self.points.get(point_id)
         return result is not None and result.done
+
+    def missing(self, point_id: str, contenders: Sequence[Contender]) -> list[Contender]:
+        """The contenders still to run at the point (all where it has no clean result)."""
+        result = self.points.get(point_id)
+        return list(contenders) if result is None else result.missing(contenders)
 
     def result(self, point_id: str) -> PointResult | None:
         return self.points.get(point_id)

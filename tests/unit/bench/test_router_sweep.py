@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,12 @@ from hicache.bench.router_sweep import (
     point_sizes,
     run_order,
 )
-from hicache.bench.router_sweep_report import ContenderStats, PointResult, SweepState
+from hicache.bench.router_sweep_report import (
+    Contender,
+    ContenderStats,
+    PointResult,
+    SweepState,
+)
 from hicache.cli import build_parser, main
 
 
@@ -130,23 +136,29 @@ def test_state_round_trips_and_counts_only_clean_points_as_done(tmp_path: Path) 
 def test_main_resumes_and_gives_open_points_their_capacity(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[tuple[str, float | None]] = []
+    calls: list[tuple[str, float | None, list[str]]] = []
 
     def fake_run_point(point: SweepPoint, args: Any, settings: Any, out_dir: Path,
-                       capacity: float | None) -> PointResult:
-        calls.append((point.id, capacity))
-        result = _result(point, capacity=7.5 if point.load_fraction is None else capacity)
-        if point.load_fraction is not None:
-            result.rate_rps = point.load_fraction * (capacity or 0.0)
+                       capacity: float | None, todo: Sequence[Contender],
+                       previous: PointResult | None) -> PointResult:
+        calls.append((point.id, capacity, [c.name for c in todo]))
+        sizes = point_sizes(point, 3, 2.0, 1000).to_json()
+        rate = None if point.load_fraction is None else point.load_fraction * (capacity or 0)
+        result = PointResult.of(point.id, router_sweep.point_fields(point), sizes, rate,
+                                capacity, [], todo, previous)
+        if rate is None:
+            result.capacity_rps = 7.5  # what SGLang's closed-loop run would have measured
         return result
 
     monkeypatch.setattr(router_sweep, "run_point", fake_run_point)
     monkeypatch.setattr(router_sweep, "default_router_policy", lambda: "tier_aware")
     out = tmp_path / "out"
+    both = ["hicache-tier_aware", "sglang"]
     flags = ["--sweep-ws", "2", "--sweep-l3", "all", "--sweep-prompt", "short",
              "--sweep-arrival", "closed,poisson50"]
     assert router_sweep.main(sweep_args(out, *flags)) == 0
-    assert calls == [("short-ws2-l3all-closed", None), ("short-ws2-l3all-poisson50", 7.5)]
+    assert calls == [("short-ws2-l3all-closed", None, both),
+                     ("short-ws2-l3all-poisson50", 7.5, both)]
     data = json.loads((out / "router_sweep.json").read_text())
     assert set(data["points"]) == {"short-ws2-l3all-closed", "short-ws2-l3all-poisson50"}
     assert "short-ws2-l3all-poisson50" in (out / "router_sweep.md").read_text()
@@ -155,16 +167,43 @@ def test_main_resumes_and_gives_open_points_their_capacity(
     calls.clear()
     flags[-1] = "closed,poisson50,poisson90"
     assert router_sweep.main(sweep_args(out, *flags)) == 0
-    assert calls == [("short-ws2-l3all-poisson90", 7.5)]
-    # Other settings do not mix into this state; another run length does (per point).
+    assert calls == [("short-ws2-l3all-poisson90", 7.5, both)]
+    # Other cluster settings do not mix into this state.
     assert router_sweep.main(sweep_args(out, *flags, "--num-workers", "2")) == 2
-    flags[-1] = "closed,poisson50,poisson90"
-    flags[-3] = "long"
-    assert router_sweep.main(sweep_args(out, *flags, "--sweep-point-seconds", "90")) == 0
-    assert [c[0] for c in calls[1:]] == [
-        "long-ws2-l3all-closed", "long-ws2-l3all-poisson50", "long-ws2-l3all-poisson90"]
-    data = json.loads((out / "router_sweep.json").read_text())
-    assert len(data["points"]) == 6
+    assert len(calls) == 1
+    # Another SGLang setting runs alone at every done point; the others' results stay.
+    calls.clear()
+    tuned = ["--sglang-args", "--cache-threshold 0.3"]
+    assert router_sweep.main(sweep_args(out, *flags, *tuned)) == 0
+    assert [c[2] for c in calls] == [["sglang-tuned"]] * 3
+    point = json.loads((out / "router_sweep.json").read_text())["points"][
+        "short-ws2-l3all-closed"]
+    assert [c["name"] for c in point["contenders"]] == [*both, "sglang-tuned"]
+    # Changed flags for our router: it runs again, under the same name, and replaces its result.
+    calls.clear()
+    assert router_sweep.main(sweep_args(out, *flags, *tuned, "--router-args",
+                                        "--overlap-weight 2")) == 0
+    assert [c[2] for c in calls] == [["hicache-tier_aware"]] * 3
+    point = json.loads((out / "router_sweep.json").read_text())["points"][
+        "short-ws2-l3all-closed"]
+    ours = [c for c in point["contenders"] if c["kind"] == "hicache"]
+    assert len(ours) == 1 and ours[0]["setting"]["args"] == "--overlap-weight 2"
+    # A different run length is not another setting: nothing runs.
+    calls.clear()
+    assert router_sweep.main(sweep_args(out, *flags, *tuned, "--router-args",
+                                        "--overlap-weight 2", "--sweep-point-seconds", "90")) == 0
+    assert calls == []
+
+
+def test_a_point_with_a_failed_run_runs_every_contender_again() -> None:
+    point = SweepPoint("short", 2.0, "all", "closed")
+    mine = Contender("hicache-tier_aware", "hicache", "tier_aware", "", None)
+    theirs = Contender("sglang", "sglang", "cache_aware", "", "sglang-router")
+    result = PointResult.of(point.id, router_sweep.point_fields(point), {}, None, None, [],
+                            [mine, theirs])
+    assert result.missing([mine, theirs]) == []
+    result.errors.append("sglang: 2 requests failed")
+    assert result.missing([mine, theirs]) == [mine, theirs]
 
 
 def test_bad_sweep_flags_fail_before_any_process(
@@ -186,6 +225,7 @@ def test_bad_sweep_flags_fail_before_any_process(
 def test_contenders_are_the_default_policy_the_asked_ones_and_sglang(tmp_path: Path) -> None:
     args = sweep_args(tmp_path, "--policies", "round_robin", "--sglang-args",
                       "--cache-threshold 0.3")
+    assert args.sglang_args == ["--cache-threshold 0.3"]
     args.sglang_program = router_sweep.SGLANG_PROGRAM
     names = [c.name for c in router_sweep.contenders(args)]
     default = router_sweep.default_router_policy()
@@ -193,3 +233,7 @@ def test_contenders_are_the_default_policy_the_asked_ones_and_sglang(tmp_path: P
     assert names[-2:] == ["sglang", "sglang-tuned"] and "hicache-round_robin" in names
     tuned = router_sweep.contenders(args)[-1]
     assert tuned.args == "--cache-threshold 0.3" and tuned.policy == "cache_aware"
+    two = sweep_args(tmp_path, "--sglang-args", "--cache-threshold 0.3", "--sglang-args",
+                     "--balance-abs-threshold 16")
+    assert [c.name for c in router_sweep.contenders(two)][-3:] == [
+        "sglang", "sglang-tuned-1", "sglang-tuned-2"]
