@@ -23,12 +23,12 @@ per point: the long prompts may be given more time in another session of the sam
 
 Each point runs, in a fresh cluster per run: ``hicache router`` with its default policy
 (whatever it is at run time) and with every ``--policies`` given, and SGLang's router
-(``--sglang-program``, cache_aware) at its defaults and, with ``--sglang-args``, once more
-with those flags. With ``--repeats N`` every run goes N times, in reverse order on even
-repeats. Results (router_sweep_report.py) go to ``--out-dir``: ``router_sweep.json`` (the
-state: a point found there is not run again, so a sweep can span sessions; runs with
-other settings refuse to mix into it), ``router_sweep.md``, ``router_sweep.png``, and every
-run's files under ``points/<point>/``.
+(``--sglang-program``, cache_aware) at its defaults and once more with each
+``--sglang-args`` given. With ``--repeats N`` every run goes N times, in reverse order on
+even repeats. Results (router_sweep_report.py) go to ``--out-dir``: ``router_sweep.json``
+(the state: a router setting that ran cleanly at a point is not run there again, so a sweep
+can span sessions and gain settings; another cluster setting refuses to mix into it),
+``router_sweep.md``, ``router_sweep.png``, and every run's files under ``points/<point>/``.
 """
 
 from __future__ import annotations
