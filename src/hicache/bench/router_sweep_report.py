@@ -434,14 +434,18 @@ def plot_ratios(results: Sequence[PointResult], path: Path) -> Path:
                 values.append(float("nan") if value is None else value)
             ax.bar([p + (offset - 1) * 0.27 for p in positions], values, width=0.27,
                    label=label, color=color)
-        for level, style in ((TARGET_THROUGHPUT_TIERS, ":"), (TARGET_THROUGHPUT_ANY, "-"),
-                             (TARGET_TTFT_MEAN, "--")):
-            ax.axhline(level, color="grey", linestyle=style, linewidth=0.8)
+        for level, style, label in (
+            (TARGET_THROUGHPUT_TIERS, ":", "throughput target (tiers matter)"),
+            (TARGET_THROUGHPUT_ANY, "-", "throughput floor, p99 TTFT target"),
+            (TARGET_TTFT_MEAN, "--", "mean TTFT target"),
+        ):
+            ax.axhline(level, color="grey", linestyle=style, linewidth=0.8, label=label)
         ax.set_xticks(positions, [r.id for r in results], rotation=30, ha="right",
                       fontsize="small")
         ax.set(title=f"{name} / sglang (best setting per metric)", ylabel="ratio")
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize="small")
+        # Beside the axes: over them it would hide bars.
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=100)
