@@ -40,6 +40,7 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,10 +63,10 @@ from hicache.bench.multiturn import (
     prompt_maker,
     run_benchmark,
 )
-from hicache.bench.report import read_jsonl
+from hicache.bench.report import RunSummary, read_jsonl
 from hicache.bench.router_report import PolicyRun, write_report
 from hicache.bench.scrape import Samples, scrape
-from hicache.bench.workload import WorkloadError
+from hicache.bench.workload import PromptMaker, Session, WorkloadError
 from hicache.testing.server_process import ServerStartError
 
 logger = logging.getLogger(__name__)
@@ -111,9 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cluster")
     group.add_argument("--out-dir", required=True, help="where results and logs go")
     group.add_argument(
-        "--policies", nargs="+", choices=POLICIES, default=list(DEFAULT_POLICIES),
+        "--policies", nargs="+", choices=POLICIES, default=None,
         metavar="POLICY", help=f"router policies to compare, of {', '.join(POLICIES)} "
-        "(default: %(default)s)",
+        f"(default: {' '.join(DEFAULT_POLICIES)}; with --sweep: the router's default policy, "
+        "these run too)",
     )
     group.add_argument(
         "--repeats", type=int, default=1, metavar="N",
@@ -166,10 +168,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU-sized run for CI: the tiny dummy model and a few short conversations "
         "(explicit flags still win)",
     )
+    add_sweep_arguments(parser)
     add_client_arguments(parser, url_required=False)
     add_multiturn_arguments(parser)
     # None: not given, so --smoke or the defaults above decide.
     parser.set_defaults(**dict.fromkeys(DEFAULTS))
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--sweep`` and its axes (bench/router_sweep.py)."""
+    group = parser.add_argument_group(
+        "sweep", "hicache router against SGLang's over issue 34's grid (bench/router_sweep.py); "
+        "the workload's sizes come from each point, so the multi-turn size flags are ignored")
+    group.add_argument(
+        "--sweep", action="store_true",
+        help="run the grid: per point hicache router (its default policy, plus --policies) and "
+        "SGLang's cache_aware, a fresh cluster per run; resumes from --out-dir's "
+        "router_sweep.json",
+    )
+    group.add_argument("--sweep-ws", default="0.5,1,2,4", metavar="LIST",
+                       help="working set / the cluster's L1 + L2 (default: %(default)s)")
+    group.add_argument("--sweep-l3", default="none,small,all", metavar="LIST",
+                       help="shared L3: none, small (half the working set), all "
+                       "(default: %(default)s)")
+    group.add_argument("--sweep-arrival", default="closed,poisson50,poisson90", metavar="LIST",
+                       help="closed loop, or Poisson arrivals at 50%% / 90%% of the closed "
+                       "loop's measured capacity (default: %(default)s)")
+    group.add_argument("--sweep-prompt", default="short,long", metavar="LIST",
+                       help="first prompt of 256 (short) or 2,048 (long) tokens "
+                       "(default: %(default)s)")
+    group.add_argument("--sweep-point-seconds", type=float, default=40.0, metavar="S",
+                       help="each run sends no request after this many seconds "
+                       "(default: %(default)s)")
+    group.add_argument("--sweep-kv-bytes-per-token", type=int, default=46080, metavar="BYTES",
+                       help="KV bytes per token, to size the small L3 (default: %(default)s, "
+                       "SmolLM2-135M in f32)")
+    group.add_argument("--sglang-program", default=None, metavar="COMMAND",
+                       help="SGLang's router (default: python -m sglang_router.launch_router)")
+    group.add_argument("--sglang-args", action="append", default=None, metavar="FLAGS",
+                       help="also run SGLang's router with these flags, e.g. "
+                       "'--cache-threshold 0.3 --balance-abs-threshold 16' (repeat for more "
+                       "settings; the best per metric is the reference)")
 
 
 def resolve_sizes(args: argparse.Namespace) -> None:
@@ -177,6 +216,8 @@ def resolve_sizes(args: argparse.Namespace) -> None:
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.policies is None and not getattr(args, "sweep", False):
+        args.policies = list(DEFAULT_POLICIES)
 
 
 # ------------------------------------------------------------------------ plan
@@ -260,14 +301,24 @@ def cluster_config(
     )
 
 
+# Plays the workload through the router at ``url`` (run_benchmark's signature): the sweep
+# passes its own closed- or open-loop player (bench/sweep_load.py).
+Runner = Callable[
+    [argparse.Namespace, Sequence[Session], PromptMaker, str, str, dict[str, Any]],
+    Coroutine[Any, Any, RunSummary],
+]
+
+
 def run_policy(
     policy: str, repeat: int, args: argparse.Namespace, plan: Plan, out_dir: Path,
-    config_json: dict[str, Any],
+    config_json: dict[str, Any], *, name: str | None = None, runner: Runner | None = None,
 ) -> PolicyRun:
     """A fresh cluster for ``policy``, the workload through its router, everything
-    stopped. A failure is recorded in the result (the other runs still go)."""
-    stem = f"{policy}.{repeat}" if args.repeats > 1 else policy
-    run = PolicyRun(policy, repeat, stem)
+    stopped. A failure is recorded in the result (the other runs still go). ``name``
+    labels the run (default: the policy), e.g. when two routers run the same policy."""
+    name = name or policy
+    stem = f"{name}.{repeat}" if args.repeats > 1 else name
+    run = PolicyRun(name, repeat, stem)
     run_dir = out_dir / "runs" / stem
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a fresh L3 each run, also when --out-dir is reused
@@ -281,7 +332,7 @@ def run_policy(
             sessions = multiturn_workload(args, prompt_maker(args))
             run.load_before = os.getloadavg()
             try:
-                run.summary = asyncio.run(run_benchmark(
+                run.summary = asyncio.run((runner or run_benchmark)(
                     run_args, sessions, prompt_maker(args), cluster.url, stem,
                     {**config_json, "policy": policy, "router_command": cluster.router_args(
                         config.router) if config.router else None},
@@ -355,6 +406,12 @@ def _shared_query_notes(metrics_text: str) -> list[str]:
 # ------------------------------------------------------------------------ main
 def main(args: argparse.Namespace) -> int:
     resolve_sizes(args)
+    if args.sweep:
+        from hicache.bench import router_sweep
+
+        if args.sglang_program is None:
+            args.sglang_program = router_sweep.SGLANG_PROGRAM
+        return router_sweep.main(args)
     out_dir = Path(args.out_dir)
     try:
         plan = make_plan(args)
