@@ -112,11 +112,8 @@ instance wrote them. With ``--tenant-quotas``:
   only retention.
 ``tenant_usage`` reports the per-instance counts.
 A namespace nested in a tenant (``tenancy.names.within_tenant``: a salt under it, an extra
-key inside its salt) hashes to a prefix of its own, which no regex of the tenant's
-matches: ``purge_tenant(t)`` removes ``t``'s own objects only. The cache's purge of ``t``
-takes the nested namespaces from L1 and L2; their L3 objects go by a purge of their own
-name, or by the tenant's quota or the master's eviction (the file backend, whose
-directories carry their tenant's name, removes them with ``t``'s).
+key inside its salt) is named under the tenant's prefix, so ``purge_tenant(t)`` removes it
+with ``t``'s objects (and a tenant whose name merely starts like ``t``'s keeps its own).
 """
 
 from __future__ import annotations
