@@ -46,14 +46,17 @@ from hicache.storage.frame import (
     sealed_fields,
     set_tag,
 )
+from hicache.storage.seal_workers import SealWorkers, shared_seal_workers
 from hicache.tenancy.keys import KeyRing, TenantKey
 
 
 class Sealer:
     """Seals and opens pages with the keys of one key ring (thread-safe)."""
 
-    def __init__(self, ring: KeyRing) -> None:
+    def __init__(self, ring: KeyRing, workers: SealWorkers | None = None) -> None:
         self.ring = ring
+        # Threads the backends seal and open a batch's pages on (``seal_workers``).
+        self.workers = shared_seal_workers() if workers is None else workers
         # One AES key schedule per secret, built on first use.
         self._ciphers: dict[bytes, algorithms.AES] = {}
         self._local = threading.local()
