@@ -6,6 +6,7 @@ opens to the same bytes, and any damage is still a miss, counted."""
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from hicache.config import MemLayout
 from hicache.memory.host_pool import HostPool
 from hicache.storage.backends.file import backend as file_backend
+from hicache.storage.backends.file import mapped as mapped_module
 from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.call_tenant import call_tenant
 from hicache.storage.frame import SEALED_HEADER_BYTES
@@ -163,4 +165,23 @@ def test_sealing_ahead_writes_each_page_with_a_fresh_nonce(tmp_path: Path) -> No
     assert len(nonces) == len(bodies) == BATCH
     assert read_back(backend, keys) == BATCH
     assert page_bytes_of(host, page_range(BATCH, 2 * BATCH)) == as_bytes(values) * BATCH
+    backend.close()
+
+
+def test_a_file_system_that_cannot_map_files_is_read_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, host = open_store(tmp_path, 2)
+    values = fill_random(host, page_range(0, BATCH), seed=6)
+    keys = keys_of("acme", BATCH)
+    with call_tenant("acme"):
+        assert backend.set(keys, page_range(0, BATCH)) == BATCH
+
+    def no_mmap(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(mapped_module.mmap, "mmap", no_mmap)
+    assert read_back(backend, keys) == BATCH
+    assert page_bytes_of(host, page_range(BATCH, 2 * BATCH)) == as_bytes(values)
+    assert backend.stats().failures == {}
     backend.close()

@@ -12,7 +12,8 @@ Invariants:
 - Every page of the mapping is faulted in up front with ``MADV_POPULATE_READ``, so an
   I/O error reading the file is an ``OSError`` there (the page is a miss), not a
   ``SIGBUS`` in the middle of the decryption. Where the kernel has no such advice
-  (before Linux 5.14) ``mapped`` yields None and the caller reads the file instead.
+  (before Linux 5.14), or where the file system cannot map files, ``mapped`` yields
+  None and the caller reads the file instead.
 - Page files are never changed in place (a writer renames a whole new file over the
   name), so the mapping holds the bytes the file had when it was opened. A program
   that truncates a page file in place while it is read breaks that, as it would
@@ -30,6 +31,13 @@ from contextlib import contextmanager
 # Linux's MADV_POPULATE_READ (5.14+); Python names it only from 3.13 on.
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
 _supported = _POPULATE_READ is not None
+# What mmap answers for a file it cannot map at all (not an I/O error).
+_CANNOT_MAP = frozenset(
+    code for code in (
+        errno.ENODEV, errno.EINVAL, errno.EACCES, getattr(errno, "ENOTSUP", None),
+        getattr(errno, "EOPNOTSUPP", None),
+    ) if code is not None
+)
 
 
 @contextmanager
@@ -41,7 +49,14 @@ def mapped(fd: int, size: int) -> Iterator[memoryview | None]:
     if not _supported or size <= 0:
         yield None
         return
-    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapping:
+    try:
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except OSError as error:
+        if error.errno not in _CANNOT_MAP:
+            raise
+        yield None  # a file system without mappings (some network or FUSE ones): read
+        return
+    with mapping:
         try:
             mapping.madvise(_POPULATE_READ)  # type: ignore[arg-type]
         except OSError as error:
