@@ -134,6 +134,19 @@ class SealedChecks(StorageContract):
         assert page_bytes_of(host, page_range(10, 12)) == as_bytes(values[:2])
         assert reader.stats().failures.get("bad_tag", 0) >= 1
 
+    def test_a_missing_tail_is_counted_once(
+        self, open_backend: OpenBackend, namespace: KeyNamespace
+    ) -> None:
+        """The usual prefix hit: one "missing", however many pages were looked for beside
+        the first missing one."""
+        backend, host = open_backend(MemLayout.PAGE_FIRST)
+        keys = self.keys(namespace, 6, salt="acme")
+        fill_random(host, page_range(0, 2), seed=8)
+        with call_tenant("acme"):
+            assert backend.set(keys[:2], page_range(0, 2)) == 2
+            assert backend.get(keys, page_range(10, 16)) == 2
+        assert backend.stats().failures == {"missing": 1}
+
     def make_plain_backend(self, store: Any) -> StorageBackend:
         raise NotImplementedError
 

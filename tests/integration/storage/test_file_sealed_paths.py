@@ -185,3 +185,16 @@ def test_a_file_system_that_cannot_map_files_is_read_instead(
     assert page_bytes_of(host, page_range(BATCH, 2 * BATCH)) == as_bytes(values)
     assert backend.stats().failures == {}
     backend.close()
+
+
+def test_pages_missing_past_the_first_are_not_counted_again(tmp_path: Path) -> None:
+    """A batch whose tail L3 does not hold (the usual prefix hit): one "missing", however
+    many pages the sealer's threads looked for beside it."""
+    backend, host = open_store(tmp_path, 3)
+    fill_random(host, page_range(0, 2), seed=1)
+    keys = keys_of("acme", BATCH)
+    with call_tenant("acme"):
+        assert backend.set(keys[:2], page_range(0, 2)) == 2
+    assert read_back(backend, keys) == 2
+    assert backend.stats().failures == {"missing": 1}
+    backend.close()

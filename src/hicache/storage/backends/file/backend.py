@@ -28,9 +28,9 @@ pages are sealed a few ahead, each into a staging slot of its own, while the pag
 is written, and a batch's reads run a few pages side by side, each opened by decrypting
 straight from its mapped file into the host page (``mapped``: one pass over the bytes
 where reading then decrypting in place makes two); a file that cannot be mapped is read
-and opened in place. A page read beside the first bad one of a batch is counted too
-when bad (it was dropped). The plain path stays serial: it is the baseline sealing is
-measured against.
+and opened in place. A page read beside the first failure of a batch is counted too
+when its object was bad (it was dropped), not when it was only missing. The plain path
+stays serial: it is the baseline sealing is measured against.
 
 Several instances may share a directory (pages one writes, the others hit).
 Recency is kept in each file's modification time, which a write sets and a
@@ -221,14 +221,15 @@ class FileBackend(StorageBackend):
                 num_read += 1
         else:
             # Sealed pages open on the sealer's threads, a few at a time in order; a page
-            # read beside the first bad one is counted too when bad (it was dropped).
+            # read beside the first failure is counted too when its object was bad (it
+            # was dropped), not when it was only missing.
             faults = regions.sealer.workers.ordered(
                 lambda item: self._read_page(regions, item[0], item[1], tenant),
                 items, stop=lambda fault: fault is not None,
             )
             num_read = next((i for i, fault in enumerate(faults) if fault is not None), len(faults))
-            for fault in faults[num_read:]:
-                if fault is not None:
+            for index, fault in enumerate(faults[num_read:]):
+                if fault is not None and (index == 0 or isinstance(fault, Fault)):
                     self._fail(fault)
         self._count_read(num_read, regions.page_bytes, began)
         return num_read

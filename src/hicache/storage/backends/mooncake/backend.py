@@ -53,8 +53,8 @@ sealing the next part into one half (its pages side by side on the sealer's thre
 ``seal_workers``) while Mooncake puts the last from the other; headers are 64 bytes.
 Reads land the ciphertext in the host page as plain reads do, and the helper thread
 opens (decrypts in place, a part's pages side by side on the sealer's threads) what it
-would otherwise hash; a page opened beside the first bad one is counted too when bad
-(it was removed).
+would otherwise hash; a page opened beside the first failure is counted too when its
+object was bad (it was removed).
 
 Checksums cost a pass over every page, which the backend keeps in the CPU's
 cache (``cache_steps``): a batch moves in steps of about half the
@@ -159,6 +159,7 @@ from hicache.storage.call_tenant import call_tenant, current_tenant
 from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import (
     SEALED_HEADER_BYTES,
+    Fault,
     length_fault,
     object_name,
     pack_header_into,
@@ -367,8 +368,8 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
 
             def open_sealed(part: range, codes: list[int], workers: SealWorkers) -> int:
                 """verify_for_tenant for sealed pages: opened side by side on the sealer's
-                threads; a page opened beside the first bad one is counted too when bad
-                (it was removed)."""
+                threads; a page opened beside the first failure is counted too when its
+                object was bad (it was removed), not when it was only missing."""
 
                 def check(item: tuple[int, int]) -> CountedReason | None:
                     i, code = item
@@ -384,13 +385,13 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                 good = next(
                     (k for k, reason in enumerate(reasons) if reason is not None), len(reasons)
                 )
-                for i, reason in zip(part, reasons, strict=False):
+                for k, (i, reason) in enumerate(zip(part, reasons, strict=False)):
                     with self._lock:
                         if reason is None:
                             self._pages.touch(names[i])
                         else:
                             self._pages.remove(names[i])
-                    if reason is not None:
+                    if reason is not None and (k == good or isinstance(reason, Fault)):
                         self._fail(reason)
                 return good
 
