@@ -198,3 +198,28 @@ def test_pages_missing_past_the_first_are_not_counted_again(tmp_path: Path) -> N
     assert read_back(backend, keys) == 2
     assert backend.stats().failures == {"missing": 1}
     backend.close()
+
+
+def test_pages_already_stored_are_not_sealed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, host = open_store(tmp_path, 2)
+    values = fill_random(host, page_range(0, BATCH), seed=3)
+    keys = keys_of("acme", BATCH)
+    with call_tenant("acme"):
+        assert backend.set(keys[1:3], page_range(1, 3)) == 2
+    sealed_pages: list[bytes] = []
+    seal = Sealer.seal
+
+    def counting(self: Sealer, key: bytes, *args: object) -> object:
+        sealed_pages.append(key)
+        return seal(self, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Sealer, "seal", counting)
+    with call_tenant("acme"):
+        assert backend.set(keys, page_range(0, BATCH)) == BATCH
+    assert sorted(sealed_pages) == sorted([keys[0], *keys[3:]])
+    assert backend.stats().pages_skipped_existing == 2
+    assert read_back(backend, keys) == BATCH
+    assert page_bytes_of(host, page_range(BATCH, 2 * BATCH)) == as_bytes(values)
+    backend.close()

@@ -245,13 +245,22 @@ class FileBackend(StorageBackend):
         self._expire_oldest(tenant)
         # The batch's own pages stay: the answer is a prefix of stored pages.
         keep = frozenset(names)
-        with self._framer(regions, keys, pages) as framed_page:
+        # Pages already stored are skipped, decided up front so that only the others are
+        # framed (sealed ahead, for a sealing store).
+        todo = [
+            index for index, name in enumerate(names)
+            if not self._known(name, tenant, on_disk=True) or self._expired(name, tenant)
+        ]
+        framing = {index: position for position, index in enumerate(todo)}
+        with self._framer(
+            regions, [keys[i] for i in todo], [pages[i] for i in todo]
+        ) as framed_page:
             for index, name in enumerate(names):
-                if self._known(name, tenant, on_disk=True) and not self._expired(name, tenant):
+                if index not in framing:
                     num_skipped += 1
                     num_stored += 1
                     continue
-                framed = framed_page(index)
+                framed = framed_page(framing[index])
                 reason = self._write_page(regions, name, framed, tenant, keep)
                 if reason is FailureReason.NO_SPACE and not made_room:
                     made_room = True
