@@ -395,7 +395,10 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                         self._fail(reason)
                 return good
 
-            parts = self._parts(len(keys), regions.page_bytes, hashing)
+            parts = self._parts(
+                len(keys), regions.page_bytes, hashing,
+                1 if regions.sealer is None else regions.sealer.workers.workers,
+            )
             num_read = self._read_ahead(parts, read, verify)
         self._count_read(num_read, regions.page_bytes, began)
         return num_read
@@ -690,12 +693,16 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         return buffers, [object_sizes] * len(pages)
 
     @staticmethod
-    def _parts(count: int, page_bytes: int, hashing: bool) -> list[range]:
+    def _parts(count: int, page_bytes: int, hashing: bool, min_pages: int = 1) -> list[range]:
         """Split a batch of ``count`` pages into the chunks it is moved in (see _read_ahead):
-        one when nothing is hashed here (a chunk would only add a call)."""
+        one when nothing is hashed here (a chunk would only add a call); chunks of at least
+        ``min_pages`` pages where the batch has them (one per sealer thread, to open side
+        by side)."""
         if not hashing:
             return [range(count)]
-        chunks = max(1, min(count, count * page_bytes // PIPELINE_CHUNK_BYTES))
+        chunks = max(
+            1, min(count // max(1, min_pages), count * page_bytes // PIPELINE_CHUNK_BYTES)
+        )
         bounds = [round(k * count / chunks) for k in range(chunks + 1)]
         return [range(bounds[k], bounds[k + 1]) for k in range(chunks)]
 
