@@ -53,6 +53,7 @@ class SealWorkers:
         wanted = usable_cores() if workers is None else workers
         self.workers = max(1, min(wanted, MAX_SEAL_WORKERS))
         self._executor: ThreadPoolExecutor | None = None
+        self._owner = os.getpid()  # the process whose threads _executor runs
         self._lock = threading.Lock()
         self._inside = threading.local()  # set on this pool's worker threads
 
@@ -141,6 +142,9 @@ class SealWorkers:
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
+            if self._owner != os.getpid():
+                # A forked child inherits the executor but not its threads: start afresh.
+                self._executor, self._owner = None, os.getpid()
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
                     self.workers, thread_name_prefix="hicache-seal",

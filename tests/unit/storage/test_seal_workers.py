@@ -154,3 +154,15 @@ def test_ahead_waits_for_what_it_started_when_the_caller_stops_early(
         leave.set()
     # Leaving the block waited for every task started beside page 0, and started no more.
     assert finished == started == set(range(1 + workers.workers))
+
+
+def test_a_forked_child_starts_its_own_threads(workers: SealWorkers) -> None:
+    """A child process inherits the executor without its threads: the pool notices the
+    process changed and makes a new one rather than queueing work no thread runs."""
+    assert workers.ordered(lambda item: item, [1, 2], stop=lambda result: False) == [1, 2]
+    inherited = workers._executor
+    workers._owner = -1  # as seen from a forked child
+    assert workers.ordered(lambda item: item, [3, 4], stop=lambda result: False) == [3, 4]
+    assert workers._executor is not inherited
+    assert inherited is not None
+    inherited.shutdown()
