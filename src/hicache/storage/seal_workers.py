@@ -17,6 +17,7 @@ Invariants:
   touches a host page or a staging buffer after the call that lent it returned.
 - A task that itself calls ``ordered`` (from a worker thread) runs its items inline,
   so the pool never waits on itself.
+- A forked child makes its own threads (it inherits the executor, not its threads).
 """
 
 from __future__ import annotations

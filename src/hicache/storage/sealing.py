@@ -23,7 +23,10 @@ Invariants:
   2**32 pages per key GCM allows for random nonces: rotate keys before that).
 - The host page is never copied to seal or open it: sealing reads the page's
   regions and writes the ciphertext into a staging buffer the backend sends from;
-  opening decrypts the ciphertext in place, in the host page it was read into.
+  opening decrypts the ciphertext in place, in the host page it was read into, or
+  straight from where the store holds it (a mapped page file) into the host page.
+- Pages are sealed and opened on the sealer's threads (``workers``, ``seal_workers``)
+  as well as the caller's: a seal or open touches only its own page and staging.
 """
 
 from __future__ import annotations
