@@ -48,6 +48,10 @@ if TYPE_CHECKING:  # imports cryptography: only backends given a sealer load it
     from hicache.storage.sealing import Sealer
 
 
+# A page's object: (payload fragments, header).
+Framed = tuple[list[memoryview], bytes]
+
+
 class PageRegions:
     """Byte regions of every page of one host pool (offsets into ``host.flat``)."""
 
@@ -119,7 +123,7 @@ class PageRegions:
     # ------------------------------------------------------------ frames
     def frame(
         self, page: int, key: bytes, staging: memoryview | None = None
-    ) -> tuple[list[memoryview], bytes] | None:
+    ) -> Framed | None:
         """Page ``page``'s object for key ``key`` as (payload fragments, header): its
         regions and plain header, or, when sealing, its ciphertext in ``staging``
         (``page_bytes`` of a ``staging_for`` buffer) and sealed header. None when the

@@ -23,7 +23,10 @@ Invariants:
   2**32 pages per key GCM allows for random nonces: rotate keys before that).
 - The host page is never copied to seal or open it: sealing reads the page's
   regions and writes the ciphertext into a staging buffer the backend sends from;
-  opening decrypts the ciphertext in place, in the host page it was read into.
+  opening decrypts the ciphertext in place, in the host page it was read into, or
+  straight from where the store holds it (a mapped page file) into the host page.
+- Pages are sealed and opened on the sealer's threads (``workers``, ``seal_workers``)
+  as well as the caller's: a seal or open touches only its own page and staging.
 """
 
 from __future__ import annotations
@@ -46,14 +49,17 @@ from hicache.storage.frame import (
     sealed_fields,
     set_tag,
 )
+from hicache.storage.seal_workers import SealWorkers, shared_seal_workers
 from hicache.tenancy.keys import KeyRing, TenantKey
 
 
 class Sealer:
     """Seals and opens pages with the keys of one key ring (thread-safe)."""
 
-    def __init__(self, ring: KeyRing) -> None:
+    def __init__(self, ring: KeyRing, workers: SealWorkers | None = None) -> None:
         self.ring = ring
+        # Threads the backends seal and open a batch's pages on (``seal_workers``).
+        self.workers = shared_seal_workers() if workers is None else workers
         # One AES key schedule per secret, built on first use.
         self._ciphers: dict[bytes, algorithms.AES] = {}
         self._local = threading.local()

@@ -142,9 +142,25 @@ def test_encryption_keys_add_sealed_runs_against_the_plain_ones(
             measured[("file sealed", op)]["gbps"] / measured[("file", op)]["gbps"]
         )
         assert f"file {op} {ratio:.2f}x" in printed
-    assert "sealed / plain throughput (target >= 0.8)" in printed
+    assert "sealed / plain throughput (target >= 0.8;" in printed
+    assert results["seal_threads"] >= 1
     # The copies still have the plain run's checksums to verify.
     assert ("copy + checksum", "load") in measured
+
+
+def test_sealed_runs_on_one_thread_read_back_what_they_wrote(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--seal-threads 1: the serial sealed path, measured and checked the same way."""
+    out = tmp_path / "results.json"
+    assert bench.main(parse(*TINY, "--dir", str(tmp_path / "work"), "--json", str(out),
+                            "--encryption-keys", "random", "--seal-threads", "1")) == 0
+    results = json.loads(out.read_text())
+    assert results["seal_threads"] == 1
+    assert {"file put", "file get"} <= set(results["sealed_over_plain"])
+    assert "1 sealer threads" in capsys.readouterr().out
+    assert bench.main(parse(*TINY, "--encryption-keys", "random", "--seal-threads", "0")) == 2
+    assert "--seal-threads must be in [1, 4], got 0" in capsys.readouterr().out
 
 
 def test_a_key_file_without_a_default_key_is_refused(

@@ -23,6 +23,15 @@ gone (or of any writer, once old) are removed. Reads and writes go straight
 between the file and the host page's memory with ``readv``/``writev``
 (``PageRegions``).
 
+Sealed pages (``storage.sealing``) use the sealer's threads (``seal_workers``): a batch's
+pages are sealed a few ahead, each into a staging slot of its own, while the page before
+is written, and a batch's reads run a few pages side by side, each opened by decrypting
+straight from its mapped file into the host page (``mapped``: one pass over the bytes
+where reading then decrypting in place makes two); a file that cannot be mapped is read
+and opened in place. A page read beside the first failure of a batch is counted too
+when its object was bad (it was dropped), not when it was only missing. The plain path
+stays serial: it is the baseline sealing is measured against.
+
 Several instances may share a directory (pages one writes, the others hit).
 Recency is kept in each file's modification time, which a write sets and a
 read refreshes with a strictly increasing stamp (file systems keep nanoseconds
@@ -68,7 +77,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
 from typing import Any
@@ -77,6 +87,7 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.mapped import mapped
 from hicache.storage.backends.file.pins import PinMarkers, check_expiry
 from hicache.storage.backends.file.settings import FileSettings
 from hicache.storage.backends.file.tenant_dirs import ensure_tenant_dir, tenant_dirs, tenant_root
@@ -95,7 +106,7 @@ from hicache.storage.page_files import (
     temp_name,
     unlink_quietly,
 )
-from hicache.storage.page_regions import PageRegions
+from hicache.storage.page_regions import Framed, PageRegions
 from hicache.storage.tenant_pages import TenantPages
 from hicache.tenancy.names import within_tenant
 
@@ -109,6 +120,13 @@ EXPIRE_SWEEP_PAGES = 64
 # How often held (pinned) pages are checked again for an unpin by another instance
 # sharing the directory, while the cap needs room.
 HELD_RECHECK_S = 1.0
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """What opening a sealed page from its mapped file found (None: it authenticated)."""
+
+    fault: Fault | None
 
 
 class FileBackend(StorageBackend):
@@ -193,12 +211,26 @@ class FileBackend(StorageBackend):
         began = time.perf_counter()
         num_read = 0
         tenant = current_tenant()
-        for key, page in zip(keys, np.asarray(host_pages).tolist(), strict=True):
-            fault = self._read_page(regions, key, page, tenant)
-            if fault is not None:
-                self._fail(fault)
-                break
-            num_read += 1
+        items = list(zip(keys, np.asarray(host_pages).tolist(), strict=True))
+        if regions.sealer is None:
+            for key, page in items:
+                fault = self._read_page(regions, key, page, tenant)
+                if fault is not None:
+                    self._fail(fault)
+                    break
+                num_read += 1
+        else:
+            # Sealed pages open on the sealer's threads, a few at a time in order; a page
+            # read beside the first failure is counted too when its object was bad (it
+            # was dropped), not when it was only missing.
+            faults = regions.sealer.workers.ordered(
+                lambda item: self._read_page(regions, item[0], item[1], tenant),
+                items, stop=lambda fault: fault is not None,
+            )
+            num_read = next((i for i, fault in enumerate(faults) if fault is not None), len(faults))
+            for index, fault in enumerate(faults[num_read:]):
+                if fault is not None and (index == 0 or isinstance(fault, Fault)):
+                    self._fail(fault)
         self._count_read(num_read, regions.page_bytes, began)
         return num_read
 
@@ -213,22 +245,35 @@ class FileBackend(StorageBackend):
         self._expire_oldest(tenant)
         # The batch's own pages stay: the answer is a prefix of stored pages.
         keep = frozenset(names)
-        for index, (name, key, page) in enumerate(zip(names, keys, pages, strict=True)):
-            if self._known(name, tenant, on_disk=True) and not self._expired(name, tenant):
-                num_skipped += 1
+        # Pages already stored are skipped, decided up front so that only the others are
+        # framed (sealed ahead, for a sealing store).
+        todo = [
+            index for index, name in enumerate(names)
+            if not self._known(name, tenant, on_disk=True) or self._expired(name, tenant)
+        ]
+        framing = {index: position for position, index in enumerate(todo)}
+        with self._framer(
+            regions, [keys[i] for i in todo], [pages[i] for i in todo]
+        ) as framed_page:
+            for index, name in enumerate(names):
+                if index not in framing:
+                    num_skipped += 1
+                    num_stored += 1
+                    continue
+                framed = framed_page(framing[index])
+                reason = self._write_page(regions, name, framed, tenant, keep)
+                if reason is FailureReason.NO_SPACE and not made_room:
+                    made_room = True
+                    needed_bytes = (
+                        (len(keys) - index) * (regions.header_bytes + regions.page_bytes)
+                    )
+                    if self._evict_for_space(needed_bytes, keep=keep):
+                        reason = self._write_page(regions, name, framed, tenant, keep)
+                if reason is not None:
+                    self._fail(reason)
+                    break
                 num_stored += 1
-                continue
-            reason = self._write_page(regions, name, key, page, tenant, keep)
-            if reason is FailureReason.NO_SPACE and not made_room:
-                made_room = True
-                needed_bytes = (len(keys) - index) * (regions.header_bytes + regions.page_bytes)
-                if self._evict_for_space(needed_bytes, keep=keep):
-                    reason = self._write_page(regions, name, key, page, tenant, keep)
-            if reason is not None:
-                self._fail(reason)
-                break
-            num_stored += 1
-            num_written += 1
+                num_written += 1
         self._count_write(num_written, num_skipped, regions.page_bytes, began)
         return num_stored
 
@@ -427,7 +472,8 @@ class FileBackend(StorageBackend):
         path = self._path(name, tenant)
         expected = regions.header_bytes + regions.page_bytes
         header = bytearray(regions.header_bytes)
-        views = regions.views(page)
+        opened: _Opened | None = None
+        got = 0
         # O_NONBLOCK: opening a FIFO (or a device) put in place of a page file must not
         # wait for a writer; it changes nothing for a regular file, the only kind read.
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -451,13 +497,21 @@ class FileBackend(StorageBackend):
                     self._forget_locked(name)
                     unlink_quietly(path)
                 return FailureReason.EXPIRED
-            got = _readv_full(fd, [*views, memoryview(header)])
+            opened = (
+                self._open_mapped(regions, fd, key, page)
+                if regions.sealer is not None and size == expected
+                else None
+            )
+            if opened is None:
+                got = _readv_full(fd, [*regions.views(page), memoryview(header)])
         except OSError:
             return FailureReason.IO_ERROR
         finally:
             os.close(fd)
         fault: Fault | None
-        if got < expected:
+        if opened is not None:
+            fault = opened.fault
+        elif got < expected:
             fault = Fault.SHORT_READ
         else:
             fault = regions.check_header(header, key)
@@ -483,12 +537,53 @@ class FileBackend(StorageBackend):
             os.utime(path, ns=(stamp, stamp))  # the LRU order a restarted instance rebuilds
         return None
 
+    def _open_mapped(
+        self, regions: PageRegions, fd: int, key: bytes, page: int
+    ) -> _Opened | None:
+        """Open the sealed page in ``fd`` (a whole file's size) into host page ``page``
+        by decrypting it straight from the mapped file (``mapped``); None when it cannot
+        be mapped here (then it is read). Raises ``OSError`` when reading it fails."""
+        page_bytes = regions.page_bytes
+        with mapped(fd, page_bytes + regions.header_bytes) as data:
+            if data is None:
+                return None
+            header = bytes(data[page_bytes:])
+            fault = regions.check_header(header, key)
+            if fault is None:
+                payload = data[:page_bytes]
+                try:
+                    fault = regions.land(header, page, payload, self.verify_checksum)
+                finally:
+                    payload.release()  # the mapping closes only once no view is left
+            return _Opened(fault)
+
+    @contextlib.contextmanager
+    def _framer(
+        self, regions: PageRegions, keys: Sequence[bytes], pages: list[int]
+    ) -> Iterator[Callable[[int], Framed | None]]:
+        """Page ``i`` of a batch framed (``PageRegions.frame``), asked for in order. Sealed
+        pages are sealed ahead on the sealer's threads while the caller writes the one
+        before (``SealWorkers.ahead``), each into a staging slot of the calling thread's
+        that stays untouched until the caller asks for a later page."""
+        if regions.sealer is None:
+            yield lambda i: regions.frame(pages[i], keys[i])
+            return
+        workers = regions.sealer.workers
+        slots = workers.workers + 1
+        staging = regions.staging_for(slots)
+        with workers.ahead(
+            lambda i: regions.frame(pages[i], keys[i], regions.page_slice(staging, i % slots)),
+            len(pages),
+        ) as framed_page:
+            yield framed_page
+
     def _write_page(
-        self, regions: PageRegions, name: str, key: bytes, page: int, tenant: str | None,
+        self, regions: PageRegions, name: str, framed: Framed | None, tenant: str | None,
         keep: frozenset[str],
     ) -> FailureReason | None:
-        """Store host page ``page`` as ``tenant``'s ``name`` (evicting none of ``keep``
-        for the tenant's quota); the failure reason, or None."""
+        """Store ``framed`` (a host page's frame; None: its tenant has no key) as
+        ``tenant``'s ``name`` (evicting none of ``keep`` for the tenant's quota); the
+        failure reason, or None."""
         file_bytes = regions.header_bytes + regions.page_bytes
         if file_bytes > self.max_bytes:
             return FailureReason.OVER_CAPACITY
@@ -501,7 +596,6 @@ class FileBackend(StorageBackend):
                 return FailureReason.IO_ERROR
             self._named_tenants.add(tenant)
         # Sealed for the call's tenant (``current_tenant``), the one named here.
-        framed = regions.frame(page, key, regions.staging_for(1))
         if framed is None:
             return FailureReason.NO_KEY
         payload, header = framed

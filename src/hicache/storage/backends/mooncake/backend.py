@@ -47,11 +47,14 @@ bytes and copies them into the client's local buffer first).
 
 Sealed pages (``--l3-encryption-keys``, ``storage.sealing``): a page's ciphertext
 cannot be put from the page itself, so it is sealed into a second registered
-staging area (``SEAL_STAGING_BYTES`` per slot) and put from there, a batch in
-parts of half that area, the helper thread sealing the next part into one half
-while Mooncake puts the last from the other; headers are 64 bytes. Reads
-land the ciphertext in the host page as plain reads do, and the helper thread
-opens (decrypts in place) what it would otherwise hash.
+staging area (``SEAL_STAGING_BYTES`` per slot, or two pages per sealer thread when
+more) and put from there, a batch in parts of half that area, the helper thread
+sealing the next part into one half (its pages side by side on the sealer's threads,
+``seal_workers``) while Mooncake puts the last from the other; headers are 64 bytes.
+Reads land the ciphertext in the host page as plain reads do, and the helper thread
+opens (decrypts in place, a part's pages side by side on the sealer's threads) what it
+would otherwise hash; a page opened beside the first failure is counted too when its
+object was bad (it was removed).
 
 Checksums cost a pass over every page, which the backend keeps in the CPU's
 cache (``cache_steps``): a batch moves in steps of about half the
@@ -155,12 +158,14 @@ from hicache.storage.call_tenant import call_tenant, current_tenant
 from hicache.storage.failure_reasons import CountedReason, FailureReason
 from hicache.storage.frame import (
     SEALED_HEADER_BYTES,
+    Fault,
     length_fault,
     object_name,
     pack_header_into,
 )
 from hicache.storage.options import read_settings
 from hicache.storage.page_regions import PageRegions
+from hicache.storage.seal_workers import SealWorkers
 from hicache.storage.tenant_pages import TenantPages
 
 logger = logging.getLogger(__name__)
@@ -225,9 +230,14 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         self._check_attachable(self._client is not None)
         regions = PageRegions(host, self.sealer)
         if self.sealer is not None:
-            # Pages per part: half the area (two parts are in flight, _put_sealed).
+            # Pages per part: half the area (two parts are in flight, _put_sealed), and
+            # at least one page for each of the sealer's threads.
             self._sealed_pages = min(
-                MAX_BATCH_PAGES, max(1, SEAL_STAGING_BYTES // (2 * regions.page_bytes))
+                MAX_BATCH_PAGES,
+                max(
+                    1, self.sealer.workers.workers,
+                    SEAL_STAGING_BYTES // (2 * regions.page_bytes),
+                ),
             )
             self._sealed = np.zeros(
                 (_STAGING_SLOTS, 2 * self._sealed_pages * regions.page_bytes), dtype=np.uint8
@@ -339,6 +349,8 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                     return verify_for_tenant(part, codes)
 
             def verify_for_tenant(part: range, codes: list[int]) -> int:
+                if regions.sealer is not None:
+                    return open_sealed(part, codes, regions.sealer.workers)
                 for i, code in zip(part, codes, strict=True):
                     reason = self._check_read(
                         client, regions, names[i], keys[i], pages[i], code, expected,
@@ -353,7 +365,39 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                         self._pages.touch(names[i])
                 return len(part)
 
-            parts = self._parts(len(keys), regions.page_bytes, hashing)
+            def open_sealed(part: range, codes: list[int], workers: SealWorkers) -> int:
+                """verify_for_tenant for sealed pages: opened side by side on the sealer's
+                threads; a page opened beside the first failure is counted too when its
+                object was bad (it was removed), not when it was only missing."""
+
+                def check(item: tuple[int, int]) -> CountedReason | None:
+                    i, code = item
+                    return self._check_read(
+                        client, regions, names[i], keys[i], pages[i], code, expected,
+                        base + i * _SLOT_BYTES,
+                    )
+
+                reasons = workers.ordered(
+                    check, list(zip(part, codes, strict=True)),
+                    stop=lambda reason: reason is not None,
+                )
+                good = next(
+                    (k for k, reason in enumerate(reasons) if reason is not None), len(reasons)
+                )
+                for k, (i, reason) in enumerate(zip(part, reasons, strict=False)):
+                    with self._lock:
+                        if reason is None:
+                            self._pages.touch(names[i])
+                        else:
+                            self._pages.remove(names[i])
+                    if reason is not None and (k == good or isinstance(reason, Fault)):
+                        self._fail(reason)
+                return good
+
+            parts = self._parts(
+                len(keys), regions.page_bytes, hashing,
+                1 if regions.sealer is None else regions.sealer.workers.workers,
+            )
             num_read = self._read_ahead(parts, read, verify)
         self._count_read(num_read, regions.page_bytes, began)
         return num_read
@@ -475,9 +519,10 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         client, regions, keys, pages, names = (
             batch.client, batch.regions, batch.keys, batch.pages, batch.names
         )
-        assert self._sealed is not None and regions.sealer is not None
+        sealer = regions.sealer
+        assert self._sealed is not None and sealer is not None
         tenant = current_tenant()  # the helper thread seals for it
-        if regions.sealer.ring.write_key(tenant) is None:
+        if sealer.ring.write_key(tenant) is None:
             self._fail(FailureReason.NO_KEY)
             return
         page_bytes, header_bytes = regions.page_bytes, regions.header_bytes
@@ -495,19 +540,20 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                 """Where part ``part``'s ciphertext starts in the area (alternate halves)."""
                 return (part.start // per_part) % 2 * per_part * page_bytes
 
+            def seal(j: int, part: range) -> None:
+                i = todo[j]
+                offset = half(part) + (j - part.start) * page_bytes
+                framed = regions.frame(pages[i], keys[i], area_view[offset : offset + page_bytes])
+                assert framed is not None, "the tenant's key was checked"
+                slot_offset = base + j * _SLOT_BYTES
+                self._staging_view[slot_offset : slot_offset + header_bytes] = framed[1]
+
             def pack(part: range) -> None:
+                # The part's pages side by side on the sealer's threads.
                 with call_tenant(tenant):
-                    for j in part:
-                        i = todo[j]
-                        offset = half(part) + (j - part.start) * page_bytes
-                        framed = regions.frame(
-                            pages[i], keys[i], area_view[offset : offset + page_bytes]
-                        )
-                        assert framed is not None, "the tenant's key was checked"
-                        slot_offset = base + j * _SLOT_BYTES
-                        self._staging_view[slot_offset : slot_offset + header_bytes] = (
-                            framed[1]
-                        )
+                    sealer.workers.ordered(
+                        lambda j: seal(j, part), list(part), stop=lambda _: False
+                    )
 
             def put(part: range) -> bool:
                 chosen = [todo[j] for j in part]
@@ -646,12 +692,16 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         return buffers, [object_sizes] * len(pages)
 
     @staticmethod
-    def _parts(count: int, page_bytes: int, hashing: bool) -> list[range]:
+    def _parts(count: int, page_bytes: int, hashing: bool, min_pages: int = 1) -> list[range]:
         """Split a batch of ``count`` pages into the chunks it is moved in (see _read_ahead):
-        one when nothing is hashed here (a chunk would only add a call)."""
+        one when nothing is hashed here (a chunk would only add a call); chunks of at least
+        ``min_pages`` pages where the batch has them (one per sealer thread, to open side
+        by side)."""
         if not hashing:
             return [range(count)]
-        chunks = max(1, min(count, count * page_bytes // PIPELINE_CHUNK_BYTES))
+        chunks = max(
+            1, min(count // max(1, min_pages), count * page_bytes // PIPELINE_CHUNK_BYTES)
+        )
         bounds = [round(k * count / chunks) for k in range(chunks + 1)]
         return [range(bounds[k], bounds[k + 1]) for k in range(chunks)]
 
