@@ -7,6 +7,9 @@ its lock.
 
 Invariants: an object name belongs to one tenant at a time; ``bytes_of(t)`` is the sum
 of the sizes of ``t``'s names; each tenant's order runs from least to most recently used.
+A name added with its write time (``written_s``) is also in its tenant's write order,
+oldest write first, until it is removed (``expired`` reads that order: a TTL counted
+from the write, for stores that set no expiry of their own).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class TenantPages:
         self._orders: dict[str | None, OrderedDict[str, int]] = {}
         self._tenant: dict[str, str | None] = {}
         self._bytes: dict[str | None, int] = {}
+        # Write times (monotonic seconds) per tenant, oldest write first.
+        self._writes: dict[str | None, OrderedDict[str, float]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._tenant
@@ -32,12 +37,16 @@ class TenantPages:
     def __len__(self) -> int:
         return len(self._tenant)
 
-    def add(self, name: str, tenant: str | None, size: int) -> None:
-        """Record ``name`` as ``tenant``'s, the most recently used (replacing any record)."""
+    def add(self, name: str, tenant: str | None, size: int,
+            written_s: float | None = None) -> None:
+        """Record ``name`` as ``tenant``'s, the most recently used (replacing any record);
+        ``written_s``: when it was written (monotonic), for ``expired``."""
         self.remove(name)
         self._tenant[name] = tenant
         self._orders.setdefault(tenant, OrderedDict())[name] = size
         self._bytes[tenant] = self._bytes.get(tenant, 0) + size
+        if written_s is not None:
+            self._writes.setdefault(tenant, OrderedDict())[name] = written_s
 
     def remove(self, name: str) -> tuple[str | None, int] | None:
         """Forget ``name``; its (tenant, size), or None when it was not recorded."""
@@ -49,7 +58,33 @@ class TenantPages:
         self._bytes[tenant] -= size
         if not order:
             del self._orders[tenant], self._bytes[tenant]
+        writes = self._writes.get(tenant)
+        if writes is not None and writes.pop(name, None) is not None and not writes:
+            del self._writes[tenant]
         return tenant, size
+
+    def expired(self, tenant: str | None, ttl_s: float, now_s: float) -> list[str]:
+        """Forget ``tenant``'s names written more than ``ttl_s`` before ``now_s``, and
+        return them (for the caller to delete from its store). O(expired names)."""
+        victims: list[str] = []
+        writes = self._writes.get(tenant)
+        while writes:
+            name, written = next(iter(writes.items()))
+            if now_s - written <= ttl_s:
+                break  # written in order: the rest are younger
+            victims.append(name)
+            self.remove(name)
+            writes = self._writes.get(tenant)
+        return victims
+
+    def is_expired(self, name: str, ttl_s: float, now_s: float) -> bool:
+        """Whether recorded ``name`` was written more than ``ttl_s`` before ``now_s``
+        (False when it is not recorded or its write time is unknown)."""
+        if name not in self._tenant:
+            return False
+        writes = self._writes.get(self._tenant[name])
+        written = None if writes is None else writes.get(name)
+        return written is not None and now_s - written > ttl_s
 
     def tenant_of(self, name: str) -> str | None:
         """The tenant of a recorded ``name`` (KeyError when it is not recorded)."""
@@ -114,3 +149,4 @@ class TenantPages:
         self._orders.clear()
         self._tenant.clear()
         self._bytes.clear()
+        self._writes.clear()

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.storage.backends.mooncake.backend import MooncakeBackend
 from hicache.storage.base import StorageBackend
+from hicache.storage.call_tenant import call_tenant
 from hicache.tenancy.quotas import parse_tenant_quotas
 from tests.l3_caches import make_l3_cache
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures, used by name
@@ -34,6 +36,7 @@ from tests.tenant_l3_checks import (
     check_tenants_are_isolated_and_read_back_exactly,
     found,
     keys_of,
+    object_bytes,
     put,
     with_quotas,
 )
@@ -71,6 +74,33 @@ def test_tenants_are_isolated(open_backend: OpenBackend) -> None:
 
 def test_purge_removes_one_tenants_pages(open_backend: OpenBackend) -> None:
     check_purge_removes_one_tenants_pages_of_every_instance(open_backend)
+
+
+def test_a_tenants_ttl_removes_what_this_instance_wrote_past_it(
+    open_backend: OpenBackend,
+) -> None:
+    first, second = open_backend("acme l3_ttl=600\n"), open_backend(None)
+    assert isinstance(first, MooncakeBackend)
+    now = [1000.0]
+    first.clock = lambda: now[0]
+    size = object_bytes(first)
+    acme, other = keys_of("acme", 2), keys_of("other", 1)
+    assert put(first, "acme", acme) == 2
+    assert put(first, "other", other) == 1
+    now[0] += 599.0  # within the TTL: found
+    assert found(first, "acme", acme) == [True, True]
+    now[0] += 2.0  # past it: a miss from the first page on, for lookups and reads alike
+    assert found(first, "acme", acme) == [False, False]
+    with call_tenant("acme"):
+        assert first.get(acme, np.arange(2)) == 0
+    # The tenant's next backup removes every object of its past the TTL from the store
+    # (another instance finds none of them), and no other tenant's.
+    fresh = keys_of("acme", 1, start=100)
+    assert put(first, "acme", fresh) == 1
+    assert found(second, "acme", acme) == [False, False]
+    assert found(second, "acme", fresh) == [True]
+    assert found(second, "other", other) == [True]
+    assert first.tenant_usage() == {"acme": size, "other": size}
 
 
 def test_clear_removes_every_tenants_objects(open_backend: OpenBackend) -> None:

@@ -40,3 +40,22 @@ def test_evict_for_forgets_the_tenants_oldest_until_the_batch_fits() -> None:
     # Nothing of its own may go: what fits is what is left of the quota.
     victims, fits = pages.evict_for("acme", 5, 10, 40, keep={"a1", "a3"})
     assert (victims, fits) == ([], 2)
+
+
+def test_expired_forgets_a_tenants_writes_past_the_ttl_oldest_first() -> None:
+    pages = TenantPages()
+    pages.add("a1", "a", 10, written_s=100.0)
+    pages.add("b1", "b", 10, written_s=100.0)
+    pages.add("a2", "a", 10, written_s=150.0)
+    pages.add("a3", "a", 10)  # no write time: never expires by TTL
+    pages.touch("a1")  # a read does not make a write younger
+    assert not pages.is_expired("a1", 60.0, 160.0) and pages.is_expired("a1", 60.0, 161.0)
+    assert not pages.is_expired("a3", 60.0, 1e9) and not pages.is_expired("zz", 60.0, 1e9)
+    assert pages.expired("a", 60.0, 161.0) == ["a1"]
+    assert pages.bytes_of("a") == 20 and pages.bytes_of("b") == 10  # b's own TTL is b's
+    pages.add("a2", "a", 10, written_s=200.0)  # written again: its age starts again
+    assert pages.expired("a", 60.0, 230.0) == []
+    assert pages.expired("a", 60.0, 261.0) == ["a2"]
+    assert pages.names("a") == ["a3"]
+    pages.remove("b1")
+    assert pages.expired("b", 1.0, 1e9) == []

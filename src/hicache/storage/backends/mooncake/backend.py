@@ -110,9 +110,11 @@ instance wrote them. With ``--tenant-quotas``:
   same batch; the pages that still do not fit are refused ("tenant_quota_full"). It
   cannot count other instances' writes nor see the master's own evictions (a page found
   missing on read is forgotten): several instances bound a tenant by the sum of theirs.
-- ``l3_ttl=``: not enforced. The Mooncake client sets no expiry per object (its lease
-  TTL only guards reads in flight); the master's eviction under memory pressure is the
-  only retention.
+- ``l3_ttl=``: enforced on the objects *this instance* wrote, from their write: one
+  found past it on a lookup or a read is a miss from there on and removed, and at each
+  backup of the tenant every one past it is removed. The master has no expiry per object
+  (its lease TTL only guards reads in flight), so another instance's objects go by their
+  writer's TTL, or the master's eviction under memory pressure.
 ``tenant_usage`` reports the per-instance counts.
 A namespace nested in a tenant (``tenancy.names.within_tenant``: a salt under it, an extra
 key inside its salt) is named under the tenant's prefix, so ``purge_tenant(t)`` removes it
@@ -222,7 +224,9 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         # Sealing: [slot, pages * page bytes] of ciphertext, made at attach.
         self._sealed: np.ndarray | None = None
         self._sealed_pages = 0
-        # The objects this instance wrote, by tenant (quotas, usage). Guarded by self._lock.
+        # What l3_ttl= is counted with (monotonic seconds; tests set their own).
+        self.clock: Callable[[], float] = time.monotonic
+        # The objects this instance wrote, by tenant (quotas, usage, TTL). Guarded by self._lock.
         self._pages = TenantPages()
 
     # ------------------------------------------------------------ lifecycle
@@ -303,7 +307,10 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         if not keys:
             return 0
         names = self._names(keys, regions, current_tenant())
-        codes = self._call(client, len(keys), lambda store: store.batch_is_exist(names))
+        names = names[: self._unexpired(client, current_tenant(), names)]
+        if not names:
+            return 0
+        codes = self._call(client, len(names), lambda store: store.batch_is_exist(names))
         if codes is None:
             return 0
         for i, code in enumerate(codes):
@@ -311,15 +318,20 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                 if code < 0:
                     self._fail(failure_reason(code))
                 return i
-        return len(keys)
+        return len(names)
 
     def get(self, keys: Sequence[bytes], host_pages: PageIds) -> int:
         client, regions = self._ready(keys, host_pages)
         if not keys:
             return 0
         began = time.perf_counter()
-        pages = np.asarray(host_pages).tolist()
         names = self._names(keys, regions, current_tenant())
+        live = self._unexpired(client, current_tenant(), names)
+        if live < len(names):  # a page past its tenant's TTL: a miss from there on
+            keys, host_pages, names = keys[:live], host_pages[:live], names[:live]
+            if not live:
+                return 0
+        pages = np.asarray(host_pages).tolist()
         expected = regions.page_bytes + regions.header_bytes
         num_read = 0
         with self._staging_slot() as slot:
@@ -451,6 +463,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
     def _begin_put(self, keys: Sequence[bytes], host_pages: PageIds) -> _MooncakePut:
         client, regions = self._ready(keys, host_pages)
         tenant = current_tenant()
+        self._remove_expired(client, tenant)
         return _MooncakePut(
             keys, np.asarray(host_pages).tolist(), regions.page_bytes, client, regions,
             self._names(keys, regions, tenant), tenant,
@@ -588,7 +601,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             if code == 0:
                 num_written += 1
                 with self._lock:
-                    self._pages.add(names[i], batch.tenant, object_bytes)
+                    self._pages.add(names[i], batch.tenant, object_bytes, self.clock())
             if code in (0, OBJECT_ALREADY_EXISTS):  # or another instance stored it meanwhile
                 stored[i] = True
         # The first page left unstored is counted by its code (a call that could not be
@@ -805,6 +818,38 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             return int(client.store.get_size(name))
         except Exception:
             return None
+
+    def _ttl_s(self, tenant: str | None) -> float | None:
+        return None if self.tenant_quotas is None else self.tenant_quotas.l3_ttl_s(tenant)
+
+    def _remove_expired(self, client: MooncakeClient, tenant: str | None) -> None:
+        """Remove ``tenant``'s objects this instance wrote longer ago than its
+        ``l3_ttl=`` (at each backup of the tenant: the master has no expiry of its own)."""
+        ttl = self._ttl_s(tenant)
+        if ttl is None:
+            return
+        with self._lock:
+            victims = self._pages.expired(tenant, ttl, self.clock())
+        if victims and client.usable():
+            for name in victims:
+                self._remove(client, name)
+
+    def _unexpired(self, client: MooncakeClient, tenant: str | None, names: list[str]) -> int:
+        """How many leading ``names`` are within their tenant's ``l3_ttl=`` (as far as this
+        instance knows their writes); the first one past it is removed: a miss."""
+        ttl = self._ttl_s(tenant)
+        if ttl is None:
+            return len(names)
+        now = self.clock()
+        with self._lock:
+            stale = next((i for i, name in enumerate(names)
+                          if self._pages.is_expired(name, ttl, now)), None)
+            if stale is None:
+                return len(names)
+            self._pages.remove(names[stale])
+        if client.usable():
+            self._remove(client, names[stale])
+        return stale
 
     def _drop(self, keys: Sequence[bytes]) -> None:
         client, regions = self._ready(keys)
