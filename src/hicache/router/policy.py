@@ -1,6 +1,6 @@
 """Routing policies: which worker a request goes to, and why.
 
-Four policies (``--policy``), each a small strategy object behind
+Five policies (``--policy``), each a small strategy object behind
 :func:`build_policy`:
 
 - ``round_robin``: the next worker in turn.
@@ -23,6 +23,9 @@ Four policies (``--policy``), each a small strategy object behind
   ``tier_costs="measured"`` a page from the host saves ``1 - TierCosts.host``
   of a page's prefill and one from the shared pool ``1 - TierCosts.external``,
   from what that worker measured (``router.tier_costs``).
+
+- ``predicted_ttft`` (``ttft_policy.py``): each worker's predicted time to first token,
+  in seconds, from its live cost model and the router's ledger of its queue.
 
 Lower logits win; ties go to fewer active requests, then registration order.
 
@@ -79,6 +82,7 @@ class PolicyName(str, Enum):
     LEAST_LOAD = "least_load"
     CACHE_AWARE = "cache_aware"
     TIER_AWARE = "tier_aware"
+    PREDICTED_TTFT = "predicted_ttft"  # router.ttft_policy
 
 
 class TierCostMode(str, Enum):
@@ -352,6 +356,11 @@ def build_policy(
         return LeastLoadPolicy(index, config)
     if kind is PolicyName.CACHE_AWARE:
         return CacheAwarePolicy(index, config)
+    if kind is PolicyName.PREDICTED_TTFT:
+        # Imported here: ttft_policy builds on this module's tier_aware.
+        from hicache.router.ttft_policy import PredictedTTFTPolicy
+
+        return PredictedTTFTPolicy(index, config, shared, costs)
     return TierAwarePolicy(index, config, shared, costs)
 
 
