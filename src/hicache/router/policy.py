@@ -214,6 +214,23 @@ class TierAwarePolicy(_Policy):
     async def choose(self, request: RouteRequest, token_ids: Sequence[int]) -> RouteDecision:
         _check(request)
         page = _page_size(request)
+        overlaps, hits, outcome = await self._lookup(request, token_ids)
+        logits = {
+            w.url: self.logit(request, w, overlaps[w.url], hits, page) for w in request.workers
+        }
+        chosen = _lowest(request.workers, logits)
+        return RouteDecision(
+            worker=chosen, policy=self.name, logits=logits, overlaps=overlaps,
+            shared_hits=None if hits is None else sum(hits),
+            shared_beyond=0 if hits is None else hits_beyond(hits, overlaps[chosen].gpu),
+            shared_outcome=None if outcome is None else outcome.value,
+        )
+
+    async def _lookup(
+        self, request: RouteRequest, token_ids: Sequence[int],
+    ) -> tuple[dict[str, TierOverlap], list[bool] | None, SharedQueryOutcome | None]:
+        """The index's overlaps, and the shared pool's flags (None: not asked, late or
+        failed) with how its query ended."""
         began = time.monotonic()
         query: asyncio.Future[Sequence[bool]] | None = None
         # The shared pool is named by the workers' default-tenant key seed: a tenant's L3
@@ -229,16 +246,7 @@ class TierAwarePolicy(_Policy):
                     query.exception()
             raise
         hits, outcome = await self._hits(query, began, len(request.page_hashes))
-        logits = {
-            w.url: self.logit(request, w, overlaps[w.url], hits, page) for w in request.workers
-        }
-        chosen = _lowest(request.workers, logits)
-        return RouteDecision(
-            worker=chosen, policy=self.name, logits=logits, overlaps=overlaps,
-            shared_hits=None if hits is None else sum(hits),
-            shared_beyond=0 if hits is None else hits_beyond(hits, overlaps[chosen].gpu),
-            shared_outcome=None if outcome is None else outcome.value,
-        )
+        return overlaps, hits, outcome
 
     def logit(
         self, request: RouteRequest, worker: WorkerLoad, overlap: TierOverlap,

@@ -33,14 +33,13 @@ terms; the proxy enters ``own_s`` in that worker's ledger.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Final
 
 from hicache.engine.reuse_plan import CostSnapshot, ReuseSituation, plan_reuse
 from hicache.router.live_costs import resolve_costs
-from hicache.router.policy import PolicyName, TierAwarePolicy, _check, _page_size, _start_query
+from hicache.router.policy import PolicyName, TierAwarePolicy, _check, _page_size
 from hicache.router.types import RouteDecision, RouteRequest, TierOverlap, WorkerLoad
 
 # Predictions closer than this (seconds) are a tie: the model is not that exact.
@@ -97,19 +96,7 @@ class PredictedTTFTPolicy(TierAwarePolicy):
     async def choose(self, request: RouteRequest, token_ids: Sequence[int]) -> RouteDecision:
         _check(request)
         page = _page_size(request)
-        began = time.monotonic()
-        query = None
-        if self.shared is not None and request.page_hashes and request.tenant is None:
-            query = await _start_query(self.shared, request.page_hashes, token_ids)
-        try:
-            overlaps = self.index.overlaps(request.page_hashes, [w.url for w in request.workers])
-        except BaseException:
-            if query is not None:
-                query.cancel()
-                if not query.cancelled():
-                    query.exception()
-            raise
-        hits, outcome = await self._hits(query, began, len(request.page_hashes))
+        overlaps, hits, outcome = await self._lookup(request, token_ids)
         terms: dict[str, TTFTTerms] = {}
         fallbacks: dict[str, tuple[str, ...]] = {}
         for worker in request.workers:
