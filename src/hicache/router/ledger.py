@@ -9,8 +9,11 @@ before it starts.
 
 ``queued_s`` is the predicted prefill of the entries still waiting for their first
 token, less the time since the queue last moved (an entry joined an empty queue, or
-one got its first token): the worker has been working on that queue meanwhile. It is
-never negative, and 0 with nothing pending.
+one got its first token): the worker has been working on that queue meanwhile. What
+is taken off never exceeds the oldest waiting entry's prediction: that one has not
+produced its first token, so the worker has not finished even it, and a prediction
+that came out short must not empty the queue behind it. It is never negative, and 0
+with nothing pending.
 
 Invariants: an entry is counted at most once in ``pending`` and once in
 ``decoding``; ``first_token`` and ``close`` are idempotent, in any order (a close
@@ -46,7 +49,8 @@ class PrefillLedger:
         """Predicted seconds before a prefill sent now would start."""
         if not self._pending:
             return 0.0
-        worked = self._clock() - self._moved_at
+        oldest = next(iter(self._pending.values()))  # dicts keep the order of admission
+        worked = min(self._clock() - self._moved_at, oldest)
         return max(0.0, sum(self._pending.values()) - worked)
 
     @property

@@ -68,3 +68,12 @@ def test_an_idle_worker_starts_on_a_new_entry_when_it_arrives() -> None:
     assert ledger.queued_s() == pytest.approx(1.0)
     assert ledger.admit(-3.0) is not None  # a negative prediction counts as nothing
     assert ledger.queued_s() == pytest.approx(1.0)
+
+
+def test_a_prediction_that_came_out_short_does_not_empty_the_queue_behind_it() -> None:
+    clock = Clock()
+    ledger = PrefillLedger(clock)
+    ledger.admit(1.0)
+    ledger.admit(3.0)
+    clock.now += 10.0  # the first is late: the worker has not even finished it
+    assert ledger.queued_s() == pytest.approx(3.0)
