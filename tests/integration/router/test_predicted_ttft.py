@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.router.index import PageIndex
 from hicache.router.policy import ScoringConfig, build_policy
+from tests.abandoned_clients import held_request, leave
 from tests.router_fakes import FakeWorker, fake_workers
 from tests.router_fixtures import RunningRouter, running_router
 from tests.waiting import wait_until
@@ -79,18 +80,24 @@ def test_the_ledger_holds_a_request_until_its_first_byte_and_frees_a_client_gone
     # queue gauge shows it until the ledger lets it go.
     worker = FakeWorker(extra_info=fit(10.0), answer_delay_s=30.0)
     with fake_workers(worker) as urls, running_router(urls, policy=policy()) as router:
-        with pytest.raises(httpx.ReadTimeout):
-            # The client gives up before the (non-streamed) answer: its request leaves.
-            router.post("/generate", json={"input_ids": IDS, "tag": "gone"}, timeout=0.5)
+        # A non-streamed request the worker holds: queued until its client leaves.
+        sock = held_request(router.url, "/generate", {"input_ids": IDS, "tag": "gone"})
+        assert wait_until(lambda: len(worker.requests) == 1)
+        assert queued(router)[0] > 50.0  # 100 s predicted, less at most what has passed
+        leave(sock)
         assert wait_until(lambda: worker.cancelled == ["gone"])
         assert wait_until(lambda: queued(router) == [0.0])
         assert router.workers()[urls[0]]["active_requests"] == 0
-        # A streamed one: queued while the worker holds it, gone at its first byte.
-        worker.answer_delay_s = 0.0
+        # A streamed one leaves the queue at its first byte, while its answer still streams
+        # (the worker waits 30 s between chunks), and the worker's requests with its end.
+        worker.stream_delay_s = 30.0
         with httpx.stream("POST", f"{router.url}/generate", timeout=10,
                           json={"input_ids": IDS, "stream": True}) as response:
-            next(response.iter_raw())
+            chunks = response.iter_raw()  # kept: a dropped iterator closes the response
+            next(chunks)
             assert wait_until(lambda: queued(router) == [0.0])
+            assert router.workers()[urls[0]]["active_requests"] == 1
+        assert wait_until(lambda: router.workers()[urls[0]]["active_requests"] == 0)
         decision = router.get("/decisions", params={"limit": 1}).json()["decisions"][0]
         assert decision["predicted_ttft_s"] == pytest.approx(100.0)
         assert 0 < decision["measured_ttft_s"] < 100.0
