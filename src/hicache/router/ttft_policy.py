@@ -26,6 +26,10 @@ announced. A worker whose costs are not measured yet is priced with the median o
 the others', else conservative defaults (``live_costs.resolve_costs``); the decision
 names the figures it filled (``RouteDecision.fallbacks``).
 
+What the ledger cannot see: requests that reached a worker another way (another router,
+a client calling it directly), and the prefill of a prefill-decode router (the PD proxy
+enters nothing). The workers report no queue in seconds, so those are not priced.
+
 The lowest prediction wins (to the microsecond); ties go to fewer requests in flight,
 then registration order. The decision carries the chosen worker's prediction and its
 terms; the proxy enters ``own_s`` in that worker's ledger.
