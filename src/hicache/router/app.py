@@ -7,6 +7,7 @@
     POST /abort_request                                     every healthy or draining one
     POST /hicache/hints                                     where each prefix is (``hints``)
     GET  /health, /get_server_info, /metrics                the router's own
+    GET  /decisions?limit=N                                 the last N decisions (``decisions``)
     GET/POST/DELETE /workers                                the worker list (admin)
 
 A routed request's JSON body is read once: its prompt is hashed into pages
@@ -39,6 +40,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from hicache import __version__
+from hicache.router.decisions import DEFAULT_LIMIT, MAX_DECISIONS
 from hicache.router.fan_out import fan_out_answer
 from hicache.router.hints import HINTS_PATH, forward_hints, metric_labels
 from hicache.router.hints import parse_body as parse_hints
@@ -46,7 +48,7 @@ from hicache.router.history import RequestHistory
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.prompt import PromptKind, PromptTokenizer, body_cache_key, prompt_pages
 from hicache.router.proxy import Proxy
-from hicache.router.settings import RouterSettings, SettingsError, check_worker_url
+from hicache.router.settings import PolicyName, RouterSettings, SettingsError, check_worker_url
 from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
 from hicache.router.warm import JoinWarmer
 from hicache.router.workers import WorkerError, WorkerInfo, WorkerRegistry
@@ -154,8 +156,10 @@ def create_router_app(
     history = RequestHistory()
     warmer = JoinWarmer(history, client, settings.warm_on_join_timeout_s,
                         settings.admin_api_key)
+    # A policy that prices with the workers' live cost models has them probed.
     registry = WorkerRegistry(index, client, health_interval_s=settings.health_interval_s,
-                              tier_costs=tier_costs, warmer=warmer)
+                              tier_costs=tier_costs, warmer=warmer,
+                              live_costs=policy.name == PolicyName.PREDICTED_TTFT.value)
     metrics = RouterMetrics(registry, index.num_pages, warmer=warmer)
     state = RouterState(
         settings=settings, index=index, policy=policy, workers=registry,
@@ -205,7 +209,8 @@ def create_router_app(
         ids, hashes = await run_in_threadpool(prompt_pages, kind, body, tokenizer,
                                               reference.page_size, tenant)
         response = await state.proxy.route(request.url.path, raw, request.headers, ids,
-                                           hashes, multiplier, request.receive, tenant)
+                                           hashes, multiplier, request.receive, tenant,
+                                           stream=body.get("stream") is True)
         # A prompt a worker took is worth warming a joining worker with; a tenant's only
         # with its credentials, which the router does not keep: the default tenant's only.
         if response.status_code == 200 and tenant is None:
@@ -312,6 +317,14 @@ def create_router_app(
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:
         return Response(get_router_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/decisions")
+    async def decisions(request: Request, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+        """The last ``limit`` (<= 1024) routing decisions, predicted and measured TTFT."""
+        if not 0 <= limit <= MAX_DECISIONS:
+            raise APIError(400, f"limit must be in 0..{MAX_DECISIONS}, got {limit}",
+                           param="limit")
+        return {"decisions": get_router_state(request).proxy.decisions.last(limit)}
 
     @app.get("/workers")
     async def list_workers(request: Request) -> dict[str, Any]:

@@ -17,7 +17,17 @@ on to another worker; the draining workers are the ``router_worker_draining``
 gauge). Forwarded cache hints are counted by kind and outcome (``router_hints_total``).
 Warm-on-join (``warm.py``): ``router_warms_total{outcome}``, the tokens
 warmed ``router_warm_tokens_total``, and the ``router_worker_warming`` gauge.
-A ``worker`` label never carries the credentials of a
+The predicted_ttft policy's cost model is checked here: ``router_predicted_ttft_seconds``
+(each decision's prediction for its chosen worker), ``router_measured_ttft_seconds`` (the
+time from sending a streamed request to its first body byte) and
+``router_ttft_prediction_error_seconds`` (measured minus predicted, per streamed request:
+positive when the router was optimistic; its buckets are signed, so Prometheus gives it no
+``_sum``) with ``router_ttft_prediction_ratio`` (measured over predicted: its mean is the
+model's bias whatever the prompts' lengths), all labelled by policy; a request that does not
+stream gets a prediction but no measurement (its first byte is its last: TTFT would be
+its whole time, ``decisions.py``). ``router_worker_queued_prefill_seconds{worker}`` is
+each worker's ledger (``ledger.py``): the predicted prefill still ahead of a request sent
+there now. A ``worker`` label never carries the credentials of a
 worker's URL (``credentials.redact``).
 Each router owns its registry, so several in one process (tests) never clash.
 """
@@ -49,6 +59,11 @@ DECISION_BUCKETS_S = (
 )
 RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 PAGE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Measured minus predicted: symmetric, so under- and over-prediction read alike.
+ERROR_BUCKETS_S = (-10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.025, 0.0, 0.025, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 # TierOverlap's field for each tier name, top tier first.
 _TIER_FIELDS = dict(zip(TIERS, ("gpu", "host", "external"), strict=True))
 
@@ -114,6 +129,25 @@ class RouterMetrics:
             "(scored from the index alone; the answer is kept for the next decisions), failed "
             "(the pool could not answer)", ["outcome"], registry=r,
         )
+        self.predicted_ttft = Histogram(
+            "router_predicted_ttft_seconds", "the chosen worker's predicted time to first "
+            "token, per decision", ["policy"], buckets=TTFT_BUCKETS_S, registry=r,
+        )
+        self.measured_ttft = Histogram(
+            "router_measured_ttft_seconds", "time from sending a streamed request to a "
+            "worker to its answer's first byte", ["policy"], buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft_error = Histogram(
+            "router_ttft_prediction_error_seconds", "measured minus predicted time to first "
+            "token of a streamed request (positive: slower than predicted)", ["policy"],
+            buckets=ERROR_BUCKETS_S, registry=r,
+        )
+        self.ttft_ratio = Histogram(
+            "router_ttft_prediction_ratio", "measured over predicted time to first token of "
+            "a streamed request (above 1: slower than predicted)", ["policy"],
+            buckets=RATIO_BUCKETS, registry=r,
+        )
         r.register(_LiveState(workers, indexed_pages, warmer))
 
     def sent(self, worker_url: str) -> None:
@@ -141,6 +175,18 @@ class RouterMetrics:
         if decision.shared_hits is not None and num_pages > 0:
             self.shared_hit_rate.observe(decision.shared_hits / num_pages)
             self.shared_beyond.observe(decision.shared_beyond)
+        if decision.predicted_ttft_s is not None:
+            self.predicted_ttft.labels(policy=decision.policy).observe(decision.predicted_ttft_s)
+
+    def observe_first_token(self, decision: RouteDecision, measured_s: float) -> None:
+        """A streamed request's first byte came back ``measured_s`` after it was sent."""
+        self.measured_ttft.labels(policy=decision.policy).observe(measured_s)
+        if decision.predicted_ttft_s is not None:
+            self.ttft_error.labels(policy=decision.policy).observe(
+                measured_s - decision.predicted_ttft_s)
+            if decision.predicted_ttft_s > 0:
+                self.ttft_ratio.labels(policy=decision.policy).observe(
+                    measured_s / decision.predicted_ttft_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -161,6 +207,10 @@ class _LiveState(Collector):
                                      labels=["worker"])
         active = GaugeMetricFamily("router_worker_active_requests",
                                    "requests in flight at the worker", labels=["worker"])
+        queued = GaugeMetricFamily("router_worker_queued_prefill_seconds",
+                                   "predicted prefill seconds the router sent the worker that "
+                                   "have not produced a first token yet, less what it worked "
+                                   "off since", labels=["worker"])
         warming = GaugeMetricFamily("router_worker_warming", "1 while the worker that joined "
                                     "is warmed from L3 (routed to only as a last resort)",
                                     labels=["worker"])
@@ -180,12 +230,14 @@ class _LiveState(Collector):
             up.add_metric([label], 1.0 if worker.healthy else 0.0)
             draining.add_metric([label], 1.0 if worker.draining else 0.0)
             active.add_metric([label], worker.active_requests)
+            queued.add_metric([label], worker.ledger.queued_s())
             warming.add_metric([label], 1.0 if worker.warming else 0.0)
             for name, family in counters.items():
                 family.add_metric([label], getattr(worker.event_counts, name))
         yield up
         yield draining
         yield active
+        yield queued
         yield warming
         yield from counters.values()
         yield GaugeMetricFamily("router_indexed_pages", "pages the index holds",

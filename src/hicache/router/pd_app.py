@@ -43,7 +43,7 @@ from hicache.router.pd_pools import NullIndex, PDPools, create_decode_chooser
 from hicache.router.pd_proxy import PDProxy
 from hicache.router.prompt import PromptKind, PromptTokenizer, body_cache_key, prompt_pages
 from hicache.router.proxy import Proxy
-from hicache.router.settings import RouterSettings
+from hicache.router.settings import PolicyName, RouterSettings
 from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
 from hicache.router.workers import Worker, WorkerInfo, WorkerRegistry
 from hicache.server.body_limit import BodyLimitMiddleware
@@ -83,7 +83,10 @@ def create_pd_router_app(
     )
     interval = settings.health_interval_s
     pools = PDPools(
-        prefill=WorkerRegistry(index, client, health_interval_s=interval, tier_costs=tier_costs),
+        # predicted_ttft prices the prefill instances with their live cost models (no
+        # ledger here: the PD proxy enters nothing, so their queues read empty).
+        prefill=WorkerRegistry(index, client, health_interval_s=interval, tier_costs=tier_costs,
+                               live_costs=policy.name == PolicyName.PREDICTED_TTFT.value),
         decode=WorkerRegistry(NullIndex(), client, health_interval_s=interval),
         bootstrap_ports=PDPools.bootstrap_map(settings.prefill),
     )

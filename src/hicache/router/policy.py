@@ -1,6 +1,6 @@
 """Routing policies: which worker a request goes to, and why.
 
-Four policies (``--policy``), each a small strategy object behind
+Five policies (``--policy``), each a small strategy object behind
 :func:`build_policy`:
 
 - ``round_robin``: the next worker in turn.
@@ -23,6 +23,9 @@ Four policies (``--policy``), each a small strategy object behind
   ``tier_costs="measured"`` a page from the host saves ``1 - TierCosts.host``
   of a page's prefill and one from the shared pool ``1 - TierCosts.external``,
   from what that worker measured (``router.tier_costs``).
+
+- ``predicted_ttft`` (``ttft_policy.py``): each worker's predicted time to first token,
+  in seconds, from its live cost model and the router's ledger of its queue.
 
 Lower logits win; ties go to fewer active requests, then registration order.
 
@@ -79,6 +82,7 @@ class PolicyName(str, Enum):
     LEAST_LOAD = "least_load"
     CACHE_AWARE = "cache_aware"
     TIER_AWARE = "tier_aware"
+    PREDICTED_TTFT = "predicted_ttft"  # router.ttft_policy
 
 
 class TierCostMode(str, Enum):
@@ -210,6 +214,23 @@ class TierAwarePolicy(_Policy):
     async def choose(self, request: RouteRequest, token_ids: Sequence[int]) -> RouteDecision:
         _check(request)
         page = _page_size(request)
+        overlaps, hits, outcome = await self._lookup(request, token_ids)
+        logits = {
+            w.url: self.logit(request, w, overlaps[w.url], hits, page) for w in request.workers
+        }
+        chosen = _lowest(request.workers, logits)
+        return RouteDecision(
+            worker=chosen, policy=self.name, logits=logits, overlaps=overlaps,
+            shared_hits=None if hits is None else sum(hits),
+            shared_beyond=0 if hits is None else hits_beyond(hits, overlaps[chosen].gpu),
+            shared_outcome=None if outcome is None else outcome.value,
+        )
+
+    async def _lookup(
+        self, request: RouteRequest, token_ids: Sequence[int],
+    ) -> tuple[dict[str, TierOverlap], list[bool] | None, SharedQueryOutcome | None]:
+        """The index's overlaps, and the shared pool's flags (None: not asked, late or
+        failed) with how its query ended."""
         began = time.monotonic()
         query: asyncio.Future[Sequence[bool]] | None = None
         # The shared pool is named by the workers' default-tenant key seed: a tenant's L3
@@ -225,16 +246,7 @@ class TierAwarePolicy(_Policy):
                     query.exception()
             raise
         hits, outcome = await self._hits(query, began, len(request.page_hashes))
-        logits = {
-            w.url: self.logit(request, w, overlaps[w.url], hits, page) for w in request.workers
-        }
-        chosen = _lowest(request.workers, logits)
-        return RouteDecision(
-            worker=chosen, policy=self.name, logits=logits, overlaps=overlaps,
-            shared_hits=None if hits is None else sum(hits),
-            shared_beyond=0 if hits is None else hits_beyond(hits, overlaps[chosen].gpu),
-            shared_outcome=None if outcome is None else outcome.value,
-        )
+        return overlaps, hits, outcome
 
     def logit(
         self, request: RouteRequest, worker: WorkerLoad, overlap: TierOverlap,
@@ -352,6 +364,11 @@ def build_policy(
         return LeastLoadPolicy(index, config)
     if kind is PolicyName.CACHE_AWARE:
         return CacheAwarePolicy(index, config)
+    if kind is PolicyName.PREDICTED_TTFT:
+        # Imported here: ttft_policy builds on this module's tier_aware.
+        from hicache.router.ttft_policy import PredictedTTFTPolicy
+
+        return PredictedTTFTPolicy(index, config, shared, costs)
     return TierAwarePolicy(index, config, shared, costs)
 
 

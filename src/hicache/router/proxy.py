@@ -33,6 +33,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from hicache.router.credentials import redact
+from hicache.router.decisions import DecisionLog
 from hicache.router.drain import MAX_REFUSAL_BYTES, is_draining_refusal, says_retry_now
 from hicache.router.metrics import RouterMetrics
 from hicache.router.types import RouteDecision, RouteRequest, RoutingPolicy
@@ -62,12 +63,13 @@ class UpstreamResponse(StreamingResponse):
 
     ``head`` and ``raw``: when the caller already read the answer's first bytes (the PD
     proxy waits for them), those bytes and the iterator the rest comes from. ``metrics``
-    and ``worker``: where a client leaving mid-answer, or the worker failing, is counted."""
+    and ``worker``: where a client leaving mid-answer, or the worker failing, is counted.
+    ``on_first_byte``: called once, as the answer's first body byte goes to the client."""
 
     def __init__(
         self, upstream: httpx.Response, on_close: Callable[[], None], *, head: bytes = b"",
         raw: AsyncIterator[bytes] | None = None, metrics: RouterMetrics | None = None,
-        worker: str = "",
+        worker: str = "", on_first_byte: Callable[[], None] | None = None,
     ) -> None:
         self._raw = raw if raw is not None else upstream.aiter_raw()
         super().__init__(self._raw, status_code=upstream.status_code,
@@ -77,6 +79,7 @@ class UpstreamResponse(StreamingResponse):
         self._head = head
         self._metrics = metrics
         self._worker = worker
+        self._on_first_byte = on_first_byte
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -107,10 +110,18 @@ class UpstreamResponse(StreamingResponse):
 
     async def _pump(self, send: Send) -> None:
         if self._head:
+            self._first_byte()
             await send({"type": "http.response.body", "body": self._head, "more_body": True})
         async for chunk in self._raw:
+            if chunk:
+                self._first_byte()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _first_byte(self) -> None:
+        callback, self._on_first_byte = self._on_first_byte, None
+        if callback is not None:
+            callback()
 
     @staticmethod
     async def _watch(receive: Receive) -> None:
@@ -146,14 +157,16 @@ class Proxy:
         self._metrics = metrics
         self._client = client
         self._timeout = httpx.Timeout(request_timeout_s, connect=min(request_timeout_s, 5.0))
+        self.decisions = DecisionLog()  # GET /decisions
 
     async def route(
         self, path: str, content: bytes, headers: Mapping[str, str], token_ids: list[int],
         hashes: list[int], shared_cache_multiplier: float | None, receive: Receive,
-        tenant: str | None = None,
+        tenant: str | None = None, stream: bool = False,
     ) -> UpstreamResponse:
         """POST ``content`` to the policy's choice among healthy workers, next choice on a
-        failure before any answer; APIError(503) when none is left."""
+        failure before any answer; APIError(503) when none is left. ``stream``: the
+        client asked for a streamed answer (its first byte is its first token)."""
         tried: list[str] = []
         while True:
             # Warming workers only when no other is left (``WorkerRegistry.routable``).
@@ -171,7 +184,8 @@ class Proxy:
             self._metrics.observe_decision(decision, len(hashes), time.perf_counter() - started)
             worker = self._chosen(decision, candidates)
             response = await self._try(worker, "POST", path, content, headers,
-                                       pages=len(hashes), receive=receive)
+                                       pages=len(hashes), receive=receive,
+                                       decision=decision, stream=stream)
             if response is not None:
                 return response
             tried.append(worker.url)
@@ -235,12 +249,17 @@ class Proxy:
     async def _try(
         self, worker: Worker, method: str, path: str, content: bytes,
         headers: Mapping[str, str], *, pages: int, receive: Receive,
+        decision: RouteDecision | None = None, stream: bool = False,
     ) -> UpstreamResponse | None:
         """The worker's answer (its status and headers in; body still to stream), or None
         when it failed before answering. A client leaving meanwhile (a non-streamed answer
-        comes only when it is whole) drops the request to the worker too."""
+        comes only when it is whole) drops the request to the worker too. ``decision``:
+        the routing decision it was sent on: its predicted prefill enters the worker's
+        ledger until the first byte (or the end, however it comes)."""
         worker.active_requests += 1
         worker.active_prompt_pages += pages
+        entry = None if decision is None else worker.ledger.admit(decision.predicted_prefill_s)
+        logged = None if decision is None else self.decisions.record(decision, stream)
         released = False
 
         def release() -> None:
@@ -249,6 +268,16 @@ class Proxy:
                 released = True
                 worker.active_requests -= 1
                 worker.active_prompt_pages -= pages
+                if entry is not None:
+                    entry.close()
+
+        def first_byte() -> None:
+            if entry is None or decision is None:
+                return
+            measured = entry.first_token()
+            if measured is not None and stream and logged is not None:
+                logged["measured_ttft_s"] = measured
+                self._metrics.observe_first_token(decision, measured)
 
         request = self._client.build_request(
             method, f"{worker.url}{path}", content=content or None,
@@ -296,7 +325,7 @@ class Proxy:
         self._metrics.sent(worker.url)
         await self._workers.answered(worker.url, upstream.status_code)  # a 5xx is a failure
         return UpstreamResponse(upstream, release, head=head, raw=rest, metrics=self._metrics,
-                                worker=worker.url)
+                                worker=worker.url, on_first_byte=first_byte)
 
     @staticmethod
     async def _read_refusal(upstream: httpx.Response,

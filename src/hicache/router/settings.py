@@ -27,6 +27,8 @@ class PolicyName(str, enum.Enum):
     LEAST_LOAD = "least_load"
     CACHE_AWARE = "cache_aware"  # device overlap only: Dynamo's default KV routing
     TIER_AWARE = "tier_aware"  # Dynamo's shared-cache routing: every tier, and the shared pool
+    # Each worker's predicted TTFT from its live costs and the router's ledger of its queue.
+    PREDICTED_TTFT = "predicted_ttft"
 
 
 class SharedCacheType(str, enum.Enum):

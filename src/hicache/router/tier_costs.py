@@ -85,7 +85,7 @@ _HOST_LOAD: Final = (("cache_num_loaded_pages", "cache_load_seconds"),
                      ("hicache_l2_loaded_pages_total", "hicache_l2_load_seconds_total"))
 
 # The live estimates' keys in internal_states; /metrics names them with the prefix,
-# a label's value read as the key's tail (see ``_prometheus_samples``).
+# a label's value read as the key's tail (see ``prometheus_samples``).
 _PREFILL_PER_TOKEN: Final = f"cost_prefill_seconds_per_token_context_{REFERENCE_CONTEXT}"
 _L2_LATENCY: Final = "cost_l2_load_latency_seconds"
 _L2_PER_PAGE: Final = "cost_l2_load_seconds_per_page"
@@ -108,7 +108,7 @@ def worker_figures(server_info: Mapping[str, Any], metrics_text: str | None) -> 
     states = server_info.get("internal_states")
     if isinstance(states, list) and states and isinstance(states[0], Mapping):
         counters = states[0]
-    samples = _prometheus_samples(metrics_text) if metrics_text else {}
+    samples = prometheus_samples(metrics_text) if metrics_text else {}
     page_size = server_info.get("page_size")
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
         page_size = None
@@ -117,7 +117,8 @@ def worker_figures(server_info: Mapping[str, Any], metrics_text: str | None) -> 
 
     def pair(keys: tuple[tuple[str, str], tuple[str, str]]) -> tuple[float, float] | None:
         for source, (count_key, seconds_key) in zip((counters, samples), keys, strict=True):
-            count, seconds = _number(source.get(count_key)), _number(source.get(seconds_key))
+            count = finite_number(source.get(count_key))
+            seconds = finite_number(source.get(seconds_key))
             if count is not None and seconds is not None and count > 0 and seconds > 0:
                 return count, seconds
         return None
@@ -139,12 +140,13 @@ def worker_figures(server_info: Mapping[str, Any], metrics_text: str | None) -> 
 
 
 def _prefill_rate_estimate(source: Mapping[str, Any]) -> float | None:
-    per_token = _number(source.get(_PREFILL_PER_TOKEN))
+    per_token = finite_number(source.get(_PREFILL_PER_TOKEN))
     return 1.0 / per_token if per_token is not None and per_token > 0 else None
 
 
 def _host_load_estimate(source: Mapping[str, Any]) -> float | None:
-    latency, per_page = _number(source.get(_L2_LATENCY)), _number(source.get(_L2_PER_PAGE))
+    latency = finite_number(source.get(_L2_LATENCY))
+    per_page = finite_number(source.get(_L2_PER_PAGE))
     if latency is None or per_page is None or latency < 0 or per_page < 0:
         return None
     return (latency + REFERENCE_PAGES * per_page) / REFERENCE_PAGES
@@ -153,7 +155,7 @@ def _host_load_estimate(source: Mapping[str, Any]) -> float | None:
 def _l3_read_estimate(source: Mapping[str, Any]) -> float | None:
     """The slowest attached backend's predicted reference read, per page: the router
     cannot tell which backend a page would come from."""
-    reads = [_number(value) for key, value in source.items() if key.startswith(_L3_REFERENCE)]
+    reads = [finite_number(value) for key, value in source.items() if key.startswith(_L3_REFERENCE)]
     known = [seconds for seconds in reads if seconds is not None and seconds >= 0]
     return max(known) / REFERENCE_PAGES if known else None
 
@@ -189,7 +191,7 @@ def _per_page(pair: tuple[float, float] | None) -> float | None:
     return pair[1] / pair[0]
 
 
-def _number(value: Any) -> float | None:
+def finite_number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
@@ -199,7 +201,7 @@ def _unit(value: float) -> float:
     return min(1.0, max(0.0, value))
 
 
-def _prometheus_samples(text: str) -> dict[str, float]:
+def prometheus_samples(text: str) -> dict[str, float]:
     """Samples by name (what the figures need): unlabelled ones under their name, those
     with one label under ``<name>_<label>_<value>``, the engine's key for a labelled
     cost series (``server.metrics``); a malformed text gives what parsed before the

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hicache.engine.reuse_plan import CostSnapshot
 from hicache.events.messages import KVEventBatch
 
 # Tiers from the top; overlap in a tier is the longest prefix of the request's
@@ -27,6 +28,13 @@ class WorkerLoad:
     url: str
     active_requests: int = 0  # proxied and not finished
     decode_blocks: float = 0.0  # pages being decoded there (Dynamo's decode_blocks term)
+    # The router's ledger (``router.ledger``): predicted seconds of prefill it sent there
+    # that have not produced a first token yet, and its requests past their first token.
+    queued_prefill_s: float = 0.0
+    decoding_requests: int = 0
+    # The worker's live cost model as it last reported it (``router.live_costs``); None:
+    # not measured (the predicted_ttft policy then prices it from the other workers').
+    costs: CostSnapshot | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,18 @@ class RouteDecision:
     shared_beyond: int = 0  # shared pages past the chosen worker's device prefix
     # How the shared pool's query ended (policy.SharedQueryOutcome's values); None: not asked.
     shared_outcome: str | None = None
+    # predicted_ttft only: the chosen worker's predicted TTFT and its parts, in seconds
+    # (``ttft_policy.TTFTTerms``'s fields), and where a cost was not that worker's own
+    # measurement (``"<figure>=median"`` or ``"<figure>=default"``).
+    predicted_ttft_s: float | None = None
+    terms: Mapping[str, float] = field(default_factory=dict)
+    fallbacks: tuple[str, ...] = ()
+
+    @property
+    def predicted_prefill_s(self) -> float:
+        """The chosen worker's own time for this request's prefill, the router's ledger
+        entry for it (0 when the policy predicts nothing)."""
+        return self.terms.get("own_s", 0.0)
 
 
 class TierIndex(Protocol):

@@ -46,6 +46,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import zmq.asyncio
 
+from hicache.engine.reuse_plan import CostSnapshot
 from hicache.router.credentials import redact
 from hicache.router.drain import is_draining_health
 from hicache.router.health import (
@@ -56,6 +57,8 @@ from hicache.router.health import (
     signal_of_error,
     signal_of_status,
 )
+from hicache.router.ledger import PrefillLedger
+from hicache.router.live_costs import worker_cost_snapshot
 from hicache.router.settings import normalize_worker_url
 from hicache.router.subscriber import EventEndpoints, EventSubscriber, SubscriberCounts
 from hicache.router.tier_costs import measured_tier_costs
@@ -252,6 +255,10 @@ class Worker:
     # Kept across subscribers (a worker going down and back): the metrics are totals.
     event_counts: SubscriberCounts = field(default_factory=SubscriberCounts)
     health: WorkerHealth = field(default_factory=WorkerHealth)
+    # The prefill the proxy sent there, in predicted seconds, until each first token.
+    ledger: PrefillLedger = field(default_factory=PrefillLedger)
+    # Its live cost model as last probed (only for a policy that prices with it).
+    live_costs: CostSnapshot | None = None
 
     @property
     def url(self) -> str:
@@ -266,7 +273,9 @@ class Worker:
         return "draining" if self.draining else "down"
 
     def load(self) -> WorkerLoad:
-        return WorkerLoad(self.url, self.active_requests, float(self.active_prompt_pages))
+        return WorkerLoad(self.url, self.active_requests, float(self.active_prompt_pages),
+                          queued_prefill_s=self.ledger.queued_s(),
+                          decoding_requests=self.ledger.decoding, costs=self.live_costs)
 
 
 class WorkerRegistry:
@@ -279,6 +288,7 @@ class WorkerRegistry:
         self, index: TierIndex, client: httpx.AsyncClient, *, health_interval_s: float,
         zmq_context: zmq.asyncio.Context | None = None,
         tier_costs: dict[str, TierCosts] | None = None, warmer: JoinWarmer | None = None,
+        live_costs: bool = False,
     ) -> None:
         self._index = index
         # Warms joining workers (None or disabled: a joining worker is routable at once).
@@ -287,6 +297,9 @@ class WorkerRegistry:
         # With --tier-costs measured: each worker's costs, refreshed from its
         # /get_server_info and /metrics at every successful probe (the policy reads them).
         self._tier_costs = tier_costs
+        # For predicted_ttft: each worker's live cost model (``Worker.live_costs``), read
+        # from the same answers at every successful probe.
+        self._live_costs = live_costs
         self._client = client
         self._health_interval_s = health_interval_s
         self._probe_timeout_s = min(health_interval_s, MAX_PROBE_TIMEOUT_S)
@@ -339,6 +352,8 @@ class WorkerRegistry:
         # the router) but not routed to until its /health answers 200.
         draining = info.server_info.get("draining") is True
         worker = Worker(info, healthy=not draining, draining=draining)
+        if self._live_costs:  # what discovery saw, until the first probe
+            worker.live_costs = worker_cost_snapshot(info.server_info, None)
         self._workers[info.url] = worker
         self._start_events(worker)
         logger.info("worker %s added%s: model %r, page size %d, KV events %s", info.url,
@@ -488,12 +503,13 @@ class WorkerRegistry:
             # It exited. Other answers (an error, a timeout) while it drains are its
             # shutting down, and no failure: it stays draining.
             await self.mark_down(worker.url, detail)
-        if self._tier_costs is not None and worker.healthy and signal is Signal.ANSWERED:
+        measuring = self._tier_costs is not None or self._live_costs
+        if measuring and worker.healthy and signal is Signal.ANSWERED:
             await self._measure_costs(worker)
 
     async def _measure_costs(self, worker: Worker) -> None:
-        """Refresh ``worker``'s measured tier costs; on any failure keep the last ones."""
-        assert self._tier_costs is not None
+        """Refresh ``worker``'s measured tier costs and live cost model; on any failure
+        keep the last ones."""
         try:
             info = await self._client.get(f"{worker.url}/get_server_info",
                                           timeout=self._probe_timeout_s)
@@ -502,7 +518,10 @@ class WorkerRegistry:
             body = info.json() if info.status_code == 200 else {}
             text = metrics.text if metrics.status_code == 200 else None
             if isinstance(body, dict) and self._workers.get(worker.url) is worker:
-                self._tier_costs[worker.url] = measured_tier_costs(body, text)
+                if self._tier_costs is not None:
+                    self._tier_costs[worker.url] = measured_tier_costs(body, text)
+                if self._live_costs:
+                    worker.live_costs = worker_cost_snapshot(body, text)
         except (httpx.HTTPError, ValueError) as error:
             logger.debug("worker %s: tier costs not refreshed: %s", worker.url, error)
 

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from hicache.router.live_costs import worker_cost_snapshot
 from hicache.router.tier_costs import REFERENCE_CONTEXT, REFERENCE_PAGES
 from hicache.router.types import TierCosts
 from tests.router_fakes import FakeWorker, fake_workers
@@ -116,3 +117,21 @@ def test_a_real_workers_costs_come_from_its_cost_model(tmp_path: Path) -> None:
             assert wait_until(lambda: worker.url in costs, timeout_s=30)
             assert costs[worker.url].host == pytest.approx(expected.host, rel=1e-6)
             assert costs[worker.url].external == pytest.approx(expected.external, rel=1e-6)
+
+        # predicted_ttft reads the same fit whole, from either source alike.
+        info = httpx.get(f"{worker.url}/get_server_info", timeout=TIMEOUT).json()
+        text = httpx.get(f"{worker.url}/metrics", timeout=TIMEOUT).text
+        from_info = worker_cost_snapshot(info, None)
+        from_metrics = worker_cost_snapshot({"page_size": info["page_size"]}, text)
+        coefficients = block["prefill"]["coefficients"]
+        for snapshot in (from_info, from_metrics):
+            assert snapshot.prefill is not None
+            assert snapshot.prefill.seconds_per_token == pytest.approx(
+                coefficients["seconds_per_token"], rel=1e-6)
+            assert snapshot.prefill.seconds_per_pair == pytest.approx(
+                coefficients["seconds_per_pair"], rel=1e-6)
+            assert snapshot.load_s(REFERENCE_PAGES) == pytest.approx(
+                block["l2_load"]["reference_load_seconds"], rel=1e-6)
+            assert snapshot.read_s(REFERENCE_PAGES) == pytest.approx(
+                block["l3"]["file"]["reference_read_seconds"], rel=1e-6)
+        assert from_info.chunk_tokens == info["chunked_prefill_size"]

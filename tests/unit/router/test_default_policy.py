@@ -19,7 +19,8 @@ def _info(**extra: Any) -> Any:
         "page_size": 4, "served_model_name": "m", "model_path": "/m", **extra})
 
 
-@pytest.mark.parametrize("name", ["round_robin", "least_load", "cache_aware", "tier_aware"])
+@pytest.mark.parametrize("name", ["round_robin", "least_load", "cache_aware", "tier_aware",
+                                  "predicted_ttft"])
 def test_the_flag_names_the_policy(name: str) -> None:
     settings = RouterSettings(policy=PolicyName(name))
     policy = build_default_policy(PageIndex(), settings, [_info()], {})

@@ -1,0 +1,49 @@
+"""The router's last routing decisions, for ``GET /decisions?limit=N``.
+
+Each routed request's decision: a sequence number, the chosen worker (its URL without
+credentials), the policy, the predicted TTFT and its terms (predicted_ttft only), the
+figures priced from other workers or defaults, whether the request streamed, and,
+once its first byte came back, the measured TTFT. Measured is the time from sending
+the request to the worker to its answer's first body byte; for a request that does
+not stream that byte comes with the whole answer (a time to last token), so it is
+kept apart (``"stream": false``) and kept out of the TTFT histograms (``metrics.py``).
+
+Invariant: at most ``MAX_DECISIONS`` are kept, the oldest dropped first; the log
+lives on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from typing import Any, Final
+
+from hicache.router.credentials import redact
+from hicache.router.types import RouteDecision
+
+MAX_DECISIONS: Final = 1024
+DEFAULT_LIMIT: Final = 100
+
+
+class DecisionLog:
+    def __init__(self, capacity: int = MAX_DECISIONS) -> None:
+        self._entries: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self._ids = itertools.count(1)
+
+    def record(self, decision: RouteDecision, stream: bool) -> dict[str, Any]:
+        """Log a decision; the returned entry takes the measured TTFT later."""
+        entry: dict[str, Any] = {
+            "id": next(self._ids), "time": time.time(), "worker": redact(decision.worker),
+            "policy": decision.policy, "stream": stream,
+            "predicted_ttft_s": decision.predicted_ttft_s, "terms": dict(decision.terms),
+            "fallbacks": list(decision.fallbacks), "measured_ttft_s": None,
+        }
+        self._entries.append(entry)
+        return entry
+
+    def last(self, limit: int) -> list[dict[str, Any]]:
+        """The newest ``limit`` decisions, newest last."""
+        if limit <= 0:
+            return []
+        return list(itertools.islice(reversed(self._entries), limit))[::-1]

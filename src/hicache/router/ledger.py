@@ -1,0 +1,99 @@
+"""One worker's in-flight prefill work as the router sent it, in predicted seconds.
+
+The proxy ``admit``s each request it sends with the prefill time the policy predicted
+for it there (``RouteDecision.predicted_prefill_s``; 0 for a policy that predicts
+nothing), and tells the entry when the answer's first byte came back (``first_token``)
+and when the request ended in any way (``close``: whole, failed, client gone). The
+predicted_ttft policy reads ``queued_s``: how long a prefill sent there now waits
+before it starts.
+
+``queued_s`` is the predicted prefill of the entries still waiting for their first
+token, less the time since the queue last moved (an entry joined an empty queue, or
+one got its first token): the worker has been working on that queue meanwhile. What
+is taken off never exceeds the oldest waiting entry's prediction: that one has not
+produced its first token, so the worker has not finished even it, and a prediction
+that came out short must not empty the queue behind it. It is never negative, and 0
+with nothing pending.
+
+Invariants: an entry is counted at most once in ``pending`` and once in
+``decoding``; ``first_token`` and ``close`` are idempotent, in any order (a close
+before the first token frees the entry's prefill seconds), so no path (failure,
+retry, client disconnect) leaks seconds into the queue. Everything runs on the
+router's event loop: no locks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+
+class PrefillLedger:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._pending: dict[int, float] = {}  # entry id -> predicted prefill seconds
+        self._decoding: set[int] = set()
+        self._ids = itertools.count()
+        self._moved_at = clock()  # when the pending queue last moved
+
+    def admit(self, predicted_s: float) -> LedgerEntry:
+        """A request sent to the worker, predicted to take ``predicted_s`` of prefill."""
+        entry_id = next(self._ids)
+        if not self._pending:
+            self._moved_at = self._clock()  # an idle worker starts on it now
+        self._pending[entry_id] = max(0.0, predicted_s)
+        return LedgerEntry(self, entry_id, self._clock())
+
+    def queued_s(self) -> float:
+        """Predicted seconds before a prefill sent now would start."""
+        if not self._pending:
+            return 0.0
+        oldest = next(iter(self._pending.values()))  # dicts keep the order of admission
+        worked = min(self._clock() - self._moved_at, oldest)
+        return max(0.0, sum(self._pending.values()) - worked)
+
+    @property
+    def prefilling(self) -> int:
+        return len(self._pending)
+
+    @property
+    def decoding(self) -> int:
+        """Requests past their first token, not yet ended (the worker decodes them)."""
+        return len(self._decoding)
+
+    def _first_token(self, entry_id: int) -> None:
+        if self._pending.pop(entry_id, None) is not None:
+            self._moved_at = self._clock()
+            self._decoding.add(entry_id)
+
+    def _close(self, entry_id: int) -> None:
+        if self._pending.pop(entry_id, None) is not None:
+            self._moved_at = self._clock()
+        self._decoding.discard(entry_id)
+
+
+class LedgerEntry:
+    """One request's place in its worker's ledger."""
+
+    def __init__(self, ledger: PrefillLedger, entry_id: int, admitted_at: float) -> None:
+        self._ledger = ledger
+        self._id = entry_id
+        self.admitted_at = admitted_at
+        self.first_token_s: float | None = None  # seconds from admission to the first byte
+        self.closed = False
+
+    def first_token(self) -> float | None:
+        """The first byte came back: its prefill is done. The measured seconds since
+        admission the first time; None on a repeat or after ``close``."""
+        if self.first_token_s is not None or self.closed:
+            return None
+        self.first_token_s = self._ledger._clock() - self.admitted_at
+        self._ledger._first_token(self._id)
+        return self.first_token_s
+
+    def close(self) -> None:
+        """The request ended (whole, failed or abandoned): out of the ledger."""
+        if not self.closed:
+            self.closed = True
+            self._ledger._close(self._id)

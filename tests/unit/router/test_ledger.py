@@ -1,0 +1,79 @@
+"""The router's per-worker ledger of in-flight prefill: what it queues, what frees it,
+and that no path (failure, disconnect, repeat) leaks seconds into the queue."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.router.ledger import PrefillLedger
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_sent_then_first_token_then_done() -> None:
+    clock = Clock()
+    ledger = PrefillLedger(clock)
+    first = ledger.admit(2.0)
+    second = ledger.admit(1.0)
+    assert ledger.queued_s() == pytest.approx(3.0)
+    assert (ledger.prefilling, ledger.decoding) == (2, 0)
+    clock.now += 0.5  # the worker has worked half a second on its queue
+    assert ledger.queued_s() == pytest.approx(2.5)
+    clock.now += 1.5
+    assert first.first_token() == pytest.approx(2.0)
+    assert ledger.queued_s() == pytest.approx(1.0)  # the queue moved: counted afresh
+    assert (ledger.prefilling, ledger.decoding) == (1, 1)
+    first.close()
+    assert (ledger.prefilling, ledger.decoding) == (1, 0)
+    clock.now += 5.0  # later than predicted: never below zero
+    assert ledger.queued_s() == 0.0
+    assert second.first_token() == pytest.approx(7.0)
+    second.close()
+    assert (ledger.prefilling, ledger.decoding, ledger.queued_s()) == (0, 0, 0.0)
+
+
+def test_a_failure_or_a_client_gone_before_the_first_token_frees_the_entry() -> None:
+    ledger = PrefillLedger(Clock())
+    failed, gone, kept = ledger.admit(1.0), ledger.admit(2.0), ledger.admit(4.0)
+    failed.close()  # the worker failed before answering
+    gone.close()  # the client left
+    assert ledger.queued_s() == pytest.approx(4.0)
+    assert gone.first_token() is None  # a byte after the close changes nothing
+    assert (ledger.prefilling, ledger.decoding) == (1, 0)
+    kept.close()
+    assert (ledger.prefilling, ledger.decoding, ledger.queued_s()) == (0, 0, 0.0)
+
+
+def test_repeats_are_idempotent() -> None:
+    ledger = PrefillLedger(Clock())
+    entry = ledger.admit(1.0)
+    assert entry.first_token() is not None
+    assert entry.first_token() is None
+    entry.close()
+    entry.close()
+    assert (ledger.prefilling, ledger.decoding) == (0, 0)
+
+
+def test_an_idle_worker_starts_on_a_new_entry_when_it_arrives() -> None:
+    clock = Clock()
+    ledger = PrefillLedger(clock)
+    clock.now += 60.0  # idle a minute: that is no work done on what comes next
+    ledger.admit(1.0)
+    assert ledger.queued_s() == pytest.approx(1.0)
+    assert ledger.admit(-3.0) is not None  # a negative prediction counts as nothing
+    assert ledger.queued_s() == pytest.approx(1.0)
+
+
+def test_a_prediction_that_came_out_short_does_not_empty_the_queue_behind_it() -> None:
+    clock = Clock()
+    ledger = PrefillLedger(clock)
+    ledger.admit(1.0)
+    ledger.admit(3.0)
+    clock.now += 10.0  # the first is late: the worker has not even finished it
+    assert ledger.queued_s() == pytest.approx(3.0)
