@@ -71,7 +71,7 @@ from hicache.testing.server_process import ServerStartError
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "least_load", "cache_aware", "tier_aware")
+POLICIES = ("round_robin", "least_load", "cache_aware", "tier_aware", "predicted_ttft")
 DEFAULT_POLICIES = ("round_robin", "cache_aware", "tier_aware")
 
 # Default sizes: SmolLM2 (serve's default model) on a few CPU cores, a few minutes a policy.

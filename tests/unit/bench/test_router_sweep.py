@@ -237,3 +237,10 @@ def test_contenders_are_the_default_policy_the_asked_ones_and_sglang(tmp_path: P
                      "--balance-abs-threshold 16")
     assert [c.name for c in router_sweep.contenders(two)][-3:] == [
         "sglang", "sglang-tuned-1", "sglang-tuned-2"]
+
+
+def test_the_bench_knows_every_router_policy() -> None:
+    from hicache.bench.router_bench import POLICIES
+    from hicache.router.policy import PolicyName
+
+    assert set(POLICIES) == {policy.value for policy in PolicyName}
