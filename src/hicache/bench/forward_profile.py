@@ -23,6 +23,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -44,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", type=int, default=1024, help="cold prompt tokens")
     parser.add_argument("--chunk", type=int, default=256,
                         help="prefill chunk in tokens (0: the whole prompt in one step)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batches")
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 8],
+                        help="decode batches (none: the prompt alone)")
     parser.add_argument("--context", type=int, default=512, help="decode context tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--page-size", type=int, default=16)
@@ -121,14 +123,25 @@ def _step(model: CausalLM, pool: DevicePool, batch: ForwardBatch) -> Callable[[]
     return lambda: model.forward(batch, pool)
 
 
-def _timed(run: Callable[[], object], repeats: int) -> float:
+class Timing(NamedTuple):
+    """Medians over the timed runs: wall seconds, and CPU seconds of the process (every
+    thread's). On a machine other work shares, CPU time varies far less than wall time
+    (it leaves out the time the forward's threads waited for a core, though not the
+    spinning of OpenMP workers waiting at a barrier): compare settings by it there."""
+
+    wall_s: float
+    cpu_s: float
+
+
+def _timed(run: Callable[[], object], repeats: int) -> Timing:
     run()  # warm-up: oneDNN primitives, the attention kernel's build
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        cpus.append(time.process_time() - cpu)
+        walls.append(time.perf_counter() - wall)
+    return Timing(statistics.median(walls), statistics.median(cpus))
 
 
 def _profiled_shares(run: Callable[[], object]) -> dict[str, float]:
@@ -152,15 +165,18 @@ def main(args: argparse.Namespace) -> int:
     prompt_pages = -(-args.prompt // page)
     decode_pages = -(-(args.context + 8) // page)
     pool = DevicePool(config.kv_geometry(model.dtype),
-                      max(prompt_pages, max(args.batch) * decode_pages), page)
+                      max([prompt_pages] + [b * decode_pages for b in args.batch]), page)
     results = []
 
-    def report(case: str, seconds: float, tokens: int, flops: float,
+    def report(case: str, timing: Timing, tokens: int, flops: float,
                run: Callable[[], object]) -> None:
-        line = (f"{case}: {seconds * 1e3:.1f} ms, {tokens / seconds:.1f} tok/s, "
+        seconds = timing.wall_s
+        line = (f"{case}: {seconds * 1e3:.1f} ms (CPU {timing.cpu_s * 1e3:.1f} ms), "
+                f"{tokens / seconds:.1f} tok/s, "
                 f"GEMMs {flops / 1e9:.1f} GFLOP = {flops / seconds / 1e9:.1f} GFLOP/s overall, "
                 f"weights read at {weight_bytes(model) / seconds / 1e9:.1f} GB/s if once")
-        result: dict[str, object] = {"case": case, "ms": seconds * 1e3, "tokens": tokens,
+        result: dict[str, object] = {"case": case, "ms": seconds * 1e3,
+                                     "cpu_ms": timing.cpu_s * 1e3, "tokens": tokens,
                                      "gemm_gflop": flops / 1e9}
         if args.profile:
             shares = _profiled_shares(run)
