@@ -43,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", default=None, help="default: serve's default model")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--prompt", type=int, default=1024, help="cold prompt tokens")
-    parser.add_argument("--chunk", type=int, default=256,
-                        help="prefill chunk in tokens (0: the whole prompt in one step)")
+    parser.add_argument("--chunk", type=int, nargs="+", default=[256],
+                        help="prefill chunk in tokens (0: the whole prompt in one step); "
+                        "several: each in turn, timed alternately")
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 8],
                         help="decode batches (none: the prompt alone)")
     parser.add_argument("--context", type=int, default=512, help="decode context tokens")
@@ -123,6 +124,11 @@ def _step(model: CausalLM, pool: DevicePool, batch: ForwardBatch) -> Callable[[]
     return lambda: model.forward(batch, pool)
 
 
+def _steps(model: CausalLM, pool: DevicePool,
+           batches: list[ForwardBatch]) -> Callable[[], object]:
+    return lambda: [model.forward(batch, pool) for batch in batches]
+
+
 class Timing(NamedTuple):
     """Medians over the timed runs: wall seconds, and CPU seconds of the process (every
     thread's). On a machine other work shares, CPU time varies far less than wall time
@@ -133,15 +139,22 @@ class Timing(NamedTuple):
     cpu_s: float
 
 
-def _timed(run: Callable[[], object], repeats: int) -> Timing:
-    run()  # warm-up: oneDNN primitives, the attention kernel's build
-    walls, cpus = [], []
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
+def timed_in_turns(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, Timing]:
+    """Each run timed ``repeats`` times, the runs in turns (a machine busier at one moment
+    slows all of them alike), after one untimed warm-up each (oneDNN primitives, the
+    attention kernel's build)."""
+    for run in runs.values():
         run()
-        cpus.append(time.process_time() - cpu)
-        walls.append(time.perf_counter() - wall)
-    return Timing(statistics.median(walls), statistics.median(cpus))
+    walls: dict[str, list[float]] = {name: [] for name in runs}
+    cpus: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            run()
+            cpus[name].append(time.process_time() - cpu)
+            walls[name].append(time.perf_counter() - wall)
+    return {name: Timing(statistics.median(walls[name]), statistics.median(cpus[name]))
+            for name in runs}
 
 
 def _profiled_shares(run: Callable[[], object]) -> dict[str, float]:
@@ -173,8 +186,9 @@ def main(args: argparse.Namespace) -> int:
         seconds = timing.wall_s
         line = (f"{case}: {seconds * 1e3:.1f} ms (CPU {timing.cpu_s * 1e3:.1f} ms), "
                 f"{tokens / seconds:.1f} tok/s, "
-                f"GEMMs {flops / 1e9:.1f} GFLOP = {flops / seconds / 1e9:.1f} GFLOP/s overall, "
-                f"weights read at {weight_bytes(model) / seconds / 1e9:.1f} GB/s if once")
+                f"GEMMs {flops / 1e9:.1f} GFLOP = {flops / seconds / 1e9:.1f} GFLOP/s overall")
+        if case.startswith("decode"):
+            line += f", weights read at {weight_bytes(model) / seconds / 1e9:.1f} GB/s"
         result: dict[str, object] = {"case": case, "ms": seconds * 1e3,
                                      "cpu_ms": timing.cpu_s * 1e3, "tokens": tokens,
                                      "gemm_gflop": flops / 1e9}
@@ -187,24 +201,24 @@ def main(args: argparse.Namespace) -> int:
 
     with torch.inference_mode():
         ids = [(7 * i + 1) % config.vocab_size for i in range(args.prompt)]
-        steps = prompt_chunks(ids, torch.arange(prompt_pages), page, args.chunk)
-
-        def prefill() -> None:
-            for step in steps:
-                model.forward(step, pool)
-
-        report(f"cold prompt {args.prompt} in chunks of {args.chunk or args.prompt}",
-               _timed(prefill, args.repeats), args.prompt,
-               linear_flops(model, args.prompt, len(steps)), prefill)
+        prompts = {
+            f"cold prompt {args.prompt} in chunks of {chunk or args.prompt}":
+                prompt_chunks(ids, torch.arange(prompt_pages), page, chunk)
+            for chunk in args.chunk
+        }
+        prefills = {case: _steps(model, pool, steps) for case, steps in prompts.items()}
+        for case, timing in timed_in_turns(prefills, args.repeats).items():
+            report(case, timing, args.prompt,
+                   linear_flops(model, args.prompt, len(prompts[case])), prefills[case])
         for batch in args.batch:
             table = torch.arange(batch * decode_pages, dtype=torch.int32).view(batch, -1)
             for row in range(batch):  # fill each context's K/V once
-                for step in prompt_chunks(ids[: args.context], table[row], page, args.chunk):
+                for step in prompt_chunks(ids[: args.context], table[row], page, 0):
                     model.forward(step, pool)
             step_of_batch = _step(model, pool, _decode_batch(table, args.context + 1, page))
             report(f"decode B={batch} context {args.context} (weights "
                    f"{weight_bytes(model) / 1e6:.0f} MB a step)",
-                   _timed(step_of_batch, args.repeats), batch,
+                   timed_in_turns({"": step_of_batch}, args.repeats)[""], batch,
                    linear_flops(model, batch, batch), step_of_batch)
     print(f"({torch.get_num_threads()} torch threads, weights "
           f"{'prepacked' if packed else 'plain'}, load average "

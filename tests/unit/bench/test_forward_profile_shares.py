@@ -1,11 +1,11 @@
-"""``hicache bench forward`` splits profiled time by op kind: GEMMs, attention, the rest,
-and what ran outside torch's ops."""
+"""``hicache bench forward`` splits profiled time by op kind (GEMMs, attention, the rest,
+and what ran outside torch's ops) and times the settings it compares in turns."""
 
 from __future__ import annotations
 
 import pytest
 
-from hicache.bench.forward_profile import op_kind, shares_by_kind
+from hicache.bench.forward_profile import op_kind, shares_by_kind, timed_in_turns
 
 
 def test_op_kinds() -> None:
@@ -30,3 +30,12 @@ def test_outside_is_never_negative() -> None:
     # Ops on worker threads can add up to more self time than the wall time.
     shares = shares_by_kind([("aten::mm", 1.5)], wall_s=1.0)
     assert shares["outside"] == 0.0 and shares["linear"] == pytest.approx(1.5)
+
+
+def test_settings_are_timed_in_turns_after_a_warm_up_each() -> None:
+    calls: list[str] = []
+    timings = timed_in_turns({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                             repeats=2)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert set(timings) == {"a", "b"}
+    assert all(t.wall_s >= 0 and t.cpu_s >= 0 for t in timings.values())
