@@ -73,6 +73,12 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
+// Asks for the ``bytes`` from ``start`` ahead of their use, a cache line at a time.
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at);
+}
+
 template <typename T>
 struct Step {
   const T* q;
@@ -112,14 +118,19 @@ void attend(const Step<T>& a, int b, int kh0, int kh1, Scratch& w) {
   }
   const int32_t* pages = a.table + b * a.table_stride;
   const int num_pages = (L + P - 1) / P;
+  // The part of a slot this task reads (its KV heads), in elements from the slot's start.
+  const int64_t part_at = kh0 * a.kv_head;
+  const int64_t part_bytes = ((kh1 - kh0 - 1) * a.kv_head + D) * static_cast<int64_t>(sizeof(T));
   // Pass 1: every score, page by page.
   for (int p = 0; p < num_pages; ++p) {
     const int start = p * P, n = std::min(P, L - start);
     const int64_t base = static_cast<int64_t>(pages[p]) * P;
-    if (p + 1 < num_pages) {  // the next page may lie anywhere: ask for it early
-      __builtin_prefetch(a.k + static_cast<int64_t>(pages[p + 1]) * P * a.kv_slot);
-    }
+    // The next page may lie anywhere, where the hardware's prefetchers cannot guess it:
+    // while slot i is read, slot i of the next page is asked for (the whole page, spread
+    // over this one's slots; one line of it alone measured slower).
+    const int64_t next = p + 1 < num_pages ? static_cast<int64_t>(pages[p + 1]) * P : -1;
     for (int i = 0; i < n; ++i) {
+      if (next >= 0) prefetch(a.k + (next + i) * a.kv_slot + part_at, part_bytes);
       const T* slot = a.k + (base + i) * a.kv_slot;
       for (int kh = kh0; kh < kh1; ++kh) {
         const T* key = slot + kh * a.kv_head;
@@ -152,10 +163,9 @@ void attend(const Step<T>& a, int b, int kh0, int kh1, Scratch& w) {
   for (int p = 0; p < num_pages; ++p) {
     const int start = p * P, n = std::min(P, L - start);
     const int64_t base = static_cast<int64_t>(pages[p]) * P;
-    if (p + 1 < num_pages) {
-      __builtin_prefetch(a.v + static_cast<int64_t>(pages[p + 1]) * P * a.kv_slot);
-    }
+    const int64_t next = p + 1 < num_pages ? static_cast<int64_t>(pages[p + 1]) * P : -1;
     for (int i = 0; i < n; ++i) {
+      if (next >= 0) prefetch(a.v + (next + i) * a.kv_slot + part_at, part_bytes);
       const T* slot = a.v + (base + i) * a.kv_slot;
       for (int kh = kh0; kh < kh1; ++kh) {
         const T* val = slot + kh * a.kv_head;
