@@ -27,6 +27,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("hicache.bench.transfer", "L2<->L1 page transfer bandwidth per layout/io backend"),
     "attention": ("hicache.bench.attention", "attention backends side by side on a paged pool"),
     "decode": ("hicache.bench.decode", "model decode steps per batch size, per compute setting"),
+    "forward": ("hicache.bench.forward_profile", "the model's forward for a cold prompt and "
+                "decode steps: time, GEMM GFLOP/s, share per op kind"),
     "step": ("hicache.bench.step", "scheduler host time per decode step, model forward excluded"),
     "sampling": ("hicache.bench.sampling", "one step's sampling, batched against row by row"),
     "grammar": ("hicache.bench.grammar", "grammar masks' cost per decode step; valid answers "

@@ -41,7 +41,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# Sums may be reassociated (the dot products, the softmax sum, the weighted values: their
+# rounding changes by an ulp or so), but infinities and NaNs keep their meaning (no
+# -ffinite-math-only): measured 16.0 -> 12.3 ms for a decode step's 30 layers of it
+# (SmolLM2, 4 sequences at context 513, one thread), with the vectorized exp.
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+          "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC", "-std=c++17")
 _ABI_VERSION = 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 

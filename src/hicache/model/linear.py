@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,14 +43,25 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous().t()
 
 
+def one_row_clock() -> Callable[[], float]:
+    """The clock ``column_major_is_faster`` times with. On one torch thread the products run
+    on the calling thread alone, so its CPU time is their cost, without the time the OS gave
+    its core to other work: on a 2-core machine shared with other jobs, wall-time medians of
+    the two layouts swapped places between runs (18.4 / 19.9 ms, then 57.3 / 47.1 ms) where
+    thread CPU times held (18.2-18.5 / 19.8-20.3 ms), and the slower layout costs a single
+    request every decode step of the server's life. With more threads the wall clock (CPU
+    time would also count the workers' spinning)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 def column_major_is_faster(
     weights: Sequence[torch.Tensor], packed: Sequence[torch.Tensor],
     sample_bytes: int = _ONE_ROW_SAMPLE_BYTES, repeats: int = _ONE_ROW_REPEATS,
 ) -> bool:
     """Whether one-row products over column-major copies of ``weights`` run faster here
-    than over their ``packed`` copies, timed now over the first weights adding up to
-    ``sample_bytes`` (temporary column-major copies of those are made), median of
-    ``repeats`` passes each, in turns."""
+    than over their ``packed`` copies, timed now (``one_row_clock``) over the first weights
+    adding up to ``sample_bytes`` (temporary column-major copies of those are made), median
+    of ``repeats`` passes each, in turns."""
     count, total = 0, 0
     while count < len(weights) and total < sample_bytes:
         total += weights[count].numel() * weights[count].element_size()
@@ -58,11 +69,13 @@ def column_major_is_faster(
     columns = [column_major(w.detach()) for w in weights[:count]]
     inputs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights[:count]]
 
+    clock = one_row_clock()
+
     def one_pass(mats: Sequence[torch.Tensor]) -> float:
-        start = time.perf_counter()
+        start = clock()
         for x, mat in zip(inputs, mats, strict=True):
             linear(x, mat)
-        return time.perf_counter() - start
+        return clock() - start
 
     with torch.inference_mode():
         one_pass(columns), one_pass(packed[:count])  # warm up both paths

@@ -101,6 +101,22 @@ def test_cpu_backend_equals_reference(
     torch.testing.assert_close(got, expected, **TOL[dtype])
 
 
+@pytest.mark.parametrize("spread", [0.1, 3.0, 40.0, 400.0])
+def test_cpu_decode_softmax_holds_over_the_whole_range_of_scores(spread: float) -> None:
+    # The kernel's own exp: scores spread from nearly equal (weights near 1) to far apart
+    # (most weights below float's range, 0): every output within float32's tolerance of
+    # torch's softmax over the same scores.
+    gen = torch.Generator().manual_seed(7)
+    batch = _paged_batch([1, 1], [300, 45], 16, 64, seed=3)
+    shape = (64 * 16, 3, 32)
+    k_cache = torch.randn(shape, generator=gen)
+    v_cache = torch.randn(shape, generator=gen)
+    q = torch.randn(2, 9, 32, generator=gen) * spread
+    expected = GatherBackend().prepare(batch).attend(q, q[:, :3], q[:, :3], k_cache, v_cache)
+    got = CpuPagedBackend().prepare(batch).attend(q, q[:, :3], q[:, :3], k_cache, v_cache)
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
 def test_auto_picks_the_cpu_backend_where_it_builds() -> None:
     assert make_attention_backend("auto", "cpu").name == "cpu"
     assert make_attention_backend("gather", "cpu").name == "gather"

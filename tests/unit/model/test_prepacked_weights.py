@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from hicache.model.linear import linear, prepack
+from hicache.model.linear import linear, one_row_clock, prepack
 from hicache.model.model import CausalLM
 from tests.model_scenarios import (
     SlotAllocator,
@@ -101,3 +103,19 @@ def test_one_row_steps_use_column_major_weights_and_equal_the_plain_model() -> N
         pool = new_pool(model)
         results.append(run_in_steps(model, pool, tokens, SlotAllocator(pool).slots(6), steps))
     torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
+
+
+def test_one_row_choice_on_one_thread_counts_only_the_threads_own_cpu_time() -> None:
+    # Time the OS gives the core to other work (here: the thread sleeping) must not count,
+    # or a busy machine at start-up picks the slower layout for the server's whole life.
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        clock = one_row_clock()
+        start = clock()
+        time.sleep(0.2)
+        assert clock() - start < 0.1
+        torch.set_num_threads(2)
+        assert one_row_clock() is time.perf_counter  # workers' spinning is not the cost
+    finally:
+        torch.set_num_threads(before)
