@@ -15,7 +15,8 @@ Each step:
    context: only then match and lock the cached prefix (host hits start
    loading layer by layer) and count the hit, once per request;
 4. one forward over every decoding request (one token each) plus prompt
-   chunks of prefilling requests (at most ``chunked_prefill_size`` tokens);
+   chunks of prefilling requests (at most ``chunked_prefill_size`` tokens; beside
+   decode rows, with ``--max-decode-delay-ms``, what ``step_budget.py`` allows);
    a failure of the forward fails the requests in flight;
 5. sample every row at once (one host sync), then stream and finish each
    request on its own (a failure there fails that request alone): a finished
@@ -67,6 +68,7 @@ from hicache.engine.postprocess import PostProcessor
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
 from hicache.engine.reuse import ReuseAdvisor
+from hicache.engine.step_budget import prefill_budget
 from hicache.engine.thread_governor import ThreadGovernor
 from hicache.engine.threads import set_thread_count
 from hicache.estimators import attention_pairs
@@ -101,6 +103,8 @@ class Scheduler:
         # The last forward's shape: its attention pairs and decode rows (forward_step).
         self._step_pairs = 0
         self._step_decode_rows = 0
+        # The last step's prompt-token budget (``chunked_prefill_size`` unless cut).
+        self.step_prefill_budget = limits.chunked_prefill_size
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.prefetcher = Prefetcher(cache, enabled=limits.enable_prefix_cache)
         # Outputs are recorded in it per step and flushed to its thread after each step
@@ -393,12 +397,30 @@ class Scheduler:
     def _pages_to_come(self, req: Req) -> int:
         return max(0, -(-req.seq_len // self.page_size) - len(req.pages))
 
+    def _prefill_budget(self, chunk: int) -> int:
+        """This step's prompt tokens beside its decode rows (``step_budget.py``), priced
+        with the costs every rank shares (rank 0's under tensor parallelism)."""
+        rows, context = 0, -1
+        decode, prefill = Phase.DECODE, Phase.PREFILL
+        for req in self.lifecycle.running:
+            if req.phase is decode:
+                rows += 1
+            elif context < 0 and req.phase is prefill:
+                context = req.num_computed
+        if rows == 0 or context < 0:
+            return chunk
+        return prefill_budget(self.reuse.costs().prefill, chunk, rows,
+                              self.limits.max_decode_delay_s, context)
+
     # ------------------------------------------------------------ one step
     def forward_step(self) -> int:
         """One forward over the running requests, then their tokens (``postprocess``);
         returns the prompt tokens it computed."""
         plan: list[tuple[Req, int]] = []  # (request, new tokens this step)
         budget = self.limits.chunked_prefill_size
+        if self.limits.max_decode_delay_s is not None:
+            budget = self._prefill_budget(budget)
+        self.step_prefill_budget = full_budget = budget
         retractions = self.counters.num_retractions
         capacity = self.page_size
         decode, waiting = Phase.DECODE, Phase.WAITING
@@ -422,7 +444,7 @@ class Scheduler:
                     budget -= n
                     pairs += attention_pairs(n, req.num_computed)
                     wants_logits_from = wants_logits_from or req.wants_input_logprobs
-        prefill_tokens = self.limits.chunked_prefill_size - budget
+        prefill_tokens = full_budget - budget
         if self.counters.num_retractions != retractions:
             # A retraction while planning may have sent an already planned request back.
             plan = [(req, n) for req, n in plan if req.phase in (Phase.PREFILL, Phase.DECODE)]

@@ -79,6 +79,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "on a GPU)",
     )
     sched.add_argument(
+        "--max-decode-delay-ms", type=float, default=None, metavar="MS",
+        help="a step with decoding requests carries only the prompt tokens the live cost "
+        "model prices within MS milliseconds (at least 16 tokens), so that prefill does not "
+        "stretch their inter-token latency; steps without decodes keep the full chunk "
+        "(default: every step takes the full --chunked-prefill-size)",
+    )
+    sched.add_argument(
         "--max-total-tokens", type=int, default=None,
         help="device KV pool size in tokens (default: --mem-fraction-static of free GPU "
         f"memory; on the CPU {CPU_KV_POOL_TOKENS}, or less to fit what the machine can spare)",
@@ -216,6 +223,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling=SchedulingConfig(
             max_running_requests=args.max_running_requests,
             chunked_prefill_size=args.chunked_prefill_size,
+            max_decode_delay_ms=args.max_decode_delay_ms,
             max_total_tokens=args.max_total_tokens,
             mem_fraction_static=args.mem_fraction_static,
             disable_radix_cache=args.disable_radix_cache,
