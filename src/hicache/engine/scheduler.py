@@ -103,8 +103,6 @@ class Scheduler:
         # The last forward's shape: its attention pairs and decode rows (forward_step).
         self._step_pairs = 0
         self._step_decode_rows = 0
-        # The last step's prompt-token budget (``chunked_prefill_size`` unless cut).
-        self.step_prefill_budget = limits.chunked_prefill_size
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.prefetcher = Prefetcher(cache, enabled=limits.enable_prefix_cache)
         # Outputs are recorded in it per step and flushed to its thread after each step
@@ -420,7 +418,7 @@ class Scheduler:
         budget = self.limits.chunked_prefill_size
         if self.limits.max_decode_delay_s is not None:
             budget = self._prefill_budget(budget)
-        self.step_prefill_budget = full_budget = budget
+        full_budget = budget
         retractions = self.counters.num_retractions
         capacity = self.page_size
         decode, waiting = Phase.DECODE, Phase.WAITING
