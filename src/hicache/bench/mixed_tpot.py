@@ -1,6 +1,7 @@
 """Decodes' TPOT while long prompts prefill beside them, per ``--max-decode-delay-ms``.
 
-For each setting (off, or a delay in milliseconds) an engine is built in process (no
+For each setting (off, a delay in milliseconds, or ``xF``: a delay of F times the
+decode rows' own step, ``--max-decode-delay-factor``) an engine is built in process (no
 HTTP) with the given engine flags, and each repeat runs:
 
 - ``--decoders`` requests with short prompts and ``--decode-tokens`` outputs, started
@@ -47,8 +48,9 @@ class Sample:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--delays-ms", default="off,20",
-                        help="comma-separated settings: off, or --max-decode-delay-ms values")
+    parser.add_argument("--delays-ms", default="off,20,x1",
+                        help="comma-separated settings: off, a --max-decode-delay-ms value, "
+                        "or xF for --max-decode-delay-factor F")
     parser.add_argument("--decoders", type=int, default=4)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=2)
@@ -120,7 +122,12 @@ def main(args: argparse.Namespace) -> int:
     settings = [s.strip() for s in args.delays_ms.split(",") if s.strip()]
     engines: dict[str, Engine] = {}
     for setting in settings:
-        args.max_decode_delay_ms = None if setting == "off" else float(setting)
+        # off; xF: --max-decode-delay-factor F; else --max-decode-delay-ms
+        args.max_decode_delay_ms = args.max_decode_delay_factor = None
+        if setting.startswith("x"):
+            args.max_decode_delay_factor = float(setting[1:])
+        elif setting != "off":
+            args.max_decode_delay_ms = float(setting)
         engines[setting] = build_engine(engine_config_from_args(args))
     samples: list[Sample] = []
     try:

@@ -105,6 +105,8 @@ class SchedulerLimits:
     # A step with decode rows carries only the prompt tokens the live cost model prices
     # within this many seconds (``step_budget.py``); None: always the full chunk.
     max_decode_delay_s: float | None = None
+    # Or (the smaller applies) this many times the step of the decode rows alone.
+    max_decode_delay_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,8 @@ class SchedulingConfig:
     # Milliseconds of prompt compute a step may add beside decode rows (``step_budget.py``);
     # None: every step takes the full chunk.
     max_decode_delay_ms: float | None = None
+    # The same delay as a multiple of the decode rows' own step (both given: the smaller).
+    max_decode_delay_factor: float | None = None
 
     def __post_init__(self) -> None:
         chunk = self.chunked_prefill_size
@@ -143,6 +147,9 @@ class SchedulingConfig:
         delay = self.max_decode_delay_ms
         if delay is not None and not (math.isfinite(delay) and delay > 0):
             raise ConfigError(f"--max-decode-delay-ms must be > 0, got {delay}")
+        factor = self.max_decode_delay_factor
+        if factor is not None and not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(f"--max-decode-delay-factor must be > 0, got {factor}")
 
     @property
     def device_pool_from_flags(self) -> bool:
@@ -172,6 +179,7 @@ class SchedulingConfig:
             max_decode_delay_s=(
                 None if self.max_decode_delay_ms is None else self.max_decode_delay_ms / 1000
             ),
+            max_decode_delay_factor=self.max_decode_delay_factor,
         )
 
 

@@ -16,7 +16,8 @@ Each step:
    loading layer by layer) and count the hit, once per request;
 4. one forward over every decoding request (one token each) plus prompt
    chunks of prefilling requests (at most ``chunked_prefill_size`` tokens; beside
-   decode rows, with ``--max-decode-delay-ms``, what ``step_budget.py`` allows);
+   decode rows, with ``--max-decode-delay-ms``/``-factor``, what ``step_budget.py``
+   allows);
    a failure of the forward fails the requests in flight;
 5. sample every row at once (one host sync), then stream and finish each
    request on its own (a failure there fails that request alone): a finished
@@ -407,8 +408,10 @@ class Scheduler:
                 context = req.num_computed
         if rows == 0 or context < 0:
             return chunk
+        limits = self.limits
         return prefill_budget(self.reuse.costs().prefill, chunk, rows,
-                              self.limits.max_decode_delay_s, context)
+                              limits.max_decode_delay_s, context,
+                              delay_factor=limits.max_decode_delay_factor)
 
     # ------------------------------------------------------------ one step
     def forward_step(self) -> int:
@@ -416,7 +419,8 @@ class Scheduler:
         returns the prompt tokens it computed."""
         plan: list[tuple[Req, int]] = []  # (request, new tokens this step)
         budget = self.limits.chunked_prefill_size
-        if self.limits.max_decode_delay_s is not None:
+        limits = self.limits
+        if limits.max_decode_delay_s is not None or limits.max_decode_delay_factor is not None:
             budget = self._prefill_budget(budget)
         full_budget = budget
         retractions = self.counters.num_retractions

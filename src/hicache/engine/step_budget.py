@@ -2,11 +2,14 @@
 
 A step that carries decode rows is one inter-token gap of every decoding request: a
 full prefill chunk beside them adds the chunk's whole compute to that gap. With a
-decode delay set (``--max-decode-delay-ms``), such a step carries at most as many
-prompt tokens as the live prefill fit (``cost_model.py``: seconds per token and per
-attention pair, fed by every prefill step) prices within that delay; the rows' own
-cost and the step's fixed cost are not part of the delay, as a decode-only step pays
-them too.
+decode delay set, such a step carries at most as many prompt tokens as the live
+prefill fit (``cost_model.py``: seconds per token and per attention pair, fed by every
+prefill step) prices within that delay; the rows' own cost and the step's fixed cost
+are not part of the delay, as a decode-only step pays them too. The delay is given in
+milliseconds (``--max-decode-delay-ms``), or relative to the step of the decode rows
+alone as the same fit prices it (``--max-decode-delay-factor``: it follows the
+machine's speed, where a fixed delay on a loaded machine buys only the floor), or
+both (the smaller applies).
 
 Invariants:
 - a step without decode rows keeps the full ``chunked_prefill_size``: cold prompts
@@ -35,6 +38,11 @@ def prompt_cost(coef: PrefillCoefficients, tokens: int, context: int) -> float:
             + coef.seconds_per_pair * attention_pairs(tokens, context))
 
 
+def decode_step_cost(coef: PrefillCoefficients, decode_rows: int) -> float:
+    """The seconds of a step of ``decode_rows`` decode rows alone, as the fit prices it."""
+    return coef.step_seconds + coef.seconds_per_decode_row * decode_rows
+
+
 def prefill_budget(
     coef: PrefillCoefficients | None,
     chunk: int,
@@ -42,11 +50,19 @@ def prefill_budget(
     delay_s: float | None,
     context: int = 0,
     min_tokens: int = MIN_CHUNK_TOKENS,
+    delay_factor: float | None = None,
 ) -> int:
     """Prompt tokens for a step beside ``decode_rows`` decoding requests: the most, at
     most ``chunk``, whose cost (``prompt_cost``, the first prefilling request's
-    ``context`` before them) fits ``delay_s``; never fewer than ``min_tokens``."""
-    if delay_s is None or decode_rows <= 0 or coef is None or chunk <= 0:
+    ``context`` before them) fits the delay; never fewer than ``min_tokens``. The delay
+    is ``delay_s``, or ``delay_factor`` times ``decode_step_cost``, the smaller of the
+    two when both are given."""
+    if decode_rows <= 0 or coef is None or chunk <= 0:
+        return chunk
+    if delay_factor is not None:
+        relative = delay_factor * decode_step_cost(coef, decode_rows)
+        delay_s = relative if delay_s is None else min(delay_s, relative)
+    if delay_s is None:
         return chunk
     if prompt_cost(coef, chunk, context) <= delay_s:
         return chunk

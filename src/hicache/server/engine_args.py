@@ -86,6 +86,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: every step takes the full --chunked-prefill-size)",
     )
     sched.add_argument(
+        "--max-decode-delay-factor", type=float, default=None, metavar="F",
+        help="as --max-decode-delay-ms, with the delay F times the decoding requests' own "
+        "step as the live cost model prices it (it follows the machine's speed); with both, "
+        "the smaller delay applies",
+    )
+    sched.add_argument(
         "--max-total-tokens", type=int, default=None,
         help="device KV pool size in tokens (default: --mem-fraction-static of free GPU "
         f"memory; on the CPU {CPU_KV_POOL_TOKENS}, or less to fit what the machine can spare)",
@@ -224,6 +230,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_running_requests=args.max_running_requests,
             chunked_prefill_size=args.chunked_prefill_size,
             max_decode_delay_ms=args.max_decode_delay_ms,
+            max_decode_delay_factor=args.max_decode_delay_factor,
             max_total_tokens=args.max_total_tokens,
             mem_fraction_static=args.mem_fraction_static,
             disable_radix_cache=args.disable_radix_cache,

@@ -16,7 +16,7 @@ def test_mixed_tpot_reports_each_setting(
 ) -> None:
     out = tmp_path / "mixed.json"
     code = main([
-        "bench", "mixed-tpot", "--device", "cpu", "--delays-ms", "off,0.001",
+        "bench", "mixed-tpot", "--device", "cpu", "--delays-ms", "off,0.001,x1",
         "--decoders", "2", "--decode-tokens", "48", "--prompts", "1", "--prompt-tokens", "256",
         "--chunked-prefill-size", "128", "--repeats", "1", "--json", str(out),
     ])
@@ -25,7 +25,7 @@ def test_mixed_tpot_reports_each_setting(
     assert "| setting | decode TPOT in prefill window ms |" in printed
     assert "greedy outputs differ" not in printed
     samples = {s["setting"]: s for s in json.loads(out.read_text())}
-    assert set(samples) == {"off", "0.001"}
+    assert set(samples) == {"off", "0.001", "x1"}
     assert all(s["decode_tpot_ms"] > 0 and s["prompt_ttft_ms"] > 0 for s in samples.values())
     # A delay too tight for any chunk: 16-token steps against 128-token ones.
     assert samples["0.001"]["window_steps"] > samples["off"]["window_steps"]

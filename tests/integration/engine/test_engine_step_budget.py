@@ -1,6 +1,7 @@
-"""--max-decode-delay-ms in an engine: a long prompt prefilling beside decoding requests
-is cut into small chunks, the decodes gain a token every step, the chunk is full again
-when nothing decodes, and the greedy tokens equal those of an engine without the budget."""
+"""--max-decode-delay-ms (or -factor) in an engine: a long prompt prefilling beside
+decoding requests is cut into small chunks, the decodes gain a token every step, the chunk
+is full again when nothing decodes, and the greedy tokens equal those of an engine without
+the budget."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from hicache.engine.api import GenerateRequest, SamplingParams
@@ -17,8 +19,9 @@ from hicache.estimators import PrefillCoefficients
 from tests.engine_helpers import on_scheduler, run_many
 
 CHUNK = 256
-# 1 ms per prompt token, no attention term: a 32 ms delay buys 32 tokens.
-COEF = PrefillCoefficients(step_seconds=0.0, seconds_per_token=1e-3, seconds_per_pair=0.0,
+# 1 ms per prompt token, no attention term: a 32 ms delay buys 32 tokens, and so does
+# twice a 16 ms step of decode rows alone.
+COEF = PrefillCoefficients(step_seconds=0.016, seconds_per_token=1e-3, seconds_per_pair=0.0,
                            seconds_per_decode_row=0.0)
 BUDGET = 32
 LONG = 700
@@ -56,14 +59,16 @@ def fix_costs(engine: Engine) -> None:
         reuse, "shared_costs", dataclasses.replace(reuse.local_costs(), prefill=COEF)))
 
 
+@pytest.mark.parametrize("delay", [("--max-decode-delay-ms", str(BUDGET)),
+                                   ("--max-decode-delay-factor", "2")])
 def test_decodes_progress_every_step_while_a_long_prompt_prefills(
-    make_engine: Callable[..., Engine],
+    make_engine: Callable[..., Engine], delay: tuple[str, str],
 ) -> None:
     flags = ("--page-size", "4", "--chunked-prefill-size", str(CHUNK))
     requests = [greedy(prompt(i, 8), n=48) for i in range(3)] + [greedy(prompt(9, LONG), n=4)]
     expected = [r.token_ids for r in run_many(make_engine(*flags), requests)]
 
-    engine = make_engine(*flags, "--max-decode-delay-ms", str(BUDGET))
+    engine = make_engine(*flags, *delay)
     fix_costs(engine)
     steps = record_steps(engine)
     results = run_many(engine, requests)

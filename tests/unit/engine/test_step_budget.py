@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from hicache.engine.config import ConfigError, SchedulingConfig
-from hicache.engine.step_budget import MIN_CHUNK_TOKENS, prefill_budget, prompt_cost
+from hicache.engine.step_budget import (
+    MIN_CHUNK_TOKENS,
+    decode_step_cost,
+    prefill_budget,
+    prompt_cost,
+)
 from hicache.estimators import PrefillCoefficients
 
 # 0.1 ms per token, a little attention on top: 256 tokens cold ~ 26 ms.
@@ -56,3 +61,24 @@ def test_the_delay_flag_reaches_the_limits_in_seconds_and_is_validated() -> None
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="--max-decode-delay-ms"):
             SchedulingConfig(max_decode_delay_ms=bad)
+
+
+def test_a_delay_factor_prices_the_delay_from_the_decode_rows_own_step() -> None:
+    # 4 rows alone: 10 ms + 4 x 1 ms = 14 ms; half of it, 7 ms, buys what 7 ms does.
+    assert decode_step_cost(COEF, 4) == pytest.approx(0.014)
+    by_factor = prefill_budget(COEF, 256, decode_rows=4, delay_s=None, delay_factor=0.5)
+    assert by_factor == prefill_budget(COEF, 256, decode_rows=4, delay_s=0.007)
+    # More rows make a longer step, so the same factor allows more prompt tokens.
+    assert prefill_budget(COEF, 256, decode_rows=8, delay_s=None, delay_factor=0.5) > by_factor
+    # Both given: the smaller delay applies.
+    assert prefill_budget(COEF, 256, decode_rows=4, delay_s=0.003, delay_factor=0.5) == (
+        prefill_budget(COEF, 256, decode_rows=4, delay_s=0.003))
+    assert prefill_budget(COEF, 256, decode_rows=0, delay_s=None, delay_factor=0.5) == 256
+
+
+def test_the_delay_factor_flag_reaches_the_limits_and_is_validated() -> None:
+    limits = SchedulingConfig(max_decode_delay_factor=2).scheduler_limits(4096, "cpu")
+    assert limits.max_decode_delay_factor == 2 and limits.max_decode_delay_s is None
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="--max-decode-delay-factor"):
+            SchedulingConfig(max_decode_delay_factor=bad)
