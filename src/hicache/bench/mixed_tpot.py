@@ -33,7 +33,7 @@ from hicache.engine.build import build_engine
 from hicache.engine.engine import Engine
 from hicache.server.engine_args import add_engine_args, engine_config_from_args
 
-# The most warm-up repeats run while the prefill fit is still unknown.
+# The most warm-up repeats run while the step costs are still unknown.
 WARMUP_REPEATS = 5
 
 
@@ -132,11 +132,11 @@ def main(args: argparse.Namespace) -> int:
     samples: list[Sample] = []
     try:
         for engine in engines.values():
-            # Warm-up: kernels, the allocator, and the prefill fit the budget prices with
-            # (until it has its samples every step takes the full chunk).
+            # Warm-up: kernels, the allocator, and the step costs the budget prices with
+            # (until they are measured every step takes the full chunk).
             for extra in range(WARMUP_REPEATS):
                 asyncio.run(_one_repeat(engine, args, args.seed + 10_000 + extra, "warm-up"))
-                if engine.scheduler.cost_model.prefill.fit.known:
+                if engine.scheduler.cost_model.steps.snapshot() is not None:
                     break
         for repeat in range(args.repeats):
             seen: list[tuple[int, ...]] | None = None

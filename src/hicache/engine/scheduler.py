@@ -231,10 +231,11 @@ class Scheduler:
             self.governor.tick()
         began = time.perf_counter()
         prefill_tokens = self.forward_step()
+        # Work a device runs asynchronously lands in a later step's time: summed over
+        # many steps, the seconds still add up.
+        seconds = time.perf_counter() - began
+        self.cost_model.steps.observe(prefill_tokens, self._step_decode_rows, seconds)
         if prefill_tokens:
-            # Work a device runs asynchronously lands in a later step's time: summed
-            # over many steps, the seconds still add up.
-            seconds = time.perf_counter() - began
             self.counters.num_prefill_step_tokens += prefill_tokens
             self.counters.prefill_step_seconds += seconds
             self.cost_model.observe_step(
@@ -399,19 +400,18 @@ class Scheduler:
     def _prefill_budget(self, chunk: int) -> int:
         """This step's prompt tokens beside its decode rows (``step_budget.py``), priced
         with the costs every rank shares (rank 0's under tensor parallelism)."""
-        rows, context = 0, -1
+        rows, prefilling = 0, False
         decode, prefill = Phase.DECODE, Phase.PREFILL
         for req in self.lifecycle.running:
             if req.phase is decode:
                 rows += 1
-            elif context < 0 and req.phase is prefill:
-                context = req.num_computed
-        if rows == 0 or context < 0:
+            elif req.phase is prefill:
+                prefilling = True
+        if rows == 0 or not prefilling:
             return chunk
         limits = self.limits
-        return prefill_budget(self.reuse.costs().prefill, chunk, rows,
-                              limits.max_decode_delay_s, context,
-                              delay_factor=limits.max_decode_delay_factor)
+        return prefill_budget(self.reuse.costs().step, chunk, rows,
+                              limits.max_decode_delay_s, limits.max_decode_delay_factor)
 
     # ------------------------------------------------------------ one step
     def forward_step(self) -> int:

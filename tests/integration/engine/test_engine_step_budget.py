@@ -15,14 +15,13 @@ import torch
 from hicache.engine.api import GenerateRequest, SamplingParams
 from hicache.engine.engine import Engine
 from hicache.engine.request import Phase, Req
-from hicache.estimators import PrefillCoefficients
+from hicache.engine.step_budget import StepCosts
 from tests.engine_helpers import on_scheduler, run_many
 
 CHUNK = 256
-# 1 ms per prompt token, no attention term: a 32 ms delay buys 32 tokens, and so does
-# twice a 16 ms step of decode rows alone.
-COEF = PrefillCoefficients(step_seconds=0.016, seconds_per_token=1e-3, seconds_per_pair=0.0,
-                           seconds_per_decode_row=0.0)
+# 1 ms per prompt token: a 32 ms delay buys 32 tokens, and so does twice a 16 ms
+# decode-only step.
+COSTS = StepCosts(decode_step_s=0.016, prompt_token_s=1e-3)
 BUDGET = 32
 LONG = 700
 
@@ -52,11 +51,11 @@ def record_steps(engine: Engine) -> list[list[tuple[str, Phase, int, int]]]:
 
 
 def fix_costs(engine: Engine) -> None:
-    # The live fit varies with the machine's load: price with fixed coefficients instead,
-    # through the hook tensor parallelism shares rank 0's costs with.
+    # Measured costs vary with the machine's load: price with fixed ones instead, through
+    # the hook tensor parallelism shares rank 0's costs with.
     reuse = engine.scheduler.reuse
     on_scheduler(engine, lambda: setattr(
-        reuse, "shared_costs", dataclasses.replace(reuse.local_costs(), prefill=COEF)))
+        reuse, "shared_costs", dataclasses.replace(reuse.local_costs(), step=COSTS)))
 
 
 @pytest.mark.parametrize("delay", [("--max-decode-delay-ms", str(BUDGET)),
