@@ -80,16 +80,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     sched.add_argument(
         "--max-decode-delay-ms", type=float, default=None, metavar="MS",
-        help="a step with decoding requests carries only the prompt tokens the live cost "
-        "model prices within MS milliseconds (at least 16 tokens), so that prefill does not "
-        "stretch their inter-token latency; steps without decodes keep the full chunk "
-        "(default: every step takes the full --chunked-prefill-size)",
+        help="a step with decoding requests carries only the prompt tokens that fit MS "
+        "milliseconds at the measured cost of a prompt token (at least 16 tokens), so "
+        "that prefill does not stretch their inter-token latency; steps without decodes "
+        "keep the full chunk (default: every step takes the full --chunked-prefill-size)",
     )
     sched.add_argument(
         "--max-decode-delay-factor", type=float, default=None, metavar="F",
-        help="as --max-decode-delay-ms, with the delay F times the decoding requests' own "
-        "step as the live cost model prices it (it follows the machine's speed); with both, "
-        "the smaller delay applies",
+        help="as --max-decode-delay-ms, with the delay F times a measured decode-only "
+        "step (it follows the machine's speed); with both, the smaller delay applies",
     )
     sched.add_argument(
         "--max-total-tokens", type=int, default=None,
