@@ -43,6 +43,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "router-decision": (
         "hicache.bench.router_decision", "a routing decision's cost: 8 workers, 1M indexed pages"
     ),
+    "mixed-tpot": ("hicache.bench.mixed_tpot", "decodes' TPOT while long prompts prefill "
+                   "beside them, per --max-decode-delay-ms"),
     "l2-ttft": ("hicache.bench.l2_ttft", "TTFT of a full L2 prefix hit next to its physical bound"),
     "load-vs-recompute": ("hicache.bench.load_vs_recompute", "TTFT of a full L3 (throttled) "
                           "or L2 hit against recomputing the prompt, with the cost model's "

@@ -102,6 +102,11 @@ class SchedulerLimits:
     chunked_prefill_size: int = 2048
     max_context_len: int = 4096
     enable_prefix_cache: bool = True
+    # A step with decode rows carries only the prompt tokens the live cost model prices
+    # within this many seconds (``step_budget.py``); None: always the full chunk.
+    max_decode_delay_s: float | None = None
+    # Or (the smaller applies) this many times the step of the decode rows alone.
+    max_decode_delay_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,11 @@ class SchedulingConfig:
     mem_fraction_static: float | None = None
     # No prefix caching at all (a baseline for benchmarks).
     disable_radix_cache: bool = False
+    # Milliseconds of prompt compute a step may add beside decode rows (``step_budget.py``);
+    # None: every step takes the full chunk.
+    max_decode_delay_ms: float | None = None
+    # The same delay as a multiple of the decode rows' own step (both given: the smaller).
+    max_decode_delay_factor: float | None = None
 
     def __post_init__(self) -> None:
         chunk = self.chunked_prefill_size
@@ -134,6 +144,12 @@ class SchedulingConfig:
         fraction = self.mem_fraction_static
         if fraction is not None and not (math.isfinite(fraction) and 0 < fraction <= 1):
             raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
+        delay = self.max_decode_delay_ms
+        if delay is not None and not (math.isfinite(delay) and delay > 0):
+            raise ConfigError(f"--max-decode-delay-ms must be > 0, got {delay}")
+        factor = self.max_decode_delay_factor
+        if factor is not None and not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(f"--max-decode-delay-factor must be > 0, got {factor}")
 
     @property
     def device_pool_from_flags(self) -> bool:
@@ -160,6 +176,10 @@ class SchedulingConfig:
             chunked_prefill_size=self.resolved_chunked_prefill_size(device_type),
             max_context_len=max_context_len,
             enable_prefix_cache=not self.disable_radix_cache,
+            max_decode_delay_s=(
+                None if self.max_decode_delay_ms is None else self.max_decode_delay_ms / 1000
+            ),
+            max_decode_delay_factor=self.max_decode_delay_factor,
         )
 
 

@@ -10,6 +10,8 @@ as it does the L3 bandwidth gauges: the ranks step in lockstep). It holds:
   except, on a GPU, the first step of each kind (``step_kind``): its kernels compile;
 - ``l2_load``: a host->device load's seconds from its pages, fed with the loads the
   cache controller timed (``CacheController.take_load_samples``);
+- ``steps``: a decode-only step's seconds and a prompt token's share of a step,
+  measured (``step_budget.py``: the prompt budget beside decode rows), fed every step;
 - per attached L3 backend, its read latency and bandwidth: kept by the L3 tier
   beside the ``auto`` prefetch allowance (``ReadTimeEstimate.read_cost``), read here.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from hicache.engine.reuse_plan import CostSnapshot
+from hicache.engine.step_budget import StepCostTracker
 from hicache.estimators import (
     PrefillCoefficients,
     PrefillEstimate,
@@ -53,6 +56,7 @@ class CostModel:
         self.skip_warmup = skip_warmup
         self.prefill = PrefillEstimate()
         self.l2_load = TransferEstimate()
+        self.steps = StepCostTracker()
         self._seen_kinds: set[tuple[bool, bool]] = set()
         self.warmup_steps_skipped = 0
 
@@ -97,6 +101,7 @@ class CostModel:
             load_seconds_per_page=self.l2_load.seconds_per_unit,
             read_latency_s=read_latency,
             read_seconds_per_page=read_per_page,
+            step=self.steps.snapshot(),
         )
 
     def metrics(self, l3: dict[str, ReadTimeEstimate] | None = None) -> dict[str, float]:

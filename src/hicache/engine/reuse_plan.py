@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from hicache.engine.step_budget import StepCosts
 from hicache.estimators import PrefillCoefficients, prompt_seconds
 
 # Page boundaries priced per plan at most (the ends and the landed boundary come on top).
@@ -73,6 +74,8 @@ class CostSnapshot:
     load_seconds_per_page: float | None = None
     read_latency_s: float | None = None  # the attached L3 backend, per read
     read_seconds_per_page: float | None = None
+    # Measured step costs, for the prompt budget beside decode rows (``step_budget.py``).
+    step: StepCosts | None = None
 
     def prefill_s(self, new_tokens: int, context: int, decode_rows: int) -> float | None:
         if self.prefill is None:

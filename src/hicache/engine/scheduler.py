@@ -15,7 +15,9 @@ Each step:
    context: only then match and lock the cached prefix (host hits start
    loading layer by layer) and count the hit, once per request;
 4. one forward over every decoding request (one token each) plus prompt
-   chunks of prefilling requests (at most ``chunked_prefill_size`` tokens);
+   chunks of prefilling requests (at most ``chunked_prefill_size`` tokens; beside
+   decode rows, with ``--max-decode-delay-ms``/``-factor``, what ``step_budget.py``
+   allows);
    a failure of the forward fails the requests in flight;
 5. sample every row at once (one host sync), then stream and finish each
    request on its own (a failure there fails that request alone): a finished
@@ -67,6 +69,7 @@ from hicache.engine.postprocess import PostProcessor
 from hicache.engine.prefetcher import Prefetcher
 from hicache.engine.request import Phase, Req
 from hicache.engine.reuse import ReuseAdvisor
+from hicache.engine.step_budget import prefill_budget
 from hicache.engine.thread_governor import ThreadGovernor
 from hicache.engine.threads import set_thread_count
 from hicache.estimators import attention_pairs
@@ -228,10 +231,11 @@ class Scheduler:
             self.governor.tick()
         began = time.perf_counter()
         prefill_tokens = self.forward_step()
+        # Work a device runs asynchronously lands in a later step's time: summed over
+        # many steps, the seconds still add up.
+        seconds = time.perf_counter() - began
+        self.cost_model.steps.observe(prefill_tokens, self._step_decode_rows, seconds)
         if prefill_tokens:
-            # Work a device runs asynchronously lands in a later step's time: summed
-            # over many steps, the seconds still add up.
-            seconds = time.perf_counter() - began
             self.counters.num_prefill_step_tokens += prefill_tokens
             self.counters.prefill_step_seconds += seconds
             self.cost_model.observe_step(
@@ -393,12 +397,32 @@ class Scheduler:
     def _pages_to_come(self, req: Req) -> int:
         return max(0, -(-req.seq_len // self.page_size) - len(req.pages))
 
+    def _prefill_budget(self, chunk: int) -> int:
+        """This step's prompt tokens beside its decode rows (``step_budget.py``), priced
+        with the costs every rank shares (rank 0's under tensor parallelism)."""
+        rows, prefilling = 0, False
+        decode, prefill = Phase.DECODE, Phase.PREFILL
+        for req in self.lifecycle.running:
+            if req.phase is decode:
+                rows += 1
+            elif req.phase is prefill:
+                prefilling = True
+        if rows == 0 or not prefilling:
+            return chunk
+        limits = self.limits
+        return prefill_budget(self.reuse.costs().step, chunk, rows,
+                              limits.max_decode_delay_s, limits.max_decode_delay_factor)
+
     # ------------------------------------------------------------ one step
     def forward_step(self) -> int:
         """One forward over the running requests, then their tokens (``postprocess``);
         returns the prompt tokens it computed."""
         plan: list[tuple[Req, int]] = []  # (request, new tokens this step)
         budget = self.limits.chunked_prefill_size
+        limits = self.limits
+        if limits.max_decode_delay_s is not None or limits.max_decode_delay_factor is not None:
+            budget = self._prefill_budget(budget)
+        full_budget = budget
         retractions = self.counters.num_retractions
         capacity = self.page_size
         decode, waiting = Phase.DECODE, Phase.WAITING
@@ -422,7 +446,7 @@ class Scheduler:
                     budget -= n
                     pairs += attention_pairs(n, req.num_computed)
                     wants_logits_from = wants_logits_from or req.wants_input_logprobs
-        prefill_tokens = self.limits.chunked_prefill_size - budget
+        prefill_tokens = full_budget - budget
         if self.counters.num_retractions != retractions:
             # A retraction while planning may have sent an already planned request back.
             plan = [(req, n) for req, n in plan if req.phase in (Phase.PREFILL, Phase.DECODE)]

@@ -79,6 +79,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "on a GPU)",
     )
     sched.add_argument(
+        "--max-decode-delay-ms", type=float, default=None, metavar="MS",
+        help="a step with decoding requests carries only the prompt tokens that fit MS "
+        "milliseconds at the measured cost of a prompt token (at least 16 tokens), so "
+        "that prefill does not stretch their inter-token latency; steps without decodes "
+        "keep the full chunk (default: every step takes the full --chunked-prefill-size)",
+    )
+    sched.add_argument(
+        "--max-decode-delay-factor", type=float, default=None, metavar="F",
+        help="as --max-decode-delay-ms, with the delay F times a measured decode-only "
+        "step (it follows the machine's speed); with both, the smaller delay applies",
+    )
+    sched.add_argument(
         "--max-total-tokens", type=int, default=None,
         help="device KV pool size in tokens (default: --mem-fraction-static of free GPU "
         f"memory; on the CPU {CPU_KV_POOL_TOKENS}, or less to fit what the machine can spare)",
@@ -216,6 +228,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling=SchedulingConfig(
             max_running_requests=args.max_running_requests,
             chunked_prefill_size=args.chunked_prefill_size,
+            max_decode_delay_ms=args.max_decode_delay_ms,
+            max_decode_delay_factor=args.max_decode_delay_factor,
             max_total_tokens=args.max_total_tokens,
             mem_fraction_static=args.mem_fraction_static,
             disable_radix_cache=args.disable_radix_cache,

@@ -1,0 +1,97 @@
+"""--max-decode-delay-ms (or -factor) in an engine: a long prompt prefilling beside
+decoding requests is cut into small chunks, the decodes gain a token every step, the chunk
+is full again when nothing decodes, and the greedy tokens equal those of an engine without
+the budget."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.engine.api import GenerateRequest, SamplingParams
+from hicache.engine.engine import Engine
+from hicache.engine.request import Phase, Req
+from hicache.engine.step_budget import StepCosts
+from tests.engine_helpers import on_scheduler, run_many
+
+CHUNK = 256
+# 1 ms per prompt token: a 32 ms delay buys 32 tokens, and so does twice a 16 ms
+# decode-only step.
+COSTS = StepCosts(decode_step_s=0.016, prompt_token_s=1e-3)
+BUDGET = 32
+LONG = 700
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (length,), generator=generator).tolist()
+
+
+def greedy(ids: list[int], n: int) -> GenerateRequest:
+    return GenerateRequest(tuple(ids), SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                      ignore_eos=True))
+
+
+def record_steps(engine: Engine) -> list[list[tuple[str, Phase, int, int]]]:
+    """Each forward's plan as (rid, phase, prompt length, tokens), in step order."""
+    steps: list[list[tuple[str, Phase, int, int]]] = []
+    runner = engine.scheduler.runner
+    forward = runner.forward
+
+    def recording(plan: list[tuple[Req, int]], *args: Any) -> Any:
+        steps.append([(req.rid, req.phase, req.prompt_len, n) for req, n in plan])
+        return forward(plan, *args)
+
+    runner.forward = recording  # type: ignore[method-assign]
+    return steps
+
+
+def fix_costs(engine: Engine) -> None:
+    # Measured costs vary with the machine's load: price with fixed ones instead, through
+    # the hook tensor parallelism shares rank 0's costs with.
+    reuse = engine.scheduler.reuse
+    on_scheduler(engine, lambda: setattr(
+        reuse, "shared_costs", dataclasses.replace(reuse.local_costs(), step=COSTS)))
+
+
+@pytest.mark.parametrize("delay", [("--max-decode-delay-ms", str(BUDGET)),
+                                   ("--max-decode-delay-factor", "2")])
+def test_decodes_progress_every_step_while_a_long_prompt_prefills(
+    make_engine: Callable[..., Engine], delay: tuple[str, str],
+) -> None:
+    flags = ("--page-size", "4", "--chunked-prefill-size", str(CHUNK))
+    requests = [greedy(prompt(i, 8), n=48) for i in range(3)] + [greedy(prompt(9, LONG), n=4)]
+    expected = [r.token_ids for r in run_many(make_engine(*flags), requests)]
+
+    engine = make_engine(*flags, *delay)
+    fix_costs(engine)
+    steps = record_steps(engine)
+    results = run_many(engine, requests)
+    assert [r.token_ids for r in results] == expected
+
+    overlapped = 0
+    for plan in steps:
+        decoding = [rid for rid, phase, _, _ in plan if phase is Phase.DECODE]
+        prompt_tokens = sum(n for _, phase, _, n in plan if phase is Phase.PREFILL)
+        if decoding and prompt_tokens:
+            overlapped += 1
+            assert prompt_tokens <= BUDGET, plan
+    # The long prompt took more than one budgeted chunk beside the decodes.
+    assert overlapped >= 2
+    # A decode row is in every step from its first decode to its last: never skipped.
+    for rid in {rid for plan in steps for rid, phase, _, _ in plan if phase is Phase.DECODE}:
+        present = [i for i, plan in enumerate(steps)
+                   if any(r == rid and p is Phase.DECODE for r, p, _, _ in plan)]
+        assert present == list(range(present[0], present[-1] + 1)), rid
+
+    # Alone, a long prompt takes the full chunk: nothing decodes beside it.
+    steps.clear()
+    run_many(engine, [greedy(prompt(10, LONG), n=2)])
+    chunks = [n for plan in steps for _, phase, length, n in plan
+              if phase is Phase.PREFILL and length == LONG]
+    assert chunks[0] == CHUNK, chunks
+    assert sum(chunks) == LONG
