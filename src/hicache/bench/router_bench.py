@@ -216,7 +216,8 @@ def resolve_sizes(args: argparse.Namespace) -> None:
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.policies is None and not getattr(args, "sweep", False):
+    # Only the router bench has --policies (the PD bench shares these sizes, not that flag).
+    if getattr(args, "policies", False) is None and not getattr(args, "sweep", False):
         args.policies = list(DEFAULT_POLICIES)
 
 
