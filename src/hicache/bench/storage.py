@@ -37,7 +37,9 @@ pages/s; "x" is the backend's throughput over the baseline's.
 backend that seals (``storage.registry.SEALING_BACKENDS``) again with its pages sealed
 under the file's key for the default tenant (``storage.sealing``), as
 ``<backend> sealed`` rows whose "x" is over the same backend in the clear: what
-encryption at rest costs next to the plain path. Sealed runs seal and open a batch's
+encryption at rest costs next to the plain path; the sealed and the plain runs alternate
+(``--alternations``), each on a fresh backend, and their rounds are pooled, so that the
+ratio is taken side by side. Sealed runs seal and open a batch's
 pages on the sealer's threads (``storage.seal_workers``; ``--seal-threads``, 1 for the
 serial path); the plain path runs on the calling thread as it always does. Sealed pages
 carry no checksum, so the plain path is measured as configured (checksums in the copies,
@@ -222,6 +224,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seal-threads", type=int, default=None, metavar="N",
         help="sealed runs: threads that seal and open a batch's pages (default: one per "
         "usable core, at most 4; 1: every page on the calling thread, the serial path)",
+    )
+    parser.add_argument(
+        "--alternations", type=int, default=3, metavar="N",
+        help="with --encryption-keys: run each backend sealed, then plain, N times over, "
+        "each on a fresh backend, and pool their rounds (N * --repeats samples each)",
     )
     parser.add_argument("--json", type=str, default=None, help="write raw results here")
 
@@ -519,23 +526,53 @@ def _run_backend(
             return []
         if args.no_verify_checksum:
             extra = {**extra, "verify_checksum": False}
-        # Sealed first: the plain run's reads leave the checksums the copies verify.
-        sealed_results: list[Result] = []
-        if ring is not None and name in SEALING_BACKENDS:
-            try:
-                sealed_results = _measure_sealed(name, extra, workload, ring, args.seal_threads)
-            except StorageError as error:
-                skipped[name + SEALED] = str(error)
-        elif ring is not None:
+        # Sealed and plain runs alternate, each on a fresh backend, ``--alternations``
+        # times, their rounds pooled: the ratio compares runs taken side by side, not one
+        # run before the other on a machine whose speed drifts. Sealed first: the plain
+        # run's reads leave the checksums the copies verify.
+        sealing = ring is not None and name in SEALING_BACKENDS
+        if ring is not None and not sealing:
             skipped[name + SEALED] = f"the {name} backend cannot seal pages"
-        try:
-            backend = create_storage_backend(name, extra)
-            backend.attach(workload.host)
-        except StorageError as error:
-            skipped[name] = str(error)
-            return []
-        stack.callback(backend.close)
-        put_s, get_s = _measure_backend(workload, backend)
+        turns = args.alternations if sealing else 1
+        sealed_put: list[float] = []
+        sealed_get: list[float] = []
+        put_s: list[float] = []
+        get_s: list[float] = []
+        for turn in range(turns):
+            if sealing:
+                assert ring is not None
+                try:
+                    more_put, more_get = _measure_sealed(
+                        name, extra, workload, ring, args.seal_threads
+                    )
+                except StorageError as error:
+                    skipped[name + SEALED] = str(error)
+                    sealing = False
+                else:
+                    sealed_put += more_put
+                    sealed_get += more_get
+            try:
+                backend = create_storage_backend(name, extra)
+                backend.attach(workload.host)
+            except StorageError as error:
+                skipped[name] = str(error)
+                return []
+            last = turn + 1 == turns
+            if last:  # the last turn's backend also serves the baseline below
+                stack.callback(backend.close)
+            try:
+                more_put, more_get = _measure_backend(workload, backend)
+            finally:
+                if not last:
+                    backend.close()
+            put_s += more_put
+            get_s += more_get
+        sealed_results: list[Result] = []
+        if sealing and sealed_put:
+            sealed_results = [
+                _result(name + SEALED, "put", workload, sealed_put),
+                _result(name + SEALED, "get", workload, sealed_get),
+            ]
         results = [
             _result(name, "put", workload, put_s), _result(name, "get", workload, get_s)
         ]
@@ -562,9 +599,9 @@ def _run_backend(
 def _measure_sealed(
     name: str, extra: dict[str, Any], workload: Workload, ring: KeyRing,
     threads: int | None = None,
-) -> list[Result]:
-    """Backend ``name`` with every page sealed under ``ring``'s default-tenant key, on
-    ``threads`` sealer threads (None: the engine's default)."""
+) -> tuple[list[float], list[float]]:
+    """Put and get rounds of backend ``name`` with every page sealed under ``ring``'s
+    default-tenant key, on ``threads`` sealer threads (None: the engine's default)."""
     from hicache.storage.sealing import Sealer  # cryptography: loaded on use
 
     workers = None if threads is None else SealWorkers(threads)
@@ -572,15 +609,11 @@ def _measure_sealed(
     sealed.use_sealer(Sealer(ring, workers))
     sealed.attach(workload.host)
     try:
-        put_s, get_s = _measure_backend(workload, sealed)
+        return _measure_backend(workload, sealed)
     finally:
         sealed.close()
         if workers is not None:
             workers.close()
-    return [
-        _result(name + SEALED, "put", workload, put_s),
-        _result(name + SEALED, "get", workload, get_s),
-    ]
 
 
 def _key_ring(args: argparse.Namespace) -> KeyRing | None:
@@ -623,6 +656,8 @@ def _print_table(args: argparse.Namespace, workload: Workload, results: list[Res
         f"{', reads not verified' if args.no_verify_checksum else ''}"
         f"{', checksums at put and get' if args.verify_at_get else ', checksums in the copies'}; "
         f"median of {workload.repeats}"
+        + (f" (sealed and plain rows: of {workload.repeats * args.alternations}, "
+           f"{args.alternations} runs each, alternating)" if args.encryption_keys else "")
     )
     print()
     print("| backend | op | GB/s | pages/s | baseline GB/s | x baseline |")
@@ -672,8 +707,8 @@ def main(args: argparse.Namespace) -> int:
     if not 1 <= args.batch_pages <= MAX_BATCH_PAGES:
         print(f"--batch-pages must be in [1, {MAX_BATCH_PAGES}], got {args.batch_pages}")
         return 2
-    if args.num_pages < 1 or args.repeats < 1 or args.page_size < 1:
-        print("--num-pages, --repeats and --page-size must be >= 1")
+    if min(args.num_pages, args.repeats, args.page_size, args.alternations) < 1:
+        print("--num-pages, --repeats, --page-size and --alternations must be >= 1")
         return 2
     if args.seal_threads is not None and not 1 <= args.seal_threads <= MAX_SEAL_WORKERS:
         print(f"--seal-threads must be in [1, {MAX_SEAL_WORKERS}], got {args.seal_threads}")

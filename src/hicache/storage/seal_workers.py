@@ -58,14 +58,24 @@ class SealWorkers:
         self._lock = threading.Lock()
         self._inside = threading.local()  # set on this pool's worker threads
 
+    def beside_copy(self) -> int:
+        """Threads to seal or open with while another thread copies beside them (a store's
+        memcpy of the part before): that copy keeps a core busy, so one fewer than the
+        usable cores, at least one. On two cores two sealers beside a copy made three
+        busy threads and measured slower than one (docs/benchmarks.md)."""
+        return max(1, min(self.workers, usable_cores() - 1))
+
     def ordered(
-        self, task: Callable[[T], R], items: Sequence[T], stop: Callable[[R], bool]
+        self, task: Callable[[T], R], items: Sequence[T], stop: Callable[[R], bool],
+        threads: int | None = None,
     ) -> list[R]:
-        """``task`` of each item, in order, ``workers`` at a time; no item is started past
-        the first result ``stop`` says ends the batch. Returns the results of a prefix of
-        ``items``: up to that one, and the tasks already running beside it (they are
-        waited for, their results kept: the caller knows what they did)."""
-        if self.workers == 1 or len(items) < 2 or getattr(self._inside, "worker", False):
+        """``task`` of each item, in order, ``threads`` (default ``workers``) at a time; no
+        item is started past the first result ``stop`` says ends the batch. Returns the
+        results of a prefix of ``items``: up to that one, and the tasks already running
+        beside it (they are waited for, their results kept: the caller knows what they
+        did). One thread runs every item on the calling thread."""
+        width = self.workers if threads is None else max(1, min(threads, self.workers))
+        if width == 1 or len(items) < 2 or getattr(self._inside, "worker", False):
             results: list[R] = []
             for item in items:
                 results.append(task(item))
@@ -85,7 +95,7 @@ class SealWorkers:
         try:
             for item in upcoming:
                 pending.append(executor.submit(run, item))
-                if len(pending) == self.workers:
+                if len(pending) == width:
                     break
             stopped = False
             while pending:

@@ -205,7 +205,7 @@ class TestSealedMooncakeInParts(TestSealedMooncake):
 
     @pytest.fixture(autouse=True)
     def small_parts(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(mooncake_module, "SEAL_STAGING_BYTES", 1)
+        monkeypatch.setattr(mooncake_module, "SEAL_PART_BYTES", 1)
         monkeypatch.setattr(mooncake_module, "PIPELINE_CHUNK_BYTES", 1)
 
 

@@ -163,6 +163,23 @@ def test_sealed_runs_on_one_thread_read_back_what_they_wrote(
     assert "--seal-threads must be in [1, 4], got 0" in capsys.readouterr().out
 
 
+def test_sealed_and_plain_runs_alternate_and_pool_their_rounds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--alternations N: N sealed and N plain runs, each of --repeats rounds, pooled."""
+    out = tmp_path / "results.json"
+    assert bench.main(parse(*TINY, "--dir", str(tmp_path / "work"), "--json", str(out),
+                            "--encryption-keys", "random", "--repeats", "2",
+                            "--alternations", "3")) == 0
+    measured = {(r["backend"], r["op"]): r for r in json.loads(out.read_text())["results"]}
+    for name in ("file", "file sealed"):
+        assert len(measured[(name, "put")]["samples_s"]) == 6, name
+    assert len(measured[("file baseline", "put")]["samples_s"]) == 2  # not alternated
+    assert "of 6, 3 runs each, alternating" in capsys.readouterr().out
+    assert bench.main(parse(*TINY, "--encryption-keys", "random", "--alternations", "0")) == 2
+    assert "--alternations must be >= 1" in capsys.readouterr().out
+
+
 def test_a_key_file_without_a_default_key_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

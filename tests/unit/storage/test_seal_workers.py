@@ -91,6 +91,43 @@ def test_a_task_that_calls_the_pool_runs_inline(workers: SealWorkers) -> None:
     ]
 
 
+def test_beside_a_copy_one_core_is_left_to_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.storage import seal_workers
+
+    for cores, workers, beside in ((1, 1, 1), (2, 2, 1), (2, 1, 1), (3, 2, 2), (16, 4, 4)):
+        monkeypatch.setattr(seal_workers, "usable_cores", lambda cores=cores: cores)
+        assert SealWorkers(workers).beside_copy() == beside, (cores, workers)
+
+
+def test_ordered_runs_at_most_the_threads_asked_for() -> None:
+    pool = SealWorkers(3)
+    lock = threading.Lock()
+    running = peak = 0
+    threads: set[int] = set()
+
+    def task(item: int) -> int:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+            threads.add(threading.get_ident())
+        # Overlap with the tasks submitted beside this one, if any were.
+        barrier_wait = threading.Event()
+        barrier_wait.wait(0.002)
+        with lock:
+            running -= 1
+        return item
+
+    assert pool.ordered(task, list(range(30)), stop=lambda r: False, threads=2) == list(
+        range(30)
+    )
+    assert peak <= 2 and threading.get_ident() not in threads
+    threads.clear()
+    assert pool.ordered(task, list(range(5)), stop=lambda r: False, threads=1) == list(range(5))
+    assert threads == {threading.get_ident()}  # one thread: inline on the caller's
+    pool.close()
+
+
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_ahead_never_writes_a_slot_the_caller_still_reads(count: int) -> None:
     """Task i writes slot i % (workers + 1), which the caller holds from the answer for
