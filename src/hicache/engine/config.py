@@ -33,12 +33,17 @@ from hicache.storage.config import StorageConfig
 CPU_KV_POOL_TOKENS = 65536
 # GPU: the fraction of free memory the KV pool takes when --mem-fraction-static is not given.
 DEFAULT_MEM_FRACTION_STATIC = 0.85
-# Prompt tokens per step on the CPU. A CPU's matrix products run at the same rate from
-# a few hundred rows up, so a bigger step computes no faster; it only makes every
-# prompt in it wait for all of them (and every decode wait for the step). Four cold
-# 256-token prompts on SmolLM2-135M: mean TTFT 7.3 s at 2048, 4.6 s at 256, total
-# time within 2% (docs/benchmarks.md).
-CPU_CHUNKED_PREFILL_SIZE = 256
+# Prompt tokens per step on the CPU, and how many of them a step may hold before it
+# takes no further prompt (``SchedulerLimits.prompt_share_tokens``). Several prompts
+# in one big step all wait for all of them: four cold 256-token prompts on
+# SmolLM2-135M had a mean TTFT of 7.3 s in steps of 2048 tokens, 4.6 s in steps of 256,
+# total time within 2%. One long prompt alone gains from big steps: a 1,024-token
+# prompt computed 5% faster in one step than in four of 256 (attention and the
+# per-step costs), and cold 1K prompts served 5-8% faster (docs/benchmarks.md). So a
+# step holds one prompt's tokens up to 1,024, and a second prompt only while the
+# step holds fewer than 256.
+CPU_CHUNKED_PREFILL_SIZE = 1024
+CPU_PROMPT_SHARE_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,9 @@ class SchedulerLimits:
     max_decode_delay_s: float | None = None
     # Or (the smaller applies) this many times the step of the decode rows alone.
     max_decode_delay_factor: float | None = None
+    # A step already holding this many prompt tokens takes no further prompt (a long
+    # prompt still fills it alone, up to the chunk); None: prompts share every step.
+    prompt_share_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -180,6 +188,12 @@ class SchedulingConfig:
                 None if self.max_decode_delay_ms is None else self.max_decode_delay_ms / 1000
             ),
             max_decode_delay_factor=self.max_decode_delay_factor,
+            # The CPU's default steps only: a chunk given by hand is shared as given.
+            prompt_share_tokens=(
+                CPU_PROMPT_SHARE_TOKENS
+                if device_type == "cpu" and self.chunked_prefill_size is None
+                else None
+            ),
         )
 
 

@@ -17,7 +17,7 @@ Each step:
 4. one forward over every decoding request (one token each) plus prompt
    chunks of prefilling requests (at most ``chunked_prefill_size`` tokens; beside
    decode rows, with ``--max-decode-delay-ms``/``-factor``, what ``step_budget.py``
-   allows);
+   allows; past ``prompt_share_tokens`` of them, no further prompt joins the step);
    a failure of the forward fails the requests in flight;
 5. sample every row at once (one host sync), then stream and finish each
    request on its own (a failure there fails that request alone): a finished
@@ -423,6 +423,7 @@ class Scheduler:
         if limits.max_decode_delay_s is not None or limits.max_decode_delay_factor is not None:
             budget = self._prefill_budget(budget)
         full_budget = budget
+        share = limits.prompt_share_tokens
         retractions = self.counters.num_retractions
         capacity = self.page_size
         decode, waiting = Phase.DECODE, Phase.WAITING
@@ -439,7 +440,7 @@ class Scheduler:
                     rows += 1
             elif phase is waiting:
                 continue  # retracted to make room for a request planned before it
-            elif budget > 0:
+            elif budget > 0 and (share is None or full_budget - budget < share):
                 n = min(req.seq_len - req.num_computed, budget)
                 if ensure_pages(req, req.num_computed + n, now):
                     plan.append((req, n))

@@ -22,6 +22,7 @@ from hicache.disaggregation.config import (
 from hicache.engine.config import (
     CPU_CHUNKED_PREFILL_SIZE,
     CPU_KV_POOL_TOKENS,
+    CPU_PROMPT_SHARE_TOKENS,
     DEFAULT_MEM_FRACTION_STATIC,
     EngineConfig,
     ModelLoadConfig,
@@ -75,8 +76,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument(
         "--chunked-prefill-size", type=int, default=None,
         help="prompt tokens computed per step across requests (default: "
-        f"{CPU_CHUNKED_PREFILL_SIZE} on the CPU, {SchedulerLimits.chunked_prefill_size} "
-        "on a GPU)",
+        f"{CPU_CHUNKED_PREFILL_SIZE} on the CPU, where a step holding "
+        f"{CPU_PROMPT_SHARE_TOKENS} takes no further prompt, "
+        f"{SchedulerLimits.chunked_prefill_size} on a GPU; a size given here is shared "
+        "by the step's prompts as given)",
     )
     sched.add_argument(
         "--max-decode-delay-ms", type=float, default=None, metavar="MS",

@@ -95,3 +95,41 @@ def test_decodes_progress_every_step_while_a_long_prompt_prefills(
               if phase is Phase.PREFILL and length == LONG]
     assert chunks[0] == CHUNK, chunks
     assert sum(chunks) == LONG
+
+
+def test_cpu_default_steps_give_one_long_prompt_the_chunk_and_several_take_turns(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """The CPU's default steps (no --chunked-prefill-size): a long prompt alone fills a
+    step up to CPU_CHUNKED_PREFILL_SIZE; once a step holds CPU_PROMPT_SHARE_TOKENS prompt
+    tokens no further prompt joins it; the tokens equal those of a hand-given chunk."""
+    from hicache.engine.config import CPU_CHUNKED_PREFILL_SIZE, CPU_PROMPT_SHARE_TOKENS
+
+    flags = ("--page-size", "4")
+    engine = make_engine(*flags)
+    assert engine.chunked_prefill_size == CPU_CHUNKED_PREFILL_SIZE
+    steps = record_steps(engine)
+    long = CPU_CHUNKED_PREFILL_SIZE - 100
+    run_many(engine, [greedy(prompt(20, long), n=2)])
+    assert [n for plan in steps for _, phase, _, n in plan if phase is Phase.PREFILL] == [long]
+
+    # Prompts longer than the share, submitted together, and a few short ones.
+    lengths = [CPU_PROMPT_SHARE_TOKENS + 44] * 3 + [40, 40, 40]
+    requests = [greedy(prompt(30 + i, n), n=3) for i, n in enumerate(lengths)]
+    steps.clear()
+    results = run_many(engine, requests)
+    shared = 0
+    for plan in steps:
+        prompt_tokens = [n for _, phase, _, n in plan if phase is Phase.PREFILL]
+        # Every prompt but the step's last joined while the step held fewer than the share.
+        for k in range(1, len(prompt_tokens)):
+            assert sum(prompt_tokens[:k]) < CPU_PROMPT_SHARE_TOKENS, plan
+        shared += len(prompt_tokens) > 1
+    assert shared >= 1  # the short prompts shared a step
+    # Every prompt was computed whole, in steps of at most the chunk.
+    for rid, length in {(rid, n) for plan in steps for rid, _, n, _ in plan}:
+        assert sum(n for plan in steps for r, phase, _, n in plan
+                   if r == rid and phase is Phase.PREFILL) == length
+
+    by_hand = run_many(make_engine(*flags, "--chunked-prefill-size", "64"), requests)
+    assert [r.token_ids for r in results] == [r.token_ids for r in by_hand]

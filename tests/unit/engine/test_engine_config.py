@@ -8,6 +8,7 @@ import pytest
 from hicache.config import CacheConfig, ConfigError
 from hicache.engine.config import (
     CPU_CHUNKED_PREFILL_SIZE,
+    CPU_PROMPT_SHARE_TOKENS,
     EngineConfig,
     ModelLoadConfig,
     RuntimeConfig,
@@ -70,7 +71,13 @@ def test_scheduling_hands_the_scheduler_its_slice() -> None:
     assert defaults.max_running_requests == SchedulerLimits.max_running_requests
     assert defaults.chunked_prefill_size == SchedulerLimits.chunked_prefill_size
     assert defaults.enable_prefix_cache
-    # On the CPU a step's prompt tokens default to fewer (TTFT; see the constant).
+    assert defaults.prompt_share_tokens is None
+    # On the CPU a step's prompt tokens default to fewer, and a step holding a few
+    # hundred takes no further prompt (TTFT; see the constants); a chunk given by hand
+    # is shared as given.
     cpu = SchedulingConfig().scheduler_limits(500, "cpu")
     assert cpu.chunked_prefill_size == CPU_CHUNKED_PREFILL_SIZE < defaults.chunked_prefill_size
+    assert cpu.prompt_share_tokens == CPU_PROMPT_SHARE_TOKENS < CPU_CHUNKED_PREFILL_SIZE
+    given = SchedulingConfig(chunked_prefill_size=512).scheduler_limits(500, "cpu")
+    assert given.chunked_prefill_size == 512 and given.prompt_share_tokens is None
 
