@@ -39,7 +39,7 @@ DEFAULT_MEM_FRACTION_STATIC = 0.85
 # SmolLM2-135M had a mean TTFT of 7.3 s in steps of 2048 tokens, 4.6 s in steps of 256,
 # total time within 2%. One long prompt alone gains from big steps: a 1,024-token
 # prompt computed 5% faster in one step than in four of 256 (attention and the
-# per-step costs), and cold 1K prompts served 5-8% faster (docs/benchmarks.md). So a
+# per-step costs), and cold 1K prompts served 5-14% faster (docs/benchmarks.md). So a
 # step holds one prompt's tokens up to 1,024, and a second prompt only while the
 # step holds fewer than 256.
 CPU_CHUNKED_PREFILL_SIZE = 1024
