@@ -168,6 +168,11 @@ def test_the_reserve_covers_a_step_of_activations_on_the_cpu_only() -> None:
     assert reserve_bytes(256, 576, 1536, 49152, 4, activations_on_host=False) == (
         RESERVE_BASE_BYTES)
     assert reserve_bytes(512, 576, 1536, 49152, 4, activations_on_host=True) > cpu
+    # Rows that keep no logits cost their activations only; never more rows than tokens.
+    fewer = reserve_bytes(1024, 576, 1536, 49152, 4, activations_on_host=True, logit_rows=288)
+    assert fewer - RESERVE_BASE_BYTES == 2 * 4 * (1024 * (4 * 576 + 3 * 1536) + 288 * 49152)
+    assert reserve_bytes(256, 576, 1536, 49152, 4, activations_on_host=True,
+                         logit_rows=1000) == cpu
 
 
 # ------------------------------------------------------------------ machine memory

@@ -166,6 +166,8 @@ def _plan_pools(
                 scheduling.max_running_requests),
             model.hidden_size, model.intermediate_size, model.vocab_size,
             next(loaded.model.parameters()).element_size(), activations_on_host=not on_gpu,
+            logit_rows=(scheduling.resolved_logit_rows(device.type)
+                        + scheduling.max_running_requests),
         ),
         page_bytes=page_bytes, page_size=page_size,
         max_running_requests=scheduling.max_running_requests, hierarchical=hierarchical,

@@ -113,7 +113,9 @@ class SchedulerLimits:
     # Or (the smaller applies) this many times the step of the decode rows alone.
     max_decode_delay_factor: float | None = None
     # A step already holding this many prompt tokens takes no further prompt (a long
-    # prompt still fills it alone, up to the chunk); None: prompts share every step.
+    # prompt still fills it alone, up to the chunk), and a prompt asking its logprobs
+    # (whose rows keep their logits) takes only what is left of this many; None: prompts
+    # share every step, up to the chunk.
     prompt_share_tokens: int | None = None
 
 
@@ -178,6 +180,19 @@ class SchedulingConfig:
             return CPU_CHUNKED_PREFILL_SIZE
         return SchedulerLimits.chunked_prefill_size
 
+    def resolved_prompt_share_tokens(self, device_type: str) -> int | None:
+        """``SchedulerLimits.prompt_share_tokens``: the CPU's default steps only (a chunk
+        given by hand is shared as given)."""
+        if device_type == "cpu" and self.chunked_prefill_size is None:
+            return CPU_PROMPT_SHARE_TOKENS
+        return None
+
+    def resolved_logit_rows(self, device_type: str) -> int:
+        """The most prompt rows a step keeps logits for (a prompt's logprobs): the share
+        where steps have one (the scheduler holds such prompts to it), else the chunk."""
+        share = self.resolved_prompt_share_tokens(device_type)
+        return share if share is not None else self.resolved_chunked_prefill_size(device_type)
+
     def scheduler_limits(self, max_context_len: int, device_type: str) -> SchedulerLimits:
         return SchedulerLimits(
             max_running_requests=self.max_running_requests,
@@ -188,12 +203,7 @@ class SchedulingConfig:
                 None if self.max_decode_delay_ms is None else self.max_decode_delay_ms / 1000
             ),
             max_decode_delay_factor=self.max_decode_delay_factor,
-            # The CPU's default steps only: a chunk given by hand is shared as given.
-            prompt_share_tokens=(
-                CPU_PROMPT_SHARE_TOKENS
-                if device_type == "cpu" and self.chunked_prefill_size is None
-                else None
-            ),
+            prompt_share_tokens=self.resolved_prompt_share_tokens(device_type),
         )
 
 

@@ -442,6 +442,9 @@ class Scheduler:
                 continue  # retracted to make room for a request planned before it
             elif budget > 0 and (share is None or full_budget - budget < share):
                 n = min(req.seq_len - req.num_computed, budget)
+                if share is not None and req.wants_input_logprobs:
+                    # Its rows keep their logits: as many as the memory reserve assumes.
+                    n = min(n, share - (full_budget - budget))
                 if ensure_pages(req, req.num_computed + n, now):
                     plan.append((req, n))
                     budget -= n

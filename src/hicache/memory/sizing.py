@@ -60,8 +60,11 @@ MACHINE_SHARE_MAX_BYTES = 10 << 30
 # the radix tree's nodes, an L3 backend's buffers) ...
 RESERVE_BASE_BYTES = 192 << 20
 # ... and a step's activations: the widest tensors of one token in a layer (hidden,
-# attention, MLP, logits) for every token of a step, twice (a layer's input and output
-# live at once). 115 MB for SmolLM2's 256-token CPU steps.
+# attention, MLP) for every token of a step, and a row of logits for every row that keeps
+# its logits (a decode row, a prompt's last token, the prompt rows of a request asking
+# its prompt's logprobs), twice (a layer's input and output live at once). 170 MB for
+# SmolLM2's default CPU steps (1,024 tokens, of which at most 256 prompt rows and 32
+# decode rows keep logits).
 ACTIVATION_COPIES = 2
 
 
@@ -72,15 +75,16 @@ def machine_share_bytes(available_bytes: int) -> int:
 
 def reserve_bytes(
     tokens_per_step: int, hidden_size: int, intermediate_size: int, vocab_size: int,
-    dtype_bytes: int, activations_on_host: bool,
+    dtype_bytes: int, activations_on_host: bool, logit_rows: int | None = None,
 ) -> int:
     """What the process allocates past its pools: ``RESERVE_BASE_BYTES``, and on the CPU
-    the activations of a step of ``tokens_per_step`` tokens (on a GPU they are in GPU
-    memory)."""
+    the activations of a step of ``tokens_per_step`` tokens of which at most ``logit_rows``
+    (default: all) keep their logits (on a GPU they are in GPU memory)."""
     if not activations_on_host:
         return RESERVE_BASE_BYTES
-    widest = 4 * hidden_size + 3 * intermediate_size + vocab_size
-    return RESERVE_BASE_BYTES + ACTIVATION_COPIES * tokens_per_step * widest * dtype_bytes
+    rows = tokens_per_step if logit_rows is None else min(logit_rows, tokens_per_step)
+    per_step = tokens_per_step * (4 * hidden_size + 3 * intermediate_size) + rows * vocab_size
+    return RESERVE_BASE_BYTES + ACTIVATION_COPIES * per_step * dtype_bytes
 
 
 @dataclass(frozen=True)

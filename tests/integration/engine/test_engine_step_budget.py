@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.engine.api import GenerateRequest, SamplingParams
+from hicache.engine.api import GenerateRequest, LogprobParams, SamplingParams
 from hicache.engine.engine import Engine
 from hicache.engine.request import Phase, Req
 from hicache.engine.step_budget import StepCosts
@@ -133,3 +133,16 @@ def test_cpu_default_steps_give_one_long_prompt_the_chunk_and_several_take_turns
 
     by_hand = run_many(make_engine(*flags, "--chunked-prefill-size", "64"), requests)
     assert [r.token_ids for r in results] == [r.token_ids for r in by_hand]
+
+    # A prompt asking its logprobs keeps every row's logits: held to the share (what the
+    # memory reserve assumes), beside a prompt that does not ask.
+    asking = GenerateRequest(
+        tuple(prompt(40, long)),
+        SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True),
+        logprobs=LogprobParams(input_from=0),
+    )
+    steps.clear()
+    run_many(engine, [greedy(prompt(41, 40), n=2), asking])
+    chunks = [n for plan in steps for _, phase, length, n in plan
+              if phase is Phase.PREFILL and length == long]
+    assert sum(chunks) == long and max(chunks) <= CPU_PROMPT_SHARE_TOKENS, chunks

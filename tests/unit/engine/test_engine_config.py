@@ -80,4 +80,8 @@ def test_scheduling_hands_the_scheduler_its_slice() -> None:
     assert cpu.prompt_share_tokens == CPU_PROMPT_SHARE_TOKENS < CPU_CHUNKED_PREFILL_SIZE
     given = SchedulingConfig(chunked_prefill_size=512).scheduler_limits(500, "cpu")
     assert given.chunked_prefill_size == 512 and given.prompt_share_tokens is None
+    # The prompt rows a step keeps logits for, which the memory reserve is sized by.
+    assert SchedulingConfig().resolved_logit_rows("cpu") == CPU_PROMPT_SHARE_TOKENS
+    assert SchedulingConfig(chunked_prefill_size=512).resolved_logit_rows("cpu") == 512
+    assert SchedulingConfig().resolved_logit_rows("cuda") == SchedulerLimits.chunked_prefill_size
 
