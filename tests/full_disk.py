@@ -97,7 +97,8 @@ def file_backend_fill(root: str, num_batches: int, batch_pages: int) -> dict[str
         "batches": batches,
         "failures": backend.stats().failures,
         "still_stored": still_stored,
-        "files": sum(len(files) for _, _, files in os.walk(root)),
+        # Page files: the directory's ledger (one file at its top) is not a page.
+        "files": sum(len(files) for directory, _, files in os.walk(root) if directory != root),
     }
 
 

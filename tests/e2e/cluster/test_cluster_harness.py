@@ -75,7 +75,7 @@ def test_three_workers_share_one_file_l3_and_stop_cleanly(tmp_path: Path) -> Non
         l3 = cluster.l3_path
         assert l3 is not None
         # ... are written through to the shared directory ...
-        assert wait_for(lambda: sum(1 for p in l3.rglob("*") if p.is_file()) >= 5, TIMEOUT_S)
+        assert wait_for(lambda: sum(1 for p in l3.rglob("*.*m") if p.is_file()) >= 5, TIMEOUT_S)
         # ... and worker 1, which never saw the prompt, reads them from L3.
         second = _generate(cluster.workers[1].url, prompt)
         details = second["cached_tokens_details"]

@@ -27,6 +27,7 @@ from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.backends.file.backend import FileBackend
+from hicache.storage.backends.file.ledger import LEDGER_FILE
 from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
 from hicache.storage.page_files import STALE_TEMP_AGE_S, temp_name
@@ -444,6 +445,85 @@ def test_a_page_another_instance_removed_is_written_again(root: Path, open_file:
     assert first.set(keys, ids(0, 2)) == 2
     assert first.stats().pages_written == 4, "a vanished page was skipped as stored"
     assert len(page_files(root)) == 2
+
+
+def stored_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in page_files(root))
+
+
+def test_instances_sharing_a_directory_share_its_cap_in_its_lru_order(
+    root: Path, open_file: Opener
+) -> None:
+    # Both attach to the empty directory: neither has seen the other's pages (a router
+    # that keeps conversations apart keeps the instances' indexes disjoint like this).
+    first, first_host = open_file(max_bytes=4 * FILE_BYTES)
+    second, second_host = open_file(max_bytes=4 * FILE_BYTES)
+    keys = chain(7)
+    fill_random(first_host, ids(0, 7), seed=20)
+    values = fill_random(second_host, ids(0, 7), seed=21)
+    assert first.set(keys[:3], ids(0, 3)) == 3
+    assert second.directory_bytes == 3 * FILE_BYTES
+    # The second instance's writes push the directory over the cap: it finds the first
+    # instance's pages by a scan and evicts the oldest of the directory, not its own.
+    for i in range(3, 6):
+        assert second.set(keys[i : i + 1], ids(i, i + 1)) == 1
+    assert stored_bytes(root) == 4 * FILE_BYTES == second.directory_bytes
+    assert [second.exists([key]) for key in keys[:6]] == [0, 0, 1, 1, 1, 1]
+    # The first instance has not seen the second's writes, but the ledger counts them:
+    # its next page also evicts the directory's oldest, one of its own written before.
+    assert first.set(keys[6:7], ids(6, 7)) == 1
+    assert stored_bytes(root) == 4 * FILE_BYTES == first.directory_bytes
+    assert [first.exists([key]) for key in keys] == [0, 0, 0, 1, 1, 1, 1]
+    assert first.get(keys[3:6], ids(10, 13)) == 3
+    assert page_bytes_of(first_host, ids(10, 13)) == as_bytes(values[3:6])
+    assert first.stats().failures == {"evicted": 1} and second.stats().failures == {"evicted": 2}
+    first.check_integrity()
+    second.check_integrity()
+
+
+def test_instances_writing_at_once_keep_the_cap_and_the_ledger_exact(
+    root: Path, open_file: Opener
+) -> None:
+    cap = 6 * FILE_BYTES
+    backends = [open_file(max_bytes=cap) for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def writer(index: int) -> None:
+        backend, host = backends[index]
+        try:
+            keys = chain(12, seed=100 + index)
+            fill_random(host, ids(0, 12), seed=index)
+            for i in range(12):
+                assert backend.set(keys[i : i + 1], ids(i, i + 1)) == 1
+        except BaseException as error:  # reported below, not lost in the thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    # 36 pages went through a cap of 6: no update of the ledger was lost on the way.
+    assert stored_bytes(root) <= cap
+    assert backends[0][0].directory_bytes == stored_bytes(root)
+
+
+def test_a_damaged_ledger_is_rebuilt_from_a_scan(root: Path, open_file: Opener) -> None:
+    backend, host = open_file(max_bytes=3 * FILE_BYTES)
+    keys = chain(4)
+    fill_random(host, ids(0, 4), seed=22)
+    assert backend.set(keys[:2], ids(0, 2)) == 2
+    (root / LEDGER_FILE).write_bytes(b"\x01\x02\x03")  # short: unreadable
+    assert backend.directory_bytes is None
+    assert backend.set(keys[2:4], ids(2, 4)) == 2
+    assert backend.directory_bytes == stored_bytes(root) == 3 * FILE_BYTES
+    assert [backend.exists([key]) for key in keys] == [0, 1, 1, 1]
+    # A restart counts what is there whatever the ledger said.
+    (root / LEDGER_FILE).write_bytes(bytes(16))
+    backend.close()
+    again, _ = open_file(max_bytes=3 * FILE_BYTES)
+    assert again.directory_bytes == 3 * FILE_BYTES and len(again) == 3
 
 
 def test_layouts_with_the_same_row_order_share_pages_and_the_others_do_not(

@@ -11,6 +11,7 @@ from pathlib import Path
 from hicache.engine.api import Hint, HintKind, HintOutcomeKind
 from hicache.engine.engine import Engine
 from hicache.storage.backends.file.backend import FileBackend
+from hicache.storage.backends.file.ledger import LEDGER_FILE
 from tests.engine_helpers import run
 from tests.integration.engine.test_engine_cache_reuse import assert_same
 from tests.integration.engine.test_engine_hints import (
@@ -27,7 +28,10 @@ CAP_PAGES = 2 * PAGES + PAGES // 2  # room for two and a half prompts
 
 
 def store_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and "pins" not in p.parts)
+    return sum(
+        p.stat().st_size for p in root.rglob("*")
+        if p.is_file() and "pins" not in p.parts and p.name != LEDGER_FILE
+    )
 
 
 def pin_markers(root: Path) -> int:

@@ -109,7 +109,7 @@ def test_repeat_hits_device_then_storage_after_flush(
         return bool(status["metrics"]["backup_pages_stored"] >= 6)
 
     assert server.wait_until(stored)
-    assert any(p.is_file() for p in l3_dir.rglob("*")), "no page file in the L3 directory"
+    assert any(p.is_file() for p in l3_dir.rglob("*.*m")), "no page file in the L3 directory"
 
     flushed = httpx.post(f"{server.url}/flush_cache", timeout=TIMEOUT)
     assert flushed.status_code == 200 and flushed.json()["flushed"] is True

@@ -36,9 +36,19 @@ Several instances may share a directory (pages one writes, the others hit).
 Recency is kept in each file's modification time, which a write sets and a
 read refreshes with a strictly increasing stamp (file systems keep nanoseconds
 but often advance their clock only every few milliseconds), so a new instance
-adopts what is on disk in its LRU order: the order survives restarts. Each
-instance enforces the cap on the files it knows of (what it wrote, found at
-start-up, or found on use); a shared directory is bounded by the sum of the caps.
+adopts what is on disk in its LRU order: the order survives restarts. The cap is
+the directory's, whichever instances write to it: the directory's ``ledger`` counts
+its page bytes (every instance adds what it writes and takes off what it removes),
+and an instance evicts while the ledger (or what it knows of itself) is over the
+cap. It evicts from its own index, least recently used first: what it wrote, found
+on use, or found by its last scan of the directory, which adopts every instance's
+pages in their LRU order (modification times). It scans again when the directory is
+over the cap and the other instances have written ``RESYNC_FRACTION`` of the cap
+since its last scan, or its index has nothing left to evict; so eviction follows
+the directory's LRU order, not an instance's, and a scan (one ``stat`` per file,
+under the ledger's lock) is paid at most once per that much writing by others.
+Instances that write disjoint pages (a router keeping conversations apart) so share
+one cap, where each capping its own pages would let the directory grow to the sum.
 
 Pins (``pins``): a page with a live pin marker in the directory is never evicted,
 by the cap nor by the ENOSPC path, whichever instance pinned it. Eviction meets
@@ -61,8 +71,9 @@ still knows). With
 - ``l3=``: a page written for a tenant over its quota first evicts that tenant's own
   least recently used pages (never another tenant's, never a pinned one nor one of the
   same batch); when they cannot make room the page is refused ("tenant_quota_full").
-  Like the cap, each instance enforces it on the pages it knows of (written, found at
-  attach or on use): instances sharing the directory bound a tenant by the sum of theirs.
+  Each instance enforces it on the pages it knows of (written, found by a scan or on
+  use): between an instance's scans, the pages other instances wrote for the tenant
+  since are not counted.
 - ``l3_ttl=``: a page not used (written or read) for that long is a miss ("expired")
   and removed, pinned or not, when met by a lookup, read or write, by the scan at
   attach, or by the tenant's next backup (which checks its least recently used pages).
@@ -73,6 +84,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import threading
 import time
@@ -87,6 +99,7 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.ledger import DirectoryLedger
 from hicache.storage.backends.file.mapped import mapped
 from hicache.storage.backends.file.pins import PinMarkers, check_expiry
 from hicache.storage.backends.file.settings import FileSettings
@@ -115,11 +128,16 @@ try:
 except (AttributeError, ValueError, OSError):
     _IOV_MAX = 1024
 
+logger = logging.getLogger(__name__)
+
 # Most of a tenant's oldest pages one backup checks against the tenant's TTL.
 EXPIRE_SWEEP_PAGES = 64
 # How often held (pinned) pages are checked again for an unpin by another instance
 # sharing the directory, while the cap needs room.
 HELD_RECHECK_S = 1.0
+# Share of the cap other instances write to a shared directory before an instance over
+# the cap scans the directory again (module docstring).
+RESYNC_FRACTION = 0.02
 
 
 @dataclass(frozen=True)
@@ -158,38 +176,49 @@ class FileBackend(StorageBackend):
         # by self._lock.
         self._pages = TenantPages()
         self._named_tenants: set[str] = set()  # tenant directories known to exist
+        self._ledger = DirectoryLedger(self.root)
+        # The ledger's written count at this instance's last scan, and the bytes this
+        # instance wrote since: the rest were written by others. Guarded by self._lock.
+        self._synced_written = 0
+        self._own_written = 0
+        # The ledger could not be written at the last scan: cap what this instance knows.
+        self._ledger_broken = False
 
     # ------------------------------------------------------------ lifecycle
     def attach(self, host: HostPool) -> None:
         regions = PageRegions(host, self.sealer)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            found = self._scan()
+            self._ledger.open()
             self._pins.sweep()
+            with self._lock:
+                self._rescan_locked()
         except OSError as error:
+            self._ledger.close()
             raise StorageUnavailableError(
                 f"file storage: cannot use directory {self.root}: {error}"
             ) from error
         super().attach(host)
         self._regions = regions
-        now = time.time()
         with self._lock:
-            for mtime_ns, name, size, tenant in sorted(found, key=lambda f: (f[0], f[1])):
-                if self._past_ttl(tenant, mtime_ns, now):
-                    unlink_quietly(self._path(name, tenant))
-                    self._stats.fail(FailureReason.EXPIRED)
-                    continue
-                self._add_locked(name, tenant, size)
             self._evict_locked(0)
 
     def close(self) -> None:
         self._closed = True
+        self._ledger.close()
 
     @property
     def total_bytes(self) -> int:
         """Bytes of the pages this instance knows of (headers included)."""
         with self._lock:
             return self._total_bytes
+
+    @property
+    def directory_bytes(self) -> int | None:
+        """Bytes of the directory's page files by its ledger (every instance's; None
+        when the ledger cannot be read)."""
+        counts = self._ledger.read()
+        return None if counts is None else counts.total
 
     def __len__(self) -> int:
         with self._lock:
@@ -312,7 +341,7 @@ class FileBackend(StorageBackend):
             for _, name, _, tenant in self._scan():
                 path = self._path(name, tenant)
                 if holds_our_page(path, name):
-                    unlink_quietly(path)
+                    self._remove_file(path)
             self._index.clear()
             self._held.clear()
             self._pages.clear()
@@ -337,7 +366,7 @@ class FileBackend(StorageBackend):
             for _, name, _, owner in self._scan(only=lambda named: within_tenant(named, tenant)):
                 path = self._path(name, owner)
                 if holds_our_page(path, name):
-                    unlink_quietly(path)
+                    self._remove_file(path)
                     removed += 1
             for owner in [named for named in self._pages.usage() if within_tenant(named, tenant)]:
                 for name in self._pages.names(owner):
@@ -362,7 +391,7 @@ class FileBackend(StorageBackend):
             with self._lock:
                 path = self._recorded_path(name, tenant)
                 self._forget_locked(name)
-                unlink_quietly(path)
+                self._remove_file(path)
 
     def _ready(self, keys: Sequence[bytes], host_pages: PageIds | None = None) -> PageRegions:
         self._check_open(keys, host_pages)
@@ -410,7 +439,7 @@ class FileBackend(StorageBackend):
             return False
         with self._lock:
             self._forget_locked(name)
-            unlink_quietly(path)
+            self._remove_file(path)
             self._stats.fail(FailureReason.EXPIRED)
         return True
 
@@ -495,7 +524,7 @@ class FileBackend(StorageBackend):
             if self._past_ttl(tenant, info.st_mtime_ns, time.time()):
                 with self._lock:
                     self._forget_locked(name)
-                    unlink_quietly(path)
+                    self._remove_file(path)
                 return FailureReason.EXPIRED
             opened = (
                 self._open_mapped(regions, fd, key, page)
@@ -523,7 +552,7 @@ class FileBackend(StorageBackend):
             if fault is not None:
                 # A bad object is dropped so that a later set() can store it again.
                 self._forget_locked(name)
-                unlink_quietly(path)
+                self._remove_file(path)
                 return fault
             if name in self._index:
                 self._index.move_to_end(name)
@@ -604,13 +633,13 @@ class FileBackend(StorageBackend):
         with self._lock:
             if not self._make_tenant_room_locked(tenant, file_bytes, keep):
                 return FailureReason.TENANT_QUOTA_FULL
-            self._evict_locked(file_bytes)
-            if self._total_bytes + file_bytes > self.max_bytes:
+            if not self._evict_locked(file_bytes):
                 return FailureReason.PINNED_FULL  # only pinned pages are left to evict
             stamp = self._next_stamp_locked()
         try:
             self._write_file(temp, [*payload, header])
             os.utime(temp, ns=(stamp, stamp))
+            replaced = _file_bytes(path)  # another writer's copy of the page: counted once
             os.replace(temp, path)
             if self.fsync:
                 _fsync_directory(self._dir(name, tenant))
@@ -620,6 +649,8 @@ class FileBackend(StorageBackend):
                 return FailureReason.NO_SPACE
             return FailureReason.IO_ERROR
         with self._lock:
+            self._ledger.add(file_bytes - replaced, written=file_bytes)
+            self._own_written += file_bytes
             self._forget_locked(name)  # a concurrent writer of the same page won the race
             self._add_locked(name, tenant, file_bytes)
             self._evict_locked(0)
@@ -650,7 +681,7 @@ class FileBackend(StorageBackend):
                 continue
             path = self._path(name, tenant)
             self._forget_locked(name)
-            unlink_quietly(path)
+            self._remove_file(path)
             self._stats.fail(FailureReason.EVICTED_TENANT_QUOTA)
         return self._pages.bytes_of(tenant) + incoming_bytes <= limit
 
@@ -668,24 +699,114 @@ class FileBackend(StorageBackend):
         self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
         return self._last_stamp_ns
 
-    def _evict_locked(self, incoming_bytes: int) -> None:
-        """Drop least recently used pages until ``incoming_bytes`` more fit under the cap;
-        pinned pages are set aside instead (module docstring), so it may fall short."""
+    def _evict_locked(self, incoming_bytes: int) -> bool:
+        """Drop least recently used pages until ``incoming_bytes`` more fit under the cap,
+        both in what this instance knows of and in the directory (its ledger); whether
+        they fit. Pinned pages are set aside instead (module docstring), so it may fall
+        short; so may it when the directory's pages beyond this instance's index are
+        all pinned."""
         now = time.time()
-        over = self._total_bytes + incoming_bytes > self.max_bytes
-        if over and self._held and now >= self._held_recheck_at:  # only when room is needed
-            self._recheck_held_locked(now)
-        while self._index and self._total_bytes + incoming_bytes > self.max_bytes:
-            name, size = self._index.popitem(last=False)
-            until = self._pins.expiry(name, now)
-            if until is not None:
-                self._held[name] = (size, until)
-                self._held_recheck_at = min(self._held_recheck_at, until)
-                continue
-            self._total_bytes -= size
-            self._stats.fail(FailureReason.EVICTED)
-            tenant, _ = self._pages.remove(name) or (None, 0)
-            unlink_quietly(self._path(name, tenant))
+        directory = self._directory_bytes_locked(incoming_bytes)
+        rescanned = False
+        while True:
+            over = max(self._total_bytes, directory) + incoming_bytes > self.max_bytes
+            if over and self._held and now >= self._held_recheck_at:  # when room is needed
+                self._recheck_held_locked(now)
+            while self._index and max(self._total_bytes, directory) + incoming_bytes > (
+                self.max_bytes
+            ):
+                name, size = self._index.popitem(last=False)
+                until = self._pins.expiry(name, now)
+                if until is not None:
+                    self._held[name] = (size, until)
+                    self._held_recheck_at = min(self._held_recheck_at, until)
+                    continue
+                self._total_bytes -= size
+                self._stats.fail(FailureReason.EVICTED)
+                tenant, _ = self._pages.remove(name) or (None, 0)
+                directory -= self._remove_file(self._path(name, tenant))
+            if directory + incoming_bytes <= self.max_bytes or rescanned:
+                break
+            # This instance's pages are gone and the directory is still over: the rest
+            # are other instances' pages it has not seen, or the ledger drifted. Once.
+            rescanned = True
+            if self._try_rescan_locked():
+                directory = self._total_bytes
+        return max(self._total_bytes, directory) + incoming_bytes <= self.max_bytes
+
+    def _directory_bytes_locked(self, incoming_bytes: int) -> int:
+        """The directory's page bytes (its ledger; this instance's own when it cannot be
+        read), after a scan when it is over the cap and others wrote enough since the
+        last one that this instance's index and LRU order are stale."""
+        if self._ledger_broken:
+            return self._total_bytes
+        counts = self._ledger.read()
+        if counts is None:  # damaged: a scan rewrites it (and says whether it could)
+            self._try_rescan_locked()
+            return self._total_bytes
+        if counts.total + incoming_bytes > self.max_bytes:
+            by_others = counts.written - self._synced_written - self._own_written
+            resync_bytes = max(1, int(self.max_bytes * RESYNC_FRACTION))
+            if by_others >= resync_bytes and self._try_rescan_locked():
+                return self._total_bytes
+        return counts.total
+
+    def _try_rescan_locked(self) -> bool:
+        """``_rescan_locked``; False (nothing changed) when the directory cannot be
+        listed right now: the caller goes on with what it knows."""
+        try:
+            self._rescan_locked()
+        except OSError:
+            return False
+        return True
+
+    def _rescan_locked(self) -> None:
+        """Rebuild the index from a scan of the directory, every instance's pages in LRU
+        order (modification times), under the ledger's lock, and set the ledger to what
+        it found. Pages past their tenant's TTL are removed on the way. Raises
+        ``OSError`` when the directory cannot be listed."""
+
+        def scan() -> int:
+            now = time.time()
+            index: OrderedDict[str, int] = OrderedDict()
+            held: dict[str, tuple[int, float]] = {}
+            pages = TenantPages()
+            total = 0
+            for mtime_ns, name, size, tenant in sorted(self._scan(), key=lambda f: (f[0], f[1])):
+                if self._past_ttl(tenant, mtime_ns, now):
+                    unlink_quietly(self._path(name, tenant))  # uncounted: not in the total
+                    self._stats.fail(FailureReason.EXPIRED)
+                    continue
+                if name in self._held:
+                    held[name] = (size, self._held[name][1])
+                else:
+                    index[name] = size
+                pages.add(name, tenant, size)
+                total += size
+            self._index, self._held, self._pages, self._total_bytes = index, held, pages, total
+            return total
+
+        counts = self._ledger.resync(scan)
+        self._synced_written = 0 if counts is None else counts.written
+        self._own_written = 0
+        if (counts is None) != self._ledger_broken:
+            self._ledger_broken = counts is None
+            if counts is None:
+                logger.warning(
+                    "file storage: the ledger %s cannot be written; the cap holds for "
+                    "this instance's pages only until the next start", self._ledger.path,
+                )
+
+    def _remove_file(self, path: str) -> int:
+        """Remove a page file, best effort (``unlink_quietly``); the bytes it removed,
+        which it takes off the directory's ledger."""
+        try:
+            size = os.lstat(path).st_size
+            os.unlink(path)
+        except OSError:
+            return 0
+        self._ledger.add(-size)
+        return size
 
     def _recheck_held_locked(self, now: float) -> None:
         """Put held pages whose pin expired or was removed back into the LRU order."""
@@ -723,7 +844,7 @@ class FileBackend(StorageBackend):
             for name in victims:
                 path = self._recorded_path(name, None)
                 self._forget_locked(name)
-                unlink_quietly(path)
+                self._remove_file(path)
             if victims:
                 self._stats.fail(FailureReason.EVICTED_NO_SPACE, len(victims))
         return len(victims)
@@ -779,6 +900,14 @@ class FileBackend(StorageBackend):
                         found.append((stat.st_mtime_ns, entry.name, stat.st_size))
         return found
 
+
+
+def _file_bytes(path: str) -> int:
+    """The size of the file at ``path``; 0 when there is none."""
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
 
 
 def _fsync_directory(path: str) -> None:
