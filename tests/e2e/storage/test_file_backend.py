@@ -526,6 +526,24 @@ def test_a_damaged_ledger_is_rebuilt_from_a_scan(root: Path, open_file: Opener) 
     assert again.directory_bytes == 3 * FILE_BYTES and len(again) == 3
 
 
+def test_a_ledger_that_cannot_be_opened_leaves_the_cap_to_each_instance(
+    root: Path, open_file: Opener, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"not ours")
+    (root / LEDGER_FILE).symlink_to(elsewhere)  # never written through
+    backend, host = open_file(max_bytes=2 * FILE_BYTES)
+    assert "cannot open the ledger" in caplog.text
+    keys = chain(3)
+    fill_random(host, ids(0, 3), seed=23)
+    assert backend.set(keys, ids(0, 3)) == 3
+    assert backend.directory_bytes is None and stored_bytes(root) == 2 * FILE_BYTES
+    assert [backend.exists([key]) for key in keys] == [0, 1, 1]
+    assert elsewhere.read_bytes() == b"not ours"
+    backend.check_integrity()
+
+
 def test_layouts_with_the_same_row_order_share_pages_and_the_others_do_not(
     open_file: Opener,
 ) -> None:

@@ -189,7 +189,7 @@ class FileBackend(StorageBackend):
         regions = PageRegions(host, self.sealer)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self._ledger.open()
+            self._open_ledger()
             self._pins.sweep()
             with self._lock:
                 self._rescan_locked()
@@ -206,6 +206,19 @@ class FileBackend(StorageBackend):
     def close(self) -> None:
         self._closed = True
         self._ledger.close()
+
+    def _open_ledger(self) -> None:
+        """Open the directory's ledger; without one (a directory this instance may read but
+        not write, a ledger that is not a regular file) the cap holds for this instance's
+        pages only, as the warning says."""
+        try:
+            self._ledger.open()
+        except OSError as error:
+            self._ledger_broken = True
+            logger.warning(
+                "file storage: cannot open the ledger %s (%s); the cap holds for this "
+                "instance's pages only", self._ledger.path, error,
+            )
 
     @property
     def total_bytes(self) -> int:

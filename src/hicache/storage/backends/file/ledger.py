@@ -59,7 +59,8 @@ class DirectoryLedger:
 
     def open(self) -> None:
         """Open (creating when missing) the ledger file. Raises ``OSError``."""
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        # Not through a link: the ledger is written in place, unlike pages.
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
         with self._lock:
             if self._fd is None:
                 self._fd = os.open(self.path, flags, 0o644)
