@@ -22,7 +22,8 @@ Invariants:
 - Every page gets a fresh random nonce (never reused under a key short of the
   2**32 pages per key GCM allows for random nonces: rotate keys before that).
 - The host page is never copied to seal or open it: sealing reads the page's
-  regions and writes the ciphertext into a staging buffer the backend sends from;
+  regions and writes the ciphertext into a staging buffer the backend sends from
+  (or, piece by piece, into a small one it writes each piece from: ``begin``);
   opening decrypts the ciphertext in place, in the host page it was read into, or
   straight from where the store holds it (a mapped page file) into the host page.
 - Pages are sealed and opened on the sealer's threads (``workers``, ``seal_workers``)
@@ -36,7 +37,7 @@ import threading
 from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import AEADEncryptionContext, Cipher, algorithms, modes
 
 from hicache.storage.call_tenant import current_tenant
 from hicache.storage.frame import (
@@ -64,29 +65,39 @@ class Sealer:
         self._ciphers: dict[bytes, algorithms.AES] = {}
         self._local = threading.local()
 
+    def can_seal(self) -> bool:
+        """Whether the call's tenant has a key to seal with."""
+        return self.ring.write_key(current_tenant()) is not None
+
+    def begin(self, key: bytes, order: PayloadOrder, payload_bytes: int) -> SealStream | None:
+        """Start sealing page ``key`` (``payload_bytes`` long) under the call's tenant's
+        key, with a fresh nonce; None when the tenant has no key."""
+        tenant_key = self.ring.write_key(current_tenant())
+        if tenant_key is None:
+            return None
+        header = encode_sealed_header(
+            key, order, payload_bytes, os.urandom(NONCE_BYTES), tenant_key.key_id
+        )
+        _, nonce, _ = sealed_fields(header)
+        encryptor = Cipher(self._cipher(tenant_key), modes.GCM(nonce)).encryptor()
+        encryptor.authenticate_additional_data(sealed_aad(header))
+        return SealStream(encryptor, header)
+
     def seal(
         self, key: bytes, order: PayloadOrder, payload: Sequence[Buffer], out: memoryview
     ) -> bytes | None:
         """Encrypt ``payload`` (page ``key``'s fragments, in payload order) into
         ``out[:payload bytes]``; the page's sealed header, or None when the call's tenant
         has no key (nothing is written to ``out`` then)."""
-        tenant_key = self.ring.write_key(current_tenant())
-        if tenant_key is None:
-            return None
         sizes = [memoryview(fragment).nbytes for fragment in payload]
-        header = encode_sealed_header(
-            key, order, sum(sizes), os.urandom(NONCE_BYTES), tenant_key.key_id
-        )
-        _, nonce, _ = sealed_fields(header)
-        encryptor = Cipher(self._cipher(tenant_key), modes.GCM(nonce)).encryptor()
-        encryptor.authenticate_additional_data(sealed_aad(header))
+        stream = self.begin(key, order, sum(sizes))
+        if stream is None:
+            return None
         offset = 0
         for fragment, size in zip(payload, sizes, strict=True):
-            encryptor.update_into(fragment, out[offset : offset + size])
+            stream.update_into(fragment, out[offset : offset + size])
             offset += size
-        encryptor.finalize()
-        set_tag(header, encryptor.tag)
-        return bytes(header)
+        return stream.finish()
 
     def open(
         self, header: Buffer, payload: Sequence[memoryview], source: Buffer | None = None
@@ -131,3 +142,25 @@ class Sealer:
         if cipher is None:  # a race builds it twice, harmlessly
             cipher = self._ciphers[tenant_key.secret] = algorithms.AES(tenant_key.secret)
         return cipher
+
+
+class SealStream:
+    """One page being sealed piece by piece, in payload order (``Sealer.begin``): a
+    store that writes a page in pieces seals each into a small buffer just before
+    writing it, so the ciphertext is written from cache instead of a page-sized
+    staging buffer that goes through memory once more. Not thread-safe: one page,
+    one thread."""
+
+    def __init__(self, encryptor: AEADEncryptionContext, header: bytearray) -> None:
+        self._encryptor = encryptor
+        self._header = header
+
+    def update_into(self, data: Buffer, out: memoryview) -> int:
+        """Encrypt the next ``data`` into ``out`` (at least as long); bytes written."""
+        return self._encryptor.update_into(data, out)
+
+    def finish(self) -> bytes:
+        """The page's sealed header, its tag set: once every byte went through."""
+        self._encryptor.finalize()
+        set_tag(self._header, self._encryptor.tag)
+        return bytes(self._header)

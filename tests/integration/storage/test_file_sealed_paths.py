@@ -1,7 +1,7 @@
-"""The file store's sealed paths: pages sealed ahead on the sealer's threads while the page
-before is written, and opened on those threads straight from the mapped file (or read and
-opened in place where a file cannot be mapped). Every path writes frames every other path
-opens to the same bytes, and any damage is still a miss, counted."""
+"""The file store's sealed paths: pages sealed piece by piece as they are written, a few
+side by side on the sealer's threads, and opened on those threads straight from the mapped
+file (or read and opened in place where a file cannot be mapped). Every path writes frames
+every other path opens to the same bytes, and any damage is still a miss, counted."""
 
 from __future__ import annotations
 
@@ -90,6 +90,29 @@ def test_every_path_opens_what_every_path_sealed(
     reader.close()
 
 
+@pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST])
+def test_pages_sealed_in_odd_pieces_open_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: MemLayout
+) -> None:
+    """Pieces smaller than a region and not a multiple of the cipher's block: the file
+    holds the page's ciphertext whole, in order, and opens to the page."""
+    monkeypatch.setattr(file_backend, "SEAL_WRITE_PIECE", 24)
+    writer, host = open_store(tmp_path, 2, layout)
+    assert min(view.nbytes for view in writer._regions.views(0)) > 24  # type: ignore[union-attr]
+    values = fill_random(host, page_range(0, BATCH), seed=8)
+    keys = keys_of("acme", BATCH)
+    with call_tenant("acme"):
+        assert writer.set(keys, page_range(0, BATCH)) == BATCH
+    assert all(f.stat().st_size == SEALED_HEADER_BYTES + host.page_bytes
+               for f in page_files(tmp_path))
+    reader, other_host = open_store(tmp_path, 1, layout)
+    assert read_back(reader, keys) == BATCH
+    assert page_bytes_of(other_host, page_range(BATCH, 2 * BATCH)) == as_bytes(values)
+    assert reader.stats().failures == {}
+    writer.close()
+    reader.close()
+
+
 @pytest.mark.parametrize("mapped", [True, False])
 @pytest.mark.parametrize("damage", ["payload", "tag", "key_id", "truncated"])
 def test_a_damaged_page_mid_batch_is_a_counted_miss(
@@ -149,8 +172,8 @@ def test_an_io_error_mapping_a_page_is_a_miss(
     backend.close()
 
 
-def test_sealing_ahead_writes_each_page_with_a_fresh_nonce(tmp_path: Path) -> None:
-    """Pages sealed side by side into rotating staging slots: each file is its own page's
+def test_pages_sealed_side_by_side_each_get_a_fresh_nonce(tmp_path: Path) -> None:
+    """Pages sealed side by side, each by its own thread: each file is its own page's
     (the same host page under two keys has two different ciphertexts and nonces)."""
     backend, host = open_store(tmp_path, 3)
     values = fill_random(host, page_range(0, 1), seed=4)
@@ -209,13 +232,13 @@ def test_pages_already_stored_are_not_sealed_again(
     with call_tenant("acme"):
         assert backend.set(keys[1:3], page_range(1, 3)) == 2
     sealed_pages: list[bytes] = []
-    seal = Sealer.seal
+    begin = Sealer.begin
 
     def counting(self: Sealer, key: bytes, *args: object) -> object:
         sealed_pages.append(key)
-        return seal(self, key, *args)  # type: ignore[arg-type]
+        return begin(self, key, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Sealer, "seal", counting)
+    monkeypatch.setattr(Sealer, "begin", counting)
     with call_tenant("acme"):
         assert backend.set(keys, page_range(0, BATCH)) == BATCH
     assert sorted(sealed_pages) == sorted([keys[0], *keys[3:]])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 from hicache.tenancy.names import namespace_chain
@@ -56,7 +57,9 @@ def ensure_tenant_dir(root: str, tenant: str) -> None:
     if os.path.isfile(name_file):
         return
     os.makedirs(directory, exist_ok=True)
-    temp = f"{name_file}.{os.getpid()}.tmp"
+    # The writer's process and thread in the name: a batch's pages are written on
+    # several threads, each of which may be the tenant's first.
+    temp = f"{name_file}.{os.getpid()}-{threading.get_ident()}.tmp"
     with open(temp, "w", encoding="utf-8", errors="surrogatepass") as out:
         out.write(tenant)
     os.replace(temp, name_file)
