@@ -343,6 +343,54 @@ void value_tiles(float* ot, int64_t R, const float* p, const float* const* value
   }
 }
 
+// Packs kJk key rows (float32, D each) into the score tile's layout [D][kJk]. With AVX-512,
+// 16 dimensions at a time: eight row vectors transposed in three rounds of two-register
+// shuffles (the element-by-element copy took 4% of a 1,024-token prefill).
+inline void pack_keys(const float* const* rows, int D, float* kt) {
+  static_assert(kJk == 8, "the shuffles below transpose eight rows");
+  int d0 = 0;
+#if defined(__AVX512F__)
+  typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
+  // Round 1: rows 2i, 2i + 1 interleaved element by element (dimensions 0-7, then 8-15);
+  // round 2: pairs of rows interleaved by pairs; round 3: fours by fours.
+  const vi lo1 = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  const vi hi1 = lo1 + 8;
+  const vi lo2 = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
+  const vi hi2 = lo2 + 8;
+  const vi lo3 = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  const vi hi3 = lo3 + 8;
+  for (; d0 + VW <= D; d0 += VW) {
+    vf r[8], a[8], b[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) r[j] = load(rows[j] + d0);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      a[2 * i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], lo1);
+      a[2 * i + 1] = __builtin_shuffle(r[2 * i], r[2 * i + 1], hi1);
+    }
+    // a[0], a[1]: rows 0-1 at dimensions 0-7, 8-15; a[2], a[3]: rows 2-3; ...
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        b[4 * i + 2 * h] = __builtin_shuffle(a[4 * i + h], a[4 * i + 2 + h], lo2);
+        b[4 * i + 2 * h + 1] = __builtin_shuffle(a[4 * i + h], a[4 * i + 2 + h], hi2);
+      }
+    }
+    // b[0..3]: rows 0-3 at dimensions 0-3, 4-7, 8-11, 12-15; b[4..7]: rows 4-7.
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      store(kt + (d0 + 4 * q) * kJk, __builtin_shuffle(b[q], b[4 + q], lo3));
+      store(kt + (d0 + 4 * q + 2) * kJk, __builtin_shuffle(b[q], b[4 + q], hi3));
+    }
+  }
+#endif
+  for (; d0 < D; ++d0) {
+#pragma GCC unroll 8
+    for (int j = 0; j < kJk; ++j) kt[d0 * kJk + j] = rows[j][d0];
+  }
+}
+
 // A float buffer aligned to a cache line, grown on demand.
 struct Buffer {
   float* data = nullptr;
@@ -419,7 +467,8 @@ void prefill_task(const Prefill<T>& a, int b, int kh, int qb, int bq, PrefillScr
   const int32_t* pages = a.table + b * a.table_stride;
   constexpr bool kInPlace = std::is_same<T, float>::value;
   float* kbuf = w.keys.get(static_cast<size_t>(kBk) * D);
-  float* vbuf = kInPlace ? nullptr : w.values.get(static_cast<size_t>(kBk) * D);
+  // Other dtypes: the block's keys and values in float32, rows [2 kBk][D].
+  float* vbuf = kInPlace ? nullptr : w.values.get(static_cast<size_t>(2 * kBk) * D);
   float* zeros = w.zeros.get(D);
   std::memset(zeros, 0, sizeof(float) * D);
   w.value_rows.resize(kBk);
@@ -429,25 +478,29 @@ void prefill_task(const Prefill<T>& a, int b, int kh, int qb, int bq, PrefillScr
     // are masked; past the context, zeros). Keys packed in tiles [n / kJk][D][kJk] (see
     // score_tile); values read in place (float32) or converted into rows [n][D].
     const int n = std::min(kBk, (hi - j0 + kJk - 1) / kJk * kJk);
+    const float* krows[kBk];
     for (int j = 0; j < n; ++j) {
       const int p = j0 + j;
-      float* kt = kbuf + (j / kJk) * kJk * D + j % kJk;
       if (p >= total) {
-        for (int d = 0; d < D; ++d) kt[d * kJk] = 0.f;
-        vrows[j] = zeros;
+        krows[j] = vrows[j] = zeros;
         continue;
       }
       const int64_t slot = static_cast<int64_t>(pages[p / P]) * P + p % P;
       const T* kr = a.k + slot * a.kv_slot + kh * a.kv_head;
       const T* vr = a.v + slot * a.kv_slot + kh * a.kv_head;
-      for (int d = 0; d < D; ++d) kt[d * kJk] = to_float(kr[d]);
       if constexpr (kInPlace) {
+        krows[j] = reinterpret_cast<const float*>(kr);
         vrows[j] = reinterpret_cast<const float*>(vr);
       } else {
-        for (int d = 0; d < D; ++d) vbuf[j * D + d] = to_float(vr[d]);
-        vrows[j] = vbuf + j * D;
+        for (int d = 0; d < D; ++d) {
+          vbuf[j * D + d] = to_float(kr[d]);
+          vbuf[(kBk + j) * D + d] = to_float(vr[d]);
+        }
+        krows[j] = vbuf + j * D;
+        vrows[j] = vbuf + (kBk + j) * D;
       }
     }
+    for (int j = 0; j < n; j += kJk) pack_keys(krows + j, D, kbuf + j * D);
     for (int64_t r0 = 0; r0 < R; r0 += kRG) {
       // This tile's live positions [tlo, thi] and keys [j0, j0 + tn): each tile goes only
       // as far as its own last query (a tile with none live, or wholly before the block,
