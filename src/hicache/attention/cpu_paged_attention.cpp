@@ -1,5 +1,6 @@
-// Paged decode attention for the CPU: one new query token per sequence, its keys and
-// values read where they lie in the paged KV pool, through the sequence's page table.
+// Paged attention for the CPU, keys and values read where they lie in the paged KV pool,
+// through each sequence's page table: decode (one new query token per sequence; below) and
+// prefill (a prompt's new tokens, causal; hicache_paged_prefill, further down).
 //
 // Built at run time by hicache/attention/cpu.py (g++ -O3 -march=native -fopenmp)
 // and called through ctypes. OpenMP resolves to the runtime torch already loaded (same
@@ -222,9 +223,10 @@ void decode(const T* q, int64_t q_tok, int64_t q_head, const T* k, const T* v, i
 // the keys' and values' elements broadcast from memory:
 //   scores^T [keys][rows]  = K [keys][D] . Q^T [D][rows]   (Q^T packed once per task)
 //   out^T    [D][rows]    += V^T [D][keys] . P^T [keys][rows]
-// so that K and V rows are read in place (float32: no copy, no transpose, whatever the
-// pages), every K/V element loaded is used for all G heads' rows at once, and the online
-// softmax's running maximum and sum are per lane: no horizontal reductions.
+// so that V rows are read in place (float32, whatever the pages) and K rows once per block
+// and task, into the score tiles' layout; every K/V element loaded serves all G heads' rows
+// at once; and the online softmax's running maximum and sum are per lane: no horizontal
+// reductions.
 //
 // Key blocks start at absolute positions 0, kBk, 2 kBk, ... and every row's arithmetic is
 // the same whichever tile, task or chunk it falls in, so a query's output does not depend
@@ -232,8 +234,10 @@ void decode(const T* q, int64_t q_tok, int64_t q_head, const T* k, const T* v, i
 
 #if defined(__AVX512F__)
 constexpr int VW = 16;  // floats per vector register
-#else
+#elif defined(__AVX__)
 constexpr int VW = 8;
+#else
+constexpr int VW = 4;  // SSE, NEON
 #endif
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 
@@ -244,17 +248,16 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
 
-// Block sizes, measured on this project's CPU machine (Zen 4, 2 threads, SmolLM2-135M's
-// heads: G = 3, D = 64, L = 1024; see attention/cpu.py's docstring for the figures).
-constexpr int kBk = 64;         // keys per block: 128 measured no faster, and its diagonal
-                                // blocks are twice as large
-constexpr int kRv = 2;          // row vectors per tile: 16 accumulators (1 and 3 slower)
-constexpr int kRG = kRv * VW;   // rows per tile: 32 positions of one query head
-constexpr int kJk = 8;          // keys per score tile (4 slower; 12 no faster)
-constexpr int kDd = 8;          // value dimensions per output tile (12 no faster)
+// Block sizes, timed as variants on this project's CPU machine (Zen 4, SmolLM2-135M's heads:
+// G = 3, D = 64; L = 256-2048, 1 and 2 threads; see attention/cpu.py's docstring).
+constexpr int kBk = 128;        // keys per block (64: 1-4% slower)
+constexpr int kRv = 1;          // row vectors per tile (2: 2-6% slower; likely its
+                                // larger diagonal tiles)
+constexpr int kRG = kRv * VW;   // rows per tile: positions of one query head (16 with AVX-512)
+constexpr int kJk = 8;          // keys per score tile (4: 13% slower)
+constexpr int kDd = 8;          // value dimensions per output tile (4, 12, 16: 10-15% slower)
 constexpr int kBqUnit = 32;     // a task's query positions are a multiple of this
-constexpr int kBqMax = 128;     // and at most this (see prefill: fewer, larger tasks
-                                // read and pack each key block for more rows)
+constexpr int kBqMax = 128;     // and at most this (see prefill)
 static_assert(kBqUnit % kRG == 0, "a tile's rows must be positions of one query head");
 static_assert(kBk % kJk == 0, "score tiles must divide a key block");
 
@@ -343,51 +346,13 @@ void value_tiles(float* ot, int64_t R, const float* p, const float* const* value
   }
 }
 
-// Packs kJk key rows (float32, D each) into the score tile's layout [D][kJk]. With AVX-512,
-// 16 dimensions at a time: eight row vectors transposed in three rounds of two-register
-// shuffles (the element-by-element copy took 4% of a 1,024-token prefill).
+// Packs kJk key rows (float32, D each) into the score tile's layout [D][kJk]. (An AVX-512
+// version, 8 x 16 transposes in shuffles, measured no faster: with a key block packed once
+// for 128 positions' rows, packing is a few percent of the time, most of it the rows' loads.)
 inline void pack_keys(const float* const* rows, int D, float* kt) {
-  static_assert(kJk == 8, "the shuffles below transpose eight rows");
-  int d0 = 0;
-#if defined(__AVX512F__)
-  typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
-  // Round 1: rows 2i, 2i + 1 interleaved element by element (dimensions 0-7, then 8-15);
-  // round 2: pairs of rows interleaved by pairs; round 3: fours by fours.
-  const vi lo1 = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-  const vi hi1 = lo1 + 8;
-  const vi lo2 = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
-  const vi hi2 = lo2 + 8;
-  const vi lo3 = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-  const vi hi3 = lo3 + 8;
-  for (; d0 + VW <= D; d0 += VW) {
-    vf r[8], a[8], b[8];
+  for (int d = 0; d < D; ++d) {
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) r[j] = load(rows[j] + d0);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      a[2 * i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], lo1);
-      a[2 * i + 1] = __builtin_shuffle(r[2 * i], r[2 * i + 1], hi1);
-    }
-    // a[0], a[1]: rows 0-1 at dimensions 0-7, 8-15; a[2], a[3]: rows 2-3; ...
-#pragma GCC unroll 2
-    for (int i = 0; i < 2; ++i) {
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        b[4 * i + 2 * h] = __builtin_shuffle(a[4 * i + h], a[4 * i + 2 + h], lo2);
-        b[4 * i + 2 * h + 1] = __builtin_shuffle(a[4 * i + h], a[4 * i + 2 + h], hi2);
-      }
-    }
-    // b[0..3]: rows 0-3 at dimensions 0-3, 4-7, 8-11, 12-15; b[4..7]: rows 4-7.
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-      store(kt + (d0 + 4 * q) * kJk, __builtin_shuffle(b[q], b[4 + q], lo3));
-      store(kt + (d0 + 4 * q + 2) * kJk, __builtin_shuffle(b[q], b[4 + q], hi3));
-    }
-  }
-#endif
-  for (; d0 < D; ++d0) {
-#pragma GCC unroll 8
-    for (int j = 0; j < kJk; ++j) kt[d0 * kJk + j] = rows[j][d0];
+    for (int j = 0; j < kJk; ++j) kt[d * kJk + j] = rows[j][d];
   }
 }
 
@@ -561,16 +526,21 @@ void prefill_task(const Prefill<T>& a, int b, int kh, int qb, int bq, PrefillScr
 template <typename T>
 void prefill(const Prefill<T>& a, int num_prompts, int threads) {
   // Query positions per task: as many (up to kBqMax) as leave every thread about four
-  // tasks. A larger task packs each key block once for more rows (measured: 32 positions
-  // per task spent a tenth of the time packing keys, at L = 1024); more tasks balance
-  // better. A row's arithmetic is the same whatever the task size.
+  // tasks. A larger task packs and reads each key block once for more rows (32 positions
+  // measured 1-2% slower than 64-256 at L = 1024-2048, 2 threads); more tasks balance
+  // better on more threads. A row's arithmetic is the same whatever the task size.
   int64_t units = 0;
   for (int b = 0; b < num_prompts; ++b) {
     const int total = a.totals[b], first = total - a.extends[b];
     units += (total + kBqUnit - 1) / kBqUnit - first / kBqUnit;
   }
+  // And no larger than keeps a task's Q^T and out^T within 256 KB (for larger heads than
+  // SmolLM2's, where it was not measured: so that they stay in a 1 MB L2 beside the key
+  // and value blocks).
+  const int G = a.H / a.KVH;
   int bq = kBqMax;
   while (bq > kBqUnit && units * kBqUnit / bq * a.KVH < 4 * threads) bq /= 2;
+  while (bq > kBqUnit && static_cast<int64_t>(bq) * G * a.D > 32768) bq /= 2;
   // A task per (prompt, KV head, block of bq positions), the longest first (a block's work
   // grows with its last position), taken by whichever thread is free.
   struct Task {
