@@ -8,8 +8,8 @@ K/V into the pool before it attends, so a backend reads all keys from there.
 
 Backends (``make_attention_backend``):
 - ``gather``: the reference; gathers each context out of the pool, then SDPA.
-- ``cpu``: decode reads the pages in place (a C++ kernel built at first use),
-  prompts with a context gather it once per step for SDPA.
+- ``cpu``: decode and prompts read the pages in place (C++ kernels built at first
+  use).
 - ``triton``: Triton kernels reading pages in place (CUDA).
 - ``flashinfer``: FlashInfer's paged kernels (CUDA, when installed).
 ``auto`` picks per device, fastest first among those that load here.

@@ -1,5 +1,6 @@
-// Paged decode attention for the CPU: one new query token per sequence, its keys and
-// values read where they lie in the paged KV pool, through the sequence's page table.
+// Paged attention for the CPU, keys and values read where they lie in the paged KV pool,
+// through each sequence's page table: decode (one new query token per sequence; below) and
+// prefill (a prompt's new tokens, causal; hicache_paged_prefill, further down).
 //
 // Built at run time by hicache/attention/cpu.py (g++ -O3 -march=native -fopenmp)
 // and called through ctypes. OpenMP resolves to the runtime torch already loaded (same
@@ -16,7 +17,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -210,6 +213,358 @@ void decode(const T* q, int64_t q_tok, int64_t q_head, const T* k, const T* v, i
   }
 }
 
+
+// ------------------------------------------------------------------------------ prefill
+// Causal attention of a prompt's new tokens (positions [total - extend, total)) over its
+// whole context (positions [0, total)), keys and values read where they lie in the pool.
+//
+// The work is laid out as two small matrix products per block, with the query rows (the G
+// query heads that share a KV head, times a block of positions) along the vector lanes and
+// the keys' and values' elements broadcast from memory:
+//   scores^T [keys][rows]  = K [keys][D] . Q^T [D][rows]   (Q^T packed once per task)
+//   out^T    [D][rows]    += V^T [D][keys] . P^T [keys][rows]
+// so that V rows are read in place (float32, whatever the pages) and K rows once per block
+// and task, into the score tiles' layout; every K/V element loaded serves all G heads' rows
+// at once; and the online softmax's running maximum and sum are per lane: no horizontal
+// reductions.
+//
+// Key blocks start at absolute positions 0, kBk, 2 kBk, ... and every row's arithmetic is
+// the same whichever tile, task or chunk it falls in, so a query's output does not depend
+// on how its prompt was chunked (a masked or absent key adds an exact 0).
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;  // floats per vector register
+#elif defined(__AVX__)
+constexpr int VW = 8;
+#else
+constexpr int VW = 4;  // SSE, NEON
+#endif
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+
+inline vf load(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
+
+// Block sizes, timed as variants on this project's CPU machine (Zen 4, SmolLM2-135M's heads:
+// G = 3, D = 64; L = 256-2048, 1 and 2 threads; see attention/cpu.py's docstring).
+constexpr int kBk = 128;        // keys per block (64: 1-4% slower)
+constexpr int kRv = 1;          // row vectors per tile (2: 2-6% slower; likely its
+                                // larger diagonal tiles)
+constexpr int kRG = kRv * VW;   // rows per tile: positions of one query head (16 with AVX-512)
+constexpr int kJk = 8;          // keys per score tile (4: 13% slower)
+constexpr int kDd = 8;          // value dimensions per output tile (4, 12, 16: 10-15% slower)
+constexpr int kBqUnit = 32;     // a task's query positions are a multiple of this
+constexpr int kBqMax = 128;     // and at most this (see prefill)
+static_assert(kBqUnit % kRG == 0, "a tile's rows must be positions of one query head");
+static_assert(kBk % kJk == 0, "score tiles must divide a key block");
+
+// scores^T[j][lanes] for kJk keys x kRG rows: the sum over d of key j's [d] * qt[d][lanes],
+// stored to s; with ``mask``, keys at positions after a lane's position (key0 + j >
+// pos[lane]) score -inf; top[v] becomes the lane-wise maximum of itself and the scores.
+// keys: the tile's keys packed [D][kJk], so that the kJk broadcasts of each d are at fixed
+// offsets from one pointer (the rows through eight pointers ran out of registers).
+inline void score_tile(const float* qt, int64_t R, const float* keys, int D, float* s,
+                       bool mask, float key0, const vf* pos, vf* top) {
+  vf acc[kJk][kRv] = {};
+  for (int d = 0; d < D; ++d) {
+    vf q[kRv];
+#pragma GCC unroll 4
+    for (int v = 0; v < kRv; ++v) q[v] = load(qt + d * R + v * VW);
+#pragma GCC unroll 8
+    for (int j = 0; j < kJk; ++j) {
+      const float x = keys[d * kJk + j];
+#pragma GCC unroll 4
+      for (int v = 0; v < kRv; ++v) acc[j][v] += x * q[v];
+    }
+  }
+  if (mask) {
+    const vf minus_inf = vf{} - INFINITY;
+#pragma GCC unroll 8
+    for (int j = 0; j < kJk; ++j) {
+      const vf key = vf{} + (key0 + static_cast<float>(j));
+#pragma GCC unroll 4
+      for (int v = 0; v < kRv; ++v) acc[j][v] = key > pos[v] ? minus_inf : acc[j][v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kJk; ++j) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kRv; ++v) {
+      top[v] = acc[j][v] > top[v] ? acc[j][v] : top[v];
+      store(s + j * kRG + v * VW, acc[j][v]);
+    }
+  }
+}
+
+// out^T[d0 + e][lanes] = alpha * out^T[d0 + e][lanes] + sum over j < n of
+// value[j][d0 + e] * p[j][lanes], for e < E (E dimensions, at most kDd).
+template <int E>
+inline void value_tile(float* ot, int64_t R, const float* p, const float* const* values, int n,
+                       int d0, const vf* alpha) {
+  vf acc[E][kRv];
+#pragma GCC unroll 8
+  for (int e = 0; e < E; ++e) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kRv; ++v) acc[e][v] = load(ot + (d0 + e) * R + v * VW) * alpha[v];
+  }
+  for (int j = 0; j < n; ++j) {
+    vf w[kRv];
+#pragma GCC unroll 4
+    for (int v = 0; v < kRv; ++v) w[v] = load(p + j * kRG + v * VW);
+    const float* row = values[j] + d0;
+#pragma GCC unroll 8
+    for (int e = 0; e < E; ++e) {
+      const float x = row[e];
+#pragma GCC unroll 4
+      for (int v = 0; v < kRv; ++v) acc[e][v] += x * w[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int e = 0; e < E; ++e) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kRv; ++v) store(ot + (d0 + e) * R + v * VW, acc[e][v]);
+  }
+}
+
+template <int E>
+void value_tiles(float* ot, int64_t R, const float* p, const float* const* values, int n,
+                 int D, const vf* alpha) {
+  int d0 = 0;
+  for (; d0 + E <= D; d0 += E) value_tile<E>(ot, R, p, values, n, d0, alpha);
+  switch (D - d0) {  // the last few dimensions of a head size not a multiple of kDd
+    case 0: break;
+    case 1: value_tile<1>(ot, R, p, values, n, d0, alpha); break;
+    case 2: value_tile<2>(ot, R, p, values, n, d0, alpha); break;
+    case 3: value_tile<3>(ot, R, p, values, n, d0, alpha); break;
+    case 4: value_tile<4>(ot, R, p, values, n, d0, alpha); break;
+    case 5: value_tile<5>(ot, R, p, values, n, d0, alpha); break;
+    case 6: value_tile<6>(ot, R, p, values, n, d0, alpha); break;
+    default: value_tile<7>(ot, R, p, values, n, d0, alpha); break;
+  }
+}
+
+// Packs kJk key rows (float32, D each) into the score tile's layout [D][kJk]. (An AVX-512
+// version, 8 x 16 transposes in shuffles, measured no faster: with a key block packed once
+// for 128 positions' rows, packing is a few percent of the time, most of it the rows' loads.)
+inline void pack_keys(const float* const* rows, int D, float* kt) {
+  for (int d = 0; d < D; ++d) {
+#pragma GCC unroll 8
+    for (int j = 0; j < kJk; ++j) kt[d * kJk + j] = rows[j][d];
+  }
+}
+
+// A float buffer aligned to a cache line, grown on demand.
+struct Buffer {
+  float* data = nullptr;
+  size_t size = 0;
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { std::free(data); }
+  float* get(size_t n) {
+    if (n > size) {
+      std::free(data);
+      size = (n + 15) / 16 * 16;
+      data = static_cast<float*>(std::aligned_alloc(64, size * sizeof(float)));
+    }
+    return data;
+  }
+};
+
+template <typename T>
+struct Prefill {
+  const T* q;
+  int64_t q_tok, q_head;
+  const T* k;
+  const T* v;
+  int64_t kv_slot, kv_head;
+  const int32_t* table;
+  int64_t table_stride;
+  const int32_t* starts;   // [P] the prompt's first row in q and out
+  const int32_t* extends;  // [P] its new tokens
+  const int32_t* totals;   // [P] its context length, the new tokens included
+  T* out;
+  int64_t out_tok, out_head;
+  int H, KVH, D, page_size;
+  float scale;
+};
+
+struct PrefillScratch {
+  Buffer qt, ot, s, m, l, pos, keys, values, zeros;
+  std::vector<const float*> value_rows;
+};
+
+// Positions [qb bq, (qb + 1) bq) of prompt b (those of them that are new), for the G query
+// heads of KV head kh: rows r = g bq + i (head kh G + g, position qb bq + i), in tiles of
+// kRG rows, each one head's consecutive positions.
+template <typename T>
+void prefill_task(const Prefill<T>& a, int b, int kh, int qb, int bq, PrefillScratch& w) {
+  const int G = a.H / a.KVH, D = a.D, P = a.page_size;
+  const int total = a.totals[b], first = total - a.extends[b];
+  const int lo = std::max(qb * bq, first), hi = std::min((qb + 1) * bq, total);  // [lo, hi)
+  const int64_t R = static_cast<int64_t>(bq) * G;
+  float* qt = w.qt.get(static_cast<size_t>(R) * D);
+  float* ot = w.ot.get(static_cast<size_t>(R) * D);
+  float* s = w.s.get(static_cast<size_t>(kBk) * kRG);
+  float* m = w.m.get(R);
+  float* l = w.l.get(R);
+  float* pos = w.pos.get(R);  // each row's position, as a float: compared with keys' in lanes
+  // Rows at positions outside [lo, hi) compute on zeros and are never written out: their
+  // position is that of their tile's last live row, so that they see a key, stay finite,
+  // and widen no tile's range of keys.
+  std::memset(qt, 0, sizeof(float) * R * D);
+  std::memset(ot, 0, sizeof(float) * R * D);
+  for (int64_t r = 0; r < R; ++r) {
+    const int i = static_cast<int>(r % bq), p = qb * bq + i;
+    const int tile_last = std::min(qb * bq + (i / kRG + 1) * kRG, hi) - 1;
+    const bool live = p >= lo && p < hi;
+    pos[r] = static_cast<float>(live ? p : tile_last);
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    if (!live) continue;
+    const int h = kh * G + static_cast<int>(r / bq);
+    const T* row = a.q + (a.starts[b] + p - first) * a.q_tok + h * a.q_head;
+    for (int d = 0; d < D; ++d) qt[d * R + r] = to_float(row[d]) * a.scale;
+  }
+  const int32_t* pages = a.table + b * a.table_stride;
+  constexpr bool kInPlace = std::is_same<T, float>::value;
+  float* kbuf = w.keys.get(static_cast<size_t>(kBk) * D);
+  // Other dtypes: the block's keys and values in float32, rows [2 kBk][D].
+  float* vbuf = kInPlace ? nullptr : w.values.get(static_cast<size_t>(2 * kBk) * D);
+  float* zeros = w.zeros.get(D);
+  std::memset(zeros, 0, sizeof(float) * D);
+  w.value_rows.resize(kBk);
+  const float** vrows = w.value_rows.data();
+  for (int j0 = 0; j0 < hi; j0 += kBk) {
+    // Keys [j0, j0 + n): up to the task's last query, in whole score tiles (keys past it
+    // are masked; past the context, zeros). Keys packed in tiles [n / kJk][D][kJk] (see
+    // score_tile); values read in place (float32) or converted into rows [n][D].
+    const int n = std::min(kBk, (hi - j0 + kJk - 1) / kJk * kJk);
+    const float* krows[kBk];
+    for (int j = 0; j < n; ++j) {
+      const int p = j0 + j;
+      if (p >= total) {
+        krows[j] = vrows[j] = zeros;
+        continue;
+      }
+      const int64_t slot = static_cast<int64_t>(pages[p / P]) * P + p % P;
+      const T* kr = a.k + slot * a.kv_slot + kh * a.kv_head;
+      const T* vr = a.v + slot * a.kv_slot + kh * a.kv_head;
+      if constexpr (kInPlace) {
+        krows[j] = reinterpret_cast<const float*>(kr);
+        vrows[j] = reinterpret_cast<const float*>(vr);
+      } else {
+        for (int d = 0; d < D; ++d) {
+          vbuf[j * D + d] = to_float(kr[d]);
+          vbuf[(kBk + j) * D + d] = to_float(vr[d]);
+        }
+        krows[j] = vbuf + j * D;
+        vrows[j] = vbuf + (kBk + j) * D;
+      }
+    }
+    for (int j = 0; j < n; j += kJk) pack_keys(krows + j, D, kbuf + j * D);
+    for (int64_t r0 = 0; r0 < R; r0 += kRG) {
+      // This tile's live positions [tlo, thi] and keys [j0, j0 + tn): each tile goes only
+      // as far as its own last query (a tile with none live, or wholly before the block,
+      // is skipped: as a block of masked keys would, it keeps its sums unchanged).
+      const int i0 = static_cast<int>(r0 % bq);
+      const int tlo = std::max(qb * bq + i0, lo), thi = std::min(qb * bq + i0 + kRG, hi) - 1;
+      if (tlo > thi || thi < j0) continue;
+      const int tn = std::min(n, (thi - j0 + kJk) / kJk * kJk);
+      const bool diagonal = j0 + tn - 1 > tlo;  // some key here lies after some query
+      vf pv[kRv], top[kRv];
+      float* mr = m + r0;
+      float* lr = l + r0;
+      for (int v = 0; v < kRv; ++v) {
+        pv[v] = load(pos + r0 + v * VW);
+        top[v] = load(mr + v * VW);
+      }
+      for (int j = 0; j < tn; j += kJk) {
+        score_tile(qt + r0, R, kbuf + j * D, D, s + j * kRG, diagonal,
+                   static_cast<float>(j0 + j), pv, top);
+      }
+      // Online softmax, per lane: the old sums' rescale factor, the block's weights
+      // (unnormalized: divided by their running sum at the end) and their sum.
+      alignas(64) float tops[kRG], alpha[kRG], sum[kRG];
+      for (int v = 0; v < kRv; ++v) store(tops + v * VW, top[v]);
+#pragma omp simd
+      for (int e = 0; e < kRG; ++e) {
+        alpha[e] = exp_nonpositive(mr[e] - tops[e]);
+        sum[e] = 0.f;
+      }
+      for (int j = 0; j < tn; ++j) {
+        float* sj = s + j * kRG;
+#pragma omp simd
+        for (int e = 0; e < kRG; ++e) {
+          sj[e] = exp_nonpositive(sj[e] - tops[e]);
+          sum[e] += sj[e];
+        }
+      }
+#pragma omp simd
+      for (int e = 0; e < kRG; ++e) {
+        lr[e] = lr[e] * alpha[e] + sum[e];
+        mr[e] = tops[e];
+      }
+      vf av[kRv];
+      for (int v = 0; v < kRv; ++v) av[v] = load(alpha + v * VW);
+      value_tiles<kDd>(ot + r0, R, s, vrows, tn, D, av);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int p = qb * bq + static_cast<int>(r % bq);
+    if (p < lo || p >= hi) continue;
+    const int h = kh * G + static_cast<int>(r / bq);
+    T* dst = a.out + (a.starts[b] + p - first) * a.out_tok + h * a.out_head;
+    const float inv = 1.f / l[r];
+    for (int d = 0; d < D; ++d) dst[d] = from_float<T>(ot[d * R + r] * inv);
+  }
+}
+
+template <typename T>
+void prefill(const Prefill<T>& a, int num_prompts, int threads) {
+  // Query positions per task: as many (up to kBqMax) as leave every thread about four
+  // tasks. A larger task packs and reads each key block once for more rows (32 positions
+  // measured 1-2% slower than 64-256 at L = 1024-2048, 2 threads); more tasks balance
+  // better on more threads. A row's arithmetic is the same whatever the task size.
+  int64_t units = 0;
+  for (int b = 0; b < num_prompts; ++b) {
+    const int total = a.totals[b], first = total - a.extends[b];
+    units += (total + kBqUnit - 1) / kBqUnit - first / kBqUnit;
+  }
+  // And no larger than keeps a task's Q^T and out^T within 256 KB (for larger heads than
+  // SmolLM2's, where it was not measured: so that they stay in a 1 MB L2 beside the key
+  // and value blocks).
+  const int G = a.H / a.KVH;
+  int bq = kBqMax;
+  while (bq > kBqUnit && units * kBqUnit / bq * a.KVH < 4 * threads) bq /= 2;
+  while (bq > kBqUnit && static_cast<int64_t>(bq) * G * a.D > 32768) bq /= 2;
+  // A task per (prompt, KV head, block of bq positions), the longest first (a block's work
+  // grows with its last position), taken by whichever thread is free.
+  struct Task {
+    int b, kh, qb, keys;
+  };
+  std::vector<Task> tasks;
+  for (int b = 0; b < num_prompts; ++b) {
+    const int total = a.totals[b], first = total - a.extends[b];
+    for (int qb = first / bq; qb * bq < total; ++qb) {
+      const int keys = std::min((qb + 1) * bq, total);
+      for (int kh = 0; kh < a.KVH; ++kh) tasks.push_back({b, kh, qb, keys});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& x, const Task& y) { return x.keys > y.keys; });
+  const int n = static_cast<int>(tasks.size());
+#pragma omp parallel num_threads(threads)
+  {
+    PrefillScratch w;
+#pragma omp for schedule(dynamic, 1)
+    for (int t = 0; t < n; ++t) prefill_task(a, tasks[t].b, tasks[t].kh, tasks[t].qb, bq, w);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -240,5 +595,45 @@ int hicache_paged_decode(int dtype, const void* q, int64_t q_tok, int64_t q_head
   }
 }
 
-int hicache_kernel_abi_version(void) { return 1; }
+// Causal prefill of P prompts (see Prefill): prompt b's new rows are q/out rows
+// [starts[b], starts[b] + extends[b]), at positions [totals[b] - extends[b], totals[b]),
+// its pages row b of table. dtype as above. Returns 0, or -1 for an unknown dtype.
+int hicache_paged_prefill(int dtype, const void* q, int64_t q_tok, int64_t q_head, const void* k,
+                          const void* v, int64_t kv_slot, int64_t kv_head, const int32_t* table,
+                          int64_t table_stride, const int32_t* starts, const int32_t* extends,
+                          const int32_t* totals, void* out, int64_t out_tok, int64_t out_head,
+                          int P, int H, int KVH, int D, int page_size, float scale,
+                          int threads) {
+  switch (dtype) {
+    case 0:
+      prefill(Prefill<float>{static_cast<const float*>(q), q_tok, q_head,
+                             static_cast<const float*>(k), static_cast<const float*>(v),
+                             kv_slot, kv_head, table, table_stride, starts, extends, totals,
+                             static_cast<float*>(out), out_tok, out_head, H, KVH, D,
+                             page_size, scale},
+              P, threads);
+      return 0;
+    case 1:
+      prefill(Prefill<BF16>{static_cast<const BF16*>(q), q_tok, q_head,
+                            static_cast<const BF16*>(k), static_cast<const BF16*>(v), kv_slot,
+                            kv_head, table, table_stride, starts, extends, totals,
+                            static_cast<BF16*>(out), out_tok, out_head, H, KVH, D, page_size,
+                            scale},
+              P, threads);
+      return 0;
+    case 2:
+      prefill(Prefill<_Float16>{static_cast<const _Float16*>(q), q_tok, q_head,
+                                static_cast<const _Float16*>(k),
+                                static_cast<const _Float16*>(v), kv_slot, kv_head, table,
+                                table_stride, starts, extends, totals,
+                                static_cast<_Float16*>(out), out_tok, out_head, H, KVH, D,
+                                page_size, scale},
+              P, threads);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+int hicache_kernel_abi_version(void) { return 2; }
 }

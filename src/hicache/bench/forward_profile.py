@@ -36,7 +36,10 @@ from hicache.model.model import CausalLM, DecoderLayer
 
 # torch.profiler names of the ops each kind covers (self time; everything else is "other").
 _LINEAR_OPS = frozenset({"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm"})
-_ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::_flash_attention")
+# hicache::attention*: the CPU backend's prefill kernel (called through ctypes, it is no
+# torch op; the backend names it for the profiler).
+_ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::_flash_attention",
+                       "hicache::attention")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

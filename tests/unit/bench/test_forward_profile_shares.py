@@ -12,6 +12,8 @@ def test_op_kinds() -> None:
     assert op_kind("mkldnn::_linear_pointwise") == "linear"
     assert op_kind("aten::mm") == "linear"
     assert op_kind("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    # The CPU backend's prefill kernel (ctypes), named for the profiler by the backend.
+    assert op_kind("hicache::attention_cpu_prefill") == "attention"
     assert op_kind("aten::scaled_dot_product_attention") == "other"  # a wrapper: ~0 self time
     assert op_kind("aten::silu") == "other"
 
