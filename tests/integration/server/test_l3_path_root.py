@@ -51,7 +51,8 @@ def _attach(server: RunningServer, backend: str, path: str) -> httpx.Response:
 
 
 def _page_files(path: Path) -> list[Path]:
-    return [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    # Page files (``<key>.tm``/``.lm``): not temporaries, nor the directory's ledger.
+    return [p for p in path.rglob("*.*m") if p.is_file() and not p.name.startswith(".")]
 
 
 @pytest.mark.parametrize("backend", ["file", "nixl"])
