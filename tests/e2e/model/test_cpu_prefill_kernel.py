@@ -82,12 +82,35 @@ def test_prefill_kernel_equals_float64_attention(
     torch.testing.assert_close(got.double(), _float64_reference(batch), **TOL[dtype])
 
 
-@pytest.mark.parametrize("head_dim", [16, 36, 128])
-def test_prefill_kernel_takes_head_sizes_off_its_tiles(head_dim: int) -> None:
+@pytest.mark.parametrize("head_dim", [16, 33, 36, 128])
+# bf16 (with AVX512-BF16) multiplies pairs of dimensions: an odd head size has half a pair.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_takes_head_sizes_off_its_tiles(head_dim: int, dtype: torch.dtype) -> None:
     batch = make_batch([150, 77], [90, 77], heads=6, kv_heads=2, head_dim=head_dim,
-                       page_size=4, dtype=torch.float32, seed=head_dim)
+                       page_size=4, dtype=dtype, seed=head_dim)
     torch.testing.assert_close(_run_kernel(batch).double(), _float64_reference(batch),
-                               **TOL[torch.float32])
+                               **TOL[dtype])
+
+
+@pytest.mark.parametrize(("seq_len", "extend"), [(1024, 1024), (1000, 232)])
+def test_prefill_kernel_in_bf16_is_as_close_as_sdpa_in_bf16(seq_len: int, extend: int) -> None:
+    # With AVX512-BF16 the kernel rounds the softmax weights to bf16 before multiplying the
+    # values (as torch's SDPA in bf16 does); without it, it multiplies in float32. Either
+    # way its error against float64 stays that of SDPA's in bf16 over the same inputs.
+    batch = make_batch([seq_len], [extend], heads=9, kv_heads=3, head_dim=64, page_size=16,
+                       dtype=torch.bfloat16, seed=2)
+    exact = _float64_reference(batch)
+    pos = torch.arange(seq_len)
+    slots = batch.page_table[0, pos // 16].long() * 16 + pos % 16
+    sdpa = F.scaled_dot_product_attention(
+        batch.q.transpose(0, 1)[None], batch.k_cache[slots].transpose(0, 1)[None],
+        batch.v_cache[slots].transpose(0, 1)[None],
+        attn_mask=pos[None, :] <= pos[seq_len - extend :, None], enable_gqa=True,
+    )[0].transpose(0, 1)
+    sdpa_error = (sdpa.double() - exact).abs()
+    kernel_error = (_run_kernel(batch).double() - exact).abs()
+    assert float(kernel_error.mean()) <= 1.1 * float(sdpa_error.mean())
+    assert float(kernel_error.max()) <= 1.5 * float(sdpa_error.max())
 
 
 @pytest.mark.parametrize("spread", [0.1, 3.0, 40.0, 400.0])
@@ -113,14 +136,16 @@ def test_prefill_softmax_holds_over_the_whole_range_of_scores(spread: float) -> 
 
 
 @pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_chunk_computes_exactly_what_the_whole_prompt_does(
-    threads: int, monkeypatch: pytest.MonkeyPatch
+    threads: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Key blocks start at absolute positions, so a query sums its keys in the same order
     # however its prompt was cut: a cached or chunked prefill equals the cold one bit for
     # bit (here chunks on and off the blocks, with another thread count for the cold run).
+    # bf16 too (with AVX512-BF16: keys multiplied in pairs, pairs within the blocks).
     batch = make_batch([700], [700], heads=9, kv_heads=3, head_dim=64, page_size=16,
-                       dtype=torch.float32, seed=11)
+                       dtype=dtype, seed=11)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     cold = _run_kernel(batch)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
