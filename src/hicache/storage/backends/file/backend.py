@@ -191,6 +191,10 @@ class FileBackend(StorageBackend):
         # instance wrote since: the rest were written by others. Guarded by self._lock.
         self._synced_written = 0
         self._own_written = 0
+        # Bytes being written by this instance's threads, per tenant and in all (room is
+        # made for them before they are written). Guarded by self._lock.
+        self._writing: dict[str | None, int] = {}
+        self._writing_total = 0
         # The ledger could not be written at the last scan: cap what this instance knows.
         self._ledger_broken = False
 
@@ -303,14 +307,20 @@ class FileBackend(StorageBackend):
         ]
         file_bytes = regions.header_bytes + regions.page_bytes
         room = _OneRound()  # one eviction round per batch when the file system is full
+        # Modification times in the batch's order, whichever thread writes a page first:
+        # the LRU order a scan rebuilds is the one a serial batch would leave.
+        with self._lock:
+            stamps = {index: self._next_stamp_locked() for index in todo}
 
         def store(index: int) -> FailureReason | None:
             fill = self._filler(regions, keys[index], pages[index])
-            reason = self._write_page(names[index], fill, file_bytes, tenant, keep)
+            stamp = stamps[index]
+            reason = self._write_page(names[index], fill, file_bytes, tenant, keep, stamp)
             if reason is FailureReason.NO_SPACE and room.claim():
                 needed_bytes = (len(keys) - index) * file_bytes
                 if self._evict_for_space(needed_bytes, keep=keep):
-                    reason = self._write_page(names[index], fill, file_bytes, tenant, keep)
+                    reason = self._write_page(names[index], fill, file_bytes, tenant, keep,
+                                              stamp)
             return reason
 
         results: list[FailureReason | None] = []
@@ -325,6 +335,12 @@ class FileBackend(StorageBackend):
             results = regions.sealer.workers.ordered(
                 store, todo, stop=lambda reason: reason is not None
             )
+            # Pages finished in any order: the batch's order is their recency, oldest first.
+            with self._lock:
+                for index, reason in zip(todo, results, strict=False):
+                    if reason is None and names[index] in self._index:
+                        self._index.move_to_end(names[index])
+                        self._pages.touch(names[index])
         outcome = dict(zip(todo, results, strict=False))
         num_stored = num_skipped = 0
         for index in range(len(names)):
@@ -639,7 +655,7 @@ class FileBackend(StorageBackend):
 
     def _write_page(
         self, name: str, fill: Callable[[int], None] | None, file_bytes: int,
-        tenant: str | None, keep: frozenset[str],
+        tenant: str | None, keep: frozenset[str], stamp: int | None = None,
     ) -> FailureReason | None:
         """Store the object ``fill`` writes (``file_bytes`` long; None: its tenant has no
         key) as ``tenant``'s ``name`` (evicting none of ``keep`` for the tenant's quota);
@@ -657,19 +673,57 @@ class FileBackend(StorageBackend):
         # Sealed for the call's tenant (``current_tenant``), the one named here.
         if fill is None:
             return FailureReason.NO_KEY
+        with self._lock:
+            # Pages of the tenant other threads are writing count against its quota as if
+            # written already (a batch's pages are written side by side when sealed).
+            pending = self._writing.get(tenant, 0)
+            if not self._make_tenant_room_locked(tenant, file_bytes + pending, keep):
+                return FailureReason.TENANT_QUOTA_FULL
+            # And against the cap, unless only they do not fit: then they evict this page's
+            # elders once written, as a serial batch would.
+            if not self._evict_locked(file_bytes + self._writing_total) and not (
+                self._evict_locked(file_bytes)
+            ):
+                return FailureReason.PINNED_FULL  # only pinned pages are left to evict
+            if stamp is None:
+                stamp = self._next_stamp_locked()
+            self._writing[tenant] = pending + file_bytes
+            self._writing_total += file_bytes
+        try:
+            reason = self._write_reserved(name, fill, file_bytes, tenant, stamp)
+        except BaseException:
+            with self._lock:
+                self._unreserve_locked(tenant, file_bytes)
+            raise
+        if reason is not None:  # written, it was unreserved as it was recorded
+            with self._lock:
+                self._unreserve_locked(tenant, file_bytes)
+        return reason
+
+    def _unreserve_locked(self, tenant: str | None, file_bytes: int) -> None:
+        """A page ``_write_page`` made room for is written (and recorded) or failed."""
+        self._writing_total -= file_bytes
+        left = self._writing[tenant] - file_bytes
+        if left:
+            self._writing[tenant] = left
+        else:
+            del self._writing[tenant]
+
+    def _write_reserved(
+        self, name: str, fill: Callable[[int], None], file_bytes: int, tenant: str | None,
+        stamp: int,
+    ) -> FailureReason | None:
+        """``_write_page`` once room is made: the file written, renamed into place and
+        accounted; the failure reason, or None."""
         path = self._path(name, tenant)
         temp = f"{self._dir(name, tenant)}/{temp_name(name, os.getpid(), threading.get_ident())}"
-        with self._lock:
-            if not self._make_tenant_room_locked(tenant, file_bytes, keep):
-                return FailureReason.TENANT_QUOTA_FULL
-            if not self._evict_locked(file_bytes):
-                return FailureReason.PINNED_FULL  # only pinned pages are left to evict
-            stamp = self._next_stamp_locked()
         try:
             self._write_file(temp, fill)
             os.utime(temp, ns=(stamp, stamp))
-            replaced = _file_bytes(path)  # another writer's copy of the page: counted once
-            os.replace(temp, path)
+            with self._ledger.change() as account:
+                replaced = _file_bytes(path)  # another writer's copy of the page: counted once
+                os.replace(temp, path)
+                account(file_bytes - replaced, file_bytes)
             if self.fsync:
                 _fsync_directory(self._dir(name, tenant))
         except OSError as error:
@@ -678,7 +732,7 @@ class FileBackend(StorageBackend):
                 return FailureReason.NO_SPACE
             return FailureReason.IO_ERROR
         with self._lock:
-            self._ledger.add(file_bytes - replaced, written=file_bytes)
+            self._unreserve_locked(tenant, file_bytes)  # counted as recorded from here
             self._own_written += file_bytes
             self._forget_locked(name)  # a concurrent writer of the same page won the race
             self._add_locked(name, tenant, file_bytes)
@@ -829,12 +883,13 @@ class FileBackend(StorageBackend):
     def _remove_file(self, path: str) -> int:
         """Remove a page file, best effort (``unlink_quietly``); the bytes it removed,
         which it takes off the directory's ledger."""
-        try:
-            size = os.lstat(path).st_size
-            os.unlink(path)
-        except OSError:
-            return 0
-        self._ledger.add(-size)
+        with self._ledger.change() as account:
+            try:
+                size = os.lstat(path).st_size
+                os.unlink(path)
+            except OSError:
+                return 0
+            account(-size, 0)
         return size
 
     def _recheck_held_locked(self, now: float) -> None:

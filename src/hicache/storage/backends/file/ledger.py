@@ -76,18 +76,24 @@ class DirectoryLedger:
         with self._locked() as fd:
             return None if fd is None else _read(fd)
 
-    def add(self, delta: int, written: int = 0) -> None:
-        """Add ``delta`` to the total (a removal: negative) and ``written`` to the
-        written count; nothing when the ledger cannot be read (the next scan sets it)."""
-        if delta == 0 and written == 0:
-            return
+    @contextlib.contextmanager
+    def change(self) -> Iterator[Callable[[int, int], None]]:
+        """Hold the ledger while the directory changes: yields ``account(delta, written)``,
+        which adds ``delta`` to the total (a removal: negative) and ``written`` to the
+        written count (nothing when the ledger cannot be read: the next scan sets it).
+        The file's rename or removal goes inside the block, so that a ``resync``'s scan
+        sees the directory either before the change and its account, or after both."""
         with self._locked() as fd:
-            if fd is None:
-                return
-            counts = _read(fd)
-            if counts is None:
-                return
-            _write(fd, LedgerCounts(max(0, counts.total + delta), counts.written + written))
+
+            def account(delta: int, written: int = 0) -> None:
+                if fd is None or (delta == 0 and written == 0):
+                    return
+                counts = _read(fd)
+                if counts is not None:
+                    _write(fd, LedgerCounts(max(0, counts.total + delta),
+                                            counts.written + written))
+
+            yield account
 
     def resync(self, scan: Callable[[], int]) -> LedgerCounts | None:
         """Set the total to what ``scan`` (run under the lock: no writer's update is lost
