@@ -15,14 +15,15 @@ lets every instance see what the directory holds, so that the cap is the directo
 Each update is a read-modify-write under an exclusive ``flock`` of the ledger file:
 each instance opens the file itself, and a lock belongs to an open file description,
 so instances (processes or not) exclude each other; threads of one instance are
-serialised by a lock here.
+serialised by a lock here. The rename or removal an update accounts for happens under
+the same lock (``change``), and ``resync`` scans the directory under it, so a scan
+never falls between a change and its account (it would lose or double it).
 
 ``total`` is an estimate kept honest by scans, not an invariant: an instance that
-dies between its rename and its update leaves it short, two instances writing the
-same page at once count it twice, and files removed by hand are still counted.
-``resync`` sets it to what a scan of the directory found, under the lock, so writers
-wait for the scan and none of their updates is lost. A ledger that cannot be read
-(missing, short, or an I/O error) reads as None: the caller then scans.
+dies between its rename and its update leaves it short, and files removed by hand
+are still counted. ``resync`` sets it to what a scan of the directory found. A
+ledger that cannot be read (missing, short, or an I/O error) reads as None: the
+caller then scans.
 """
 
 from __future__ import annotations
