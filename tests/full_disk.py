@@ -6,9 +6,11 @@ a size-limited tmpfs on an empty directory without privileges on the machine;
 the mount is seen by that child alone and disappears with it. Writes past the
 size fail with a real ENOSPC from the kernel.
 
-``file_backend_fill`` is the child used by the file backend's test: it writes
+``file_backend_fill`` is the child used by the file backend's tests: it writes
 batches of pages into a file backend whose size cap is far above what the
-tmpfs holds, reads each batch back, and prints what happened as JSON.
+tmpfs holds (optionally with a free-space reserve, and with another program's
+file taking part of the disk half-way), reads each batch back, and prints what
+happened as JSON.
 """
 
 from __future__ import annotations
@@ -57,8 +59,13 @@ def tmpfs_unavailable_reason() -> str | None:
     return None
 
 
-def file_backend_fill(root: str, num_batches: int, batch_pages: int) -> dict[str, object]:
-    """Write ``num_batches`` batches into a file backend at ``root`` and read each back."""
+def file_backend_fill(
+    root: str, num_batches: int, batch_pages: int, min_free: int | None = None,
+    ballast_bytes: int = 0,
+) -> dict[str, object]:
+    """Write ``num_batches`` batches into a file backend at ``root`` (leaving ``min_free``
+    bytes free; None: its default) and read each back; after half of them another
+    file of ``ballast_bytes`` takes part of the file system."""
     import torch
 
     from hicache.config import MemLayout
@@ -73,22 +80,32 @@ def file_backend_fill(root: str, num_batches: int, batch_pages: int) -> dict[str
     page_size = 4
     host = HostPool(geometry, 2 * batch_pages, page_size, MemLayout.PAGE_FIRST,
                     pin_memory=False)
-    backend = FileBackend({"path": root, "max_bytes": 10**12})  # the disk fills first
+    config: dict[str, object] = {"path": root, "max_bytes": 10**12}  # the disk fills first
+    if min_free is not None:
+        config["min_free_bytes"] = min_free
+    backend = FileBackend(config)
     backend.attach(host)
     seed = KeyNamespace("full-disk", geometry.describe(), page_size).seed()
     source, target = page_range(0, batch_pages), page_range(batch_pages, 2 * batch_pages)
     batches: list[dict[str, object]] = []
     all_keys: list[bytes] = []
+    files_before_ballast = 0
     for batch in range(num_batches):
+        if ballast_bytes and batch == num_batches // 2:
+            files_before_ballast = _page_files(root)
+            with open(os.path.join(os.path.dirname(root), "ballast"), "wb") as ballast:
+                ballast.write(b"\0" * ballast_bytes)
         tokens = list(range(batch * 1000, batch * 1000 + batch_pages * page_size))
         keys = chain_page_keys(pack_tokens(tokens), page_size, seed)
         all_keys.extend(keys)
         values = fill_random(host, source, seed=batch)
         stored = backend.set(keys, source)
         read = backend.get(keys, target)
+        disk = os.statvfs(root)
         batches.append({
             "stored": stored, "read": read,
             "equal": page_bytes_of(host, target) == as_bytes(values),
+            "free": disk.f_bavail * disk.f_frsize, "files": _page_files(root),
         })
     backend.check_integrity()
     still_stored = [backend.exists([key]) for key in all_keys]
@@ -97,11 +114,20 @@ def file_backend_fill(root: str, num_batches: int, batch_pages: int) -> dict[str
         "batches": batches,
         "failures": backend.stats().failures,
         "still_stored": still_stored,
-        # Page files: the directory's ledger (one file at its top) is not a page.
-        "files": sum(len(files) for directory, _, files in os.walk(root) if directory != root),
+        "files": _page_files(root),
+        "files_before_ballast": files_before_ballast,
+        "min_free": backend.min_free_bytes,
     }
+
+
+def _page_files(root: str) -> int:
+    """Page files under ``root`` (the directory's ledger, one file at its top, is none)."""
+    return sum(len(files) for directory, _, files in os.walk(root) if directory != root)
 
 
 if __name__ == "__main__":
     root_arg, batches_arg, pages_arg = sys.argv[1:4]
-    print(json.dumps(file_backend_fill(root_arg, int(batches_arg), int(pages_arg))))
+    min_free_arg = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    ballast_arg = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+    print(json.dumps(file_backend_fill(root_arg, int(batches_arg), int(pages_arg),
+                                       min_free_arg, ballast_arg)))

@@ -28,6 +28,7 @@ from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.backends.file.ledger import LEDGER_FILE
+from hicache.storage.backends.file.settings import default_min_free
 from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
 from hicache.storage.page_files import STALE_TEMP_AGE_S, temp_name
@@ -193,20 +194,78 @@ def test_a_really_full_file_system_evicts_the_oldest_pages_and_keeps_writing(
     mount = tmp_path / "small-fs"
     mount.mkdir()
     # A 1 MiB tmpfs holds about 50 pages of 16 KiB; 12 batches of 8 pages overflow it
-    # although the backend's cap (1 TB) is never near.
+    # although the backend's cap (1 TB) is never near. No reserve: the kernel's ENOSPC.
     child = run_on_tmpfs(1 << 20, mount, [
-        sys.executable, "-m", "tests.full_disk", str(mount / "l3"), "12", "8",
+        sys.executable, "-m", "tests.full_disk", str(mount / "l3"), "12", "8", "0",
     ])
     assert child.returncode == 0, child.stderr
     result = json.loads(child.stdout)
     # Every batch was stored whole and read back bit for bit: the kernel's ENOSPC made
     # the backend evict least recently used pages and write again.
-    assert all(batch == {"stored": 8, "read": 8, "equal": True} for batch in result["batches"])
+    batches = result["batches"]
+    assert all((b["stored"], b["read"], b["equal"]) == (8, 8, True) for b in batches)
+    assert min(b["free"] for b in batches) < 64 << 10  # the file system did fill up
     failures = result["failures"]
     assert failures["evicted_no_space"] > 0 and "no_space" not in failures, failures
     still = result["still_stored"]
     assert still[-8:] == [1] * 8 and still[:8] == [0] * 8  # the newest kept, the oldest gone
     assert sum(still) == result["files"] < 12 * 8
+
+
+def _fill_tmpfs(tmp_path: Path, size: int, *args: str) -> dict[str, Any]:
+    reason = tmpfs_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    child = run_on_tmpfs(size, mount, [
+        sys.executable, "-m", "tests.full_disk", str(mount / "l3"), *args,
+    ])
+    assert child.returncode == 0, child.stderr
+    result: dict[str, Any] = json.loads(child.stdout)
+    return result
+
+
+def test_the_store_leaves_its_reserve_free_and_gives_pages_back_when_the_disk_fills(
+    tmp_path: Path,
+) -> None:
+    # 2 MiB of tmpfs, 512 KiB kept free; half-way another program's file takes 768 KiB.
+    reserve, ballast = 512 << 10, 768 << 10
+    result = _fill_tmpfs(tmp_path, 2 << 20, "12", "8", str(reserve), str(ballast))
+    assert result["min_free"] == reserve
+    batches = result["batches"]
+    # Every batch was stored whole and read back bit for bit ...
+    assert all((b["stored"], b["read"], b["equal"]) == (8, 8, True) for b in batches)
+    # ... and no write ever took the reserve: the store evicted its oldest pages first,
+    # so the kernel never ran out of space.
+    assert all(b["free"] >= reserve for b in batches), [b["free"] for b in batches]
+    failures = result["failures"]
+    assert failures["evicted_no_space"] > 0 and "no_space" not in failures, failures
+    # The other program's file took space back from the cache, not from the reserve.
+    assert result["files"] < result["files_before_ballast"]
+    still = result["still_stored"]
+    assert still[-8:] == [1] * 8 and still[:8] == [0] * 8
+    assert sum(still) == result["files"]
+
+
+def test_a_page_that_would_take_the_reserve_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    # A reserve as large as the file system: nothing may be written, and nothing fails.
+    result = _fill_tmpfs(tmp_path, 1 << 20, "2", "4", str(1 << 20))
+    assert [(b["stored"], b["read"], b["files"]) for b in result["batches"]] == [(0, 0, 0)] * 2
+    assert result["failures"] == {"no_space": 2, "missing": 2}  # refused writes, then misses
+    assert result["still_stored"] == [0] * 8
+
+
+def test_the_default_reserve_follows_the_file_system(root: Path, open_file: Opener) -> None:
+    backend, _ = open_file()
+    disk = os.statvfs(root)
+    assert backend.min_free_bytes == default_min_free(disk.f_blocks * disk.f_frsize)
+    assert default_min_free(200 * 10**9) == 10 * 10**9  # 5%
+    assert default_min_free(1000 * 10**9) == 10 * 2**30  # at most 10 GiB
+    assert default_min_free(16 * 10**9) == 2**30  # at least 1 GiB ...
+    assert default_min_free(2 * 10**9) == 2 * 10**8  # ... but never over a tenth
+    unset, _ = open_file(min_free_bytes=0)
+    assert unset.min_free_bytes == 0
 
 
 def test_enospc_on_rename_evicts_older_pages_never_the_batch_and_retries_once(

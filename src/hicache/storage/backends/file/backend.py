@@ -6,6 +6,13 @@ Extra config:
                      evicted, whole files, to stay under it. When the file system fills up
                      before the cap is reached (ENOSPC), pages are evicted the same way to
                      make room for the rest of the batch and the write is retried once.
+    min_free_bytes   free space the store leaves on its file system (default: 5% of the
+                     file system, at least 1 GiB, at most 10 GiB; 0: none): before a page
+                     is written, least recently used pages are evicted while it would leave
+                     less, and a page that cannot be written without taking the reserve is
+                     not written (a miss later, never an error). So a disk that other
+                     programs fill takes the cache's pages back, and the default cap never
+                     fills a small disk.
     fsync            fsync each page and its directory before it becomes visible (default false:
                      a crash may lose recent pages, never expose a torn one)
     verify_checksum  hash every page read against its header (default true; sealed
@@ -103,7 +110,7 @@ from hicache.memory.host_pool import HostPool
 from hicache.storage.backends.file.ledger import DirectoryLedger
 from hicache.storage.backends.file.mapped import mapped
 from hicache.storage.backends.file.pins import PinMarkers, check_expiry
-from hicache.storage.backends.file.settings import FileSettings
+from hicache.storage.backends.file.settings import FileSettings, default_min_free
 from hicache.storage.backends.file.tenant_dirs import ensure_tenant_dir, tenant_dirs, tenant_root
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.call_tenant import current_tenant
@@ -170,6 +177,10 @@ class FileBackend(StorageBackend):
         self.root = settings.path
         self._root_text = str(self.root)  # paths are built as text: pathlib costs per page
         self.max_bytes = settings.max_bytes
+        self._min_free_setting = settings.min_free_bytes
+        # Resolved at attach (the default depends on the file system's size).
+        self.min_free_bytes = settings.min_free_bytes or 0
+        self._reserve_warned = False
         self.fsync = settings.fsync
         self.verify_checksum = settings.verify_checksum
         # name -> file bytes, least recently used first. Guarded by self._lock.
@@ -207,6 +218,7 @@ class FileBackend(StorageBackend):
             self._pins.sweep()
             with self._lock:
                 self._rescan_locked()
+            self.min_free_bytes = self._resolve_min_free()
         except OSError as error:
             self._ledger.close()
             raise StorageUnavailableError(
@@ -216,10 +228,56 @@ class FileBackend(StorageBackend):
         self._regions = regions
         with self._lock:
             self._evict_locked(0)
+        self._keep_free(0, frozenset())  # the disk may have filled while it was down
 
     def close(self) -> None:
         self._closed = True
         self._ledger.close()
+
+    def _resolve_min_free(self) -> int:
+        """The free space to leave: the setting, else ``default_min_free`` of the file
+        system (0 where it cannot be measured)."""
+        if self._min_free_setting is not None:
+            return self._min_free_setting
+        try:
+            stats = os.statvfs(self._root_text)
+        except OSError:
+            return 0
+        return default_min_free(stats.f_blocks * stats.f_frsize)
+
+    def _free_bytes(self) -> int | None:
+        """Bytes an unprivileged writer may still use on the store's file system; None
+        when it cannot be measured."""
+        try:
+            stats = os.statvfs(self._root_text)
+        except OSError:
+            return None
+        return stats.f_bavail * stats.f_frsize
+
+    def _keep_free(self, incoming_bytes: int, keep: frozenset[str]) -> bool:
+        """Evict least recently used pages (none of ``keep``) until ``incoming_bytes`` more
+        (and what this instance's threads are writing) leave ``min_free_bytes`` free on
+        the file system; whether they do. One ``statvfs`` when they do already."""
+        reserve = self.min_free_bytes
+        if reserve <= 0:
+            return True
+        free = self._free_bytes()
+        if free is None:
+            return True
+        incoming_bytes += self._writing_total
+        short = reserve + incoming_bytes - free
+        if short <= 0:
+            return True
+        if not self._reserve_warned:
+            self._reserve_warned = True
+            logger.warning(
+                "file storage: %s has %d bytes free, under the %d the store leaves free "
+                "(min_free_bytes); it evicts its least recently used pages to keep them",
+                self._root_text, free, reserve,
+            )
+        self._evict_for_space(short, keep)
+        free = self._free_bytes()
+        return free is None or free - incoming_bytes >= reserve
 
     def _open_ledger(self) -> None:
         """Open the directory's ledger; without one (a directory this instance may read but
@@ -673,6 +731,8 @@ class FileBackend(StorageBackend):
         # Sealed for the call's tenant (``current_tenant``), the one named here.
         if fill is None:
             return FailureReason.NO_KEY
+        if not self._keep_free(file_bytes, keep):
+            return FailureReason.NO_SPACE
         with self._lock:
             # Pages of the tenant other threads are writing count against its quota as if
             # written already (a batch's pages are written side by side when sealed).

@@ -15,6 +15,12 @@ from hicache.local_cache import local_cache_dir
 from hicache.storage.options import SETTINGS, Directory, Flag, Size
 
 DEFAULT_MAX_BYTES = 16 * 10**9
+# The free space the store leaves on its file system when ``min_free_bytes`` is not set: a
+# share of the file system's size, within bounds. A cache must not take a disk's last
+# bytes from the programs that share it (a log, a package install, a database).
+DEFAULT_MIN_FREE_SHARE = 0.05
+DEFAULT_MIN_FREE_FLOOR = 2**30
+DEFAULT_MIN_FREE_CEILING = 10 * 2**30
 
 
 def default_path() -> Path:
@@ -27,5 +33,15 @@ class FileSettings:
 
     path: Directory = Field(default_factory=default_path)
     max_bytes: Size = DEFAULT_MAX_BYTES
+    # None: ``default_min_free``; 0: fill the file system (ENOSPC then evicts).
+    min_free_bytes: Size | None = None
     fsync: Flag = False
     verify_checksum: Flag = True
+
+
+def default_min_free(file_system_bytes: int) -> int:
+    """The free space to leave on a file system of ``file_system_bytes``: 5% of it, at
+    least 1 GiB and at most 10 GiB (never more than a tenth of a small file system)."""
+    share = int(file_system_bytes * DEFAULT_MIN_FREE_SHARE)
+    floor = min(DEFAULT_MIN_FREE_FLOOR, file_system_bytes // 10)
+    return max(floor, min(share, DEFAULT_MIN_FREE_CEILING))
