@@ -4,6 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# pip keeps a copy of each wheel it downloads; on a fresh machine (CI) that second copy of
+# every download is never used again (PIP_NO_CACHE_DIR=0 keeps the cache).
+export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}
+# A fresh install takes about 5 GB (.venv 3.1 GB, .venv-lmcache 1.3 GB, pip's unpacking):
+# say so up front rather than leave a half-made venv behind a bare "No space left".
+free_kb=$(df -Pk . 2>/dev/null | awk 'NR == 2 { print $4 }')
+if [ ! -x .venv/bin/python ] && [ -n "$free_kb" ] && [ "$free_kb" -lt $((5 * 1024 * 1024)) ]; then
+  echo "bootstrap: only $((free_kb / 1024)) MB free here; a fresh install needs about" \
+    "5 GB (.venv and .venv-lmcache)" >&2
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   .venv/bin/pip install -q --upgrade pip
