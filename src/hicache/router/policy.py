@@ -27,7 +27,12 @@ Five policies (``--policy``), each a small strategy object behind
 - ``predicted_ttft`` (``ttft_policy.py``): each worker's predicted time to first token,
   in seconds, from its live cost model and the router's ledger of its queue.
 
-Lower logits win; ties go to fewer active requests, then registration order.
+Lower logits win; ties go to fewer active requests, then to the worker this policy
+chose least recently, then registration order. The middle step matters for new
+conversations on an idle or evenly loaded cluster: every worker scores the same, and
+registration order alone sent them all to the first worker, where their later turns,
+drawn back by the cache they left there, then queued behind each other while another
+worker idled (the router sweep's Poisson points, 2026-11-29: 14, 12 and 3 requests).
 
 On ``device_credit``: the worked example that came with that scoring (4 pages,
 multiplier 0.5, page 1, the shared pool holding pages 0-3; W0 with 2 device pages
@@ -142,15 +147,30 @@ class _Policy:
     def __init__(self, index: TierIndex, config: ScoringConfig) -> None:
         self.index = index
         self.config = config
+        self.recency = ChoiceRecency()
 
     async def choose(self, request: RouteRequest, token_ids: Sequence[int]) -> RouteDecision:
         _check(request)
         overlaps = self.index.overlaps(request.page_hashes, [w.url for w in request.workers])
         logits = self._logits(request, overlaps)
         return RouteDecision(
-            worker=_lowest(request.workers, logits), policy=self.name, logits=logits,
+            worker=self._lowest(request.workers, logits), policy=self.name, logits=logits,
             overlaps=overlaps,
         )
+
+    def _lowest(self, workers: Sequence[WorkerLoad], logits: Mapping[str, float],
+                digits: int = _TIE_DIGITS) -> str:
+        """Lowest logit (to ``digits`` decimals); ties to fewer active requests, then the
+        worker chosen least recently, then registration order. Records the choice."""
+        recency = self.recency
+        best = min(
+            range(len(workers)),
+            key=lambda i: (round(logits[workers[i].url], digits), workers[i].active_requests,
+                           recency.last(workers[i].url), i),
+        )
+        url = workers[best].url
+        recency.chose(url)
+        return url
 
     def _logits(
         self, request: RouteRequest, overlaps: Mapping[str, TierOverlap],
@@ -218,7 +238,7 @@ class TierAwarePolicy(_Policy):
         logits = {
             w.url: self.logit(request, w, overlaps[w.url], hits, page) for w in request.workers
         }
-        chosen = _lowest(request.workers, logits)
+        chosen = self._lowest(request.workers, logits)
         return RouteDecision(
             worker=chosen, policy=self.name, logits=logits, overlaps=overlaps,
             shared_hits=None if hits is None else sum(hits),
@@ -395,10 +415,16 @@ def _unit(value: float) -> float:
     return min(1.0, max(0.0, value))
 
 
-def _lowest(workers: Sequence[WorkerLoad], logits: Mapping[str, float]) -> str:
-    """Lowest logit; ties to fewer active requests, then registration order."""
-    best = min(
-        range(len(workers)),
-        key=lambda i: (round(logits[workers[i].url], _TIE_DIGITS), workers[i].active_requests, i),
-    )
-    return workers[best].url
+class ChoiceRecency:
+    """When a policy last chose each worker, as a count of its choices (the policy's
+    event loop only): 0 for a worker never chosen."""
+
+    def __init__(self) -> None:
+        self._count = itertools.count(1)
+        self._last: dict[str, int] = {}
+
+    def last(self, url: str) -> int:
+        return self._last.get(url, 0)
+
+    def chose(self, url: str) -> None:
+        self._last[url] = next(self._count)

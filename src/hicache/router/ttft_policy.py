@@ -31,8 +31,9 @@ a client calling it directly), and the prefill of a prefill-decode router (the P
 enters nothing). The workers report no queue in seconds, so those are not priced.
 
 The lowest prediction wins (to the microsecond); ties go to fewer requests in flight,
-then registration order. The decision carries the chosen worker's prediction and its
-terms; the proxy enters ``own_s`` in that worker's ledger.
+then the worker chosen least recently, then registration order (``policy.py``). The
+decision carries the chosen worker's prediction and its terms; the proxy enters
+``own_s`` in that worker's ledger.
 """
 
 from __future__ import annotations
@@ -110,12 +111,8 @@ class PredictedTTFTPolicy(TierAwarePolicy):
             terms[worker.url] = predict(request, worker, overlap,
                                         _shared_run(overlap, hits), costs, page)
             fallbacks[worker.url] = filled
-        chosen = min(
-            range(len(request.workers)),
-            key=lambda i: (round(terms[request.workers[i].url].ttft_s, _TIE_DIGITS),
-                           request.workers[i].active_requests, i),
-        )
-        url = request.workers[chosen].url
+        url = self._lowest(request.workers, {u: t.ttft_s for u, t in terms.items()},
+                           _TIE_DIGITS)
         return RouteDecision(
             worker=url, policy=self.name,
             logits={u: t.ttft_s for u, t in terms.items()}, overlaps=overlaps,

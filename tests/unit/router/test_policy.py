@@ -150,6 +150,30 @@ def test_decode_blocks_and_load_break_ties() -> None:
     assert route("least_load", index, request).worker == "b"
 
 
+@pytest.mark.parametrize("name", ["cache_aware", "tier_aware", "least_load", "predicted_ttft"])
+def test_new_conversations_on_an_idle_cluster_spread_over_the_workers(name: str) -> None:
+    # Every worker idle and empty: all score the same for each new prompt. They take
+    # turns (the one chosen least recently), not all the first registered worker.
+    index = PageIndex()
+    workers = [WorkerLoad("a"), WorkerLoad("b"), WorkerLoad("c")]
+    policy = build_policy(name, index, None, ScoringConfig())
+
+    async def decide(tokens: list[int], load: list[WorkerLoad]) -> str:
+        request = RouteRequest(page_hashes=page_hashes(tokens, 4), prompt_tokens=len(tokens),
+                               page_size=4, workers=load)
+        return (await policy.choose(request, tokens)).worker
+
+    async def scenario() -> list[str]:
+        chosen = [await decide(list(range(k * 100, k * 100 + 16)), workers) for k in range(4)]
+        # A tie still goes to fewer requests in flight before recency: "c" was chosen
+        # longest ago of the tied workers, but it is busy.
+        busy_c = [WorkerLoad("a"), WorkerLoad("b"), WorkerLoad("c", active_requests=1)]
+        chosen.append(await decide(list(range(900, 916)), busy_c))
+        return chosen
+
+    assert asyncio.run(scenario()) == ["a", "b", "c", "a", "b"]
+
+
 def test_round_robin_takes_turns_and_still_reports_overlaps() -> None:
     pages = page_hashes(TOKENS, 4)
     index = PageIndex()
