@@ -306,6 +306,34 @@ inline void score_tile(const float* qt, int64_t R, const float* keys, int D, flo
   }
 }
 
+// One key block's step of the online softmax, per lane (a query row), for both pool
+// dtypes: given the block's scores s[j][lanes] (j < n) and the new running maxima
+// ``tops``, the old sums' rescale factor ``alpha``, the block's weights in place of its
+// scores (unnormalized: divided by their running sum at the end), and the running sums
+// ``l`` and maxima ``m`` updated.
+inline void online_softmax_block(const float* tops, float* s, int n, float* m, float* l,
+                                 float* alpha) {
+  alignas(64) float sum[kRG];
+#pragma omp simd
+  for (int e = 0; e < kRG; ++e) {
+    alpha[e] = exp_nonpositive(m[e] - tops[e]);
+    sum[e] = 0.f;
+  }
+  for (int j = 0; j < n; ++j) {
+    float* sj = s + j * kRG;
+#pragma omp simd
+    for (int e = 0; e < kRG; ++e) {
+      sj[e] = exp_nonpositive(sj[e] - tops[e]);
+      sum[e] += sj[e];
+    }
+  }
+#pragma omp simd
+  for (int e = 0; e < kRG; ++e) {
+    l[e] = l[e] * alpha[e] + sum[e];
+    m[e] = tops[e];
+  }
+}
+
 // out^T[d0 + e][lanes] = alpha * out^T[d0 + e][lanes] + sum over j < n of
 // value[j][d0 + e] * p[j][lanes], for e < E (E dimensions, at most kDd).
 template <int E>
@@ -507,28 +535,9 @@ __attribute__((noinline)) void prefill_task(const Prefill<T>& a, int b, int kh, 
         score_tile(qt + r0, R, kbuf + j * D, D, s + j * kRG, diagonal,
                    static_cast<float>(j0 + j), pv, top);
       }
-      // Online softmax, per lane: the old sums' rescale factor, the block's weights
-      // (unnormalized: divided by their running sum at the end) and their sum.
-      alignas(64) float tops[kRG], alpha[kRG], sum[kRG];
+      alignas(64) float tops[kRG], alpha[kRG];
       for (int v = 0; v < kRv; ++v) store(tops + v * VW, top[v]);
-#pragma omp simd
-      for (int e = 0; e < kRG; ++e) {
-        alpha[e] = exp_nonpositive(mr[e] - tops[e]);
-        sum[e] = 0.f;
-      }
-      for (int j = 0; j < tn; ++j) {
-        float* sj = s + j * kRG;
-#pragma omp simd
-        for (int e = 0; e < kRG; ++e) {
-          sj[e] = exp_nonpositive(sj[e] - tops[e]);
-          sum[e] += sj[e];
-        }
-      }
-#pragma omp simd
-      for (int e = 0; e < kRG; ++e) {
-        lr[e] = lr[e] * alpha[e] + sum[e];
-        mr[e] = tops[e];
-      }
+      online_softmax_block(tops, s, tn, mr, lr, alpha);
       vf av[kRv];
       for (int v = 0; v < kRv; ++v) av[v] = load(alpha + v * VW);
       value_tiles<kDd>(ot + r0, R, s, vrows, tn, D, av);
@@ -717,26 +726,9 @@ void prefill_task_bf16(const Prefill<BF16>& a, int b, int kh, int qb, int bq,
         score_tile_bf16(qt + r0, R, kbuf + static_cast<int64_t>(j) * Dp, Dp, s + j * kRG,
                         diagonal, static_cast<float>(j0 + j), pv, scale, &top);
       }
-      alignas(64) float tops[kRG], alpha[kRG], sum[kRG];
+      alignas(64) float tops[kRG], alpha[kRG];
       _mm512_store_ps(tops, top);
-#pragma omp simd
-      for (int e = 0; e < kRG; ++e) {
-        alpha[e] = exp_nonpositive(mr[e] - tops[e]);
-        sum[e] = 0.f;
-      }
-      for (int j = 0; j < tn; ++j) {
-        float* sj = s + j * kRG;
-#pragma omp simd
-        for (int e = 0; e < kRG; ++e) {
-          sj[e] = exp_nonpositive(sj[e] - tops[e]);
-          sum[e] += sj[e];
-        }
-      }
-#pragma omp simd
-      for (int e = 0; e < kRG; ++e) {
-        lr[e] = lr[e] * alpha[e] + sum[e];
-        mr[e] = tops[e];
-      }
+      online_softmax_block(tops, s, tn, mr, lr, alpha);
       // The weights of keys j, j + 1 as a pair in each lane: key j's in the low half.
       const __m512i interleave = _mm512_set_epi16(
           31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
