@@ -216,9 +216,9 @@ def test_a_prefix_only_in_l3_goes_where_the_scoring_says(cluster: Cluster) -> No
     meta = _generate(cluster.url, [*prompt, *_prompt(51, PAGE)])
     after_served = _served(cluster.workers)
     got = [url for url in after_served if after_served[url] > before_served[url]]
-    # Every worker reaches the prefix at the same price (a shared page), none is busy: the
-    # tie goes to the first registered worker.
-    assert got == [cluster.workers[0].url], (got, meta, _router_log(cluster))
+    # Every worker reaches the prefix at the same price (a shared page), none is busy: a
+    # tie, which one worker takes (the one the router chose least recently), from the store.
+    assert len(got) == 1, (got, meta, _router_log(cluster))
     assert meta["cached_tokens_details"]["storage"] >= 7 * PAGE, meta
 
 
