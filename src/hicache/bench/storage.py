@@ -187,6 +187,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "when the binary is installed",
     )
     parser.add_argument(
+        "--mooncake-segment", choices=("local", "peer"), default="local",
+        help="where mooncake pages land: local (this process lends the pool its memory, pages "
+        "move by memcpy: one machine) or peer (a second process started here lends it and "
+        "this one none, pages cross the transfer engine's transport as they do to another "
+        "machine)",
+    )
+    parser.add_argument(
         "--nixl-io-queue", type=str, default="auto",
         help="nixl backend: the POSIX plugin's kernel queue (auto, aio, uring, posix_aio)",
     )
@@ -251,18 +258,28 @@ def _mooncake_setup(
     reason = unavailable_reason("mooncake")
     if reason is not None:
         return reason
-    # This process lends the pool its memory: enough for every page, with headers.
-    extra: dict[str, Any] = {"global_segment_size": 2 * workload.nbytes + (64 << 20)}
+    # Room in the pool for every page, with headers (lent by this process or by a peer).
+    segment = 2 * workload.nbytes + (64 << 20)
+    extra: dict[str, Any] = {"global_segment_size": segment}
     if args.mooncake_master:
         extra["master_server_address"] = args.mooncake_master
-        return extra
-    try:
-        from hicache.testing.mooncake_master import start_master
+    else:
+        try:
+            from hicache.testing.mooncake_master import start_master
 
-        master = stack.enter_context(start_master())
-    except Exception as error:  # no binary, or it did not come up
-        return f"no --mooncake-master given and no local master could be started: {error}"
-    extra["master_server_address"] = master.address
+            master = stack.enter_context(start_master())
+        except Exception as error:  # no binary, or it did not come up
+            return f"no --mooncake-master given and no local master could be started: {error}"
+        extra["master_server_address"] = master.address
+    if args.mooncake_segment == "peer":
+        from hicache.testing.mooncake_peer import SegmentPeer, SegmentPeerError
+
+        log = workload.work_dir / "mooncake-peer.log"
+        try:
+            stack.enter_context(SegmentPeer(extra["master_server_address"], segment, log))
+        except SegmentPeerError as error:
+            return f"the mooncake segment peer did not come up: {error}"
+        extra["global_segment_size"] = 0  # every page goes to the peer's segment
     return extra
 
 
@@ -647,12 +664,14 @@ def _measure_copies(workload: Workload) -> list[Result]:
 def _print_table(args: argparse.Namespace, workload: Workload, results: list[Result]) -> None:
     geometry = workload.geometry
     page_mib = workload.host.page_bytes / 2**20
+    peer = ", mooncake pages in a peer process's segment" if args.mooncake_segment == "peer" else ""
     print(
         f"hicache bench storage: {args.geometry or args.preset} KV ({geometry.describe()}), "
         f"page {args.page_size} "
         f"tokens = {page_mib:.2f} MiB, {workload.num_pages} pages ({workload.nbytes / 1e9:.3f} GB) "
         f"in batches of {workload.batch_pages}, host layout {args.layout}"
         f"{', fsync' if args.fsync else ''}"
+        f"{peer}"
         f"{', reads not verified' if args.no_verify_checksum else ''}"
         f"{', checksums at put and get' if args.verify_at_get else ', checksums in the copies'}; "
         f"median of {workload.repeats}"
@@ -754,6 +773,7 @@ def main(args: argparse.Namespace) -> int:
             "page_size": args.page_size,
             "page_bytes": workload.host.page_bytes, "layout": args.layout,
             "batch_pages": args.batch_pages, "fsync": bool(args.fsync),
+            "mooncake_segment": args.mooncake_segment,
             "verify_at_get": bool(args.verify_at_get),
             "verify_checksum": not args.no_verify_checksum,
             "repeats": args.repeats, "warmup": _WARMUP, "skipped": skipped,

@@ -58,3 +58,21 @@ def test_bench_storage_reports_mooncake_next_to_the_raw_baseline(
         "--page-size", "16", "--num-pages", "12", "--batch-pages", "5",
     )
     assert_reported_next_to_baseline(result, capsys.readouterr().out, "mooncake", 12)
+
+
+def test_bench_storage_puts_sealed_pages_into_a_peer_processs_segment(
+    mooncake_master: MasterProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--mooncake-segment peer: this process lends nothing, so every page (plain and
+    sealed, each read back and compared by the bench) went to the peer's segment."""
+    result = tiny_bench_result(
+        tmp_path, "--backends", "mooncake", "--mooncake-master", mooncake_master.address,
+        "--mooncake-segment", "peer", "--encryption-keys", "random", "--alternations", "1",
+        "--page-size", "16", "--num-pages", "12", "--batch-pages", "5",
+    )
+    table = capsys.readouterr().out
+    assert result["mooncake_segment"] == "peer"
+    assert "mooncake pages in a peer process's segment" in table
+    rows = {(r["backend"], r["op"]) for r in result["results"]}
+    assert {("mooncake sealed", "put"), ("mooncake sealed", "get")} <= rows
+    assert set(result["sealed_over_plain"]) == {"mooncake put", "mooncake get"}

@@ -215,6 +215,32 @@ class TestSealedMooncakeInPartsSerial(TestSealedMooncakeInParts):
     seal_workers = 1
 
 
+def test_an_instance_lending_no_memory_seals_in_transport_sized_parts(
+    mooncake_extra: dict[str, Any], mooncake_anchor: MooncakeBackend,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With global_segment_size 0 every page crosses the transport to another client's
+    segment (here the anchor's): sealed puts go in SEAL_PART_BYTES_REMOTE parts from a
+    ring of two, and what they stored opens again. Parts shrunk to a page each, so a
+    batch of five is put in five parts through both places of the ring."""
+    monkeypatch.setattr(mooncake_module, "SEAL_PART_BYTES_REMOTE", 1)
+    contract = TestSealedMooncake()
+    host = contract.make_host(MemLayout.PAGE_FIRST)
+    backend = MooncakeBackend({**mooncake_extra, "global_segment_size": 0})
+    sealed(backend).attach(host)
+    try:
+        assert (backend._sealed_pages, backend._seal_ring) == (1, 2)
+        namespace = KeyNamespace("remote-parts", contract.geometry.describe(), contract.page_size)
+        keys = contract.keys(namespace, 5, seed=11, salt="acme")
+        values = fill_random(host, page_range(0, 5), seed=3)
+        with call_tenant("acme"):
+            assert backend.set(keys, page_range(0, 5)) == 5
+            assert backend.get(keys, page_range(10, 15)) == 5
+        assert page_bytes_of(host, page_range(10, 15)) == as_bytes(values)
+    finally:
+        backend.close()
+
+
 def test_start_up_knows_which_backends_seal() -> None:
     """The registry's list (what start-up refuses the flag for, without importing a
     backend) is what the backends themselves say."""

@@ -49,7 +49,9 @@ Sealed pages (``--l3-encryption-keys``, ``storage.sealing``): a page's ciphertex
 cannot be put from the page itself, so it is sealed into a second registered
 staging area and put from there, a batch in parts of about ``SEAL_PART_BYTES``, the
 helper thread sealing up to two parts ahead into a ring of three while Mooncake puts
-the oldest; headers are 64 bytes. Reads land the ciphertext in the host page as plain
+the oldest; where this instance lends no memory (every page crosses the transport to
+another client's segment) in parts of ``SEAL_PART_BYTES_REMOTE``, one ahead in a ring
+of two. Headers are 64 bytes. Reads land the ciphertext in the host page as plain
 reads do, and the helper thread opens (decrypts in place) what it would otherwise
 hash; a page opened beside the first failure is counted too when its object was bad
 (it was removed). Either way a part's pages are sealed or opened side by side on
@@ -185,12 +187,21 @@ _STAGING_SLOTS = 4
 # Bytes of one header slot: room for a sealed header (a plain one uses the first 48).
 _SLOT_BYTES = SEALED_HEADER_BYTES
 # Sealed pages' ciphertext: a sealed batch is put in parts of about this many bytes (at
-# least one page each), from a registered ring of _SEAL_RING parts per staging slot.
+# least one page each), from a registered ring of _SEAL_RING parts per staging slot,
+# where pages may land in this instance's own segment (it lends the pool memory): those
+# move by memcpy at memory speed, and a part small enough to stay in the CPU's cache
+# until Mooncake copies it measured best.
 SEAL_PART_BYTES = 8 << 20
 # Parts in the ring: the sealer runs up to two parts ahead of Mooncake's copy, so that a
 # part that seals slowly does not stall the copy (two halves measured 0.79x of the plain
 # copy's throughput, a ring of three 0.90x, in a model of the pipeline on two cores).
 _SEAL_RING = 3
+# Parts where this instance lends no memory (global_segment_size 0): every page then
+# crosses the transfer engine's transport to another client's segment, where each call's
+# fixed cost outweighs the cache (8 MiB parts measured 0.64x of the plain put over TCP,
+# 32 MiB 0.75x, 64 MiB 0.80-0.83x; docs/benchmarks.md), in a ring of two.
+SEAL_PART_BYTES_REMOTE = 64 << 20
+_SEAL_RING_REMOTE = 2
 # Every object name this backend writes (what clear() removes): a tenant's prefix
 # (none for the default tenant), hex key, order tag.
 _PAGE = r"[0-9a-f]{32}\.(lm|tm)$"
@@ -229,6 +240,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         # Sealing: [slot, pages * page bytes] of ciphertext, made at attach.
         self._sealed: np.ndarray | None = None
         self._sealed_pages = 0
+        self._seal_ring = _SEAL_RING
         # What l3_ttl= is counted with (monotonic seconds; tests set their own).
         self.clock: Callable[[], float] = time.monotonic
         # The objects this instance wrote, by tenant (quotas, usage, TTL). Guarded by self._lock.
@@ -239,17 +251,18 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
         self._check_attachable(self._client is not None)
         regions = PageRegions(host, self.sealer)
         if self.sealer is not None:
-            # Pages per part: about SEAL_PART_BYTES, and at least one page for each
-            # thread that seals beside Mooncake's copy (_put_sealed).
+            remote = self.settings.global_segment_size == 0
+            part_bytes = SEAL_PART_BYTES_REMOTE if remote else SEAL_PART_BYTES
+            self._seal_ring = _SEAL_RING_REMOTE if remote else _SEAL_RING
+            # Pages per part: about part_bytes, and at least one page for each thread
+            # that seals beside Mooncake's copy (_put_sealed).
             self._sealed_pages = min(
                 MAX_BATCH_PAGES,
-                max(
-                    1, self.sealer.workers.beside_copy(),
-                    SEAL_PART_BYTES // regions.page_bytes,
-                ),
+                max(1, self.sealer.workers.beside_copy(), part_bytes // regions.page_bytes),
             )
+            # Zeroed on demand by the OS: a slot's ring takes memory once a batch uses it.
             self._sealed = np.zeros(
-                (_STAGING_SLOTS, _SEAL_RING * self._sealed_pages * regions.page_bytes),
+                (_STAGING_SLOTS, self._seal_ring * self._sealed_pages * regions.page_bytes),
                 dtype=np.uint8,
             )
         client = acquire_client(self.settings)
@@ -545,7 +558,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
             self._fail(FailureReason.NO_KEY)
             return
         page_bytes, header_bytes = regions.page_bytes, regions.header_bytes
-        per_part = self._sealed_pages
+        per_part, ring = self._sealed_pages, self._seal_ring
         parts = [
             range(start, min(start + per_part, len(todo)))
             for start in range(0, len(todo), per_part)
@@ -558,7 +571,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
 
             def half(part: range) -> int:
                 """Where part ``part``'s ciphertext starts in the area (its place in the ring)."""
-                return (part.start // per_part) % _SEAL_RING * per_part * page_bytes
+                return (part.start // per_part) % ring * per_part * page_bytes
 
             def seal(j: int, part: range) -> None:
                 i = todo[j]
@@ -594,7 +607,7 @@ class MooncakeBackend(LookupPutBackend[_MooncakePut]):
                     code in (0, OBJECT_ALREADY_EXISTS) for code in results
                 )
 
-            self._write_behind(parts, pack, put, lookahead=_SEAL_RING - 1)
+            self._write_behind(parts, pack, put, lookahead=ring - 1)
 
     def _settle_put(
         self, batch: _MooncakePut, todo: list[int], stored: list[bool], codes: dict[int, int],
