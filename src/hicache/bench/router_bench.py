@@ -67,6 +67,7 @@ from hicache.bench.report import RunSummary, read_jsonl
 from hicache.bench.router_report import PolicyRun, write_report
 from hicache.bench.scrape import Samples, scrape
 from hicache.bench.workload import PromptMaker, Session, WorkloadError
+from hicache.router.decisions import MAX_DECISIONS
 from hicache.testing.server_process import ServerStartError
 
 logger = logging.getLogger(__name__)
@@ -344,6 +345,7 @@ def run_policy(
             metrics = _save_router_metrics(cluster, run_dir / "router-metrics.txt")
             if metrics is not None:
                 run.notes += _shared_query_notes(metrics)
+            _save_router_decisions(cluster, run_dir / "router-decisions.json")
         run.records = read_jsonl(log_file)
     except (ClusterError, ServerStartError, BenchmarkError, WorkloadError, OSError) as error:
         run.error = str(error)
@@ -386,6 +388,24 @@ def _save_router_metrics(cluster: Cluster, path: Path) -> str | None:
         return None
     path.write_bytes(body)
     return body.decode(errors="replace")
+
+
+def _save_router_decisions(cluster: Cluster, path: Path) -> None:
+    """Our router's last decisions (``/decisions``: each worker's logit and cached prefix,
+    predicted and measured TTFT) next to its log, to check why it sent what where; another
+    router (``--router-program``) has no such route and nothing is saved."""
+    import urllib.error
+    import urllib.request
+
+    url = f"{cluster.url}/decisions?limit={MAX_DECISIONS}"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            path.write_bytes(response.read())
+    except urllib.error.HTTPError as error:
+        if error.code != 404:
+            logger.warning("router decisions not saved: %s", error)
+    except OSError as error:
+        logger.warning("router decisions not saved: %s", error)
 
 
 def _shared_query_notes(metrics_text: str) -> list[str]:

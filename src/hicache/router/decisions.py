@@ -2,7 +2,8 @@
 
 Each routed request's decision: a sequence number, the chosen worker (its URL without
 credentials), the policy, the predicted TTFT and its terms (predicted_ttft only), the
-figures priced from other workers or defaults, whether the request streamed, and,
+figures priced from other workers or defaults, every worker's logit and cached prefix
+(``[device, device or host, any tier]`` pages), whether the request streamed, and,
 once its first byte came back, the measured TTFT. Measured is the time from sending
 the request to the worker to its answer's first body byte; for a request that does
 not stream that byte comes with the whole answer (a time to last token), so it is
@@ -38,6 +39,13 @@ class DecisionLog:
             "policy": decision.policy, "stream": stream,
             "predicted_ttft_s": decision.predicted_ttft_s, "terms": dict(decision.terms),
             "fallbacks": list(decision.fallbacks), "measured_ttft_s": None,
+            # Every worker's score and cached prefix (pages on device, device or host, any
+            # tier): why this worker and not another.
+            "logits": {redact(url): logit for url, logit in decision.logits.items()},
+            "overlaps": {
+                redact(url): [overlap.gpu, overlap.host, overlap.external]
+                for url, overlap in decision.overlaps.items()
+            },
         }
         self._entries.append(entry)
         return entry

@@ -135,6 +135,11 @@ def test_smoke_run_through_the_router(tmp_path: Path, monkeypatch: pytest.Monkey
         run_dir = out / "runs" / policy
         assert (run_dir / "worker-0.log").is_file() and (run_dir / "router.log").is_file()
         assert not (run_dir / "l3").exists()  # the run's L3 pages are removed after it
+        if not extra:  # our router: its decisions are kept, each worker's score in each
+            saved = json.loads((run_dir / "router-decisions.json").read_text())["decisions"]
+            assert len(saved) >= 6 * 3
+            if policy == "tier_aware":
+                assert all(len(d["logits"]) == len(d["overlaps"]) == 2 for d in saved)
     assert "## Targets" in report and "## Runs in order" in report
 
 

@@ -11,7 +11,7 @@ from hicache.estimators import PrefillCoefficients
 from hicache.router.decisions import DecisionLog
 from hicache.router.live_costs import DEFAULT_SECONDS_PER_TOKEN, resolve_costs, worker_cost_snapshot
 from hicache.router.metrics import RouterMetrics
-from hicache.router.types import RouteDecision
+from hicache.router.types import RouteDecision, TierOverlap
 from hicache.router.workers import Worker, parse_server_info
 
 FIT = {"cost_prefill_coef_step_seconds": 0.01, "cost_prefill_coef_seconds_per_token": 2e-4,
@@ -117,3 +117,15 @@ def test_the_decision_log_keeps_the_newest_and_is_bounded() -> None:
     assert "u:p" not in last[-1]["worker"]  # no credentials in the debug view
     assert [e["id"] for e in log.last(1)] == [5]
     assert log.last(0) == []
+
+
+def test_a_logged_decision_shows_every_workers_score_and_cached_prefix() -> None:
+    decision = RouteDecision(
+        worker="http://w0:1", policy="tier_aware",
+        logits={"http://u:p@w0:1": 3.5, "http://w1:1": 7.0},
+        overlaps={"http://u:p@w0:1": TierOverlap(gpu=1, host=4, external=6),
+                  "http://w1:1": TierOverlap()},
+    )
+    entry = DecisionLog().record(decision, stream=True)
+    assert entry["logits"] == {"http://***@w0:1": 3.5, "http://w1:1": 7.0}  # no credentials
+    assert entry["overlaps"] == {"http://***@w0:1": [1, 4, 6], "http://w1:1": [0, 0, 0]}
