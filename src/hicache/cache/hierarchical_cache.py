@@ -375,6 +375,12 @@ class HierarchicalCache:
         """The cached prefix ``acquire`` would find, with no lock, load, or statistics."""
         return self.tree.peek_prefix(pack_tokens(tokens), extra_key)
 
+    def touch(self, tokens: TokenIds, extra_key: str | None = None) -> None:
+        """Mark the cached prefix of ``tokens`` as just used (eviction takes the least
+        recently used first), with no lock, load, or statistics: the scheduler's waiting
+        requests keep their prefixes this way until they are admitted."""
+        self.tree.match_prefix(pack_tokens(tokens), extra_key)
+
     def acquire(
         self, tokens: TokenIds, extra_key: str | None = None, record_hit: bool = True,
         max_tokens: int | None = None,

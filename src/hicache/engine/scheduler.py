@@ -13,7 +13,10 @@ Each step:
    budget), so that queueing hides it; admit waiting requests (FIFO) whose
    prefetch the policy lets start, while the device pool can hold their
    context: only then match and lock the cached prefix (host hits start
-   loading layer by layer) and count the hit, once per request;
+   loading layer by layer) and count the hit, once per request; the prefixes
+   of the requests still waiting are touched (most recently used, the head of
+   the queue last) on arrival and after admissions, so that the prefills ahead
+   of them evict other pages first;
 4. one forward over every decoding request (one token each) plus prompt
    chunks of prefilling requests (at most ``chunked_prefill_size`` tokens; beside
    decode rows, with ``--max-decode-delay-ms``/``-factor``, what ``step_budget.py``
@@ -44,6 +47,7 @@ under tensor parallelism any exception in a tick ends the rank instead
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -76,6 +80,10 @@ from hicache.estimators import attention_pairs
 from hicache.model.model import CausalLM
 
 logger = logging.getLogger(__name__)
+
+# Waiting requests whose cached prefixes the scheduler keeps fresh (``_keep_waiting_prefixes``):
+# the head of the queue, admitted soonest; a bound on the tree walks per admission round.
+KEEP_WAITING_PREFIXES = 32
 
 
 class Scheduler:
@@ -126,6 +134,8 @@ class Scheduler:
         # Per request with a host or L3 hit: how much to load, how much to compute again.
         self.reuse = ReuseAdvisor(cache, self.cost_model, self._clock)
         self.prefetcher.worth_waiting = self._worth_waiting
+        # Requests arrived or were admitted since the waiting ones' prefixes were touched.
+        self._queue_changed = False
         # Picks torch's intra-op threads between steps (None: the count stays as set).
         self.governor: ThreadGovernor | None = None
         self._threads = 0  # the count last set for a step (0: none yet)
@@ -288,6 +298,7 @@ class Scheduler:
                 self.decode_intake.add(req)  # its KV comes from a prefill instance
             else:
                 lifecycle.waiting.append(req)
+                self._queue_changed = True
         elif kind == "abort":
             if self.decode_intake is not None and self.decode_intake.abort(payload):
                 return
@@ -317,13 +328,37 @@ class Scheduler:
         self.prefetcher.advance(waiting)
         # Requests waiting for their KV from a prefill instance take a row when it lands.
         held = len(self.decode_intake.awaiting) if self.decode_intake is not None else 0
-        for req in list(waiting):
-            if len(self.lifecycle.running) + held >= self.limits.max_running_requests:
-                return
-            if not self.prefetcher.settled(req):
-                continue
-            if not self._start(req):
-                return  # no room: keep FIFO order
+        try:
+            for req in list(waiting):
+                if len(self.lifecycle.running) + held >= self.limits.max_running_requests:
+                    return
+                if not self.prefetcher.settled(req):
+                    continue
+                if not self._start(req):
+                    return  # no room: keep FIFO order
+                self._queue_changed = True
+        finally:
+            if self._queue_changed:
+                self._queue_changed = False
+                self._keep_waiting_prefixes()
+
+    def _keep_waiting_prefixes(self) -> None:
+        """Touch the cached prefixes of the first ``KEEP_WAITING_PREFIXES`` waiting
+        requests, from the last of them to the head, so that eviction takes pages no
+        waiting request needs first and, of theirs, those needed latest.
+
+        Done once per admission round in which requests arrived or were admitted (whose
+        prefill then writes new pages, evicting least recently used ones): a multi-turn
+        conversation's next turn can wait in the queue for several prefills, and under
+        plain LRU the pages of its earlier turns, last used when that turn ended, went
+        first. Only
+        the inbox and admissions trigger it, never the clock, so tensor-parallel ranks
+        touch alike."""
+        if not self.limits.enable_prefix_cache:
+            return
+        first = list(itertools.islice(self.lifecycle.waiting, KEEP_WAITING_PREFIXES))
+        for req in reversed(first):
+            self.cache.touch(req.match_tokens(), req.request.extra_key)
 
     def _start(self, req: Req) -> bool:
         """Admit ``req`` if the device pool has room for it; False (and no side effect) if not.
