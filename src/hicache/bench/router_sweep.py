@@ -374,6 +374,20 @@ def point_fields(point: SweepPoint) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------ main
+def shared_cores_note(num_workers: int, cores: int) -> str | None:
+    """A warning for the report when the workers outnumber the cores, else None."""
+    if num_workers <= cores:
+        return None
+    return (
+        f"- note: {num_workers} workers share {cores} CPU cores, so a busy worker slows the "
+        "others and one worker alone computes faster than two side by side: a router "
+        "that spreads requests pays for it here as it would not with a device per worker "
+        "(on this 2-core machine SGLang's router, which spread the long prompts unevenly, "
+        "had a 1.34-1.40x lower mean TTFT with 3 workers and none with 2, "
+        "docs/benchmarks.md); run no more workers than cores to compare routing"
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     try:
@@ -411,6 +425,9 @@ def main(args: argparse.Namespace) -> int:
         f"{settings.repeats} (order reversed on even repeats); seed {settings.seed}",
         f"- CPUs: {os.cpu_count()} on the machine",
     ]
+    note = shared_cores_note(settings.num_workers, len(os.sched_getaffinity(0)))
+    if note is not None:
+        header.append(note)
     print("\n".join(header), flush=True)
     todo = [p for p in points if state.missing(p.id, settings.contenders)]
     print(f"{len(points)} points asked, {len(points) - len(todo)} already done", flush=True)

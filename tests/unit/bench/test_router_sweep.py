@@ -244,3 +244,9 @@ def test_the_bench_knows_every_router_policy() -> None:
     from hicache.router.policy import PolicyName
 
     assert set(POLICIES) == {policy.value for policy in PolicyName}
+
+
+def test_the_report_warns_when_workers_outnumber_the_cores() -> None:
+    assert router_sweep.shared_cores_note(2, 2) is None
+    note = router_sweep.shared_cores_note(3, 2)
+    assert note is not None and "3 workers share 2 CPU cores" in note
