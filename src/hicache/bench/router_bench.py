@@ -201,6 +201,10 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sweep-point-seconds", type=float, default=40.0, metavar="S",
                        help="each run sends no request after this many seconds "
                        "(default: %(default)s)")
+    group.add_argument("--sweep-capacity", type=float, default=None, metavar="RPS",
+                       help="requests a second the Poisson points take as the capacity, "
+                       "instead of measuring it at each one's closed-loop point first "
+                       "(which then is not run unless asked)")
     group.add_argument("--sweep-kv-bytes-per-token", type=int, default=46080, metavar="BYTES",
                        help="KV bytes per token, to size the small L3 (default: %(default)s, "
                        "SmolLM2-135M in f32)")

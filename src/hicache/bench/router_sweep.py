@@ -148,15 +148,17 @@ def parse_ws(text: str) -> list[float]:
 
 def expand_grid(
     ws: Sequence[float], l3: Sequence[str], arrivals: Sequence[str], prompts: Sequence[str],
+    capacity_given: bool = False,
 ) -> list[SweepPoint]:
     """The points in run order: by prompt class, working set, L3, then arrival; an
-    open-loop point's closed-loop point (its capacity) comes first, added when not asked."""
+    open-loop point's closed-loop point (its capacity) comes first, added when not asked
+    (unless ``capacity_given``: --sweep-capacity)."""
     points: list[SweepPoint] = []
     for prompt in prompts:
         for ratio in ws:
             for mode in l3:
                 asked = [SweepPoint(prompt, ratio, mode, a) for a in arrivals]
-                if any(p.load_fraction is not None for p in asked):
+                if not capacity_given and any(p.load_fraction is not None for p in asked):
                     asked.insert(0, SweepPoint(prompt, ratio, mode, "closed"))
                 points += list(dict.fromkeys(asked))
     return points
@@ -396,7 +398,10 @@ def main(args: argparse.Namespace) -> int:
             parse_axis(args.sweep_l3, L3_MODES, "--sweep-l3"),
             parse_axis(args.sweep_arrival, ARRIVALS, "--sweep-arrival"),
             parse_axis(args.sweep_prompt, PROMPTS, "--sweep-prompt"),
+            capacity_given=args.sweep_capacity is not None,
         )
+        if args.sweep_capacity is not None and not args.sweep_capacity > 0:
+            raise RouterBenchError("--sweep-capacity must be > 0")
         settings = settings_of(args)
         # Every plan checked before any process starts.
         for point in points:
@@ -434,7 +439,9 @@ def main(args: argparse.Namespace) -> int:
     for point in todo:
         capacity = None
         if point.load_fraction is not None:
-            capacity = capacity_of(state.result(point.capacity_point().id))
+            capacity = args.sweep_capacity or capacity_of(
+                state.result(point.capacity_point().id)
+            )
         result = run_point(point, args, settings, out_dir, capacity,
                            state.missing(point.id, settings.contenders), state.result(point.id))
         state.record(result)

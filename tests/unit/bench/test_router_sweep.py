@@ -195,6 +195,29 @@ def test_main_resumes_and_gives_open_points_their_capacity(
     assert calls == []
 
 
+def test_a_given_capacity_runs_the_open_loop_points_alone_at_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, float | None]] = []
+
+    def fake_run_point(point: SweepPoint, args: Any, settings: Any, out_dir: Path,
+                       capacity: float | None, todo: Sequence[Contender],
+                       previous: PointResult | None) -> PointResult:
+        calls.append((point.id, capacity))
+        sizes = point_sizes(point, 3, 2.0, 1000).to_json()
+        rate = None if capacity is None else (point.load_fraction or 0) * capacity
+        return PointResult.of(point.id, router_sweep.point_fields(point), sizes, rate,
+                              capacity, [], todo, previous)
+
+    monkeypatch.setattr(router_sweep, "run_point", fake_run_point)
+    flags = ["--sweep-ws", "1", "--sweep-l3", "none", "--sweep-prompt", "long",
+             "--sweep-arrival", "poisson90", "--sweep-capacity", "0.29"]
+    assert router_sweep.main(sweep_args(tmp_path / "out", *flags)) == 0
+    assert calls == [("long-ws1-l3none-poisson90", 0.29)]
+    assert expand_grid([1.0], ["none"], ["poisson90"], ["long"], capacity_given=True) == [
+        SweepPoint("long", 1.0, "none", "poisson90")]
+
+
 def test_a_point_with_a_failed_run_runs_every_contender_again() -> None:
     point = SweepPoint("short", 2.0, "all", "closed")
     mine = Contender("hicache-tier_aware", "hicache", "tier_aware", "", None)
@@ -216,6 +239,7 @@ def test_bad_sweep_flags_fail_before_any_process(
         (["--sweep-prompt", "medium"], "--sweep-prompt"),
         (["--sweep-point-seconds", "0"], "--sweep-point-seconds"),
         (["--repeats", "0"], "--repeats"),
+        (["--sweep-capacity", "0"], "--sweep-capacity"),
     ):
         assert main(["bench", "router", "--sweep", "--out-dir", str(out), *flags]) == 2
         assert message in capsys.readouterr().err
