@@ -444,8 +444,10 @@ class Scheduler:
                 prefilling = True
         if rows == 0 or not prefilling:
             return chunk
-        limits = self.limits
-        return prefill_budget(self.reuse.costs().step, chunk, rows,
+        limits, costs = self.limits, self.reuse.costs().step
+        if costs is None or costs.wants_decode_sample():
+            return 0  # a decode-only step, timed: what the budget prices with
+        return prefill_budget(costs, chunk, rows,
                               limits.max_decode_delay_s, limits.max_decode_delay_factor)
 
     # ------------------------------------------------------------ one step

@@ -17,9 +17,16 @@ same chunk its samples cannot tell a step's fixed cost from its per-token cost.
 Invariants:
 - a step without decode rows keeps the full ``chunked_prefill_size``: cold prompts
   lose nothing when nothing decodes; the chunk grows back as soon as decodes finish;
-- the budget is within [min(``MIN_CHUNK_TOKENS``, chunk), chunk]: a prompt always
-  progresses, and a decode row waits at most one (budgeted) chunk per step;
-- until both costs are measured, and with no delay set, the full chunk;
+- the budget is within [min(``MIN_CHUNK_TOKENS``, chunk), chunk] but for the sample
+  steps below: a prompt always progresses, and a decode row waits at most one
+  (budgeted) chunk per step;
+- with no delay set, the full chunk; with one set, a step that has decode rows and a
+  prompt to fill while no decode-only step has been timed (or none for
+  ``DECODE_SAMPLE_EVERY`` steps) takes no prompt tokens: the decode-only step it becomes is
+  the sample the budget prices with. Without it a server whose prompts keep arriving
+  never runs a decode-only step, and the budget, blind, gave every step the full chunk;
+- until a prompt token's share is measured (a prefill step alone seeds it with its
+  seconds per token, an upper bound), the full chunk;
 - the budget only caps prompt tokens: the scheduler plans every decode row first in
   each step, so decode rows are never left out of a step while they wait;
 - it is a pure function of the costs it is given: under tensor parallelism every rank
@@ -36,14 +43,24 @@ MIN_CHUNK_TOKENS = 16
 # The weight of a new sample in the moving averages: the costs follow the machine's
 # load within a few steps, and one outlier moves them by a fifth.
 STEP_COST_WEIGHT = 0.2
+# A step with decode rows is a decode-only sample at least once every this many steps with
+# decode rows: a decode step's cost moves with its rows and their contexts, and while
+# prompts keep arriving no step would be decode-only by itself.
+DECODE_SAMPLE_EVERY = 64
 
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Measured step costs (a snapshot: sent to other ranks)."""
+    """Measured step costs (a snapshot: sent to other ranks); None where not measured yet."""
 
-    decode_step_s: float  # a step of decode rows alone
-    prompt_token_s: float  # what one prompt token adds to a step
+    decode_step_s: float | None  # a step of decode rows alone
+    prompt_token_s: float | None  # what one prompt token adds to a step
+    # Steps with decode rows since a decode-only step was last timed.
+    steps_since_decode: int = 0
+
+    def wants_decode_sample(self) -> bool:
+        """Should the next step with decode rows take no prompt tokens, to be timed?"""
+        return self.decode_step_s is None or self.steps_since_decode >= DECODE_SAMPLE_EVERY
 
 
 class StepCostTracker:
@@ -54,6 +71,7 @@ class StepCostTracker:
         self.weight = weight
         self.decode_step_s: float | None = None
         self.prompt_token_s: float | None = None
+        self.steps_since_decode = 0
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.weight * (new - old)
@@ -63,16 +81,23 @@ class StepCostTracker:
         if prompt_tokens <= 0:
             if decode_rows > 0:
                 self.decode_step_s = self._mix(self.decode_step_s, seconds)
+                self.steps_since_decode = 0
             return
+        if decode_rows > 0:
+            self.steps_since_decode += 1
         if self.decode_step_s is None:
+            if decode_rows == 0 and self.prompt_token_s is None:
+                # A seed until a decode-only step is timed: the whole step per token (its
+                # fixed cost included) prices tokens dearer than they are, never cheaper.
+                self.prompt_token_s = seconds / prompt_tokens
             return  # its tokens' share is unknown until a decode-only step is timed
         extra = max(seconds - self.decode_step_s, 0.0)
         self.prompt_token_s = self._mix(self.prompt_token_s, extra / prompt_tokens)
 
     def snapshot(self) -> StepCosts | None:
-        if self.decode_step_s is None or self.prompt_token_s is None:
+        if self.decode_step_s is None and self.prompt_token_s is None:
             return None
-        return StepCosts(self.decode_step_s, self.prompt_token_s)
+        return StepCosts(self.decode_step_s, self.prompt_token_s, self.steps_since_decode)
 
 
 def prefill_budget(
@@ -88,6 +113,8 @@ def prefill_budget(
     ``chunk``]. The delay is ``delay_s``, or ``delay_factor`` times a decode-only step,
     the smaller of the two when both are given."""
     if decode_rows <= 0 or costs is None or chunk <= 0:
+        return chunk
+    if costs.decode_step_s is None or costs.prompt_token_s is None:
         return chunk
     if delay_factor is not None:
         relative = delay_factor * costs.decode_step_s

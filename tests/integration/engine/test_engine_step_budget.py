@@ -146,3 +146,45 @@ def test_cpu_default_steps_give_one_long_prompt_the_chunk_and_several_take_turns
     chunks = [n for plan in steps for _, phase, length, n in plan
               if phase is Phase.PREFILL and length == long]
     assert sum(chunks) == long and max(chunks) <= CPU_PROMPT_SHARE_TOKENS, chunks
+
+
+def test_measured_costs_are_sampled_where_prompts_never_let_a_step_decode_alone(
+    make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the engine's own costs (not fixed): the first step that has decode rows beside
+    an unfinished prompt decodes alone (the sample the budget prices with; before, a
+    server whose prompts kept arriving never ran a decode-only step and the budget never
+    applied), and so does one step in every DECODE_SAMPLE_EVERY with decode rows; the
+    tokens equal an engine's without the budget."""
+    from hicache.engine import step_budget
+
+    every = 3
+    monkeypatch.setattr(step_budget, "DECODE_SAMPLE_EVERY", every)
+    flags = ("--page-size", "4", "--chunked-prefill-size", str(CHUNK))
+    requests = [greedy(prompt(i, 8), n=40) for i in range(3)] + [greedy(prompt(9, LONG), n=4)]
+    expected = [r.token_ids for r in run_many(make_engine(*flags), requests)]
+
+    engine = make_engine(*flags, "--max-decode-delay-factor", "2")
+    steps = record_steps(engine)
+    results = run_many(engine, requests)
+    assert [r.token_ids for r in results] == expected
+
+    def shape(plan: list[tuple[str, Phase, int, int]]) -> tuple[int, int]:
+        rows = sum(1 for _, phase, _, _ in plan if phase is Phase.DECODE)
+        return rows, sum(n for _, phase, _, n in plan if phase is Phase.PREFILL)
+
+    shapes = [shape(plan) for plan in steps]
+    long_done = max(i for i, plan in enumerate(steps)
+                    if any(length == LONG and phase is Phase.PREFILL
+                           for _, phase, length, _ in plan))
+    first_rows = next(i for i, (rows, _) in enumerate(shapes) if rows)
+    assert first_rows < long_done, shapes  # the decodes began while the long prompt waited
+    assert shapes[first_rows][1] == 0, shapes  # ... and their first step was a sample
+    # Between samples, at most `every` steps carry decode rows and prompt tokens together.
+    run = 0
+    for rows, tokens in shapes:
+        if rows and tokens:
+            run += 1
+            assert run <= every, shapes
+        elif rows:
+            run = 0

@@ -8,6 +8,7 @@ import pytest
 
 from hicache.engine.config import ConfigError, SchedulingConfig
 from hicache.engine.step_budget import (
+    DECODE_SAMPLE_EVERY,
     MIN_CHUNK_TOKENS,
     StepCosts,
     StepCostTracker,
@@ -54,19 +55,45 @@ def test_a_delay_factor_prices_the_delay_from_a_decode_only_step() -> None:
 
 def test_the_tracker_measures_a_decode_step_and_a_prompt_tokens_share() -> None:
     tracker = StepCostTracker(weight=0.5)
-    tracker.observe(256, 0, 0.5)  # no decode-only step yet: its tokens' share is unknown
     assert tracker.snapshot() is None
+    # No decode-only step yet: a prefill step alone seeds a token's share with the whole
+    # step per token (an upper bound), and the budget still has nothing to price with.
+    tracker.observe(256, 0, 0.512)
+    seeded = tracker.snapshot()
+    assert seeded is not None and seeded.decode_step_s is None
+    assert seeded.prompt_token_s == pytest.approx(2e-3)
+    assert seeded.wants_decode_sample()
+    assert prefill_budget(seeded, 256, decode_rows=4, delay_s=0.001) == 256
     tracker.observe(0, 4, 0.010)
     tracker.observe(0, 4, 0.020)  # the moving average: halfway
     assert tracker.decode_step_s == pytest.approx(0.015)
-    assert tracker.snapshot() is None
     tracker.observe(100, 4, 0.115)  # 100 ms beyond a decode step: 1 ms per token
     costs = tracker.snapshot()
     assert costs is not None
     assert costs.decode_step_s == pytest.approx(0.015)
-    assert costs.prompt_token_s == pytest.approx(1e-3)
+    assert costs.prompt_token_s == pytest.approx(0.5 * 2e-3 + 0.5 * 1e-3)
     tracker.observe(0, 0, 5.0)  # a step of nothing is no sample
     assert tracker.decode_step_s == pytest.approx(0.015)
+
+
+def test_the_tracker_asks_for_a_decode_only_step_when_its_sample_is_old() -> None:
+    # While prompts keep arriving every step with decode rows carries prompt tokens too:
+    # the decode step's cost would never be measured again without a step kept for it.
+    tracker = StepCostTracker()
+    tracker.observe(0, 2, 0.010)
+    costs = tracker.snapshot()
+    assert costs is not None and not costs.wants_decode_sample()
+    for k in range(1, DECODE_SAMPLE_EVERY + 1):
+        tracker.observe(32, 2, 0.020)
+        costs = tracker.snapshot()
+        assert costs is not None and costs.steps_since_decode == k
+        assert costs.wants_decode_sample() == (k >= DECODE_SAMPLE_EVERY)
+    tracker.observe(64, 0, 0.100)  # a prefill step without decode rows does not count
+    assert tracker.steps_since_decode == DECODE_SAMPLE_EVERY
+    tracker.observe(0, 5, 0.030)
+    costs = tracker.snapshot()
+    assert costs is not None and costs.steps_since_decode == 0
+    assert not costs.wants_decode_sample()
 
 
 def test_the_delay_flags_reach_the_limits_and_are_validated() -> None:
