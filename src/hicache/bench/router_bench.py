@@ -346,7 +346,11 @@ def run_policy(
             finally:
                 run.load_after = os.getloadavg()
             run.worker_requests = _worker_requests(cluster)
-            metrics = _save_router_metrics(cluster, run_dir / "router-metrics.txt")
+            metrics = _save_metrics(cluster.url, run_dir / "router-metrics.txt", "router")
+            for k, worker in enumerate(cluster.workers):
+                # Each worker's counters (L3 reads, load-or-recompute choices): why a
+                # router's requests found what they found.
+                _save_metrics(worker.url, run_dir / f"worker-{k}-metrics.txt", f"worker {k}")
             if metrics is not None:
                 run.notes += _shared_query_notes(metrics)
             _save_router_decisions(cluster, run_dir / "router-decisions.json")
@@ -379,16 +383,16 @@ def _worker_requests(cluster: Cluster) -> list[float]:
     return counts
 
 
-def _save_router_metrics(cluster: Cluster, path: Path) -> str | None:
-    """The router's /metrics at the end of the run, as it was (a file next to its log);
+def _save_metrics(url: str, path: Path, what: str) -> str | None:
+    """A server's /metrics at the end of the run, as it was (a file next to its log);
     None when it could not be read."""
     try:
         import urllib.request
 
-        with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as response:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
             body: bytes = response.read()
     except OSError as error:
-        logger.warning("router metrics not saved: %s", error)
+        logger.warning("%s metrics not saved: %s", what, error)
         return None
     path.write_bytes(body)
     return body.decode(errors="replace")
