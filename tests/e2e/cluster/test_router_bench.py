@@ -134,6 +134,9 @@ def test_smoke_run_through_the_router(tmp_path: Path, monkeypatch: pytest.Monkey
         assert (out / f"{policy}.json").is_file() and (out / f"{policy}.jsonl").is_file()
         run_dir = out / "runs" / policy
         assert (run_dir / "worker-0.log").is_file() and (run_dir / "router.log").is_file()
+        for k in range(2):  # each worker's counters at the end: what its L3 reads found
+            metrics = (run_dir / f"worker-{k}-metrics.txt").read_text()
+            assert "hicache_requests_total" in metrics
         assert not (run_dir / "l3").exists()  # the run's L3 pages are removed after it
         if not extra:  # our router: its decisions are kept, each worker's score in each
             saved = json.loads((run_dir / "router-decisions.json").read_text())["decisions"]
