@@ -108,6 +108,10 @@ class CacheConfig:
     # default tenant) may hold; a tenant over it evicts its own LRU host pages first
     # (``HierarchicalCache.alloc_host``). Unlisted tenants have no quota of their own.
     tenant_host_fractions: Mapping[str | None, float] = field(default_factory=dict)
+    # The share of the host pool in its core set (radix/tree.py): evicted only after
+    # every other page, so that prefixes reused in a loop larger than the host tier
+    # keep hitting; 0 evicts least recently used first.
+    host_core_fraction: float = 0.75
 
     def __post_init__(self) -> None:
         # Accept plain strings (from argparse or JSON) and normalise them to enums.
@@ -155,6 +159,12 @@ class CacheConfig:
                     f"the host quota of tenant {tenant!r} is a share of the host pool, in "
                     f"[0, 1], got {share}"
                 )
+        if not 0.0 <= self.host_core_fraction < 1.0:
+            raise ConfigError(
+                f"--hicache-core-fraction is a share of the host pool, in [0, 1) (0: least "
+                f"recently used first; some pages must stay outside it for new prefixes), "
+                f"got {self.host_core_fraction}"
+            )
         if not 0.0 < self.warm_host_fraction <= 1.0:
             raise ConfigError(
                 f"--warm-host-fraction must be in (0, 1], got {self.warm_host_fraction}"

@@ -44,6 +44,9 @@ def cache() -> Iterator[HierarchicalCache]:
     config = CacheConfig(
         page_size=PAGE, enable_hierarchical_cache=True, io_backend="direct",
         load_back_threshold_tokens=1, hint_max_ttl_s=3600.0, retain_ttl_s=60.0,
+        # Hints against least-recently-used eviction alone: with a core set (its own
+        # tests, test_tree_core.py) the pressure would not evict the unpinned prefixes.
+        host_core_fraction=0.0,
     )
     built = HierarchicalCache(config, GEOMETRY, DEVICE_PAGES, host_num_pages=HOST_PAGES)
     built.clock = Clock()

@@ -131,6 +131,7 @@ def test_write_back_eviction_frees_the_device_past_the_quota() -> None:
         page_size=PAGE, enable_hierarchical_cache=True, io_backend="direct",
         load_back_threshold_tokens=1, write_policy="write_back",
         tenant_host_fractions={"a": 0.1},  # 4 host pages
+        host_core_fraction=0.0,  # which of a's pages the quota keeps is LRU's choice
     )
     cache = HierarchicalCache(config, GEOMETRY, DEVICE_PAGES, host_num_pages=HOST_PAGES)
     try:

@@ -40,11 +40,16 @@ class TreeModel(RuleBasedStateMachine):
         self.writing: list[TreeNode] = []
         self.protected: list[tuple[TreeNode, Prefix]] = []
 
-    @rule(policy=st.sampled_from(list(WritePolicy)))
+    @rule(
+        policy=st.sampled_from(list(WritePolicy)),
+        core_pages=st.sampled_from([None, 0, 6, HOST_PAGES // 2, HOST_PAGES]),
+    )
     @precondition(lambda self: self.tree.num_nodes == 0)
-    def choose_policy(self, policy: WritePolicy) -> None:
+    def choose_policy(self, policy: WritePolicy, core_pages: int | None) -> None:
+        """A write policy and a host core set (none; empty; smaller than one request;
+        half the host tier; all of it)."""
         self.policy = policy
-        self.tree = HiRadixTree(PAGE, policy)
+        self.tree = HiRadixTree(PAGE, policy, core_pages=core_pages)
 
     # ---------------------------------------------------------------- helpers
     def page_prefixes(self, seq: Prefix) -> list[Prefix]:

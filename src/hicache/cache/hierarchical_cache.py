@@ -157,7 +157,8 @@ class HierarchicalCache:
             if self.controller.copier is not None and tp_size == 1:
                 self.host_pool.digests.defer_checks = True
         self.tree = HiRadixTree(
-            config.page_size, config.write_policy, namespace, events, self.host_quotas
+            config.page_size, config.write_policy, namespace, events, self.host_quotas,
+            self._core_pages(),
         )
         self._writing: dict[int, TreeNode] = {}
         self.storage: StorageTier | None = None
@@ -479,7 +480,7 @@ class HierarchicalCache:
             self.host_pool.allocator.free(host_pages)
         self.tree = HiRadixTree(
             self.page_size, self.config.write_policy, self.tree.namespace, self.events,
-            self.host_quotas,
+            self.host_quotas, self._core_pages(),
         )
         if self.events is not None:
             self.events.cleared()
@@ -656,6 +657,13 @@ class HierarchicalCache:
         return len(tokens)
 
     # ------------------------------------------------------------ internals
+    def _core_pages(self) -> int | None:
+        """The host tier's core set in pages (radix/tree.py), or None: LRU alone."""
+        fraction = self.config.host_core_fraction
+        if self.host_pool is None or fraction <= 0:
+            return None
+        return int(fraction * self.host_pool.num_pages)
+
     def _storage_tiers(self) -> list[StorageTier]:
         """The attached L3 tier and detached ones still waiting on stalled calls."""
         attached = [self.storage] if self.storage is not None else []
@@ -731,7 +739,8 @@ class HierarchicalCache:
             self.host_pool.allocator.free(freed)
 
     def alloc_host(
-        self, num_pages: int, tenant: str | None = None, within_quota: bool = True
+        self, num_pages: int, tenant: str | None = None, within_quota: bool = True,
+        include_core: bool = True,
     ) -> PageIds:
         """Up to ``num_pages`` free host pages for ``tenant``'s KV, evicting host-only LRU
         leaves for room.
@@ -743,7 +752,9 @@ class HierarchicalCache:
         given: a backup without its pages is skipped, the request still answers.
         ``within_quota=False`` (a write_back eviction, whose backup is the only way to free
         a device page) still evicts the tenant's own pages first but may then take it past
-        its quota; its next allocations evict its own pages until it is back under it. The
+        its quota; its next allocations evict its own pages until it is back under it.
+        ``include_core=False`` (pages that will not join the core set) evicts only pages
+        outside it: what they cannot make room for is not given. The
         quota counts the pages in the tree: pages a prefetch holds until it lands count
         from then on, so prefetches in flight together may overshoot it by their size.
         """
@@ -761,7 +772,7 @@ class HierarchicalCache:
                     num_pages = min(num_pages, room)
         allocator = self.host_pool.allocator
         if not allocator.can_allocate(num_pages):
-            freed = self.tree.evict_host(num_pages - allocator.num_free_pages)
+            freed = self.tree.evict_host(num_pages - allocator.num_free_pages, include_core)
             allocator.free(freed)
             self.stats.num_host_evicted_pages += len(freed)
         pages = allocator.allocate(min(num_pages, allocator.num_free_pages))
@@ -783,7 +794,10 @@ class HierarchicalCache:
             return False
         assert node.device_pages is not None
         need = len(node.device_pages)
-        host_pages = self.alloc_host(need, node.extra_key, within_quota)
+        # A write_back eviction must free the device page; a copy that will not join the
+        # core set must not push a core page out (it would be the next one to come back).
+        include_core = not within_quota or self.tree.joins_core(node)
+        host_pages = self.alloc_host(need, node.extra_key, within_quota, include_core)
         if len(host_pages) < need:
             self.host_pool.allocator.free(host_pages)
             self.stats.num_backup_skipped_pages += need

@@ -30,10 +30,13 @@ class TreeNode:
       from the device (write_back copies it to the host first).
     - ``evict_class`` orders eviction before ``last_access``: -1 demoted (first), 0
       ordinary, +1 retained until ``retain_until`` (after every ordinary node).
+    - ``core`` (only with a host copy) orders host eviction within a class: outside
+      the core set first.
     """
 
     __slots__ = (
         "children",
+        "core",
         "device_pages",
         "event_digests",
         "evict_class",
@@ -74,6 +77,9 @@ class TreeNode:
         self.retain_until = 0.0
         self.hit_count = 0
         self.last_access = 0
+        # In the host tier's core set (HiRadixTree's ``core_pages``): evicted from the
+        # host only after every node outside it of its class. Only a node on the host.
+        self.core = False
         # This worker saw every page of the node land in L3 (a finished backup); a drain
         # skips such nodes. False says nothing: L3 may hold it all the same.
         self.l3_stored = False
@@ -107,7 +113,7 @@ class TreeNode:
         return (
             f"TreeNode(id={self.id}, tokens={self.num_tokens}, at={where or '-'}, "
             f"lock={self.lock_ref}, host_ref={self.host_ref}, pin={self.pin_ref}, "
-            f"class={self.evict_class}, hits={self.hit_count})"
+            f"class={self.evict_class}, core={self.core}, hits={self.hit_count})"
         )
 
 

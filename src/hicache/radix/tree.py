@@ -33,6 +33,18 @@ Key structure choices, all for the latency of match and insert:
   pages) also has its own host heap, fed exactly like the shared one, so that
   ``evict_host_tenant`` finds the tenant's least recently used host pages without
   looking at another tenant's (nor scanning the tree).
+- The host tier resists loops (``core_pages``): a cyclic reuse larger than the tier
+  (conversations taking turns, more of them than it holds) makes least-recently-used
+  eviction drop exactly the prefix that comes back next, so that nothing ever hits.
+  As in LIRS, a core set of host pages, up to ``core_pages``, is evicted only after
+  every page outside it of its class. Pages join it while it has room, when they
+  extend a core node that has no other backed-up child (the next turn of a kept
+  conversation), or when a page outside it is used again after a shorter gap than the
+  oldest core page's (a prefix reused while it was still cached: the workload moved).
+  A page joining a full core set pushes the least recently used core pages out of it
+  (deepest first on a tie). So under a loop a fixed part of it stays cached and hits,
+  and pages nobody reuses leave the core set as newly reused ones come in. The core
+  heap of (last_access, -end, id, node) entries is kept like the eviction heaps.
 - ``remove_tenant`` (a purge) deletes every node of a tenant that nothing holds
   (no lock, host protection or pin), leaves first, telling the observer of each
   tier the pages leave.
@@ -41,6 +53,7 @@ Key structure choices, all for the latency of match and insert:
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -63,8 +76,11 @@ from hicache.tenancy.names import within_tenant
 
 _HeapEntry = tuple[int, int, int, TreeNode]
 _RetainEntry = tuple[float, int, TreeNode]
+_CoreEntry = tuple[int, int, int, TreeNode]
 
 DEMOTED, ORDINARY, RETAINED = -1, 0, 1
+# Above every eviction key (rank, last_access): ranks run from 2 * DEMOTED to 2 * RETAINED + 1.
+_NO_KEY = (2 * RETAINED + 2, 0)
 
 
 class TreeError(RuntimeError):
@@ -92,9 +108,12 @@ class HiRadixTree:
         namespace: KeyNamespace | None = None,
         observer: TierObserver | None = None,
         host_quotas: Mapping[str | None, int] | None = None,
+        core_pages: int | None = None,
     ) -> None:
         """``host_quotas``: the most host pages each listed tenant may hold (None is the
-        default tenant); a listed tenant gets its own host eviction heap."""
+        default tenant); a listed tenant gets its own host eviction heap. ``core_pages``:
+        the size of the host tier's core set (module docstring); None evicts the host
+        tier least recently used first, with no core set."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
@@ -126,6 +145,16 @@ class HiRadixTree:
         self._tenant_host_heaps: dict[str | None, list[_HeapEntry]] = {
             tenant: [] for tenant in self.host_quotas
         }
+        if core_pages is not None and core_pages < 0:
+            raise ValueError(f"core_pages must be >= 0, got {core_pages}")
+        self.core_pages = core_pages
+        self.num_core_pages = 0
+        self._core_heap: list[_CoreEntry] = []
+        # Pages deleted from the tree, by page key, with their last use: the history that
+        # lets a prefix computed again join the core set when it came back sooner than
+        # the core set's oldest page was used (LIRS's non-resident entries). Bounded.
+        self._ghosts: OrderedDict[bytes, int] = OrderedDict()
+        self._max_ghosts = 4 * (core_pages or 0) + 1024
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -152,9 +181,12 @@ class HiRadixTree:
             # startswith at an offset compares in place (no copy of the slice).
             if not data.startswith(child.tokens, pos):
                 child = self._split(child, self._common_pages(child.tokens, data, pos, limit))
+            previous = child.last_access
             child.last_access = self._clock
             if child.evict_class == DEMOTED:
                 child.evict_class = ORDINARY  # used again: the conversation is not over
+            if self.core_pages is not None and not child.core and child.host_pages is not None:
+                self._maybe_promote(child, previous)
             if child.device_pages is not None:
                 device_parts.append(child.device_pages)
                 last_device = child
@@ -340,6 +372,7 @@ class HiRadixTree:
                 if child.host_pages is None:
                     child.host_pages = np.array(mine, dtype=np.int64)
                     self._count_host(child, n)
+                    self._admit_host(child)
                     new_pages += n
                     self._push_candidate(child)
                     if self.observer is not None:
@@ -406,6 +439,7 @@ class HiRadixTree:
             raise TreeError("host_pages must have one page per node page")
         node.host_pages = np.asarray(host_pages, dtype=np.int64)
         self._count_host(node, len(host_pages))
+        self._admit_host(node)
         self.lock(node)
 
     def finish_backup(self, node: TreeNode) -> None:
@@ -419,6 +453,7 @@ class HiRadixTree:
         if any(child.host_pages is not None for child in node.children.values()):
             raise TreeError("abort_backup of a node whose children are backed up")
         pages = node.host_pages
+        self._leave_core(node)
         node.host_pages = None
         self._count_host(node, -len(pages))
         self.unlock(node)
@@ -561,15 +596,101 @@ class HiRadixTree:
             # The node's entries now sit above its key: a fresh one makes it findable.
             self._push_candidate(node)
 
-    def _current(self, heap: list[_HeapEntry], node: TreeNode, cls: int, stamp: int) -> bool:
-        """Is a popped entry (``cls``, ``stamp``) the node's current key? One below it is
+    def _current(self, heap: list[_HeapEntry], node: TreeNode, rank: int, stamp: int) -> bool:
+        """Is a popped entry (``rank``, ``stamp``) the node's current key? One below it is
         pushed back at the current key; one above it is stale (a fresh one was pushed)."""
-        popped = (cls, stamp)
-        key = (node.evict_class, node.last_access)
+        popped = (rank, stamp)
+        key = _key(node)
         if popped < key:
-            heapq.heappush(heap, (node.evict_class, node.last_access, node.id, node))
+            heapq.heappush(heap, _entry(node))
             return False
         return popped == key
+
+    # ------------------------------------------------------------ core set
+    def _admit_host(self, node: TreeNode) -> None:
+        """``node`` just got its host copy: does it join the core set?"""
+        if self.core_pages is None:
+            return
+        if self.joins_core(node):
+            self._join_core(node)
+
+    def _remember(self, node: TreeNode) -> None:
+        """``node`` leaves the tree: keep its pages' last use for when they come back."""
+        ghosts = self._ghosts
+        for key in self.page_keys(node):
+            ghosts[key] = node.last_access
+            ghosts.move_to_end(key)
+        while len(ghosts) > self._max_ghosts:
+            ghosts.popitem(last=False)
+
+    def _maybe_promote(self, node: TreeNode, previous: int) -> None:
+        """``node`` (on the host, outside the core set) is used again; it joins the set
+        when its last use is more recent than the oldest core page's."""
+        oldest = self._oldest_core_access()
+        pages = len(node.tokens) // self.page_bytes
+        assert self.core_pages is not None
+        if self.num_core_pages + pages <= self.core_pages or (
+            oldest is not None and previous > oldest
+        ):
+            self._join_core(node)
+
+    def _join_core(self, node: TreeNode) -> None:
+        node.core = True
+        self.num_core_pages += len(node.tokens) // self.page_bytes
+        heapq.heappush(self._core_heap, self._core_entry(node))
+        self._shrink_core(node)
+
+    def _leave_core(self, node: TreeNode) -> None:
+        """``node`` loses its host copy (or is pushed out): it leaves the core set."""
+        if node.core:
+            node.core = False
+            self.num_core_pages -= len(node.tokens) // self.page_bytes
+
+    def _shrink_core(self, keep: TreeNode) -> None:
+        """Push the least recently used core nodes (but ``keep``) out until the set fits."""
+        assert self.core_pages is not None
+        heap = self._core_heap
+        while self.num_core_pages > self.core_pages and heap:
+            entry = heapq.heappop(heap)
+            node = entry[3]
+            if not node.core or node.parent is None or node is keep:
+                continue
+            current = self._core_entry(node)
+            if entry[:2] != current[:2]:
+                if entry[:2] < current[:2]:  # used since: requeue at its current key
+                    heapq.heappush(heap, current)
+                continue
+            self._leave_core(node)
+            self._push_candidate(node)  # its eviction key dropped
+        if keep.core:
+            heapq.heappush(heap, self._core_entry(keep))
+
+    def _oldest_core_access(self) -> int | None:
+        """``last_access`` of the least recently used core node (None: the set is empty)."""
+        heap = self._core_heap
+        while heap:
+            entry = heap[0]
+            node = entry[3]
+            if not node.core or node.parent is None:
+                heapq.heappop(heap)
+                continue
+            current = self._core_entry(node)
+            if entry[:2] == current[:2]:
+                return node.last_access
+            if entry[:2] < current[:2]:
+                heapq.heapreplace(heap, current)
+            else:
+                heapq.heappop(heap)
+        return None
+
+    def _core_entry(self, node: TreeNode) -> _CoreEntry:
+        """(last_access, -end, id, node): on a tie in last use, the deepest node first."""
+        end = 0
+        cursor: TreeNode | None = node
+        while cursor is not None:
+            end += len(cursor.tokens)
+            cursor = cursor.parent
+        return (node.last_access, -end, node.id, node)
 
     # ------------------------------------------------------------ eviction
     def evict_device(self, num_pages: int) -> DeviceEviction:
@@ -606,9 +727,7 @@ class HiRadixTree:
         # call must still find them (once locked for backup they are skipped).
         for node in pending:
             if self._device_evictable(node):
-                heapq.heappush(
-                    self._device_heap, (node.evict_class, node.last_access, node.id, node)
-                )
+                heapq.heappush(self._device_heap, _entry(node))
         return DeviceEviction(
             freed_pages=np.concatenate(freed) if freed else no_pages(),
             pending_write_back=pending,
@@ -616,20 +735,48 @@ class HiRadixTree:
             num_deleted_nodes=deleted,
         )
 
-    def evict_host(self, num_pages: int) -> PageIds:
-        """Delete host-only leaves, least recently used first; returns the freed host pages."""
+    def evict_host(self, num_pages: int, include_core: bool = True) -> PageIds:
+        """Delete host-only leaves, least recently used first; returns the freed host pages.
+
+        ``include_core=False`` (room for pages that will not join the core set: see
+        ``joins_core``) deletes only pages outside the core set, as LIRS keeps its
+        resident set for the pages with the shorter reuse: it stops at the first ordinary
+        core leaf (a demoted one is passed over, retained ones come later anyway)."""
+        heap = self._host_heap
         freed: list[PageIds] = []
+        passed: list[_HeapEntry] = []
         got = 0
-        while got < num_pages and self._host_heap:
-            cls, stamp, _, node = heapq.heappop(self._host_heap)
+        while got < num_pages and heap:
+            rank, stamp, _, node = entry = heapq.heappop(heap)
             if not self._host_evictable(node):
                 continue
-            if not self._current(self._host_heap, node, cls, stamp):
+            if not self._current(heap, node, rank, stamp):
                 continue
+            if node.core and not include_core:
+                passed.append(entry)
+                if node.evict_class == DEMOTED:
+                    continue
+                break
             pages = self._delete(node)
             got += len(pages)
             freed.append(pages)
+        for entry in passed:
+            heapq.heappush(heap, entry)
         return np.concatenate(freed) if freed else no_pages()
+
+    def joins_core(self, node: TreeNode) -> bool:
+        """Would ``node`` join the core set once on the host: is there room, or was its
+        prefix here before and is it back sooner than the core set's oldest page was last
+        used? (True without a core set: every page may then take any other's place.)"""
+        if self.core_pages is None:
+            return True
+        if self.num_core_pages + len(node.tokens) // self.page_bytes <= self.core_pages:
+            return True
+        seen = self._ghosts.get(self.page_keys(node)[0])
+        if seen is None:
+            return False
+        oldest = self._oldest_core_access()
+        return oldest is not None and seen > oldest
 
     def evict_host_tenant(self, extra_key: str | None, num_pages: int) -> PageIds:
         """Delete the host-only leaves of one tenant with a host quota, least recently used
@@ -700,6 +847,7 @@ class HiRadixTree:
                 self._count_device(node, -len(node.device_pages))
             if node.host_pages is not None:
                 host.append(node.host_pages)
+                self._leave_core(node)
                 self._count_host(node, -len(node.host_pages))
             if node.evict_class == RETAINED:
                 self.num_retained_pages -= len(node.tokens) // self.page_bytes
@@ -774,7 +922,10 @@ class HiRadixTree:
     # ------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
         """Assert every structural invariant; raises AssertionError naming the broken one."""
-        num_nodes = dev = host = protected = pinned = retained = 0
+        num_nodes = dev = host = protected = pinned = retained = core = 0
+        core_stamps: dict[int, int] = {}
+        for stamp, _, node_id, _ in self._core_heap:
+            core_stamps[node_id] = min(stamp, core_stamps.get(node_id, stamp))
         device_keys = _lowest_keys(self._device_heap)
         host_keys = _lowest_keys(self._host_heap)
         retain_entries = {(entry[1], entry[0]) for entry in self._retain_heap}
@@ -830,19 +981,26 @@ class HiRadixTree:
                 assert (node.id, node.retain_until) in retain_entries, (
                     f"{node!r}: retained without a deadline entry"
                 )
+            if node.core:
+                assert node.host_pages is not None, f"{node!r}: in the core set, not on the host"
+                core += pages
+                # Some entry at or below its last use (shrinking requeues those below).
+                assert core_stamps.get(node.id, node.last_access + 1) <= node.last_access, (
+                    f"{node!r}: in the core set without an entry in its heap"
+                )
             # Evictable: some entry at or below its key (one above it is stale).
-            evict_key = (node.evict_class, node.last_access)
+            evict_key = _key(node)
             if self._device_evictable(node):
-                assert device_keys.get(node.id, (2, 0)) <= evict_key, (
+                assert device_keys.get(node.id, _NO_KEY) <= evict_key, (
                     f"{node!r}: evictable but not an eviction candidate at its key"
                 )
             if self._host_evictable(node):
-                assert host_keys.get(node.id, (2, 0)) <= evict_key, (
+                assert host_keys.get(node.id, _NO_KEY) <= evict_key, (
                     f"{node!r}: host-evictable but not a candidate at its key"
                 )
                 own = tenant_keys.get(node.extra_key)
                 if own is not None:
-                    assert own.get(node.id, (2, 0)) <= evict_key, (
+                    assert own.get(node.id, _NO_KEY) <= evict_key, (
                         f"{node!r}: host-evictable but not in its tenant's heap at its key"
                     )
         assert num_nodes == self.num_nodes, f"node count {self.num_nodes} != {num_nodes}"
@@ -852,6 +1010,8 @@ class HiRadixTree:
         assert retained == self.num_retained_pages, (
             f"retained pages {self.num_retained_pages} != {retained}"
         )
+        assert core == self.num_core_pages, f"core pages {self.num_core_pages} != {core}"
+        assert self.core_pages is not None or core == 0, "a core set without a budget"
         assert dev == self.num_device_pages, f"device pages {self.num_device_pages} != {dev}"
         assert host == self.num_host_pages, f"host pages {self.num_host_pages} != {host}"
         assert device_by_tenant == self.device_pages_by_tenant, (
@@ -903,6 +1063,7 @@ class HiRadixTree:
         upper.hit_count = child.hit_count
         upper.last_access = child.last_access
         upper.l3_stored = child.l3_stored
+        upper.core = child.core  # the pages are counted once, either side of the cut
         if child.page_keys is not None:
             upper.page_keys = child.page_keys[:num_pages]
             child.page_keys = child.page_keys[num_pages:]
@@ -918,6 +1079,8 @@ class HiRadixTree:
         self.num_nodes += 1
         if upper.evict_class == RETAINED:
             heapq.heappush(self._retain_heap, (upper.retain_until, upper.id, upper))
+        if upper.core:
+            heapq.heappush(self._core_heap, self._core_entry(upper))
         return upper
 
     def _new_leaf(
@@ -931,7 +1094,7 @@ class HiRadixTree:
         parent.children[key] = leaf
         self.num_nodes += 1
         self._count_device(leaf, len(device_pages))
-        heapq.heappush(self._device_heap, (leaf.evict_class, leaf.last_access, leaf.id, leaf))
+        heapq.heappush(self._device_heap, _entry(leaf))
         if self.observer is not None:
             self.observer.device_stored(leaf)
         return leaf
@@ -975,6 +1138,8 @@ class HiRadixTree:
         """Remove a childless, unlocked node; returns the pages of the tier it was in."""
         assert not node.children and node.lock_ref == 0 and node.host_ref == 0
         assert node.pin_ref == 0, f"{node!r}: a pinned node is never deleted"
+        if self.core_pages is not None:
+            self._remember(node)
         if node.evict_class == RETAINED:  # evicted once nothing ordinary was left
             self.num_retained_pages -= len(node.tokens) // self.page_bytes
         parent = node.parent
@@ -995,6 +1160,7 @@ class HiRadixTree:
         else:
             assert node.host_pages is not None
             pages = node.host_pages
+            self._leave_core(node)
             self._count_host(node, -len(pages))
         node.device_pages = node.host_pages = None
         self._push_candidate(parent)
@@ -1033,7 +1199,7 @@ class HiRadixTree:
         )
 
     def _push_candidate(self, node: TreeNode) -> None:
-        entry = (node.evict_class, node.last_access, node.id, node)
+        entry = _entry(node)
         if self._device_evictable(node):
             heapq.heappush(self._device_heap, entry)
         elif self._host_evictable(node):
@@ -1058,6 +1224,10 @@ class HiRadixTree:
         if len(self._retain_heap) > limit:
             self._retain_heap = [e for e in self._retain_heap if _current_retain(e)]
             heapq.heapify(self._retain_heap)
+        if len(self._core_heap) > limit:
+            live = {e[3].id: e[3] for e in self._core_heap if e[3].core and e[3].parent}
+            self._core_heap = [self._core_entry(n) for n in live.values()]
+            heapq.heapify(self._core_heap)
 
 
 def _one_current_entry(
@@ -1066,7 +1236,7 @@ def _one_current_entry(
     """The heap rebuilt with one entry per candidate still evictable, at its current key
     (every evictable node has an entry, so none is lost)."""
     nodes = {entry[3].id: entry[3] for entry in heap if evictable(entry[3])}
-    rebuilt = [(n.evict_class, n.last_access, n.id, n) for n in nodes.values()]
+    rebuilt = [_entry(n) for n in nodes.values()]
     heapq.heapify(rebuilt)
     return rebuilt
 
@@ -1082,12 +1252,22 @@ def _add(counts: dict[str | None, int], tenant: str | None, delta: int) -> None:
         counts.pop(tenant, None)
 
 
+def _key(node: TreeNode) -> tuple[int, int]:
+    """A node's eviction key: its rank (class, then outside the core set before in it),
+    then its last use."""
+    return (2 * node.evict_class + node.core, node.last_access)
+
+
+def _entry(node: TreeNode) -> _HeapEntry:
+    return (2 * node.evict_class + node.core, node.last_access, node.id, node)
+
+
 def _lowest_keys(heap: list[_HeapEntry]) -> dict[int, tuple[int, int]]:
-    """The lowest (class, last_access) of each node's entries in ``heap``."""
+    """The lowest (rank, last_access) of each node's entries in ``heap``."""
     keys: dict[int, tuple[int, int]] = {}
-    for cls, stamp, node_id, _ in heap:
-        key = (cls, stamp)
-        if key < keys.get(node_id, (2, 0)):
+    for rank, stamp, node_id, _ in heap:
+        key = (rank, stamp)
+        if key < keys.get(node_id, _NO_KEY):
             keys[node_id] = key
     return keys
 

@@ -79,6 +79,13 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
         "always load what the tiers hold (default: %(default)s)",
     )
     group.add_argument(
+        "--hicache-core-fraction", type=float, default=_DEFAULTS["host_core_fraction"],
+        help="share of the host pool kept for prefixes reused before (its core set, "
+        "evicted only after every other page), so that conversations coming back in a "
+        "loop larger than the host tier keep hitting; in [0, 1), 0: least recently used "
+        "first (default: %(default)s)",
+    )
+    group.add_argument(
         "--hicache-pin-max-fraction", type=float, default=_DEFAULTS["pin_max_fraction"],
         help="share of the host pool that all pin hints together may hold, in [0, 1] "
         "(default: %(default)s)",
@@ -190,6 +197,7 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
             mem_layout=args.hicache_mem_layout,
             reuse_policy=args.hicache_reuse_policy,
             pin_max_fraction=args.hicache_pin_max_fraction,
+            host_core_fraction=args.hicache_core_fraction,
             pin_tenant_fraction=args.hicache_pin_tenant_fraction,
             hint_max_ttl_s=args.hicache_hint_max_ttl_s,
             retain_ttl_s=args.hicache_retain_ttl_s,
