@@ -540,6 +540,7 @@ class Engine:
             out["host_pool_pages"] = float(host.num_pages)
             out["host_pool_used_pages"] = float(host.num_used_pages)
             out["host_pool_usage"] = host.num_used_pages / host.num_pages
+            out["host_core_pages"] = float(cache.tree.num_core_pages)
         storage = cache.storage
         out.update(self._memory_metrics())
         out.update(self._tenant_bytes())

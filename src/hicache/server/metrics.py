@@ -130,6 +130,10 @@ SERIES: dict[str, Series] = {
     "host_pool_pages": _gauge("host_pool_pages", "pages of the host (L2) KV pool"),
     "host_pool_used_pages": _gauge("host_pool_used_pages", "host pages in use or cached"),
     "host_pool_usage": _gauge("host_pool_usage", "fraction of the host (L2) pool in use"),
+    "host_core_pages": _gauge(
+        "host_core_pages", "host (L2) pages in its core set (--hicache-core-fraction): "
+        "evicted only after every other page"
+    ),
     "memory_auto_sized": _gauge(
         "memory_auto_sized", "1 when a KV pool was sized from the memory the machine could "
         "spare (no size flag given), 0 when both came from flags"

@@ -38,11 +38,17 @@ def tokens(rng: random.Random, count: int) -> list[int]:
 
 
 def soak_engine_flags(
-    backend: str, extra: dict[str, Any], policy: str, layout: str, prefetch: str
+    backend: str, extra: dict[str, Any], policy: str, layout: str, prefetch: str,
+    core_fraction: float = 0.0,
 ) -> tuple[str, ...]:
-    """An engine whose pools the soak's conversations outgrow, over the L3 ``backend``."""
+    """An engine whose pools the soak's conversations outgrow, over the L3 ``backend``.
+
+    The workload is sized for least-recently-used eviction to drop prefixes from both
+    local tiers before their next turn, so that L3 serves some: with a host core set
+    (``core_fraction``) the host tier keeps them instead."""
     extra = {**extra, "prefetch_threshold": 8, "prefetch_timeout_base": 0.05}
     return (
+        "--hicache-core-fraction", str(core_fraction),
         "--hicache-write-policy", policy, "--hicache-mem-layout", layout,
         "--hicache-storage-prefetch-policy", prefetch,
         "--page-size", "4", "--max-total-tokens", "320", "--enable-hierarchical-cache",
@@ -90,8 +96,12 @@ async def one_round(
 def test_conversations_with_clients_leaving_answer_as_cold_through_every_tier(
     make_engine: Callable[..., Engine], tmp_path: Path, policy: str, layout: str, prefetch: str,
 ) -> None:
-    flags = soak_engine_flags("file", {"path": str(tmp_path / "l3")}, policy, layout, prefetch)
     every_tier = policy == "write_through" and prefetch == "wait_complete"
+    # Where L3 need not serve, the host tier keeps its default core set.
+    flags = soak_engine_flags(
+        "file", {"path": str(tmp_path / "l3")}, policy, layout, prefetch,
+        core_fraction=0.0 if every_tier else 0.75,
+    )
     soak(make_engine, flags, expect_storage_hits=every_tier)
 
 

@@ -205,6 +205,10 @@ def test_health_and_metrics(server: RunningServer) -> None:
     assert samples["hicache_time_to_first_token_seconds_count"] >= 1
     assert 0 <= samples["hicache_cache_hit_rate"] <= 1
     assert samples["hicache_l3_attached"] == 1
+    # The core set's share of the host pool (the default --hicache-core-fraction) is an
+    # upper bound on what it holds, and what it holds is on the host.
+    assert 0 <= samples["hicache_host_core_pages"] <= 0.75 * samples["hicache_host_pool_pages"]
+    assert samples["hicache_host_core_pages"] <= samples["hicache_host_pool_used_pages"]
 
 
 @pytest.mark.parametrize(
