@@ -146,3 +146,26 @@ def test_the_core_set_follows_a_workload_that_moves_on(core_pages: int) -> None:
 
 def test_a_core_set_of_zero_is_least_recently_used() -> None:
     assert loop_reuse(0, conversations=5, rounds=10) == loop_reuse(None, 5, 10)
+
+
+def test_a_waiting_requests_touch_is_not_a_use() -> None:
+    tree = HiRadixTree(PAGE, WritePolicy.WRITE_THROUGH, core_pages=2)
+    nodes = {}
+    for i, tokens in enumerate(([1, 2], [3, 4], [5, 6])):
+        node = tree.insert(tokens, np.array([i], np.int64)).last_node
+        tree.begin_backup(node, np.array([i], np.int64))
+        tree.finish_backup(node)
+        nodes[tokens[0]] = node
+    assert [nodes[k].core for k in (1, 3, 5)] == [True, True, False]  # room for two
+    tree.match_prefix([1, 2])
+    tree.match_prefix([3, 4])
+    # The third prefix is touched (its request waits), then used: its previous use is
+    # still its insert, older than both core pages' last access, so it stays out.
+    tree.match_prefix([5, 6], touch=True)
+    tree.match_prefix([5, 6])
+    assert not nodes[5].core
+    # Used again now, its previous use is more recent than the core set's oldest
+    # access: it joins, and pushes the least recently accessed core page out.
+    tree.match_prefix([5, 6])
+    assert [nodes[k].core for k in (1, 3, 5)] == [False, True, True]
+    tree.check_integrity()

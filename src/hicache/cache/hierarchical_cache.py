@@ -380,7 +380,7 @@ class HierarchicalCache:
         """Mark the cached prefix of ``tokens`` as just used (eviction takes the least
         recently used first), with no lock, load, or statistics: the scheduler's waiting
         requests keep their prefixes this way until they are admitted."""
-        self.tree.match_prefix(pack_tokens(tokens), extra_key)
+        self.tree.match_prefix(pack_tokens(tokens), extra_key, touch=True)
 
     def acquire(
         self, tokens: TokenIds, extra_key: str | None = None, record_hit: bool = True,

@@ -47,6 +47,7 @@ class TreeNode:
         "id",
         "l3_stored",
         "last_access",
+        "last_use",
         "lock_ref",
         "page_keys",
         "parent",
@@ -77,6 +78,9 @@ class TreeNode:
         self.retain_until = 0.0
         self.hit_count = 0
         self.last_access = 0
+        # The clock of its last match or insert: ``last_access`` without the touches of
+        # waiting requests, so that being waited for does not count as a reuse.
+        self.last_use = 0
         # In the host tier's core set (HiRadixTree's ``core_pages``): evicted from the
         # host only after every node outside it of its class. Only a node on the host.
         self.core = False

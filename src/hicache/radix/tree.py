@@ -37,14 +37,19 @@ Key structure choices, all for the latency of match and insert:
   (conversations taking turns, more of them than it holds) makes least-recently-used
   eviction drop exactly the prefix that comes back next, so that nothing ever hits.
   As in LIRS, a core set of host pages, up to ``core_pages``, is evicted only after
-  every page outside it of its class. Pages join it while it has room, when they
-  extend a core node that has no other backed-up child (the next turn of a kept
-  conversation), or when a page outside it is used again after a shorter gap than the
-  oldest core page's (a prefix reused while it was still cached: the workload moved).
-  A page joining a full core set pushes the least recently used core pages out of it
-  (deepest first on a tie). So under a loop a fixed part of it stays cached and hits,
-  and pages nobody reuses leave the core set as newly reused ones come in. The core
-  heap of (last_access, -end, id, node) entries is kept like the eviction heaps.
+  every page outside it of its class. Pages join it while it has room, or
+  when a page outside it is used again and its previous use is more recent than the
+  core set's least recently accessed page (it came back sooner: the workload moved),
+  or when a prefix computed again had such a previous use before it left the tree
+  (page keys and last uses of deleted pages are kept, bounded, as LIRS keeps entries
+  for blocks no longer cached). A page joining a full core set pushes the least
+  recently accessed core pages out of it (deepest first on a tie). Copies of pages
+  that will not join it evict only pages outside it (``evict_host(include_core=False)``:
+  without room there the copy is skipped). So under a loop a fixed part of it stays
+  cached and hits every cycle, and pages nobody reuses leave it as reused ones come
+  in. The core heap of (last_access, -end, id, node) entries is kept like the others.
+  A waiting request's touch (``match_prefix(touch=True)``) keeps its prefix from
+  eviction without counting as a use: being waited for is not being reused.
 - ``remove_tenant`` (a purge) deletes every node of a tenant that nothing holds
   (no lock, host protection or pin), leaves first, telling the observer of each
   tier the pages leave.
@@ -163,8 +168,13 @@ class HiRadixTree:
         return self.num_device_pages - self.num_protected_device_pages
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, tokens: TokenIds | bytes, extra_key: str | None = None) -> MatchResult:
-        """Longest cached prefix of ``tokens`` in whole pages; splits a node the match ends in."""
+    def match_prefix(
+        self, tokens: TokenIds | bytes, extra_key: str | None = None, touch: bool = False
+    ) -> MatchResult:
+        """Longest cached prefix of ``tokens`` in whole pages; splits a node the match ends in.
+
+        ``touch``: only keep the prefix from eviction (a waiting request's): its nodes
+        count as just accessed but not as used again (``last_use``, the core set)."""
         data = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
         limit = len(data) - len(data) % self.page_bytes
         self._clock += 1
@@ -181,12 +191,14 @@ class HiRadixTree:
             # startswith at an offset compares in place (no copy of the slice).
             if not data.startswith(child.tokens, pos):
                 child = self._split(child, self._common_pages(child.tokens, data, pos, limit))
-            previous = child.last_access
             child.last_access = self._clock
             if child.evict_class == DEMOTED:
                 child.evict_class = ORDINARY  # used again: the conversation is not over
-            if self.core_pages is not None and not child.core and child.host_pages is not None:
-                self._maybe_promote(child, previous)
+            if not touch:
+                previous, child.last_use = child.last_use, self._clock
+                if (self.core_pages is not None and not child.core
+                        and child.host_pages is not None):
+                    self._maybe_promote(child, previous)
             if child.device_pages is not None:
                 device_parts.append(child.device_pages)
                 last_device = child
@@ -294,7 +306,7 @@ class HiRadixTree:
                 differ = mine != child.device_pages
                 duplicates.append(mine[differ])
             num_cached_pages += n
-            child.last_access = self._clock
+            child.last_access = child.last_use = self._clock
             if child.evict_class == DEMOTED:
                 child.evict_class = ORDINARY
             child.hit_count += 1
@@ -379,7 +391,7 @@ class HiRadixTree:
                         self.observer.host_inserted(child)
                 else:
                     duplicates.append(mine)
-            child.last_access = self._clock
+            child.last_access = child.last_use = self._clock
             node = child
             pos += len(child.tokens)
         return HostInsertResult(
@@ -618,14 +630,14 @@ class HiRadixTree:
         """``node`` leaves the tree: keep its pages' last use for when they come back."""
         ghosts = self._ghosts
         for key in self.page_keys(node):
-            ghosts[key] = node.last_access
+            ghosts[key] = node.last_use
             ghosts.move_to_end(key)
         while len(ghosts) > self._max_ghosts:
             ghosts.popitem(last=False)
 
     def _maybe_promote(self, node: TreeNode, previous: int) -> None:
         """``node`` (on the host, outside the core set) is used again; it joins the set
-        when its last use is more recent than the oldest core page's."""
+        when its previous use is more recent than the oldest core page's last access."""
         oldest = self._oldest_core_access()
         pages = len(node.tokens) // self.page_bytes
         assert self.core_pages is not None
@@ -1062,6 +1074,7 @@ class HiRadixTree:
         upper.retain_until = child.retain_until
         upper.hit_count = child.hit_count
         upper.last_access = child.last_access
+        upper.last_use = child.last_use
         upper.l3_stored = child.l3_stored
         upper.core = child.core  # the pages are counted once, either side of the cut
         if child.page_keys is not None:
@@ -1089,7 +1102,7 @@ class HiRadixTree:
     ) -> TreeNode:
         leaf = TreeNode(tokens, parent, extra_key)
         leaf.device_pages = np.array(device_pages, dtype=np.int64)
-        leaf.last_access = self._clock
+        leaf.last_access = leaf.last_use = self._clock
         leaf.hit_count = 1
         parent.children[key] = leaf
         self.num_nodes += 1
@@ -1105,7 +1118,7 @@ class HiRadixTree:
     ) -> TreeNode:
         leaf = TreeNode(tokens, parent, extra_key)
         leaf.host_pages = np.array(host_pages, dtype=np.int64)
-        leaf.last_access = self._clock
+        leaf.last_access = leaf.last_use = self._clock
         parent.children[key] = leaf
         self.num_nodes += 1
         self._count_host(leaf, len(host_pages))
