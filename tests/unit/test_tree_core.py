@@ -28,7 +28,7 @@ class Worker:
     def serve(self, tokens: list[int]) -> int:
         """Serve one prompt; returns how many of its pages came from the cache."""
         tree = self.tree
-        match = tree.match_prefix(tokens)
+        match = tree.match_prefix(tokens, use=True)
         reused = len(match.device_pages) + len(match.host_pages)
         tree.lock(match.last_node)
         host_nodes = tree.host_path(match)
@@ -148,7 +148,7 @@ def test_a_core_set_of_zero_is_least_recently_used() -> None:
     assert loop_reuse(0, conversations=5, rounds=10) == loop_reuse(None, 5, 10)
 
 
-def test_a_waiting_requests_touch_is_not_a_use() -> None:
+def test_a_lookup_is_not_a_use() -> None:
     tree = HiRadixTree(PAGE, WritePolicy.WRITE_THROUGH, core_pages=2)
     nodes = {}
     for i, tokens in enumerate(([1, 2], [3, 4], [5, 6])):
@@ -157,15 +157,16 @@ def test_a_waiting_requests_touch_is_not_a_use() -> None:
         tree.finish_backup(node)
         nodes[tokens[0]] = node
     assert [nodes[k].core for k in (1, 3, 5)] == [True, True, False]  # room for two
-    tree.match_prefix([1, 2])
-    tree.match_prefix([3, 4])
-    # The third prefix is touched (its request waits), then used: its previous use is
-    # still its insert, older than both core pages' last access, so it stays out.
-    tree.match_prefix([5, 6], touch=True)
+    tree.match_prefix([1, 2], use=True)
+    tree.match_prefix([3, 4], use=True)
+    # The third prefix is looked up (its request waits, or a prefetch asks), then used:
+    # its previous use is still its insert, older than both core pages' last access, so
+    # it stays out.
     tree.match_prefix([5, 6])
+    tree.match_prefix([5, 6], use=True)
     assert not nodes[5].core
     # Used again now, its previous use is more recent than the core set's oldest
     # access: it joins, and pushes the least recently accessed core page out.
-    tree.match_prefix([5, 6])
+    tree.match_prefix([5, 6], use=True)
     assert [nodes[k].core for k in (1, 3, 5)] == [False, True, True]
     tree.check_integrity()

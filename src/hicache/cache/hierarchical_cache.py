@@ -380,7 +380,7 @@ class HierarchicalCache:
         """Mark the cached prefix of ``tokens`` as just used (eviction takes the least
         recently used first), with no lock, load, or statistics: the scheduler's waiting
         requests keep their prefixes this way until they are admitted."""
-        self.tree.match_prefix(pack_tokens(tokens), extra_key, touch=True)
+        self.tree.match_prefix(pack_tokens(tokens), extra_key)
 
     def acquire(
         self, tokens: TokenIds, extra_key: str | None = None, record_hit: bool = True,
@@ -397,7 +397,7 @@ class HierarchicalCache:
         asked = len(data) // 4
         if max_tokens is not None:
             data = data[: max(max_tokens, 0) * 4]
-        match = self.tree.match_prefix(data, extra_key)
+        match = self.tree.match_prefix(data, extra_key, use=True)
         node = match.last_node
         self.tree.lock(node)
         pages = match.device_pages

@@ -48,8 +48,9 @@ Key structure choices, all for the latency of match and insert:
   without room there the copy is skipped). So under a loop a fixed part of it stays
   cached and hits every cycle, and pages nobody reuses leave it as reused ones come
   in. The core heap of (last_access, -end, id, node) entries is kept like the others.
-  A waiting request's touch (``match_prefix(touch=True)``) keeps its prefix from
-  eviction without counting as a use: being waited for is not being reused.
+  Only a request taking a prefix (``match_prefix(use=True)``) or inserting one counts
+  as a use: a prefetch's lookup, a waiting request's touch, a running request's match
+  of what it just inserted keep pages from eviction but are not reuse.
 - ``remove_tenant`` (a purge) deletes every node of a tenant that nothing holds
   (no lock, host protection or pin), leaves first, telling the observer of each
   tier the pages leave.
@@ -169,12 +170,15 @@ class HiRadixTree:
 
     # ------------------------------------------------------------------ match
     def match_prefix(
-        self, tokens: TokenIds | bytes, extra_key: str | None = None, touch: bool = False
+        self, tokens: TokenIds | bytes, extra_key: str | None = None, use: bool = False
     ) -> MatchResult:
         """Longest cached prefix of ``tokens`` in whole pages; splits a node the match ends in.
 
-        ``touch``: only keep the prefix from eviction (a waiting request's): its nodes
-        count as just accessed but not as used again (``last_use``, the core set)."""
+        Its nodes count as just accessed (least recently used evicted first). ``use``: a
+        request takes the prefix (``HierarchicalCache.acquire``), which also counts as a
+        use (``last_use``, the core set); other matches (a prefetch, a hint, a waiting
+        request's touch, a running request's match of what it just inserted) do not:
+        being looked up again by the same request is not being reused."""
         data = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
         limit = len(data) - len(data) % self.page_bytes
         self._clock += 1
@@ -194,7 +198,7 @@ class HiRadixTree:
             child.last_access = self._clock
             if child.evict_class == DEMOTED:
                 child.evict_class = ORDINARY  # used again: the conversation is not over
-            if not touch:
+            if use:
                 previous, child.last_use = child.last_use, self._clock
                 if (self.core_pages is not None and not child.core
                         and child.host_pages is not None):

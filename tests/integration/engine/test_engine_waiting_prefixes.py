@@ -23,6 +23,8 @@ REUSED = (PROMPT_LEN - 1) // PAGE * PAGE
 FLAGS = (
     "--page-size", str(PAGE), "--max-total-tokens", "1024", "--enable-hierarchical-cache",
     "--hicache-ratio", "1.5", "--hicache-reuse-policy", "load", "--max-running-requests", "1",
+    # Least-recently-used order alone: a core set would keep the first turn's pages anyway.
+    "--hicache-core-fraction", "0",
 )
 
 
