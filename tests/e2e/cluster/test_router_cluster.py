@@ -40,10 +40,12 @@ from hicache.bench.scrape import scrape
 
 PAGE = 16
 # Device pool 1024 tokens (64 pages), host 2x; L3 reads wait for the prefetch so a hit shows.
+# Least-recently-used host eviction: the tests push a prefix out of the local tiers with
+# other prompts, which a host core set would not let them do.
 TINY_WORKER = (
     "--load-format", "dummy", "--model-preset", "tiny", "--device", "cpu",
     "--page-size", str(PAGE), "--num-threads", "1",
-    "--hicache-storage-prefetch-policy", "wait_complete",
+    "--hicache-storage-prefetch-policy", "wait_complete", "--hicache-core-fraction", "0",
 )
 L3_EXTRA = {"prefetch_threshold": PAGE, "global_segment_size": "16MiB",
             "local_buffer_size": "4MiB"}

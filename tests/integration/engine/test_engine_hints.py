@@ -28,10 +28,11 @@ from tests.waiting import wait_until
 PAGE = 16
 PROMPT_LEN = 321  # 20 whole pages and one token
 REUSED = (PROMPT_LEN - 1) // PAGE * PAGE
-# 64 device pages, 96 host pages: pins may hold 48 in all, 24 per tenant.
+# 64 device pages, 96 host pages: pins may hold 48 in all, 24 per tenant. Hints against
+# least-recently-used eviction alone: a host core set would keep the unhinted prefix too.
 FLAGS = (
     "--page-size", str(PAGE), "--max-total-tokens", "1024", "--enable-hierarchical-cache",
-    "--hicache-ratio", "1.5", "--hicache-reuse-policy", "load",
+    "--hicache-ratio", "1.5", "--hicache-reuse-policy", "load", "--hicache-core-fraction", "0",
 )
 SETTLE_S = 60.0  # a guard against a hang, far above what a busy machine needs
 
