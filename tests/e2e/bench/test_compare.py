@@ -178,10 +178,12 @@ def test_smoke_comparison_against_real_servers(tmp_path: Path) -> None:
         assert summary.overall.output_tokens == 24 * 4, name
         assert (tmp_path / f"{name}.jsonl").is_file()
     assert summaries["no-cache"].overall.hit_rate == 0
-    # Eight conversations visited in turn overflow L1 and L2: later rounds come from L3.
+    # Eight conversations visited in turn overflow L1 and L2: the host's core set keeps
+    # some of them, and L3 serves later rounds of the others.
     for name in configs[1:]:
         tiers = summaries[name].overall.tier_hit_rate
-        assert tiers is not None and tiers["storage"] > 0.25, (name, tiers)
+        assert tiers is not None and tiers["storage"] > 0.1, (name, tiers)
+        assert tiers["host"] + tiers["storage"] > 0.2, (name, tiers)
     text = (tmp_path / "comparison.md").read_text()
     assert all(f"| {name}" in text for name in configs)
     assert (tmp_path / "comparison.png").read_bytes().startswith(b"\x89PNG")
