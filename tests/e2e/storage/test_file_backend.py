@@ -66,7 +66,9 @@ class Opener:
     def __call__(
         self, layout: MemLayout = MemLayout.PAGE_FIRST, **options: Any
     ) -> tuple[FileBackend, HostPool]:
-        backend = FileBackend({"path": str(self.root), **options})
+        # Least-recently-used order unless a test says otherwise: the cap's tests here
+        # check that order; the core set has its own (test_file_core_set.py).
+        backend = FileBackend({"path": str(self.root), "core_fraction": 0, **options})
         host = make_host(layout)
         backend.attach(host)
         self.opened.append(backend)

@@ -60,7 +60,11 @@ class Opener:
         self.opened: list[FileBackend] = []
 
     def __call__(self, **options: Any) -> tuple[FileBackend, HostPool]:
-        backend = FileBackend({"path": str(self.root), "max_bytes": CAP, **options})
+        # Least-recently-used order: a storm of pages written once must reach the pages
+        # whose pin ended (with the core set, pages never used again do not displace it).
+        backend = FileBackend(
+            {"path": str(self.root), "max_bytes": CAP, "core_fraction": 0, **options}
+        )
         host = HostPool(GEOMETRY, 64, PAGE_SIZE, MemLayout.PAGE_FIRST, pin_memory=False)
         backend.attach(host)
         self.opened.append(backend)

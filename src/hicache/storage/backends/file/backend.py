@@ -96,17 +96,17 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from stat import S_ISREG
+from stat import S_IMODE, S_ISREG, S_IXUSR
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.eviction_order import Changes, EvictionOrder
 from hicache.storage.backends.file.ledger import DirectoryLedger
 from hicache.storage.backends.file.mapped import mapped
 from hicache.storage.backends.file.pins import PinMarkers, check_expiry
@@ -155,6 +155,10 @@ _GCM_SLACK = 16
 # Share of the cap other instances write to a shared directory before an instance over
 # the cap scans the directory again (module docstring).
 RESYNC_FRACTION = 0.02
+# The mode bit of a page file in the core set (``eviction_order``): the owner's execute
+# bit, which exposes nothing to others and means nothing for a data file. Kept in the
+# file so that every instance sharing the directory, and a restart, sees the core set.
+CORE_MODE_BIT = S_IXUSR
 
 
 @dataclass(frozen=True)
@@ -183,8 +187,10 @@ class FileBackend(StorageBackend):
         self._reserve_warned = False
         self.fsync = settings.fsync
         self.verify_checksum = settings.verify_checksum
-        # name -> file bytes, least recently used first. Guarded by self._lock.
-        self._index: OrderedDict[str, int] = OrderedDict()
+        # name -> file bytes, in eviction order (loop-resistant: ``eviction_order``).
+        # Guarded by self._lock.
+        self._core_bytes = int(settings.core_fraction * self.max_bytes)
+        self._order = EvictionOrder(self._core_bytes)
         self._total_bytes = 0
         self._regions: PageRegions | None = None
         self._last_stamp_ns = 0
@@ -193,7 +199,7 @@ class FileBackend(StorageBackend):
         # _total_bytes, never evicted. Guarded by self._lock.
         self._held: dict[str, tuple[int, float]] = {}
         self._held_recheck_at = 0.0
-        # Every page of _index and _held by tenant (for quotas, usage, purge). Guarded
+        # Every page of _order and _held by tenant (for quotas, usage, purge). Guarded
         # by self._lock.
         self._pages = TenantPages()
         self._named_tenants: set[str] = set()  # tenant directories known to exist
@@ -307,7 +313,7 @@ class FileBackend(StorageBackend):
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._index)
+            return len(self._order)
 
     # ----------------------------------------------------------- operations
     def exists(self, keys: Sequence[bytes]) -> int:
@@ -396,8 +402,8 @@ class FileBackend(StorageBackend):
             # Pages finished in any order: the batch's order is their recency, oldest first.
             with self._lock:
                 for index, reason in zip(todo, results, strict=False):
-                    if reason is None and names[index] in self._index:
-                        self._index.move_to_end(names[index])
+                    if reason is None and names[index] in self._order:
+                        self._order.refresh(names[index])
                         self._pages.touch(names[index])
         outcome = dict(zip(todo, results, strict=False))
         num_stored = num_skipped = 0
@@ -446,11 +452,11 @@ class FileBackend(StorageBackend):
         a file with a page's name but not our header is left alone (``holds_our_page``)."""
         self._ready([])
         with self._lock:
-            for _, name, _, tenant in self._scan():
+            for _, name, _, tenant, _ in self._scan():
                 path = self._path(name, tenant)
                 if holds_our_page(path, name):
                     self._remove_file(path)
-            self._index.clear()
+            self._order.clear()
             self._held.clear()
             self._pages.clear()
             self._total_bytes = 0
@@ -471,7 +477,9 @@ class FileBackend(StorageBackend):
         self._ready([])
         removed = 0
         with self._lock:
-            for _, name, _, owner in self._scan(only=lambda named: within_tenant(named, tenant)):
+            for _, name, _, owner, _ in self._scan(
+                only=lambda named: within_tenant(named, tenant)
+            ):
                 path = self._path(name, owner)
                 if holds_our_page(path, name):
                     self._remove_file(path)
@@ -484,11 +492,12 @@ class FileBackend(StorageBackend):
     def check_integrity(self) -> None:
         with self._lock:
             held = sum(size for size, _ in self._held.values())
-            assert self._total_bytes == sum(self._index.values()) + held, "size accounting drifted"
+            self._order.check()
+            assert self._total_bytes == self._order.total_bytes + held, "size accounting drifted"
             assert self._total_bytes == sum(self._pages.usage().values()), "tenant bytes drifted"
-            assert len(self._pages) == len(self._index) + len(self._held), "tenant index drifted"
-            assert not set(self._index) & set(self._held), "a page both held and evictable"
-            assert self._total_bytes <= self.max_bytes or not self._index, "over the cap"
+            assert len(self._pages) == len(self._order) + len(self._held), "tenant index drifted"
+            assert not set(self._order) & set(self._held), "a page both held and evictable"
+            assert self._total_bytes <= self.max_bytes or not self._order, "over the cap"
 
     # ------------------------------------------------------------ internals
     def _drop(self, keys: Sequence[bytes]) -> None:
@@ -519,11 +528,29 @@ class FileBackend(StorageBackend):
             tenant = self._pages.tenant_of(name)
         return self._path(name, tenant)
 
-    def _add_locked(self, name: str, tenant: str | None, size: int) -> None:
-        """A page found or written: the most recently used, of its tenant too."""
-        self._index[name] = size
+    def _add_locked(
+        self, name: str, tenant: str | None, size: int, stamp: int, core: bool | None = None
+    ) -> None:
+        """A page written (``core`` None: it joins the core set by the eviction order's
+        rules) or found on disk (``core``: what its file says): the most recently used,
+        of its tenant too."""
         self._total_bytes += size
         self._pages.add(name, tenant, size)
+        if core is None:
+            self._mark_core_locked(self._order.write(name, size, stamp))
+        else:
+            self._order.adopt(name, size, stamp, core)
+
+    def _mark_core_locked(self, changes: Changes) -> None:
+        """Record core set changes in the pages' files (``CORE_MODE_BIT``), so that the
+        other instances sharing the directory and a restart find them (best effort: a
+        file that cannot be changed keeps its old mark until it is next used)."""
+        for names, joined in ((changes.joined, True), (changes.left, False)):
+            for name in names:
+                path = self._recorded_path(name, None)
+                with contextlib.suppress(OSError):
+                    mode = S_IMODE(os.stat(path).st_mode)
+                    os.chmod(path, mode | CORE_MODE_BIT if joined else mode & ~CORE_MODE_BIT)
 
     def _ttl_s(self, tenant: str | None) -> float | None:
         quotas = self.tenant_quotas
@@ -574,7 +601,7 @@ class FileBackend(StorageBackend):
         with self._lock:
             # Recorded as another tenant's (never, with salted keys): not this tenant's.
             ours = name not in self._pages or self._pages.tenant_of(name) == tenant
-            if ours and (name in self._index or name in self._held) and not on_disk:
+            if ours and (name in self._order or name in self._held) and not on_disk:
                 return True
             try:
                 info = os.stat(self._path(name, tenant))
@@ -588,12 +615,15 @@ class FileBackend(StorageBackend):
                 return False
             size = info.st_size
             if name not in self._pages:
-                self._add_locked(name, tenant, size)
+                core = bool(info.st_mode & CORE_MODE_BIT)
+                self._add_locked(name, tenant, size, info.st_mtime_ns, core)
                 self._evict_locked(0)
             return name in self._pages and self._pages.tenant_of(name) == tenant
 
-    def _forget_locked(self, name: str) -> None:
-        size = self._index.pop(name, None)
+    def _forget_locked(self, name: str, evicted: bool = False) -> None:
+        """Forget ``name``; ``evicted``: to make room (its last use is kept, for the core
+        set's rules)."""
+        size = self._order.pop(name, evicted)
         if size is not None:
             self._total_bytes -= size
         held = self._held.pop(name, None)
@@ -662,13 +692,15 @@ class FileBackend(StorageBackend):
                 self._forget_locked(name)
                 self._remove_file(path)
                 return fault
-            if name in self._index:
-                self._index.move_to_end(name)
-                self._pages.touch(name)
-            elif name not in self._held:  # written by another instance since we last looked
-                self._add_locked(name, tenant, size)
-                self._evict_locked(0)
             stamp = self._next_stamp_locked()
+            if name not in self._order and name not in self._held:
+                # Written by another instance since we last looked.
+                core = bool(info.st_mode & CORE_MODE_BIT)
+                self._add_locked(name, tenant, size, info.st_mtime_ns, core)
+                self._evict_locked(0)
+            if name in self._order:
+                self._mark_core_locked(self._order.use(name, stamp))
+                self._pages.touch(name)
         # Evicted or replaced meanwhile: the read itself was complete.
         with contextlib.suppress(OSError):
             os.utime(path, ns=(stamp, stamp))  # the LRU order a restarted instance rebuilds
@@ -795,7 +827,7 @@ class FileBackend(StorageBackend):
             self._unreserve_locked(tenant, file_bytes)  # counted as recorded from here
             self._own_written += file_bytes
             self._forget_locked(name)  # a concurrent writer of the same page won the race
-            self._add_locked(name, tenant, file_bytes)
+            self._add_locked(name, tenant, file_bytes, stamp)
             self._evict_locked(0)
         return None
 
@@ -818,12 +850,12 @@ class FileBackend(StorageBackend):
                 continue
             until = self._pins.expiry(name, now)
             if until is not None:  # set aside, as the cap's eviction does
-                del self._index[name]
+                self._order.pop(name)
                 self._held[name] = (size, until)
                 self._held_recheck_at = min(self._held_recheck_at, until)
                 continue
             path = self._path(name, tenant)
-            self._forget_locked(name)
+            self._forget_locked(name, evicted=True)
             self._remove_file(path)
             self._stats.fail(FailureReason.EVICTED_TENANT_QUOTA)
         return self._pages.bytes_of(tenant) + incoming_bytes <= limit
@@ -855,15 +887,18 @@ class FileBackend(StorageBackend):
             over = max(self._total_bytes, directory) + incoming_bytes > self.max_bytes
             if over and self._held and now >= self._held_recheck_at:  # when room is needed
                 self._recheck_held_locked(now)
-            while self._index and max(self._total_bytes, directory) + incoming_bytes > (
+            while self._order and max(self._total_bytes, directory) + incoming_bytes > (
                 self.max_bytes
             ):
-                name, size = self._index.popitem(last=False)
+                oldest = self._order.pop_oldest()
+                assert oldest is not None
+                name, size, used = oldest
                 until = self._pins.expiry(name, now)
                 if until is not None:
                     self._held[name] = (size, until)
                     self._held_recheck_at = min(self._held_recheck_at, until)
                     continue
+                self._order.remember(name, used)
                 self._total_bytes -= size
                 self._stats.fail(FailureReason.EVICTED)
                 tenant, _ = self._pages.remove(name) or (None, 0)
@@ -911,11 +946,12 @@ class FileBackend(StorageBackend):
 
         def scan() -> int:
             now = time.time()
-            index: OrderedDict[str, int] = OrderedDict()
+            order = EvictionOrder(self._core_bytes)
             held: dict[str, tuple[int, float]] = {}
             pages = TenantPages()
             total = 0
-            for mtime_ns, name, size, tenant in sorted(self._scan(), key=lambda f: (f[0], f[1])):
+            found = sorted(self._scan(), key=lambda f: (f[0], f[1]))
+            for mtime_ns, name, size, tenant, core in found:
                 if self._past_ttl(tenant, mtime_ns, now):
                     unlink_quietly(self._path(name, tenant))  # uncounted: not in the total
                     self._stats.fail(FailureReason.EXPIRED)
@@ -923,10 +959,12 @@ class FileBackend(StorageBackend):
                 if name in self._held:
                     held[name] = (size, self._held[name][1])
                 else:
-                    index[name] = size
+                    order.adopt(name, size, mtime_ns, core)
                 pages.add(name, tenant, size)
                 total += size
-            self._index, self._held, self._pages, self._total_bytes = index, held, pages, total
+            order.inherit_history(self._order)
+            self._order, self._held, self._pages, self._total_bytes = order, held, pages, total
+            self._mark_core_locked(order.trim())
             return total
 
         counts = self._ledger.resync(scan)
@@ -968,8 +1006,7 @@ class FileBackend(StorageBackend):
         """A held page is evictable again, as the least recently used."""
         held = self._held.pop(name, None)
         if held is not None:
-            self._index[name] = held[0]
-            self._index.move_to_end(name, last=False)
+            self._order.add_oldest(name, held[0])
             self._pages.demote(name)
 
     def _evict_for_space(self, needed_bytes: int, keep: frozenset[str]) -> int:
@@ -979,7 +1016,7 @@ class FileBackend(StorageBackend):
             victims: list[str] = []
             freed_bytes = 0
             now = time.time()
-            for name, size in self._index.items():  # least recently used first
+            for name, size in self._order.items():  # in eviction order
                 if freed_bytes >= needed_bytes:
                     break
                 if name not in keep and self._pins.expiry(name, now) is None:
@@ -987,7 +1024,7 @@ class FileBackend(StorageBackend):
                     freed_bytes += size
             for name in victims:
                 path = self._recorded_path(name, None)
-                self._forget_locked(name)
+                self._forget_locked(name, evicted=True)
                 self._remove_file(path)
             if victims:
                 self._stats.fail(FailureReason.EVICTED_NO_SPACE, len(victims))
@@ -1010,23 +1047,27 @@ class FileBackend(StorageBackend):
 
     def _scan(
         self, only: Callable[[str | None], bool] | None = None
-    ) -> list[tuple[int, str, int, str | None]]:
-        """(mtime ns, name, bytes, tenant) of every page file (of the tenants ``only``
-        accepts, when given); removes stale temporaries."""
+    ) -> list[tuple[int, str, int, str | None, bool]]:
+        """(mtime ns, name, bytes, tenant, in the core set) of every page file (of the
+        tenants ``only`` accepts, when given); removes stale temporaries."""
         roots: list[tuple[str | None, Path]] = []
         if only is None or only(None):
             roots.append((None, self.root))
         for named, directory in tenant_dirs(self.root):
             if only is None or only(named):
                 roots.append((named, directory))
-        found: list[tuple[int, str, int, str | None]] = []
+        found: list[tuple[int, str, int, str | None, bool]] = []
         for tenant, root in roots:
-            found.extend((mtime, name, size, tenant) for mtime, name, size in self._scan_dir(root))
+            found.extend(
+                (mtime, name, size, tenant, core)
+                for mtime, name, size, core in self._scan_dir(root)
+            )
         return found
 
-    def _scan_dir(self, root: Path) -> list[tuple[int, str, int]]:
-        """(mtime ns, name, bytes) of the page files of one tenant's directory."""
-        found: list[tuple[int, str, int]] = []
+    def _scan_dir(self, root: Path) -> list[tuple[int, str, int, bool]]:
+        """(mtime ns, name, bytes, in the core set) of the page files of one tenant's
+        directory."""
+        found: list[tuple[int, str, int, bool]] = []
         now = time.time()
         for sub in root.iterdir():
             if len(sub.name) != 2 or not sub.is_dir():
@@ -1041,7 +1082,8 @@ class FileBackend(StorageBackend):
                         if is_stale_temp(entry.name, now - stat.st_mtime):
                             unlink_quietly(entry.path)
                     elif is_page_name(entry.name) and S_ISREG(stat.st_mode):
-                        found.append((stat.st_mtime_ns, entry.name, stat.st_size))
+                        core = bool(stat.st_mode & CORE_MODE_BIT)
+                        found.append((stat.st_mtime_ns, entry.name, stat.st_size, core))
         return found
 
 

@@ -7,12 +7,13 @@ directory without loading the engine's dependencies.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from hicache.local_cache import local_cache_dir
-from hicache.storage.options import SETTINGS, Directory, Flag, Size
+from hicache.storage.options import SETTINGS, Directory, Flag, Size, must, number
 
 DEFAULT_MAX_BYTES = 16 * 10**9
 # The free space the store leaves on its file system when ``min_free_bytes`` is not set: a
@@ -37,6 +38,10 @@ class FileSettings:
     min_free_bytes: Size | None = None
     fsync: Flag = False
     verify_checksum: Flag = True
+    # The share of ``max_bytes`` in the loop-resistant core set (``eviction_order``);
+    # 0: plain least-recently-used eviction.
+    core_fraction: Annotated[float, number(), must(lambda share: share < 1.0,
+                             "must be below 1 (a share of max_bytes), got {!r}")] = 0.75
 
 
 def default_min_free(file_system_bytes: int) -> int:
