@@ -2,8 +2,9 @@
 
 Extra config:
     path             directory (default ``$HICACHE_CACHE_DIR/l3``, else ``~/.cache/hicache/l3``)
-    max_bytes        size cap (int or "16GB"; default 16 GB); least recently used pages are
-                     evicted, whole files, to stay under it. When the file system fills up
+    max_bytes        size cap (int or "16GB"; default 16 GB); pages are evicted, whole
+                     files, to stay under it: least recently used first, those of the core
+                     set last (``core_fraction``). When the file system fills up
                      before the cap is reached (ENOSPC), pages are evicted the same way to
                      make room for the rest of the batch and the write is retried once.
     min_free_bytes   free space the store leaves on its file system (default: 5% of the
@@ -17,6 +18,11 @@ Extra config:
                      a crash may lose recent pages, never expose a torn one)
     verify_checksum  hash every page read against its header (default true; sealed
                      pages are authenticated instead, ``storage.sealing``)
+    core_fraction    share of ``max_bytes`` in the loop-resistant core set (default 0.75;
+                     0: plain LRU). See ``eviction_order``: a cyclic reuse larger than the
+                     cap keeps hitting on the set's pages instead of missing on every page.
+                     A core page's file carries ``CORE_MODE_BIT``, so every instance
+                     sharing the directory, and a restart, adopts the set with the pages.
 
 Layout on disk: ``<path>/<first two hex digits>/<key hex>.<order tag>``, each file
 the payload followed by its ``frame`` header (a trailer, not a prefix: with the
@@ -48,7 +54,7 @@ adopts what is on disk in its LRU order: the order survives restarts. The cap is
 the directory's, whichever instances write to it: the directory's ``ledger`` counts
 its page bytes (every instance adds what it writes and takes off what it removes),
 and an instance evicts while the ledger (or what it knows of itself) is over the
-cap. It evicts from its own index, least recently used first: what it wrote, found
+cap. It evicts from its own index, in its eviction order: what it wrote, found
 on use, or found by its last scan of the directory, which adopts every instance's
 pages in their LRU order (modification times). It scans again when the directory is
 over the cap and the other instances have written ``RESYNC_FRACTION`` of the cap
