@@ -32,6 +32,7 @@ from hicache.storage.backends.file.settings import default_min_free
 from hicache.storage.base import StorageError, StorageUnavailableError
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
 from hicache.storage.page_files import STALE_TEMP_AGE_S, temp_name
+from tests.file_opener import FileOpener
 from tests.full_disk import run_on_tmpfs, tmpfs_unavailable_reason
 from tests.storage_contract import as_bytes, fill_random, page_bytes_of
 
@@ -56,23 +57,9 @@ def ids(start: int, stop: int) -> PageIds:
     return np.arange(start, stop, dtype=np.int64)
 
 
-class Opener:
-    """Opens attached file backends over one directory and closes them all at the end."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.opened: list[FileBackend] = []
-
-    def __call__(
-        self, layout: MemLayout = MemLayout.PAGE_FIRST, **options: Any
-    ) -> tuple[FileBackend, HostPool]:
-        # Least-recently-used order unless a test says otherwise: the cap's tests here
-        # check that order; the core set has its own (test_file_core_set.py).
-        backend = FileBackend({"path": str(self.root), "core_fraction": 0, **options})
-        host = make_host(layout)
-        backend.attach(host)
-        self.opened.append(backend)
-        return backend, host
+# Least-recently-used order unless a test says otherwise: the cap's tests here check that
+# order; the core set has its own (tests/integration/storage/test_file_core_set.py).
+Opener = FileOpener
 
 
 @pytest.fixture
@@ -82,10 +69,9 @@ def root(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def open_file(root: Path) -> Iterator[Opener]:
-    opener = Opener(root)
+    opener = FileOpener(root, make_host, core_fraction=0)
     yield opener
-    for backend in opener.opened:
-        backend.close()
+    opener.close()
 
 
 def page_path(root: Path, key: bytes, order: PayloadOrder = PayloadOrder.TOKEN_MAJOR) -> Path:

@@ -8,13 +8,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from hicache.config import MemLayout
 from hicache.memory.allocator import PageIds
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
@@ -22,6 +20,7 @@ from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.backends.file.backend import CORE_MODE_BIT, FileBackend
 from hicache.storage.base import StorageError
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
+from tests.file_opener import FileOpener, host_maker, opened
 from tests.storage_contract import as_bytes, fill_random, page_bytes_of
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
@@ -52,17 +51,10 @@ def file_of(root: Path, key: bytes) -> Path:
     return root / name[:2] / name
 
 
-class Opener:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.opened: list[FileBackend] = []
+Opener = FileOpener
 
-    def __call__(self, **options: Any) -> tuple[FileBackend, HostPool]:
-        backend = FileBackend({"path": str(self.root), "max_bytes": CAP, **options})
-        host = HostPool(GEOMETRY, 64, PAGE_SIZE, MemLayout.PAGE_FIRST, pin_memory=False)
-        backend.attach(host)
-        self.opened.append(backend)
-        return backend, host
+
+make_host = host_maker(GEOMETRY, PAGE_SIZE, 64)
 
 
 @pytest.fixture
@@ -72,10 +64,7 @@ def root(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def open_file(root: Path) -> Iterator[Opener]:
-    opener = Opener(root)
-    yield opener
-    for backend in opener.opened:
-        backend.close()
+    yield from opened(root, make_host, max_bytes=CAP)
 
 
 class Loop:
@@ -101,12 +90,28 @@ class Loop:
         return hits
 
 
+def one_round(open_file: Opener) -> tuple[FileBackend, HostPool, list[bytes], Loop]:
+    """A store that has seen one round of the loop: its first six pages in the core set."""
+    backend, host = open_file()
+    keys = keys_of(LOOP)
+    loop = Loop(host, keys)
+    loop.round(backend, host)
+    return backend, host, keys, loop
+
+
+def write_once(backend: FileBackend, host: HostPool, count: int) -> None:
+    """Write ``count`` pages used once (the loop's are seeded 0, these 1)."""
+    fill_random(host, ids(0, count), seed=99)
+    for index, key in enumerate(keys_of(count, seed=1)):
+        assert backend.set([key], ids(index, index + 1)) == 1
+
+
 def test_a_loop_larger_than_the_cap_hits_every_round_where_lru_never_does(
     tmp_path: Path,
 ) -> None:
     hits: dict[float, list[int]] = {}
     for share in (0.0, 0.75):
-        opener = Opener(tmp_path / f"l3-{share}")
+        opener = FileOpener(tmp_path / f"l3-{share}", make_host, max_bytes=CAP)
         backend, host = opener(core_fraction=share)
         loop = Loop(host, keys_of(LOOP))
         hits[share] = [loop.round(backend, host) for _ in range(5)]
@@ -119,19 +124,14 @@ def test_a_loop_larger_than_the_cap_hits_every_round_where_lru_never_does(
 def test_the_core_set_is_marked_in_the_files_and_a_restart_keeps_it(
     root: Path, open_file: Opener
 ) -> None:
-    first, host = open_file()
-    keys = keys_of(LOOP)
-    loop = Loop(host, keys)
-    loop.round(first, host)
+    first, _, keys, _ = one_round(open_file)
     marked = [bool(os.stat(file_of(root, key)).st_mode & CORE_MODE_BIT)
               for key in keys if file_of(root, key).exists()]
     assert marked == [True] * 6 + [False] * 2  # the first six joined; two churn outside
     first.close()
     restarted, restarted_host = open_file()
     # Pages written once after the restart churn outside the set it found on disk.
-    fill_random(restarted_host, ids(0, 4), seed=99)
-    for index, key in enumerate(keys_of(4, seed=1)):
-        assert restarted.set([key], ids(index, index + 1)) == 1
+    write_once(restarted, restarted_host, 4)
     again = Loop(restarted_host, keys)
     assert [again.round(restarted, restarted_host) for _ in range(3)] == [6, 6, 6]
 
@@ -139,16 +139,11 @@ def test_the_core_set_is_marked_in_the_files_and_a_restart_keeps_it(
 def test_another_instance_sharing_the_directory_keeps_the_core_set(
     root: Path, open_file: Opener
 ) -> None:
-    first, host = open_file()
-    keys = keys_of(LOOP)
-    loop = Loop(host, keys)
-    loop.round(first, host)
+    first, host, keys, loop = one_round(open_file)
     # A second instance writes pages of its own past the cap: it finds the first's core
     # pages in its scan and evicts outside the set.
     second, other_host = open_file()
-    fill_random(other_host, ids(0, 8), seed=99)
-    for index, key in enumerate(keys_of(8, seed=1)):
-        assert second.set([key], ids(index % 8, index % 8 + 1)) == 1
+    write_once(second, other_host, 8)
     second.check_integrity()
     assert [file_of(root, key).exists() for key in keys[:6]] == [True] * 6
     assert loop.round(first, host) == 6

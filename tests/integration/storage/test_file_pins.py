@@ -34,6 +34,7 @@ from hicache.storage.base import StorageBackend, StorageError
 from hicache.storage.breaker import CircuitBreaker
 from hicache.storage.controller import StorageController
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
+from tests.file_opener import FileOpener, host_maker, opened
 from tests.storage_contract import as_bytes, fill_random, page_bytes_of
 from tests.waiting import wait_until
 
@@ -54,21 +55,10 @@ def ids(start: int, stop: int) -> PageIds:
     return np.arange(start, stop, dtype=np.int64)
 
 
-class Opener:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.opened: list[FileBackend] = []
+Opener = FileOpener
 
-    def __call__(self, **options: Any) -> tuple[FileBackend, HostPool]:
-        # Least-recently-used order: a storm of pages written once must reach the pages
-        # whose pin ended (with the core set, pages never used again do not displace it).
-        backend = FileBackend(
-            {"path": str(self.root), "max_bytes": CAP, "core_fraction": 0, **options}
-        )
-        host = HostPool(GEOMETRY, 64, PAGE_SIZE, MemLayout.PAGE_FIRST, pin_memory=False)
-        backend.attach(host)
-        self.opened.append(backend)
-        return backend, host
+
+make_host = host_maker(GEOMETRY, PAGE_SIZE, 64)
 
 
 @pytest.fixture
@@ -78,10 +68,9 @@ def root(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def open_file(root: Path) -> Iterator[Opener]:
-    opener = Opener(root)
-    yield opener
-    for backend in opener.opened:
-        backend.close()
+    # Least-recently-used order: a storm of pages written once must reach the pages whose
+    # pin ended (with the core set, pages never used again do not displace it).
+    yield from opened(root, make_host, max_bytes=CAP, core_fraction=0)
 
 
 def on_disk(root: Path, key: bytes) -> bool:
