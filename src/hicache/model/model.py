@@ -108,13 +108,15 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         blocks: LayerBlocks,
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes the new tokens' K/V into the pool."""
-        attn, mlp = self.self_attn, self.mlp
-        packed = self.packed if x.shape[0] >= self.packed_from_rows else None
-        w = packed or ProjectionWeights(
-            attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight
-        )
+        """x [T, hidden] -> [T, hidden]; writes the new tokens' K/V into the pool.
+
+        ``keep_rows`` (the last layer, when only some rows' logits are wanted): every
+        token's K/V is still written, but the output is [len(keep_rows), hidden], those
+        rows only: no other row's o projection and MLP are computed."""
+        attn = self.self_attn
+        w = self._weights(x.shape[0])
         q_norm = attn.q_norm.weight if attn.q_norm is not None else None
         k_norm = attn.k_norm.weight if attn.k_norm is not None else None
         q, k, v = blocks.pre(
@@ -125,6 +127,9 @@ class DecoderLayer(nn.Module):
         k_cache.index_copy_(0, step.out_slots, k)
         v_cache.index_copy_(0, step.out_slots, v)
         out = step.attention.attend(q, k, v, k_cache, v_cache)  # [T, heads, head_dim]
+        if keep_rows is not None:
+            out, x = out.index_select(0, keep_rows), x.index_select(0, keep_rows)
+            w = self._weights(x.shape[0])  # few rows: maybe the one-row weights
         norm = self.post_attention_layernorm
         tp = self.tp
         if tp.size == 1:
@@ -140,6 +145,15 @@ class DecoderLayer(nn.Module):
         return tp.all_reduce_sum(
             blocks.feed_forward(h, h if first else None, norm.weight, w.gate_up, w.down, norm.eps)
         )
+
+    def _weights(self, rows: int) -> ProjectionWeights:
+        """The weights a product of ``rows`` rows uses: oneDNN-packed from
+        ``packed_from_rows`` on, else the parameters."""
+        if self.packed is not None and rows >= self.packed_from_rows:
+            return self.packed
+        attn, mlp = self.self_attn, self.mlp
+        return ProjectionWeights(attn.qkv_weight, attn.o_weight, mlp.gate_up_weight,
+                                 mlp.down_weight)
 
     def hf_shards(self, prefix: str) -> WeightShards:
         return {
@@ -314,6 +328,14 @@ class CausalLM(nn.Module):
         self._check(batch, kv)
         cos, sin = self.rotary.lookup(batch.positions)
         h = self._embed(batch.input_ids)  # [T, hidden]
+        rows = batch.logit_rows()
+        # Mostly only the last token of each sequence is sampled from: past the last
+        # layer's K/V, nothing of the other rows is used, so that layer computes its o
+        # projection and MLP for the sampled rows only (a prompt's whole last layer but
+        # its q/k/v and attention: ~1/num_layers of its linear work), and the final norm
+        # and vocabulary projection (a decode step's largest GEMM) skip them too.
+        keep = (None if len(rows) == batch.num_tokens
+                else torch.tensor(rows, device=h.device))
         if self.config.mla is not None:
             plan = MLAStep(batch, self.config.mla, self.mla_form)
             mla_step = MLAStepInputs(cos, sin, batch.out_slots, plan)
@@ -321,20 +343,19 @@ class CausalLM(nn.Module):
                 if wait_layer is not None:
                     wait_layer(index)
                 h = layer(h, mla_step, kv.latent_buffer(index))
+            if keep is not None:
+                h = h.index_select(0, keep)
         else:
             step = StepInputs(
                 cos, sin, out_slots=batch.out_slots,
                 attention=(attention or self.attention_backend).prepare(batch),
             )
+            last = len(self.layers) - 1
             for index, layer in enumerate(self.layers):
                 if wait_layer is not None:
                     wait_layer(index)
-                h = layer(h, step, kv.k_buffer(index), kv.v_buffer(index), self.blocks)
-        rows = batch.logit_rows()
-        if len(rows) != batch.num_tokens:
-            # Mostly only the last token of each sequence is sampled from: skip the rest's
-            # final norm and vocabulary projection (the largest GEMM of a decode step).
-            h = h.index_select(0, torch.tensor(rows, device=h.device))
+                h = layer(h, step, kv.k_buffer(index), kv.v_buffer(index), self.blocks,
+                          keep if index == last else None)
         head = self.lm_head_weight
         if self.packed_lm_head is not None and h.shape[0] >= self.packed_from_rows:
             head = self.packed_lm_head

@@ -2,7 +2,8 @@
 
 Each routed request's decision: a sequence number, the chosen worker (its URL without
 credentials), the policy, the predicted TTFT and its terms (predicted_ttft only), the
-figures priced from other workers or defaults, every worker's logit and cached prefix
+figures priced from other workers or defaults, the conversation's home worker
+(``affinity.py``), every worker's logit and cached prefix
 (``[device, device or host, any tier]`` pages), whether the request streamed, and,
 once its first byte came back, the measured TTFT. Measured is the time from sending
 the request to the worker to its answer's first body byte; for a request that does
@@ -39,6 +40,8 @@ class DecisionLog:
             "policy": decision.policy, "stream": stream,
             "predicted_ttft_s": decision.predicted_ttft_s, "terms": dict(decision.terms),
             "fallbacks": list(decision.fallbacks), "measured_ttft_s": None,
+            # The conversation's home (its last turn's worker), where the policy has one.
+            "home": None if decision.home is None else redact(decision.home),
             # Every worker's score and cached prefix (pages on device, device or host, any
             # tier): why this worker and not another.
             "logits": {redact(url): logit for url, logit in decision.logits.items()},

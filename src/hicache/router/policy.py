@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
+from hicache.router.affinity import ConversationHomes
 from hicache.router.types import (
     RouteDecision,
     RouteRequest,
@@ -119,6 +120,9 @@ class ScoringConfig:
     host_multiplier: float = 0.9
     tier_costs: str = TierCostMode.FIXED.value
     shared_deadline_s: float = 0.02
+    # tier_aware and predicted_ttft: send a conversation's turn to the worker its last
+    # turn went to (``affinity.py``) unless that costs it more than ``home_slack``.
+    conversation_affinity: bool = True
 
     def __post_init__(self) -> None:
         for name in ("overlap_weight", "shared_cache_multiplier", "device_credit",
@@ -159,9 +163,10 @@ class _Policy:
         )
 
     def _lowest(self, workers: Sequence[WorkerLoad], logits: Mapping[str, float],
-                digits: int = _TIE_DIGITS) -> str:
+                digits: int = _TIE_DIGITS, record: bool = True) -> str:
         """Lowest logit (to ``digits`` decimals); ties to fewer active requests, then the
-        worker chosen least recently, then registration order. Records the choice."""
+        worker chosen least recently, then registration order. Records the choice unless
+        ``record`` is False (the caller may choose another and records that)."""
         recency = self.recency
         best = min(
             range(len(workers)),
@@ -169,7 +174,8 @@ class _Policy:
                            recency.last(workers[i].url), i),
         )
         url = workers[best].url
-        recency.chose(url)
+        if record:
+            recency.chose(url)
         return url
 
     def _logits(
@@ -230,21 +236,49 @@ class TierAwarePolicy(_Policy):
         self.shared = shared
         self.costs: Mapping[str, TierCosts] = costs if costs is not None else {}
         self._warnings = _RateLimitedWarning(WARNING_INTERVAL_S)
+        self.homes = ConversationHomes()
 
     async def choose(self, request: RouteRequest, token_ids: Sequence[int]) -> RouteDecision:
         _check(request)
         page = _page_size(request)
         overlaps, hits, outcome = await self._lookup(request, token_ids)
+        loads = {w.url: w.decode_blocks for w in request.workers}
         logits = {
             w.url: self.logit(request, w, overlaps[w.url], hits, page) for w in request.workers
         }
-        chosen = self._lowest(request.workers, logits)
+        best = self._lowest(request.workers, logits, record=False)
+
+        def home_fits(home: str) -> bool:
+            # Holding no less of the prefix than the best (its prefill term no larger),
+            # and busier by no more than this request adds to a worker's load term.
+            return (logits[home] - loads[home] <= logits[best] - loads[best]
+                    and loads[home] <= loads[best] + request.prompt_tokens / page)
+
+        chosen, home = self._home_or(request, best, home_fits)
         return RouteDecision(
             worker=chosen, policy=self.name, logits=logits, overlaps=overlaps,
             shared_hits=None if hits is None else sum(hits),
             shared_beyond=0 if hits is None else hits_beyond(hits, overlaps[chosen].gpu),
-            shared_outcome=None if outcome is None else outcome.value,
+            shared_outcome=None if outcome is None else outcome.value, home=home,
         )
+
+    def _home_or(self, request: RouteRequest, best: str,
+                 home_fits: Callable[[str], bool]) -> tuple[str, str | None]:
+        """The request's home worker when ``home_fits`` it, else the best; and the home
+        (None: none among the candidates, or affinity off). Records the choice, and
+        makes it the conversation's home."""
+        if not self.config.conversation_affinity:
+            self.recency.chose(best)
+            return best, None
+        home = self.homes.home(request.page_hashes)
+        if home not in {w.url for w in request.workers}:  # none yet, or not a candidate now
+            home = None
+        chosen = best
+        if home is not None and home != best and home_fits(home):
+            chosen = home
+        self.recency.chose(chosen)
+        self.homes.record(request.page_hashes, chosen)
+        return chosen, home
 
     async def _lookup(
         self, request: RouteRequest, token_ids: Sequence[int],

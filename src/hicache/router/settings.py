@@ -72,6 +72,9 @@ class RouterSettings:
     shared_cache_multiplier: float = 0.0
     shared_cache_type: SharedCacheType = SharedCacheType.NONE
     tier_costs: TierCostsMode = TierCostsMode.FIXED
+    # tier_aware, predicted_ttft: a conversation's turns go to its last turn's worker
+    # while that costs a turn no more than its own prefill (router/affinity.py).
+    conversation_affinity: bool = True
     tokenizer: str | None = None  # None: the workers' model (their /get_server_info)
     # None: the admin routes need no key. Set, it guards the worker list, /flush_cache and
     # /abort_request with abort_all (the client's key is passed on to the workers).
@@ -260,6 +263,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     group.add_argument(
+        "--conversation-affinity", choices=["on", "off"],
+        default="on" if d.conversation_affinity else "off",
+        help="tier_aware and predicted_ttft: send a conversation's turn to the worker its "
+        "last turn went to, unless that costs the turn more than its own prefill there, "
+        "also once its pages have left every worker's device and host "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
         "--tokenizer", default=None,
         help="tokenizer dir used to hash requests' pages (default: the workers' model, from "
         "their /get_server_info tokenizer_path)",
@@ -329,6 +340,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         shared_cache_multiplier=args.shared_cache_multiplier,
         shared_cache_type=SharedCacheType(args.shared_cache_type),
         tier_costs=TierCostsMode(args.tier_costs), tokenizer=args.tokenizer,
+        conversation_affinity=args.conversation_affinity == "on",
         admin_api_key=args.admin_api_key or None,  # an empty key would let anyone in
         identity=identity,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,

@@ -111,8 +111,11 @@ class PredictedTTFTPolicy(TierAwarePolicy):
             terms[worker.url] = predict(request, worker, overlap,
                                         _shared_run(overlap, hits), costs, page)
             fallbacks[worker.url] = filled
-        url = self._lowest(request.workers, {u: t.ttft_s for u, t in terms.items()},
-                           _TIE_DIGITS)
+        ttft = {u: t.ttft_s for u, t in terms.items()}
+        best = self._lowest(request.workers, ttft, _TIE_DIGITS, record=False)
+        # The home may make the request wait at most its own prefill (at the best) more.
+        url, home = self._home_or(
+            request, best, lambda home: ttft[home] <= ttft[best] + terms[best].own_s)
         return RouteDecision(
             worker=url, policy=self.name,
             logits={u: t.ttft_s for u, t in terms.items()}, overlaps=overlaps,
@@ -120,7 +123,7 @@ class PredictedTTFTPolicy(TierAwarePolicy):
             shared_beyond=0 if hits is None else _shared_run(overlaps[url], hits),
             shared_outcome=None if outcome is None else outcome.value,
             predicted_ttft_s=terms[url].ttft_s, terms=terms[url].as_dict(),
-            fallbacks=fallbacks[url],
+            fallbacks=fallbacks[url], home=home,
         )
 
 

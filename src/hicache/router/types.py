@@ -86,6 +86,9 @@ class RouteDecision:
     predicted_ttft_s: float | None = None
     terms: Mapping[str, float] = field(default_factory=dict)
     fallbacks: tuple[str, ...] = ()
+    # tier_aware and predicted_ttft: the worker the conversation's last turn went to, when
+    # it is a candidate (router.affinity); None: a new conversation, or affinity off.
+    home: str | None = None
 
     @property
     def predicted_prefill_s(self) -> float:
