@@ -15,8 +15,8 @@ turns wander between workers. A worker's host tier keeps a loop-resistant core s
 the conversations it sees return (``radix``'s core set); a worker whose stream is a
 stable set of conversations keeps more of them, and one whose stream is a random half
 of all conversations keeps less. So the scoring policies send a request home unless
-that costs it more than a request of its own size would (``home_slack`` in
-``policy.py``): stickiness that never queues a turn behind more than one extra prompt.
+that costs it more than a request of its own size would (the rule is in ``policy.py``'s
+docstring): stickiness that never queues a turn behind more than one extra prompt.
 
 Bounded: at most ``max_entries`` pages (the least recently recorded or used go first).
 Lives on the router's event loop: no locking.

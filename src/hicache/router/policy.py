@@ -27,6 +27,12 @@ Five policies (``--policy``), each a small strategy object behind
 - ``predicted_ttft`` (``ttft_policy.py``): each worker's predicted time to first token,
   in seconds, from its live cost model and the router's ledger of its queue.
 
+With ``conversation_affinity`` (the default) ``tier_aware`` and ``predicted_ttft`` send
+a turn to its conversation's home, the worker its last turn went to (``affinity.py``),
+when the home holds no less of the prefix than the best worker and costs the turn at most
+its own size more: for ``tier_aware`` a load term higher by at most the turn's prompt
+pages, for ``predicted_ttft`` a predicted TTFT longer by at most the turn's own prefill.
+
 Lower logits win; ties go to fewer active requests, then to the worker this policy
 chose least recently, then registration order. The middle step matters for new
 conversations on an idle or evenly loaded cluster: every worker scores the same, and
@@ -121,7 +127,7 @@ class ScoringConfig:
     tier_costs: str = TierCostMode.FIXED.value
     shared_deadline_s: float = 0.02
     # tier_aware and predicted_ttft: send a conversation's turn to the worker its last
-    # turn went to (``affinity.py``) unless that costs it more than ``home_slack``.
+    # turn went to (``affinity.py``) while that costs the turn no more than its own size.
     conversation_affinity: bool = True
 
     def __post_init__(self) -> None:
@@ -242,16 +248,18 @@ class TierAwarePolicy(_Policy):
         _check(request)
         page = _page_size(request)
         overlaps, hits, outcome = await self._lookup(request, token_ids)
-        loads = {w.url: w.decode_blocks for w in request.workers}
-        logits = {
-            w.url: self.logit(request, w, overlaps[w.url], hits, page) for w in request.workers
+        prefill = {
+            w.url: self.prefill_term(request, w, overlaps[w.url], hits, page)
+            for w in request.workers
         }
+        loads = {w.url: w.decode_blocks for w in request.workers}
+        logits = {url: prefill[url] + loads[url] for url in prefill}
         best = self._lowest(request.workers, logits, record=False)
 
         def home_fits(home: str) -> bool:
             # Holding no less of the prefix than the best (its prefill term no larger),
             # and busier by no more than this request adds to a worker's load term.
-            return (logits[home] - loads[home] <= logits[best] - loads[best]
+            return (prefill[home] <= prefill[best]
                     and loads[home] <= loads[best] + request.prompt_tokens / page)
 
         chosen, home = self._home_or(request, best, home_fits)
@@ -302,11 +310,12 @@ class TierAwarePolicy(_Policy):
         hits, outcome = await self._hits(query, began, len(request.page_hashes))
         return overlaps, hits, outcome
 
-    def logit(
+    def prefill_term(
         self, request: RouteRequest, worker: WorkerLoad, overlap: TierOverlap,
         hits: Sequence[bool] | None, page: int,
     ) -> float:
-        """One worker's logit; ``hits`` None: the shared pool as the index knows it."""
+        """One worker's logit less its load term (``decode_blocks``); ``hits`` None: the
+        shared pool as the index knows it."""
         config = self.config
         host_saves, shared_saves = self._page_savings(request, worker.url)
         prefill_tokens = request.prompt_tokens - config.device_credit * overlap.gpu * page
@@ -317,7 +326,7 @@ class TierAwarePolicy(_Policy):
             shared_beyond = hits_beyond(hits, overlap.host)
         reduction = (host_saves * host_beyond + shared_saves * shared_beyond) * page
         adjusted_prefill = max(0.0, prefill_tokens - reduction)
-        return config.overlap_weight * adjusted_prefill / page + worker.decode_blocks
+        return config.overlap_weight * adjusted_prefill / page
 
     def _page_savings(self, request: RouteRequest, worker: str) -> tuple[float, float]:
         """Prefill pages saved by one host page and by one shared-pool page."""
