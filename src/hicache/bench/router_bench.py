@@ -214,6 +214,10 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
                        help="also run SGLang's router with these flags, e.g. "
                        "'--cache-threshold 0.3 --balance-abs-threshold 16' (repeat for more "
                        "settings; the best per metric is the reference)")
+    group.add_argument("--variant-args", action="append", default=None, metavar="FLAGS",
+                       help="also run hicache router's default policy with these flags added "
+                       "to --router-args, e.g. '--conversation-affinity off' (repeat for "
+                       "more; each is its own contender, in the same alternation)")
 
 
 def resolve_sizes(args: argparse.Namespace) -> None:

@@ -24,11 +24,13 @@ per point: the long prompts may be given more time in another session of the sam
 Each point runs, in a fresh cluster per run: ``hicache router`` with its default policy
 (whatever it is at run time) and with every ``--policies`` given, and SGLang's router
 (``--sglang-program``, cache_aware) at its defaults and once more with each
-``--sglang-args`` given. With ``--repeats N`` every run goes N times, in reverse order on
-even repeats. Results (router_sweep_report.py) go to ``--out-dir``: ``router_sweep.json``
-(the state: a router setting that ran cleanly at a point is not run there again, so a sweep
-can span sessions and gain settings; another cluster setting refuses to mix into it),
-``router_sweep.md``, ``router_sweep.png``, and every run's files under ``points/<point>/``.
+``--sglang-args`` given, and ours once more with each ``--variant-args`` added to its
+``--router-args`` (an A/B of one router setting in the same alternation). With
+``--repeats N`` every run goes N times, in reverse order on even repeats. Results
+(router_sweep_report.py) go to ``--out-dir``: ``router_sweep.json`` (the state: a router
+setting that ran cleanly at a point is not run there again, so a sweep can span sessions
+and gain settings; another cluster setting refuses to mix into it), ``router_sweep.md``,
+``router_sweep.png``, and every run's files under ``points/<point>/``.
 """
 
 from __future__ import annotations
@@ -243,6 +245,11 @@ def contenders(args: argparse.Namespace) -> tuple[Contender, ...]:
         Contender(f"hicache-{p}", "hicache", p, args.router_args, None)
         for p in dict.fromkeys(policies)
     ]
+    variants = list(dict.fromkeys(getattr(args, "variant_args", None) or []))
+    for index, flags in enumerate(variants, 1):
+        name = f"hicache-{policies[0]}-variant" + ("" if len(variants) == 1 else f"-{index}")
+        ours.append(Contender(name, "hicache", policies[0],
+                              f"{args.router_args} {flags}".strip(), None))
     theirs = [Contender("sglang", "sglang", SGLANG_POLICY, "", args.sglang_program)]
     tuned = list(dict.fromkeys(args.sglang_args or []))
     for index, flags in enumerate(tuned, 1):

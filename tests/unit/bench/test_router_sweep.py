@@ -263,6 +263,19 @@ def test_contenders_are_the_default_policy_the_asked_ones_and_sglang(tmp_path: P
         "sglang", "sglang-tuned-1", "sglang-tuned-2"]
 
 
+def test_a_variant_is_the_default_policy_with_its_flags_added(tmp_path: Path) -> None:
+    args = sweep_args(tmp_path, "--router-args", "--overlap-weight 2", "--variant-args",
+                      "--conversation-affinity off")
+    args.sglang_program = router_sweep.SGLANG_PROGRAM
+    default = router_sweep.default_router_policy()
+    ours = [c for c in router_sweep.contenders(args) if c.kind == "hicache"]
+    assert [(c.name, c.policy, c.args) for c in ours] == [
+        (f"hicache-{default}", default, "--overlap-weight 2"),
+        (f"hicache-{default}-variant", default,
+         "--overlap-weight 2 --conversation-affinity off"),
+    ]
+
+
 def test_the_bench_knows_every_router_policy() -> None:
     from hicache.bench.router_bench import POLICIES
     from hicache.router.policy import PolicyName
