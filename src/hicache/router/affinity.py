@@ -18,6 +18,11 @@ of all conversations keeps less. So the scoring policies send a request home unl
 that costs it more than a request of its own size would (the rule is in ``policy.py``'s
 docstring): stickiness that never queues a turn behind more than one extra prompt.
 
+Opt-in (``--conversation-affinity on``): measured against the same router without it on
+the router sweep (docs/benchmarks.md, 2026-11-29), it was level where the working set is
+twice the cluster's L1 + L2 and lost where it is four times (p99 TTFT twice as long, fewer
+L3 hits): there no worker keeps a conversation anyway, and waiting at home only queues.
+
 Bounded: at most ``max_entries`` pages (the least recently recorded or used go first).
 Lives on the router's event loop: no locking.
 """

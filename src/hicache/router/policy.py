@@ -27,11 +27,12 @@ Five policies (``--policy``), each a small strategy object behind
 - ``predicted_ttft`` (``ttft_policy.py``): each worker's predicted time to first token,
   in seconds, from its live cost model and the router's ledger of its queue.
 
-With ``conversation_affinity`` (the default) ``tier_aware`` and ``predicted_ttft`` send
-a turn to its conversation's home, the worker its last turn went to (``affinity.py``),
-when the home holds no less of the prefix than the best worker and costs the turn at most
-its own size more: for ``tier_aware`` a load term higher by at most the turn's prompt
-pages, for ``predicted_ttft`` a predicted TTFT longer by at most the turn's own prefill.
+With ``conversation_affinity`` (``--conversation-affinity on``; off by default)
+``tier_aware`` and ``predicted_ttft`` send a turn to its conversation's home, the worker
+its last turn went to (``affinity.py``), when the home holds no less of the prefix than
+the best worker and costs the turn at most its own size more: for ``tier_aware`` a load
+term higher by at most the turn's prompt pages, for ``predicted_ttft`` a predicted TTFT
+longer by at most the turn's own prefill.
 
 Lower logits win; ties go to fewer active requests, then to the worker this policy
 chose least recently, then registration order. The middle step matters for new
@@ -128,7 +129,8 @@ class ScoringConfig:
     shared_deadline_s: float = 0.02
     # tier_aware and predicted_ttft: send a conversation's turn to the worker its last
     # turn went to (``affinity.py``) while that costs the turn no more than its own size.
-    conversation_affinity: bool = True
+    # Off by default: measured no better at ws 2 and worse at ws 4 (docs/benchmarks.md).
+    conversation_affinity: bool = False
 
     def __post_init__(self) -> None:
         for name in ("overlap_weight", "shared_cache_multiplier", "device_credit",

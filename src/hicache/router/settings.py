@@ -73,8 +73,9 @@ class RouterSettings:
     shared_cache_type: SharedCacheType = SharedCacheType.NONE
     tier_costs: TierCostsMode = TierCostsMode.FIXED
     # tier_aware, predicted_ttft: a conversation's turns go to its last turn's worker
-    # while that costs a turn no more than its own prefill (router/affinity.py).
-    conversation_affinity: bool = True
+    # while that costs a turn no more than its own prefill (router/affinity.py). Off: in
+    # an A/B on the router sweep it was level at ws 2 and lost at ws 4 (its p99 TTFT 2x).
+    conversation_affinity: bool = False
     tokenizer: str | None = None  # None: the workers' model (their /get_server_info)
     # None: the admin routes need no key. Set, it guards the worker list, /flush_cache and
     # /abort_request with abort_all (the client's key is passed on to the workers).

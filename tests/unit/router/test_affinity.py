@@ -100,7 +100,7 @@ def test_a_home_that_is_not_a_candidate_is_no_home() -> None:
 
 def test_cached_pages_still_outweigh_the_home() -> None:
     index = PageIndex()
-    policy = build_policy("tier_aware", index, None, ScoringConfig())
+    policy = build_policy("tier_aware", index, None, ScoringConfig(conversation_affinity=True))
     assert _turn(policy, [1, 2, 3, 4], {"A": 0, "B": 1}).worker == "A"
     # B's host holds the conversation's four pages (another route put them there).
     event = BlockStored([1, 2, 3, 4], None, [0] * (4 * PAGE), PAGE, None, MEDIUM_CPU)
