@@ -42,6 +42,8 @@ class DecisionLog:
             "fallbacks": list(decision.fallbacks), "measured_ttft_s": None,
             # The conversation's home (its last turn's worker), where the policy has one.
             "home": None if decision.home is None else redact(decision.home),
+            # tier_aware: the pages of prefill the chosen worker computes for it.
+            "prefill_pages": decision.prefill_pages,
             # Every worker's score and cached prefix (pages on device, device or host, any
             # tier): why this worker and not another.
             "logits": {redact(url): logit for url, logit in decision.logits.items()},

@@ -1,11 +1,14 @@
-"""One worker's in-flight prefill work as the router sent it, in predicted seconds.
+"""One worker's in-flight prefill work as the router sent it, in predicted seconds and
+in pages.
 
 The proxy ``admit``s each request it sends with the prefill time the policy predicted
 for it there (``RouteDecision.predicted_prefill_s``; 0 for a policy that predicts
-nothing), and tells the entry when the answer's first byte came back (``first_token``)
+nothing) and the pages it computes there (``RouteDecision.prefill_pages``: what it
+does not find cached), and tells the entry when the answer's first byte came back (``first_token``)
 and when the request ended in any way (``close``: whole, failed, client gone). The
 predicted_ttft policy reads ``queued_s``: how long a prefill sent there now waits
-before it starts.
+before it starts. tier_aware's ``pending_prefill`` load term reads ``pending_pages``:
+the pages of prefill sent there still waiting for their first token.
 
 ``queued_s`` is the predicted prefill of the entries still waiting for their first
 token, less the time since the queue last moved (an entry joined an empty queue, or
@@ -33,16 +36,19 @@ class PrefillLedger:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._pending: dict[int, float] = {}  # entry id -> predicted prefill seconds
+        self._pending_pages: dict[int, float] = {}  # entry id -> pages it computes
         self._decoding: set[int] = set()
         self._ids = itertools.count()
         self._moved_at = clock()  # when the pending queue last moved
 
-    def admit(self, predicted_s: float) -> LedgerEntry:
-        """A request sent to the worker, predicted to take ``predicted_s`` of prefill."""
+    def admit(self, predicted_s: float, prefill_pages: float = 0.0) -> LedgerEntry:
+        """A request sent to the worker, predicted to take ``predicted_s`` of prefill and
+        to compute ``prefill_pages`` there."""
         entry_id = next(self._ids)
         if not self._pending:
             self._moved_at = self._clock()  # an idle worker starts on it now
         self._pending[entry_id] = max(0.0, predicted_s)
+        self._pending_pages[entry_id] = max(0.0, prefill_pages)
         return LedgerEntry(self, entry_id, self._clock())
 
     def queued_s(self) -> float:
@@ -54,6 +60,11 @@ class PrefillLedger:
         return max(0.0, sum(self._pending.values()) - worked)
 
     @property
+    def pending_pages(self) -> float:
+        """Pages of prefill sent there whose first token has not come back."""
+        return sum(self._pending_pages.values())
+
+    @property
     def prefilling(self) -> int:
         return len(self._pending)
 
@@ -63,11 +74,13 @@ class PrefillLedger:
         return len(self._decoding)
 
     def _first_token(self, entry_id: int) -> None:
+        self._pending_pages.pop(entry_id, None)
         if self._pending.pop(entry_id, None) is not None:
             self._moved_at = self._clock()
             self._decoding.add(entry_id)
 
     def _close(self, entry_id: int) -> None:
+        self._pending_pages.pop(entry_id, None)
         if self._pending.pop(entry_id, None) is not None:
             self._moved_at = self._clock()
         self._decoding.discard(entry_id)

@@ -27,7 +27,9 @@ model's bias whatever the prompts' lengths), all labelled by policy; a request t
 stream gets a prediction but no measurement (its first byte is its last: TTFT would be
 its whole time, ``decisions.py``). ``router_worker_queued_prefill_seconds{worker}`` is
 each worker's ledger (``ledger.py``): the predicted prefill still ahead of a request sent
-there now. A ``worker`` label never carries the credentials of a
+there now, and ``router_worker_pending_prefill_pages{worker}`` the same requests in pages
+they compute there (as a policy that counts pages routed them; tier_aware's
+``pending_prefill`` load term). A ``worker`` label never carries the credentials of a
 worker's URL (``credentials.redact``).
 Each router owns its registry, so several in one process (tests) never clash.
 """
@@ -211,6 +213,9 @@ class _LiveState(Collector):
                                    "predicted prefill seconds the router sent the worker that "
                                    "have not produced a first token yet, less what it worked "
                                    "off since", labels=["worker"])
+        pending = GaugeMetricFamily("router_worker_pending_prefill_pages",
+                                    "pages of prefill the router sent the worker that have "
+                                    "not produced a first token yet", labels=["worker"])
         warming = GaugeMetricFamily("router_worker_warming", "1 while the worker that joined "
                                     "is warmed from L3 (routed to only as a last resort)",
                                     labels=["worker"])
@@ -231,6 +236,7 @@ class _LiveState(Collector):
             draining.add_metric([label], 1.0 if worker.draining else 0.0)
             active.add_metric([label], worker.active_requests)
             queued.add_metric([label], worker.ledger.queued_s())
+            pending.add_metric([label], worker.ledger.pending_pages)
             warming.add_metric([label], 1.0 if worker.warming else 0.0)
             for name, family in counters.items():
                 family.add_metric([label], getattr(worker.event_counts, name))
@@ -238,6 +244,7 @@ class _LiveState(Collector):
         yield draining
         yield active
         yield queued
+        yield pending
         yield warming
         yield from counters.values()
         yield GaugeMetricFamily("router_indexed_pages", "pages the index holds",

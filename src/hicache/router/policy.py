@@ -13,7 +13,7 @@ Five policies (``--policy``), each a small strategy object behind
 
       prefill_tokens   = prompt_tokens - device_credit * gpu_overlap * page
       adjusted_prefill = max(0, prefill_tokens - shared_cache_multiplier * hits_beyond(n) * page)
-      logit            = overlap_weight * adjusted_prefill / page + decode_blocks
+      logit            = overlap_weight * adjusted_prefill / page + load
 
   where ``hits_beyond(n)`` counts the shared pool's pages at positions >= n.
   Beyond Dynamo, the worker's host tier counts too: each page on its host past
@@ -22,7 +22,13 @@ Five policies (``--policy``), each a small strategy object behind
   is the device overlap when the host adds nothing: Dynamo's formula). With
   ``tier_costs="measured"`` a page from the host saves ``1 - TierCosts.host``
   of a page's prefill and one from the shared pool ``1 - TierCosts.external``,
-  from what that worker measured (``router.tier_costs``).
+  from what that worker measured (``router.tier_costs``). The ``load`` term is
+  Dynamo's ``decode_blocks`` (``load_term="prompt_pages"``, the default): every prompt
+  page of the requests in flight there, computed or cached, prefilling or decoding; or
+  (``"pending_prefill"``) the pages the requests sent there still compute before their
+  first token, each the ``adjusted_prefill`` it was routed with (the router's ledger),
+  so that at ``overlap_weight`` 1 the logit is the pages of prefill the worker computes
+  before this request's first token.
 
 - ``predicted_ttft`` (``ttft_policy.py``): each worker's predicted time to first token,
   in seconds, from its live cost model and the router's ledger of its queue.
@@ -103,6 +109,13 @@ class TierCostMode(str, Enum):
     MEASURED = "measured"  # each worker's TierCosts
 
 
+class LoadTerm(str, Enum):
+    """tier_aware's load term (``ScoringConfig.load_term``)."""
+
+    PROMPT_PAGES = "prompt_pages"  # Dynamo's decode_blocks: in-flight requests' prompt pages
+    PENDING_PREFILL = "pending_prefill"  # pages still to compute before their first tokens
+
+
 class SharedQueryOutcome(str, Enum):
     """How a decision's shared-pool query ended (``RouteDecision.shared_outcome``)."""
 
@@ -131,6 +144,8 @@ class ScoringConfig:
     # turn went to (``affinity.py``) while that costs the turn no more than its own size.
     # Off by default: measured no better at ws 2 and worse at ws 4 (docs/benchmarks.md).
     conversation_affinity: bool = False
+    # tier_aware's load term (``LoadTerm``).
+    load_term: str = LoadTerm.PROMPT_PAGES.value
 
     def __post_init__(self) -> None:
         for name in ("overlap_weight", "shared_cache_multiplier", "device_credit",
@@ -144,6 +159,10 @@ class ScoringConfig:
         if self.tier_costs not in modes:
             raise ValueError(f"tier_costs must be one of {', '.join(modes)}, got "
                              f"{self.tier_costs!r}")
+        terms = [term.value for term in LoadTerm]
+        if self.load_term not in terms:
+            raise ValueError(f"load_term must be one of {', '.join(terms)}, got "
+                             f"{self.load_term!r}")
 
 
 def hits_beyond(hits: Sequence[bool], start: int) -> int:
@@ -250,11 +269,12 @@ class TierAwarePolicy(_Policy):
         _check(request)
         page = _page_size(request)
         overlaps, hits, outcome = await self._lookup(request, token_ids)
-        prefill = {
-            w.url: self.prefill_term(request, w, overlaps[w.url], hits, page)
+        pages = {
+            w.url: self.prefill_pages(request, w, overlaps[w.url], hits, page)
             for w in request.workers
         }
-        loads = {w.url: w.decode_blocks for w in request.workers}
+        prefill = {url: self.config.overlap_weight * p for url, p in pages.items()}
+        loads = {w.url: self._load(w) for w in request.workers}
         logits = {url: prefill[url] + loads[url] for url in prefill}
         best = self._lowest(request.workers, logits, record=False)
 
@@ -270,7 +290,13 @@ class TierAwarePolicy(_Policy):
             shared_hits=None if hits is None else sum(hits),
             shared_beyond=0 if hits is None else hits_beyond(hits, overlaps[chosen].gpu),
             shared_outcome=None if outcome is None else outcome.value, home=home,
+            prefill_pages=pages[chosen],
         )
+
+    def _load(self, worker: WorkerLoad) -> float:
+        if self.config.load_term == LoadTerm.PENDING_PREFILL.value:
+            return worker.pending_prefill_pages
+        return worker.decode_blocks
 
     def _home_or(self, request: RouteRequest, best: str,
                  home_fits: Callable[[str], bool]) -> tuple[str, str | None]:
@@ -312,12 +338,13 @@ class TierAwarePolicy(_Policy):
         hits, outcome = await self._hits(query, began, len(request.page_hashes))
         return overlaps, hits, outcome
 
-    def prefill_term(
+    def prefill_pages(
         self, request: RouteRequest, worker: WorkerLoad, overlap: TierOverlap,
         hits: Sequence[bool] | None, page: int,
     ) -> float:
-        """One worker's logit less its load term (``decode_blocks``); ``hits`` None: the
-        shared pool as the index knows it."""
+        """The pages of prefill one worker would compute for the request
+        (``adjusted_prefill / page``: its logit, less the load term, before the overlap
+        weight); ``hits`` None: the shared pool as the index knows it."""
         config = self.config
         host_saves, shared_saves = self._page_savings(request, worker.url)
         prefill_tokens = request.prompt_tokens - config.device_credit * overlap.gpu * page
@@ -328,7 +355,7 @@ class TierAwarePolicy(_Policy):
             shared_beyond = hits_beyond(hits, overlap.host)
         reduction = (host_saves * host_beyond + shared_saves * shared_beyond) * page
         adjusted_prefill = max(0.0, prefill_tokens - reduction)
-        return config.overlap_weight * adjusted_prefill / page
+        return adjusted_prefill / page
 
     def _page_savings(self, request: RouteRequest, worker: str) -> tuple[float, float]:
         """Prefill pages saved by one host page and by one shared-pool page."""

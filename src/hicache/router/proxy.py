@@ -258,7 +258,8 @@ class Proxy:
         ledger until the first byte (or the end, however it comes)."""
         worker.active_requests += 1
         worker.active_prompt_pages += pages
-        entry = None if decision is None else worker.ledger.admit(decision.predicted_prefill_s)
+        entry = None if decision is None else worker.ledger.admit(
+            decision.predicted_prefill_s, decision.prefill_pages)
         logged = None if decision is None else self.decisions.record(decision, stream)
         released = False
 

@@ -157,7 +157,7 @@ def build_default_policy(
         overlap_weight=settings.overlap_weight,
         shared_cache_multiplier=settings.shared_cache_multiplier,
         tier_costs=settings.tier_costs.value,
-        conversation_affinity=settings.conversation_affinity,
+        conversation_affinity=settings.conversation_affinity, load_term=settings.load_term,
     )
     return build_policy(settings.policy.value, index, shared, config, costs)
 

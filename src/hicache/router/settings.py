@@ -76,6 +76,9 @@ class RouterSettings:
     # while that costs a turn no more than its own prefill (router/affinity.py). Off: in
     # an A/B on the router sweep it was level at ws 2 and lost at ws 4 (its p99 TTFT 2x).
     conversation_affinity: bool = False
+    # tier_aware's load term: "prompt_pages" (Dynamo's decode_blocks) or "pending_prefill"
+    # (the pages still to compute before the first tokens of what was sent there).
+    load_term: str = "prompt_pages"
     tokenizer: str | None = None  # None: the workers' model (their /get_server_info)
     # None: the admin routes need no key. Set, it guards the worker list, /flush_cache and
     # /abort_request with abort_all (the client's key is passed on to the workers).
@@ -272,6 +275,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     group.add_argument(
+        "--load-term", choices=["prompt_pages", "pending_prefill"], default=d.load_term,
+        help="tier_aware's load term: prompt_pages counts every prompt page of the requests "
+        "in flight on a worker (Dynamo's decode_blocks); pending_prefill the pages they "
+        "still compute there before their first tokens, as routed (default: %(default)s)",
+    )
+    group.add_argument(
         "--tokenizer", default=None,
         help="tokenizer dir used to hash requests' pages (default: the workers' model, from "
         "their /get_server_info tokenizer_path)",
@@ -341,7 +350,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         shared_cache_multiplier=args.shared_cache_multiplier,
         shared_cache_type=SharedCacheType(args.shared_cache_type),
         tier_costs=TierCostsMode(args.tier_costs), tokenizer=args.tokenizer,
-        conversation_affinity=args.conversation_affinity == "on",
+        conversation_affinity=args.conversation_affinity == "on", load_term=args.load_term,
         admin_api_key=args.admin_api_key or None,  # an empty key would let anyone in
         identity=identity,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,

@@ -32,6 +32,9 @@ class WorkerLoad:
     # that have not produced a first token yet, and its requests past their first token.
     queued_prefill_s: float = 0.0
     decoding_requests: int = 0
+    # The same ledger in pages: what the requests sent there compute before their first
+    # token (tier_aware's ``pending_prefill`` load term).
+    pending_prefill_pages: float = 0.0
     # The worker's live cost model as it last reported it (``router.live_costs``); None:
     # not measured (the predicted_ttft policy then prices it from the other workers').
     costs: CostSnapshot | None = None
@@ -89,6 +92,9 @@ class RouteDecision:
     # tier_aware and predicted_ttft: the worker the conversation's last turn went to, when
     # it is a candidate (router.affinity); None: a new conversation, or affinity off.
     home: str | None = None
+    # tier_aware: the pages the chosen worker computes for this request (its prefill
+    # term before the overlap weight), the ledger's entry for it in pages.
+    prefill_pages: float = 0.0
 
     @property
     def predicted_prefill_s(self) -> float:

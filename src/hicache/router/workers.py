@@ -275,7 +275,8 @@ class Worker:
     def load(self) -> WorkerLoad:
         return WorkerLoad(self.url, self.active_requests, float(self.active_prompt_pages),
                           queued_prefill_s=self.ledger.queued_s(),
-                          decoding_requests=self.ledger.decoding, costs=self.live_costs)
+                          decoding_requests=self.ledger.decoding, costs=self.live_costs,
+                          pending_prefill_pages=self.ledger.pending_pages)
 
 
 class WorkerRegistry:

@@ -77,3 +77,19 @@ def test_a_prediction_that_came_out_short_does_not_empty_the_queue_behind_it() -
     ledger.admit(3.0)
     clock.now += 10.0  # the first is late: the worker has not even finished it
     assert ledger.queued_s() == pytest.approx(3.0)
+
+
+def test_pending_pages_count_until_the_first_token_however_the_request_ends() -> None:
+    ledger = PrefillLedger(Clock())
+    assert ledger.pending_pages == 0.0
+    cold, warm, gone = ledger.admit(0.0, 12.0), ledger.admit(0.0, 1.5), ledger.admit(0.0, 4.0)
+    assert ledger.admit(0.0, -3.0) is not None  # a negative prediction counts as none
+    assert ledger.pending_pages == pytest.approx(17.5)
+    cold.first_token()  # its prefill is done: it decodes, and weighs nothing here
+    assert ledger.pending_pages == pytest.approx(5.5)
+    gone.close()  # left before its first token
+    assert ledger.pending_pages == pytest.approx(1.5)
+    cold.close()
+    warm.first_token()
+    warm.first_token()
+    assert ledger.pending_pages == 0.0
