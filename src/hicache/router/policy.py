@@ -23,9 +23,9 @@ Five policies (``--policy``), each a small strategy object behind
   ``tier_costs="measured"`` a page from the host saves ``1 - TierCosts.host``
   of a page's prefill and one from the shared pool ``1 - TierCosts.external``,
   from what that worker measured (``router.tier_costs``). The ``load`` term is
-  Dynamo's ``decode_blocks`` (``load_term="prompt_pages"``, the default): every prompt
-  page of the requests in flight there, computed or cached, prefilling or decoding; or
-  (``"pending_prefill"``) the pages the requests sent there still compute before their
+  Dynamo's ``decode_blocks`` (``load_term="prompt_pages"``, ``ScoringConfig``'s default):
+  every prompt page of the requests in flight there, computed or cached, prefilling or
+  decoding; or (``"pending_prefill"``, ``hicache router``'s default) the pages the requests sent there still compute before their
   first token, each the ``adjusted_prefill`` it was routed with (the router's ledger),
   so that at ``overlap_weight`` 1 the logit is the pages of prefill the worker computes
   before this request's first token.

@@ -63,13 +63,19 @@ def test_an_unknown_load_term_is_refused() -> None:
         ScoringConfig(load_term="queue")
 
 
-def test_the_flag_reaches_the_settings() -> None:
+def test_the_flag_reaches_the_settings_and_sets_the_weight_s_default() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--worker-urls", "http://127.0.0.1:1",
-                              "--load-term", "pending_prefill"])
-    assert settings_from_args(args).load_term == "pending_prefill"
-    default = parser.parse_args(["--worker-urls", "http://127.0.0.1:1"])
-    assert settings_from_args(default).load_term == "prompt_pages"
+    url = ["--worker-urls", "http://127.0.0.1:1"]
+    default = settings_from_args(parser.parse_args(url))
+    # Pages of prefill against pages of prefill: weight 1.
+    assert (default.load_term, default.effective_overlap_weight) == ("pending_prefill", 1.0)
+    dynamo = settings_from_args(parser.parse_args([*url, "--load-term", "prompt_pages"]))
+    assert (dynamo.load_term, dynamo.effective_overlap_weight) == ("prompt_pages", 4.0)
+    # cache_aware's load term is always the in-flight prompt pages.
+    cache_aware = settings_from_args(parser.parse_args([*url, "--policy", "cache_aware"]))
+    assert cache_aware.effective_overlap_weight == 4.0
+    given = settings_from_args(parser.parse_args([*url, "--overlap-weight", "2.5"]))
+    assert given.effective_overlap_weight == 2.5
     with pytest.raises(SystemExit):
         parser.parse_args(["--load-term", "queue"])
