@@ -25,10 +25,12 @@ Five policies (``--policy``), each a small strategy object behind
   from what that worker measured (``router.tier_costs``). The ``load`` term is
   Dynamo's ``decode_blocks`` (``load_term="prompt_pages"``, ``ScoringConfig``'s default):
   every prompt page of the requests in flight there, computed or cached, prefilling or
-  decoding; or (``"pending_prefill"``, ``hicache router``'s default) the pages the requests sent there still compute before their
-  first token, each the ``adjusted_prefill`` it was routed with (the router's ledger),
-  so that at ``overlap_weight`` 1 the logit is the pages of prefill the worker computes
-  before this request's first token.
+  decoding; or (``"pending_prefill"``, ``hicache router``'s default) the pages the
+  requests sent there still compute before their first token, each the
+  ``adjusted_prefill`` it was routed with (the router's ledger): at ``overlap_weight`` 1
+  the logit is the pages of prefill the worker computes before
+  this request's first token; above 1 a page this request would recompute also counts
+  for the requests that will queue behind it.
 
 - ``predicted_ttft`` (``ttft_policy.py``): each worker's predicted time to first token,
   in seconds, from its live cost model and the router's ledger of its queue.

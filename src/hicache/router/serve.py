@@ -154,7 +154,7 @@ def build_default_policy(
             raise RouterStartupError(f"--shared-cache-type hicache: worker {workers[0].url}: "
                                      f"{error}") from None
     config = ScoringConfig(
-        overlap_weight=settings.effective_overlap_weight,
+        overlap_weight=settings.overlap_weight,
         shared_cache_multiplier=settings.shared_cache_multiplier,
         tier_costs=settings.tier_costs.value,
         conversation_affinity=settings.conversation_affinity, load_term=settings.load_term,

@@ -63,14 +63,15 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: PolicyName = PolicyName.TIER_AWARE
-    # None: ``effective_overlap_weight``. Dynamo's default is 1.0, against its load term
-    # (in-flight prompt pages): behind this router workers on CPUs pay far more for a page of
-    # prefill than that term says, so at 1.0 cache_aware and tier_aware sent turns away from
-    # the worker holding their prefix and gained nothing over round_robin; at 4.0 tier_aware
-    # kept them there and measured 1.56x round_robin's throughput with 35% lower mean TTFT
-    # than cache_aware (docs/benchmarks.md, `hicache bench router`). Against the pending
-    # prefill (tier_aware's default load term) both terms are pages of prefill: 1.0.
-    overlap_weight: float | None = None
+    # Dynamo's default is 1.0. Behind this router, workers on CPUs pay far more for a page
+    # of prefill than Dynamo's load term (in-flight prompt pages) says: at 1.0 tier_aware
+    # sent turns away from the worker holding their prefix and gained nothing over
+    # round_robin; at 4.0 it kept them there and measured 1.56x round_robin's throughput
+    # with 35% lower mean TTFT than cache_aware (docs/benchmarks.md, `hicache bench
+    # router`). Against the pending prefill (the default load term) 4.0 also measured at or
+    # ahead of 1.0 on every point of the router sweep's A/B (2026-11-29): each page a turn
+    # recomputes delays every request queued behind it, not only its own first token.
+    overlap_weight: float = 4.0
     shared_cache_multiplier: float = 0.0
     shared_cache_type: SharedCacheType = SharedCacheType.NONE
     tier_costs: TierCostsMode = TierCostsMode.FIXED
@@ -80,8 +81,8 @@ class RouterSettings:
     conversation_affinity: bool = False
     # tier_aware's load term: "prompt_pages" (Dynamo's decode_blocks) or "pending_prefill"
     # (the pages still to compute before the first tokens of what was sent there).
-    # "pending_prefill": the router sweep's A/B (docs/benchmarks.md, 2026-11-29 21:29 UTC)
-    # found it at or ahead of prompt_pages at weight 4 on every point it ran.
+    # "pending_prefill": at weight 4 it measured at or ahead of prompt_pages on every point
+    # of the router sweep's A/B but one (docs/benchmarks.md, 2026-11-29).
     load_term: str = "pending_prefill"
     tokenizer: str | None = None  # None: the workers' model (their /get_server_info)
     # None: the admin routes need no key. Set, it guards the worker list, /flush_cache and
@@ -113,7 +114,7 @@ class RouterSettings:
         self._check_pd()
         if not 0 < self.port < 65536:
             raise SettingsError(f"--port must be in 1..65535, got {self.port}")
-        if self.overlap_weight is not None and self.overlap_weight < 0:
+        if self.overlap_weight < 0:
             raise SettingsError(f"--overlap-weight must be >= 0, got {self.overlap_weight}")
         if self.shared_cache_multiplier < 0:
             raise SettingsError(
@@ -129,15 +130,6 @@ class RouterSettings:
                                 f"got {self.warm_on_join_timeout_s}")
         if self.max_request_bytes <= 0:
             raise SettingsError(f"--max-request-bytes must be > 0, got {self.max_request_bytes}")
-
-    @property
-    def effective_overlap_weight(self) -> float:
-        """``overlap_weight``, or its default: 1.0 where tier_aware weighs pages of prefill
-        against the pending prefill, 4.0 against the in-flight prompt pages."""
-        if self.overlap_weight is not None:
-            return self.overlap_weight
-        pending = self.policy is PolicyName.TIER_AWARE and self.load_term == "pending_prefill"
-        return 1.0 if pending else 4.0
 
     def _check_pd(self) -> None:
         if not self.pd_disaggregation:
@@ -260,8 +252,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--overlap-weight", type=float, default=d.overlap_weight,
         help="weight of the prefill pages left to compute against the load term "
-        "(default: 1 for tier_aware with --load-term pending_prefill, where both are pages "
-        "of prefill; 4 otherwise, against the in-flight prompt pages)",
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--shared-cache-multiplier", type=float, default=d.shared_cache_multiplier,

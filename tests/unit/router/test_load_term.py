@@ -63,19 +63,13 @@ def test_an_unknown_load_term_is_refused() -> None:
         ScoringConfig(load_term="queue")
 
 
-def test_the_flag_reaches_the_settings_and_sets_the_weight_s_default() -> None:
+def test_the_flag_reaches_the_settings() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     url = ["--worker-urls", "http://127.0.0.1:1"]
     default = settings_from_args(parser.parse_args(url))
-    # Pages of prefill against pages of prefill: weight 1.
-    assert (default.load_term, default.effective_overlap_weight) == ("pending_prefill", 1.0)
+    assert (default.load_term, default.overlap_weight) == ("pending_prefill", 4.0)
     dynamo = settings_from_args(parser.parse_args([*url, "--load-term", "prompt_pages"]))
-    assert (dynamo.load_term, dynamo.effective_overlap_weight) == ("prompt_pages", 4.0)
-    # cache_aware's load term is always the in-flight prompt pages.
-    cache_aware = settings_from_args(parser.parse_args([*url, "--policy", "cache_aware"]))
-    assert cache_aware.effective_overlap_weight == 4.0
-    given = settings_from_args(parser.parse_args([*url, "--overlap-weight", "2.5"]))
-    assert given.effective_overlap_weight == 2.5
+    assert dynamo.load_term == "prompt_pages"
     with pytest.raises(SystemExit):
         parser.parse_args(["--load-term", "queue"])
