@@ -218,6 +218,7 @@ class FakeWorker:
     # whole call refused with hint_status when that is not 200.
     hint_outcome: str = "accepted"
     hint_status: int = 200
+    metrics_text: str | None = None  # GET /metrics's answer; None: a 404
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"page_size": self.page_size, "served_model_name": self.model,
@@ -244,6 +245,12 @@ def fake_worker_app(worker: FakeWorker) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return JSONResponse({"ok": worker.healthy}, status_code=200 if worker.healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if worker.metrics_text is None:
+            return Response(status_code=404)
+        return Response(worker.metrics_text, media_type="text/plain")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

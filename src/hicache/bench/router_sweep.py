@@ -238,18 +238,31 @@ def default_router_policy() -> str:
     return RouterSettings().policy.value
 
 
+def router_defaults() -> str:
+    """``hicache router``'s defaults of the flags that decide where a request goes: a
+    result taken before one changed is not the default contender's any more."""
+    from hicache.router.settings import RouterSettings
+
+    d = RouterSettings()
+    weight = "auto" if d.overlap_weight is None else f"{d.overlap_weight:g}"
+    return (f"--overlap-weight {weight} --load-term {d.load_term} --tier-costs "
+            f"{d.tier_costs.value} --shared-cache-multiplier {d.shared_cache_multiplier:g} "
+            f"--conversation-affinity {'on' if d.conversation_affinity else 'off'}")
+
+
 def contenders(args: argparse.Namespace) -> tuple[Contender, ...]:
     """Ours first (the default policy, then each --policies given), then SGLang's."""
     policies = [default_router_policy(), *(args.policies or [])]
+    defaults = router_defaults()
     ours = [
-        Contender(f"hicache-{p}", "hicache", p, args.router_args, None)
+        Contender(f"hicache-{p}", "hicache", p, args.router_args, None, defaults)
         for p in dict.fromkeys(policies)
     ]
     variants = list(dict.fromkeys(getattr(args, "variant_args", None) or []))
     for index, flags in enumerate(variants, 1):
         name = f"hicache-{policies[0]}-variant" + ("" if len(variants) == 1 else f"-{index}")
         ours.append(Contender(name, "hicache", policies[0],
-                              f"{args.router_args} {flags}".strip(), None))
+                              f"{args.router_args} {flags}".strip(), None, defaults))
     theirs = [Contender("sglang", "sglang", SGLANG_POLICY, "", args.sglang_program)]
     tuned = list(dict.fromkeys(args.sglang_args or []))
     for index, flags in enumerate(tuned, 1):

@@ -19,10 +19,11 @@ keep up, and a router that falls behind shows it in its TTFT, which every point 
 A target whose ratio could not be measured (a side has no result) is None, never met.
 ``router_sweep.json`` holds the sweep's settings and every point's result. A contender is
 done at a point when the point has its result with the same setting (kind, policy, flags,
-program) and every run of the point finished without a failed request; a later session
-runs only the contenders not done there (all of them where a run failed), and keeps the
-others' results, so a setting added later (another ``--sglang-args``) runs alone. A state
-file written with other cluster settings is refused rather than mixed.
+program, and for ours the router's defaults of the scoring flags) and every run of the
+point finished without a failed request; a later session runs only the contenders not done
+there (all of them where a run failed), and keeps the others' results, so a setting added
+later (another ``--sglang-args``) runs alone, and a change of the router's defaults reruns
+ours. A state file written with other cluster settings is refused rather than mixed.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class Contender:
     policy: str
     args: str  # more router flags
     program: str | None  # None: ``hicache router``
+    # hicache: the router's own defaults for what its flags leave out (a result taken under
+    # other defaults is another setting: ``router_sweep.router_defaults``).
+    defaults: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -46,9 +46,10 @@ from hicache.router.hints import HINTS_PATH, forward_hints, metric_labels
 from hicache.router.hints import parse_body as parse_hints
 from hicache.router.history import RequestHistory
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
+from hicache.router.policy import LIVE_COST_POLICIES
 from hicache.router.prompt import PromptKind, PromptTokenizer, body_cache_key, prompt_pages
 from hicache.router.proxy import Proxy
-from hicache.router.settings import PolicyName, RouterSettings, SettingsError, check_worker_url
+from hicache.router.settings import RouterSettings, SettingsError, check_worker_url
 from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
 from hicache.router.warm import JoinWarmer
 from hicache.router.workers import WorkerError, WorkerInfo, WorkerRegistry
@@ -159,7 +160,7 @@ def create_router_app(
     # A policy that prices with the workers' live cost models has them probed.
     registry = WorkerRegistry(index, client, health_interval_s=settings.health_interval_s,
                               tier_costs=tier_costs, warmer=warmer,
-                              live_costs=policy.name == PolicyName.PREDICTED_TTFT.value)
+                              live_costs=policy.name in LIVE_COST_POLICIES)
     metrics = RouterMetrics(registry, index.num_pages, warmer=warmer)
     state = RouterState(
         settings=settings, index=index, policy=policy, workers=registry,

@@ -1,7 +1,7 @@
 """The router's last routing decisions, for ``GET /decisions?limit=N``.
 
 Each routed request's decision: a sequence number, the chosen worker (its URL without
-credentials), the policy, the predicted TTFT and its terms (predicted_ttft only), the
+credentials), the policy, the predicted TTFT and its terms (tier_aware and predicted_ttft), the
 figures priced from other workers or defaults, the conversation's home worker
 (``affinity.py``), every worker's logit and cached prefix
 (``[device, device or host, any tier]`` pages), whether the request streamed, and,
@@ -44,6 +44,8 @@ class DecisionLog:
             "home": None if decision.home is None else redact(decision.home),
             # tier_aware: the pages of prefill the chosen worker computes for it.
             "prefill_pages": decision.prefill_pages,
+            # tier_aware: the overlap weight those pages were scored with.
+            "overlap_weight": decision.overlap_weight,
             # Every worker's score and cached prefix (pages on device, device or host, any
             # tier): why this worker and not another.
             "logits": {redact(url): logit for url, logit in decision.logits.items()},

@@ -15,6 +15,9 @@
 - L3 read: the slowest backend's latency and, from its 64-page reference read, its
   seconds per page; else the totals' seconds per page.
 
+``cache_usage`` reads how full the worker's cache is from the same /metrics text: its host
+pool's usage, else (no host tier) its device pool's.
+
 ``resolve_costs`` fills what one worker has not measured, figure by figure (prefill,
 host load, L3 read): the median of the workers that did, else a conservative default,
 and says which it used. The defaults price against the prefill rate as the fixed tier
@@ -85,6 +88,19 @@ def worker_cost_snapshot(server_info: Mapping[str, Any], metrics_text: str | Non
         read_latency_s=None if read is None else read[0],
         read_seconds_per_page=None if read is None else read[1],
     )
+
+
+def cache_usage(metrics_text: str | None) -> float | None:
+    """How full the worker's cache is, 0..1: the host (L2) pool's share in use, else the
+    device (L1) pool's; None when its /metrics says neither."""
+    if not metrics_text:
+        return None
+    samples = prometheus_samples(metrics_text)
+    for name in ("hicache_host_pool_usage", "hicache_device_pool_usage"):
+        value = finite_number(samples.get(name))
+        if value is not None:
+            return min(1.0, max(0.0, value))
+    return None
 
 
 def _coefficients(source: Mapping[str, Any]) -> PrefillCoefficients | None:

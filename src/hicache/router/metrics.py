@@ -17,9 +17,10 @@ on to another worker; the draining workers are the ``router_worker_draining``
 gauge). Forwarded cache hints are counted by kind and outcome (``router_hints_total``).
 Warm-on-join (``warm.py``): ``router_warms_total{outcome}``, the tokens
 warmed ``router_warm_tokens_total``, and the ``router_worker_warming`` gauge.
-The predicted_ttft policy's cost model is checked here: ``router_predicted_ttft_seconds``
-(each decision's prediction for its chosen worker), ``router_measured_ttft_seconds`` (the
-time from sending a streamed request to its first body byte) and
+The workers' cost model, as tier_aware and predicted_ttft price it, is checked here:
+``router_predicted_ttft_seconds`` (each decision's prediction for its chosen worker),
+``router_measured_ttft_seconds`` (the time from sending a streamed request to its first
+body byte) and
 ``router_ttft_prediction_error_seconds`` (measured minus predicted, per streamed request:
 positive when the router was optimistic; its buckets are signed, so Prometheus gives it no
 ``_sum``) with ``router_ttft_prediction_ratio`` (measured over predicted: its mean is the

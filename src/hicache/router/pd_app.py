@@ -41,9 +41,10 @@ from hicache.router.fan_out import fan_out_answer
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.pd_pools import NullIndex, PDPools, create_decode_chooser
 from hicache.router.pd_proxy import PDProxy
+from hicache.router.policy import LIVE_COST_POLICIES
 from hicache.router.prompt import PromptKind, PromptTokenizer, body_cache_key, prompt_pages
 from hicache.router.proxy import Proxy
-from hicache.router.settings import PolicyName, RouterSettings
+from hicache.router.settings import RouterSettings
 from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
 from hicache.router.workers import Worker, WorkerInfo, WorkerRegistry
 from hicache.server.body_limit import BodyLimitMiddleware
@@ -86,7 +87,7 @@ def create_pd_router_app(
         # predicted_ttft prices the prefill instances with their live cost models (no
         # ledger here: the PD proxy enters nothing, so their queues read empty).
         prefill=WorkerRegistry(index, client, health_interval_s=interval, tier_costs=tier_costs,
-                               live_costs=policy.name == PolicyName.PREDICTED_TTFT.value),
+                               live_costs=policy.name in LIVE_COST_POLICIES),
         decode=WorkerRegistry(NullIndex(), client, health_interval_s=interval),
         bootstrap_ports=PDPools.bootstrap_map(settings.prefill),
     )

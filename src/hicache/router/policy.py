@@ -32,6 +32,18 @@ Five policies (``--policy``), each a small strategy object behind
   this request's first token; above 1 a page this request would recompute also counts
   for the requests that will queue behind it.
 
+  The overlap weight may be derived per worker (``overlap_weight`` None, ``--overlap-weight
+  auto``) rather than given: ``1 + prefilling + usage``. A page of prefill a request adds to
+  a worker delays its own first token (the 1), and every request that reaches that worker
+  before it is done: as many, by Little's law, as are waiting there now for their first
+  token (``prefilling``, the router's ledger); and once the worker's cache is full, each
+  page it computes pushes out a cached page that may be asked for again (``usage``: its
+  host pool's share in use, else its device pool's, from its /metrics; taken as full
+  until probed). Nothing in it is tuned: an idle cluster with room in its caches weighs a
+  page of prefill as one, a busy one with full caches as several.
+  Every tier_aware decision also reports the chosen worker's predicted TTFT from its live
+  cost model (``ttft_model.py``, as predicted_ttft prices it), beside the measured one.
+
 - ``predicted_ttft`` (``ttft_policy.py``): each worker's predicted time to first token,
   in seconds, from its live cost model and the router's ledger of its queue.
 
@@ -79,6 +91,7 @@ from enum import Enum
 from typing import Final
 
 from hicache.router.affinity import ConversationHomes
+from hicache.router.ttft_model import predict_for
 from hicache.router.types import (
     RouteDecision,
     RouteRequest,
@@ -96,6 +109,8 @@ logger = logging.getLogger(__name__)
 WARNING_INTERVAL_S: Final = 10.0
 # Logits closer than this are a tie (float noise must not decide).
 _TIE_DIGITS: Final = 9
+# cache_aware's overlap weight when none is given (Dynamo's default).
+DYNAMO_OVERLAP_WEIGHT: Final = 1.0
 
 
 class PolicyName(str, Enum):
@@ -104,6 +119,10 @@ class PolicyName(str, Enum):
     CACHE_AWARE = "cache_aware"
     TIER_AWARE = "tier_aware"
     PREDICTED_TTFT = "predicted_ttft"  # router.ttft_policy
+
+
+# The policies that price with the workers' live cost models: the registry probes them.
+LIVE_COST_POLICIES: Final = frozenset({"tier_aware", "predicted_ttft"})
 
 
 class TierCostMode(str, Enum):
@@ -132,7 +151,9 @@ class NoWorkerError(LookupError):
 
 @dataclass(frozen=True)
 class ScoringConfig:
-    overlap_weight: float = 1.0
+    # None: tier_aware derives each worker's weight from its queue and cache
+    # (``derived_weight``); cache_aware then scores with Dynamo's 1.0.
+    overlap_weight: float | None = 1.0
     # Prefill pages one shared-pool page saves (Dynamo's default 0.0: asked, then ignored).
     shared_cache_multiplier: float = 0.0
     # Prefill pages one device page saves (see the module docstring: 1.0, or 0 for the
@@ -153,6 +174,8 @@ class ScoringConfig:
         for name in ("overlap_weight", "shared_cache_multiplier", "device_credit",
                      "host_multiplier"):
             value = getattr(self, name)
+            if name == "overlap_weight" and value is None:
+                continue  # derived per worker
             if not value >= 0:  # also refuses NaN
                 raise ValueError(f"{name} must be a number >= 0, got {value}")
         if not self.shared_deadline_s > 0:
@@ -247,6 +270,8 @@ class CacheAwarePolicy(_Policy):
     ) -> dict[str, float]:
         page = _page_size(request)
         weight = self.config.overlap_weight
+        if weight is None:
+            weight = DYNAMO_OVERLAP_WEIGHT
         return {
             w.url: weight * (request.prompt_tokens - overlaps[w.url].gpu * page) / page
             + w.decode_blocks
@@ -275,7 +300,8 @@ class TierAwarePolicy(_Policy):
             w.url: self.prefill_pages(request, w, overlaps[w.url], hits, page)
             for w in request.workers
         }
-        prefill = {url: self.config.overlap_weight * p for url, p in pages.items()}
+        weights = {w.url: self.weight(w) for w in request.workers}
+        prefill = {url: weights[url] * p for url, p in pages.items()}
         loads = {w.url: self._load(w) for w in request.workers}
         logits = {url: prefill[url] + loads[url] for url in prefill}
         best = self._lowest(request.workers, logits, record=False)
@@ -287,13 +313,28 @@ class TierAwarePolicy(_Policy):
                     and loads[home] <= loads[best] + request.prompt_tokens / page)
 
         chosen, home = self._home_or(request, best, home_fits)
+        # The chosen worker's predicted TTFT from its live cost model: reported beside the
+        # measured one (``/decisions``, ``/metrics``) to check the model in production.
+        worker = next(w for w in request.workers if w.url == chosen)
+        terms, fallbacks = predict_for(request, worker, request.workers, overlaps[chosen],
+                                       hits, page)
         return RouteDecision(
             worker=chosen, policy=self.name, logits=logits, overlaps=overlaps,
             shared_hits=None if hits is None else sum(hits),
             shared_beyond=0 if hits is None else hits_beyond(hits, overlaps[chosen].gpu),
             shared_outcome=None if outcome is None else outcome.value, home=home,
-            prefill_pages=pages[chosen],
+            prefill_pages=pages[chosen], overlap_weight=weights[chosen],
+            predicted_ttft_s=terms.ttft_s, terms=terms.as_dict(), fallbacks=fallbacks,
         )
+
+    def weight(self, worker: WorkerLoad) -> float:
+        """The overlap weight of ``worker``'s prefill pages: the flag's, or derived
+        (``overlap_weight`` None): ``1 + prefilling + usage`` (module docstring)."""
+        fixed = self.config.overlap_weight
+        if fixed is not None:
+            return fixed
+        usage = 1.0 if worker.cache_usage is None else worker.cache_usage
+        return 1.0 + worker.prefilling_requests + usage
 
     def _load(self, worker: WorkerLoad) -> float:
         if self.config.load_term == LoadTerm.PENDING_PREFILL.value:

@@ -71,7 +71,8 @@ class RouterSettings:
     # router`). Against the pending prefill (the default load term) 4.0 also measured at or
     # ahead of 1.0 on every point of the router sweep's A/B (2026-11-29): each page a turn
     # recomputes delays every request queued behind it, not only its own first token.
-    overlap_weight: float = 4.0
+    # None: tier_aware derives each worker's weight from its queue and cache (``auto``).
+    overlap_weight: float | None = 4.0
     shared_cache_multiplier: float = 0.0
     shared_cache_type: SharedCacheType = SharedCacheType.NONE
     tier_costs: TierCostsMode = TierCostsMode.FIXED
@@ -114,8 +115,9 @@ class RouterSettings:
         self._check_pd()
         if not 0 < self.port < 65536:
             raise SettingsError(f"--port must be in 1..65535, got {self.port}")
-        if self.overlap_weight < 0:
-            raise SettingsError(f"--overlap-weight must be >= 0, got {self.overlap_weight}")
+        if self.overlap_weight is not None and not self.overlap_weight >= 0:
+            raise SettingsError(f"--overlap-weight must be >= 0 or auto, got "
+                                f"{self.overlap_weight}")
         if self.shared_cache_multiplier < 0:
             raise SettingsError(
                 f"--shared-cache-multiplier must be >= 0, got {self.shared_cache_multiplier}"
@@ -187,6 +189,19 @@ class PrefillEndpoint:
         return {"url": redact(self.url), "bootstrap_port": self.bootstrap_port}
 
 
+def _overlap_weight(text: object) -> float | None:
+    """``--overlap-weight``: a number, or ``auto`` (None: derived per worker)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() == "auto"):
+        return None
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        return float(text)
+    try:
+        return float(str(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--overlap-weight takes a number >= 0 or auto, not {text!r}") from None
+
+
 def parse_prefill_args(groups: Sequence[Sequence[str]]) -> tuple[PrefillEndpoint, ...]:
     """``--prefill URL [BOOTSTRAP_PORT]`` groups (SGLang's form) as endpoints; a port left
     out, or SGLang's ``none``, is the default bootstrap port. Repeats of a URL are one."""
@@ -250,9 +265,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how a worker is chosen (default: %(default)s)",
     )
     group.add_argument(
-        "--overlap-weight", type=float, default=d.overlap_weight,
-        help="weight of the prefill pages left to compute against the load term "
-        "(default: %(default)s)",
+        "--overlap-weight", type=_overlap_weight,
+        default="auto" if d.overlap_weight is None else d.overlap_weight,
+        help="weight of the prefill pages left to compute against the load term; auto: "
+        "tier_aware derives it per worker, 1 + its requests waiting for a first token + how "
+        "full its cache is (default: %(default)s)",
     )
     group.add_argument(
         "--shared-cache-multiplier", type=float, default=d.shared_cache_multiplier,
@@ -351,7 +368,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         raise SettingsError(str(error)) from None
     return RouterSettings(
         worker_urls=urls, host=args.host, port=args.port, policy=PolicyName(args.policy),
-        overlap_weight=args.overlap_weight,
+        overlap_weight=_overlap_weight(args.overlap_weight),
         shared_cache_multiplier=args.shared_cache_multiplier,
         shared_cache_type=SharedCacheType(args.shared_cache_type),
         tier_costs=TierCostsMode(args.tier_costs), tokenizer=args.tokenizer,

@@ -39,60 +39,14 @@ decision carries the chosen worker's prediction and its terms; the proxy enters
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from typing import Final
 
-from hicache.engine.reuse_plan import CostSnapshot, ReuseSituation, plan_reuse
-from hicache.router.live_costs import resolve_costs
 from hicache.router.policy import PolicyName, TierAwarePolicy, _check, _page_size
-from hicache.router.types import RouteDecision, RouteRequest, TierOverlap, WorkerLoad
+from hicache.router.ttft_model import TTFTTerms, predict_for, shared_run
+from hicache.router.types import RouteDecision, RouteRequest
 
 # Predictions closer than this (seconds) are a tie: the model is not that exact.
 _TIE_DIGITS: Final = 6
-
-
-@dataclass(frozen=True)
-class TTFTTerms:
-    """One worker's predicted TTFT for one request, in seconds."""
-
-    queue_s: float  # its ledger: prefill ahead of this one
-    own_s: float  # this request's prefill there (loads and compute)
-    load_s: float  # of own_s: reading L3 pages and loading host pages
-    decode_s: float  # of own_s: its decoding requests slowing the prefill steps
-    cached_tokens: int  # where its plan starts computing
-
-    @property
-    def ttft_s(self) -> float:
-        return self.queue_s + self.own_s
-
-    def as_dict(self) -> dict[str, float]:
-        return {**{k: float(v) for k, v in asdict(self).items()}, "ttft_s": self.ttft_s}
-
-
-def predict(request: RouteRequest, worker: WorkerLoad, overlap: TierOverlap,
-            shared_pages: int, costs: CostSnapshot, page: int) -> TTFTTerms:
-    """``worker``'s predicted TTFT; ``shared_pages``: L3 pages right past its host prefix
-    (the contiguous run it could read); ``costs``: resolved (every figure known)."""
-    prompt = request.prompt_tokens
-    device = min(overlap.gpu * page, prompt)
-    host = min(max(0, overlap.host - overlap.gpu) * page, prompt - device)
-    found = min(shared_pages * page, prompt - device - host)
-    rows = worker.decoding_requests
-    situation = ReuseSituation(prompt_tokens=prompt, page_size=page, device_tokens=device,
-                               host_tokens=host, found_tokens=found, decode_rows=rows)
-    plan = plan_reuse(situation, costs)
-    cached = device if plan is None else plan.cached_tokens
-    compute = _prefill(costs, prompt - cached, cached, rows)
-    own = compute if plan is None else plan.predicted_s
-    decode = compute - _prefill(costs, prompt - cached, cached, 0)
-    return TTFTTerms(queue_s=worker.queued_prefill_s, own_s=own, load_s=max(0.0, own - compute),
-                     decode_s=max(0.0, decode), cached_tokens=cached)
-
-
-def _prefill(costs: CostSnapshot, new_tokens: int, context: int, rows: int) -> float:
-    seconds = costs.prefill_s(new_tokens, context, rows)
-    assert seconds is not None  # resolved costs always have a prefill fit
-    return seconds
 
 
 class PredictedTTFTPolicy(TierAwarePolicy):
@@ -105,12 +59,8 @@ class PredictedTTFTPolicy(TierAwarePolicy):
         terms: dict[str, TTFTTerms] = {}
         fallbacks: dict[str, tuple[str, ...]] = {}
         for worker in request.workers:
-            others = [w.costs for w in request.workers if w is not worker]
-            costs, filled = resolve_costs(worker.costs, others, page)
-            overlap = overlaps[worker.url]
-            terms[worker.url] = predict(request, worker, overlap,
-                                        _shared_run(overlap, hits), costs, page)
-            fallbacks[worker.url] = filled
+            terms[worker.url], fallbacks[worker.url] = predict_for(
+                request, worker, request.workers, overlaps[worker.url], hits, page)
         ttft = {u: t.ttft_s for u, t in terms.items()}
         best = self._lowest(request.workers, ttft, _TIE_DIGITS, record=False)
         # The home may make the request wait at most its own prefill (at the best) more.
@@ -120,21 +70,8 @@ class PredictedTTFTPolicy(TierAwarePolicy):
             worker=url, policy=self.name,
             logits={u: t.ttft_s for u, t in terms.items()}, overlaps=overlaps,
             shared_hits=None if hits is None else sum(hits),
-            shared_beyond=0 if hits is None else _shared_run(overlaps[url], hits),
+            shared_beyond=0 if hits is None else shared_run(overlaps[url], hits),
             shared_outcome=None if outcome is None else outcome.value,
             predicted_ttft_s=terms[url].ttft_s, terms=terms[url].as_dict(),
             fallbacks=fallbacks[url], home=home,
         )
-
-
-def _shared_run(overlap: TierOverlap, hits: Sequence[bool] | None) -> int:
-    """L3 pages right past the worker's host prefix: the shared pool's contiguous run
-    when it answered, else what the workers announced to the index."""
-    if hits is None:
-        return max(0, overlap.external - overlap.host)
-    run = 0
-    for hit in hits[overlap.host:]:
-        if not hit:
-            break
-        run += 1
-    return run

@@ -35,6 +35,11 @@ class WorkerLoad:
     # The same ledger in pages: what the requests sent there compute before their first
     # token (tier_aware's ``pending_prefill`` load term).
     pending_prefill_pages: float = 0.0
+    # The ledger's requests sent there still waiting for their first token.
+    prefilling_requests: int = 0
+    # How full its cache is, 0..1 (its host pool, else its device pool), as last probed;
+    # None: not known (tier_aware's derived overlap weight then takes it as full).
+    cache_usage: float | None = None
     # The worker's live cost model as it last reported it (``router.live_costs``); None:
     # not measured (the predicted_ttft policy then prices it from the other workers').
     costs: CostSnapshot | None = None
@@ -83,7 +88,7 @@ class RouteDecision:
     shared_beyond: int = 0  # shared pages past the chosen worker's device prefix
     # How the shared pool's query ended (policy.SharedQueryOutcome's values); None: not asked.
     shared_outcome: str | None = None
-    # predicted_ttft only: the chosen worker's predicted TTFT and its parts, in seconds
+    # predicted_ttft and tier_aware: the chosen worker's predicted TTFT and its parts, in seconds
     # (``ttft_policy.TTFTTerms``'s fields), and where a cost was not that worker's own
     # measurement (``"<figure>=median"`` or ``"<figure>=default"``).
     predicted_ttft_s: float | None = None
@@ -95,6 +100,9 @@ class RouteDecision:
     # tier_aware: the pages the chosen worker computes for this request (its prefill
     # term before the overlap weight), the ledger's entry for it in pages.
     prefill_pages: float = 0.0
+    # tier_aware: the overlap weight the chosen worker's prefill pages were scored with
+    # (the flag's, or the one derived from its queue and cache: ``policy.py``).
+    overlap_weight: float | None = None
 
     @property
     def predicted_prefill_s(self) -> float:

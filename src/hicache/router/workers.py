@@ -58,7 +58,7 @@ from hicache.router.health import (
     signal_of_status,
 )
 from hicache.router.ledger import PrefillLedger
-from hicache.router.live_costs import worker_cost_snapshot
+from hicache.router.live_costs import cache_usage, worker_cost_snapshot
 from hicache.router.settings import normalize_worker_url
 from hicache.router.subscriber import EventEndpoints, EventSubscriber, SubscriberCounts
 from hicache.router.tier_costs import measured_tier_costs
@@ -259,6 +259,8 @@ class Worker:
     ledger: PrefillLedger = field(default_factory=PrefillLedger)
     # Its live cost model as last probed (only for a policy that prices with it).
     live_costs: CostSnapshot | None = None
+    # How full its cache was at the last probe (``live_costs.cache_usage``).
+    cache_usage: float | None = None
 
     @property
     def url(self) -> str:
@@ -276,7 +278,9 @@ class Worker:
         return WorkerLoad(self.url, self.active_requests, float(self.active_prompt_pages),
                           queued_prefill_s=self.ledger.queued_s(),
                           decoding_requests=self.ledger.decoding, costs=self.live_costs,
-                          pending_prefill_pages=self.ledger.pending_pages)
+                          pending_prefill_pages=self.ledger.pending_pages,
+                          prefilling_requests=self.ledger.prefilling,
+                          cache_usage=self.cache_usage)
 
 
 class WorkerRegistry:
@@ -298,8 +302,9 @@ class WorkerRegistry:
         # With --tier-costs measured: each worker's costs, refreshed from its
         # /get_server_info and /metrics at every successful probe (the policy reads them).
         self._tier_costs = tier_costs
-        # For predicted_ttft: each worker's live cost model (``Worker.live_costs``), read
-        # from the same answers at every successful probe.
+        # For tier_aware and predicted_ttft: each worker's live cost model
+        # (``Worker.live_costs``) and cache usage, read from the same answers at every
+        # successful probe.
         self._live_costs = live_costs
         self._client = client
         self._health_interval_s = health_interval_s
@@ -523,6 +528,7 @@ class WorkerRegistry:
                     self._tier_costs[worker.url] = measured_tier_costs(body, text)
                 if self._live_costs:
                     worker.live_costs = worker_cost_snapshot(body, text)
+                    worker.cache_usage = cache_usage(text)
         except (httpx.HTTPError, ValueError) as error:
             logger.debug("worker %s: tier costs not refreshed: %s", worker.url, error)
 

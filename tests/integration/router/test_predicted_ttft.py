@@ -112,3 +112,37 @@ def test_a_worker_without_a_cost_model_is_priced_from_the_others() -> None:
         # A tie on the median's price: registration order, and the decision says so.
         assert decision["worker"] == urls[0]
         assert "prefill=median" in decision["fallbacks"]
+
+
+def test_tier_aware_reads_each_workers_cache_usage_and_reports_its_prediction() -> None:
+    # A's host pool is full, B's empty: with the derived weight a cold request's pages
+    # weigh 1 + 0 + 1 at A and 1 + 0 + 0 at B once the probes have read that (before,
+    # both are taken as full: a tie, and registration order sends it to A).
+    workers = [
+        FakeWorker(extra_info=fit(1e-3), metrics_text="hicache_host_pool_usage 1.0\n"),
+        FakeWorker(extra_info=fit(1e-3), metrics_text="hicache_host_pool_usage 0.0\n"),
+    ]
+    tier_aware = build_policy("tier_aware", PageIndex(), None, ScoringConfig(
+        overlap_weight=None, load_term="pending_prefill"))
+    with fake_workers(*workers) as urls, running_router(urls, policy=tier_aware) as router:
+        sent = 0
+
+        def routed_to_b() -> bool:
+            nonlocal sent
+            sent += 1
+            response = router.post("/generate", json={"input_ids": IDS, "stream": True})
+            assert response.status_code == 200
+            last = router.get("/decisions", params={"limit": 1}).json()["decisions"][0]
+            return bool(last["worker"] == urls[1])
+
+        assert wait_until(routed_to_b, poll_s=0.1)  # a request a tenth of a second at most
+        decision = router.get("/decisions", params={"limit": 1}).json()["decisions"][0]
+        assert decision["policy"] == "tier_aware"
+        assert decision["overlap_weight"] == pytest.approx(1.0)
+        # The prediction from B's measured 1 ms a token, and the measured TTFT beside it.
+        assert decision["predicted_ttft_s"] == pytest.approx(len(IDS) * 1e-3)
+        assert decision["measured_ttft_s"] > 0
+        found = samples(router)
+        tier = (("policy", "tier_aware"),)
+        assert found[("router_predicted_ttft_seconds_count", tier)] == sent
+        assert found[("router_measured_ttft_seconds_count", tier)] == sent

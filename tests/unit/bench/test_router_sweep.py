@@ -229,6 +229,24 @@ def test_a_point_with_a_failed_run_runs_every_contender_again() -> None:
     assert result.missing([mine, theirs]) == [mine, theirs]
 
 
+def test_ours_run_again_once_the_routers_defaults_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = sweep_args(tmp_path)
+    args.sglang_program = router_sweep.SGLANG_PROGRAM
+    before = router_sweep.contenders(args)
+    assert "--overlap-weight" in before[0].defaults  # what the router's flags default to
+    point = SweepPoint("short", 1.0, "none", "closed")
+    result = PointResult.of(point.id, router_sweep.point_fields(point), {}, None, None, [],
+                            list(before))
+    assert result.missing(before) == []
+    monkeypatch.setattr(router_sweep, "router_defaults", lambda: "--overlap-weight 9")
+    after = router_sweep.contenders(args)
+    # Ours (same names, same flags) now run under other defaults; SGLang's result stands.
+    assert [c.name for c in result.missing(after)] == [
+        c.name for c in after if c.kind == "hicache"]
+
+
 def test_bad_sweep_flags_fail_before_any_process(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
