@@ -39,11 +39,8 @@ Five policies (``--policy``), each a small strategy object behind
   token (``prefilling``, the router's ledger); and once the worker's cache is full, each
   page it computes pushes out a cached page that may be asked for again (``usage``: its
   host pool's share in use, else its device pool's, from its /metrics; taken as full
-  until probed). Sending a turn away from the worker that holds its prefix also leaves
-  that copy dead there (the conversation's later turns follow the newest copy): each such
-  page is a cached page pushed out there, weighed by that worker's usage and added to the
-  logit (``abandoned``). Nothing in it is tuned: an idle cluster with room in its caches
-  weighs a page of prefill as one, a busy one with full caches as several.
+  until probed). Nothing in it is tuned: an idle cluster with room in its caches weighs a
+  page of prefill as one, a busy one with full caches as several.
   Every tier_aware decision also reports the chosen worker's predicted TTFT from its live
   cost model (``ttft_model.py``, as predicted_ttft prices it), beside the measured one.
 
@@ -306,8 +303,7 @@ class TierAwarePolicy(_Policy):
         weights = {w.url: self.weight(w) for w in request.workers}
         prefill = {url: weights[url] * p for url, p in pages.items()}
         loads = {w.url: self._load(w) for w in request.workers}
-        logits = {url: prefill[url] + loads[url] + self.abandoned(request.workers, url, overlaps)
-                  for url in prefill}
+        logits = {url: prefill[url] + loads[url] for url in prefill}
         best = self._lowest(request.workers, logits, record=False)
 
         def home_fits(home: str) -> bool:
@@ -337,18 +333,8 @@ class TierAwarePolicy(_Policy):
         fixed = self.config.overlap_weight
         if fixed is not None:
             return fixed
-        return 1.0 + worker.prefilling_requests + _usage(worker)
-
-    def abandoned(self, workers: Sequence[WorkerLoad], url: str,
-                  overlaps: Mapping[str, TierOverlap]) -> float:
-        """With the derived weight: the cached pages of this prefix that sending it to
-        ``url`` leaves dead on another worker (its later turns follow the newest copy), each
-        worth a cached page pushed out there (its cache usage); 0 with a given weight."""
-        if self.config.overlap_weight is not None:
-            return 0.0
-        here = overlaps[url].host
-        return max((_usage(w) * max(0, overlaps[w.url].host - here)
-                    for w in workers if w.url != url), default=0.0)
+        usage = 1.0 if worker.cache_usage is None else worker.cache_usage
+        return 1.0 + worker.prefilling_requests + usage
 
     def _load(self, worker: WorkerLoad) -> float:
         if self.config.load_term == LoadTerm.PENDING_PREFILL.value:
@@ -538,11 +524,6 @@ def _page_size(request: RouteRequest) -> int:
             f"{request.page_size}: the scoring policies count prefill in pages"
         )
     return request.page_size
-
-
-def _usage(worker: WorkerLoad) -> float:
-    """How full ``worker``'s cache is; one (full, as a busy server's is) until probed."""
-    return 1.0 if worker.cache_usage is None else worker.cache_usage
 
 
 def _unit(value: float) -> float:

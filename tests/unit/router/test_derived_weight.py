@@ -71,30 +71,9 @@ def test_a_busy_worker_holding_the_prefix_keeps_it_where_an_idle_one_would_lose_
         WorkerLoad("B", pending_prefill_pages=0.0, prefilling_requests=2, cache_usage=1.0),
     ]
     kept = _route(index, AUTO, pages, busy)
-    # At B, A's six cached pages would also be left dead in A's full cache: six more.
-    assert kept.logits == {"A": pytest.approx(6 + 4 * at_a), "B": pytest.approx(4 * 8.0 + 6)}
+    assert kept.logits == {"A": pytest.approx(6 + 4 * at_a), "B": pytest.approx(4 * 8.0)}
     assert kept.worker == "A"
     assert kept.overlap_weight == pytest.approx(4.0)
-
-
-def test_moving_a_turn_away_prices_the_copy_it_leaves_dead_by_that_workers_usage() -> None:
-    pages = list(range(1, 9))
-    index = PageIndex()
-    _host_holds(index, "A", pages[:4])
-    _host_holds(index, "C", pages[:6])
-    workers = [WorkerLoad("A", cache_usage=0.5), WorkerLoad("B", cache_usage=0.0),
-               WorkerLoad("C", cache_usage=1.0)]
-    decision = _route(index, AUTO, pages, workers)
-    # Each worker's weight is 1 + 0 + its usage; the dead copy is the largest elsewhere:
-    # at A, C's two pages past A's four (usage 1); at B, C's six (usage 1); at C, none.
-    assert decision.logits == {
-        "A": pytest.approx(1.5 * (8 - 4 * 0.9) + 1.0 * 2),
-        "B": pytest.approx(1.0 * 8 + 1.0 * 6),
-        "C": pytest.approx(2.0 * (8 - 6 * 0.9)),
-    }
-    assert decision.worker == "C"
-    fixed = _route(index, ScoringConfig(overlap_weight=1.0), pages, workers)
-    assert fixed.logits["B"] == pytest.approx(8.0)  # a given weight prices no dead copy
 
 
 def test_a_given_weight_ignores_the_queue_and_the_cache() -> None:
