@@ -71,7 +71,10 @@ class RouterSettings:
     # router`). Against the pending prefill (the default load term) 4.0 also measured at or
     # ahead of 1.0 on every point of the router sweep's A/B (2026-11-29): each page a turn
     # recomputes delays every request queued behind it, not only its own first token.
-    # None: tier_aware derives each worker's weight from its queue and cache (``auto``).
+    # None (``auto``): tier_aware derives each worker's weight from its queue and cache
+    # (policy.py). Measured level with 4.0 on the sweep's closed-loop points and behind it
+    # under light load (ws 1 Poisson 50%: mean TTFT 0.83x SGLang's against 0.78x), so 4.0
+    # stays the default (docs/benchmarks.md, 2026-11-30).
     overlap_weight: float | None = 4.0
     shared_cache_multiplier: float = 0.0
     shared_cache_type: SharedCacheType = SharedCacheType.NONE
