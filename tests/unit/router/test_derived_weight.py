@@ -18,6 +18,7 @@ from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.settings import SettingsError, add_arguments, settings_from_args
 from hicache.router.ttft_model import predict_for
 from hicache.router.types import RouteDecision, RouteRequest, TierOverlap, WorkerLoad
+from tests.tier_aware_route import route
 
 PAGE = 16
 AUTO = ScoringConfig(overlap_weight=None, load_term="pending_prefill")
@@ -25,10 +26,7 @@ AUTO = ScoringConfig(overlap_weight=None, load_term="pending_prefill")
 
 def _route(index: PageIndex, config: ScoringConfig, pages: list[int],
            workers: list[WorkerLoad]) -> RouteDecision:
-    policy = build_policy("tier_aware", index, None, config)
-    request = RouteRequest(page_hashes=pages, prompt_tokens=len(pages) * PAGE,
-                           workers=workers, page_size=PAGE)
-    return asyncio.run(policy.choose(request, list(range(len(pages) * PAGE))))
+    return route(index, config, pages, workers, PAGE)
 
 
 def _host_holds(index: PageIndex, worker: str, pages: list[int]) -> None:

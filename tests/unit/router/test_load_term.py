@@ -4,25 +4,22 @@ pending on each worker as the router sent them (``--load-term pending_prefill``)
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 import pytest
 
 from hicache.events.messages import MEDIUM_CPU, BlockStored, KVEventBatch
 from hicache.router.index import PageIndex
-from hicache.router.policy import ScoringConfig, build_policy
+from hicache.router.policy import ScoringConfig
 from hicache.router.settings import add_arguments, settings_from_args
-from hicache.router.types import RouteDecision, RouteRequest, WorkerLoad
+from hicache.router.types import RouteDecision, WorkerLoad
+from tests.tier_aware_route import route
 
 PAGE = 16
 
 
 def _route(index: PageIndex, config: ScoringConfig, pages: list[int],
            workers: list[WorkerLoad]) -> RouteDecision:
-    policy = build_policy("tier_aware", index, None, config)
-    request = RouteRequest(page_hashes=pages, prompt_tokens=len(pages) * PAGE,
-                           workers=workers, page_size=PAGE)
-    return asyncio.run(policy.choose(request, list(range(len(pages) * PAGE))))
+    return route(index, config, pages, workers, PAGE)
 
 
 # A holds two long requests that are decoding (their prefill done: nothing pending);
