@@ -199,8 +199,11 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
                        help="first prompt of 256 (short) or 2,048 (long) tokens "
                        "(default: %(default)s)")
     group.add_argument("--sweep-point-seconds", type=float, default=40.0, metavar="S",
-                       help="each run sends no request after this many seconds "
+                       help="a closed-loop run sends no request after this many seconds "
                        "(default: %(default)s)")
+    group.add_argument("--sweep-open-max-seconds", type=float, default=300.0, metavar="S",
+                       help="an open-loop run sends until every turn of every conversation "
+                       "has arrived, but no longer than this (default: %(default)s)")
     group.add_argument("--sweep-capacity", type=float, default=None, metavar="RPS",
                        help="requests a second the Poisson points take as the capacity, "
                        "instead of measuring it at each one's closed-loop point first "

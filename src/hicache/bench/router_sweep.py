@@ -18,8 +18,13 @@ Sizes per point: each worker's L1 holds ``L1_CONTEXTS`` of the prompt class's lo
 conversation (rounded up to 256 tokens), its L2 is ``--hicache-ratio`` times that, and the
 number of conversations makes the working set the point's multiple of the cluster's
 L1 + L2. So points of one prompt class share their workers and differ only in how much the
-conversations outgrow them. A run stops sending after ``--sweep-point-seconds`` (recorded
-per point: the long prompts may be given more time in another session of the same sweep).
+conversations outgrow them. A closed-loop run stops sending after ``--sweep-point-seconds``;
+an open-loop one once its schedule has sent every turn of every conversation
+(``point_deadline``), within ``--sweep-open-max-seconds`` and never before
+``--sweep-point-seconds``: at half of capacity a 40 s run sends about one turn per
+conversation at ws 2 and 4, so it measures first turns, which no cache holds, not
+routing. Each point records its run length (the long prompts may be given more time in
+another session of the same sweep).
 
 Each point runs, in a fresh cluster per run: ``hicache router`` with its default policy
 (whatever it is at run time) and with every ``--policies`` given, and SGLang's router
@@ -64,7 +69,7 @@ from hicache.bench.router_sweep_report import (
     SweepState,
     write_sweep_report,
 )
-from hicache.bench.sweep_load import LoadSpec, run_load
+from hicache.bench.sweep_load import LoadSpec, run_load, schedule_span
 from hicache.bench.workload import PromptMaker, Session, WorkloadError, working_set_tokens
 
 WS_RATIOS = (0.5, 1.0, 2.0, 4.0)
@@ -218,6 +223,7 @@ class SweepSettings:
     worker_args: str
     hicache_ratio: float
     point_seconds: float
+    open_max_seconds: float
     repeats: int
     kv_bytes_per_token: int
     contenders: tuple[Contender, ...]
@@ -274,6 +280,8 @@ def contenders(args: argparse.Namespace) -> tuple[Contender, ...]:
 def settings_of(args: argparse.Namespace) -> SweepSettings:
     if not args.sweep_point_seconds > 0:
         raise RouterBenchError("--sweep-point-seconds must be > 0")
+    if not args.sweep_open_max_seconds >= args.sweep_point_seconds:
+        raise RouterBenchError("--sweep-open-max-seconds must be >= --sweep-point-seconds")
     if args.sweep_kv_bytes_per_token < 1:
         raise RouterBenchError("--sweep-kv-bytes-per-token must be >= 1")
     if args.repeats < 1:
@@ -285,6 +293,7 @@ def settings_of(args: argparse.Namespace) -> SweepSettings:
     return SweepSettings(
         num_workers=args.num_workers, worker_args=args.worker_args,
         hicache_ratio=args.hicache_ratio, point_seconds=args.sweep_point_seconds,
+        open_max_seconds=args.sweep_open_max_seconds,
         repeats=args.repeats, kv_bytes_per_token=args.sweep_kv_bytes_per_token,
         contenders=contenders(args), seed=args.seed,
     )
@@ -302,6 +311,17 @@ def capacity_of(result: PointResult | None) -> float | None:
     if result is None:
         return None
     return result.capacity_rps
+
+
+def point_deadline(sizes: PointSizes, rate: float | None, settings: SweepSettings) -> float:
+    """Seconds a run at the point may send for: ``--sweep-point-seconds`` in a closed loop;
+    in an open one until the schedule's last turn arrives, within
+    ``--sweep-open-max-seconds``, never shorter than the closed loop's."""
+    if rate is None:
+        return settings.point_seconds
+    span = schedule_span(sizes.num_clients, sizes.prompt.num_rounds, rate, settings.seed)
+    # Just past the last arrival, so that its turn is not cut off by rounding.
+    return max(settings.point_seconds, min(math.ceil(span) + 1.0, settings.open_max_seconds))
 
 
 # ------------------------------------------------------------------------ one point
@@ -359,15 +379,17 @@ def run_point(
     ``previous``'s results of the others kept."""
     sizes = point_sizes(point, settings.num_workers, settings.hicache_ratio,
                         settings.kv_bytes_per_token)
-    sizes_json = {**sizes.to_json(), "point_seconds": settings.point_seconds}
     rate = None
     if point.load_fraction is not None:
         if not capacity_rps:
+            sizes_json = {**sizes.to_json(), "point_seconds": settings.point_seconds}
             return PointResult.failed(point.id, point_fields(point), sizes_json,
                                       "no capacity measured at the closed-loop point")
         rate = point.load_fraction * capacity_rps
+    deadline = point_deadline(sizes, rate, settings)
+    sizes_json = {**sizes.to_json(), "point_seconds": deadline}
     spec = LoadSpec(
-        deadline_s=settings.point_seconds, max_inflight=sizes.max_inflight if rate is None else 0,
+        deadline_s=deadline, max_inflight=sizes.max_inflight if rate is None else 0,
         rate=rate, seed=settings.seed,
     )
     point_dir = out_dir / "points" / point.id
@@ -445,8 +467,9 @@ def main(args: argparse.Namespace) -> int:
         "- contenders: " + "; ".join(
             f"{c.name} (`{c.program or 'hicache router'} --policy {c.policy} {c.args}`)".replace(
                 " `)", "`)") for c in settings.contenders),
-        f"- each run stops sending after {settings.point_seconds:g} s (this session's "
-        "points; see Sizes); repeats: "
+        f"- each run stops sending after {settings.point_seconds:g} s in a closed loop, "
+        "in an open one once every turn is sent (at most "
+        f"{settings.open_max_seconds:g} s); this session's points, see Sizes; repeats: "
         f"{settings.repeats} (order reversed on even repeats); seed {settings.seed}",
         f"- CPUs: {os.cpu_count()} on the machine",
     ]

@@ -42,6 +42,13 @@ from hicache.bench.workload import PromptMaker, Session, WorkloadError, warmup_p
 _SCHEDULE_STREAM = 7_3
 
 
+def schedule_span(num_conversations: int, num_rounds: int, rate: float, seed: int) -> float:
+    """Seconds after the start when the last turn of ``poisson_schedule(...)`` arrives: a
+    run whose deadline is this long sends every turn of every conversation."""
+    schedule = poisson_schedule(num_conversations, num_rounds, rate, seed)
+    return max(max(turns) for turns in schedule)
+
+
 def poisson_schedule(
     num_conversations: int, num_rounds: int, rate: float, seed: int
 ) -> list[list[float]]:

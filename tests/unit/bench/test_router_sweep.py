@@ -19,8 +19,10 @@ from hicache.bench.router_sweep import (
     expand_grid,
     parse_axis,
     parse_ws,
+    point_deadline,
     point_sizes,
     run_order,
+    settings_of,
 )
 from hicache.bench.router_sweep_report import (
     Contender,
@@ -28,6 +30,7 @@ from hicache.bench.router_sweep_report import (
     PointResult,
     SweepState,
 )
+from hicache.bench.sweep_load import poisson_schedule
 from hicache.cli import build_parser, main
 
 
@@ -218,6 +221,29 @@ def test_a_given_capacity_runs_the_open_loop_points_alone_at_it(
         SweepPoint("long", 1.0, "none", "poisson90")]
 
 
+def test_an_open_loop_run_lasts_until_every_turn_has_arrived(tmp_path: Path) -> None:
+    settings = settings_of(sweep_args(tmp_path, "--sweep-point-seconds", "40"))
+    assert settings.open_max_seconds == 300.0
+    point = SweepPoint("short", 4.0, "all", "poisson50")
+    sizes = point_sizes(point, 2, 2.0, 46080)
+    # Closed loop: the flag's length.
+    assert point_deadline(sizes, None, settings) == 40.0
+    # At 1.1 requests a second, 38 conversations x 4 turns take about 140 s to arrive: the
+    # run sends every one of them (40 s would have sent about one turn per conversation).
+    assert (sizes.num_clients, sizes.prompt.num_rounds) == (38, 4)
+    deadline = point_deadline(sizes, 1.1, settings)
+    schedule = poisson_schedule(sizes.num_clients, sizes.prompt.num_rounds, 1.1, settings.seed)
+    last = max(max(turns) for turns in schedule)
+    assert 100.0 < last < deadline <= last + 2.0
+    sent_by_40s = sum(t <= 40.0 for turns in schedule for t in turns)
+    assert sent_by_40s < 1.5 * sizes.num_clients
+    # A fast schedule is never cut shorter than the closed loop's run ...
+    assert point_deadline(sizes, 100.0, settings) == 40.0
+    # ... and a slow one stops at the cap.
+    capped = settings_of(sweep_args(tmp_path, "--sweep-open-max-seconds", "120"))
+    assert point_deadline(sizes, 1.1, capped) == 120.0
+
+
 def test_a_point_with_a_failed_run_runs_every_contender_again() -> None:
     point = SweepPoint("short", 2.0, "all", "closed")
     mine = Contender("hicache-tier_aware", "hicache", "tier_aware", "", None)
@@ -256,6 +282,7 @@ def test_bad_sweep_flags_fail_before_any_process(
         (["--sweep-arrival", "poisson"], "--sweep-arrival"),
         (["--sweep-prompt", "medium"], "--sweep-prompt"),
         (["--sweep-point-seconds", "0"], "--sweep-point-seconds"),
+        (["--sweep-open-max-seconds", "30"], "--sweep-open-max-seconds"),
         (["--repeats", "0"], "--repeats"),
         (["--sweep-capacity", "0"], "--sweep-capacity"),
     ):
