@@ -12,6 +12,12 @@ their settled prefetches brought: a long queue neither takes the whole host
 pool (write_back evicts device pages into it, backups copy into it) nor evicts
 its own prefetched pages before they are used. Runs on the scheduler thread.
 
+What the local tiers held of a waiting request's prefix can leave the host before it is
+admitted: under load the queue lasts several prefills, whose backups evict host pages
+(pages that only a prefetch brought are not in the core set, so they go first). A request
+found holding fewer prefix pages at admission than it once had fetches them from L3 once
+more, rather than recompute what L3 still has (``settled``).
+
 Under tensor parallelism at most ``l3_agreement.NUM_SLOTS`` prefetches run at
 once (each is agreed through a slot of the per-tick collective); a request
 whose prefetch finds no free slot waits, as it would for the host budget.
@@ -78,6 +84,8 @@ class Prefetcher:
             if self.enabled and not self.cache.prefetch_slot_free:
                 return False  # tensor parallelism: it waits until a prefetch ahead settles
             self._start(req)
+        elif req.prefetch is None and self._lost_prefix(req):
+            self._refetch(req)
         if req.prefetch is None:
             return True
         # The policy is an upper bound: the plan may cut the prefetch sooner, where what
@@ -98,12 +106,39 @@ class Prefetcher:
     def _start(self, req: Req) -> None:
         req.prefetch_tried = True
         if self.enabled and self.cache.storage is not None:
-            req.prefetch = self.cache.prefetch(req.match_tokens(), req.request.extra_key)
+            tokens, key = req.match_tokens(), req.request.extra_key
+            req.prefix_pages_seen = max(req.prefix_pages_seen, self._cached_pages(req))
+            req.prefetch = self.cache.prefetch(tokens, key)
+
+    def _lost_prefix(self, req: Req) -> bool:
+        """Did a waiting request's cached prefix shrink since it arrived (and may it fetch
+        it again: once, on its first admission, with L3 attached and a slot free)?"""
+        cache = self.cache
+        return (
+            not req.refetched and req.num_retractions == 0 and req.prefix_pages_seen > 0
+            and self.enabled and cache.storage is not None and cache.prefetch_slot_free
+            and self._cached_pages(req) < req.prefix_pages_seen
+        )
+
+    def _refetch(self, req: Req) -> None:
+        req.refetched = True
+        req.storage_tokens = 0  # what it brought before is gone
+        req.prefetch = self.cache.prefetch(req.match_tokens(), req.request.extra_key)
+
+    def _cached_pages(self, req: Req) -> int:
+        peek = self.cache.peek(req.match_tokens(), req.request.extra_key)
+        return peek.num_device_pages + peek.num_host_pages
 
     def _settle(self, req: Req) -> None:
         """End the prefetch: what landed joins the tree as host pages."""
-        assert req.prefetch is not None
-        req.storage_tokens += self.cache.finish_prefetch(req.prefetch)
+        handle = req.prefetch
+        assert handle is not None
+        inserted = self.cache.finish_prefetch(handle)
+        req.storage_tokens += inserted
+        if inserted:
+            req.prefix_pages_seen = max(
+                req.prefix_pages_seen, handle.start_page + inserted // self.cache.page_size
+            )
         req.prefetch = None
 
     def _footprint_pages(self, req: Req) -> int:

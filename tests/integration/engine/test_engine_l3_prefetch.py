@@ -130,3 +130,43 @@ def test_a_long_queue_prefetches_within_the_host_budget(
         assert answer.last.cached_tokens.storage == REUSED  # the last three too, later
         assert answer.token_ids == before.token_ids
     engine.check_integrity()
+
+
+def evict_every_host_page(engine: Engine) -> None:
+    """What the backups of running requests do under load: take the host pool's pages
+    (evicting every host-only leaf nothing holds), then give them back empty."""
+    cache = engine.cache
+    assert cache.host_pool is not None
+    pages = cache.alloc_host(cache.host_pool.num_pages)
+    cache.host_pool.allocator.free(pages)
+
+
+def test_a_prefix_evicted_from_the_host_while_queued_is_fetched_again(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, backend = engine_with_store(
+        make_engine, PrefetchPolicy.WAIT_COMPLETE, flags=("--max-running-requests", "1")
+    )
+    ids = prompt(5)
+    [cold] = in_l3_only(engine, backend, [ids])
+    cached_after: list[int] = []
+
+    def landed_then_evicted(queue: Queue) -> bool:
+        if queue.storage_tokens != (REUSED,):
+            return False
+        # Its prefetch landed and joined the tree; now the host loses it, as it did
+        # behind a queue of long prefills, before the request is admitted.
+        on_scheduler(engine, lambda: evict_every_host_page(engine))
+        peek = on_scheduler(engine, lambda: engine.cache.peek(ids))
+        cached_after.append(peek.num_device_pages + peek.num_host_pages)
+        return True
+
+    _, [answer] = asyncio.run(
+        while_long_request_runs(engine, [greedy(ids)], landed_then_evicted)
+    )
+    assert cached_after == [0]
+    assert answer.last.error is None
+    # Read from L3 again at admission, not recomputed.
+    assert answer.last.cached_tokens.storage == REUSED
+    assert answer.token_ids == cold.token_ids
+    engine.check_integrity()
