@@ -14,9 +14,11 @@ its own prefetched pages before they are used. Runs on the scheduler thread.
 
 What the local tiers held of a waiting request's prefix can leave the host before it is
 admitted: under load the queue lasts several prefills, whose backups evict host pages
-(pages that only a prefetch brought are not in the core set, so they go first). A request
-found holding fewer prefix pages at admission than it once had fetches them from L3 once
-more, rather than recompute what L3 still has (``settled``).
+(pages that only a prefetch brought are not in the core set, so they go first); and a
+prefetch that found its pages in L3 when no host page was free for them lands nothing. A
+request found holding fewer prefix pages at admission than it once had, or than L3 was
+found to hold, fetches them from L3 once more, rather than recompute what L3 still has
+(``settled``).
 
 Under tensor parallelism at most ``l3_agreement.NUM_SLOTS`` prefetches run at
 once (each is agreed through a slot of the per-tick collective); a request
@@ -133,11 +135,15 @@ class Prefetcher:
         """End the prefetch: what landed joins the tree as host pages."""
         handle = req.prefetch
         assert handle is not None
+        found = handle.num_found_tokens
         inserted = self.cache.finish_prefetch(handle)
         req.storage_tokens += inserted
-        if inserted:
+        # What L3 held counts as seen even where no host page was free for it then (a
+        # long queue's prefetches fill their budget): at admission there may be room.
+        got = max(inserted, found)
+        if got > 0:
             req.prefix_pages_seen = max(
-                req.prefix_pages_seen, handle.start_page + inserted // self.cache.page_size
+                req.prefix_pages_seen, handle.start_page + got // self.cache.page_size
             )
         req.prefetch = None
 

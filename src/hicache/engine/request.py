@@ -58,8 +58,8 @@ class Req:
     prefetch: PrefetchHandle | None = None
     prefetch_tried: bool = False
     storage_tokens: int = 0  # tokens the L3 prefetch contributed
-    # Pages of its prefix the local tiers held at once while it waited (what was cached
-    # when its prefetch started, then what the prefetch brought); Prefetcher.settled.
+    # Pages of its prefix it was seen to have while it waited: what the local tiers held
+    # when its prefetch started, then what the prefetch found in L3; Prefetcher.settled.
     prefix_pages_seen: int = 0
     refetched: bool = False  # its prefix left the host while it waited, and was fetched again
     # Its load-or-recompute choice, where a tier beyond the device held part of its prompt.

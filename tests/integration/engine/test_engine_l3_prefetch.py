@@ -36,6 +36,7 @@ class Queue:
     running_prompts: tuple[tuple[int, ...], ...]
     storage_tokens: tuple[int, ...]  # of each waiting request, queue order: L3 tokens landed
     prefetch_tried: tuple[bool, ...]
+    prefetching: tuple[bool, ...]  # its prefetch is not settled yet
 
 
 def queue_state(engine: Engine) -> Queue:
@@ -45,6 +46,7 @@ def queue_state(engine: Engine) -> Queue:
             tuple(r.request.input_ids for r in sched.running_requests()),
             tuple(r.storage_tokens for r in sched.waiting_requests()),
             tuple(r.prefetch_tried for r in sched.waiting_requests()),
+            tuple(r.prefetch is not None for r in sched.waiting_requests()),
         )
 
     state = on_scheduler(engine, take)
@@ -167,6 +169,36 @@ def test_a_prefix_evicted_from_the_host_while_queued_is_fetched_again(
     assert cached_after == [0]
     assert answer.last.error is None
     # Read from L3 again at admission, not recomputed.
+    assert answer.last.cached_tokens.storage == REUSED
+    assert answer.token_ids == cold.token_ids
+    engine.check_integrity()
+
+
+def test_a_prefetch_that_found_no_host_room_is_tried_again_at_admission(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, backend = engine_with_store(
+        make_engine, PrefetchPolicy.WAIT_COMPLETE, flags=("--max-running-requests", "1")
+    )
+    ids = prompt(6)
+    [cold] = in_l3_only(engine, backend, [ids])
+    allocator = engine.cache.host_pool.allocator if engine.cache.host_pool else None
+    assert allocator is not None
+    # Every host page taken (the L1 and L2 are empty after the flush): the queued request's
+    # prefetch finds its pages in L3 and gets no host page for them.
+    taken = on_scheduler(engine, lambda: allocator.allocate(allocator.num_free_pages))
+
+    def settled_empty_then_room(queue: Queue) -> bool:
+        if queue.prefetch_tried != (True,) or queue.prefetching != (False,):
+            return False
+        assert queue.storage_tokens == (0,)
+        on_scheduler(engine, lambda: allocator.free(taken))  # room again before admission
+        return True
+
+    _, [answer] = asyncio.run(
+        while_long_request_runs(engine, [greedy(ids)], settled_empty_then_room)
+    )
+    assert answer.last.error is None
     assert answer.last.cached_tokens.storage == REUSED
     assert answer.token_ids == cold.token_ids
     engine.check_integrity()
