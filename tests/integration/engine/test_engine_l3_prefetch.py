@@ -87,6 +87,14 @@ async def while_long_request_runs(
     return state, list(await asyncio.gather(*queued))
 
 
+def answered_from_l3(engine: Engine, answer: Run, cold: Run) -> None:
+    """``answer`` read its whole reused prefix from L3 and equals the cold answer."""
+    assert answer.last.error is None
+    assert answer.last.cached_tokens.storage == REUSED
+    assert answer.token_ids == cold.token_ids
+    engine.check_integrity()
+
+
 def test_a_queued_request_prefetches_while_another_runs(
     make_engine: Callable[..., Engine],
 ) -> None:
@@ -100,10 +108,7 @@ def test_a_queued_request_prefetches_while_another_runs(
         return queue.storage_tokens == (REUSED,)
 
     _, [answer] = asyncio.run(while_long_request_runs(engine, [greedy(ids)], landed))
-    assert answer.last.error is None
-    assert answer.last.cached_tokens.storage == REUSED
-    assert answer.token_ids == cold.token_ids
-    engine.check_integrity()
+    answered_from_l3(engine, answer, cold)
 
 
 def test_a_long_queue_prefetches_within_the_host_budget(
@@ -167,11 +172,7 @@ def test_a_prefix_evicted_from_the_host_while_queued_is_fetched_again(
         while_long_request_runs(engine, [greedy(ids)], landed_then_evicted)
     )
     assert cached_after == [0]
-    assert answer.last.error is None
-    # Read from L3 again at admission, not recomputed.
-    assert answer.last.cached_tokens.storage == REUSED
-    assert answer.token_ids == cold.token_ids
-    engine.check_integrity()
+    answered_from_l3(engine, answer, cold)  # read from L3 again at admission, not recomputed
 
 
 def test_a_prefetch_that_found_no_host_room_is_tried_again_at_admission(
@@ -198,7 +199,4 @@ def test_a_prefetch_that_found_no_host_room_is_tried_again_at_admission(
     _, [answer] = asyncio.run(
         while_long_request_runs(engine, [greedy(ids)], settled_empty_then_room)
     )
-    assert answer.last.error is None
-    assert answer.last.cached_tokens.storage == REUSED
-    assert answer.token_ids == cold.token_ids
-    engine.check_integrity()
+    answered_from_l3(engine, answer, cold)
