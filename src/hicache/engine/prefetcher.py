@@ -86,8 +86,10 @@ class Prefetcher:
             if self.enabled and not self.cache.prefetch_slot_free:
                 return False  # tensor parallelism: it waits until a prefetch ahead settles
             self._start(req)
-        elif req.prefetch is None and self._lost_prefix(req):
-            self._refetch(req)
+        elif req.prefetch is None:
+            cached = self._lost_prefix(req)
+            if cached is not None:
+                self._refetch(req, cached)
         if req.prefetch is None:
             return True
         # The policy is an upper bound: the plan may cut the prefetch sooner, where what
@@ -112,19 +114,24 @@ class Prefetcher:
             req.prefix_pages_seen = max(req.prefix_pages_seen, self._cached_pages(req))
             req.prefetch = self.cache.prefetch(tokens, key)
 
-    def _lost_prefix(self, req: Req) -> bool:
-        """Did a waiting request's cached prefix shrink since it arrived (and may it fetch
-        it again: once, on its first admission, with L3 attached and a slot free)?"""
+    def _lost_prefix(self, req: Req) -> int | None:
+        """The pages of a waiting request's prefix cached now, when fewer than it was seen
+        to have and it may fetch them again (once, on its first admission, with L3
+        attached and a slot free); else None."""
         cache = self.cache
-        return (
-            not req.refetched and req.num_retractions == 0 and req.prefix_pages_seen > 0
-            and self.enabled and cache.storage is not None and cache.prefetch_slot_free
-            and self._cached_pages(req) < req.prefix_pages_seen
-        )
+        if (
+            req.refetched or req.num_retractions or req.prefix_pages_seen <= 0
+            or not self.enabled or cache.storage is None or not cache.prefetch_slot_free
+        ):
+            return None
+        cached = self._cached_pages(req)
+        return cached if cached < req.prefix_pages_seen else None
 
-    def _refetch(self, req: Req) -> None:
+    def _refetch(self, req: Req, cached_pages: int) -> None:
         req.refetched = True
-        req.storage_tokens = 0  # what it brought before is gone
+        # Of what its prefetch brought, only the pages still cached count (the rest left).
+        kept = max(0, cached_pages - req.storage_from_page) * self.cache.page_size
+        req.storage_tokens = min(req.storage_tokens, kept)
         req.prefetch = self.cache.prefetch(req.match_tokens(), req.request.extra_key)
 
     def _cached_pages(self, req: Req) -> int:
@@ -137,6 +144,8 @@ class Prefetcher:
         assert handle is not None
         found = handle.num_found_tokens
         inserted = self.cache.finish_prefetch(handle)
+        if inserted and not req.storage_tokens:
+            req.storage_from_page = handle.start_page
         req.storage_tokens += inserted
         # What L3 held counts as seen even where no host page was free for it then (a
         # long queue's prefetches fill their budget): at admission there may be room.

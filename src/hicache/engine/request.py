@@ -58,6 +58,7 @@ class Req:
     prefetch: PrefetchHandle | None = None
     prefetch_tried: bool = False
     storage_tokens: int = 0  # tokens the L3 prefetch contributed
+    storage_from_page: int = 0  # where they begin in its prompt
     # Pages of its prefix it was seen to have while it waited: what the local tiers held
     # when its prefetch started, then what the prefetch found in L3; Prefetcher.settled.
     prefix_pages_seen: int = 0
