@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from hicache.bench.decode import _decode_batch
+from hicache.config import ConfigError
 from hicache.memory.device_pool import DevicePool
 from hicache.model.batch import ForwardBatch
 from hicache.model.default_model import default_model_path
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights")
+    parser.add_argument("--few-rows", choices=("auto", "compare"), default="auto",
+                        help="auto: the decode steps' weights as the server picks them; "
+                        "compare: each decode batch timed in turns over the blocked copies "
+                        "(the few-row kernel) and over the packed ones")
     parser.add_argument("--profile", action="store_true", help="split each case's time by op kind")
     parser.add_argument("--json", default=None, help="write raw results here")
 
@@ -127,6 +132,27 @@ def _step(model: CausalLM, pool: DevicePool, batch: ForwardBatch) -> Callable[[]
     return lambda: model.forward(batch, pool)
 
 
+def _with_few_rows(model: CausalLM, on: bool, run: Callable[[], object]) -> Callable[[], object]:
+    """``run`` with the model's blocked copies in use (``on``) or set aside (the packed
+    copies then take every row count), restored after."""
+    layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+    copies = [layer.few_rows for layer in layers]
+    head = model.few_rows_lm_head
+
+    def with_setting() -> object:
+        for layer, copy in zip(layers, copies, strict=True):
+            layer.few_rows = copy if on else None
+        model.few_rows_lm_head = head if on else None
+        try:
+            return run()
+        finally:
+            for layer, copy in zip(layers, copies, strict=True):
+                layer.few_rows = copy
+            model.few_rows_lm_head = head
+
+    return with_setting
+
+
 def _steps(model: CausalLM, pool: DevicePool,
            batches: list[ForwardBatch]) -> Callable[[], object]:
     return lambda: [model.forward(batch, pool) for batch in batches]
@@ -176,7 +202,11 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model = load_model(args.model_path or default_model_path(), "auto", None, "auto",
                        "cpu").model
-    packed = False if args.no_prepack else model.prepack_weights()
+    if args.few_rows == "compare" and args.no_prepack:
+        raise ConfigError("--few-rows compare needs packed weights (not --no-prepack)")
+    packed = False if args.no_prepack else model.prepack_weights(
+        "blocked" if args.few_rows == "compare" else "auto"
+    )
     config, page = model.config, args.page_size
     prompt_pages = -(-args.prompt // page)
     decode_pages = -(-(args.context + 8) // page)
@@ -219,10 +249,15 @@ def main(args: argparse.Namespace) -> int:
                 for step in prompt_chunks(ids[: args.context], table[row], page, 0):
                     model.forward(step, pool)
             step_of_batch = _step(model, pool, _decode_batch(table, args.context + 1, page))
-            report(f"decode B={batch} context {args.context} (weights "
-                   f"{weight_bytes(model) / 1e6:.0f} MB a step)",
-                   timed_in_turns({"": step_of_batch}, args.repeats)[""], batch,
-                   linear_flops(model, batch, batch), step_of_batch)
+            settings = {"": step_of_batch}
+            if args.few_rows == "compare":
+                settings = {f" over {name} weights": _with_few_rows(model, on, step_of_batch)
+                            for name, on in (("blocked", True), ("packed", False))}
+            timings = timed_in_turns(settings, args.repeats)
+            for name, run in settings.items():
+                report(f"decode B={batch} context {args.context}{name} (weights "
+                       f"{weight_bytes(model) / 1e6:.0f} MB a step)", timings[name], batch,
+                       linear_flops(model, batch, batch), run)
     print(f"({torch.get_num_threads()} torch threads, weights "
           f"{'prepacked' if packed else 'plain'}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())})")

@@ -42,6 +42,7 @@ from hicache.engine.threads import adaptive_range, apply_num_threads, default_nu
 from hicache.events.config import KVEventsConfig
 from hicache.events.emitter import KVEventEmitter
 from hicache.events.publisher import ZmqEventPublisher
+from hicache.kernels.few_rows import FEW_ROWS_MAX
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_memory import host_memory_for_pools
 from hicache.memory.machine_memory import available_memory, resident_bytes, trim_heap
@@ -368,10 +369,17 @@ def _set_up_compute(model: CausalLM, runtime: RuntimeConfig, device: torch.devic
     logger.info(
         "compute: attention backend %s, %s", model.attention_backend.name,
         "compiled layer blocks" if runtime.enable_torch_compile
-        else ("prepacked weights, one-row products over "
-              + ("packed" if model.packed_from_rows == 1 else "column-major") + " weights")
+        else ("prepacked weights, " + _few_rows_path(model))
         if model.packed_lm_head is not None else "plain weights",
     )
+
+
+def _few_rows_path(model: CausalLM) -> str:
+    """Which weights a decode step's few rows multiply by (``CausalLM.prepack_weights``)."""
+    if model.few_rows_lm_head is not None:
+        return f"products of up to {FEW_ROWS_MAX} rows over blocked weights (few-row kernel)"
+    return ("one-row products over "
+            + ("packed" if model.packed_from_rows == 1 else "column-major") + " weights")
 
 
 def _kv_pool_tokens(

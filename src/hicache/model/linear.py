@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from hicache.kernels.few_rows import few_rows_linear, is_blocked
+
 # The row count oneDNN picks its blocking for: packing for large products also measured
 # best for a single row (within noise), while packing for one row slowed prefills.
 _PACK_ROWS_HINT = 512
@@ -62,13 +64,20 @@ def column_major_is_faster(
     than over their ``packed`` copies, timed now (``one_row_clock``) over the first weights
     adding up to ``sample_bytes`` (temporary column-major copies of those are made), median
     of ``repeats`` passes each, in turns."""
-    count, total = 0, 0
-    while count < len(weights) and total < sample_bytes:
-        total += weights[count].numel() * weights[count].element_size()
-        count += 1
+    count = sample_count(weights, sample_bytes)
     columns = [column_major(w.detach()) for w in weights[:count]]
-    inputs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights[:count]]
+    first, second = timed_products(1, columns, packed[:count], repeats)
+    return first < second
 
+
+def timed_products(
+    rows: int, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor],
+    repeats: int = _ONE_ROW_REPEATS,
+) -> tuple[float, float]:
+    """Median times of a pass of ``rows``-row products over each of two sets of copies of
+    the same weights (``first[i]`` and ``second[i]`` one weight's), ``repeats`` passes
+    each in turns after one to warm up, on ``one_row_clock``."""
+    inputs = [torch.randn(rows, _in_features(w), dtype=torch.float32) for w in first]
     clock = one_row_clock()
 
     def one_pass(mats: Sequence[torch.Tensor]) -> float:
@@ -78,19 +87,44 @@ def column_major_is_faster(
         return clock() - start
 
     with torch.inference_mode():
-        one_pass(columns), one_pass(packed[:count])  # warm up both paths
+        one_pass(first), one_pass(second)  # warm up both paths
         times: tuple[list[float], list[float]] = ([], [])
         for _ in range(repeats):
-            times[0].append(one_pass(columns))
-            times[1].append(one_pass(packed[:count]))
-    return statistics.median(times[0]) < statistics.median(times[1])
+            times[0].append(one_pass(first))
+            times[1].append(one_pass(second))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def sample_count(weights: Sequence[torch.Tensor], sample_bytes: int = _ONE_ROW_SAMPLE_BYTES
+                 ) -> int:
+    """How many of the first ``weights`` add up to ``sample_bytes``: past the last-level
+    cache, so that products timed over them see memory bandwidth as a decode step does."""
+    count, total = 0, 0
+    while count < len(weights) and total < sample_bytes:
+        total += weights[count].numel() * weights[count].element_size()
+        count += 1
+    return count
+
+
+def _in_features(weight: torch.Tensor) -> int:
+    """K of a weight [N, K] in any of its forms (plain, column-major, packed, blocked)."""
+    return weight.shape[1] if weight.dim() == 3 else weight.shape[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or oneDNN's linear when ``weight`` was prepacked."""
+    """``F.linear``, or oneDNN's linear when ``weight`` was prepacked, or the few-row
+    kernel when it is a blocked copy (``hicache.kernels.few_rows.block``)."""
     if weight.is_mkldnn:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return out
+    if is_blocked(weight):
+        few = few_rows_linear(x, weight, bias)
+        if few is not None:
+            return few
+        # Not expected (the model uses blocked copies only where the kernel runs): the
+        # weight unblocked for this call, so the answer stays right.
+        blocks, k, size = weight.shape
+        weight = weight.transpose(1, 2).reshape(blocks * size, k)
     return F.linear(x, weight, bias)
 
 

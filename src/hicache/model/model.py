@@ -30,6 +30,7 @@ from torch import nn
 from hicache.attention.backend import AttentionBackend, make_attention_backend
 from hicache.distributed.group import SINGLE_RANK, TPGroup
 from hicache.distributed.sharding import RankShard, shard_model
+from hicache.kernels.few_rows import FEW_ROWS_MAX, block, block_size, few_rows_linear
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.model.attention import Attention, StepInputs
@@ -49,6 +50,8 @@ from hicache.model.linear import (
     column_major_is_faster,
     linear,
     prepack,
+    sample_count,
+    timed_products,
 )
 from hicache.model.mla_step import MLAForm, MLAStep
 from hicache.model.mlp import SwiGLU
@@ -70,8 +73,14 @@ class LayerBlocks(NamedTuple):
 EAGER_BLOCKS = LayerBlocks(pre_attention, post_attention, attention_output, feed_forward)
 
 
+# The row count the blocked copies are timed at against the packed ones (a decode step of
+# a few requests): where they are not faster there, they are not used.
+_FEW_ROWS_TIMED = 8
+
+
 class ProjectionWeights(NamedTuple):
-    """The weights a layer multiplies by: its parameters, or oneDNN-packed copies."""
+    """The weights a layer multiplies by: its parameters, oneDNN-packed copies, or blocked
+    copies for products of a few rows (``hicache.kernels.few_rows``)."""
 
     qkv: torch.Tensor
     o: torch.Tensor
@@ -100,6 +109,8 @@ class DecoderLayer(nn.Module):
         self.packed: ProjectionWeights | None = None  # set by CausalLM.prepack_weights
         # Products of fewer rows use the plain parameters (CausalLM.prepack_weights).
         self.packed_from_rows = PACKED_FROM_ROWS
+        # Products of up to FEW_ROWS_MAX rows use these where set (CausalLM.prepack_weights).
+        self.few_rows: ProjectionWeights | None = None
 
     def forward(
         self,
@@ -147,8 +158,11 @@ class DecoderLayer(nn.Module):
         )
 
     def _weights(self, rows: int) -> ProjectionWeights:
-        """The weights a product of ``rows`` rows uses: oneDNN-packed from
+        """The weights a product of ``rows`` rows uses: the blocked copies up to
+        FEW_ROWS_MAX rows where the model has them, else oneDNN-packed from
         ``packed_from_rows`` on, else the parameters."""
+        if self.few_rows is not None and rows <= FEW_ROWS_MAX:
+            return self.few_rows
         if self.packed is not None and rows >= self.packed_from_rows:
             return self.packed
         attn, mlp = self.self_attn, self.mlp
@@ -191,6 +205,7 @@ class CausalLM(nn.Module):
         )
         self.packed_lm_head: torch.Tensor | None = None  # see prepack_weights
         self.one_row_lm_head: torch.Tensor | None = None  # see prepack_weights
+        self.few_rows_lm_head: torch.Tensor | None = None  # see prepack_weights
         self.packed_from_rows = PACKED_FROM_ROWS  # see prepack_weights
         # The math around attention, eager until ``compile_blocks()``.
         self.blocks = EAGER_BLOCKS
@@ -229,18 +244,24 @@ class CausalLM(nn.Module):
         used from then on; the parameters stay (the loader and ``hf_weights`` see them),
         so the weights' memory doubles: a CPU-sized model's few hundred MB.
 
-        Products of one row (a single request decoding) go either through the packed
-        copies too, or through the parameters stored column-major: ``one_row`` is
-        "packed", "column-major", or "auto", which times both on this CPU now and keeps
-        the faster (``linear.column_major_is_faster``).
+        Products of a few rows (requests decoding) take one of three paths, ``one_row``:
+        "blocked" (up to FEW_ROWS_MAX rows through blocked copies and the few-row kernel,
+        ``hicache.kernels.few_rows``: a third copy of the weights, read at memory speed),
+        "packed" (the packed copies for every row count), or "column-major" (one row
+        through the parameters stored column-major, no further memory). "auto" times the
+        blocked copies against the packed ones at a few rows and keeps them where they are
+        faster; where they are not (or the kernel cannot run here), it times column-major
+        against packed at one row and keeps the faster (``linear.column_major_is_faster``).
 
         Call it after the weights are loaded: a later change to a parameter is not seen.
         MLA models are not packed (False).
         """
         if self.config.mla is not None:
             return False
-        if one_row not in ("auto", "packed", "column-major"):
-            raise ValueError(f"one_row must be auto, packed or column-major, not {one_row!r}")
+        if one_row not in ("auto", "blocked", "packed", "column-major"):
+            raise ValueError(
+                f"one_row must be auto, blocked, packed or column-major, not {one_row!r}"
+            )
         packed_head = prepack(self.lm_head_weight)
         if packed_head is None:
             return False
@@ -250,9 +271,15 @@ class CausalLM(nn.Module):
             if any(p is None for p in packed):
                 return False
             packs.append(ProjectionWeights(*packed))  # type: ignore[arg-type]
-        if one_row == "auto":
-            params = [w for layer in self.layers for w in _projections(layer)]
-            copies = [p for pack in packs for p in pack]
+        params = [w for layer in self.layers for w in _projections(layer)]
+        copies = [p for pack in packs for p in pack]
+        if one_row in ("auto", "blocked") and self._block_weights(
+            params, copies, timed=one_row == "auto"
+        ):
+            one_row = "blocked"
+        elif one_row == "blocked":
+            raise ValueError("one_row=blocked: the few-row kernel cannot run here")
+        elif one_row == "auto":
             one_row = "column-major" if column_major_is_faster(params, copies) else "packed"
         columns = one_row == "column-major"
         self.packed_from_rows = PACKED_FROM_ROWS if columns else 1
@@ -276,6 +303,33 @@ class CausalLM(nn.Module):
             self.lm_head.data = column_major(self.lm_head.data)
         return True
 
+    def _block_weights(
+        self, params: list[nn.Parameter], packed: list[torch.Tensor], timed: bool
+    ) -> bool:
+        """Give every layer and the head blocked copies of their weights for products of a
+        few rows; True if it did. Not where the kernel cannot take a weight, nor
+        (``timed``) where products of a few rows over them are no faster here than over
+        the ``packed`` copies (timed now over the first weights past the last-level
+        cache, in turns)."""
+        size = block_size()
+        if size is None or any(w.shape[0] % size for w in params):
+            return False  # (a layer's products must come out whole; the head's is cut)
+        blocked = [block(w) for w in params]
+        head = block(self.lm_head_weight)
+        if head is None or any(b is None for b in blocked):
+            return False
+        copies: list[torch.Tensor] = [b for b in blocked if b is not None]
+        if timed:
+            count = sample_count(copies)
+            few, onednn = timed_products(_FEW_ROWS_TIMED, copies[:count], packed[:count])
+            if few >= onednn:
+                return False
+        for index, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            layer.few_rows = ProjectionWeights(*copies[4 * index: 4 * index + 4])
+        self.few_rows_lm_head = head
+        return True
+
     def compile_blocks(self) -> None:
         """Compile the math around attention (``torch.compile``, dynamic in the number of
         tokens): one compiled function for every layer, elementwise ops fused between
@@ -289,8 +343,10 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.packed = None
+            layer.few_rows = None
         self.packed_lm_head = None
         self.one_row_lm_head = None
+        self.few_rows_lm_head = None
         # torch.compile is lazy: the halves only a TP model calls are only compiled there.
         self.blocks = LayerBlocks(
             torch.compile(pre_attention, dynamic=True),
@@ -356,13 +412,22 @@ class CausalLM(nn.Module):
                     wait_layer(index)
                 h = layer(h, step, kv.k_buffer(index), kv.v_buffer(index), self.blocks,
                           keep if index == last else None)
-        head = self.lm_head_weight
-        if self.packed_lm_head is not None and h.shape[0] >= self.packed_from_rows:
-            head = self.packed_lm_head
-        elif self.one_row_lm_head is not None and h.shape[0] < self.packed_from_rows:
-            head = self.one_row_lm_head
-        logits = linear(self.norm(h), head).float()  # [rows, the rank's vocab rows]
+        logits = self._head(self.norm(h)).float()  # [rows, the rank's vocab rows]
         return self.tp.all_gather_last_dim(logits, self.shard.vocab_sizes)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The vocabulary projection of the rows ``x``, over the copy of the head weight
+        their number of rows uses (``prepack_weights``)."""
+        head = self.lm_head_weight
+        if self.few_rows_lm_head is not None and x.shape[0] <= FEW_ROWS_MAX:
+            logits = few_rows_linear(x, self.few_rows_lm_head, out_features=head.shape[0])
+            if logits is not None:
+                return logits
+        if self.packed_lm_head is not None and x.shape[0] >= self.packed_from_rows:
+            head = self.packed_lm_head
+        elif self.one_row_lm_head is not None and x.shape[0] < self.packed_from_rows:
+            head = self.one_row_lm_head
+        return linear(x, head)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]; vocab-parallel: each rank looks up the tokens of

@@ -1,0 +1,121 @@
+"""Products of a few rows by float32 weights stored in blocks (``cpu_few_rows.cpp``).
+
+A decode step multiplies its few rows (one per decoding request) by every weight of the
+model once: it is bound by reading the weights. ``block`` stores a weight [N, K] as
+[N / 16, K, 16], so that the kernel streams each block of 16 output features once for
+every 8 rows; on this project's CPU machine (2 threads, SmolLM2-135M's 30 layers and head
+out of cache) that read the weights at 29 GB/s for 8 rows against 20 GB/s through
+oneDNN's packed GEMM (docs/benchmarks.md). Past a few rows the product is bound by
+arithmetic, where oneDNN's GEMM is the faster one, so the model uses these copies only up
+to ``FEW_ROWS_MAX`` rows (``CausalLM.prepack_weights``).
+
+Each function returns None where it does not apply (another dtype or device, inside
+``torch.compile``, no compiler here): the caller then uses its other weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from hicache.kernels.cpu_build import CpuBuildError, build_and_load
+
+logger = logging.getLogger(__name__)
+
+# Products of up to this many rows go through the blocked copies. Measured against the
+# packed GEMM over SmolLM2's weights, two threads: 1.5x at 1-8 rows, 1.2x at 16, 1.05x at
+# 24-32 (docs/benchmarks.md); past 16 the gain is within noise and the copies are not used.
+FEW_ROWS_MAX = 16
+
+_SOURCE = Path(__file__).with_name("cpu_few_rows.cpp")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_ABI_VERSION = 1
+
+
+class _Loaded:
+    lock = threading.Lock()
+    tried = False
+    library: ctypes.CDLL | None = None
+
+
+def _library() -> ctypes.CDLL | None:
+    with _Loaded.lock:
+        if not _Loaded.tried:
+            _Loaded.tried = True
+            try:
+                _Loaded.library = _load()
+            except (OSError, CpuBuildError) as error:
+                logger.warning("CPU few-row products unavailable (%s): oneDNN's run instead",
+                               error)
+        return _Loaded.library
+
+
+def _load() -> ctypes.CDLL:
+    library = build_and_load(_SOURCE, _FLAGS)
+    if library.hicache_few_rows_abi_version() != _ABI_VERSION:
+        raise CpuBuildError(f"{library._name} has another ABI version")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.hicache_few_rows_linear.argtypes = [
+        ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int,
+    ]
+    library.hicache_few_rows_linear.restype = None
+    return library
+
+
+def block_size() -> int | None:
+    """Output features per block, or None where the kernel cannot run here."""
+    library = _library()
+    return None if library is None else int(library.hicache_few_rows_block())
+
+
+def is_blocked(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a blocked copy made by ``block`` ([blocks, K, 16])."""
+    return weight.dim() == 3 and not weight.is_mkldnn
+
+
+def block(weight: torch.Tensor) -> torch.Tensor | None:
+    """A blocked copy of ``weight`` [N, K]: [ceil(N / 16), K, 16], output feature n in
+    block n // 16 at lane n % 16, zeros past N; None where the kernel cannot take it."""
+    size = block_size()
+    if size is None or weight.dim() != 2 or weight.dtype != torch.float32 or (
+        weight.device.type != "cpu"
+    ):
+        return None
+    n, k = weight.shape
+    blocks = -(-n // size)
+    padded = weight.detach()
+    if blocks * size != n:
+        padded = torch.cat([padded, padded.new_zeros(blocks * size - n, k)])
+    return padded.reshape(blocks, size, k).transpose(1, 2).contiguous()
+
+
+def few_rows_linear(
+    x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None = None,
+    out_features: int | None = None,
+) -> torch.Tensor | None:
+    """``x @ W.T + bias`` for x [..., K] and ``blocked`` the ``block`` copy of W [N, K]
+    (``out_features`` N, default every row of the blocks); None where the kernel does not
+    apply (then use W another way)."""
+    library = _library()
+    if (
+        library is None or x.dtype != torch.float32 or x.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
+    ):
+        return None
+    blocks, k, size = blocked.shape
+    n = blocks * size if out_features is None else out_features
+    rows = x.reshape(-1, k)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+    library.hicache_few_rows_linear(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], blocked.data_ptr(), k, n,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+        torch.get_num_threads(),
+    )
+    return out.view(*x.shape[:-1], n)
