@@ -1,4 +1,5 @@
-"""Products of a few rows by float32 weights stored in blocks (``cpu_few_rows.cpp``).
+"""Products of a few rows by weights stored in blocks (``cpu_few_rows.cpp``), float32 or
+bfloat16.
 
 A decode step multiplies its few rows (one per decoding request) by every weight of the
 model once: it is bound by reading the weights. ``block`` stores a weight [N, K] as
@@ -33,7 +34,8 @@ FEW_ROWS_MAX = 16
 
 _SOURCE = Path(__file__).with_name("cpu_few_rows.cpp")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-_ABI_VERSION = 1
+_ABI_VERSION = 3
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _Loaded:
@@ -59,10 +61,9 @@ def _load() -> ctypes.CDLL:
     if library.hicache_few_rows_abi_version() != _ABI_VERSION:
         raise CpuBuildError(f"{library._name} has another ABI version")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.hicache_few_rows_linear.argtypes = [
-        ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int,
-    ]
-    library.hicache_few_rows_linear.restype = None
+    for fn in (library.hicache_few_rows_linear, library.hicache_few_rows_linear_bf16):
+        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+        fn.restype = None
     return library
 
 
@@ -73,24 +74,29 @@ def block_size() -> int | None:
 
 
 def is_blocked(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is a blocked copy made by ``block`` ([blocks, K, 16])."""
+    """Whether ``weight`` is a blocked copy made by ``block``."""
     return weight.dim() == 3 and not weight.is_mkldnn
 
 
 def block(weight: torch.Tensor) -> torch.Tensor | None:
-    """A blocked copy of ``weight`` [N, K]: [ceil(N / 16), K, 16], output feature n in
-    block n // 16 at lane n % 16, zeros past N; None where the kernel cannot take it."""
+    """A blocked copy of ``weight`` [N, K], zeros past N, or None where the kernel cannot
+    take it. float32: [ceil(N / 16), K, 16], output feature n in block n // 16 at lane
+    n % 16. bfloat16: [ceil(N / 16), ceil(K / 2), 32], each k and k + 1 (k even) side by
+    side in a lane's pair ([..., 16, 2] flattened), zeros past K."""
     size = block_size()
-    if size is None or weight.dim() != 2 or weight.dtype != torch.float32 or (
+    if size is None or weight.dim() != 2 or weight.dtype not in _DTYPES or (
         weight.device.type != "cpu"
     ):
         return None
     n, k = weight.shape
     blocks = -(-n // size)
-    padded = weight.detach()
-    if blocks * size != n:
-        padded = torch.cat([padded, padded.new_zeros(blocks * size - n, k)])
-    return padded.reshape(blocks, size, k).transpose(1, 2).contiguous()
+    pairs = 2 if weight.dtype == torch.bfloat16 else 1
+    depth = -(-k // pairs)
+    padded = weight.detach().new_zeros(blocks * size, depth * pairs)
+    padded[:n, :k] = weight.detach()
+    # [blocks, 16, depth, pairs] -> [blocks, depth, 16, pairs]
+    grouped = padded.reshape(blocks, size, depth, pairs).permute(0, 2, 1, 3)
+    return grouped.reshape(blocks, depth, size * pairs).contiguous()
 
 
 def few_rows_linear(
@@ -101,19 +107,26 @@ def few_rows_linear(
     (``out_features`` N, default every row of the blocks); None where the kernel does not
     apply (then use W another way)."""
     library = _library()
+    dtype = blocked.dtype
     if (
-        library is None or x.dtype != torch.float32 or x.device.type != "cpu"
+        library is None or x.dtype != dtype or x.device.type != "cpu"
         or torch.compiler.is_compiling()
-        or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
+        or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()))
     ):
         return None
-    blocks, k, size = blocked.shape
+    blocks, depth, lanes = blocked.shape
+    pairs = 2 if dtype == torch.bfloat16 else 1
+    size, k = lanes // pairs, x.shape[-1]
+    if -(-k // pairs) != depth:
+        raise ValueError(f"rows of {k} features against a weight blocked for {depth * pairs}")
     n = blocks * size if out_features is None else out_features
     rows = x.reshape(-1, k)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    out = torch.empty((rows.shape[0], n), dtype=torch.float32)
-    library.hicache_few_rows_linear(
+    out = torch.empty((rows.shape[0], n), dtype=dtype)
+    kernel = (library.hicache_few_rows_linear if dtype == torch.float32
+              else library.hicache_few_rows_linear_bf16)
+    kernel(
         rows.data_ptr(), rows.stride(0), rows.shape[0], blocked.data_ptr(), k, n,
         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
         torch.get_num_threads(),

@@ -77,7 +77,8 @@ def timed_products(
     """Median times of a pass of ``rows``-row products over each of two sets of copies of
     the same weights (``first[i]`` and ``second[i]`` one weight's), ``repeats`` passes
     each in turns after one to warm up, on ``one_row_clock``."""
-    inputs = [torch.randn(rows, _in_features(w), dtype=torch.float32) for w in first]
+    inputs = [torch.randn(rows, _in_features(a, b)).to(a.dtype)
+              for a, b in zip(first, second, strict=True)]
     clock = one_row_clock()
 
     def one_pass(mats: Sequence[torch.Tensor]) -> float:
@@ -106,9 +107,12 @@ def sample_count(weights: Sequence[torch.Tensor], sample_bytes: int = _ONE_ROW_S
     return count
 
 
-def _in_features(weight: torch.Tensor) -> int:
-    """K of a weight [N, K] in any of its forms (plain, column-major, packed, blocked)."""
-    return weight.shape[1] if weight.dim() == 3 else weight.shape[-1]
+def _in_features(*copies: torch.Tensor) -> int:
+    """K of a weight [N, K] from its copies: a plain, column-major or packed one says it
+    (a blocked bfloat16 copy holds K rounded up to pairs)."""
+    flat = [w for w in copies if w.dim() == 2]
+    assert flat, "no copy in [N, K] form"
+    return flat[0].shape[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,8 +127,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return few
         # Not expected (the model uses blocked copies only where the kernel runs): the
         # weight unblocked for this call, so the answer stays right.
-        blocks, k, size = weight.shape
-        weight = weight.transpose(1, 2).reshape(blocks * size, k)
+        blocks, depth, lanes = weight.shape
+        pairs = 2 if weight.dtype == torch.bfloat16 else 1
+        unblocked = weight.reshape(blocks, depth, lanes // pairs, pairs).permute(0, 2, 1, 3)
+        weight = unblocked.reshape(blocks * lanes // pairs, depth * pairs)[:, : x.shape[-1]]
     return F.linear(x, weight, bias)
 
 

@@ -4,6 +4,8 @@ using them only for products of a few rows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -83,6 +85,43 @@ def test_strided_rows_and_threads_give_the_same_result() -> None:
     assert torch.equal(linear(x, blocked), results[0])
 
 
+@pytest.mark.parametrize("rows", [1, 6, 16])
+def test_bfloat16_products_are_those_of_float32_rounded_once(rows: int) -> None:
+    # bfloat16 weights and rows, summed in float32: the exact float32 product of the
+    # bfloat16 values, rounded to bfloat16 once (nearest even, as torch rounds).
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(200, 96, generator=gen).bfloat16()
+    bias = torch.randn(200, generator=gen).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    blocked = block(weight)
+    assert blocked is not None and blocked.dtype == torch.bfloat16
+    got = few_rows_linear(x, blocked, bias, out_features=200)
+    assert got is not None and got.dtype == torch.bfloat16
+    exact = (x.double() @ weight.T.double() + bias.double())
+    # Within one bfloat16 rounding of the exact value (float32 sums: far finer).
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-3)
+    reference = torch.nn.functional.linear(x, weight, bias)  # torch's bfloat16 GEMM
+    torch.testing.assert_close(got, reference, rtol=2**-7, atol=2e-2)
+    alone = few_rows_linear(x[-1:], blocked, bias, out_features=200)
+    assert alone is not None and torch.equal(alone[0], got[-1])
+
+
+def test_bfloat16_rounding_keeps_nans_and_rounds_to_even() -> None:
+    # Two products summed in float32 land halfway between two bfloat16 values (whose
+    # spacing at 1 is 2**-7): 1 + 2**-8 rounds to 1 (even), 1 + 3 * 2**-8 to 1 + 2**-6.
+    weight = torch.zeros(16, 2, dtype=torch.bfloat16)
+    weight[0] = torch.tensor([1.0, 2.0**-8])
+    weight[1] = torch.tensor([1.0, 3 * 2.0**-8])
+    weight[2, 0], weight[3, 0] = float("nan"), float("inf")
+    blocked = block(weight)
+    assert blocked is not None
+    out = few_rows_linear(torch.ones(1, 2, dtype=torch.bfloat16), blocked)
+    assert out is not None
+    assert out[0, 0].item() == 1.0 and out[0, 1].item() == 1.0 + 2.0**-6
+    assert out[0, 2].isnan() and out[0, 3].isinf()
+    assert torch.equal(out[0, :2], torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8]).bfloat16())
+
+
 def test_what_the_kernel_does_not_take_is_declined() -> None:
     assert block(torch.randn(16, 8, dtype=torch.float64)) is None
     assert block(torch.randn(16)) is None
@@ -159,3 +198,19 @@ def test_blocked_is_refused_where_the_kernel_cannot_run(monkeypatch: pytest.Monk
         model.prepack_weights(one_row="blocked")
     assert model.prepack_weights()  # auto: the one-row choice of before
     assert model.few_rows_lm_head is None and model.packed_from_rows in (1, 2)
+
+
+def test_a_bfloat16_model_with_blocked_copies_answers_as_the_plain_one() -> None:
+    config = dataclasses.replace(small_qwen3_style(), dtype=torch.bfloat16)
+    plain, blocked = dummy_model(config), dummy_model(config)
+    if not blocked.prepack_weights(one_row="packed"):
+        pytest.skip("oneDNN cannot pack bfloat16 on this CPU")
+    blocked = dummy_model(config)
+    assert blocked.prepack_weights(one_row="blocked")
+    assert blocked.few_rows_lm_head is not None
+    assert blocked.few_rows_lm_head.dtype == torch.bfloat16
+    expected, _ = mixed_batch_vs_alone(plain, (6, 4), [5, 2, 12])
+    got, alone = mixed_batch_vs_alone(blocked, (6, 4), [5, 2, 12])
+    # Logits of two bfloat16 models summing in other orders: bfloat16's tolerance.
+    torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(alone, expected, atol=0.05, rtol=0.02)
