@@ -4,12 +4,14 @@ using them only for products of a few rows."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import pytest
 import torch
 
 from hicache.kernels import few_rows
+from hicache.kernels.cpu_build import build_and_load
 from hicache.kernels.few_rows import FEW_ROWS_MAX, block, few_rows_linear
 from hicache.model.linear import linear
 from hicache.model.model import CausalLM
@@ -214,3 +216,28 @@ def test_a_bfloat16_model_with_blocked_copies_answers_as_the_plain_one() -> None
     # Logits of two bfloat16 models summing in other orders: bfloat16's tolerance.
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
     torch.testing.assert_close(alone, expected, atol=0.05, rtol=0.02)
+
+
+def test_bfloat16_without_avx512_bf16_gives_the_same_bits() -> None:
+    # The same source built without the pairwise dot-product instruction (what a CPU
+    # lacking AVX-512 BF16 runs) adds each pair's two exact products in the instruction's
+    # order: bit for bit the same outputs.
+    fallback = build_and_load(few_rows._SOURCE, (*few_rows._FLAGS, "-mno-avx512bf16"))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fallback.hicache_few_rows_linear_bf16.argtypes = [
+        ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int,
+    ]
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(48, 37, generator=gen).bfloat16()  # odd K: a padded last pair
+    bias = torch.randn(48, generator=gen).bfloat16()
+    x = torch.randn(11, 37, generator=gen).bfloat16()
+    blocked = block(weight)
+    assert blocked is not None
+    native = few_rows_linear(x, blocked, bias)
+    assert native is not None
+    out = torch.empty(11, 48, dtype=torch.bfloat16)
+    fallback.hicache_few_rows_linear_bf16(
+        x.data_ptr(), x.stride(0), 11, blocked.data_ptr(), 37, 48, bias.data_ptr(),
+        out.data_ptr(), out.stride(0), 1,
+    )
+    assert torch.equal(out, native)
