@@ -53,22 +53,32 @@ class CaseResult:
     whole_pool_error: str | None = None
 
 
-def build(case: Case, tp: TPGroup | None) -> CausalLM:
+def build(
+    case: Case, tp: TPGroup | None
+) -> tuple[CausalLM, dict[str, tuple[torch.Tensor, int | None, int]] | None]:
+    """The case's model, and (``keep_weights``) the rank's weight shards as loaded: taken
+    before packing, which may release the plain weights."""
     if case.model_path is not None:
         model = load_model(case.model_path, "auto", None, "float32", "cpu", tp=tp).model
     else:
         assert case.config is not None
         model = CausalLM(case.config, "cpu", tp=tp)
         init_dummy_weights(model, seed=DUMMY_SEED, std=0.05)
+    weights = None
+    if case.keep_weights:
+        weights = {
+            name: (s.target.detach().clone(), s.dim, s.start)
+            for name, s in model.hf_shards().items()
+        }
     if case.prepack:
         assert model.prepack_weights()
     if case.compile:
         model.compile_blocks()
-    return model
+    return model, weights
 
 
 def run_case(case: Case, tp: TPGroup | None) -> CaseResult:
-    model = build(case, tp)
+    model, weights = build(case, tp)
     result = greedy_scenario(model)
     whole = model.config.kv_geometry(model.dtype)
     result.kv_heads = (model.kv_geometry().num_kv_heads, whole.num_kv_heads)
@@ -77,11 +87,8 @@ def run_case(case: Case, tp: TPGroup | None) -> CaseResult:
             model(ForwardBatch.from_sequences([[1]], [[0]]), DevicePool(whole, 2, PAGE_SIZE))
         except ModelConfigError as e:
             result.whole_pool_error = str(e)
-    if case.keep_weights:
-        result.weights = {
-            name: (s.target.detach().clone(), s.dim, s.start)
-            for name, s in model.hf_shards().items()
-        }
+    if weights is not None:
+        result.weights = weights
     return result
 
 

@@ -198,12 +198,15 @@ def _plan_pools(
 
 
 def _weights_bytes(model: CausalLM) -> int:
-    """Bytes of the model's parameters and buffers (tied weights once)."""
+    """Bytes of the model's parameters and buffers (tied weights once), and of the copies
+    of its weights it computes with (oneDNN-packed, blocked: ``prepack_weights``)."""
     storages: dict[int, int] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return sum(storages.values()) + sum(
+        copy.numel() * copy.element_size() for copy in model.weight_copies()
+    )
 
 
 def _assemble(

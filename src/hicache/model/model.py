@@ -206,6 +206,7 @@ class CausalLM(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # see prepack_weights
         self.one_row_lm_head: torch.Tensor | None = None  # see prepack_weights
         self.few_rows_lm_head: torch.Tensor | None = None  # see prepack_weights
+        self.plain_weights_released = False  # see prepack_weights
         self.packed_from_rows = PACKED_FROM_ROWS  # see prepack_weights
         # The math around attention, eager until ``compile_blocks()``.
         self.blocks = EAGER_BLOCKS
@@ -241,12 +242,14 @@ class CausalLM(nn.Module):
     def prepack_weights(self, one_row: str = "auto") -> bool:
         """Pack every projection weight (and the LM head) for oneDNN, where it can (CPU,
         float32; see ``hicache.model.linear``); True if it did. The packed copies are
-        used from then on; the parameters stay (the loader and ``hf_weights`` see them),
-        so the weights' memory doubles: a CPU-sized model's few hundred MB.
+        used from then on; the parameters stay (``hf_weights`` sees them), so the weights'
+        memory doubles: a CPU-sized model's few hundred MB.
 
         Products of a few rows (requests decoding) take one of three paths, ``one_row``:
         "blocked" (up to FEW_ROWS_MAX rows through blocked copies and the few-row kernel,
-        ``hicache.kernels.few_rows``: a third copy of the weights, read at memory speed),
+        ``hicache.kernels.few_rows``, read at memory speed: every row count then has a copy
+        of its own, so the plain projection weights and an untied head are released and
+        the memory stays about double; ``hf_weights`` and ``compile_blocks`` then refuse),
         "packed" (the packed copies for every row count), or "column-major" (one row
         through the parameters stored column-major, no further memory). "auto" times the
         blocked copies against the packed ones at a few rows and keeps them where they are
@@ -293,6 +296,8 @@ class CausalLM(nn.Module):
                 for param in _projections(layer):
                     param.data = column_major(param.data)
         self.packed_lm_head = packed_head
+        if one_row == "blocked":
+            self._release_plain_weights()
         if not columns:
             return True
         # The head's one-row product likewise; a head tied to the embedding keeps the
@@ -302,6 +307,34 @@ class CausalLM(nn.Module):
         else:
             self.lm_head.data = column_major(self.lm_head.data)
         return True
+
+    def weight_copies(self) -> list[torch.Tensor]:
+        """The copies of the weights made by ``prepack_weights`` (oneDNN-packed, blocked,
+        column-major head), besides the parameters."""
+        copies = [self.packed_lm_head, self.few_rows_lm_head, self.one_row_lm_head]
+        for layer in self.layers:
+            if isinstance(layer, DecoderLayer):
+                copies += [*(layer.packed or ()), *(layer.few_rows or ())]
+        return [copy for copy in copies if copy is not None]
+
+    def _release_plain_weights(self) -> None:
+        """Free the plain projection weights (and an untied head) that no product reads any
+        more: each keeps its shape and dtype as a zero-stride view of a single zero."""
+        released = [w for layer in self.layers for w in _projections(layer)]
+        if self.lm_head is not None:
+            released.append(self.lm_head)
+        for param in released:
+            param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(
+                param.shape
+            )
+        self.plain_weights_released = True
+
+    def _check_plain_weights(self, what: str) -> None:
+        if self.plain_weights_released:
+            raise RuntimeError(
+                f"{what}: the plain weights were released when the model's weights were "
+                "blocked (prepack_weights); load the model again"
+            )
 
     def _block_weights(
         self, params: list[nn.Parameter], packed: list[torch.Tensor], timed: bool
@@ -340,6 +373,7 @@ class CausalLM(nn.Module):
         """
         if self.config.mla is not None:
             return
+        self._check_plain_weights("compile_blocks")
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.packed = None
@@ -420,7 +454,7 @@ class CausalLM(nn.Module):
         their number of rows uses (``prepack_weights``)."""
         head = self.lm_head_weight
         if self.few_rows_lm_head is not None and x.shape[0] <= FEW_ROWS_MAX:
-            logits = few_rows_linear(x, self.few_rows_lm_head, out_features=head.shape[0])
+            logits = few_rows_linear(x, self.few_rows_lm_head, out_features=self.shard.vocab.size)
             if logits is not None:
                 return logits
         if self.packed_lm_head is not None and x.shape[0] >= self.packed_from_rows:
@@ -463,6 +497,7 @@ class CausalLM(nn.Module):
 
     def hf_shards(self) -> WeightShards:
         """Where each Hugging Face checkpoint tensor, or the rank's part of it, goes."""
+        self._check_plain_weights("hf_shards")
         config, vocab = self.config, self.shard.vocab
         table_shape = (config.vocab_size, config.hidden_size)
         shards: WeightShards = {

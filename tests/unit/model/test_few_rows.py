@@ -184,12 +184,34 @@ def test_a_model_with_blocked_copies_uses_them_for_few_rows_only_and_answers_the
     torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
 
 
-def test_compiled_blocks_drop_the_blocked_copies() -> None:
-    model = dummy_model(small_qwen3_style())
+def test_blocking_releases_the_plain_weights_no_product_reads() -> None:
+    # Every row count has a copy of its own (blocked up to FEW_ROWS_MAX, packed past it):
+    # the plain projection weights go, their shapes stay, and what would read them refuses.
+    config = dataclasses.replace(small_qwen3_style(), tie_word_embeddings=False)
+    model = dummy_model(config)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
     assert model.prepack_weights(one_row="blocked")
-    model.compile_blocks()
-    assert model.few_rows_lm_head is None
-    assert all(getattr(layer, "few_rows", None) is None for layer in model.layers)
+    layer = model.layers[0]
+    released = [layer.self_attn.qkv_weight, layer.mlp.down_weight, model.lm_head_weight]
+    for param in released:
+        assert param.untyped_storage().nbytes() == param.element_size()
+    assert {name: p.shape for name, p in model.named_parameters()} == shapes
+    # What the model computes with instead: a packed and a blocked copy of each.
+    assert len(model.weight_copies()) == 2 * (4 * config.num_layers + 1)
+    assert model.embed_tokens.untyped_storage().nbytes() == model.embed_tokens.numel() * 4
+    with pytest.raises(RuntimeError, match="released"):
+        model.hf_weights()
+    with pytest.raises(RuntimeError, match="released"):
+        model.compile_blocks()
+    # ... and it still answers as a model that kept them.
+    plain = dummy_model(config)
+    expected, _ = mixed_batch_vs_alone(plain, (20, 4), [5, 2])
+    got, _ = mixed_batch_vs_alone(model, (20, 4), [5, 2])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    packed = dummy_model(config)
+    assert packed.prepack_weights(one_row="packed")
+    assert packed.layers[0].self_attn.qkv_weight.is_contiguous()  # kept where still read
+    assert packed.hf_weights()
 
 
 def test_blocked_is_refused_where_the_kernel_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
