@@ -62,7 +62,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,7 +71,7 @@ import torch.nn.functional as F
 
 from hicache.attention.backend import AttentionBackend, AttentionStep
 from hicache.attention.sdpa import SDPA_HAS_GQA, causal_attention
-from hicache.kernels.cpu_build import CpuBuildError, build_and_load
+from hicache.kernels.cpu_build import CpuBuildError, LazyLibrary, build_and_load
 
 if TYPE_CHECKING:
     from hicache.model.batch import ForwardBatch
@@ -240,33 +239,22 @@ class CpuKernelError(RuntimeError):
     """The CPU kernel was called with tensors it does not take."""
 
 
-class _Loaded:
-    lock = threading.Lock()
-    tried = False
-    library: ctypes.CDLL | None = None
-    reason: str | None = None
+def _unavailable(error: Exception) -> None:
+    logger.warning(
+        "CPU paged attention kernel unavailable (%s): decode attention gathers each context "
+        "instead, prompts run on SDPA", error,
+    )
 
 
 def cpu_kernel_unavailable_reason() -> str | None:
     """None when the kernel is (or can be) loaded; else why not."""
     load_cpu_kernel()
-    return _Loaded.reason
+    return _LIBRARY.reason
 
 
 def load_cpu_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library (built on first use), or None where it cannot be."""
-    with _Loaded.lock:
-        if not _Loaded.tried:
-            _Loaded.tried = True
-            try:
-                _Loaded.library = _load()
-            except (OSError, subprocess.SubprocessError, CpuKernelError) as error:
-                _Loaded.reason = str(error)
-                logger.warning(
-                    "CPU paged attention kernel unavailable (%s): decode attention gathers "
-                    "each context instead, prompts run on SDPA", error,
-                )
-        return _Loaded.library
+    return _LIBRARY.get()
 
 
 def _load() -> ctypes.CDLL:
@@ -292,6 +280,9 @@ def _load() -> ctypes.CDLL:
     return library
 
 
+_LIBRARY = LazyLibrary(_load, (OSError, subprocess.SubprocessError, CpuKernelError), _unavailable)
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -309,7 +300,7 @@ def paged_decode(
     """
     library = load_cpu_kernel()
     if library is None:
-        raise CpuKernelError(f"the CPU kernel is unavailable: {_Loaded.reason}")
+        raise CpuKernelError(f"the CPU kernel is unavailable: {_LIBRARY.reason}")
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     _check(q, k_cache, v_cache, page_table)
@@ -354,7 +345,7 @@ def paged_prefill(
     """
     library = load_cpu_kernel()
     if library is None:
-        raise CpuKernelError(f"the CPU kernel is unavailable: {_Loaded.reason}")
+        raise CpuKernelError(f"the CPU kernel is unavailable: {_LIBRARY.reason}")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     _check(q, k_cache, v_cache, page_table)

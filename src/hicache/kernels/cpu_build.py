@@ -17,7 +17,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hicache.local_cache import local_cache_dir
@@ -28,6 +29,35 @@ DISABLE_ENV = "HICACHE_DISABLE_CPU_KERNEL"
 
 class CpuBuildError(RuntimeError):
     """No compiler, a failed build, or the kernels switched off."""
+
+
+class LazyLibrary:
+    """A library built and loaded by ``load`` at its first use, once; where that fails
+    (``errors``), ``library`` stays None and ``reason`` says why, and ``on_failure`` is
+    called once with the error (to log what runs instead)."""
+
+    def __init__(
+        self, load: Callable[[], ctypes.CDLL], errors: tuple[type[Exception], ...],
+        on_failure: Callable[[Exception], None],
+    ) -> None:
+        self._load = load
+        self._errors = errors
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self._tried = False
+        self.library: ctypes.CDLL | None = None
+        self.reason: str | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                try:
+                    self.library = self._load()
+                except self._errors as error:
+                    self.reason = str(error)
+                    self._on_failure(error)
+            return self.library
 
 
 def build_and_load(source: Path, flags: Sequence[str]) -> ctypes.CDLL:

@@ -101,6 +101,24 @@ inline void store_lane(bf16* p, float x) {
   p->raw = round_to_bf16(v)[0];
 }
 
+// R rows' sums (plus the bias) into y[r, 0 : valid] (valid <= 16: the last block of a
+// weight whose N is not a multiple of 16 is padded).
+template <int R, typename T>
+inline void store_rows(const vec* acc, const T* __restrict bias, T* __restrict y,
+                       int64_t y_stride, int valid) {
+  for (int r = 0; r < R; ++r) {
+    vec out = acc[r];
+    if (valid == kBlock) {
+      if (bias != nullptr) out += load(bias);
+      store(y + r * y_stride, out);
+    } else {
+      for (int i = 0; i < valid; ++i) {
+        store_lane(y + r * y_stride + i, bias ? out[i] + to_float(bias[i]) : out[i]);
+      }
+    }
+  }
+}
+
 // R rows of x (float32) times one block of the weight (w: [K, 16]) into y[r, 0 : valid]
 // (valid <= 16: the last block of a weight whose N is not a multiple of 16 is padded).
 template <int R, typename T>
@@ -115,17 +133,7 @@ inline void block_rows(const float* __restrict x, int64_t x_stride, const T* __r
     const vec wk = load(w + k * kBlock);
     for (int r = 0; r < R; ++r) acc[r] += x[r * x_stride + k] * wk;
   }
-  for (int r = 0; r < R; ++r) {
-    vec out = acc[r];
-    if (valid == kBlock) {
-      if (bias != nullptr) out += load(bias);
-      store(y + r * y_stride, out);
-    } else {
-      for (int i = 0; i < valid; ++i) {
-        store_lane(y + r * y_stride + i, bias ? out[i] + to_float(bias[i]) : out[i]);
-      }
-    }
-  }
+  store_rows<R>(acc, bias, y, y_stride, valid);
 }
 
 template <typename T>
@@ -190,17 +198,7 @@ inline void pair_rows(const uint32_t* __restrict pairs, const float* __restrict 
     (void)pairs;
 #endif
   }
-  for (int r = 0; r < R; ++r) {
-    vec out = acc[r];
-    if (valid == kBlock) {
-      if (bias != nullptr) out += load(bias);
-      store(y + r * y_stride, out);
-    } else {
-      for (int i = 0; i < valid; ++i) {
-        store_lane(y + r * y_stride + i, bias ? out[i] + to_float(bias[i]) : out[i]);
-      }
-    }
-  }
+  store_rows<R>(acc, bias, y, y_stride, valid);
 }
 
 void pair_block(const uint32_t* pairs, const float* widened, int64_t pair_stride, int64_t M,

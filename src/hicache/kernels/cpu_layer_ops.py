@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from pathlib import Path
 
 import torch
 
-from hicache.kernels.cpu_build import CpuBuildError, build_and_load
+from hicache.kernels.cpu_build import CpuBuildError, LazyLibrary, build_and_load
 
 logger = logging.getLogger(__name__)
 
@@ -28,21 +27,12 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-ma
 _ABI_VERSION = 1
 
 
-class _Loaded:
-    lock = threading.Lock()
-    tried = False
-    library: ctypes.CDLL | None = None
+def _unavailable(error: Exception) -> None:
+    logger.warning("CPU layer ops unavailable (%s): torch's ops run instead", error)
 
 
 def _library() -> ctypes.CDLL | None:
-    with _Loaded.lock:
-        if not _Loaded.tried:
-            _Loaded.tried = True
-            try:
-                _Loaded.library = _load()
-            except (OSError, CpuBuildError) as error:
-                logger.warning("CPU layer ops unavailable (%s): torch's ops run instead", error)
-        return _Loaded.library
+    return _LIBRARY.get()
 
 
 def _load() -> ctypes.CDLL:
@@ -55,6 +45,9 @@ def _load() -> ctypes.CDLL:
     for fn in (library.hicache_rms_norm, library.hicache_rotary):
         fn.restype = None
     return library
+
+
+_LIBRARY = LazyLibrary(_load, (OSError, CpuBuildError), _unavailable)
 
 
 def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from pathlib import Path
 
 import torch
 
-from hicache.kernels.cpu_build import CpuBuildError, build_and_load
+from hicache.kernels.cpu_build import CpuBuildError, LazyLibrary, build_and_load
 
 logger = logging.getLogger(__name__)
 
@@ -38,22 +37,12 @@ _ABI_VERSION = 3
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-class _Loaded:
-    lock = threading.Lock()
-    tried = False
-    library: ctypes.CDLL | None = None
+def _unavailable(error: Exception) -> None:
+    logger.warning("CPU few-row products unavailable (%s): oneDNN's run instead", error)
 
 
 def _library() -> ctypes.CDLL | None:
-    with _Loaded.lock:
-        if not _Loaded.tried:
-            _Loaded.tried = True
-            try:
-                _Loaded.library = _load()
-            except (OSError, CpuBuildError) as error:
-                logger.warning("CPU few-row products unavailable (%s): oneDNN's run instead",
-                               error)
-        return _Loaded.library
+    return _LIBRARY.get()
 
 
 def _load() -> ctypes.CDLL:
@@ -65,6 +54,9 @@ def _load() -> ctypes.CDLL:
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
         fn.restype = None
     return library
+
+
+_LIBRARY = LazyLibrary(_load, (OSError, CpuBuildError), _unavailable)
 
 
 def block_size() -> int | None:

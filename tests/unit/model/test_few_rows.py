@@ -148,12 +148,12 @@ def _linear_calls(model: CausalLM, rows: int) -> tuple[int, int]:
                 calls["kernel"] += 1
             return getattr(real, name)
 
-    few_rows._Loaded.library = Counting()  # type: ignore[assignment]
+    few_rows._LIBRARY.library = Counting()  # type: ignore[assignment]
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             run_in_steps(model, pool, tokens, slots, [rows])
     finally:
-        few_rows._Loaded.library = real
+        few_rows._LIBRARY.library = real
     onednn = sum(1 for event in prof.events() if "_linear_pointwise" in event.name)
     return onednn, calls["kernel"]
 
