@@ -46,7 +46,8 @@ _ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::_flash_attention",
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", default=None, help="default: serve's default model")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--prompt", type=int, default=1024, help="cold prompt tokens")
+    parser.add_argument("--prompt", type=int, default=1024,
+                        help="cold prompt tokens (0: decode steps only)")
     parser.add_argument("--chunk", type=int, nargs="+", default=[256],
                         help="prefill chunk in tokens (0: the whole prompt in one step); "
                         "several: each in turn, timed alternately")
@@ -233,12 +234,13 @@ def main(args: argparse.Namespace) -> int:
         results.append(result)
 
     with torch.inference_mode():
-        ids = [(7 * i + 1) % config.vocab_size for i in range(args.prompt)]
+        # Tokens for the cold prompt and for each decode context (either may be the longer).
+        ids = [(7 * i + 1) % config.vocab_size for i in range(max(args.prompt, args.context))]
         prompts = {
             f"cold prompt {args.prompt} in chunks of {chunk or args.prompt}":
-                prompt_chunks(ids, torch.arange(prompt_pages), page, chunk)
+                prompt_chunks(ids[: args.prompt], torch.arange(prompt_pages), page, chunk)
             for chunk in args.chunk
-        }
+        } if args.prompt > 0 else {}
         prefills = {case: _steps(model, pool, steps) for case, steps in prompts.items()}
         for case, timing in timed_in_turns(prefills, args.repeats).items():
             report(case, timing, args.prompt,

@@ -67,3 +67,14 @@ def test_decode_steps_over_blocked_and_packed_weights_in_turns(tmp_path: Path) -
     cases = [r["case"] for r in json.loads(out.read_text())["results"]]
     assert len(cases) == 3 and cases[0].startswith("cold prompt 16")
     assert "over blocked weights" in cases[1] and "over packed weights" in cases[2]
+
+
+def test_decode_steps_alone_over_contexts_longer_than_the_prompt(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    write_checkpoint(variants()["llama-gqa"], model_dir)
+    out = tmp_path / "forward.json"
+    code = main(["bench", "forward", "--model-path", str(model_dir), "--prompt", "0",
+                 "--batch", "2", "--context", "24", "--repeats", "1", "--json", str(out)])
+    assert code == 0
+    cases = [r["case"] for r in json.loads(out.read_text())["results"]]
+    assert len(cases) == 1 and cases[0].startswith("decode B=2 context 24 ")
