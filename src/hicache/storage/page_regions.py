@@ -92,6 +92,12 @@ class PageRegions:
     def num_regions(self) -> int:
         return len(self.region_offsets)
 
+    def aligned(self, align: int) -> bool:
+        """Does every region of every page start at an ``align``-byte aligned address and
+        run a whole number of ``align`` bytes (what direct I/O asks of its buffers)?"""
+        values = [self.base_address, self.page_stride_bytes, self.region_bytes]
+        return not any(value % align for value in [*values, *self.region_offsets])
+
     def offsets(self, page: int) -> list[int]:
         """Byte offsets of page ``page``'s regions in the pool, in payload order."""
         start = page * self.page_stride_bytes

@@ -16,6 +16,9 @@ Extra config:
                      fills a small disk.
     fsync            fsync each page and its directory before it becomes visible (default false:
                      a crash may lose recent pages, never expose a torn one)
+    direct_writes    write each page's payload with O_DIRECT, past the page cache (default
+                     true), where the host pool's page regions are block aligned; the file
+                     is the same either way (``direct_writes``: why, and the fallback)
     verify_checksum  hash every page read against its header (default true; sealed
                      pages are authenticated instead, ``storage.sealing``)
     core_fraction    share of ``max_bytes`` in the loop-resistant core set (default 0.75;
@@ -34,7 +37,8 @@ atomic), so a reader sees a whole page or none. A temporary's name carries its
 writer's host and process id; at start-up the temporaries of writers that are
 gone (or of any writer, once old) are removed. Reads and writes go straight
 between the file and the host page's memory with ``readv``/``writev``
-(``PageRegions``).
+(``PageRegions``); payloads are written past the page cache where the host pool's
+regions allow it (``direct_writes``).
 
 Sealed pages (``storage.sealing``) use the sealer's threads (``seal_workers``): a batch's
 pages are written a few side by side, each by one thread that seals it in pieces of
@@ -112,12 +116,15 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
+from hicache.storage.backends.file.direct_writes import DirectWriter
+from hicache.storage.backends.file.direct_writes import usable as direct_writes_usable
 from hicache.storage.backends.file.eviction_order import Changes, EvictionOrder
 from hicache.storage.backends.file.ledger import DirectoryLedger
 from hicache.storage.backends.file.mapped import mapped
 from hicache.storage.backends.file.pins import PinMarkers, check_expiry
 from hicache.storage.backends.file.settings import FileSettings, default_min_free
 from hicache.storage.backends.file.tenant_dirs import ensure_tenant_dir, tenant_dirs, tenant_root
+from hicache.storage.backends.file.vectored import read_all, write_all
 from hicache.storage.base import StorageBackend, StorageError, StorageUnavailableError
 from hicache.storage.call_tenant import current_tenant
 from hicache.storage.failure_reasons import CountedReason, FailureReason
@@ -139,11 +146,6 @@ from hicache.tenancy.names import within_tenant
 
 if TYPE_CHECKING:  # imports cryptography: only a sealing store loads it
     from hicache.storage.sealing import Sealer
-
-try:
-    _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
-except (AttributeError, ValueError, OSError):
-    _IOV_MAX = 1024
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +194,9 @@ class FileBackend(StorageBackend):
         self.min_free_bytes = settings.min_free_bytes or 0
         self._reserve_warned = False
         self.fsync = settings.fsync
+        self.direct_writes = settings.direct_writes
+        # Set at attach when this host pool's plain pages are written directly.
+        self.direct: DirectWriter | None = None
         self.verify_checksum = settings.verify_checksum
         # name -> file bytes, in eviction order (loop-resistant: ``eviction_order``).
         # Guarded by self._lock.
@@ -238,6 +243,7 @@ class FileBackend(StorageBackend):
             ) from error
         super().attach(host)
         self._regions = regions
+        self.direct = self._direct_writer(regions)
         with self._lock:
             self._evict_locked(0)
         self._keep_free(0, frozenset())  # the disk may have filled while it was down
@@ -245,6 +251,20 @@ class FileBackend(StorageBackend):
     def close(self) -> None:
         self._closed = True
         self._ledger.close()
+
+    def _direct_writer(self, regions: PageRegions) -> DirectWriter | None:
+        """The writer of plain pages' payloads past the page cache, when they may be."""
+        if not self.direct_writes:
+            return None
+        reason = "sealed pages are written in pieces" if regions.sealer is not None else (
+            direct_writes_usable(regions)
+        )
+        if reason is not None:
+            logger.info("file storage: pages written through the page cache: %s", reason)
+            return None
+        logger.info("file storage: page payloads written directly (O_DIRECT) to %s",
+                    self._root_text)
+        return DirectWriter(self._root_text)
 
     def _resolve_min_free(self) -> int:
         """The free space to leave: the setting, else ``default_min_free`` of the file
@@ -676,7 +696,7 @@ class FileBackend(StorageBackend):
                 else None
             )
             if opened is None:
-                got = _readv_full(fd, [*regions.views(page), memoryview(header)])
+                got = read_all(fd, [*regions.views(page), memoryview(header)])
         except OSError:
             return FailureReason.IO_ERROR
         finally:
@@ -744,7 +764,10 @@ class FileBackend(StorageBackend):
             framed = regions.frame(page, key)
             assert framed is not None, "a plain frame is always written"
             payload, header = framed
-            return lambda fd: _writev_full(fd, [*payload, header])
+            direct = self.direct
+            if direct is not None:
+                return lambda fd: direct.write(fd, payload, header)
+            return lambda fd: write_all(fd, [*payload, header])
         if not sealer.can_seal():
             return None
         return lambda fd: _write_sealed(fd, sealer, regions, key, page)
@@ -1107,8 +1130,8 @@ def _write_sealed(fd: int, sealer: Sealer, regions: PageRegions, key: bytes, pag
     for fragment in regions.views(page):
         for start in range(0, fragment.nbytes, SEAL_WRITE_PIECE):
             written = stream.update_into(fragment[start : start + SEAL_WRITE_PIECE], buffer)
-            _writev_full(fd, [buffer[:written]])
-    _writev_full(fd, [stream.finish()])
+            write_all(fd, [buffer[:written]])
+    write_all(fd, [stream.finish()])
 
 
 class _OneRound:
@@ -1138,35 +1161,3 @@ def _fsync_directory(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _readv_full(fd: int, buffers: list[memoryview]) -> int:
-    """Fill ``buffers`` from ``fd`` in order; returns the bytes read (less only at EOF)."""
-    total = 0
-    pending = [b.cast("B") for b in buffers]
-    while pending:
-        got = os.readv(fd, pending[:_IOV_MAX])
-        if got == 0:
-            break
-        total += got
-        pending = _advance(pending, got)
-    return total
-
-
-def _writev_full(fd: int, buffers: list[Any]) -> None:
-    pending = [memoryview(b).cast("B") for b in buffers]
-    while pending:
-        wrote = os.writev(fd, pending[:_IOV_MAX])
-        pending = _advance(pending, wrote)
-
-
-def _advance(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
-    """Drop the first ``nbytes`` bytes of a buffer list (after a short readv/writev)."""
-    index = 0
-    while index < len(buffers) and nbytes >= len(buffers[index]):
-        nbytes -= len(buffers[index])
-        index += 1
-    rest = buffers[index:]
-    if rest and nbytes:
-        rest[0] = rest[0][nbytes:]
-    return rest

@@ -37,6 +37,8 @@ class FileSettings:
     # None: ``default_min_free``; 0: fill the file system (ENOSPC then evicts).
     min_free_bytes: Size | None = None
     fsync: Flag = False
+    # Page payloads written with O_DIRECT where the host pool allows it (``direct_writes``).
+    direct_writes: Flag = True
     verify_checksum: Flag = True
     # The share of ``max_bytes`` in the loop-resistant core set (``eviction_order``);
     # 0: plain least-recently-used eviction.

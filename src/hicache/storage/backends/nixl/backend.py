@@ -416,9 +416,7 @@ class NixlBackend(StorageBackend):
 
 def _check_direct_alignment(regions: PageRegions) -> None:
     align = DIRECT_ALIGN_BYTES
-    offsets = [regions.base_address, regions.page_stride_bytes, regions.region_bytes]
-    offsets += regions.region_offsets
-    if any(value % align for value in offsets):
+    if not regions.aligned(align):
         raise StorageError(
             f"nixl storage: direct_io needs every page region at a {align}-byte aligned "
             f"address and a multiple of {align} bytes long; this host pool's regions are "
