@@ -182,6 +182,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="file backend: fsync every page (and the baseline fsyncs its files too)",
     )
     parser.add_argument(
+        "--file-direct-writes", choices=("auto", "true", "false"), default="auto",
+        help="file backend: write page payloads with O_DIRECT (true), through the page cache "
+        "(false), or as a server whose forward is not on the CPU does (auto: through it)",
+    )
+    parser.add_argument(
         "--mooncake-master", type=str, default=None,
         help="host:port of a running mooncake_master; without it a local one is started "
         "when the binary is installed",
@@ -247,6 +252,7 @@ def _file_setup(
     return {
         "path": str(workload.work_dir / "file-l3"),
         "fsync": bool(args.fsync),
+        "direct_writes": args.file_direct_writes,
         # Room for every page (with headers) so that nothing is evicted mid-run.
         "max_bytes": 2 * workload.nbytes + (64 << 20),
     }

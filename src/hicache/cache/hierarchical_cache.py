@@ -256,6 +256,7 @@ class HierarchicalCache:
 
                 backend.use_sealer(Sealer(config.encryption))
             backend.set_tenant_quotas(config.tenant_quotas)
+            backend.forward_runs_on_cpu(self.device_pool.device.type == "cpu")
             backend.attach(self.host_pool)
         except Exception:
             backend.close()

@@ -98,6 +98,9 @@ class StorageBackend(ABC):
         self._closed = False
         # Seals every page written and opens every page read (``use_sealer``).
         self.sealer: Sealer | None = None
+        # Whether the model's forward runs on this machine's CPU cores
+        # (``forward_runs_on_cpu``); False until told.
+        self.forward_on_cpu = False
         # ``--tenant-quotas``: what a backend that acts per tenant enforces of it (its
         # module docstring says what); None: no limits.
         self.tenant_quotas: TenantQuotas | None = None
@@ -202,6 +205,12 @@ class StorageBackend(ABC):
         leaves them: a damaged page then stays a miss, refused at every load."""
 
     # ------------------------------------------------------------ tenants
+    def forward_runs_on_cpu(self, on_cpu: bool) -> None:
+        """Where the model's forward runs (called before ``attach``): on this machine's CPU
+        cores (True), whose time the backend's own work then takes from it, or elsewhere (a
+        GPU). A backend may choose its I/O by it (the file backend's ``direct_writes``)."""
+        self.forward_on_cpu = on_cpu
+
     # The tenant of a ``set``/``get``/``exists`` is ``call_tenant.current_tenant()``; a
     # backend that records it per object can report and remove a tenant's pages.
     def set_tenant_quotas(self, quotas: TenantQuotas | None) -> None:

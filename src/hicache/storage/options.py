@@ -112,6 +112,16 @@ def parse_bool(value: object) -> bool:
     raise ValueError(f"must be true or false, got {value!r}")
 
 
+def parse_flag_or_auto(value: object) -> bool | None:
+    """``parse_bool``'s values, or "auto" (and None): None, the backend decides."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        return parse_bool(value)
+    except ValueError:
+        raise ValueError(f"must be true, false or auto, got {value!r}") from None
+
+
 def parse_size(value: object) -> int:
     """Bytes from an int or a size string ("16GB" = 16e9 B, "16GiB" = 16 * 2^30 B)."""
     if isinstance(value, bool):
@@ -161,6 +171,8 @@ TextOrDefault = Annotated[str, BeforeValidator(text_or_default)]
 # A string, spaces around it dropped ("" means the default).
 Stripped = Annotated[TextOrDefault, AfterValidator(_strip)]
 Flag = Annotated[bool, BeforeValidator(parse_bool)]
+# True, false, or None for "auto" (the backend decides, its docstring says how).
+FlagOrAuto = Annotated[bool | None, BeforeValidator(parse_flag_or_auto)]
 Size = Annotated[int, BeforeValidator(parse_size)]
 # A directory, "~" expanded ("" means the default; a Path is settings built in code).
 Directory = Annotated[Path, BeforeValidator(_directory)]

@@ -2,7 +2,8 @@
 and its header through the page cache, making the same file a buffered write makes; pools
 whose regions are not block aligned, sealed pages and ``direct_writes: false`` write
 through the page cache; a file system that refuses direct writes costs a warning and
-nothing else; a real I/O error fails the page as before.
+nothing else; a real I/O error fails the page as before. "auto" (the default) writes directly
+where the model's forward runs on the CPU, as the cache tells the store.
 
 Every test writes real files in a temporary directory. The ones that need the real
 O_DIRECT path skip where the test directory's file system has none (some tmpfs, FUSE).
@@ -29,11 +30,13 @@ from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
 from hicache.storage.backends.file import direct_writes, vectored
 from hicache.storage.backends.file.backend import FileBackend
+from hicache.storage.base import StorageError
 from hicache.storage.failure_reasons import FailureReason
 from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
 from hicache.storage.seal_workers import SealWorkers
 from hicache.storage.sealing import Sealer
 from hicache.tenancy.keys import parse_key_file
+from tests.l3_caches import make_l3_cache
 from tests.storage_contract import as_bytes, fill_random, page_bytes_of, page_range
 
 # float32, 4 tokens a page: a page_first page is 8 KiB, a layer_first region 2 KiB, both
@@ -82,8 +85,9 @@ def open_store(
     root: Path, geometry: KVGeometry = ALIGNED, layout: MemLayout = MemLayout.LAYER_FIRST,
     **options: Any,
 ) -> tuple[FileBackend, HostPool]:
+    """A store on ``root`` writing directly unless ``options`` say otherwise."""
     host = HostPool(geometry, 2 * PAGES, PAGE, layout, pin_memory=False)
-    backend = FileBackend({"path": str(root), **options})
+    backend = FileBackend({"path": str(root), "direct_writes": True, **options})
     backend.attach(host)
     return backend, host
 
@@ -182,9 +186,47 @@ def test_direct_writes_off_goes_through_the_page_cache(tmp_path: Path, spy: Writ
     backend.close()
 
 
+@pytest.mark.parametrize(("setting", "forward_on_cpu", "direct"), [
+    ("auto", True, True), ("auto", False, False), (None, True, True), (None, False, False),
+    ("true", False, True), ("false", True, False),
+])
+def test_auto_writes_directly_where_the_forward_runs_on_the_cpu(
+    tmp_path: Path, setting: str | None, forward_on_cpu: bool, direct: bool
+) -> None:
+    options = {} if setting is None else {"direct_writes": setting}
+    backend = FileBackend({"path": str(tmp_path), **options})
+    backend.forward_runs_on_cpu(forward_on_cpu)
+    backend.attach(HostPool(ALIGNED, PAGES, PAGE, MemLayout.LAYER_FIRST, pin_memory=False))
+    assert (backend.direct is not None) is direct
+    backend.close()
+
+
+def test_a_cache_on_the_cpu_writes_its_l3_pages_directly(tmp_path: Path) -> None:
+    """The cache tells the store where the forward runs: a CPU device pool's cache gets
+    direct writes at the file store's defaults, through a throttled store too."""
+    for name, extra in (
+        ("file", {"path": str(tmp_path / "a")}),
+        ("throttled", {"backend": "file", "backend_extra": {"path": str(tmp_path / "b")}}),
+    ):
+        cache = make_l3_cache(name, extra, ALIGNED, page_size=PAGE)
+        try:
+            assert cache.device_pool.device.type == "cpu"
+            assert cache.storage is not None
+            backend = cache.storage.backend
+            inner = getattr(backend, "inner", backend)
+            assert isinstance(inner, FileBackend) and inner.direct is not None, name
+        finally:
+            cache.close()
+
+
+def test_the_setting_is_true_false_or_auto(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="direct_writes must be true, false or auto"):
+        FileBackend({"path": str(tmp_path), "direct_writes": "sometimes"})
+
+
 def test_sealed_pages_are_not_written_directly(tmp_path: Path, spy: WriteSpy) -> None:
     host = HostPool(ALIGNED, 2 * PAGES, PAGE, MemLayout.LAYER_FIRST, pin_memory=False)
-    backend = FileBackend({"path": str(tmp_path)})
+    backend = FileBackend({"path": str(tmp_path), "direct_writes": True})
     backend.use_sealer(Sealer(parse_key_file(f"acme 1 {'a1' * 32}\n", "t.keys"), SealWorkers(1)))
     backend.attach(host)
     assert backend.direct is None

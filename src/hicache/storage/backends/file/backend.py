@@ -16,9 +16,11 @@ Extra config:
                      fills a small disk.
     fsync            fsync each page and its directory before it becomes visible (default false:
                      a crash may lose recent pages, never expose a torn one)
-    direct_writes    write each page's payload with O_DIRECT, past the page cache (default
-                     true), where the host pool's page regions are block aligned; the file
-                     is the same either way (``direct_writes``: why, and the fallback)
+    direct_writes    write each page's payload with O_DIRECT, past the page cache, where the
+                     host pool's page regions are block aligned: true, false, or "auto"
+                     (default: when the model's forward runs on this machine's CPU cores,
+                     ``forward_runs_on_cpu``). The file is the same either way
+                     (``direct_writes``: why, what it costs, and the fallback)
     verify_checksum  hash every page read against its header (default true; sealed
                      pages are authenticated instead, ``storage.sealing``)
     core_fraction    share of ``max_bytes`` in the loop-resistant core set (default 0.75;
@@ -254,7 +256,13 @@ class FileBackend(StorageBackend):
 
     def _direct_writer(self, regions: PageRegions) -> DirectWriter | None:
         """The writer of plain pages' payloads past the page cache, when they may be."""
-        if not self.direct_writes:
+        wanted = self.direct_writes
+        if wanted is None:  # auto
+            wanted = self.forward_on_cpu
+            if not wanted:
+                logger.info("file storage: pages written through the page cache (the "
+                            "forward does not run on this machine's CPU)")
+        if not wanted:
             return None
         reason = "sealed pages are written in pieces" if regions.sealer is not None else (
             direct_writes_usable(regions)

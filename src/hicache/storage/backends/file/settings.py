@@ -13,7 +13,15 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from hicache.local_cache import local_cache_dir
-from hicache.storage.options import SETTINGS, Directory, Flag, Size, must, number
+from hicache.storage.options import (
+    SETTINGS,
+    Directory,
+    Flag,
+    FlagOrAuto,
+    Size,
+    must,
+    number,
+)
 
 DEFAULT_MAX_BYTES = 16 * 10**9
 # The free space the store leaves on its file system when ``min_free_bytes`` is not set: a
@@ -37,8 +45,9 @@ class FileSettings:
     # None: ``default_min_free``; 0: fill the file system (ENOSPC then evicts).
     min_free_bytes: Size | None = None
     fsync: Flag = False
-    # Page payloads written with O_DIRECT where the host pool allows it (``direct_writes``).
-    direct_writes: Flag = True
+    # Page payloads written with O_DIRECT where the host pool allows it (``direct_writes``);
+    # None ("auto"): when the model's forward runs on this machine's CPU.
+    direct_writes: FlagOrAuto = None
     verify_checksum: Flag = True
     # The share of ``max_bytes`` in the loop-resistant core set (``eviction_order``);
     # 0: plain least-recently-used eviction.

@@ -120,6 +120,10 @@ class ThrottledBackend(StorageBackend):
     def unpin(self, keys: Sequence[bytes]) -> int:
         return self.inner.unpin(keys)
 
+    def forward_runs_on_cpu(self, on_cpu: bool) -> None:
+        super().forward_runs_on_cpu(on_cpu)
+        self.inner.forward_runs_on_cpu(on_cpu)
+
     # Tenants are the inner store's (it reads the call's tenant itself).
     def set_tenant_quotas(self, quotas: TenantQuotas | None) -> None:
         super().set_tenant_quotas(quotas)
