@@ -233,21 +233,23 @@ def test_sealed_pages_are_not_written_directly(tmp_path: Path, spy: WriteSpy) ->
     backend.close()
 
 
-@pytest.mark.parametrize("refused_at", ["fcntl", "writev"])
+@pytest.mark.parametrize(("refused_at", "answer"), [
+    ("fcntl", errno.EINVAL), ("writev", errno.EINVAL), ("writev", errno.EOPNOTSUPP),
+])
 def test_a_file_system_that_refuses_direct_writes_costs_one_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-    refused_at: str,
+    refused_at: str, answer: int,
 ) -> None:
     """Some file systems refuse O_DIRECT when it is set; a device whose blocks are larger
     than the regions refuses the write itself. Either way the page is written through the
     page cache, whole, and so is every later one; one warning says so."""
-    spy = WriteSpy(monkeypatch, fail=errno.EINVAL if refused_at == "writev" else None)
+    spy = WriteSpy(monkeypatch, fail=answer if refused_at == "writev" else None)
     if refused_at == "fcntl":
         real_fcntl = fcntl.fcntl
 
         def refusing(fd: int, command: int, arg: int = 0) -> int:
             if command == fcntl.F_SETFL and arg & O_DIRECT:
-                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+                raise OSError(answer, os.strerror(answer))
             return real_fcntl(fd, command, arg)
 
         monkeypatch.setattr(direct_writes.fcntl, "fcntl", refusing)

@@ -32,9 +32,10 @@ SmolLM2 prompt: ~47 MB, ~40 ms from this disk, ~1.4 s to recompute), so "auto" (
 default) writes directly there and through the page cache where the forward runs on a GPU,
 whose host cores are otherwise idle and whose prefill can beat a slow disk.
 
-A file system or device that refuses these writes (EINVAL: one without direct I/O, a device
-whose logical blocks are larger than ``ALIGN_BYTES``) costs nothing but a warning: the page
-is written again through the page cache, and so is every later one.
+A file system or device that refuses these writes (EINVAL or EOPNOTSUPP: a file system
+without direct I/O, a device whose logical blocks are larger than ``ALIGN_BYTES``) costs
+nothing but a warning: the page is written again through the page cache, and so is every
+later one.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 # The smallest logical block size of block devices; a larger one refuses (EINVAL), which
 # falls back to buffered writes.
 ALIGN_BYTES = 512
+# What a file system or device answers a direct write it does not do (EINVAL from most;
+# a few say "not supported"); any other error is the disk's and fails the page as usual.
+_REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 def usable(regions: PageRegions) -> str | None:
     """Why the pages of ``regions`` cannot be written directly, or None when they can."""
@@ -89,7 +93,7 @@ class DirectWriter:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags | O_DIRECT)
             write_all(fd, payload)
         except OSError as error:
-            if error.errno != errno.EINVAL:
+            if error.errno not in _REFUSALS:
                 raise
             self._refused(error)
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
