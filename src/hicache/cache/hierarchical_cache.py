@@ -161,6 +161,12 @@ class HierarchicalCache:
             self._core_pages(),
         )
         self._writing: dict[int, TreeNode] = {}
+        # Device nodes whose host copy found no room when they were inserted (the host
+        # full of pages a request holds or that wait for their L3 write), by node id in
+        # insertion order: each insert tries them again first (``_retry_deferred``), so a
+        # burst that outruns L3 for a moment does not lose its pages to the next device
+        # eviction. An entry is dropped once copied, or gone from the device.
+        self._deferred: dict[int, TreeNode] = {}
         self.storage: StorageTier | None = None
         # The drain to L3 under way before the worker exits (``cache/drain.py``), if any.
         self.l3_drain: L3Drain | None = None
@@ -432,12 +438,42 @@ class HierarchicalCache:
         self, tokens: TokenIds, device_pages: PageIds, extra_key: str | None = None
     ) -> InsertResult:
         """Give the KV of ``tokens`` (whole pages) to the tree; frees duplicates, backs up."""
+        if self._deferred:
+            self._retry_deferred()
         result = self.tree.insert(tokens, device_pages, extra_key)
         self.device_pool.allocator.free(result.duplicate_pages)
-        for node in result.backup_candidates:
+        candidates = result.backup_candidates
+        for i, node in enumerate(candidates):
             if not self._backup(node):
-                break  # its descendants may not be backed up before it
+                # Its descendants may not be backed up before it: all wait for room.
+                if self.host_pool is not None:
+                    self._deferred.update((n.id, n) for n in candidates[i:])
+                break
         return result
+
+    def _retry_deferred(self) -> None:
+        """Copy to the host the deferred nodes still on the device, oldest first, as far
+        as there is room. A node whose copy fails again stays, and so do the rest of its
+        tenant's (its quota or the pool is what is short); other tenants' go on. Runs at
+        an insert, where every rank of a tensor-parallel group has the same tree."""
+        blocked: set[str | None] = set()
+        for node_id, node in list(self._deferred.items()):
+            if node.extra_key in blocked:
+                continue
+            parent = node.parent
+            if (
+                parent is None or node.device_pages is None or node.host_pages is not None
+                or not (parent.is_root or parent.host_pages is not None)
+            ):
+                # Deleted, evicted, copied since (a later insert of it), or below a node
+                # that will not be copied first (split off or gone): nothing to do.
+                del self._deferred[node_id]
+                continue
+            if self._backup(node, count_skip=False):
+                del self._deferred[node_id]
+                self.stats.num_backup_late_pages += len(node.device_pages)
+            else:
+                blocked.add(node.extra_key)
 
     def insert_held(
         self, tokens: TokenIds, device_pages: PageIds, hit: PrefixHit,
@@ -471,6 +507,7 @@ class HierarchicalCache:
         if self.tree.num_protected_device_pages:
             raise RuntimeError("flush while requests hold cached prefixes")
         self.hints.clear()  # every pin and class goes with the tree
+        self._deferred.clear()
         self._purged_nodes.clear()
         self._l3_purges.clear()
         self.device_pool.allocator.free(self.tree.device_page_ids())
@@ -788,9 +825,12 @@ class HierarchicalCache:
         """Start copying device-only ``node`` to the host; False when there is no room."""
         return self._backup(node)
 
-    def _backup(self, node: TreeNode, within_quota: bool = True) -> bool:
+    def _backup(
+        self, node: TreeNode, within_quota: bool = True, count_skip: bool = True
+    ) -> bool:
         """Start copying ``node`` to the host; False when the host pool has no room (or,
-        ``within_quota``, its tenant's host quota leaves none: ``alloc_host``)."""
+        ``within_quota``, its tenant's host quota leaves none: ``alloc_host``), counted
+        as skipped pages unless ``count_skip`` is False (a deferred copy tried again)."""
         if self.controller is None or self.host_pool is None:
             return False
         assert node.device_pages is not None
@@ -801,7 +841,8 @@ class HierarchicalCache:
         host_pages = self.alloc_host(need, node.extra_key, within_quota, include_core)
         if len(host_pages) < need:
             self.host_pool.allocator.free(host_pages)
-            self.stats.num_backup_skipped_pages += need
+            if count_skip:
+                self.stats.num_backup_skipped_pages += need
             return False
         self.tree.begin_backup(node, host_pages)
         self._writing[node.id] = node

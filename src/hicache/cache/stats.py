@@ -14,6 +14,8 @@ class CacheStats:
     num_loaded_pages: int = 0
     num_backed_up_pages: int = 0
     num_backup_skipped_pages: int = 0
+    # Of those, copied to the host later, at a next insert (room had come back meanwhile).
+    num_backup_late_pages: int = 0
     num_device_evicted_pages: int = 0
     num_host_evicted_pages: int = 0
     # Of those, evicted because their tenant was at its host quota (its own pages).

@@ -123,6 +123,10 @@ SERIES: dict[str, Series] = {
     "cache_num_backup_skipped_pages": _counter(
         "l2_backup_skipped_pages", "device pages not copied to host: no room in L2"
     ),
+    "cache_num_backup_late_pages": _counter(
+        "l2_backup_late_pages",
+        "skipped device pages copied to host later, once L2 had room again",
+    ),
     "cache_num_device_evicted_pages": _counter("evicted_pages", _EVICTED, ("tier", "device")),
     "cache_num_host_evicted_pages": _counter("evicted_pages", _EVICTED, ("tier", "host")),
     "device_pool_pages": _gauge("device_pool_pages", "pages of the device (L1) KV pool"),

@@ -43,6 +43,8 @@ from tests.storage_contract import as_bytes, fill_random, page_bytes_of, page_ra
 # whole 512-byte blocks. The other geometry's layer_first regions are 128 bytes.
 ALIGNED = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32)
 UNALIGNED = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+# 256 KiB pages: as large as "auto" writes directly (ALIGNED's 8 KiB ones it does not).
+LARGE = KVGeometry(num_layers=16, num_kv_heads=8, head_dim=64, dtype=torch.float32)
 PAGE = 4
 PAGES = 6
 O_DIRECT = direct_writes.O_DIRECT
@@ -186,29 +188,34 @@ def test_direct_writes_off_goes_through_the_page_cache(tmp_path: Path, spy: Writ
     backend.close()
 
 
-@pytest.mark.parametrize(("setting", "forward_on_cpu", "direct"), [
-    ("auto", True, True), ("auto", False, False), (None, True, True), (None, False, False),
-    ("true", False, True), ("false", True, False),
+@pytest.mark.parametrize(("setting", "forward_on_cpu", "geometry", "direct"), [
+    ("auto", True, LARGE, True), ("auto", False, LARGE, False), (None, True, LARGE, True),
+    (None, False, LARGE, False), ("auto", True, ALIGNED, False), (None, True, ALIGNED, False),
+    ("true", False, ALIGNED, True), ("false", True, LARGE, False),
 ])
-def test_auto_writes_directly_where_the_forward_runs_on_the_cpu(
-    tmp_path: Path, setting: str | None, forward_on_cpu: bool, direct: bool
+def test_auto_writes_large_pages_directly_where_the_forward_runs_on_the_cpu(
+    tmp_path: Path, setting: str | None, forward_on_cpu: bool, geometry: KVGeometry,
+    direct: bool,
 ) -> None:
     options = {} if setting is None else {"direct_writes": setting}
     backend = FileBackend({"path": str(tmp_path), **options})
     backend.forward_runs_on_cpu(forward_on_cpu)
-    backend.attach(HostPool(ALIGNED, PAGES, PAGE, MemLayout.LAYER_FIRST, pin_memory=False))
+    host = HostPool(geometry, PAGES, PAGE, MemLayout.LAYER_FIRST, pin_memory=False)
+    assert (host.page_bytes >= direct_writes.AUTO_MIN_PAGE_BYTES) is (geometry is LARGE)
+    backend.attach(host)
     assert (backend.direct is not None) is direct
     backend.close()
 
 
 def test_a_cache_on_the_cpu_writes_its_l3_pages_directly(tmp_path: Path) -> None:
     """The cache tells the store where the forward runs: a CPU device pool's cache gets
-    direct writes at the file store's defaults, through a throttled store too."""
+    direct writes of its large pages at the file store's defaults, through a throttled
+    store too."""
     for name, extra in (
         ("file", {"path": str(tmp_path / "a")}),
         ("throttled", {"backend": "file", "backend_extra": {"path": str(tmp_path / "b")}}),
     ):
-        cache = make_l3_cache(name, extra, ALIGNED, page_size=PAGE)
+        cache = make_l3_cache(name, extra, LARGE, page_size=PAGE, device_pages=8)
         try:
             assert cache.device_pool.device.type == "cpu"
             assert cache.storage is not None

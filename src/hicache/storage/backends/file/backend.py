@@ -19,7 +19,8 @@ Extra config:
     direct_writes    write each page's payload with O_DIRECT, past the page cache, where the
                      host pool's page regions are block aligned: true, false, or "auto"
                      (default: when the model's forward runs on this machine's CPU cores,
-                     ``forward_runs_on_cpu``). The file is the same either way
+                     ``forward_runs_on_cpu``, and pages are at least 256 KiB). The file
+                     is the same either way
                      (``direct_writes``: why, what it costs, and the fallback)
     verify_checksum  hash every page read against its header (default true; sealed
                      pages are authenticated instead, ``storage.sealing``)
@@ -118,7 +119,7 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.backends.file.direct_writes import DirectWriter
+from hicache.storage.backends.file.direct_writes import AUTO_MIN_PAGE_BYTES, DirectWriter
 from hicache.storage.backends.file.direct_writes import usable as direct_writes_usable
 from hicache.storage.backends.file.eviction_order import Changes, EvictionOrder
 from hicache.storage.backends.file.ledger import DirectoryLedger
@@ -258,10 +259,13 @@ class FileBackend(StorageBackend):
         """The writer of plain pages' payloads past the page cache, when they may be."""
         wanted = self.direct_writes
         if wanted is None:  # auto
-            wanted = self.forward_on_cpu
-            if not wanted:
+            wanted = self.forward_on_cpu and regions.page_bytes >= AUTO_MIN_PAGE_BYTES
+            if not self.forward_on_cpu:
                 logger.info("file storage: pages written through the page cache (the "
                             "forward does not run on this machine's CPU)")
+            elif not wanted:
+                logger.info("file storage: pages written through the page cache (pages "
+                            "of %d bytes, under %d)", regions.page_bytes, AUTO_MIN_PAGE_BYTES)
         if not wanted:
             return None
         reason = "sealed pages are written in pieces" if regions.sealer is not None else (

@@ -30,7 +30,13 @@ writeback are paid later, on every core). Where the forward runs on the CPU the 
 what is short, and a load from the disk is still far faster than recomputing (a 1K-token
 SmolLM2 prompt: ~47 MB, ~40 ms from this disk, ~1.4 s to recompute), so "auto" (the
 default) writes directly there and through the page cache where the forward runs on a GPU,
-whose host cores are otherwise idle and whose prefill can beat a slow disk.
+whose host cores are otherwise idle and whose prefill can beat a slow disk. "auto" leaves
+small pages (under ``AUTO_MIN_PAGE_BYTES``) in the page cache too: copying a few KiB costs
+microseconds, while a direct write waits for the device every time. A tiny model's 16 KiB
+pages went out at 0.85-0.95x the buffered rate (``hicache bench storage --preset tiny``),
+and a CPU server under load fell behind with them: the host pool filled with pages waiting
+for L3, so the next device->host backups were skipped (262-340 pages of a short multi-turn
+run against 194-232 buffered) and those conversations missed both tiers.
 
 A file system or device that refuses these writes (EINVAL or EOPNOTSUPP: a file system
 without direct I/O, a device whose logical blocks are larger than ``ALIGN_BYTES``) costs
@@ -59,6 +65,10 @@ ALIGN_BYTES = 512
 # What a file system or device answers a direct write it does not do (EINVAL from most;
 # a few say "not supported"); any other error is the disk's and fails the page as usual.
 _REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
+# Pages smaller than this are written through the page cache under "auto" (module
+# docstring). SmolLM2-135M's 16-token pages (368 KiB in bfloat16, 737 KiB in float32) are
+# above it; a 16-token page of the tiny test model (16 KiB) is far below.
+AUTO_MIN_PAGE_BYTES = 256 * 1024
 
 def usable(regions: PageRegions) -> str | None:
     """Why the pages of ``regions`` cannot be written directly, or None when they can."""
