@@ -17,10 +17,16 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 DONE = "data: [DONE]\n\n"
+# Characters that JSON leaves raw in a string (it escapes only those below U+0020) but that
+# line readers with str.splitlines' rules (httpx's iter_lines among them) take for line
+# ends: a generated text holding one would cut its event in two there. They are escaped;
+# outside strings JSON has none, so the event means the same.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def event(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text.translate(_LINE_BREAKS)}\n\n"
 
 
 class EventStreamResponse(StreamingResponse):
