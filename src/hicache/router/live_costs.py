@@ -36,7 +36,7 @@ from typing import Any, Final
 from hicache.engine.cost_model import REFERENCE_PAGES
 from hicache.engine.reuse_plan import CostSnapshot
 from hicache.estimators import PrefillCoefficients
-from hicache.router.tier_costs import finite_number, prometheus_samples, worker_figures
+from hicache.router.tier_costs import MetricsInput, finite_number, samples_of, worker_figures
 from hicache.router.types import TierCosts
 
 # Seconds a prompt token costs when no worker has measured its prefill.
@@ -53,21 +53,21 @@ _L3_LATENCY: Final = "cost_l3_read_latency_seconds_backend_"
 _L3_REFERENCE: Final = "cost_l3_read_reference_seconds_backend_"
 
 
-def worker_cost_snapshot(server_info: Mapping[str, Any], metrics_text: str | None,
+def worker_cost_snapshot(server_info: Mapping[str, Any], metrics_text: MetricsInput,
                          ) -> CostSnapshot:
     """The worker's costs; a field is None where it has not measured that yet."""
     states = server_info.get("internal_states")
     counters: Mapping[str, Any] = {}
     if isinstance(states, list) and states and isinstance(states[0], Mapping):
         counters = states[0]
-    samples = prometheus_samples(metrics_text) if metrics_text else {}
+    samples = samples_of(metrics_text)
     # Both sources under the engine's names (the labelled series already are).
     unprefixed = {k.removeprefix("hicache_"): v for k, v in samples.items()}
     for key, name in _COEFFICIENTS.items():
         if name in samples:
             unprefixed[f"cost_prefill_coef_{key}"] = samples[name]
     sources = (counters, unprefixed)
-    figures = worker_figures(server_info, metrics_text)
+    figures = worker_figures(server_info, samples)
 
     prefill = next((c for c in map(_coefficients, sources) if c is not None), None)
     if prefill is None and figures.prefill_tokens_per_s is not None:
@@ -90,12 +90,10 @@ def worker_cost_snapshot(server_info: Mapping[str, Any], metrics_text: str | Non
     )
 
 
-def cache_usage(metrics_text: str | None) -> float | None:
+def cache_usage(metrics_text: MetricsInput) -> float | None:
     """How full the worker's cache is, 0..1: the host (L2) pool's share in use, else the
     device (L1) pool's; None when its /metrics says neither."""
-    if not metrics_text:
-        return None
-    samples = prometheus_samples(metrics_text)
+    samples = samples_of(metrics_text)
     for name in ("hicache_host_pool_usage", "hicache_device_pool_usage"):
         value = finite_number(samples.get(name))
         if value is not None:

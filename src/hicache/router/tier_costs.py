@@ -57,8 +57,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from hicache.router.metrics_text import MetricsTextError
+from hicache.router.metrics_text import samples as metric_samples
 from hicache.router.types import TierCosts
 
 logger = logging.getLogger(__name__)
@@ -102,13 +102,13 @@ class WorkerFigures:
     host_load_s_per_page: float | None = None
 
 
-def worker_figures(server_info: Mapping[str, Any], metrics_text: str | None) -> WorkerFigures:
+def worker_figures(server_info: Mapping[str, Any], metrics_text: MetricsInput) -> WorkerFigures:
     """The figures from a worker's /get_server_info JSON and /metrics text."""
     counters: Mapping[str, Any] = {}
     states = server_info.get("internal_states")
     if isinstance(states, list) and states and isinstance(states[0], Mapping):
         counters = states[0]
-    samples = prometheus_samples(metrics_text) if metrics_text else {}
+    samples = samples_of(metrics_text)
     page_size = server_info.get("page_size")
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
         page_size = None
@@ -179,7 +179,7 @@ def tier_costs_from(figures: WorkerFigures) -> TierCosts:
     return TierCosts(host=host, external=external)
 
 
-def measured_tier_costs(server_info: Mapping[str, Any], metrics_text: str | None) -> TierCosts:
+def measured_tier_costs(server_info: Mapping[str, Any], metrics_text: MetricsInput) -> TierCosts:
     """A worker's ``TierCosts`` from its /get_server_info JSON and /metrics text
     (either may lack the figures: the defaults stand in, figure by figure)."""
     return tier_costs_from(worker_figures(server_info, metrics_text))
@@ -201,6 +201,18 @@ def _unit(value: float) -> float:
     return min(1.0, max(0.0, value))
 
 
+# A worker's /metrics: its text, or the samples already read from it (``prometheus_samples``:
+# a probe reads the text once for all its figures), or None where there is none.
+MetricsInput = str | Mapping[str, float] | None
+
+
+def samples_of(metrics: MetricsInput) -> Mapping[str, float]:
+    """The samples of ``metrics`` (``MetricsInput``); empty where there is none."""
+    if isinstance(metrics, str):
+        return prometheus_samples(metrics) if metrics else {}
+    return {} if metrics is None else metrics
+
+
 def prometheus_samples(text: str) -> dict[str, float]:
     """Samples by name (what the figures need): unlabelled ones under their name, those
     with one label under ``<name>_<label>_<value>``, the engine's key for a labelled
@@ -208,14 +220,13 @@ def prometheus_samples(text: str) -> dict[str, float]:
     fault."""
     out: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if not sample.labels:
-                    out[sample.name] = sample.value
-                elif len(sample.labels) == 1:
-                    ((label, value),) = sample.labels.items()
-                    out[f"{sample.name}_{label}_{value}"] = sample.value
-    except ValueError as error:
+        for name, labels, number in metric_samples(text):
+            if not labels:
+                out[name] = number
+            elif len(labels) == 1:
+                ((label, value),) = labels.items()
+                out[f"{name}_{label}_{value}"] = number
+    except MetricsTextError as error:
         # The figures it lacked fall back to the defaults (documented above).
         logger.debug("a worker's /metrics text did not parse: %s", error)
     return out

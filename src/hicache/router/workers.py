@@ -61,7 +61,7 @@ from hicache.router.ledger import PrefillLedger
 from hicache.router.live_costs import cache_usage, worker_cost_snapshot
 from hicache.router.settings import normalize_worker_url
 from hicache.router.subscriber import EventEndpoints, EventSubscriber, SubscriberCounts
-from hicache.router.tier_costs import measured_tier_costs
+from hicache.router.tier_costs import measured_tier_costs, prometheus_samples
 from hicache.router.types import TierCosts, TierIndex, WorkerLoad
 
 if TYPE_CHECKING:
@@ -522,13 +522,14 @@ class WorkerRegistry:
             metrics = await self._client.get(f"{worker.url}/metrics",
                                              timeout=self._probe_timeout_s)
             body = info.json() if info.status_code == 200 else {}
-            text = metrics.text if metrics.status_code == 200 else None
+            # Read once for every figure taken from it.
+            samples = prometheus_samples(metrics.text) if metrics.status_code == 200 else None
             if isinstance(body, dict) and self._workers.get(worker.url) is worker:
                 if self._tier_costs is not None:
-                    self._tier_costs[worker.url] = measured_tier_costs(body, text)
+                    self._tier_costs[worker.url] = measured_tier_costs(body, samples)
                 if self._live_costs:
-                    worker.live_costs = worker_cost_snapshot(body, text)
-                    worker.cache_usage = cache_usage(text)
+                    worker.live_costs = worker_cost_snapshot(body, samples)
+                    worker.cache_usage = cache_usage(samples)
         except (httpx.HTTPError, ValueError) as error:
             logger.debug("worker %s: tier costs not refreshed: %s", worker.url, error)
 
