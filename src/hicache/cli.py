@@ -35,6 +35,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
                 "of a server with tool_choice required and a json_schema"),
     "tree": ("hicache.bench.tree", "radix tree insert / match / evict latency"),
     "storage": ("hicache.bench.storage", "L3 backend batch put/get throughput vs plain baseline"),
+    "page-hash": ("hicache.bench.page_hash", "L3 page checksums in place and gathered: rate, "
+                  "and a scheduler-like thread's pace beside them (the GIL)"),
     "prefill": ("hicache.bench.prefill", "cold prefill throughput against HF transformers"),
     "multiturn": ("hicache.bench.multiturn", "multi-round conversations against a server"),
     "long-context": ("hicache.bench.long_context", "questions over long shared contexts"),

@@ -27,6 +27,7 @@ frames only through ``frame``, ``header_bytes``, ``check_header`` and ``check_la
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +51,14 @@ if TYPE_CHECKING:  # imports cryptography: only backends given a sealer load it
 
 # A page's object: (payload fragments, header).
 Framed = tuple[list[memoryview], bytes]
+
+# xxhash releases the GIL only for inputs above 64 KiB (python-xxhash's threshold): a
+# page of smaller regions (layer_first with small pages or few heads: a Qwen3-0.6B
+# region of 16 tokens is 32 KiB) would be hashed region by region with the GIL held,
+# which on a GPU server takes the scheduler thread's GIL for as long as the hash runs
+# (on an H200 the L3 read thread held it longer than the scheduler did). Such pages are
+# gathered into a staging buffer by one torch copy (no GIL) and hashed in one call.
+GIL_FREE_HASH_BYTES = 64 * 1024
 
 
 class PageRegions:
@@ -87,6 +96,23 @@ class PageRegions:
         self.base_address = host.flat.data_ptr()
         self.pool_bytes = host.size_bytes
         self.digests = host.digests
+        # The page as one strided uint8 view [layers, planes, region bytes] (payload
+        # order), for the gathered hash; None when regions are hashed in place.
+        self._gather_shape: tuple[int, int, int] | None = None
+        self._gather_strides: tuple[int, int, int] = (0, 0, 1)
+        if (len(self.region_offsets) > 1 and self.region_bytes <= GIL_FREE_HASH_BYTES
+                < self.page_bytes):
+            self._gather_shape = (geometry.num_layers, geometry.kv_planes, self.region_bytes)
+            self._gather_strides = (
+                strides.layer * element_bytes, strides.kv * element_bytes, 1
+            )
+        self._pool_bytes_tensor = host.flat.view(torch.uint8)
+        self._staging = threading.local()
+
+    @property
+    def gathers_to_hash(self) -> bool:
+        """Is a page gathered into a staging buffer to be hashed (``hash_page``)?"""
+        return self._gather_shape is not None
 
     @property
     def num_regions(self) -> int:
@@ -165,7 +191,24 @@ class PageRegions:
         """Page ``page``'s payload checksum for its frame: the one the cache took while
         copying the page into the pool when it did, else hashed now."""
         digest = self.digests.digest(page)
-        return digest if digest is not None else checksum(self.views(page))
+        return digest if digest is not None else self.hash_page(page)
+
+    def hash_page(self, page: int) -> bytes:
+        """The checksum of page ``page``'s payload as it is in the pool now (``checksum``
+        of its regions), computed without holding the GIL for long (``GIL_FREE_HASH_BYTES``)."""
+        shape = self._gather_shape
+        if shape is None:
+            return checksum(self.views(page))
+        staging: torch.Tensor | None = getattr(self._staging, "buffer", None)
+        if staging is None:
+            staging = torch.empty(self.page_bytes, dtype=torch.uint8)
+            self._staging.buffer = staging
+        source = torch.as_strided(
+            self._pool_bytes_tensor, shape, self._gather_strides, page * self.page_stride_bytes
+        )
+        staging.view(shape).copy_(source)
+        # One call over the whole page: xxhash hashes it with the GIL released.
+        return checksum([staging.numpy().data])
 
     def check_read(
         self, header: Buffer, page: int, key: bytes, verify_checksum: bool
@@ -206,7 +249,7 @@ class PageRegions:
         if digests.defer_checks:
             digests.expect(page, digest)
             return None
-        if checksum(self.views(page)) != digest:
+        if self.hash_page(page) != digest:
             digests.forget([page])
             return Fault.CORRUPT
         digests.set_known(page, digest)

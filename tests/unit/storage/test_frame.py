@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
 import pytest
@@ -238,3 +239,65 @@ def test_counts_flags_and_where_a_value_came_from(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("HICACHE_TEST_NEAR", "far")  # this field's errors name the key
     with pytest.raises(StorageError, match=r"^test store: near must not be far$"):
         read(size=1)
+
+
+# Regions of 16 tokens x 8 KV heads x 64 (bf16): 16 KiB each, 16 of them a page (256 KiB):
+# above xxhash's threshold for hashing without the GIL, in regions below it.
+SMALL_REGIONS = KVGeometry(num_layers=8, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", list(MemLayout))
+def test_a_page_of_small_regions_is_hashed_whole_with_the_same_checksum(
+    layout: MemLayout,
+) -> None:
+    host = HostPool(SMALL_REGIONS, 6, 16, layout, pin_memory=False)
+    fill_random(host, page_range(0, 6), seed=3)
+    regions = PageRegions(host)
+    # Only layer_first pages come in regions; page_first ones are one region, hashed whole.
+    assert regions.gathers_to_hash == (layout is MemLayout.LAYER_FIRST)
+    for page in range(6):
+        assert regions.hash_page(page) == checksum([_payload(host, page)])
+        assert regions.checksum(page) == checksum([_payload(host, page)])
+    # Pages of the tiny geometry (a few hundred bytes) are hashed in place.
+    assert not PageRegions(HostPool(GEOMETRY, 2, 4, layout, pin_memory=False)).gathers_to_hash
+
+
+def test_a_gathered_hash_finds_one_changed_byte_in_any_region() -> None:
+    host = HostPool(SMALL_REGIONS, 3, 16, MemLayout.LAYER_FIRST, pin_memory=False)
+    fill_random(host, page_range(0, 3), seed=4)
+    regions = PageRegions(host)
+    header = encode_header(KEY, regions.order, regions.page_bytes, regions.hash_page(1))
+    assert regions.check_landed(header, 1, verify_checksum=True) is None
+    last = regions.views(1)[-1]
+    last[-1] = (last[-1] + 1) % 256
+    assert regions.check_landed(header, 1, verify_checksum=True) is Fault.CORRUPT
+
+
+def test_threads_hash_pages_side_by_side_each_in_its_own_staging() -> None:
+    host = HostPool(SMALL_REGIONS, 16, 16, MemLayout.LAYER_FIRST, pin_memory=False)
+    fill_random(host, page_range(0, 16), seed=5)
+    regions = PageRegions(host)
+    expected = [checksum([_payload(host, page)]) for page in range(16)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(5):
+            assert list(pool.map(regions.hash_page, range(16))) == expected
+
+
+def test_a_gathered_page_is_hashed_in_one_call_large_enough_to_release_the_gil(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hicache.storage import page_regions
+
+    host = HostPool(SMALL_REGIONS, 2, 16, MemLayout.LAYER_FIRST, pin_memory=False)
+    fill_random(host, page_range(0, 2), seed=6)
+    regions = PageRegions(host)
+    calls: list[list[int]] = []
+
+    def recording(fragments: list[memoryview]) -> bytes:
+        calls.append([len(memoryview(f).cast("B")) for f in fragments])
+        return checksum(fragments)
+
+    monkeypatch.setattr(page_regions, "checksum", recording)
+    regions.hash_page(1)
+    assert calls == [[regions.page_bytes]]
+    assert regions.page_bytes > page_regions.GIL_FREE_HASH_BYTES >= regions.region_bytes
