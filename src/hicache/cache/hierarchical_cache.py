@@ -55,7 +55,7 @@ from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_memory import host_memory_for_pools
 from hicache.memory.host_pool import HostPool
-from hicache.radix.keys import KeyNamespace, TokenIds, pack_tokens
+from hicache.radix.keys import KeyNamespace, TokenIds, num_tokens, pack_tokens
 from hicache.radix.node import TreeNode
 from hicache.radix.results import InsertResult, PrefixPeek, no_pages
 from hicache.radix.tree import HiRadixTree, TenantRemoval
@@ -351,7 +351,9 @@ class HierarchicalCache:
         if self.storage is None:
             return 0
         peek = self.peek(tokens, extra_key)
-        missing = len(tokens) // self.page_size - peek.num_device_pages - peek.num_host_pages
+        missing = (
+            num_tokens(tokens) // self.page_size - peek.num_device_pages - peek.num_host_pages
+        )
         if missing * self.page_size < max(1, self.storage.config.prefetch_threshold):
             return 0
         return missing

@@ -68,7 +68,7 @@ class Prefetcher:
                     continue
                 # Only whole: one started past the budget would get the pages left (the
                 # tier caps them), a short prefix of what it could have had later.
-                wanted = cache.prefetch_wanted_pages(req.match_tokens(), req.request.extra_key)
+                wanted = cache.prefetch_wanted_pages(req.match_key(), req.request.extra_key)
                 if used_pages and used_pages + wanted > budget_pages:
                     may_start = False
                     continue
@@ -110,7 +110,7 @@ class Prefetcher:
     def _start(self, req: Req) -> None:
         req.prefetch_tried = True
         if self.enabled and self.cache.storage is not None:
-            tokens, key = req.match_tokens(), req.request.extra_key
+            tokens, key = req.match_key(), req.request.extra_key
             req.prefix_pages_seen = max(req.prefix_pages_seen, self._cached_pages(req))
             req.prefetch = self.cache.prefetch(tokens, key)
 
@@ -132,10 +132,10 @@ class Prefetcher:
         # Of what its prefetch brought, only the pages still cached count (the rest left).
         kept = max(0, cached_pages - req.storage_from_page) * self.cache.page_size
         req.storage_tokens = min(req.storage_tokens, kept)
-        req.prefetch = self.cache.prefetch(req.match_tokens(), req.request.extra_key)
+        req.prefetch = self.cache.prefetch(req.match_key(), req.request.extra_key)
 
     def _cached_pages(self, req: Req) -> int:
-        peek = self.cache.peek(req.match_tokens(), req.request.extra_key)
+        peek = self.cache.peek(req.match_key(), req.request.extra_key)
         return peek.num_device_pages + peek.num_host_pages
 
     def _settle(self, req: Req) -> None:

@@ -25,6 +25,7 @@ from hicache.engine.output_thread import Stream
 from hicache.engine.penalties import PenaltyState
 from hicache.engine.sampling import is_greedy
 from hicache.memory.allocator import PageIds
+from hicache.radix.keys import TOKEN_BYTES, PackedTokens, pack_tokens
 from hicache.radix.results import no_pages
 from hicache.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -100,6 +101,7 @@ class Req:
 
     def __post_init__(self) -> None:
         self._prompt_len = len(self.request.input_ids)  # read several times per step
+        self._packed_prompt: bytes | None = None  # the prompt packed, on first lookup
         sampling = self.request.sampling
         # Whether it stops depends on its text: the scheduler detokenizes it.
         self.scheduler_text = bool(sampling.stop)
@@ -148,10 +150,25 @@ class Req:
         positions p - 1 on, and a cached prefix is not recomputed (no logits): it
         reuses at most p - 1 tokens, so its logprobs are those of a cold run.
         """
+        return self.tokens()[: self._match_limit()]
+
+    def match_key(self) -> PackedTokens:
+        """``match_tokens()`` packed for the cache's lookups (``radix.keys.PackedTokens``):
+        the prompt is packed once, its outputs (few while it waits) at each call."""
+        limit = self._match_limit()
+        prompt = self._packed_prompt
+        if prompt is None:
+            prompt = self._packed_prompt = pack_tokens(self.request.input_ids)
+        past = limit - self._prompt_len
+        if past <= 0:
+            return PackedTokens(prompt[: limit * TOKEN_BYTES])
+        return PackedTokens(prompt + pack_tokens(self.output_ids[:past]))
+
+    def _match_limit(self) -> int:
         limit = self.seq_len - 1
         if self.wants_input_logprobs:
             limit = min(limit, self.logprob_next - 1)
-        return self.tokens()[:limit]
+        return limit
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -101,7 +101,7 @@ class ReuseAdvisor:
             return True  # the policy alone decides, as before the choice existed
         cache = self.cache
         found = handle.num_found_tokens
-        peek = cache.peek(req.match_tokens(), req.request.extra_key)
+        peek = cache.peek(req.match_key(), req.request.extra_key)
         # The prefetch continues the local match it started from (its anchor is protected).
         host_end = max(handle.start_page * cache.page_size, peek.num_device_tokens)
         situation = ReuseSituation(

@@ -358,7 +358,7 @@ class Scheduler:
             return
         first = list(itertools.islice(self.lifecycle.waiting, KEEP_WAITING_PREFIXES))
         for req in reversed(first):
-            self.cache.touch(req.match_tokens(), req.request.extra_key)
+            self.cache.touch(req.match_key(), req.request.extra_key)
 
     def _start(self, req: Req) -> bool:
         """Admit ``req`` if the device pool has room for it; False (and no side effect) if not.
@@ -368,7 +368,7 @@ class Scheduler:
         cache hit, as it would again on every step while it waits.
         """
         cache = self.cache
-        match_tokens = req.match_tokens()
+        match_tokens = req.match_key()
         prefix = None
         if self.limits.enable_prefix_cache:
             prefix = cache.peek(match_tokens, req.request.extra_key)

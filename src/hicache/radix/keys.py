@@ -23,11 +23,28 @@ import xxhash
 KEY_BYTES = 16
 TOKEN_BYTES = 4  # token ids are stored as int32
 
-TokenIds = Sequence[int] | npt.NDArray[np.integer]
+class PackedTokens(bytes):
+    """Token ids already packed by ``pack_tokens``, which passes them through as they are:
+    a waiting request's tokens are looked up in the tree several times a step, and
+    packing a long prompt's list each time showed up in the scheduler thread's profile."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self) // TOKEN_BYTES
+
+
+TokenIds = Sequence[int] | npt.NDArray[np.integer] | PackedTokens
+
+
+def num_tokens(tokens: TokenIds) -> int:
+    """How many token ids ``tokens`` holds (packed or not)."""
+    return tokens.num_tokens if isinstance(tokens, PackedTokens) else len(tokens)
 
 
 def pack_tokens(tokens: TokenIds) -> bytes:
     """Token ids as little-endian int32 bytes (the tree's and the keys' representation)."""
+    if isinstance(tokens, PackedTokens):
+        return tokens
     array = np.asarray(tokens)
     if array.ndim != 1:
         raise ValueError(f"token ids must be 1-D, got shape {array.shape}")
