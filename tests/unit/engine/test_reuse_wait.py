@@ -47,7 +47,7 @@ def waiting(found_pages: int | None, host_pages: int = 0) -> Any:
     )
     return SimpleNamespace(
         prefetch=handle, seq_len=PROMPT, num_retractions=0, reuse_track=None,
-        request=SimpleNamespace(extra_key=None), match_tokens=lambda: list(range(PROMPT - 1)),
+        request=SimpleNamespace(extra_key=None), match_key=lambda: list(range(PROMPT - 1)),
     )
 
 
