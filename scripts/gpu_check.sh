@@ -51,11 +51,12 @@ assert torch.cuda.is_available(), 'CUDA is not available'; print(torch.cuda.get_
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 # Budget (worst case, each step is killed at its limit): 60 + 540 + 3 x 120 + 2 x 40 + 2 x 240
-# + 300 + 120 + 3 x 570 s; one device call allows 10 min, so split it with STEPS:
+# + 300 + 120 + 60 + 4 x 570 s; one device call allows 10 min, so split it with STEPS:
 #   STEPS="env pytest"    STEPS="env bench_transfer bench_attention bench_direct_dma bench_direct_gather"
 #   STEPS="env bench_transfer_mla"
 #   STEPS="env bench_prefill bench_l2_ttft bench_load_vs_recompute"    STEPS="env compare_llama"
 #   STEPS="env bench_storage bench_storage_sealed compare_qwen"    STEPS="env compare_cuda_graph"
+#   STEPS="env compare_qwen_l3 bench_page_hash" (about 2.5 minutes)
 # (default: every step); LIMIT_<step>=S sets one step's limit in seconds. The benchmarks write their JSON as they go.
 # The GPU tests (and the model tests with CUDA cases); -rA lists every outcome, so a run cut
 # short by its limit still says what passed. The CPU unit suite runs in CI, not here.
@@ -125,6 +126,17 @@ compare compare_qwen --server-args "--model-preset qwen3-0.6b --device cuda --hi
   --sub-question-length 2048 --output-length 1 --max-inflight 8 \
   --file-extra-config '{"max_bytes": "40GB"}' \
   --mooncake-extra-config '{"global_segment_size": "40GiB"}'
+# What attaching the file L3 costs a GPU server next to L2 alone, shortened (74 s on an H200):
+# the fifth lending measured 1.06x no-cache's input throughput with the file store against
+# 1.55x without it, the L3 threads holding the GIL while they hashed pages; rerun since the
+# page hash no longer holds it (docs/benchmarks.md).
+compare compare_qwen_l3 --configs no-cache,l1-l2,l1-l2-l3-file \
+  --server-args "--model-preset qwen3-0.6b --device cuda --hicache-ratio 2" \
+  --working-set-ratio 4 --num-clients 8 --num-rounds 6 --request-length 2048 \
+  --sub-question-length 2048 --output-length 1 --max-inflight 8 \
+  --file-extra-config '{"max_bytes": "40GB"}'
+# The page checksum beside a scheduler-like thread, on the GPU host's cores (seconds).
+run bench_page_hash 60 "$PY" -m hicache bench page-hash --json "$OUT/page_hash.json"
 # Decode recorded as CUDA graphs (the default) against eager decode (--disable-cuda-graph) in
 # one invocation: a small model whose decode step is launch-bound, 4 clients decoding 256 tokens.
 compare compare_cuda_graph --configs l1 \
