@@ -273,6 +273,7 @@ def _assemble(
     )
     try:
         _record_decode_graphs(engine, config, device)
+        _calibrate_prefill(engine, device)
     except BaseException:
         engine.shutdown()
         raise
@@ -312,6 +313,30 @@ def _record_decode_graphs(engine: Engine, config: EngineConfig, device: torch.de
             )
             return
     logger.warning("decode: no CUDA graphs (%s); decoding eagerly", why_not)
+
+
+def _calibrate_prefill(engine: Engine, device: torch.device) -> None:
+    """On CUDA, a few timed prefill chunks before serving, so that a fresh engine's first
+    load-or-recompute choices are priced (``prefill_calibration.py``). One rank only: the
+    ranks of a tensor-parallel group would have to run them together."""
+    limits = engine.scheduler.limits
+    if device.type != "cuda" or engine.tp.size > 1 or not limits.enable_prefix_cache:
+        return
+    from hicache.engine.prefill_calibration import calibrate_prefill, describe
+
+    scheduler = engine.scheduler
+    began = time.perf_counter()
+    try:
+        calibration = calibrate_prefill(
+            scheduler.runner, engine.cache.device_pool.allocator, scheduler.cost_model,
+            engine.model_config.vocab_size, scheduler.limits.chunked_prefill_size,
+            sync=torch.cuda.synchronize,
+        )
+    except Exception:  # a kernel that did not build: the first requests then go unpriced
+        logger.exception("prefill: calibrating the cost model failed")
+        return
+    logger.info("prefill: cost model calibrated in %.1f s, %s",
+                time.perf_counter() - began, describe(calibration))
 
 
 def _decode_graphs_unavailable(engine: Engine, device: torch.device) -> str | None:
