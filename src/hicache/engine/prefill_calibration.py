@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 # Scratch prompts, each as its chunks: the first chunk of a prompt is cold, the later ones
 # extend what the earlier ones computed. Nine samples past the two warm-up chunks (the
-# fit's eight at least), tokens from 256 to 4096 and contexts to 2048 so that the per-token
-# and per-pair costs both vary.
+# fit's eight at least; ten when chunks are cut at 2048 tokens, nine at 1024), tokens from
+# 256 to 4096 and contexts to 2048 so that the per-token and per-pair costs both vary.
 PLAN: tuple[tuple[int, ...], ...] = (
     (256,), (512,), (1024, 256), (1024, 256), (2048, 512), (2048, 1024), (4096,),
 )
@@ -57,18 +57,22 @@ class Calibration:
     kept: int
 
 
-def scaled_plan(limit: int) -> list[tuple[int, ...]]:
-    """``PLAN`` with every prompt at most ``limit`` tokens (chunks past it dropped, a prompt
-    whose first chunk does not fit dropped); empty below ``MIN_TOKENS``."""
-    if limit < MIN_TOKENS:
+def scaled_plan(max_chunk: int, max_tokens: int) -> list[tuple[int, ...]]:
+    """``PLAN`` as the scheduler would compute it: chunks over ``max_chunk`` split into
+    chunks of that size (the later ones over a prefix), prompts cut at ``max_tokens``
+    (a chunk past it dropped, a prompt with none left dropped); empty when either limit is
+    below ``MIN_TOKENS``."""
+    if min(max_chunk, max_tokens) < MIN_TOKENS:
         return []
     plan = []
     for chunks in PLAN:
         kept: list[int] = []
         for chunk in chunks:
-            if sum(kept) + chunk > limit:
+            while chunk > 0 and sum(kept) + min(chunk, max_chunk) <= max_tokens:
+                kept.append(min(chunk, max_chunk))
+                chunk -= kept[-1]
+            if chunk > 0:
                 break
-            kept.append(chunk)
         if kept:
             plan.append(tuple(kept))
     return plan
@@ -80,13 +84,13 @@ def calibrate_prefill(
 ) -> Calibration:
     """Time the chunks of ``scaled_plan`` on scratch pages and feed them to ``cost_model``.
 
-    Prompts are at most ``max_chunk`` tokens a chunk, the context, and half the free device
-    pages; ``sync`` waits for the device (CUDA: ``torch.cuda.synchronize``).
+    Chunks are at most ``max_chunk`` tokens (the scheduler's chunked prefill), prompts at
+    most the context and half the free device pages; ``sync`` waits for the device (CUDA:
+    ``torch.cuda.synchronize``).
     """
     page_size = runner.page_size
     room = allocator.num_free_pages // 2 * page_size
-    limit = min(max_chunk, runner.max_context_len - 1, room)
-    plan = scaled_plan(limit)
+    plan = scaled_plan(max_chunk, min(runner.max_context_len - 1, room))
     generator = torch.Generator().manual_seed(0)
     steps: list[tuple[int, int, float]] = []
     kept = 0

@@ -22,12 +22,22 @@ from tests.engine_helpers import on_scheduler, run
 
 
 def test_the_plan_is_cut_to_what_fits() -> None:
-    assert scaled_plan(1 << 20) == list(PLAN)
-    assert scaled_plan(MIN_TOKENS - 1) == []
-    assert scaled_plan(300) == [(256,)]
-    assert scaled_plan(1280) == [(256,), (512,), (1024, 256), (1024, 256)]
-    for limit in (300, 1000, 2500, 5000):
-        assert all(sum(chunks) <= limit for chunks in scaled_plan(limit))
+    assert scaled_plan(1 << 20, 1 << 20) == list(PLAN)
+    assert scaled_plan(MIN_TOKENS - 1, 1 << 20) == [] == scaled_plan(4096, MIN_TOKENS - 1)
+    assert scaled_plan(4096, 300) == [(256,)]
+    assert scaled_plan(4096, 1280) == [(256,), (512,), (1024, 256), (1024, 256)]
+    # Chunks as the scheduler cuts them: a 4096-token prompt is two steps of 2048.
+    assert scaled_plan(2048, 1 << 20) == [
+        (256,), (512,), (1024, 256), (1024, 256), (2048, 512), (2048, 1024), (2048, 2048),
+    ]
+    assert scaled_plan(1024, 3000)[4:] == [(1024, 1024, 512), (1024, 1024), (1024, 1024)]
+    for max_chunk, max_tokens in ((256, 300), (1024, 1000), (512, 2500), (2048, 5000)):
+        for chunks in scaled_plan(max_chunk, max_tokens):
+            assert sum(chunks) <= max_tokens and max(chunks) <= max_chunk
+    # Cut at 1024 or 2048 (the CPU's and a GPU's default chunks), the fit gets eight or more.
+    for max_chunk in (1024, 2048):
+        chunks = [c for prompt in scaled_plan(max_chunk, 1 << 20) for c in prompt]
+        assert len(chunks) - 2 >= 8
 
 
 def test_calibration_seeds_the_fit_and_leaves_the_engine_as_it_was(
