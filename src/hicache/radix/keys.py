@@ -23,6 +23,7 @@ import xxhash
 KEY_BYTES = 16
 TOKEN_BYTES = 4  # token ids are stored as int32
 
+
 class PackedTokens(bytes):
     """Token ids already packed by ``pack_tokens``, which passes them through as they are:
     a waiting request's tokens are looked up in the tree several times a step, and
