@@ -96,23 +96,23 @@ class PageRegions:
         self.base_address = host.flat.data_ptr()
         self.pool_bytes = host.size_bytes
         self.digests = host.digests
-        # The page as one strided uint8 view [layers, planes, region bytes] (payload
+        # Every page as one strided uint8 view [page][layer, plane, region byte] (payload
         # order), for the gathered hash; None when regions are hashed in place.
-        self._gather_shape: tuple[int, int, int] | None = None
-        self._gather_strides: tuple[int, int, int] = (0, 0, 1)
+        self._gather_pages: torch.Tensor | None = None
         if (len(self.region_offsets) > 1 and self.region_bytes <= GIL_FREE_HASH_BYTES
                 < self.page_bytes):
-            self._gather_shape = (geometry.num_layers, geometry.kv_planes, self.region_bytes)
-            self._gather_strides = (
-                strides.layer * element_bytes, strides.kv * element_bytes, 1
+            self._gather_pages = torch.as_strided(
+                host.flat.view(torch.uint8),
+                (host.num_pages, geometry.num_layers, geometry.kv_planes, self.region_bytes),
+                (self.page_stride_bytes, strides.layer * element_bytes,
+                 strides.kv * element_bytes, 1),
             )
-        self._pool_bytes_tensor = host.flat.view(torch.uint8)
         self._staging = threading.local()
 
     @property
     def gathers_to_hash(self) -> bool:
         """Is a page gathered into a staging buffer to be hashed (``hash_page``)?"""
-        return self._gather_shape is not None
+        return self._gather_pages is not None
 
     @property
     def num_regions(self) -> int:
@@ -196,19 +196,19 @@ class PageRegions:
     def hash_page(self, page: int) -> bytes:
         """The checksum of page ``page``'s payload as it is in the pool now (``checksum``
         of its regions), computed without holding the GIL for long (``GIL_FREE_HASH_BYTES``)."""
-        shape = self._gather_shape
-        if shape is None:
+        pages = self._gather_pages
+        if pages is None:
             return checksum(self.views(page))
-        staging: torch.Tensor | None = getattr(self._staging, "buffer", None)
-        if staging is None:
-            staging = torch.empty(self.page_bytes, dtype=torch.uint8)
-            self._staging.buffer = staging
-        source = torch.as_strided(
-            self._pool_bytes_tensor, shape, self._gather_strides, page * self.page_stride_bytes
-        )
-        staging.view(shape).copy_(source)
+        # This thread's staging page, and the same bytes as one flat memoryview (made once:
+        # every torch call made here lets the GIL go and waits to take it back).
+        local = self._staging
+        staged: torch.Tensor | None = getattr(local, "staged", None)
+        if staged is None:
+            staged = local.staged = torch.empty(pages.shape[1:], dtype=torch.uint8)
+            local.payload = staged.view(-1).numpy().data
+        staged.copy_(pages[page])
         # One call over the whole page: xxhash hashes it with the GIL released.
-        return checksum([staging.numpy().data])
+        return checksum([local.payload])
 
     def check_read(
         self, header: Buffer, page: int, key: bytes, verify_checksum: bool
