@@ -129,8 +129,9 @@ CONFIG_NAMES = tuple(c.name for c in CONFIGS)
 # best-effort L3 prefetch lands, and the smoke run should show L3 hits.
 # L1 1024 tokens and L2 1.25x that: the smoke workload's eight conversations (~420 tokens
 # each by round 2) pass ~2.9K tokens through between two visits to one of them, well past
-# L1 + L2, so its later rounds come from L3 whatever the timing (at L2 = 2x L1 the two were
-# within 5% of each other and the tier a prefix came back from depended on the timing).
+# L1 + L2, so its later rounds can only come from L3 (at L2 = 2x L1 the two were within 5%
+# of each other and the tier a prefix came back from depended on the timing). Whether L3
+# has them yet still races the writes: on a busy machine round 1 may find none there.
 # --hicache-reuse-policy load: the smoke run shows the tiers serving; on the tiny model a
 # prompt computes in about the time its pages take to read, so the cost policy's choice
 # between the two would follow the machine's load.
