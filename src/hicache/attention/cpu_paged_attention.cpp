@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -85,6 +85,22 @@ inline void prefetch(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
   for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at);
 }
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;  // floats per vector register
+#elif defined(__AVX__)
+constexpr int VW = 8;
+#else
+constexpr int VW = 4;  // SSE, NEON
+#endif
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+
+inline vf load(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
 
 template <typename T>
 struct Step {
@@ -193,6 +209,148 @@ void attend(const Step<T>& a, int b, int kh0, int kh1, Scratch& w) {
   }
 }
 
+#if defined(__AVX512F__)
+// A vector's VW elements of a K or V row, as float.
+inline vf load_row(const float* p) { return load(p); }
+inline vf load_row(const BF16* p) {
+  const __m512i wide = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<vf>(_mm512_castsi512_ps(wide));
+}
+inline vf load_row(const _Float16* p) {
+  return reinterpret_cast<vf>(
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+inline float hsum(vf x) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(x)); }
+
+// ``attend`` for head sizes of NV vectors and G query heads a KV head, with the G rows'
+// queries and output sums in registers (G * NV of them, at most 24 of AVX-512's 32). A
+// page at a time, KV head by KV head: a key or value row is loaded and widened once for
+// its G query heads, and the output sums leave the registers once a page, not once a key
+// (the general code above keeps them in memory). The next page is asked for while this
+// one is read. A row's arithmetic depends on nothing but its own query, keys and values,
+// so its output is the same whichever task or batch it is in.
+template <typename T, int NV, int G>
+void attend_regs(const Step<T>& a, int b, int kh0, int kh1, Scratch& w) {
+  constexpr int D = NV * VW;
+  const int L = a.lens[b], P = a.page_size;
+  const int R = (kh1 - kh0) * G;
+  w.acc.assign(static_cast<size_t>(R) * D, 0.f);
+  w.scores.resize(static_cast<size_t>(R) * L);
+  w.denom.resize(R);
+  const int32_t* pages = a.table + b * a.table_stride;
+  const int num_pages = (L + P - 1) / P;
+  const int64_t part_at = kh0 * a.kv_head;
+  const int64_t part_bytes = ((kh1 - kh0 - 1) * a.kv_head + D) * static_cast<int64_t>(sizeof(T));
+  auto ask_for = [&](const T* pool, int p) {
+    if (p >= num_pages) return;
+    const int64_t base = static_cast<int64_t>(pages[p]) * P;
+    const int n = std::min(P, L - p * P);
+    for (int i = 0; i < n; ++i) prefetch(pool + (base + i) * a.kv_slot + part_at, part_bytes);
+  };
+  // Pass 1: every score.
+  for (int p = 0; p < num_pages; ++p) {
+    ask_for(a.k, p + 1);
+    const int start = p * P, n = std::min(P, L - start);
+    const T* page = a.k + static_cast<int64_t>(pages[p]) * P * a.kv_slot;
+    for (int kh = kh0; kh < kh1; ++kh) {
+      vf q[G][NV];
+      for (int g = 0; g < G; ++g) {
+        const T* row = a.q + b * a.q_tok + static_cast<int64_t>(kh * G + g) * a.q_head;
+        for (int v = 0; v < NV; ++v) q[g][v] = load_row(row + v * VW) * a.scale;
+      }
+      float* s = w.scores.data() + static_cast<size_t>((kh - kh0) * G) * L + start;
+      for (int i = 0; i < n; ++i) {
+        const T* key = page + i * a.kv_slot + kh * a.kv_head;
+        vf k[NV];
+        for (int v = 0; v < NV; ++v) k[v] = load_row(key + v * VW);
+        for (int g = 0; g < G; ++g) {
+          vf prod = q[g][0] * k[0];
+          for (int v = 1; v < NV; ++v) prod += q[g][v] * k[v];
+          s[static_cast<size_t>(g) * L + i] = hsum(prod);
+        }
+      }
+    }
+  }
+  // Softmax weights, unnormalized, as in ``attend``.
+  for (int r = 0; r < R; ++r) {
+    float* sr = w.scores.data() + static_cast<size_t>(r) * L;
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int j = 0; j < L; ++j) top = std::max(top, sr[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < L; ++j) {
+      sr[j] = exp_nonpositive(sr[j] - top);
+      sum += sr[j];
+    }
+    w.denom[r] = sum;
+  }
+  // Pass 2: the weighted sum of values.
+  for (int p = 0; p < num_pages; ++p) {
+    ask_for(a.v, p + 1);
+    const int start = p * P, n = std::min(P, L - start);
+    const T* page = a.v + static_cast<int64_t>(pages[p]) * P * a.kv_slot;
+    for (int kh = kh0; kh < kh1; ++kh) {
+      float* acc_at = w.acc.data() + static_cast<size_t>((kh - kh0) * G) * D;
+      const float* s = w.scores.data() + static_cast<size_t>((kh - kh0) * G) * L + start;
+      vf acc[G][NV];
+      for (int g = 0; g < G; ++g) {
+        for (int v = 0; v < NV; ++v) acc[g][v] = load(acc_at + g * D + v * VW);
+      }
+      for (int i = 0; i < n; ++i) {
+        const T* val = page + i * a.kv_slot + kh * a.kv_head;
+        vf x[NV];
+        for (int v = 0; v < NV; ++v) x[v] = load_row(val + v * VW);
+        for (int g = 0; g < G; ++g) {
+          const float wt = s[static_cast<size_t>(g) * L + i];
+          for (int v = 0; v < NV; ++v) acc[g][v] += wt * x[v];
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        for (int v = 0; v < NV; ++v) store(acc_at + g * D + v * VW, acc[g][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    T* dst = a.out + (static_cast<int64_t>(b) * a.H + kh0 * G + r) * D;
+    const float inv = 1.f / w.denom[r];
+    for (int d = 0; d < D; ++d) dst[d] = from_float<T>(w.acc[r * D + d] * inv);
+  }
+}
+
+template <typename T, int NV>
+using AttendFn = void (*)(const Step<T>&, int, int, int, Scratch&);
+
+template <typename T, int NV>
+AttendFn<T, NV> regs_for_group(int G) {
+  switch (G) {
+    case 1: return attend_regs<T, NV, 1>;
+    case 2: return attend_regs<T, NV, 2>;
+    case 3: return (3 * NV <= 24) ? attend_regs<T, NV, 3> : nullptr;
+    case 4: return (4 * NV <= 24) ? attend_regs<T, NV, 4> : nullptr;
+    default: return nullptr;
+  }
+}
+#endif  // __AVX512F__
+
+// The task function for these heads: ``attend_regs`` where it is compiled for them (head
+// sizes of 32, 64 or 128 and up to 4 query heads a KV head, as registers allow), else the
+// general ``attend``.
+template <typename T>
+void (*attend_for(int H, int KVH, int D))(const Step<T>&, int, int, int, Scratch&) {
+#if defined(__AVX512F__)
+  const int G = H / KVH;
+  void (*fn)(const Step<T>&, int, int, int, Scratch&) = nullptr;
+  if (D == 2 * VW) fn = regs_for_group<T, 2>(G);
+  if (D == 4 * VW) fn = regs_for_group<T, 4>(G);
+  if (D == 8 * VW) fn = regs_for_group<T, 8>(G);
+  if (fn != nullptr) return fn;
+#endif
+  (void)H, (void)KVH, (void)D;
+  return attend<T>;
+}
+
 template <typename T>
 void decode(const T* q, int64_t q_tok, int64_t q_head, const T* k, const T* v, int64_t kv_slot,
             int64_t kv_head, const int32_t* table, int64_t table_stride, const int32_t* lens,
@@ -202,16 +360,17 @@ void decode(const T* q, int64_t q_tok, int64_t q_head, const T* k, const T* v, i
   // A task per sequence (all its KV heads) when there are enough sequences for every
   // thread; else a task per (sequence, KV head), so that few sequences still use them all.
   const bool per_sequence = B >= threads;
+  const auto task = attend_for<T>(H, KVH, D);
 #pragma omp parallel num_threads(threads)
   {
     Scratch w;
     if (per_sequence) {
 #pragma omp for schedule(dynamic, 1)
-      for (int b = 0; b < B; ++b) attend(a, b, 0, KVH, w);
+      for (int b = 0; b < B; ++b) task(a, b, 0, KVH, w);
     } else {
 #pragma omp for collapse(2) schedule(dynamic, 1)
       for (int b = 0; b < B; ++b) {
-        for (int kh = 0; kh < KVH; ++kh) attend(a, b, kh, kh + 1, w);
+        for (int kh = 0; kh < KVH; ++kh) task(a, b, kh, kh + 1, w);
       }
     }
   }
@@ -238,22 +397,6 @@ void decode(const T* q, int64_t q_tok, int64_t q_head, const T* k, const T* v, i
 //
 // Other dtypes convert each block's keys and values to float32 for these tiles, except bf16
 // on a CPU with AVX512-BF16, which multiplies in bf16 (prefill_task_bf16, further down).
-
-#if defined(__AVX512F__)
-constexpr int VW = 16;  // floats per vector register
-#elif defined(__AVX__)
-constexpr int VW = 8;
-#else
-constexpr int VW = 4;  // SSE, NEON
-#endif
-typedef float vf __attribute__((vector_size(VW * sizeof(float))));
-
-inline vf load(const float* p) {
-  vf x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
 
 // Block sizes, timed as variants on this project's CPU machine (Zen 4, SmolLM2-135M's heads:
 // G = 3, D = 64; L = 256-2048, 1 and 2 threads; see attention/cpu.py's docstring).

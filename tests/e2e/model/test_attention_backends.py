@@ -101,6 +101,41 @@ def test_cpu_backend_equals_reference(
     torch.testing.assert_close(got, expected, **TOL[dtype])
 
 
+# Decode rows of the head shapes the kernel has register code for (head sizes 32, 64 and
+# 128 and up to 4 query heads a KV head, while G * D / 16 <= 24: SmolLM2's (3, 64),
+# Qwen3's (2, 128)) and of shapes it does not (4 a KV head at 128, head size 48), which
+# take the general code: each equals the reference, one task a sequence or a KV head.
+@pytest.mark.parametrize("mix", ["decode", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "shape", [(9, 3, 64), (16, 8, 128), (4, 4, 128), (8, 2, 128), (6, 2, 48)],
+    ids=["g3-d64", "g2-d128", "g1-d128", "g4-d128-general", "g3-d48-general"],
+)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_decode_equals_reference_for_every_head_shape(
+    mix: str, dtype: torch.dtype, shape: tuple[int, int, int], threads: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    extend_lens, seq_lens = MIXES[mix]
+    num_heads, num_kv_heads, head_dim = shape
+    page_size = 16
+    num_pages = 4 * sum(-(-n // page_size) for n in seq_lens)
+    batch = _paged_batch(extend_lens, seq_lens, page_size, num_pages, seed=head_dim)
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    kv_shape = (num_pages * page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(kv_shape, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_shape, generator=gen).to(dtype)
+    qkv = torch.randn(batch.num_tokens, num_heads + 2 * num_kv_heads, head_dim,
+                      generator=gen).to(dtype)
+    q, k, v = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
+    k_cache.index_copy_(0, batch.out_slots, k)
+    v_cache.index_copy_(0, batch.out_slots, v)
+    expected = GatherBackend().prepare(batch).attend(q, k, v, k_cache, v_cache)
+    got = CpuPagedBackend().prepare(batch).attend(q, k, v, k_cache, v_cache)
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+
+
 @pytest.mark.parametrize("spread", [0.1, 3.0, 40.0, 400.0])
 def test_cpu_decode_softmax_holds_over_the_whole_range_of_scores(spread: float) -> None:
     # The kernel's own exp: scores spread from nearly equal (weights near 1) to far apart
