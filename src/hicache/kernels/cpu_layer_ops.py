@@ -1,4 +1,5 @@
-"""One-pass float32 CPU versions of a layer's elementwise ops (``cpu_layer_ops.cpp``).
+"""One-pass float32 and bfloat16 CPU versions of a layer's elementwise ops
+(``cpu_layer_ops.cpp``).
 
 Each function returns None where it does not apply (another dtype or device, a
 layout it does not take, inside ``torch.compile``, no compiler here), and the
@@ -24,7 +25,7 @@ _SOURCE = Path(__file__).with_name("cpu_layer_ops.cpp")
 # -ffp-contract=off: no fused multiply-adds, so products round as torch's separate ops do.
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno",
           "-shared", "-fPIC", "-std=c++17")
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 
 
 def _unavailable(error: Exception) -> None:
@@ -40,9 +41,12 @@ def _load() -> ctypes.CDLL:
     if library.hicache_layer_ops_abi_version() != _ABI_VERSION:
         raise CpuBuildError(f"{library._name} has another ABI version")
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    library.hicache_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32]
-    library.hicache_rotary.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
-    for fn in (library.hicache_rms_norm, library.hicache_rotary):
+    for norm in (library.hicache_rms_norm, library.hicache_rms_norm_bf16):
+        norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32]
+    for rotate in (library.hicache_rotary, library.hicache_rotary_bf16):
+        rotate.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
+    for fn in (library.hicache_rms_norm, library.hicache_rms_norm_bf16, library.hicache_rotary,
+               library.hicache_rotary_bf16):
         fn.restype = None
     return library
 
@@ -50,10 +54,17 @@ def _load() -> ctypes.CDLL:
 _LIBRARY = LazyLibrary(_load, (OSError, CpuBuildError), _unavailable)
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The library, if every tensor is a float32 CPU tensor outside torch.compile."""
+    """The library, if the tensors are CPU tensors of one dtype it takes (float32 or
+    bfloat16), outside torch.compile."""
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPES:
+        return None
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu":
+        if t.dtype != dtype or t.device.type != "cpu":
             return None
     if torch.compiler.is_compiling():
         return None
@@ -67,9 +78,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     rows, dim = x.shape
     out = torch.empty((rows, dim), dtype=x.dtype)
-    library.hicache_rms_norm(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), dim, rows, dim, eps
-    )
+    norm = library.hicache_rms_norm if x.dtype == torch.float32 else library.hicache_rms_norm_bf16
+    norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), dim, rows, dim, eps)
     return out
 
 
@@ -87,7 +97,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if cos.shape[2] != half or head_dim % 2:
         return None
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
-    library.hicache_rotary(
+    rotate = library.hicache_rotary if x.dtype == torch.float32 else library.hicache_rotary_bf16
+    rotate(
         x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
         out.data_ptr(), tokens, heads, half,
     )

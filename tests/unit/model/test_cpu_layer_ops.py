@@ -58,17 +58,53 @@ def test_rotary_equals_torch_exactly_on_a_view_of_qkv(tokens: int) -> None:
     assert torch.equal(apply_rotary(x, cos, sin), got)
 
 
+def torch_rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's bfloat16 RMSNorm in torch: normalized in float32, rounded, weighted."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 83])
+@pytest.mark.parametrize("dim", [64, 576, 4096])
+def test_bf16_rms_norm_rounds_where_torch_does(rows: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(rows + dim)
+    wide = (torch.randn(rows, dim + 40, generator=gen) * 5).bfloat16()
+    x = wide[:, 40:]  # strided rows, as a view of the residual stream may be
+    weight = torch.randn(dim, generator=gen).bfloat16()
+    got = cpu_layer_ops.rms_norm(x, weight, 1e-5)
+    assert got is not None and got.dtype == torch.bfloat16
+    expected = torch_rms_norm_bf16(x, weight, 1e-5)
+    # Only the mean of squares is summed in another order: a float32 ulp of the scale can
+    # move a value across a bfloat16 rounding boundary, one bfloat16 ulp, very rarely.
+    torch.testing.assert_close(got, expected, rtol=8e-3, atol=1e-5)
+    assert (got == expected).float().mean() > 0.999
+    assert torch.equal(rms_norm(x, weight, 1e-5), got)  # the model's norm takes this path
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 84])
+def test_bf16_rotary_equals_torch_exactly(tokens: int) -> None:
+    gen = torch.Generator().manual_seed(100 + tokens)
+    qkv = torch.randn(tokens, 15, 64, generator=gen).bfloat16()
+    angles = torch.rand(tokens, 1, 32, generator=gen) * 100
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    x = qkv[:, :12]
+    got = cpu_layer_ops.rotary(x, cos, sin)
+    assert got is not None and got.dtype == torch.bfloat16 and got.is_contiguous()
+    assert torch.equal(got, torch_rotary(x, cos, sin))  # every rounding where torch's is
+    assert torch.equal(apply_rotary(x, cos, sin), got)
+
+
 def test_the_ops_step_aside_where_they_do_not_apply() -> None:
     x = torch.randn(4, 64)
     weight = torch.randn(64)
-    assert cpu_layer_ops.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6) is None
+    assert cpu_layer_ops.rms_norm(x.half(), weight.half(), 1e-6) is None
+    assert cpu_layer_ops.rms_norm(x.bfloat16(), weight, 1e-6) is None  # mixed dtypes
     assert cpu_layer_ops.rms_norm(x.view(4, 2, 32), weight[:32], 1e-6) is None  # per head
     assert cpu_layer_ops.rms_norm(x.t(), weight[:4], 1e-6) is None  # columns
     heads = torch.randn(4, 3, 64)
     cos, sin = torch.randn(4, 1, 32), torch.randn(4, 1, 32)
-    assert cpu_layer_ops.rotary(heads.bfloat16(), cos.bfloat16(), sin.bfloat16()) is None
+    assert cpu_layer_ops.rotary(heads.half(), cos.half(), sin.half()) is None
     assert cpu_layer_ops.rotary(heads, torch.randn(4, 1, 16), torch.randn(4, 1, 16)) is None
     # The model's functions then run torch's ops, with the same results as always.
-    bf = heads.bfloat16()
-    assert torch.equal(apply_rotary(bf, cos.bfloat16(), sin.bfloat16()),
-                       torch_rotary(bf, cos.bfloat16(), sin.bfloat16()))
+    hf = heads.half()
+    assert torch.equal(apply_rotary(hf, cos.half(), sin.half()),
+                       torch_rotary(hf, cos.half(), sin.half()))
