@@ -4,12 +4,11 @@ Decode rows (one new token) go to a C++ kernel (``cpu_paged_attention.cpp``), wh
 walks each context through its page table: nothing is copied, whatever the
 contexts' lengths (torch has no CPU attention that reads a paged pool in place, and
 gathering every context into a padded tensor per layer per step costs as much as
-the attention itself on long contexts). For the common head shapes (head sizes 32, 64
-and 128 with up to 4 query heads a KV head, as AVX-512's registers allow) a page at a
-time and KV head by KV head, the G query rows and their output sums in registers: each
-key and value row is widened once for its G heads, and the sums leave the registers once
-a page (SmolLM2's heads, 8 rows over 512 tokens: 0.22 -> 0.11 ms a layer in bf16 and
-float32); other shapes take the general loop.
+the attention itself on long contexts). The common head shapes (head sizes 32, 64 and
+128, up to 4 query heads a KV head) run code compiled for their shape, where each key
+and value row is widened once for its G query heads (SmolLM2's heads, 8 rows over 512
+tokens, KV in cache: 0.22 -> 0.16 ms a layer in bf16 and float32; a bf16 decode step of
+the model 25 -> 20.5 ms); other shapes take the general loop.
 
 Prompts (cold, or over a cached prefix or earlier chunks) go to the same library's
 prefill kernel, all of a step's prompts in one call: causal attention of their new

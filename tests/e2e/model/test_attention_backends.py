@@ -101,15 +101,15 @@ def test_cpu_backend_equals_reference(
     torch.testing.assert_close(got, expected, **TOL[dtype])
 
 
-# Decode rows of the head shapes the kernel has register code for (head sizes 32, 64 and
-# 128 and up to 4 query heads a KV head, while G * D / 16 <= 24: SmolLM2's (3, 64),
-# Qwen3's (2, 128)) and of shapes it does not (4 a KV head at 128, head size 48), which
-# take the general code: each equals the reference, one task a sequence or a KV head.
+# Decode rows of the head shapes the kernel has code of fixed shape for (head sizes 32, 64
+# and 128, up to 4 query heads a KV head: SmolLM2's (3, 64), Qwen3's (2, 128), Llama's
+# (4, 128)) and of shapes it does not (5 a KV head, head size 48), which take the general
+# code: each equals the reference, one task a sequence or a KV head.
 @pytest.mark.parametrize("mix", ["decode", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "shape", [(9, 3, 64), (16, 8, 128), (4, 4, 128), (8, 2, 128), (6, 2, 48)],
-    ids=["g3-d64", "g2-d128", "g1-d128", "g4-d128-general", "g3-d48-general"],
+    "shape", [(9, 3, 64), (16, 8, 128), (4, 4, 128), (8, 2, 128), (10, 2, 64), (6, 2, 48)],
+    ids=["g3-d64", "g2-d128", "g1-d128", "g4-d128", "g5-d64-general", "g3-d48-general"],
 )
 @pytest.mark.parametrize("threads", [1, 3])
 def test_cpu_decode_equals_reference_for_every_head_shape(
