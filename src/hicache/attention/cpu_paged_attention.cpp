@@ -123,6 +123,24 @@ struct Scratch {
   std::vector<float> qf, acc, scores, denom;
 };
 
+// The R rows' scores (each L long, in w.scores) become their softmax weights, unnormalized
+// (divided by the sum, w.denom, at the end).
+inline void softmax_rows(Scratch& w, int R, int L) {
+  for (int r = 0; r < R; ++r) {
+    float* sr = w.scores.data() + static_cast<size_t>(r) * L;
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int j = 0; j < L; ++j) top = std::max(top, sr[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < L; ++j) {
+      sr[j] = exp_nonpositive(sr[j] - top);
+      sum += sr[j];
+    }
+    w.denom[r] = sum;
+  }
+}
+
 // The query heads of KV heads [kh0, kh1) of sequence b. Every key and value row is read
 // once for all of them; with all of a sequence's KV heads in one task a page's slots are
 // read whole and in address order, which the hardware prefetchers stream (one KV head
@@ -168,20 +186,7 @@ void attend(const Step<T>& a, int b, int kh0, int kh1, Scratch& w) {
       }
     }
   }
-  // Softmax weights, unnormalized (divided by the sum at the end).
-  for (int r = 0; r < R; ++r) {
-    float* sr = w.scores.data() + static_cast<size_t>(r) * L;
-    float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-    for (int j = 0; j < L; ++j) top = std::max(top, sr[j]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < L; ++j) {
-      sr[j] = exp_nonpositive(sr[j] - top);
-      sum += sr[j];
-    }
-    w.denom[r] = sum;
-  }
+  softmax_rows(w, R, L);
   // Pass 2: the weighted sum of values.
   for (int p = 0; p < num_pages; ++p) {
     const int start = p * P, n = std::min(P, L - start);
@@ -275,20 +280,7 @@ void attend_shaped(const Step<T>& a, int b, int kh0, int kh1, Scratch& w) {
       }
     }
   }
-  // Softmax weights, unnormalized, as in ``attend``.
-  for (int r = 0; r < R; ++r) {
-    float* sr = w.scores.data() + static_cast<size_t>(r) * L;
-    float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-    for (int j = 0; j < L; ++j) top = std::max(top, sr[j]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < L; ++j) {
-      sr[j] = exp_nonpositive(sr[j] - top);
-      sum += sr[j];
-    }
-    w.denom[r] = sum;
-  }
+  softmax_rows(w, R, L);
   // Pass 2: the weighted sum of values, slot by slot as pass 1 (the sums in the scratch:
   // a page at a time with them in registers, KV head by KV head, was 1.4x faster with the
   // values in cache but 4% slower a float32 decode step at 512 tokens, from memory).

@@ -81,15 +81,26 @@ def test_cpu_backend_equals_reference(
 ) -> None:
     # The kernel runs as many OpenMP threads as torch's count says.
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    extend_lens, seq_lens = MIXES[mix]
     num_heads, num_kv_heads = heads
-    head_dim = 32
+    _assert_cpu_equals_reference(
+        mix, page_size, dtype, (num_heads, num_kv_heads, 32), batch_seed=page_size, data_seed=1
+    )
+
+
+def _assert_cpu_equals_reference(
+    mix: str, page_size: int, dtype: torch.dtype, shape: tuple[int, int, int],
+    batch_seed: int, data_seed: int,
+) -> None:
+    """The CPU backend's output for ``mix`` equals the gather backend's, heads ``shape``
+    (query heads, KV heads, head size)."""
+    extend_lens, seq_lens = MIXES[mix]
+    num_heads, num_kv_heads, head_dim = shape
     num_pages = 4 * sum(-(-n // page_size) for n in seq_lens)
-    batch = _paged_batch(extend_lens, seq_lens, page_size, num_pages, seed=page_size)
-    gen = torch.Generator().manual_seed(1)
-    shape = (num_pages * page_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    batch = _paged_batch(extend_lens, seq_lens, page_size, num_pages, seed=batch_seed)
+    gen = torch.Generator().manual_seed(data_seed)
+    kv_shape = (num_pages * page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(kv_shape, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_shape, generator=gen).to(dtype)
     # q/k/v as the model makes them: views into one fused projection (strided rows).
     qkv = torch.randn(batch.num_tokens, num_heads + 2 * num_kv_heads, head_dim,
                       generator=gen).to(dtype)
@@ -117,23 +128,9 @@ def test_cpu_decode_equals_reference_for_every_head_shape(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    extend_lens, seq_lens = MIXES[mix]
-    num_heads, num_kv_heads, head_dim = shape
-    page_size = 16
-    num_pages = 4 * sum(-(-n // page_size) for n in seq_lens)
-    batch = _paged_batch(extend_lens, seq_lens, page_size, num_pages, seed=head_dim)
-    gen = torch.Generator().manual_seed(head_dim + num_heads)
-    kv_shape = (num_pages * page_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(kv_shape, generator=gen).to(dtype)
-    v_cache = torch.randn(kv_shape, generator=gen).to(dtype)
-    qkv = torch.randn(batch.num_tokens, num_heads + 2 * num_kv_heads, head_dim,
-                      generator=gen).to(dtype)
-    q, k, v = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
-    k_cache.index_copy_(0, batch.out_slots, k)
-    v_cache.index_copy_(0, batch.out_slots, v)
-    expected = GatherBackend().prepare(batch).attend(q, k, v, k_cache, v_cache)
-    got = CpuPagedBackend().prepare(batch).attend(q, k, v, k_cache, v_cache)
-    torch.testing.assert_close(got, expected, **TOL[dtype])
+    _assert_cpu_equals_reference(
+        mix, 16, dtype, shape, batch_seed=shape[2], data_seed=shape[2] + shape[0]
+    )
 
 
 @pytest.mark.parametrize("spread", [0.1, 3.0, 40.0, 400.0])
