@@ -1,5 +1,5 @@
 """One-pass float32 and bfloat16 CPU versions of a layer's elementwise ops
-(``cpu_layer_ops.cpp``).
+(``cpu_layer_ops.cpp``): RMSNorm, RoPE and SwiGLU's silu(gate) * up.
 
 Each function returns None where it does not apply (another dtype or device, a
 layout it does not take, inside ``torch.compile``, no compiler here), and the
@@ -23,9 +23,14 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_layer_ops.cpp")
 # -ffp-contract=off: no fused multiply-adds, so products round as torch's separate ops do.
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno",
-          "-shared", "-fPIC", "-std=c++17")
-_ABI_VERSION = 2
+# -fno-trapping-math lets silu's floor and clamps vectorize (no result changes: only the
+# floating-point exception flags, which nothing reads).
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
+          "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17")
+_ABI_VERSION = 3
+# Ops over fewer elements run on the calling thread alone: waking torch's OpenMP team
+# (the library shares its runtime) costs more than the pass it would split.
+PARALLEL_FROM_ELEMENTS = 1 << 16
 
 
 def _unavailable(error: Exception) -> None:
@@ -40,13 +45,16 @@ def _load() -> ctypes.CDLL:
     library = build_and_load(_SOURCE, _FLAGS)
     if library.hicache_layer_ops_abi_version() != _ABI_VERSION:
         raise CpuBuildError(f"{library._name} has another ABI version")
-    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     for norm in (library.hicache_rms_norm, library.hicache_rms_norm_bf16):
-        norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32]
+        norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     for rotate in (library.hicache_rotary, library.hicache_rotary_bf16):
-        rotate.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
+        rotate.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i32]
+    for swiglu in (library.hicache_silu_mul, library.hicache_silu_mul_bf16):
+        swiglu.argtypes = [ptr, i64, ptr, i64, i64, i32]
     for fn in (library.hicache_rms_norm, library.hicache_rms_norm_bf16, library.hicache_rotary,
-               library.hicache_rotary_bf16):
+               library.hicache_rotary_bf16, library.hicache_silu_mul,
+               library.hicache_silu_mul_bf16):
         fn.restype = None
     return library
 
@@ -71,6 +79,11 @@ def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     return _library()
 
 
+def _threads(elements: int) -> int:
+    """Threads for an op over ``elements``: torch's count for large ones, else one."""
+    return torch.get_num_threads() if elements >= PARALLEL_FROM_ELEMENTS else 1
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of the rows of a 2-D ``x`` [rows, dim] (last dim contiguous); None: not here."""
     library = _usable(x, weight)
@@ -79,7 +92,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     rows, dim = x.shape
     out = torch.empty((rows, dim), dtype=x.dtype)
     norm = library.hicache_rms_norm if x.dtype == torch.float32 else library.hicache_rms_norm_bf16
-    norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), dim, rows, dim, eps)
+    norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), dim, rows, dim, eps,
+         _threads(rows * dim))
     return out
 
 
@@ -100,6 +114,21 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     rotate = library.hicache_rotary if x.dtype == torch.float32 else library.hicache_rotary_bf16
     rotate(
         x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-        out.data_ptr(), tokens, heads, half,
+        out.data_ptr(), tokens, heads, half, _threads(tokens * heads * head_dim),
     )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` [rows, width] of a 2-D ``gate_up`` [rows, 2 width] holding the
+    two side by side (last dim contiguous); None: not here."""
+    library = _usable(gate_up)
+    if library is None or gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+        return None
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, width), dtype=gate_up.dtype)
+    swiglu = (library.hicache_silu_mul if gate_up.dtype == torch.float32
+              else library.hicache_silu_mul_bf16)
+    swiglu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width,
+           _threads(rows * width))
     return out

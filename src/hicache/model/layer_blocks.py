@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hicache.kernels import cpu_layer_ops
 from hicache.model.linear import linear
 from hicache.model.norm import rms_norm
 from hicache.model.rotary import apply_rotary
@@ -91,6 +92,14 @@ def feed_forward(
     eps: float,
 ) -> torch.Tensor:
     """h [T, hidden] -> SwiGLU(norm(h)) [T, hidden] (+ residual)."""
-    gate, up = linear(rms_norm(h, norm_weight, eps), gate_up_weight).chunk(2, dim=-1)
-    out = linear(F.silu(gate) * up, down_weight)
+    out = linear(swiglu(linear(rms_norm(h, norm_weight, eps), gate_up_weight)), down_weight)
     return out if residual is None else out.add_(residual)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 I] (the gate and up projections side by side) -> silu(gate) * up [T, I]."""
+    fused = cpu_layer_ops.silu_mul(gate_up)  # on the CPU: one pass, no gate/up copies
+    if fused is not None:
+        return fused
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

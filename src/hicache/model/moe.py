@@ -21,6 +21,7 @@ from torch import nn
 
 from hicache.distributed.sharding import RankShard, ShardingError, Span, even_span
 from hicache.model.deepseek_config import MoEShape, RoutingMethod
+from hicache.model.layer_blocks import swiglu
 from hicache.model.linear import linear
 from hicache.model.mlp import SwiGLU
 from hicache.model.moe_routing import route
@@ -77,15 +78,15 @@ class MoE(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            gate, up = linear(rows[start:end], self.gate_up_weight[expert]).chunk(2, dim=-1)
-            out[start:end] = linear(F.silu(gate) * up, self.down_weight[expert])
+            gate_up = linear(rows[start:end], self.gate_up_weight[expert])
+            out[start:end] = linear(swiglu(gate_up), self.down_weight[expert])
             start = end
         # Weighted in float32 (the router's precision), rounded once, as the reference does.
         weighted = (out.float() * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
         result = torch.zeros_like(x).index_add_(0, tokens, weighted)
         if self.shared is not None:
-            gate, up = linear(x, self.shared.gate_up_weight).chunk(2, dim=-1)
-            result += linear(F.silu(gate) * up, self.shared.down_weight)
+            gate_up = linear(x, self.shared.gate_up_weight)
+            result += linear(swiglu(gate_up), self.shared.down_weight)
         return result
 
     def hf_shards(self, prefix: str) -> WeightShards:

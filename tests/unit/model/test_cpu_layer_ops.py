@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hicache.kernels import cpu_layer_ops
+from hicache.model.layer_blocks import swiglu
 from hicache.model.norm import rms_norm
 from hicache.model.rotary import apply_rotary
 
@@ -93,6 +94,71 @@ def test_bf16_rotary_equals_torch_exactly(tokens: int) -> None:
     assert torch.equal(apply_rotary(x, cos, sin), got)
 
 
+def torch_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("rows", [1, 8, 300, 1100])  # the last two split over threads
+def test_silu_mul_equals_torch_within_its_exp(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 2 * 1536 + 24, generator=gen) * 6
+    gate_up = wide[:, 24:]  # strided rows, gate and up side by side
+    got = cpu_layer_ops.silu_mul(gate_up)
+    assert got is not None and got.shape == (rows, 1536) and got.is_contiguous()
+    # The exp differs from torch's by an ulp or two: so may silu, never by more.
+    torch.testing.assert_close(got, torch_swiglu(gate_up), rtol=1e-6, atol=1e-7)
+    assert torch.equal(swiglu(gate_up), got)  # the model's SwiGLU takes this path
+    # bfloat16: silu rounded, then the product, as torch's two ops round.
+    half = gate_up.bfloat16()
+    got16 = cpu_layer_ops.silu_mul(half)
+    assert got16 is not None and got16.dtype == torch.bfloat16
+    expected16 = torch_swiglu(half)
+    torch.testing.assert_close(got16, expected16, rtol=8e-3, atol=1e-6)
+    assert (got16 == expected16).float().mean() > 0.999
+
+
+def test_silu_mul_at_the_ends_of_the_range() -> None:
+    gate = torch.tensor([-1000.0, -100.0, -87.5, -20.0, 0.0, 20.0, 100.0, 1000.0, float("nan")])
+    up = torch.full_like(gate, 3.0)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = cpu_layer_ops.silu_mul(torch.cat([gate, up]).to(dtype).unsqueeze(0))
+        assert got is not None
+        expected = torch_swiglu(torch.cat([gate, up]).to(dtype).unsqueeze(0))
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-30, equal_nan=True)
+        assert got[0, -1].isnan()
+
+
+def test_ops_give_the_same_bits_on_one_thread_and_on_several() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2048, 576, generator=gen) * 3
+    weight = torch.randn(576, generator=gen)
+    heads = torch.randn(2048, 12, 64, generator=gen)
+    angles = torch.rand(2048, 1, 32, generator=gen) * 100
+    gate_up = torch.randn(2048, 3072, generator=gen) * 6
+    threads = torch.get_num_threads()
+
+    def run() -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for dtype in (torch.float32, torch.bfloat16):
+            cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+            out += [cpu_layer_ops.rms_norm(x.to(dtype), weight.to(dtype), 1e-5),
+                    cpu_layer_ops.rotary(heads.to(dtype), cos, sin),
+                    cpu_layer_ops.silu_mul(gate_up.to(dtype))]
+        return out
+
+    try:
+        torch.set_num_threads(1)
+        alone = run()
+        torch.set_num_threads(max(2, threads))
+        assert cpu_layer_ops._threads(x.numel()) >= 2  # these sizes do split
+        split = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(alone, split, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
 def test_the_ops_step_aside_where_they_do_not_apply() -> None:
     x = torch.randn(4, 64)
     weight = torch.randn(64)
@@ -104,6 +170,9 @@ def test_the_ops_step_aside_where_they_do_not_apply() -> None:
     cos, sin = torch.randn(4, 1, 32), torch.randn(4, 1, 32)
     assert cpu_layer_ops.rotary(heads.half(), cos.half(), sin.half()) is None
     assert cpu_layer_ops.rotary(heads, torch.randn(4, 1, 16), torch.randn(4, 1, 16)) is None
+    assert cpu_layer_ops.silu_mul(torch.randn(4, 64).half()) is None
+    assert cpu_layer_ops.silu_mul(torch.randn(4, 63)) is None  # no even split
+    assert cpu_layer_ops.silu_mul(torch.randn(64, 4).t()) is None  # columns
     # The model's functions then run torch's ops, with the same results as always.
     hf = heads.half()
     assert torch.equal(apply_rotary(hf, cos.half(), sin.half()),
