@@ -84,6 +84,20 @@ inline float exp_below_88(float x) {
 // 1e-36 in magnitude, is not torch's (which is as small, or -0 below -88.7).
 inline float silu(float x) { return x / (1.f + exp_below_88(std::min(-x, 87.f))); }
 
+// The rows of hicache_silu_mul, `op(gate, up)` an element's result in T.
+template <typename T, typename Op>
+inline void swiglu_rows(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t width,
+                        int threads, Op op) {
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up + r * stride;
+    const T* up = gate + width;
+    T* dst = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) dst[i] = op(gate[i], up[i]);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -185,29 +199,16 @@ void hicache_rotary_bf16(const uint16_t* x, int64_t x_tok, int64_t x_head, const
 // width], contiguous.
 void hicache_silu_mul(const float* gate_up, int64_t stride, float* out, int64_t rows,
                       int64_t width, int threads) {
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = gate_up + r * stride;
-    const float* up = gate + width;
-    float* dst = out + r * width;
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) dst[i] = silu(gate[i]) * up[i];
-  }
+  swiglu_rows(gate_up, stride, out, rows, width, threads,
+              [](float gate, float up) { return silu(gate) * up; });
 }
 
 // hicache_silu_mul for bfloat16: silu rounded, then the product rounded (torch's two ops).
 void hicache_silu_mul_bf16(const uint16_t* gate_up, int64_t stride, uint16_t* out, int64_t rows,
                            int64_t width, int threads) {
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* gate = gate_up + r * stride;
-    const uint16_t* up = gate + width;
-    uint16_t* dst = out + r * width;
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) {
-      dst[i] = round_bf16(to_bf16_precision(silu(widen(gate[i]))) * widen(up[i]));
-    }
-  }
+  swiglu_rows(gate_up, stride, out, rows, width, threads, [](uint16_t gate, uint16_t up) {
+    return round_bf16(to_bf16_precision(silu(widen(gate))) * widen(up));
+  });
 }
 
 }  // extern "C"
