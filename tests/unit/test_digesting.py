@@ -43,7 +43,7 @@ CASES = [
     pytest.param(geometry, layout, piece, id=f"{name}-{layout.value}-piece{piece}")
     for name, geometry in (("mha", MHA), ("mla", MLA))
     for layout in MemLayout
-    for piece in (40, 96, 1 << 20)  # a row or less, a few rows, a whole page
+    for piece in (40, 96, 1100, 1 << 20)  # a row or less, a few rows, layers, a whole page
 ]
 
 
