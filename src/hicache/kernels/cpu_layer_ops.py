@@ -27,7 +27,7 @@ _SOURCE = Path(__file__).with_name("cpu_layer_ops.cpp")
 # floating-point exception flags, which nothing reads).
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
           "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17")
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 # Ops over fewer elements run on the calling thread alone: waking torch's OpenMP team
 # (the library shares its runtime) costs more than the pass it would split.
 PARALLEL_FROM_ELEMENTS = 1 << 16

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,3 +179,88 @@ def test_the_ops_step_aside_where_they_do_not_apply() -> None:
     hf = heads.half()
     assert torch.equal(apply_rotary(hf, cos.half(), sin.half()),
                        torch_rotary(hf, cos.half(), sin.half()))
+
+
+def _generic_library() -> object:
+    """The same source built without AVX512-BF16: the integer roundings throughout."""
+    from hicache.kernels.cpu_build import build_and_load
+
+    library = build_and_load(cpu_layer_ops._SOURCE, (*cpu_layer_ops._FLAGS, "-mno-avx512bf16"))
+    assert library.hicache_layer_ops_bf16x16() == 0
+    return library
+
+
+def _bf16_ops(library: object, x: torch.Tensor, weight: torch.Tensor, heads: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, gate_up: torch.Tensor) -> list[torch.Tensor]:
+    """The three bfloat16 ops of ``library`` (raw calls: the generic build has no argtypes)."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    rows, dim = x.shape
+    normed = torch.empty_like(x)
+    library.hicache_rms_norm_bf16(  # type: ignore[attr-defined]
+        ptr(x.data_ptr()), i64(dim), ptr(weight.data_ptr()), ptr(normed.data_ptr()), i64(dim),
+        i64(rows), i64(dim), ctypes.c_float(1e-5), 2)
+    tokens, count, head_dim = heads.shape
+    rotated = torch.empty_like(heads)
+    library.hicache_rotary_bf16(  # type: ignore[attr-defined]
+        ptr(heads.data_ptr()), i64(count * head_dim), i64(head_dim), ptr(cos.data_ptr()),
+        ptr(sin.data_ptr()), i64(head_dim // 2), ptr(rotated.data_ptr()), i64(tokens),
+        i64(count), i64(head_dim // 2), 2)
+    width = gate_up.shape[1] // 2
+    swiglu_out = torch.empty(gate_up.shape[0], width, dtype=torch.bfloat16)
+    library.hicache_silu_mul_bf16(  # type: ignore[attr-defined]
+        ptr(gate_up.data_ptr()), i64(2 * width), ptr(swiglu_out.data_ptr()),
+        i64(gate_up.shape[0]), i64(width), 2)
+    return [normed, rotated, swiglu_out]
+
+
+def _has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return "avx512_bf16" in cpuinfo.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU has no AVX512-BF16")
+def test_bf16_ops_round_with_the_cpus_bf16_instruction_where_it_has_one() -> None:
+    library = cpu_layer_ops._library()
+    assert library is not None and library.hicache_layer_ops_bf16x16() == 1
+
+
+@pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU has no AVX512-BF16")
+@pytest.mark.parametrize("case", ["normal", "subnormal", "special"])
+def test_bf16_ops_give_the_generic_builds_bits(case: str) -> None:
+    """VCVTNEPS2BF16 reads subnormals as zero: rows that meet one are redone, so the bits are
+    the integer rounding's on every input, subnormal results and NaN/inf included."""
+    gen = torch.Generator().manual_seed(len(case))
+    x = torch.randn(40, 576 + 5, generator=gen) * 4  # a vector tail of 5 in each row
+    weight = torch.randn(576 + 5, generator=gen)
+    heads = torch.randn(40, 12, 64, generator=gen)
+    angles = torch.rand(40, 1, 32, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    gate_up = torch.randn(40, 2 * 1536, generator=gen) * 6
+    if case == "subnormal":  # products that land below 2^-126 in some rows, not others
+        weight[::3] *= 1e-37
+        x[::4] *= 1e-38
+        heads[::5] *= 1e-20
+        cos[::3] *= 1e-19
+        sin[::3] *= 1e-19  # both: every product of those rows subnormal
+        gate_up[::2, :1536] *= 1e-19
+        gate_up[::3, 1536:] *= 1e-20
+        gate_up[5, 7] = 1e-39  # a subnormal gate
+    elif case == "special":
+        for t in (x, heads, gate_up):
+            flat = t.view(-1)
+            flat[::97] = float("inf")
+            flat[1::89] = float("-inf")
+            flat[2::83] = float("nan")
+            flat[3::79] = 0.0
+            flat[4::73] = -0.0
+            flat[5::71] = 3e38
+    args = [t.bfloat16().contiguous() for t in (x, weight, heads, cos, sin, gate_up)]
+    fast = _bf16_ops(cpu_layer_ops._library(), *args)
+    generic = _bf16_ops(_generic_library(), *args)
+    for a, b in zip(fast, generic, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    if case == "subnormal":  # the inputs did make subnormal results
+        assert any(((t.float().abs() < 1.18e-38) & (t != 0)).any() for t in generic)
