@@ -117,3 +117,31 @@ def test_page_digests_keep_a_state_and_a_digest_per_page() -> None:
     assert digests.digest(2) is None and digests.digest(3) is None
     with pytest.raises(ValueError, match="16 bytes"):
         digests.set_known(0, b"short")
+
+
+def test_a_layer_first_page_is_hashed_in_one_call_a_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every hash call hands the GIL over: a page's scattered runs are staged and hashed a
+    piece at a time, not one call a run."""
+    import hicache.transfer.digesting as digesting
+
+    calls: list[int] = []
+    real = digesting.xxhash.xxh3_128
+
+    class Counting:
+        def __init__(self) -> None:
+            self._hasher = real()
+
+        def update(self, data: object) -> None:
+            calls.append(1)
+            self._hasher.update(data)
+
+        def digest(self) -> bytes:
+            return self._hasher.digest()
+
+    host, device = pools(MHA, MemLayout.LAYER_FIRST)
+    run = PAGE_SIZE * MHA.row_elems * MHA.element_bytes  # one (layer, plane) run: 256 bytes
+    copier = DigestingCopier(host, device, piece_bytes=4 * run)  # two layers a piece
+    monkeypatch.setattr(digesting.xxhash, "xxh3_128", Counting)
+    copier.store(np.array([1]), np.array([2]))
+    assert len(calls) == 2  # three layers: two pieces (6 runs)
+    assert host.digests.digest(2) == page_checksum(host, 2)

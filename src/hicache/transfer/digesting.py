@@ -9,16 +9,25 @@ loading an EXPECTED page (one read from L3) to the device checks it.
 
 For layer-major host layouts a page is, on both sides, one run of rows per
 (layer, plane); a piece is as many whole layers' runs as fit in
-``PIECE_BYTES``, copied by one strided copy, or a part of one run where a run
-alone is larger. For page_first (token-major) a piece is a run of whole tokens.
-The host runs are hashed in payload order, so hashing the pieces in turn is
-hashing the payload. Few pieces a page matter: each is a few Python calls on
-the copy thread, which holds the GIL the scheduler and forward need (a page of
-SmolLM2 at page size 16 is 60 runs of 12 KB).
+``PIECE_BYTES``, or a part of one run where a run alone is larger. Where the
+piece's host runs are contiguous (page_first_direct) it is copied by one
+strided copy and hashed where it landed; where they lie apart (layer_first) it
+is gathered into a per-thread staging buffer, hashed there and copied on. For
+page_first (token-major) a piece is a run of whole tokens. Hashing the pieces
+in turn is hashing the payload.
+
+Few calls a page matter more than the bytes: every numpy copy and hash call
+releases the GIL and takes it back, and on a CPU device the scheduler thread
+runs the forward's Python between torch ops on the same GIL. Hashing each of a
+layer_first page's runs where it lies (60 calls a page for SmolLM2 at page
+size 16) made a thread of small torch ops beside a storing copier ~1.6x slower
+than alone; staged (9 calls a page) ~1.2x, for one more copy of the page
+(~30 us of 165-195; docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -79,9 +88,17 @@ class DigestingCopier:
                 self._token_runs.append((t0, t1))
                 self._host_spans.append((t0 * token_bytes, (t1 - t0) * token_bytes))
         else:
-            self._pieces = _layer_major_pieces(
-                self._run_shape, row_bytes, piece_bytes
-            )
+            self._pieces = _layer_major_pieces(self._run_shape, row_bytes, piece_bytes)
+        self._staging = threading.local()
+
+    def _stage(self, size: int) -> np.ndarray:
+        """The first ``size`` bytes of this thread's staging buffer (a store and a load
+        may run at once, on different threads)."""
+        buffer: np.ndarray | None = getattr(self._staging, "buffer", None)
+        if buffer is None or buffer.size < size:
+            buffer = np.empty(size, dtype=np.uint8)
+            self._staging.buffer = buffer
+        return buffer[:size]
 
     # ------------------------------------------------------------------ L1 -> L2
     def store(self, device_pages: PageIds, host_pages: PageIds, checksum: bool = True) -> None:
@@ -141,20 +158,27 @@ class DigestingCopier:
             self._run_shape, np.uint8, self._device_bytes,
             device_page * self._device_page_bytes, self._device_run_strides,
         )
+        if not hash_it:  # nothing to keep in cache for: the page in one copy
+            if to_device:
+                device[...] = host
+            else:
+                host[...] = device
+            return hasher.digest()
         for piece in self._pieces:
             h, d = host[piece], device[piece]
-            if to_device:
-                d[...] = h
-            else:
-                h[...] = d
-            if not hash_it:
-                continue
+            source, target = (h, d) if to_device else (d, h)
             if h.flags.c_contiguous:
+                target[...] = source
                 update(h)
-            else:  # the host's runs in payload order: layer, then plane
-                for layer_runs in h:
-                    for run in layer_runs:
-                        update(run)
+                continue
+            # The host's runs of this piece lie apart (layer_first): gathered into this
+            # thread's staging buffer, hashed there in one call (payload order: layer, then
+            # plane), copied on. Hashing each run where it lies cost a GIL hand-off a run
+            # (60 a page for SmolLM2) against the scheduler thread's.
+            stage = self._stage(h.size).reshape(h.shape)
+            stage[...] = source
+            update(stage)
+            target[...] = stage
         return hasher.digest()
 
 
