@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import re
 
 import numpy as np
 import pytest
@@ -41,6 +42,35 @@ def test_pageable_is_aligned_for_huge_pages_and_untouched() -> None:
     memory = prefault.pageable(32 << 20)
     assert memory.nbytes == 32 << 20 and memory.ctypes.data % (2 << 20) == 0
     assert resident(memory.ctypes.data, memory.nbytes) < 0.5  # reserved, not faulted in
+
+
+def _mapping_of(address: int) -> tuple[str, dict[str, str]]:
+    """The permissions of the mapping holding ``address`` and its smaps fields."""
+    with open("/proc/self/smaps", encoding="ascii") as smaps:
+        lines = smaps.read().splitlines()
+    header = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+)")
+    for i, line in enumerate(lines):
+        match = header.match(line)
+        if match is None or not int(match[1], 16) <= address < int(match[2], 16):
+            continue
+        details: dict[str, str] = {}
+        for detail in lines[i + 1 :]:
+            if header.match(detail):  # the next mapping
+                break
+            key, _, value = detail.partition(":")
+            details[key.strip()] = value.strip()
+        return match[3], details
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_pageable_is_private_memory() -> None:
+    """Python's mmap maps anonymous memory shared unless told: shmem, whose first touch
+    costs more. The pool must be private (and counted as anonymous memory)."""
+    memory = prefault.pageable(8 << 20)
+    memory[: 1 << 20] = 1
+    permissions, details = _mapping_of(memory.ctypes.data)
+    assert permissions.endswith("p"), permissions
+    assert details["Anonymous"] != "0 kB", details
 
 
 def test_prefault_populates_the_ranges_given_and_writes_nothing() -> None:

@@ -7,7 +7,7 @@
 - ``device_pool``: L1, layer_first, what attention reads in place;
 - ``host_pool``: L2 in layer_first, page_first or page_first_direct; with CUDA pinned to
   exactly its size (``host_memory``: cudaHostRegister, not torch's power-of-two
-  allocator), without it 2 MiB-aligned memory advised for huge pages whose first
+  allocator), without it 2 MiB-aligned private memory whose first
   ``PREFAULT_BYTES`` of page ids are faulted in when the pool is made (``prefault``);
 - ``page_digests``: per host page, the L3 frame checksum of its bytes where the cache
   took it: KNOWN (computed while copying the page in) or EXPECTED (claimed by an L3

@@ -61,7 +61,7 @@ def empty_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
     Unpinned pools are page aligned too (torch's allocator only aligns to 64 bytes):
     O_DIRECT file I/O straight into the pool (the nixl L3 backend's ``direct_io``)
-    needs block-aligned addresses (``prefault.pageable``: 2 MiB, for huge pages).
+    needs block-aligned addresses (``prefault.pageable``: 2 MiB aligned).
     """
     if numel == 0:
         return torch.empty(numel, dtype=dtype)

@@ -8,14 +8,20 @@ first copy of 218 MB into fresh memory took 238 ms against 12 ms into touched
 memory. A pinned pool (CUDA) is committed when it is pinned; an unpinned one
 gets the same for the pages it hands out first:
 
-- ``pageable``: an anonymous mapping aligned to 2 MiB and advised
-  ``MADV_HUGEPAGE``, so the kernel backs it with huge pages where transparent huge
-  pages are on (half the cost per byte of 4 KiB faults, measured);
+- ``pageable``: a private anonymous mapping aligned to 2 MiB. Private, because
+  Python's ``mmap`` maps anonymous memory shared by default, which is shmem: transparent
+  huge pages skip it (``shmem_enabled`` is rarely on) and its first touch costs more.
+  Not advised for huge pages: on this project's CPU machine (a VM that hands freed
+  memory back to its host) a first write into fresh memory cost 0.37-0.41 s/GB in
+  4 KiB private pages, 0.54-1.77 s/GB in huge pages and 0.58-0.74 s/GB shared; in the
+  server, the write-through thread of the prefix workload spent 3.8 s of CPU storing
+  3,611 pages into fresh 4 KiB private memory, 5.5 s with huge pages, 5.2 s shared
+  (docs/benchmarks.md);
 - ``prefault``: the memory of the lowest page ids (the allocator hands those out
   first) is populated before the pool is used: ``MADV_POPULATE_WRITE`` fills the
   page tables as writes would, without writing a byte. The rest is faulted in on
   first use, as before. Populating it all up front would commit the whole pool
-  at start (6.5 s for 6 GB here, 3.5 s with huge pages), and doing it on a
+  at start (6.5 s for 6 GB here), and doing it on a
   background thread, even at idle priority, slowed the serving threads it ran
   beside on this 2-core machine (measured), so it is not done.
 
@@ -42,11 +48,11 @@ _populate_works = True
 
 
 def pageable(nbytes: int) -> np.ndarray:
-    """``nbytes`` of uninitialised host memory, 2 MiB aligned, advised for huge pages (a
-    uint8 array; the mapping lives as long as any view of it)."""
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
+    """``nbytes`` of uninitialised private host memory, 2 MiB aligned (a uint8 array; the
+    mapping lives as long as any view of it)."""
+    # Private: Python's default (MAP_SHARED) makes anonymous memory shmem, whose first
+    # touch costs more (module doc).
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = np.frombuffer(region, dtype=np.uint8)
     start = -whole.ctypes.data % _HUGE_PAGE
     return whole[start : start + nbytes]
