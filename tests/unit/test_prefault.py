@@ -106,6 +106,34 @@ def test_a_host_pool_has_its_first_pages_resident(
     assert np.mean(fractions) < 0.5, fractions
 
 
+@pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST])
+def test_a_host_pool_faults_in_the_rest_a_piece_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, layout: MemLayout
+) -> None:
+    geometry = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    page_bytes = geometry.page_bytes(16)  # 64 KiB
+    monkeypatch.setattr(host_pool_module, "PREFAULT_BYTES", 64 * page_bytes)
+    pool = HostPool(geometry, 1024, 16, layout=layout, pin_memory=False)
+    assert pool.faulted_pages == 64
+
+    def fraction_resident(first: int, stop: int) -> float:
+        pieces = [pool.pages[first:stop, layer, plane] for layer in range(4) for plane in range(2)]
+        return float(np.mean([resident(p.data_ptr(), (stop - first) * page_bytes // 8)
+                              for p in pieces]))
+
+    assert fraction_resident(64, 128) < 0.5
+    assert pool.fault_in_more(64 * page_bytes + 1)  # whole pages: 64 of them, more left
+    assert pool.faulted_pages == 128
+    assert fraction_resident(64, 128) == 1.0
+    assert fraction_resident(512, 1024) < 0.5  # not yet
+    pieces = 0
+    while pool.fault_in_more(256 * page_bytes):
+        pieces += 1
+    assert pieces == 3 and pool.faulted_pages == 1024
+    assert fraction_resident(0, 1024) == 1.0
+    assert not pool.fault_in_more(page_bytes)  # nothing left
+
+
 def test_ranges_that_start_mid_page_are_populated_too() -> None:
     memory = prefault.pageable(4 << 20)
     base = memory.ctypes.data

@@ -54,7 +54,7 @@ from hicache.memory.allocator import OutOfPagesError, PageAllocator, PageIds
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_memory import host_memory_for_pools
-from hicache.memory.host_pool import HostPool
+from hicache.memory.host_pool import IDLE_FAULT_BYTES, HostPool
 from hicache.radix.keys import KeyNamespace, TokenIds, num_tokens, pack_tokens
 from hicache.radix.node import TreeNode
 from hicache.radix.results import InsertResult, PrefixPeek, no_pages
@@ -611,6 +611,13 @@ class HierarchicalCache:
     def free_device(self, pages: PageIds) -> None:
         """Return pages a request held but did not insert (e.g. a partial last page)."""
         self.device_pool.allocator.free(pages)
+
+    def fault_in_host_memory(self) -> bool:
+        """For an idle scheduler: fault in the next piece of the host pool's memory, whose
+        first write would otherwise pay the kernel's page faults on the copy thread,
+        beside the forward (``memory.prefault``); True while more is left."""
+        pool = self.host_pool
+        return pool is not None and pool.fault_in_more(IDLE_FAULT_BYTES)
 
     def wait_layer(self, layer: int) -> None:
         if self.controller is not None:

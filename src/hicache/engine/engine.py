@@ -539,6 +539,7 @@ class Engine:
             host = cache.host_pool.allocator
             out["host_pool_pages"] = float(host.num_pages)
             out["host_pool_used_pages"] = float(host.num_used_pages)
+            out["host_pool_faulted_pages"] = float(cache.host_pool.faulted_pages)
             out["host_pool_usage"] = host.num_used_pages / host.num_pages
             out["host_core_pages"] = float(cache.tree.num_core_pages)
         storage = cache.storage

@@ -268,6 +268,8 @@ class Scheduler:
         # Requests held for an L3 prefetch (and warms) need polling; otherwise sleep until
         # something arrives (the cap keeps background copies acknowledged).
         block = 0.002 if self.lifecycle.waiting or self.cache.l3_warms else 0.05
+        if block > 0.002 and self.cache.fault_in_host_memory():
+            block = 0.0  # a piece of the host pool faulted in: look for work, then go on
         self._drain_inbox(block_s=block)
 
     def _drain_inbox(self, block_s: float) -> None:

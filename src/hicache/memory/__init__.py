@@ -8,7 +8,8 @@
 - ``host_pool``: L2 in layer_first, page_first or page_first_direct; with CUDA pinned to
   exactly its size (``host_memory``: cudaHostRegister, not torch's power-of-two
   allocator), without it 2 MiB-aligned private memory whose first
-  ``PREFAULT_BYTES`` of page ids are faulted in when the pool is made (``prefault``);
+  ``PREFAULT_BYTES`` of page ids are faulted in when the pool is made, the rest while
+  the engine is idle (``prefault``);
 - ``page_digests``: per host page, the L3 frame checksum of its bytes where the cache
   took it: KNOWN (computed while copying the page in) or EXPECTED (claimed by an L3
   frame, verified by the load to the device);

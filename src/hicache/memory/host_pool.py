@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 # when the pool is made (``memory.prefault``): a write-through into fresh memory pays the
 # kernel's page faults on the controller's thread, several times the copy itself.
 PREFAULT_BYTES = 512 << 20
+# How much of the rest the scheduler faults in at a time while it has nothing to compute
+# (``fault_in_more``): a request that arrives meanwhile waits at most this long (8 MiB:
+# ~3 ms on this project's CPU machine, at 0.4 s/GB).
+IDLE_FAULT_BYTES = 8 << 20
 
 
 class HostPool:
@@ -50,30 +54,49 @@ class HostPool:
         self.allocator = PageAllocator(num_pages, name="host pool")
         # Each page's L3 payload checksum, where known (memory.page_digests).
         self.digests = PageDigests(num_pages)
+        # Pages [0, faulted_pages) are resident (a pinned pool is committed whole).
+        self.faulted_pages = num_pages
         if not pin_memory:
-            # A pinned pool is committed whole; this one gets the pages handed out first.
-            prefault(self._first_pages(PREFAULT_BYTES))
+            # The pages handed out first now, the rest while the server is idle.
+            self.faulted_pages = 0
+            self.fault_in_more(PREFAULT_BYTES)
         logger.info(
             "host pool: %d pages x %d tokens, %s, %.3f GB%s", num_pages, page_size,
             self.layout.value, self.size_bytes / 1e9, " pinned" if pin_memory else "",
         )
 
-    def _first_pages(self, nbytes: int) -> list[tuple[int, int]]:
-        """(address, length) of the memory of the lowest page ids, ``nbytes`` of them (the
-        allocator hands them out first), in address order within each piece."""
-        count = min(self.num_pages, nbytes // self.page_bytes)
-        if count == 0:
+    def fault_in_more(self, max_bytes: int) -> bool:
+        """Fault in the memory of the next pages past ``faulted_pages`` (the allocator hands
+        out the lowest ids first), ``max_bytes`` of them (at least one page); True while
+        pages are left to fault in. Where the kernel cannot, the rest is faulted in on
+        first use and this stops."""
+        first = self.faulted_pages
+        if first >= self.num_pages:
+            return False
+        stop = min(self.num_pages, first + max(1, max_bytes // self.page_bytes))
+        ranges = self._pages_memory(first, stop)
+        if not ranges or prefault(ranges) < sum(length for _, length in ranges):
+            self.faulted_pages = self.num_pages  # nothing more to gain: do not retry
+            return False
+        self.faulted_pages = stop
+        return stop < self.num_pages
+
+    def _pages_memory(self, first: int, stop: int) -> list[tuple[int, int]]:
+        """(address, length) of the memory of pages [first, stop), in address order within
+        each piece."""
+        if stop <= first:
             return []
         base, elem = self.flat.data_ptr(), self.flat.element_size()
         strides, geometry = self.strides, self.geometry
         if strides.page_contiguous:
-            return [(base, count * self.page_bytes)]
+            return [(base + first * self.page_bytes, (stop - first) * self.page_bytes)]
         if strides.page != self.page_size * geometry.row_elems:
             return []  # no layout is like this today; nothing to gain from guessing
         # layer_first: in each (layer, plane) region a page's rows follow the previous page's.
-        run = count * strides.page * elem
+        run = (stop - first) * strides.page * elem
+        offset = first * strides.page
         return [
-            (base + (layer * strides.layer + plane * strides.kv) * elem, run)
+            (base + (layer * strides.layer + plane * strides.kv + offset) * elem, run)
             for layer in range(geometry.num_layers)
             for plane in range(geometry.kv_planes)
         ]

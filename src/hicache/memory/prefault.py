@@ -19,11 +19,12 @@ gets the same for the pages it hands out first:
   (docs/benchmarks.md);
 - ``prefault``: the memory of the lowest page ids (the allocator hands those out
   first) is populated before the pool is used: ``MADV_POPULATE_WRITE`` fills the
-  page tables as writes would, without writing a byte. The rest is faulted in on
-  first use, as before. Populating it all up front would commit the whole pool
-  at start (6.5 s for 6 GB here), and doing it on a
-  background thread, even at idle priority, slowed the serving threads it ran
-  beside on this 2-core machine (measured), so it is not done.
+  page tables as writes would, without writing a byte. The rest is populated a
+  piece at a time while the engine has nothing to compute (``HostPool.fault_in_more``,
+  from the scheduler's wait for work), and on first use where the engine never idles
+  that long. Populating it all up front would commit the whole pool at start (6.5 s
+  for 6 GB here), and doing it on a background thread, even at idle priority,
+  slowed the serving threads it ran beside on this 2-core machine (measured).
 
 Where the kernel lacks ``MADV_POPULATE_WRITE`` (Linux < 5.14) nothing is
 populated.

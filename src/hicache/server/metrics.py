@@ -133,6 +133,10 @@ SERIES: dict[str, Series] = {
     "device_pool_used_pages": _gauge("device_pool_used_pages", "device pages in use or cached"),
     "host_pool_pages": _gauge("host_pool_pages", "pages of the host (L2) KV pool"),
     "host_pool_used_pages": _gauge("host_pool_used_pages", "host pages in use or cached"),
+    "host_pool_faulted_pages": _gauge(
+        "host_pool_faulted_pages", "host (L2) pages whose memory is faulted in (the rest is "
+        "faulted in while the engine is idle, or on first use)"
+    ),
     "host_pool_usage": _gauge("host_pool_usage", "fraction of the host (L2) pool in use"),
     "host_core_pages": _gauge(
         "host_core_pages", "host (L2) pages in its core set (--hicache-core-fraction): "
