@@ -84,20 +84,28 @@ def test_prefault_populates_the_ranges_given_and_writes_nothing() -> None:
     assert (memory[: 1 << 20] == 9).all() and not memory[1 << 20 : 2 << 20].any()
 
 
+def _pool_of_1024_pages(
+    monkeypatch: pytest.MonkeyPatch, layout: MemLayout
+) -> tuple[HostPool, int]:
+    """A host pool of 1,024 64 KiB pages whose first 64 are faulted in when it is made;
+    and its page size in bytes."""
+    geometry = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    page_bytes = geometry.page_bytes(16)
+    monkeypatch.setattr(host_pool_module, "PREFAULT_BYTES", 64 * page_bytes)
+    return HostPool(geometry, 1024, 16, layout=layout, pin_memory=False), page_bytes
+
+
 @pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST])
 def test_a_host_pool_has_its_first_pages_resident(
     monkeypatch: pytest.MonkeyPatch, layout: MemLayout
 ) -> None:
-    geometry = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
-    page_bytes = geometry.page_bytes(16)  # 64 KiB
-    monkeypatch.setattr(host_pool_module, "PREFAULT_BYTES", 64 * page_bytes)
-    pool = HostPool(geometry, 1024, 16, layout=layout, pin_memory=False)
+    pool, page_bytes = _pool_of_1024_pages(monkeypatch, layout)
     first = pool.pages[:64]
     later = pool.pages[512:]
     # Every byte of pages 0..63 (wherever the layout puts them) is resident ...
     for page in range(64):
-        for layer in range(geometry.num_layers):
-            for plane in range(geometry.kv_planes):
+        for layer in range(pool.geometry.num_layers):
+            for plane in range(pool.geometry.kv_planes):
                 piece = first[page, layer, plane]
                 assert resident(piece.data_ptr(), piece.numel() * 4) == 1.0
     # ... and most of the pool is not (it is faulted in on use, as before).
@@ -110,10 +118,7 @@ def test_a_host_pool_has_its_first_pages_resident(
 def test_a_host_pool_faults_in_the_rest_a_piece_at_a_time(
     monkeypatch: pytest.MonkeyPatch, layout: MemLayout
 ) -> None:
-    geometry = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
-    page_bytes = geometry.page_bytes(16)  # 64 KiB
-    monkeypatch.setattr(host_pool_module, "PREFAULT_BYTES", 64 * page_bytes)
-    pool = HostPool(geometry, 1024, 16, layout=layout, pin_memory=False)
+    pool, page_bytes = _pool_of_1024_pages(monkeypatch, layout)
     assert pool.faulted_pages == 64
 
     def fraction_resident(first: int, stop: int) -> float:
