@@ -187,6 +187,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(false), or as a server whose forward is not on the CPU does (auto: through it)",
     )
     parser.add_argument(
+        "--file-direct-reads", choices=("auto", "true", "false"), default="auto",
+        help="file backend: read page payloads with O_DIRECT (true), through the page cache "
+        "(false), or as they are written (auto)",
+    )
+    parser.add_argument(
         "--mooncake-master", type=str, default=None,
         help="host:port of a running mooncake_master; without it a local one is started "
         "when the binary is installed",
@@ -253,6 +258,7 @@ def _file_setup(
         "path": str(workload.work_dir / "file-l3"),
         "fsync": bool(args.fsync),
         "direct_writes": args.file_direct_writes,
+        "direct_reads": args.file_direct_reads,
         # Room for every page (with headers) so that nothing is evicted mid-run.
         "max_bytes": 2 * workload.nbytes + (64 << 20),
     }

@@ -21,7 +21,9 @@ Extra config:
                      (default: when the model's forward runs on this machine's CPU cores,
                      ``forward_runs_on_cpu``, and pages are at least 256 KiB). The file
                      is the same either way
-                     (``direct_writes``: why, what it costs, and the fallback)
+                     (``direct_io``: why, what it costs, and the fallback)
+    direct_reads     read each page's payload with O_DIRECT, past the page cache: true,
+                     false, or "auto" (default: where payloads are written directly)
     verify_checksum  hash every page read against its header (default true; sealed
                      pages are authenticated instead, ``storage.sealing``)
     core_fraction    share of ``max_bytes`` in the loop-resistant core set (default 0.75;
@@ -40,8 +42,8 @@ atomic), so a reader sees a whole page or none. A temporary's name carries its
 writer's host and process id; at start-up the temporaries of writers that are
 gone (or of any writer, once old) are removed. Reads and writes go straight
 between the file and the host page's memory with ``readv``/``writev``
-(``PageRegions``); payloads are written past the page cache where the host pool's
-regions allow it (``direct_writes``).
+(``PageRegions``); payloads are written and read past the page cache where the host
+pool's regions allow it (``direct_io``).
 
 Sealed pages (``storage.sealing``) use the sealer's threads (``seal_workers``): a batch's
 pages are written a few side by side, each by one thread that seals it in pieces of
@@ -119,8 +121,8 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.backends.file.direct_writes import AUTO_MIN_PAGE_BYTES, DirectWriter
-from hicache.storage.backends.file.direct_writes import usable as direct_writes_usable
+from hicache.storage.backends.file.direct_io import AUTO_MIN_PAGE_BYTES, DirectIO
+from hicache.storage.backends.file.direct_io import usable as direct_io_usable
 from hicache.storage.backends.file.eviction_order import Changes, EvictionOrder
 from hicache.storage.backends.file.ledger import DirectoryLedger
 from hicache.storage.backends.file.mapped import mapped
@@ -198,8 +200,9 @@ class FileBackend(StorageBackend):
         self._reserve_warned = False
         self.fsync = settings.fsync
         self.direct_writes = settings.direct_writes
-        # Set at attach when this host pool's plain pages are written directly.
-        self.direct: DirectWriter | None = None
+        self.direct_reads = settings.direct_reads
+        # Set at attach when this host pool's plain pages are written or read directly.
+        self.direct: DirectIO | None = None
         self.verify_checksum = settings.verify_checksum
         # name -> file bytes, in eviction order (loop-resistant: ``eviction_order``).
         # Guarded by self._lock.
@@ -246,7 +249,7 @@ class FileBackend(StorageBackend):
             ) from error
         super().attach(host)
         self._regions = regions
-        self.direct = self._direct_writer(regions)
+        self.direct = self._direct_io(regions)
         with self._lock:
             self._evict_locked(0)
         self._keep_free(0, frozenset())  # the disk may have filled while it was down
@@ -255,28 +258,31 @@ class FileBackend(StorageBackend):
         self._closed = True
         self._ledger.close()
 
-    def _direct_writer(self, regions: PageRegions) -> DirectWriter | None:
-        """The writer of plain pages' payloads past the page cache, when they may be."""
-        wanted = self.direct_writes
-        if wanted is None:  # auto
-            wanted = self.forward_on_cpu and regions.page_bytes >= AUTO_MIN_PAGE_BYTES
+    def _direct_io(self, regions: PageRegions) -> DirectIO | None:
+        """What moves plain pages' payloads past the page cache, when they may be."""
+        writes = self.direct_writes
+        if writes is None:  # auto
+            writes = self.forward_on_cpu and regions.page_bytes >= AUTO_MIN_PAGE_BYTES
             if not self.forward_on_cpu:
                 logger.info("file storage: pages written through the page cache (the "
                             "forward does not run on this machine's CPU)")
-            elif not wanted:
+            elif not writes:
                 logger.info("file storage: pages written through the page cache (pages "
                             "of %d bytes, under %d)", regions.page_bytes, AUTO_MIN_PAGE_BYTES)
-        if not wanted:
+        reads = writes if self.direct_reads is None else self.direct_reads  # auto: alike
+        if not (writes or reads):
             return None
         reason = "sealed pages are written in pieces" if regions.sealer is not None else (
-            direct_writes_usable(regions)
+            direct_io_usable(regions)
         )
         if reason is not None:
-            logger.info("file storage: pages written through the page cache: %s", reason)
+            logger.info("file storage: pages written and read through the page cache: %s",
+                        reason)
             return None
-        logger.info("file storage: page payloads written directly (O_DIRECT) to %s",
+        logger.info("file storage: page payloads %s directly (O_DIRECT) in %s",
+                    "written and read" if writes and reads else "written" if writes else "read",
                     self._root_text)
-        return DirectWriter(self._root_text)
+        return DirectIO(self._root_text, writes=writes, reads=reads)
 
     def _resolve_min_free(self) -> int:
         """The free space to leave: the setting, else ``default_min_free`` of the file
@@ -708,7 +714,11 @@ class FileBackend(StorageBackend):
                 else None
             )
             if opened is None:
-                got = read_all(fd, [*regions.views(page), memoryview(header)])
+                direct = self.direct if size == expected else None  # else: a fault to find
+                got = (
+                    read_all(fd, [*regions.views(page), memoryview(header)]) if direct is None
+                    else direct.read(fd, regions.views(page), memoryview(header))
+                )
         except OSError:
             return FailureReason.IO_ERROR
         finally:
@@ -777,7 +787,7 @@ class FileBackend(StorageBackend):
             assert framed is not None, "a plain frame is always written"
             payload, header = framed
             direct = self.direct
-            if direct is not None:
+            if direct is not None and direct.writes:
                 return lambda fd: direct.write(fd, payload, header)
             return lambda fd: write_all(fd, [*payload, header])
         if not sealer.can_seal():

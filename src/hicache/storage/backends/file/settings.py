@@ -45,9 +45,12 @@ class FileSettings:
     # None: ``default_min_free``; 0: fill the file system (ENOSPC then evicts).
     min_free_bytes: Size | None = None
     fsync: Flag = False
-    # Page payloads written with O_DIRECT where the host pool allows it (``direct_writes``);
+    # Page payloads written with O_DIRECT where the host pool allows it (``direct_io``);
     # None ("auto"): when the model's forward runs on this machine's CPU.
     direct_writes: FlagOrAuto = None
+    # Page payloads read with O_DIRECT (``direct_io``); None ("auto"): where they are
+    # written directly.
+    direct_reads: FlagOrAuto = None
     verify_checksum: Flag = True
     # The share of ``max_bytes`` in the loop-resistant core set (``eviction_order``);
     # 0: plain least-recently-used eviction.

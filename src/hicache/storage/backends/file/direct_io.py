@@ -1,5 +1,5 @@
-"""Page payloads written with O_DIRECT, past the page cache (the file backend's
-``direct_writes``).
+"""Page payloads written and read with O_DIRECT, past the page cache (the file backend's
+``direct_writes`` and ``direct_reads``).
 
 Why. A buffered write copies every page into the page cache (kernel time, and a pass over
 memory that pushes the forward's weights and activations out of the CPU caches), the
@@ -18,8 +18,19 @@ checked once for the host pool (``usable``, ``PageRegions.aligned``); a pool who
 are not (a small page of a small model) is written through the page cache as before. The
 header that trails the payload is not block sized: it is written through the page cache
 after O_DIRECT is cleared on the descriptor (``fcntl F_SETFL``), so a page file has the same
-bytes whichever way it was written, and both read alike. Reads stay buffered: a page read
-again (another instance on the directory, a restart) is served from the page cache then.
+bytes whichever way it was written, and both read alike.
+
+Reads. A buffered read of a page written directly goes through the page cache on its way
+from the disk: the kernel allocates cache pages for it, copies it into the host page, and
+keeps the copy, which memory pressure then has to reclaim. On a CPU server that is CPU
+taken from the forward: in the default server on this project's 2-vCPU machine (SmolLM2
+float32, 737 KiB pages, a prefix workload larger than the host tier; docs/benchmarks.md,
+"direct reads") the L3 read thread spent 1.1 s of CPU on ~830 pages, nearly all of it in
+``readv``; read directly, 0.1 s, and the workload ran 2-4% faster. A direct read moves the
+payload from the disk into the host page and nothing else. So "auto" reads directly
+exactly where pages are written directly; the header, like the write's, goes through the
+page cache. A page read directly is never served from the page cache: one read again soon
+comes from the disk again, which on a CPU server is still cheap next to the cores.
 
 What it costs, and so when it is on. A page written directly is not in the page cache: the
 first read of it comes from the disk. On this project's CPU machine (``hicache bench storage
@@ -38,10 +49,10 @@ and a CPU server under load fell behind with them: the host pool filled with pag
 for L3, so the next device->host backups were skipped (262-340 pages of a short multi-turn
 run against 194-232 buffered) and those conversations missed both tiers.
 
-A file system or device that refuses these writes (EINVAL or EOPNOTSUPP: a file system
-without direct I/O, a device whose logical blocks are larger than ``ALIGN_BYTES``) costs
-nothing but a warning: the page is written again through the page cache, and so is every
-later one.
+A file system or device that refuses direct I/O (EINVAL or EOPNOTSUPP: a file system
+without it, a device whose logical blocks are larger than ``ALIGN_BYTES``) costs nothing but
+a warning: the page is written (or read) again through the page cache, and so is every
+later one, both ways.
 """
 
 from __future__ import annotations
@@ -53,16 +64,16 @@ import os
 import threading
 from collections.abc import Sequence
 
-from hicache.storage.backends.file.vectored import write_all
+from hicache.storage.backends.file.vectored import read_all, write_all
 from hicache.storage.page_regions import PageRegions
 
 logger = logging.getLogger(__name__)
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 # The smallest logical block size of block devices; a larger one refuses (EINVAL), which
-# falls back to buffered writes.
+# falls back to buffered I/O.
 ALIGN_BYTES = 512
-# What a file system or device answers a direct write it does not do (EINVAL from most;
+# What a file system or device answers direct I/O it does not do (EINVAL from most;
 # a few say "not supported"); any other error is the disk's and fails the page as usual.
 _REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 # Pages smaller than this are written through the page cache under "auto" (module
@@ -71,7 +82,7 @@ _REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 AUTO_MIN_PAGE_BYTES = 256 * 1024
 
 def usable(regions: PageRegions) -> str | None:
-    """Why the pages of ``regions`` cannot be written directly, or None when they can."""
+    """Why the pages of ``regions`` cannot be moved directly, or None when they can."""
     if not O_DIRECT:
         return "this OS has no O_DIRECT"
     if not regions.aligned(ALIGN_BYTES):
@@ -82,20 +93,24 @@ def usable(regions: PageRegions) -> str | None:
     return None
 
 
-class DirectWriter:
-    """Writes a page's payload directly and its header through the page cache, until the
-    file system refuses direct writes once; counts the pages written directly."""
+class DirectIO:
+    """Writes (``writes``) and reads (``reads``) a page's payload directly and its header
+    through the page cache, until the file system refuses direct I/O once (then both go
+    through the page cache: ``active``); counts the pages moved directly each way."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, writes: bool = True, reads: bool = True) -> None:
         self._where = where  # for the warning: the store's directory
         self._lock = threading.Lock()
+        self.writes = writes
+        self.reads = reads
         self.active = True
-        self.num_direct_pages = 0
+        self.num_direct_pages = 0  # written
+        self.num_direct_reads = 0
 
     def write(self, fd: int, payload: Sequence[memoryview], header: bytes) -> None:
         """Write ``payload`` then ``header`` into ``fd`` (an empty file open for writing,
         without O_DIRECT). Raises ``OSError`` as a buffered write would."""
-        if not self.active:
+        if not (self.active and self.writes):
             write_all(fd, [*payload, header])
             return
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -116,12 +131,35 @@ class DirectWriter:
         with self._lock:
             self.num_direct_pages += 1
 
+    def read(self, fd: int, payload: Sequence[memoryview], header: memoryview) -> int:
+        """Read ``payload`` then ``header`` from ``fd`` (a page file of exactly their
+        length, open for reading without O_DIRECT, at offset 0); the bytes read, as
+        ``read_all`` counts them. Raises ``OSError`` as a buffered read would."""
+        if not (self.active and self.reads):
+            return read_all(fd, [*payload, header])
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | O_DIRECT)
+            got = read_all(fd, payload)
+        except OSError as error:
+            if error.errno not in _REFUSALS:
+                raise
+            self._refused(error)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+            os.lseek(fd, 0, os.SEEK_SET)
+            return read_all(fd, [*payload, header])
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        got += read_all(fd, [header])
+        with self._lock:
+            self.num_direct_reads += 1
+        return got
+
     def _refused(self, error: OSError) -> None:
         with self._lock:
             if not self.active:
                 return
             self.active = False
         logger.warning(
-            "file storage: %s refuses direct writes (%s); pages are written through the "
-            "page cache from now on", self._where, error,
+            "file storage: %s refuses direct I/O (%s); pages are written and read through "
+            "the page cache from now on", self._where, error,
         )

@@ -1,9 +1,13 @@
-"""The file store's direct writes: a plain page's payload goes to the disk with O_DIRECT
+"""The file store's direct I/O: a plain page's payload goes to the disk with O_DIRECT
 and its header through the page cache, making the same file a buffered write makes; pools
 whose regions are not block aligned, sealed pages and ``direct_writes: false`` write
 through the page cache; a file system that refuses direct writes costs a warning and
 nothing else; a real I/O error fails the page as before. "auto" (the default) writes directly
-where the model's forward runs on the CPU, as the cache tells the store.
+where the model's forward runs on the CPU, as the cache tells the store. Reads follow the
+writes at "auto": the payload is read directly, the header through the page cache, the page
+checked as before; a refused direct read is read again through the page cache; a file of
+another length is read the old way and refused; and a cache on the CPU gets cold-equal KV
+back from pages it read directly.
 
 Every test writes real files in a temporary directory. The ones that need the real
 O_DIRECT path skip where the test directory's file system has none (some tmpfs, FUSE).
@@ -24,11 +28,12 @@ import numpy as np
 import pytest
 import torch
 
+from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.config import MemLayout
 from hicache.memory.geometry import KVGeometry
 from hicache.memory.host_pool import HostPool
 from hicache.radix.keys import KeyNamespace, chain_page_keys, pack_tokens
-from hicache.storage.backends.file import direct_writes, vectored
+from hicache.storage.backends.file import direct_io, vectored
 from hicache.storage.backends.file.backend import FileBackend
 from hicache.storage.base import StorageError
 from hicache.storage.failure_reasons import FailureReason
@@ -36,7 +41,7 @@ from hicache.storage.frame import HEADER_BYTES, PayloadOrder, object_name
 from hicache.storage.seal_workers import SealWorkers
 from hicache.storage.sealing import Sealer
 from hicache.tenancy.keys import parse_key_file
-from tests.l3_caches import make_l3_cache
+from tests.l3_caches import assert_a_new_cache_reuses, l3_backend_of, make_l3_cache
 from tests.storage_contract import as_bytes, fill_random, page_bytes_of, page_range
 
 # float32, 4 tokens a page: a page_first page is 8 KiB, a layer_first region 2 KiB, both
@@ -47,7 +52,7 @@ UNALIGNED = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfl
 LARGE = KVGeometry(num_layers=16, num_kv_heads=8, head_dim=64, dtype=torch.float32)
 PAGE = 4
 PAGES = 6
-O_DIRECT = direct_writes.O_DIRECT
+O_DIRECT = direct_io.O_DIRECT
 
 
 def has_direct_io(directory: Path) -> bool:
@@ -169,7 +174,7 @@ def test_regions_that_are_not_block_aligned_go_through_the_page_cache(
 ) -> None:
     backend, host = open_store(tmp_path, UNALIGNED, MemLayout.LAYER_FIRST)
     assert backend.direct is None
-    assert direct_writes.usable(backend._ready([])) is not None
+    assert direct_io.usable(backend._ready([])) is not None
     values = fill_random(host, page_range(0, PAGES), seed=4)
     keys = keys_for(UNALIGNED, PAGES)
     assert backend.set(keys, page_range(0, PAGES)) == PAGES
@@ -201,7 +206,7 @@ def test_auto_writes_large_pages_directly_where_the_forward_runs_on_the_cpu(
     backend = FileBackend({"path": str(tmp_path), **options})
     backend.forward_runs_on_cpu(forward_on_cpu)
     host = HostPool(geometry, PAGES, PAGE, MemLayout.LAYER_FIRST, pin_memory=False)
-    assert (host.page_bytes >= direct_writes.AUTO_MIN_PAGE_BYTES) is (geometry is LARGE)
+    assert (host.page_bytes >= direct_io.AUTO_MIN_PAGE_BYTES) is (geometry is LARGE)
     backend.attach(host)
     assert (backend.direct is not None) is direct
     backend.close()
@@ -259,17 +264,17 @@ def test_a_file_system_that_refuses_direct_writes_costs_one_warning(
                 raise OSError(answer, os.strerror(answer))
             return real_fcntl(fd, command, arg)
 
-        monkeypatch.setattr(direct_writes.fcntl, "fcntl", refusing)
+        monkeypatch.setattr(direct_io.fcntl, "fcntl", refusing)
     backend, host = open_store(tmp_path)
     writer = backend.direct
     assert writer is not None and writer.active
     values = fill_random(host, page_range(0, PAGES), seed=6)
     keys = keys_for(ALIGNED, PAGES)
-    with caplog.at_level(logging.WARNING, logger=direct_writes.__name__):
+    with caplog.at_level(logging.WARNING, logger=direct_io.__name__):
         assert backend.set(keys[:3], page_range(0, 3)) == 3
         assert backend.set(keys[3:], page_range(3, PAGES)) == PAGES - 3
     assert not writer.active and writer.num_direct_pages == 0
-    refusals = [r for r in caplog.records if "refuses direct writes" in r.getMessage()]
+    refusals = [r for r in caplog.records if "refuses direct I/O" in r.getMessage()]
     assert len(refusals) == 1
     assert spy.direct_bytes == 0
     assert backend.stats().failures == {}
@@ -299,3 +304,188 @@ def test_a_full_disk_under_a_direct_write_fails_the_page_as_before(
     assert backend.direct is not None and backend.direct.active
     assert list(direct_dir.glob("??/.*")) == [] and len(backend) == 0
     backend.close()
+
+
+# ---------------------------------------------------------------------- reads
+class ReadSpy:
+    """Records, for every ``readv`` of a page file, its bytes and whether its descriptor
+    had O_DIRECT; ``fail`` makes the calls under O_DIRECT raise that errno instead."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: int | None = None) -> None:
+        self.calls: list[tuple[int, bool]] = []
+        self.fail = fail
+        real = os.readv
+
+        def readv(fd: int, buffers: Sequence[Any]) -> int:
+            direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT)
+            if direct and self.fail is not None:
+                raise OSError(self.fail, os.strerror(self.fail))
+            got = real(fd, buffers)
+            self.calls.append((got, direct))
+            return got
+
+        monkeypatch.setattr(vectored.os, "readv", readv)
+
+    @property
+    def direct_bytes(self) -> int:
+        return sum(got for got, direct in self.calls if direct)
+
+    @property
+    def buffered_bytes(self) -> int:
+        return sum(got for got, direct in self.calls if not direct)
+
+
+def stored_pages(root: Path, layout: MemLayout = MemLayout.LAYER_FIRST, **options: Any) -> tuple[
+    list[bytes], bytes
+]:
+    """Keys of PAGES pages a store on ``root`` wrote, and their payload bytes."""
+    writer, host = open_store(root, layout=layout, **options)
+    values = fill_random(host, page_range(0, PAGES), seed=8)
+    keys = keys_for(ALIGNED, PAGES)
+    assert writer.set(keys, page_range(0, PAGES)) == PAGES
+    writer.close()
+    return keys, as_bytes(values)
+
+
+@pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST])
+def test_payloads_are_read_directly_and_headers_through_the_page_cache(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch, layout: MemLayout
+) -> None:
+    keys, values = stored_pages(direct_dir, layout)
+    spy = ReadSpy(monkeypatch)
+    reader, host = open_store(direct_dir, layout=layout)
+    assert reader.direct is not None and reader.direct.reads
+    assert reader.get(keys, page_range(PAGES, 2 * PAGES)) == PAGES
+    assert page_bytes_of(host, page_range(PAGES, 2 * PAGES)) == values
+    assert spy.direct_bytes == PAGES * host.page_bytes
+    assert spy.buffered_bytes == PAGES * HEADER_BYTES
+    assert reader.direct.num_direct_reads == PAGES
+    assert reader.stats().failures == {}
+    reader.close()
+
+
+def test_direct_reads_off_read_through_the_page_cache(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys, values = stored_pages(direct_dir)
+    spy = ReadSpy(monkeypatch)
+    reader, host = open_store(direct_dir, direct_reads="false")
+    assert reader.direct is not None and reader.direct.writes and not reader.direct.reads
+    assert reader.get(keys, page_range(PAGES, 2 * PAGES)) == PAGES
+    assert page_bytes_of(host, page_range(PAGES, 2 * PAGES)) == values
+    assert spy.direct_bytes == 0 and reader.direct.num_direct_reads == 0
+    reader.close()
+
+
+def test_direct_reads_alone_leave_the_writes_buffered(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = WriteSpy(monkeypatch)
+    reads = ReadSpy(monkeypatch)
+    keys, values = stored_pages(direct_dir, direct_writes="false", direct_reads="true")
+    assert writes.direct_bytes == 0
+    reader, host = open_store(direct_dir, direct_writes="false", direct_reads="true")
+    assert reader.direct is not None and not reader.direct.writes
+    assert reader.get(keys, page_range(PAGES, 2 * PAGES)) == PAGES
+    assert page_bytes_of(host, page_range(PAGES, 2 * PAGES)) == values
+    assert reads.direct_bytes == PAGES * host.page_bytes
+    reader.close()
+
+
+@pytest.mark.parametrize("answer", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_refused_direct_read_reads_the_page_through_the_page_cache(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    answer: int,
+) -> None:
+    """A device that refuses the direct read costs one warning: that page and every later
+    one are read whole through the page cache, and later writes go through it too."""
+    keys, values = stored_pages(direct_dir)
+    spy = ReadSpy(monkeypatch, fail=answer)
+    reader, host = open_store(direct_dir)
+    direct = reader.direct
+    assert direct is not None and direct.active
+    with caplog.at_level(logging.WARNING, logger=direct_io.__name__):
+        assert reader.get(keys[:2], page_range(PAGES, PAGES + 2)) == 2
+        assert reader.get(keys[2:], page_range(PAGES + 2, 2 * PAGES)) == PAGES - 2
+    assert page_bytes_of(host, page_range(PAGES, 2 * PAGES)) == values
+    assert not direct.active and direct.num_direct_reads == 0
+    assert len([r for r in caplog.records if "refuses direct I/O" in r.getMessage()]) == 1
+    assert spy.direct_bytes == 0
+    assert spy.buffered_bytes == PAGES * (host.page_bytes + HEADER_BYTES)
+    assert reader.stats().failures == {}
+    writes = WriteSpy(monkeypatch)
+    fill_random(host, page_range(0, 1), seed=9)
+    assert reader.set(keys_for(ALIGNED, 1, seed=1), page_range(0, 1)) == 1
+    assert writes.direct_bytes == 0
+    reader.close()
+
+
+def test_a_real_read_error_under_a_direct_read_fails_the_page(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO is the disk's answer, not a refusal: the page is a counted failure (a miss),
+    and direct reads stay on."""
+    keys, _ = stored_pages(direct_dir)
+    ReadSpy(monkeypatch, fail=errno.EIO)
+    reader, _host = open_store(direct_dir)
+    assert reader.get(keys, page_range(PAGES, 2 * PAGES)) == 0
+    assert reader.stats().failures == {FailureReason.IO_ERROR.value: 1}
+    assert reader.direct is not None and reader.direct.active
+    reader.close()
+
+
+def test_a_corrupt_page_read_directly_is_caught_and_dropped(direct_dir: Path) -> None:
+    """A payload byte changed on the disk: the direct read lands it, the checksum finds it,
+    the page is dropped (a miss), the pages before it are read."""
+    keys, values = stored_pages(direct_dir)
+    path = page_file(direct_dir, keys[3], MemLayout.LAYER_FIRST)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    reader, host = open_store(direct_dir)
+    assert reader.get(keys, page_range(PAGES, 2 * PAGES)) == 3
+    assert page_bytes_of(host, page_range(PAGES, PAGES + 3)) == values[: 3 * host.page_bytes]
+    assert not path.exists()
+    assert reader.direct is not None and reader.direct.num_direct_reads >= 3
+    reader.close()
+
+
+def test_a_page_file_of_another_length_is_read_buffered_and_refused(direct_dir: Path) -> None:
+    """A file shorter or longer than a page's is not read directly (its end is not where
+    a direct read expects it): it is read as before and found wrong."""
+    keys, _ = stored_pages(direct_dir)
+    for index, change in ((0, b"trailing"), (1, None)):
+        path = page_file(direct_dir, keys[index], MemLayout.LAYER_FIRST)
+        data = path.read_bytes()
+        path.write_bytes(data + change if change is not None else data[:-10])
+        reader, _host = open_store(direct_dir)
+        assert reader.get(keys[index:], page_range(PAGES, 2 * PAGES - index)) == 0
+        assert reader.direct is not None and reader.direct.num_direct_reads == 0
+        assert not path.exists()
+        reader.close()
+
+
+def test_the_read_setting_is_true_false_or_auto(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="direct_reads must be true, false or auto"):
+        FileBackend({"path": str(tmp_path), "direct_reads": "often"})
+
+
+def test_a_cache_on_the_cpu_reads_its_l3_pages_directly_and_they_equal_cold_kv(
+    direct_dir: Path,
+) -> None:
+    """At the file store's defaults, a CPU device pool's cache writes and reads its large
+    pages directly; a new cache on the store gets every token from L3, the KV oracle
+    checking each hit against cold KV."""
+    stores: list[FileBackend] = []
+
+    def make_cache() -> HierarchicalCache:
+        cache = make_l3_cache("file", {"path": str(direct_dir)}, LARGE, page_size=PAGE,
+                              device_pages=16)
+        stores.append(l3_backend_of(cache, FileBackend))
+        return cache
+
+    assert_a_new_cache_reuses(make_cache, list(range(1000, 1000 + 6 * PAGE)))
+    reads = [store.direct for store in stores]
+    assert all(direct is not None and direct.reads for direct in reads)
+    # The second cache read the 6 pages twice (before and after forgetting L1 and L2).
+    assert [direct.num_direct_reads for direct in reads if direct is not None] == [0, 12]
