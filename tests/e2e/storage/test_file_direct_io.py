@@ -104,42 +104,45 @@ def page_file(root: Path, key: bytes, layout: MemLayout) -> Path:
     return root / name[:2] / name
 
 
-class WriteSpy:
-    """Records, for every ``writev`` of a page file, its bytes and whether its descriptor
-    had O_DIRECT; ``fail`` makes the calls under O_DIRECT raise that errno instead."""
+class VectoredSpy:
+    """Records, for every ``call`` (``readv`` or ``writev``) of a page file, its bytes and
+    whether its descriptor had O_DIRECT; ``fail`` makes the calls under O_DIRECT raise that
+    errno instead."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: int | None = None) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, call: str = "writev", fail: int | None = None
+    ) -> None:
         self.calls: list[tuple[int, bool]] = []
         self.fail = fail
-        real = os.writev
+        real = getattr(os, call)
 
-        def writev(fd: int, buffers: Sequence[Any]) -> int:
+        def spied(fd: int, buffers: Sequence[Any]) -> int:
             direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT)
             if direct and self.fail is not None:
                 raise OSError(self.fail, os.strerror(self.fail))
-            wrote = real(fd, buffers)
-            self.calls.append((wrote, direct))
-            return wrote
+            moved: int = real(fd, buffers)
+            self.calls.append((moved, direct))
+            return moved
 
-        monkeypatch.setattr(vectored.os, "writev", writev)
+        monkeypatch.setattr(vectored.os, call, spied)
 
     @property
     def direct_bytes(self) -> int:
-        return sum(wrote for wrote, direct in self.calls if direct)
+        return sum(moved for moved, direct in self.calls if direct)
 
     @property
     def buffered_bytes(self) -> int:
-        return sum(wrote for wrote, direct in self.calls if not direct)
+        return sum(moved for moved, direct in self.calls if not direct)
 
 
 @pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[WriteSpy]:
-    yield WriteSpy(monkeypatch)
+def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[VectoredSpy]:
+    yield VectoredSpy(monkeypatch)
 
 
 @pytest.mark.parametrize("layout", [MemLayout.LAYER_FIRST, MemLayout.PAGE_FIRST])
 def test_payloads_go_direct_and_the_files_are_those_a_buffered_write_makes(
-    direct_dir: Path, spy: WriteSpy, layout: MemLayout
+    direct_dir: Path, spy: VectoredSpy, layout: MemLayout
 ) -> None:
     keys = keys_for(ALIGNED, PAGES)
     direct, host = open_store(direct_dir / "direct", layout=layout)
@@ -170,7 +173,7 @@ def test_payloads_go_direct_and_the_files_are_those_a_buffered_write_makes(
 
 
 def test_regions_that_are_not_block_aligned_go_through_the_page_cache(
-    tmp_path: Path, spy: WriteSpy
+    tmp_path: Path, spy: VectoredSpy
 ) -> None:
     backend, host = open_store(tmp_path, UNALIGNED, MemLayout.LAYER_FIRST)
     assert backend.direct is None
@@ -184,7 +187,7 @@ def test_regions_that_are_not_block_aligned_go_through_the_page_cache(
     backend.close()
 
 
-def test_direct_writes_off_goes_through_the_page_cache(tmp_path: Path, spy: WriteSpy) -> None:
+def test_direct_writes_off_goes_through_the_page_cache(tmp_path: Path, spy: VectoredSpy) -> None:
     backend, host = open_store(tmp_path, direct_writes="false")
     assert backend.direct is None
     fill_random(host, page_range(0, PAGES), seed=5)
@@ -236,7 +239,7 @@ def test_the_setting_is_true_false_or_auto(tmp_path: Path) -> None:
         FileBackend({"path": str(tmp_path), "direct_writes": "sometimes"})
 
 
-def test_sealed_pages_are_not_written_directly(tmp_path: Path, spy: WriteSpy) -> None:
+def test_sealed_pages_are_not_written_directly(tmp_path: Path, spy: VectoredSpy) -> None:
     host = HostPool(ALIGNED, 2 * PAGES, PAGE, MemLayout.LAYER_FIRST, pin_memory=False)
     backend = FileBackend({"path": str(tmp_path), "direct_writes": True})
     backend.use_sealer(Sealer(parse_key_file(f"acme 1 {'a1' * 32}\n", "t.keys"), SealWorkers(1)))
@@ -255,7 +258,7 @@ def test_a_file_system_that_refuses_direct_writes_costs_one_warning(
     """Some file systems refuse O_DIRECT when it is set; a device whose blocks are larger
     than the regions refuses the write itself. Either way the page is written through the
     page cache, whole, and so is every later one; one warning says so."""
-    spy = WriteSpy(monkeypatch, fail=answer if refused_at == "writev" else None)
+    spy = VectoredSpy(monkeypatch, fail=answer if refused_at == "writev" else None)
     if refused_at == "fcntl":
         real_fcntl = fcntl.fcntl
 
@@ -298,7 +301,7 @@ def test_a_full_disk_under_a_direct_write_fails_the_page_as_before(
     writes stay on."""
     backend, host = open_store(direct_dir)
     fill_random(host, page_range(0, PAGES), seed=7)
-    WriteSpy(monkeypatch, fail=errno.ENOSPC)
+    VectoredSpy(monkeypatch, fail=errno.ENOSPC)
     assert backend.set(keys_for(ALIGNED, 2), page_range(0, 2)) == 0
     assert backend.stats().failures == {FailureReason.NO_SPACE.value: 1}
     assert backend.direct is not None and backend.direct.active
@@ -307,34 +310,6 @@ def test_a_full_disk_under_a_direct_write_fails_the_page_as_before(
 
 
 # ---------------------------------------------------------------------- reads
-class ReadSpy:
-    """Records, for every ``readv`` of a page file, its bytes and whether its descriptor
-    had O_DIRECT; ``fail`` makes the calls under O_DIRECT raise that errno instead."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: int | None = None) -> None:
-        self.calls: list[tuple[int, bool]] = []
-        self.fail = fail
-        real = os.readv
-
-        def readv(fd: int, buffers: Sequence[Any]) -> int:
-            direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT)
-            if direct and self.fail is not None:
-                raise OSError(self.fail, os.strerror(self.fail))
-            got = real(fd, buffers)
-            self.calls.append((got, direct))
-            return got
-
-        monkeypatch.setattr(vectored.os, "readv", readv)
-
-    @property
-    def direct_bytes(self) -> int:
-        return sum(got for got, direct in self.calls if direct)
-
-    @property
-    def buffered_bytes(self) -> int:
-        return sum(got for got, direct in self.calls if not direct)
-
-
 def stored_pages(root: Path, layout: MemLayout = MemLayout.LAYER_FIRST, **options: Any) -> tuple[
     list[bytes], bytes
 ]:
@@ -352,7 +327,7 @@ def test_payloads_are_read_directly_and_headers_through_the_page_cache(
     direct_dir: Path, monkeypatch: pytest.MonkeyPatch, layout: MemLayout
 ) -> None:
     keys, values = stored_pages(direct_dir, layout)
-    spy = ReadSpy(monkeypatch)
+    spy = VectoredSpy(monkeypatch, "readv")
     reader, host = open_store(direct_dir, layout=layout)
     assert reader.direct is not None and reader.direct.reads
     assert reader.get(keys, page_range(PAGES, 2 * PAGES)) == PAGES
@@ -368,7 +343,7 @@ def test_direct_reads_off_read_through_the_page_cache(
     direct_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     keys, values = stored_pages(direct_dir)
-    spy = ReadSpy(monkeypatch)
+    spy = VectoredSpy(monkeypatch, "readv")
     reader, host = open_store(direct_dir, direct_reads="false")
     assert reader.direct is not None and reader.direct.writes and not reader.direct.reads
     assert reader.get(keys, page_range(PAGES, 2 * PAGES)) == PAGES
@@ -380,8 +355,8 @@ def test_direct_reads_off_read_through_the_page_cache(
 def test_direct_reads_alone_leave_the_writes_buffered(
     direct_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    writes = WriteSpy(monkeypatch)
-    reads = ReadSpy(monkeypatch)
+    writes = VectoredSpy(monkeypatch)
+    reads = VectoredSpy(monkeypatch, "readv")
     keys, values = stored_pages(direct_dir, direct_writes="false", direct_reads="true")
     assert writes.direct_bytes == 0
     reader, host = open_store(direct_dir, direct_writes="false", direct_reads="true")
@@ -400,7 +375,7 @@ def test_a_refused_direct_read_reads_the_page_through_the_page_cache(
     """A device that refuses the direct read costs one warning: that page and every later
     one are read whole through the page cache, and later writes go through it too."""
     keys, values = stored_pages(direct_dir)
-    spy = ReadSpy(monkeypatch, fail=answer)
+    spy = VectoredSpy(monkeypatch, "readv", fail=answer)
     reader, host = open_store(direct_dir)
     direct = reader.direct
     assert direct is not None and direct.active
@@ -413,7 +388,7 @@ def test_a_refused_direct_read_reads_the_page_through_the_page_cache(
     assert spy.direct_bytes == 0
     assert spy.buffered_bytes == PAGES * (host.page_bytes + HEADER_BYTES)
     assert reader.stats().failures == {}
-    writes = WriteSpy(monkeypatch)
+    writes = VectoredSpy(monkeypatch)
     fill_random(host, page_range(0, 1), seed=9)
     assert reader.set(keys_for(ALIGNED, 1, seed=1), page_range(0, 1)) == 1
     assert writes.direct_bytes == 0
@@ -426,7 +401,7 @@ def test_a_real_read_error_under_a_direct_read_fails_the_page(
     """EIO is the disk's answer, not a refusal: the page is a counted failure (a miss),
     and direct reads stay on."""
     keys, _ = stored_pages(direct_dir)
-    ReadSpy(monkeypatch, fail=errno.EIO)
+    VectoredSpy(monkeypatch, "readv", fail=errno.EIO)
     reader, _host = open_store(direct_dir)
     assert reader.get(keys, page_range(PAGES, 2 * PAGES)) == 0
     assert reader.stats().failures == {FailureReason.IO_ERROR.value: 1}
