@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,11 @@ _SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 # (SmolLM2, 4 sequences at context 513, one thread), with the vectorized exp.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
           "-fno-signed-zeros", "-fassociative-math", "-shared", "-fPIC", "-std=c++17")
-_ABI_VERSION = 2
+_ABI_VERSION = 3
+# "0" keeps bf16 prompts off the AMX tiles on a CPU that has them (AVX512-BF16 instead): to
+# compare the two, or where a hypervisor mishandles the tile state.
+AMX_ENV = "HICACHE_CPU_AMX"
+PREFILL_BF16_PATHS = {0: "float32", 1: "avx512_bf16", 2: "amx"}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -281,7 +286,31 @@ def _load() -> ctypes.CDLL:
         i32, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
         i32, i32, i32, i32, i32, ctypes.c_float, i32,
     ]
+    library.hicache_prefill_bf16_path.restype = ctypes.c_int
+    library.hicache_prefill_bf16_path.argtypes = []
+    library.hicache_set_prefill_amx.restype = ctypes.c_int
+    library.hicache_set_prefill_amx.argtypes = [i32]
+    if os.environ.get(AMX_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        library.hicache_set_prefill_amx(0)
     return library
+
+
+def prefill_bf16_path() -> str | None:
+    """How the prefill kernel multiplies a bf16 prompt here ("amx", "avx512_bf16" or
+    "float32"); None without the kernel."""
+    library = load_cpu_kernel()
+    if library is None:
+        return None
+    return PREFILL_BF16_PATHS[library.hicache_prefill_bf16_path()]
+
+
+def set_prefill_amx(enabled: bool) -> bool:
+    """Lets bf16 prompts use the AMX tiles (where the CPU has them) or not; returns the
+    previous setting (False where there are none)."""
+    library = load_cpu_kernel()
+    if library is None:
+        return False
+    return bool(library.hicache_set_prefill_amx(int(enabled)))
 
 
 _LIBRARY = LazyLibrary(_load, (OSError, subprocess.SubprocessError, CpuKernelError), _unavailable)

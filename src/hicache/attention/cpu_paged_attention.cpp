@@ -25,6 +25,12 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#endif
 
 namespace {
 
@@ -889,6 +895,219 @@ void prefill_task_bf16(const Prefill<BF16>& a, int b, int kh, int qb, int bq,
     for (int d = 0; d < D; ++d) dst[d] = from_float<BF16>(ot[d * R + r] * inv);
   }
 }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ------------------------------------------------------------- prefill, bf16 on AMX
+// On a CPU with AMX (Intel Sapphire Rapids and later) both products of a block run on the
+// tile unit, in the layouts the AVX512-BF16 tiles above already use, transposed so that a
+// row still lies along a vector's lanes between them and the online softmax is the same:
+//   scores^T [16 keys][16 rows] = K [16 keys][32 dims] . Q^T pairs [16 dim pairs][16 rows]
+//     (A: the block's keys as rows of pairs, kbuf; B: Q^T pairs, qt, as packed per task)
+//   out^T [16 dims][16 rows]   += V^T [16 dims][32 keys] . P^T pairs [16 key pairs][16 rows]
+//     (A: the block's values transposed, vt; B: the rounded weights, pw; C: out^T in ot,
+//     rescaled by the softmax's alpha in memory before it is loaded)
+// TDPBF16PS multiplies a pair of bf16 and adds to a float32 lane as VDPBF16PS does (both
+// flush subnormal inputs); a row's arithmetic depends on nothing but its own query and the
+// keys and values of blocks at absolute positions, so a chunked or cached prompt still
+// equals the cold one bit for bit. Head sizes up to 128 (4 tiles of Q^T); keys come in
+// 32s (a tile of key pairs), the ones past a row's position masked to an exact 0 weight.
+// The tile unit then leaves the exp and the softmax's bookkeeping as most of the time.
+constexpr int kAmxKeys = 32;  // keys per P.V tile (16 pairs)
+static_assert(kBk % kAmxKeys == 0, "key blocks hold whole P.V tiles");
+
+// All eight tiles 16 rows x 64 bytes (palette 1); the rest of the 64-byte config zero.
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void configure_tiles() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Linux hands the tile registers' state only to a process that asked for it
+// (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); torch's oneDNN asks too, asking twice is fine.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+std::atomic<bool> amx_enabled{true};
+
+// Whether a bf16 prompt of head size D runs on the tiles (else on AVX512-BF16).
+bool amx_usable(int D) { return D <= 128 && amx_enabled.load() && amx_permitted(); }
+
+void prefill_task_amx(const Prefill<BF16>& a, int b, int kh, int qb, int bq,
+                      PrefillScratch& w) {
+  const int G = a.H / a.KVH, D = a.D, P = a.page_size, Dp = (D + 1) / 2;
+  const int Dq = (Dp + 15) / 16 * 16;  // pairs, in whole tiles (zeros past Dp)
+  const int Dv = (D + 15) / 16 * 16;   // output dimensions, in whole tiles
+  const int chunks = Dq / 16;
+  const int total = a.totals[b], first = total - a.extends[b];
+  const int lo = std::max(qb * bq, first), hi = std::min((qb + 1) * bq, total);
+  const int64_t R = static_cast<int64_t>(bq) * G;
+  uint32_t* qt = reinterpret_cast<uint32_t*>(w.qt.get(static_cast<size_t>(R) * Dq));
+  float* ot = w.ot.get(static_cast<size_t>(R) * Dv);
+  float* s = w.s.get(static_cast<size_t>(kBk) * kRG);
+  uint32_t* pw = reinterpret_cast<uint32_t*>(w.weights.get(static_cast<size_t>(kBk / 2) * kRG));
+  float* m = w.m.get(R);
+  float* l = w.l.get(R);
+  float* pos = w.pos.get(R);
+  std::memset(qt, 0, sizeof(uint32_t) * R * Dq);
+  std::memset(ot, 0, sizeof(float) * R * Dv);
+  for (int64_t r = 0; r < R; ++r) {
+    const int i = static_cast<int>(r % bq), p = qb * bq + i;
+    const int tile_last = std::min(qb * bq + (i / kRG + 1) * kRG, hi) - 1;
+    const bool live = p >= lo && p < hi;
+    pos[r] = static_cast<float>(live ? p : tile_last);
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    if (!live) continue;
+    const int h = kh * G + static_cast<int>(r / bq);
+    const BF16* row = a.q + (a.starts[b] + p - first) * a.q_tok + h * a.q_head;
+    for (int d = 0; d < D; d += 2) qt[(d / 2) * R + r] = bf16_pair(row, d, D);
+  }
+  const int32_t* pages = a.table + b * a.table_stride;
+  // Keys as rows of pairs [kBk][Dq]; values transposed, bf16 [Dv][kBk] (zeros past D).
+  uint32_t* kbuf = reinterpret_cast<uint32_t*>(w.keys.get(static_cast<size_t>(kBk) * Dq));
+  uint16_t* vt = reinterpret_cast<uint16_t*>(w.values.get(static_cast<size_t>(kBk / 2) * Dv));
+  std::memset(kbuf, 0, sizeof(uint32_t) * kBk * Dq);
+  std::memset(vt, 0, sizeof(uint16_t) * kBk * Dv);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int j0 = 0; j0 < hi; j0 += kBk) {
+    const int n = std::min(kBk, (hi - j0 + kAmxKeys - 1) / kAmxKeys * kAmxKeys);
+    for (int j = 0; j < n; ++j) {
+      const int p = j0 + j;
+      uint32_t* kt = kbuf + static_cast<int64_t>(j) * Dq;
+      if (p >= total) {  // past the context: zeros (masked, as every key after a query)
+        std::memset(kt, 0, sizeof(uint32_t) * Dp);
+        for (int d = 0; d < D; ++d) vt[d * kBk + j] = 0;
+        continue;
+      }
+      const int64_t slot = static_cast<int64_t>(pages[p / P]) * P + p % P;
+      const BF16* kr = a.k + slot * a.kv_slot + kh * a.kv_head;
+      const BF16* vr = a.v + slot * a.kv_slot + kh * a.kv_head;
+      kt[Dp - 1] = 0;
+      std::memcpy(kt, kr, sizeof(BF16) * D);
+      for (int d = 0; d < D; ++d) vt[d * kBk + j] = vr[d].bits;
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += kRG) {
+      const int i0 = static_cast<int>(r0 % bq);
+      const int tlo = std::max(qb * bq + i0, lo), thi = std::min(qb * bq + i0 + kRG, hi) - 1;
+      if (tlo > thi || thi < j0) continue;
+      const int tn = std::min(n, (thi - j0 + kAmxKeys) / kAmxKeys * kAmxKeys);
+      const bool diagonal = j0 + tn - 1 > tlo;
+      float* mr = m + r0;
+      float* lr = l + r0;
+      // Scores: Q^T's pairs in tiles 2.. (one per 32 dimensions), each key tile in 0.
+      const int64_t qstride = R * static_cast<int64_t>(sizeof(uint32_t));
+      _tile_loadd(2, qt + r0, qstride);
+      if (chunks > 1) _tile_loadd(3, qt + 16 * R + r0, qstride);
+      if (chunks > 2) _tile_loadd(4, qt + 32 * R + r0, qstride);
+      if (chunks > 3) _tile_loadd(5, qt + 48 * R + r0, qstride);
+      const int64_t kstride = static_cast<int64_t>(Dq) * sizeof(uint32_t);
+      for (int j = 0; j < tn; j += 16) {
+        const uint32_t* keys = kbuf + static_cast<int64_t>(j) * Dq;
+        _tile_zero(0);
+        _tile_loadd(1, keys, kstride);
+        _tile_dpbf16ps(0, 1, 2);
+        if (chunks > 1) {
+          _tile_loadd(1, keys + 16, kstride);
+          _tile_dpbf16ps(0, 1, 3);
+        }
+        if (chunks > 2) {
+          _tile_loadd(1, keys + 32, kstride);
+          _tile_dpbf16ps(0, 1, 4);
+        }
+        if (chunks > 3) {
+          _tile_loadd(1, keys + 48, kstride);
+          _tile_dpbf16ps(0, 1, 5);
+        }
+        _tile_stored(0, s + j * kRG, kRG * sizeof(float));
+      }
+      const __m512 pv = _mm512_loadu_ps(pos + r0);
+      __m512 top = _mm512_loadu_ps(mr);
+      for (int j = 0; j < tn; ++j) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j * kRG), scale);
+        if (diagonal) {
+          const __mmask16 after = _mm512_cmp_ps_mask(
+              _mm512_set1_ps(static_cast<float>(j0 + j)), pv, _CMP_GT_OQ);
+          x = _mm512_mask_mov_ps(x, after, _mm512_set1_ps(-INFINITY));
+        }
+        top = _mm512_max_ps(top, x);
+        _mm512_storeu_ps(s + j * kRG, x);
+      }
+      alignas(64) float tops[kRG], alpha[kRG];
+      _mm512_store_ps(tops, top);
+      online_softmax_block(tops, s, tn, mr, lr, alpha);
+      for (int j = 0; j < tn; j += 2) {
+        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + (j + 1) * kRG),
+                                                  _mm512_loadu_ps(s + j * kRG));
+        const __m512i packed = _mm512_permutexvar_epi16(
+            interleave, reinterpret_cast<const __m512i&>(both));
+        _mm512_storeu_si512(pw + (j / 2) * kRG, packed);
+      }
+      // Values: out^T rescaled in memory, then four tiles of it (64 dimensions) at a time
+      // in 2..5, each weight tile (32 keys) in 1 against the values' tiles in 0.
+      const __m512 av = _mm512_load_ps(alpha);
+      for (int d = 0; d < Dv; ++d) {
+        float* o = ot + d * R + r0;
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), av));
+      }
+      const int64_t vstride = kBk * static_cast<int64_t>(sizeof(uint16_t));
+      for (int d0 = 0; d0 < Dv; d0 += 64) {
+        const int tiles = std::min(4, (Dv - d0) / 16);
+        float* o = ot + d0 * R + r0;
+        const int64_t ostride = qstride;
+        _tile_loadd(2, o, ostride);
+        if (tiles > 1) _tile_loadd(3, o + 16 * R, ostride);
+        if (tiles > 2) _tile_loadd(4, o + 32 * R, ostride);
+        if (tiles > 3) _tile_loadd(5, o + 48 * R, ostride);
+        for (int j = 0; j < tn; j += kAmxKeys) {
+          _tile_loadd(1, pw + (j / 2) * kRG, kRG * sizeof(uint32_t));
+          const uint16_t* values = vt + static_cast<int64_t>(d0) * kBk + j;
+          _tile_loadd(0, values, vstride);
+          _tile_dpbf16ps(2, 0, 1);
+          if (tiles > 1) {
+            _tile_loadd(0, values + 16 * kBk, vstride);
+            _tile_dpbf16ps(3, 0, 1);
+          }
+          if (tiles > 2) {
+            _tile_loadd(0, values + 32 * kBk, vstride);
+            _tile_dpbf16ps(4, 0, 1);
+          }
+          if (tiles > 3) {
+            _tile_loadd(0, values + 48 * kBk, vstride);
+            _tile_dpbf16ps(5, 0, 1);
+          }
+        }
+        _tile_stored(2, o, ostride);
+        if (tiles > 1) _tile_stored(3, o + 16 * R, ostride);
+        if (tiles > 2) _tile_stored(4, o + 32 * R, ostride);
+        if (tiles > 3) _tile_stored(5, o + 48 * R, ostride);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int p = qb * bq + static_cast<int>(r % bq);
+    if (p < lo || p >= hi) continue;
+    const int h = kh * G + static_cast<int>(r / bq);
+    BF16* dst = a.out + (a.starts[b] + p - first) * a.out_tok + h * a.out_head;
+    const float inv = 1.f / l[r];
+    for (int d = 0; d < D; ++d) dst[d] = from_float<BF16>(ot[d * R + r] * inv);
+  }
+}
+#define HICACHE_AMX 1
+#endif  // __AMX_TILE__ && __AMX_BF16__
 #endif  // __AVX512BF16__
 
 template <typename T>
@@ -925,11 +1144,32 @@ void prefill(const Prefill<T>& a, int num_prompts, int threads) {
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const Task& x, const Task& y) { return x.keys > y.keys; });
   const int n = static_cast<int>(tasks.size());
+  bool amx = false;
+#if defined(HICACHE_AMX)
+  if constexpr (std::is_same<T, BF16>::value) amx = amx_usable(a.D);
+#endif
 #pragma omp parallel num_threads(threads)
   {
     PrefillScratch w;
+#if defined(HICACHE_AMX)
+    // Tile configuration is per thread; oneDNN's kernels set their own and release it.
+    if (amx) configure_tiles();
+#endif
 #pragma omp for schedule(dynamic, 1)
-    for (int t = 0; t < n; ++t) prefill_task(a, tasks[t].b, tasks[t].kh, tasks[t].qb, bq, w);
+    for (int t = 0; t < n; ++t) {
+#if defined(HICACHE_AMX)
+      if constexpr (std::is_same<T, BF16>::value) {
+        if (amx) {
+          prefill_task_amx(a, tasks[t].b, tasks[t].kh, tasks[t].qb, bq, w);
+          continue;
+        }
+      }
+#endif
+      prefill_task(a, tasks[t].b, tasks[t].kh, tasks[t].qb, bq, w);
+    }
+#if defined(HICACHE_AMX)
+    if (amx) _tile_release();
+#endif
   }
 }
 
@@ -1003,5 +1243,29 @@ int hicache_paged_prefill(int dtype, const void* q, int64_t q_tok, int64_t q_hea
   }
 }
 
-int hicache_kernel_abi_version(void) { return 2; }
+// How a bf16 prompt of head size 64 multiplies: 2 on AMX tiles, 1 with AVX512-BF16, 0 in
+// float32 (its blocks converted).
+int hicache_prefill_bf16_path(void) {
+#if defined(HICACHE_AMX)
+  if (amx_usable(64)) return 2;
+#endif
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// AMX on (1) or off (0) for the prompts that follow (where the CPU has it); returns the
+// previous setting (0 where it has none).
+int hicache_set_prefill_amx(int enabled) {
+#if defined(HICACHE_AMX)
+  return amx_enabled.exchange(enabled != 0) ? 1 : 0;
+#else
+  (void)enabled;
+  return 0;
+#endif
+}
+
+int hicache_kernel_abi_version(void) { return 3; }
 }
