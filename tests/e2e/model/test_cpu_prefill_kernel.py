@@ -1,12 +1,19 @@
 """The CPU prefill kernel (``cpu.paged_prefill``) equals attention computed in float64, reads
 contexts in place through shuffled page tables, does not depend on how a prompt is chunked,
-and is what the CPU backend runs for prompts (SDPA where the kernel does not load).
+and is what the CPU backend runs for prompts (SDPA where the kernel does not load). bf16
+prompts take the widest path the CPU has (AMX tiles, AVX512-BF16, float32 tiles): the tests
+run on that path, and those of bf16 again with AMX off, so both stay checked on an AMX CPU.
 
 Pools come from ``tests.attention_reference.make_batch``: every slot a kernel must not read
 is NaN, so a read past a context (or of a stale table entry) shows in the output.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -46,6 +53,33 @@ def _float64_reference(batch: PagedBatch) -> torch.Tensor:
     return out
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+FLAGS = _cpu_flags()
+HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16"} <= FLAGS
+WITHOUT_AMX = "avx512_bf16" if "avx512_bf16" in FLAGS else "float32"
+
+
+@pytest.fixture(params=[True, False], ids=["widest", "amx-off"])
+def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Each bf16 test once on the CPU's widest path and once with AMX off (the same path
+    where the CPU has no AMX)."""
+    previous = cpu.set_prefill_amx(request.param)
+    try:
+        yield bool(request.param)
+    finally:
+        cpu.set_prefill_amx(previous)
+
+
 def _run_kernel(batch: PagedBatch) -> torch.Tensor:
     starts = batch.qo_indptr[:-1].contiguous()
     extends = (batch.qo_indptr[1:] - batch.qo_indptr[:-1]).contiguous()
@@ -82,10 +116,65 @@ def test_prefill_kernel_equals_float64_attention(
     torch.testing.assert_close(got.double(), _float64_reference(batch), **TOL[dtype])
 
 
-@pytest.mark.parametrize("head_dim", [16, 33, 36, 128])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
+def test_bf16_prompts_on_either_path_equal_float64_attention(
+    case: str, heads: tuple[int, int], amx: bool
+) -> None:
+    seq_lens, extend_lens = CASES[case]
+    batch = make_batch(seq_lens, extend_lens, heads=heads[0], kv_heads=heads[1], head_dim=64,
+                       page_size=16, dtype=torch.bfloat16, seed=len(case))
+    torch.testing.assert_close(_run_kernel(batch).double(), _float64_reference(batch),
+                               **TOL[torch.bfloat16])
+
+
+def test_bf16_prompts_take_the_widest_path_the_cpu_has() -> None:
+    assert cpu.prefill_bf16_path() == ("amx" if HAS_AMX else WITHOUT_AMX)
+    previous = cpu.set_prefill_amx(False)
+    try:
+        assert previous == HAS_AMX
+        assert cpu.prefill_bf16_path() == WITHOUT_AMX
+    finally:
+        cpu.set_prefill_amx(previous)
+    assert cpu.prefill_bf16_path() == ("amx" if HAS_AMX else WITHOUT_AMX)
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="the CPU has no AMX")
+def test_the_environment_turns_amx_off() -> None:
+    code = "import hicache.attention.cpu as c; print(c.prefill_bf16_path())"
+    env = {**os.environ, cpu.AMX_ENV: "0"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert got.stdout.split()[-1] == WITHOUT_AMX
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="the CPU has no AMX")
+@pytest.mark.parametrize(("seq_len", "extend"), [(1024, 1024), (1000, 232), (97, 40)])
+def test_amx_and_avx512_bf16_are_equally_close_to_float64(seq_len: int, extend: int) -> None:
+    # Both multiply the same bf16 pairs into float32 sums and round the softmax weights to
+    # bf16 alike; only the order of the float32 additions differs.
+    batch = make_batch([seq_len], [extend], heads=9, kv_heads=3, head_dim=64, page_size=16,
+                       dtype=torch.bfloat16, seed=extend)
+    exact = _float64_reference(batch)
+    on_tiles = _run_kernel(batch)
+    previous = cpu.set_prefill_amx(False)
+    try:
+        off_tiles = _run_kernel(batch)
+    finally:
+        cpu.set_prefill_amx(previous)
+    tiles_error = (on_tiles.double() - exact).abs()
+    vector_error = (off_tiles.double() - exact).abs()
+    assert float(tiles_error.mean()) <= 1.1 * float(vector_error.mean())
+    assert float(tiles_error.max()) <= 1.5 * float(vector_error.max())
+
+
+# 160: past the AMX path's four tiles of a head (its prompts run on AVX512-BF16).
+@pytest.mark.parametrize("head_dim", [16, 33, 36, 128, 160])
 # bf16 (with AVX512-BF16) multiplies pairs of dimensions: an odd head size has half a pair.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_kernel_takes_head_sizes_off_its_tiles(head_dim: int, dtype: torch.dtype) -> None:
+def test_prefill_kernel_takes_head_sizes_off_its_tiles(
+    head_dim: int, dtype: torch.dtype, amx: bool
+) -> None:
     batch = make_batch([150, 77], [90, 77], heads=6, kv_heads=2, head_dim=head_dim,
                        page_size=4, dtype=dtype, seed=head_dim)
     torch.testing.assert_close(_run_kernel(batch).double(), _float64_reference(batch),
@@ -138,12 +227,12 @@ def test_prefill_softmax_holds_over_the_whole_range_of_scores(spread: float) -> 
 @pytest.mark.parametrize("threads", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_chunk_computes_exactly_what_the_whole_prompt_does(
-    threads: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    threads: int, dtype: torch.dtype, amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Key blocks start at absolute positions, so a query sums its keys in the same order
     # however its prompt was cut: a cached or chunked prefill equals the cold one bit for
     # bit (here chunks on and off the blocks, with another thread count for the cold run).
-    # bf16 too (with AVX512-BF16: keys multiplied in pairs, pairs within the blocks).
+    # bf16 too (with AVX512-BF16 or AMX: keys multiplied in pairs, pairs within the blocks).
     batch = make_batch([700], [700], heads=9, kv_heads=3, head_dim=64, page_size=16,
                        dtype=dtype, seed=11)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
