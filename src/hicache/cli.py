@@ -40,6 +40,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
     "prefill": ("hicache.bench.prefill", "cold prefill throughput against HF transformers"),
     "multiturn": ("hicache.bench.multiturn", "multi-round conversations against a server"),
     "long-context": ("hicache.bench.long_context", "questions over long shared contexts"),
+    "cold-engine": ("hicache.bench.cold_engine", "cold prompts through an engine built as "
+                    "hicache serve builds it, in process: time, TTFT, CPU per thread"),
     "compare": ("hicache.bench.compare", "the same workload against each cache configuration"),
     "plot": ("hicache.bench.plots", "plot run summaries (PNG) side by side"),
     "router-decision": (

@@ -327,6 +327,11 @@ class HierarchicalCache:
         """May the request start now, under the prefetch policy?"""
         return handle.finished or self.storage is None or self.storage.ready(handle)
 
+    def await_prefetch_lookup(self, handle: PrefetchHandle, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` (once per prefetch) for what L3 answered of it, applied;
+        True when the answer came (``StorageTier.await_lookup``)."""
+        return self.storage is not None and self.storage.await_lookup(handle, timeout_s)
+
     def prefetch_done(self, handle: PrefetchHandle) -> bool:
         """Will nothing more of it land in time? Then settle it even if its request waits.
 

@@ -93,6 +93,7 @@ class PrefetchHandle:
     replicated: bool = False  # under tensor parallelism: decide on agreed values
     no_room: bool = False  # L3 had pages but no host pages could be given to them
     finished: bool = False
+    lookup_awaited: bool = False  # the scheduler waited for its lookup once (await_lookup)
     num_inserted_tokens: int = 0
     # Pages of op.host_pages the handle no longer owns: [0, num_kept_pages) went to
     # the tree, [num_released_from:] were freed, ``quarantined`` belong to stalled gets.
@@ -232,6 +233,21 @@ class StorageTier:
         if handle.replicated:
             return self.agreement.past_deadline(handle)
         return self._context.clock() >= handle.deadline
+
+    def await_lookup(self, handle: PrefetchHandle, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s``, once per prefetch, for its lookup, and apply the answer
+        (``poll``); True when it came. A request whose lookup has not answered cannot start
+        (the pages L3 may hold are worth waiting for), so a lookup posted this tick would
+        otherwise cost it a whole forward of the requests running beside it. Not under
+        tensor parallelism: every rank's answer is agreed at the tick."""
+        if handle.replicated or handle.lookup_awaited or handle.op.host_pages is not None \
+                or not handle.in_controller:
+            return False
+        handle.lookup_awaited = True
+        if not self.controller.wait_queried(handle.op, timeout_s):
+            return False
+        self.poll()
+        return True
 
     def ready(self, handle: PrefetchHandle) -> bool:
         """May the request start now, under the prefetch policy?"""

@@ -5,6 +5,9 @@ waiting request whose prefetch has not been tried), so that its time in the
 queue hides the fetch, as SGLang does. What has landed joins the radix tree as
 host pages when the prefetch is settled: when it is done, or when the request
 is considered for admission and the prefetch policy lets it start.
+A request whose L3 lookup has not answered is held; an admission round waits a few
+milliseconds (``LOOKUP_WAIT_S``) for the lookups it posted rather than leave the new
+requests out of the forward that follows.
 
 Waiting requests take host pages for their prefetches only up to the L3
 tier's budget (``prefetch_max_host_fraction`` of the host pool), counting what
@@ -27,10 +30,20 @@ whose prefetch finds no free slot waits, as it would for the host budget.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.request import Req
+
+# The longest an admission round waits for the L3 lookups of the requests it considers,
+# all together. A request whose lookup has not answered is held (L3 may hold its prompt),
+# and the lookup of one that arrived during the last forward is posted only in this
+# round: without the wait every request would sit out one forward of the others (a cold
+# prompt's TTFT grew by about a step beside three others in flight). A local file store
+# answers in well under a millisecond, Mooncake in about one round trip; a store slower
+# than this costs its requests that step, as before.
+LOOKUP_WAIT_S = 0.01
 
 
 class Prefetcher:
@@ -41,6 +54,8 @@ class Prefetcher:
         # come are worth waiting for (the load-or-recompute plan, ``reuse.py``); None:
         # the policy alone decides.
         self.worth_waiting: Callable[[Req], bool] | None = None
+        # What the current admission round may still wait for lookups (``LOOKUP_WAIT_S``).
+        self._lookup_wait_left = 0.0
 
     def advance(self, waiting: Iterable[Req]) -> None:
         """Start the prefetches of waiting requests as the budget allows; settle the done ones.
@@ -51,6 +66,7 @@ class Prefetcher:
         memory that it needs (neither would move).
         """
         cache = self.cache
+        self._lookup_wait_left = LOOKUP_WAIT_S
         if not self.enabled or cache.storage is None:
             return
         queue = list(waiting)
@@ -92,6 +108,10 @@ class Prefetcher:
                 self._refetch(req, cached)
         if req.prefetch is None:
             return True
+        if self._lookup_wait_left > 0 and req.prefetch.op.num_existing < 0:
+            began = time.monotonic()
+            self.cache.await_prefetch_lookup(req.prefetch, self._lookup_wait_left)
+            self._lookup_wait_left -= time.monotonic() - began
         # The policy is an upper bound: the plan may cut the prefetch sooner, where what
         # has landed plus computing the rest beats waiting for the pages still to come.
         if not self.cache.prefetch_ready(req.prefetch) and (

@@ -73,11 +73,12 @@ class PrefetchOp:
     value read is a verified prefix of ``host_pages``), ``num_claimed`` (read
     thread, under the op's lock: pages it has handed to a ``get``),
     ``read_seconds`` (read thread: the time the read of the landed pages took)
-    and ``io_done``.
+    and ``io_done``; ``queried`` is set once the lookup's answer is in ``poll``.
     """
 
     keys: list[bytes]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    queried: threading.Event = field(default_factory=threading.Event)
     num_existing: int = -1
     host_pages: PageIds | None = None
     num_landed: int = 0
@@ -285,6 +286,10 @@ class StorageController:
     def submit_query(self, op: PrefetchOp) -> None:
         self._begin()
         self._query_q.put(op)
+
+    def wait_queried(self, op: PrefetchOp, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``op``'s lookup; True once ``poll`` has its answer."""
+        return op.queried.wait(timeout_s)
 
     def submit_load(self, op: PrefetchOp) -> None:
         assert op.host_pages is not None and len(op.host_pages) <= op.num_existing
@@ -753,6 +758,10 @@ class StorageController:
         self.failure_log.observe("controller", failures)
         if event is not None:
             self._done.put(event)
+            kind, op = event
+            if kind == "queried":  # after the put: a waiter's poll finds the answer
+                assert isinstance(op, PrefetchOp)
+                op.queried.set()
         with self._idle:
             self._outstanding -= 1
             self._idle.notify_all()

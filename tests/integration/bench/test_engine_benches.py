@@ -1,9 +1,11 @@
-"""The engine benchmarks (step, attention, decode, sampling) on small cases."""
+"""The engine benchmarks (step, attention, decode, sampling, cold-engine) on small cases."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from hicache.bench.step import run_case
 from hicache.cli import main
@@ -79,3 +81,24 @@ def test_grammar_bench_counts_only_valid_answers() -> None:
     assert valid_person({"name": "Ann", "age": 30, "city": "Rome", "likes": ["tea"]})
     assert not valid_person({"name": "Ann", "age": True, "city": "Rome", "likes": []})
     assert not valid_person({"name": "Ann", "age": 30, "city": "Rome"})
+
+
+def test_cold_engine_bench_times_prompts_and_counts_each_threads_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_dir = tmp_path / "model"
+    write_checkpoint(variants()["llama-gqa"], model_dir)
+    extra = json.dumps({"path": str(tmp_path / "l3")})
+    serve_args = (f"--model-path {model_dir} --device cpu --enable-hierarchical-cache "
+                  "--hicache-storage-backend file "
+                  f"--hicache-storage-backend-extra-config '{extra}'")
+    code = main(["bench", "cold-engine", "--serve-args", serve_args, "--prompts", "3",
+                 "--prompt-len", "40", "--output-len", "2", "--concurrency", "2",
+                 "--settle-s", "0", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["duration_s"] > 0 and result["mean_ttft_ms"] > 0
+    names = {use["name"] for use in result["threads"]}
+    assert "hicache-scheduler" in names  # the forward's thread, named
+    assert any(name.startswith("hicache-l3-") for name in names)  # the file L3's threads
+    assert sum(use["cpu_s"] for use in result["threads"]) > 0

@@ -44,14 +44,15 @@ def prompt(seed: int) -> list[int]:
 
 def engine_with_store(
     make_engine: Callable[..., Engine], policy: PrefetchPolicy, page: int = PAGE,
-    flags: tuple[str, ...] = (), **config: float,
+    flags: tuple[str, ...] = (), backend: MemoryBackend | None = None, **config: float,
 ) -> tuple[Engine, MemoryBackend]:
-    """An engine (more ``flags`` for it) over an in-memory L3 with the prefetch ``policy``."""
+    """An engine (more ``flags`` for it) over an in-memory L3 (``backend``, or a new one)
+    with the prefetch ``policy``."""
     engine = make_engine(
         "--page-size", str(page), "--max-total-tokens", "2048", "--enable-hierarchical-cache",
         *flags,  # later flags win
     )
-    backend = MemoryBackend()
+    backend = MemoryBackend() if backend is None else backend
     storage = StorageConfig(
         backend="memory", prefetch_policy=policy, prefetch_threshold=page, **config  # type: ignore[arg-type]
     )
