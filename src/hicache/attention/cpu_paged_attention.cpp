@@ -792,6 +792,28 @@ void value_tiles_bf16(float* ot, int64_t R, const uint32_t* pw, const uint32_t* 
   }
 }
 
+// The bf16 paths' query rows of one task, as prefill_task lays out its float32 ones: pairs
+// of dimensions transposed into qt [pairs][R] (qt zeroed by the caller), and each row's
+// position (a dead row's: its tile's last live one) and softmax state.
+void bf16_query_rows(const Prefill<BF16>& a, int b, int kh, int qb, int bq, int lo, int hi,
+                     uint32_t* qt, float* m, float* l, float* pos) {
+  const int G = a.H / a.KVH, D = a.D;
+  const int first = a.totals[b] - a.extends[b];
+  const int64_t R = static_cast<int64_t>(bq) * G;
+  for (int64_t r = 0; r < R; ++r) {
+    const int i = static_cast<int>(r % bq), p = qb * bq + i;
+    const int tile_last = std::min(qb * bq + (i / kRG + 1) * kRG, hi) - 1;
+    const bool live = p >= lo && p < hi;
+    pos[r] = static_cast<float>(live ? p : tile_last);
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    if (!live) continue;
+    const int h = kh * G + static_cast<int>(r / bq);
+    const BF16* row = a.q + (a.starts[b] + p - first) * a.q_tok + h * a.q_head;
+    for (int d = 0; d < D; d += 2) qt[(d / 2) * R + r] = bf16_pair(row, d, D);
+  }
+}
+
 // prefill_task for bf16 (same rows, blocks, tiles and skipping; see there).
 void prefill_task_bf16(const Prefill<BF16>& a, int b, int kh, int qb, int bq,
                        PrefillScratch& w) {
@@ -808,18 +830,7 @@ void prefill_task_bf16(const Prefill<BF16>& a, int b, int kh, int qb, int bq,
   float* pos = w.pos.get(R);
   std::memset(qt, 0, sizeof(uint32_t) * R * Dp);
   std::memset(ot, 0, sizeof(float) * R * D);
-  for (int64_t r = 0; r < R; ++r) {
-    const int i = static_cast<int>(r % bq), p = qb * bq + i;
-    const int tile_last = std::min(qb * bq + (i / kRG + 1) * kRG, hi) - 1;
-    const bool live = p >= lo && p < hi;
-    pos[r] = static_cast<float>(live ? p : tile_last);
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-    if (!live) continue;
-    const int h = kh * G + static_cast<int>(r / bq);
-    const BF16* row = a.q + (a.starts[b] + p - first) * a.q_tok + h * a.q_head;
-    for (int d = 0; d < D; d += 2) qt[(d / 2) * R + r] = bf16_pair(row, d, D);
-  }
+  bf16_query_rows(a, b, kh, qb, bq, lo, hi, qt, m, l, pos);
   const int32_t* pages = a.table + b * a.table_stride;
   // Keys as rows of pairs [n][Dp] (an odd D's last pair padded with 0); values as pairs of
   // rows [n / 2][D].
@@ -961,18 +972,7 @@ void prefill_task_amx(const Prefill<BF16>& a, int b, int kh, int qb, int bq,
   float* pos = w.pos.get(R);
   std::memset(qt, 0, sizeof(uint32_t) * R * Dq);
   std::memset(ot, 0, sizeof(float) * R * Dv);
-  for (int64_t r = 0; r < R; ++r) {
-    const int i = static_cast<int>(r % bq), p = qb * bq + i;
-    const int tile_last = std::min(qb * bq + (i / kRG + 1) * kRG, hi) - 1;
-    const bool live = p >= lo && p < hi;
-    pos[r] = static_cast<float>(live ? p : tile_last);
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-    if (!live) continue;
-    const int h = kh * G + static_cast<int>(r / bq);
-    const BF16* row = a.q + (a.starts[b] + p - first) * a.q_tok + h * a.q_head;
-    for (int d = 0; d < D; d += 2) qt[(d / 2) * R + r] = bf16_pair(row, d, D);
-  }
+  bf16_query_rows(a, b, kh, qb, bq, lo, hi, qt, m, l, pos);
   const int32_t* pages = a.table + b * a.table_stride;
   // Keys as rows of pairs [kBk][Dq]; values transposed, bf16 [Dv][kBk] (zeros past D).
   uint32_t* kbuf = reinterpret_cast<uint32_t*>(w.keys.get(static_cast<size_t>(kBk) * Dq));
@@ -1144,7 +1144,7 @@ void prefill(const Prefill<T>& a, int num_prompts, int threads) {
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const Task& x, const Task& y) { return x.keys > y.keys; });
   const int n = static_cast<int>(tasks.size());
-  bool amx = false;
+  [[maybe_unused]] bool amx = false;  // read only where the CPU has AMX
 #if defined(HICACHE_AMX)
   if constexpr (std::is_same<T, BF16>::value) amx = amx_usable(a.D);
 #endif
