@@ -9,7 +9,10 @@ configuration a run, so alternate runs from the shell. Every prompt is random to
 ``--seed``: give each run its own seed, or a file L3 left by an earlier run holds them.
 After the engine is built it idles ``--settle-s`` (the host pool is faulted in while
 idle), answers two warm-up prompts, then ``--prompts`` prompts of ``--prompt-len`` tokens,
-``--output-len`` tokens each, ``--concurrency`` in flight.
+``--output-len`` tokens each, ``--concurrency`` in flight. Reported: the run's duration,
+the mean and p99 time to first token, and the mean time per output token after the first
+(TPOT, per request then averaged, as ``vllm bench serve`` counts it): a scheduler that
+favours prompts shows as a lower TTFT and a higher TPOT.
 
 Per thread (named where Python named it; torch's OpenMP workers are ``python``): CPU
 seconds and voluntary / involuntary context switches over the timed run, from
@@ -43,9 +46,19 @@ class ThreadUse:
 
 
 @dataclass(frozen=True)
+class Timing:
+    """One request's seconds to its first token and per later token (None: one token)."""
+
+    ttft_s: float
+    tpot_s: float | None
+
+
+@dataclass(frozen=True)
 class Result:
     duration_s: float
     mean_ttft_ms: float
+    p99_ttft_ms: float
+    mean_tpot_ms: float | None  # None when no request had a second token
     threads: list[ThreadUse]
 
 
@@ -93,24 +106,27 @@ def _thread_counters(names: dict[int, str]) -> dict[int, tuple[str, float, int, 
 
 
 async def _prompts(engine: Engine, args: argparse.Namespace, count: int,
-                   rng: random.Random) -> list[float]:
-    """``count`` prompts, ``args.concurrency`` in flight; each one's TTFT in seconds."""
+                   rng: random.Random) -> list[Timing]:
+    """``count`` prompts, ``args.concurrency`` in flight; each one's timing."""
     vocab = engine.vocab_size
     gate = asyncio.Semaphore(args.concurrency)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     prompts = [tuple(rng.randrange(vocab) for _ in range(args.prompt_len)) for _ in range(count)]
 
-    async def one(ids: tuple[int, ...]) -> float:
+    async def one(ids: tuple[int, ...]) -> Timing:
         async with gate:
             began = time.perf_counter()
             first: float | None = None
+            tokens = 0
             async for output in engine.generate(GenerateRequest(ids, params)):
                 if output.error is not None:
                     raise RuntimeError(f"a prompt failed: {output.error}")
-                if first is None:
+                tokens += len(output.token_ids)
+                if first is None and tokens:
                     first = time.perf_counter() - began
             assert first is not None
-            return first
+            last = time.perf_counter() - began
+            return Timing(first, (last - first) / (tokens - 1) if tokens > 1 else None)
 
     return list(await asyncio.gather(*(one(ids) for ids in prompts)))
 
@@ -121,7 +137,7 @@ def measure(engine: Engine, args: argparse.Namespace) -> Result:
     names = _thread_names()
     before = _thread_counters(names)
     began = time.perf_counter()
-    ttfts = asyncio.run(_prompts(engine, args, args.prompts, rng))
+    timings = asyncio.run(_prompts(engine, args, args.prompts, rng))
     duration = time.perf_counter() - began
     names.update(_thread_names())
     threads = []
@@ -130,7 +146,20 @@ def measure(engine: Engine, args: argparse.Namespace) -> Result:
         threads.append(ThreadUse(name, round(cpu_s - cpu0, 2), voluntary - voluntary0,
                                  involuntary - involuntary0))
     threads.sort(key=lambda use: -use.cpu_s)
-    return Result(duration, 1000 * sum(ttfts) / len(ttfts), threads)
+    ttfts = sorted(timing.ttft_s for timing in timings)
+    tpots = [timing.tpot_s for timing in timings if timing.tpot_s is not None]
+    return Result(
+        duration, 1000 * sum(ttfts) / len(ttfts), 1000 * _percentile(ttfts, 0.99),
+        1000 * sum(tpots) / len(tpots) if tpots else None, threads,
+    )
+
+
+def _percentile(ordered: list[float], fraction: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    position = fraction * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -152,7 +181,9 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(f"serve args: {args.serve_args or '(defaults)'}; {args.prompts} prompts x "
           f"{args.prompt_len} tokens, {args.output_len} out, {args.concurrency} in flight")
-    print(f"duration {result.duration_s:.3f} s, mean TTFT {result.mean_ttft_ms:.0f} ms")
+    tpot = "-" if result.mean_tpot_ms is None else f"{result.mean_tpot_ms:.0f} ms"
+    print(f"duration {result.duration_s:.3f} s, mean TTFT {result.mean_ttft_ms:.0f} ms, "
+          f"p99 TTFT {result.p99_ttft_ms:.0f} ms, mean TPOT {tpot}")
     for use in result.threads:
         if use.cpu_s >= 0.01 or use.voluntary_switches > 20:
             print(f"  {use.name:28s} cpu {use.cpu_s:6.2f} s  switches {use.voluntary_switches:6d}"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from hicache.bench import cold_engine
 from hicache.bench.step import run_case
 from hicache.cli import main
 from tests.hf_checkpoints import variants, write_checkpoint
@@ -83,6 +85,14 @@ def test_grammar_bench_counts_only_valid_answers() -> None:
     assert not valid_person({"name": "Ann", "age": 30, "city": "Rome"})
 
 
+def test_cold_engine_percentiles_interpolate_as_numpy_does() -> None:
+    values = sorted([3.0, 1.0, 7.5, 2.0, 9.0])
+    for fraction in (0.0, 0.5, 0.9, 0.99, 1.0):
+        assert cold_engine._percentile(values, fraction) == pytest.approx(
+            float(np.percentile(values, 100 * fraction)))
+    assert cold_engine._percentile([4.0], 0.99) == 4.0
+
+
 def test_cold_engine_bench_times_prompts_and_counts_each_threads_cpu(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -98,6 +108,8 @@ def test_cold_engine_bench_times_prompts_and_counts_each_threads_cpu(
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["duration_s"] > 0 and result["mean_ttft_ms"] > 0
+    assert result["p99_ttft_ms"] >= result["mean_ttft_ms"]  # near the slowest of three
+    assert result["mean_tpot_ms"] is not None and result["mean_tpot_ms"] > 0  # 2 tokens each
     names = {use["name"] for use in result["threads"]}
     assert "hicache-scheduler" in names  # the forward's thread, named
     assert any(name.startswith("hicache-l3-") for name in names)  # the file L3's threads
