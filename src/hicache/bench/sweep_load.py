@@ -104,8 +104,9 @@ async def play(
                 if arrival > spec.deadline_s:
                     return
                 delay = start + arrival - time.perf_counter()
-                if delay > 0:
+                while delay > 0:  # again if the loop woke early: never send before arrival
                     await asyncio.sleep(delay)
+                    delay = start + arrival - time.perf_counter()
             if slots is not None:
                 await slots.acquire()
             try:
