@@ -253,7 +253,9 @@ def router_defaults() -> str:
     weight = "auto" if d.overlap_weight is None else f"{d.overlap_weight:g}"
     return (f"--overlap-weight {weight} --load-term {d.load_term} --tier-costs "
             f"{d.tier_costs.value} --shared-cache-multiplier {d.shared_cache_multiplier:g} "
-            f"--conversation-affinity {'on' if d.conversation_affinity else 'off'}")
+            f"--conversation-affinity {'on' if d.conversation_affinity else 'off'}"
+            # Named once it differs from the first: results taken before it stay valid.
+            + ("" if d.ttft_score == "own" else f" --ttft-score {d.ttft_score}"))
 
 
 def contenders(args: argparse.Namespace) -> tuple[Contender, ...]:

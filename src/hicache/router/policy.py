@@ -45,7 +45,8 @@ Five policies (``--policy``), each a small strategy object behind
   cost model (``ttft_model.py``, as predicted_ttft prices it), beside the measured one.
 
 - ``predicted_ttft`` (``ttft_policy.py``): each worker's predicted time to first token,
-  in seconds, from its live cost model and the router's ledger of its queue.
+  in seconds, from its live cost model and the router's ledger of its queue; with
+  ``ttft_score="cluster"`` plus the delay its forward there causes the others.
 
 With ``conversation_affinity`` (``--conversation-affinity on``; off by default)
 ``tier_aware`` and ``predicted_ttft`` send a turn to its conversation's home, the worker
@@ -137,6 +138,14 @@ class LoadTerm(str, Enum):
     PENDING_PREFILL = "pending_prefill"  # pages still to compute before their first tokens
 
 
+class TTFTScore(str, Enum):
+    """What predicted_ttft minimises (``ScoringConfig.ttft_score``)."""
+
+    OWN = "own"  # the request's own predicted TTFT
+    # Its predicted TTFT plus what its forward there delays the others (``ttft_policy.py``).
+    CLUSTER = "cluster"
+
+
 class SharedQueryOutcome(str, Enum):
     """How a decision's shared-pool query ended (``RouteDecision.shared_outcome``)."""
 
@@ -169,6 +178,8 @@ class ScoringConfig:
     conversation_affinity: bool = False
     # tier_aware's load term (``LoadTerm``).
     load_term: str = LoadTerm.PROMPT_PAGES.value
+    # predicted_ttft's score (``TTFTScore``).
+    ttft_score: str = TTFTScore.OWN.value
 
     def __post_init__(self) -> None:
         for name in ("overlap_weight", "shared_cache_multiplier", "device_credit",
@@ -188,6 +199,10 @@ class ScoringConfig:
         if self.load_term not in terms:
             raise ValueError(f"load_term must be one of {', '.join(terms)}, got "
                              f"{self.load_term!r}")
+        scores = [score.value for score in TTFTScore]
+        if self.ttft_score not in scores:
+            raise ValueError(f"ttft_score must be one of {', '.join(scores)}, got "
+                             f"{self.ttft_score!r}")
 
 
 def hits_beyond(hits: Sequence[bool], start: int) -> int:

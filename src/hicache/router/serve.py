@@ -158,6 +158,7 @@ def build_default_policy(
         shared_cache_multiplier=settings.shared_cache_multiplier,
         tier_costs=settings.tier_costs.value,
         conversation_affinity=settings.conversation_affinity, load_term=settings.load_term,
+        ttft_score=settings.ttft_score,
     )
     return build_policy(settings.policy.value, index, shared, config, costs)
 

@@ -88,6 +88,9 @@ class RouterSettings:
     # "pending_prefill": at weight 4 it measured at or ahead of prompt_pages on every point
     # of the router sweep's A/B but one (docs/benchmarks.md, 2026-11-29).
     load_term: str = "pending_prefill"
+    # predicted_ttft's score: "own" (the request's predicted TTFT) or "cluster" (plus the
+    # delay its forward causes the others on that worker: router/ttft_policy.py).
+    ttft_score: str = "own"
     tokenizer: str | None = None  # None: the workers' model (their /get_server_info)
     # None: the admin routes need no key. Set, it guards the worker list, /flush_cache and
     # /abort_request with abort_all (the client's key is passed on to the workers).
@@ -306,6 +309,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "still compute there before their first tokens, as routed (default: %(default)s)",
     )
     group.add_argument(
+        "--ttft-score", choices=["own", "cluster"], default=d.ttft_score,
+        help="predicted_ttft's score: own minimises the request's predicted TTFT; cluster "
+        "adds the delay its forward causes the requests in flight on that worker and the "
+        "cached pages it evicts there (default: %(default)s)",
+    )
+    group.add_argument(
         "--tokenizer", default=None,
         help="tokenizer dir used to hash requests' pages (default: the workers' model, from "
         "their /get_server_info tokenizer_path)",
@@ -376,6 +385,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         shared_cache_type=SharedCacheType(args.shared_cache_type),
         tier_costs=TierCostsMode(args.tier_costs), tokenizer=args.tokenizer,
         conversation_affinity=args.conversation_affinity == "on", load_term=args.load_term,
+        ttft_score=args.ttft_score,
         admin_api_key=args.admin_api_key or None,  # an empty key would let anyone in
         identity=identity,
         health_interval_s=args.health_interval, request_timeout_s=args.request_timeout,

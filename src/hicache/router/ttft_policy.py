@@ -30,7 +30,26 @@ What the ledger cannot see: requests that reached a worker another way (another 
 a client calling it directly), and the prefill of a prefill-decode router (the PD proxy
 enters nothing). The workers report no queue in seconds, so those are not priced.
 
-The lowest prediction wins (to the microsecond); ties go to fewer requests in flight,
+With ``--ttft-score cluster`` the score is the request's cost to the cluster, not to
+itself alone::
+
+    cost = ttft + work_s * (prefilling + decoding + usage)
+
+- ``work_s``: the forward time it adds there (``own_s`` less its loads, which run beside
+  the forward);
+- ``prefilling + decoding``: the requests the router has in flight there (its ledger).
+  Each is held up by about ``work_s``: a queued prompt shares its steps with this one's
+  chunks, a decoding request waits for them between its tokens;
+- ``usage``: how full its cache is (``WorkerLoad.cache_usage``, 1 until probed): in a
+  full cache every page it computes there pushes out one that another request may need
+  again, and computes again.
+
+Each term is a count or a measured figure, none a tuned weight. Against the own score
+it keeps a turn on the worker holding its prefix until the wait there outweighs what
+recomputing it elsewhere costs everybody there, which grows with the load; the
+tier_aware default's weight 4 was tuned to the same effect on one load.
+
+The lowest score wins (to the microsecond); ties go to fewer requests in flight,
 then the worker chosen least recently, then registration order (``policy.py``). The
 decision carries the chosen worker's prediction and its terms; the proxy enters
 ``own_s`` in that worker's ledger.
@@ -41,9 +60,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from hicache.router.policy import PolicyName, TierAwarePolicy, _check, _page_size
+from hicache.router.policy import PolicyName, TierAwarePolicy, TTFTScore, _check, _page_size
 from hicache.router.ttft_model import TTFTTerms, predict_for, shared_run
-from hicache.router.types import RouteDecision, RouteRequest
+from hicache.router.types import RouteDecision, RouteRequest, WorkerLoad
 
 # Predictions closer than this (seconds) are a tie: the model is not that exact.
 _TIE_DIGITS: Final = 6
@@ -61,17 +80,27 @@ class PredictedTTFTPolicy(TierAwarePolicy):
         for worker in request.workers:
             terms[worker.url], fallbacks[worker.url] = predict_for(
                 request, worker, request.workers, overlaps[worker.url], hits, page)
-        ttft = {u: t.ttft_s for u, t in terms.items()}
-        best = self._lowest(request.workers, ttft, _TIE_DIGITS, record=False)
-        # The home may make the request wait at most its own prefill (at the best) more.
+        cluster = self.config.ttft_score == TTFTScore.CLUSTER.value
+        score = {w.url: cluster_cost(terms[w.url], w) if cluster else terms[w.url].ttft_s
+                 for w in request.workers}
+        best = self._lowest(request.workers, score, _TIE_DIGITS, record=False)
+        # The home may cost at most the request's own prefill (at the best) more.
         url, home = self._home_or(
-            request, best, lambda home: ttft[home] <= ttft[best] + terms[best].own_s)
+            request, best, lambda home: score[home] <= score[best] + terms[best].own_s)
         return RouteDecision(
-            worker=url, policy=self.name,
-            logits={u: t.ttft_s for u, t in terms.items()}, overlaps=overlaps,
+            worker=url, policy=self.name, logits=score, overlaps=overlaps,
             shared_hits=None if hits is None else sum(hits),
             shared_beyond=0 if hits is None else shared_run(overlaps[url], hits),
             shared_outcome=None if outcome is None else outcome.value,
             predicted_ttft_s=terms[url].ttft_s, terms=terms[url].as_dict(),
             fallbacks=fallbacks[url], home=home,
         )
+
+
+def cluster_cost(terms: TTFTTerms, worker: WorkerLoad) -> float:
+    """The request's predicted TTFT at ``worker`` plus the delay its forward there causes
+    the requests in flight there and the cached pages it evicts (module docstring)."""
+    work_s = max(0.0, terms.own_s - terms.load_s)
+    usage = 1.0 if worker.cache_usage is None else worker.cache_usage
+    others = worker.prefilling_requests + worker.decoding_requests + usage
+    return terms.ttft_s + work_s * others

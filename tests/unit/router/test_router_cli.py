@@ -44,6 +44,8 @@ def test_flags_become_settings() -> None:
     assert defaults.shared_cache_multiplier == 0.0
     assert defaults.shared_cache_type is SharedCacheType.NONE
     assert parse("--admin-api-key", "").admin_api_key is None
+    assert defaults.ttft_score == "own"
+    assert parse("--ttft-score", "cluster").ttft_score == "cluster"
     assert defaults.warm_on_join_timeout_s == 20.0
     assert parse("--warm-on-join-timeout-s", "0").warm_on_join_timeout_s == 0.0  # no warm
 

@@ -53,9 +53,9 @@ class FixedIndex:
 
 
 def choose(overlaps: Mapping[str, TierOverlap], workers: Sequence[WorkerLoad],
-           shared: object = None, prompt: int = PROMPT) -> RouteDecision:
+           shared: object = None, prompt: int = PROMPT, score: str = "own") -> RouteDecision:
     policy = build_policy("predicted_ttft", FixedIndex(overlaps), shared,  # type: ignore[arg-type]
-                          ScoringConfig())
+                          ScoringConfig(ttft_score=score))
     request = RouteRequest(page_hashes=HASHES, prompt_tokens=prompt, workers=workers,
                            page_size=PAGE)
     return asyncio.run(policy.choose(request, list(range(prompt))))
@@ -159,3 +159,45 @@ def test_the_shared_pools_answer_counts_only_its_run_past_the_host_prefix() -> N
 def test_no_worker_is_an_error() -> None:
     with pytest.raises(NoWorkerError):
         choose({}, [])
+
+
+# A holds the prefix on its device and is busy: a prefill queued, two requests decoding.
+BUSY_HOME = WorkerLoad("A", queued_prefill_s=0.3, prefilling_requests=1, decoding_requests=2,
+                       cache_usage=1.0, costs=costs())
+
+
+def test_the_cluster_score_keeps_a_turn_home_where_its_own_ttft_would_leave() -> None:
+    idle = WorkerLoad("B", cache_usage=1.0, costs=costs())
+    own = choose({"A": TierOverlap(gpu=PAGES, host=PAGES)}, [BUSY_HOME, idle])
+    # Its own TTFT: 0.3 s of queue and 4 tokens at A against 0.26 s recomputed at B.
+    assert own.worker == "B"
+    cluster = choose({"A": TierOverlap(gpu=PAGES, host=PAGES)}, [BUSY_HOME, idle],
+                     score="cluster")
+    assert cluster.worker == "A"
+    # A: its TTFT plus its 4 tokens' forward delaying 1 + 2 requests and one evicted page's
+    # worth (a full cache); B: the whole prompt's forward, on top of its TTFT, evicts as much.
+    assert cluster.logits["A"] == pytest.approx(0.3 + 4 * PER_TOKEN + 4 * PER_TOKEN * 4)
+    assert cluster.logits["B"] == pytest.approx(PROMPT * PER_TOKEN * 2)
+    # What is reported as predicted is still the request's own TTFT there.
+    assert cluster.predicted_ttft_s == pytest.approx(0.3 + 4 * PER_TOKEN)
+
+
+def test_the_cluster_score_of_an_idle_worker_with_room_is_its_ttft() -> None:
+    empty = WorkerLoad("B", cache_usage=0.0, costs=costs())
+    decision = choose({}, [empty], score="cluster")
+    assert decision.logits["B"] == pytest.approx(decision.predicted_ttft_s)
+
+
+def test_loads_do_not_count_as_work_the_others_wait_for() -> None:
+    # The prefix is read from L3 at B: the reads run beside the forward, only the 4 computed
+    # tokens delay B's two decoding requests (its cache not probed yet: taken as full).
+    reader = WorkerLoad("B", decoding_requests=2, costs=costs())
+    decision = choose({"B": TierOverlap(external=PAGES)}, [reader], score="cluster")
+    ttft = decision.predicted_ttft_s
+    assert decision.terms["load_s"] == pytest.approx(PAGES * 0.0051)
+    assert decision.logits["B"] == pytest.approx(ttft + 4 * PER_TOKEN * 3)
+
+
+def test_an_unknown_score_is_refused() -> None:
+    with pytest.raises(ValueError, match="ttft_score"):
+        ScoringConfig(ttft_score="fastest")
