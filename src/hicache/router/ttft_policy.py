@@ -94,6 +94,8 @@ class PredictedTTFTPolicy(TierAwarePolicy):
             shared_outcome=None if outcome is None else outcome.value,
             predicted_ttft_s=terms[url].ttft_s, terms=terms[url].as_dict(),
             fallbacks=fallbacks[url], home=home,
+            # What its plan computes there, as the ledger counts pending pages.
+            prefill_pages=max(0, request.prompt_tokens - terms[url].cached_tokens) / page,
         )
 
 

@@ -98,7 +98,8 @@ class RouteDecision:
     # it is a candidate (router.affinity); None: a new conversation, or affinity off.
     home: str | None = None
     # tier_aware: the pages the chosen worker computes for this request (its prefill
-    # term before the overlap weight), the ledger's entry for it in pages.
+    # term before the overlap weight); predicted_ttft: the pages its plan there computes.
+    # The ledger's entry for it in pages.
     prefill_pages: float = 0.0
     # tier_aware: the overlap weight the chosen worker's prefill pages were scored with
     # (the flag's, or the one derived from its queue and cache: ``policy.py``).

@@ -85,6 +85,7 @@ def test_the_sticky_choice_wins_when_its_queue_is_short() -> None:
     assert decision.worker == "A"
     assert decision.predicted_ttft_s == pytest.approx(0.05 + 4 * PER_TOKEN)
     assert decision.predicted_prefill_s == pytest.approx(4 * PER_TOKEN)
+    assert decision.prefill_pages == pytest.approx(4 / PAGE)  # the partial page's tokens
 
 
 def test_l3_pages_dearer_than_recomputing_are_recomputed() -> None:
