@@ -74,7 +74,9 @@ class RouterSettings:
     # None (``auto``): tier_aware derives each worker's weight from its queue and cache
     # (policy.py). Measured level with 4.0 on the sweep's closed-loop points and behind it
     # under light load (ws 1 Poisson 50%: mean TTFT 0.83x SGLang's against 0.78x), so 4.0
-    # stays the default (docs/benchmarks.md, 2026-11-30).
+    # stays the default (docs/benchmarks.md, 2026-11-30). predicted_ttft with --ttft-score
+    # cluster, which has no weight, measured level on throughput and behind on TTFT over the
+    # whole short grid (mean <= 0.8x SGLang's on 3 points against 7: 2026-12-02).
     overlap_weight: float | None = 4.0
     shared_cache_multiplier: float = 0.0
     shared_cache_type: SharedCacheType = SharedCacheType.NONE
