@@ -204,6 +204,10 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sweep-open-max-seconds", type=float, default=300.0, metavar="S",
                        help="an open-loop run sends until every turn of every conversation "
                        "has arrived, but no longer than this (default: %(default)s)")
+    group.add_argument("--sweep-generations", type=int, default=1, metavar="G",
+                       help="each conversation is followed by G - 1 fresh ones, as many "
+                       "alive at once: a run sends up to G times the turns at the same "
+                       "working set (default: %(default)s)")
     group.add_argument("--sweep-capacity", type=float, default=None, metavar="RPS",
                        help="requests a second the Poisson points take as the capacity, "
                        "instead of measuring it at each one's closed-loop point first "

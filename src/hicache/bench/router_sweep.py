@@ -24,7 +24,12 @@ an open-loop one once its schedule has sent every turn of every conversation
 ``--sweep-point-seconds``: at half of capacity a 40 s run sends about one turn per
 conversation at ws 2 and 4, so it measures first turns, which no cache holds, not
 routing. Each point records its run length (the long prompts may be given more time in
-another session of the same sweep).
+another session of the same sweep). ``--sweep-generations G`` makes each conversation a
+chain of G (a fresh one starts when the one before has answered its last turn:
+sweep_load.py): as many conversations are alive at once, so the working set stays the
+point's, but a run sends up to G times the turns. On a fast host a closed loop of one
+generation answers every turn in seconds, too few requests for one run to tell two
+routers apart.
 
 Each point runs, in a fresh cluster per run: ``hicache router`` with its default policy
 (whatever it is at run time) and with every ``--policies`` given, and SGLang's router
@@ -53,7 +58,7 @@ from typing import Any
 
 from hicache.bench.client import ApiStyle
 from hicache.bench.cluster import L3Kind
-from hicache.bench.multiturn import args_config
+from hicache.bench.multiturn import args_config, multiturn_workload
 from hicache.bench.report import RunSummary
 from hicache.bench.router_bench import (
     SMOKE_L3_EXTRA,
@@ -228,13 +233,17 @@ class SweepSettings:
     kv_bytes_per_token: int
     contenders: tuple[Contender, ...]
     seed: int
+    generations: int = 1  # conversations each live slot plays in turn
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        settings: dict[str, Any] = {
             "num_workers": self.num_workers, "worker_args": self.worker_args,
             "hicache_ratio": self.hicache_ratio, "repeats": self.repeats,
             "kv_bytes_per_token": self.kv_bytes_per_token, "seed": self.seed,
         }
+        if self.generations != 1:  # absent from the state files of one generation
+            settings["generations"] = self.generations
+        return settings
 
 
 def default_router_policy() -> str:
@@ -292,12 +301,14 @@ def settings_of(args: argparse.Namespace) -> SweepSettings:
         raise RouterBenchError("--num-workers must be >= 1")
     if not args.hicache_ratio > 1:
         raise RouterBenchError("--hicache-ratio must be > 1")
+    if args.sweep_generations < 1:
+        raise RouterBenchError("--sweep-generations must be >= 1")
     return SweepSettings(
         num_workers=args.num_workers, worker_args=args.worker_args,
         hicache_ratio=args.hicache_ratio, point_seconds=args.sweep_point_seconds,
         open_max_seconds=args.sweep_open_max_seconds,
         repeats=args.repeats, kv_bytes_per_token=args.sweep_kv_bytes_per_token,
-        contenders=contenders(args), seed=args.seed,
+        contenders=contenders(args), seed=args.seed, generations=args.sweep_generations,
     )
 
 
@@ -321,7 +332,8 @@ def point_deadline(sizes: PointSizes, rate: float | None, settings: SweepSetting
     ``--sweep-open-max-seconds``, never shorter than the closed loop's."""
     if rate is None:
         return settings.point_seconds
-    span = schedule_span(sizes.num_clients, sizes.prompt.num_rounds, rate, settings.seed)
+    turns = sizes.prompt.num_rounds * settings.generations
+    span = schedule_span(sizes.num_clients, turns, rate, settings.seed)
     # Just past the last arrival, so that its turn is not cut off by rounding.
     return max(settings.point_seconds, min(math.ceil(span) + 1.0, settings.open_max_seconds))
 
@@ -359,11 +371,17 @@ def _plan(run_args: argparse.Namespace, point: SweepPoint) -> Plan:
     return replace(plan, l3=L3Kind.NONE) if point.l3 == "none" else plan
 
 
-def _runner(spec: LoadSpec, args: argparse.Namespace) -> Any:
+def _runner(spec: LoadSpec, args: argparse.Namespace, generations: int) -> Any:
     async def run(
         run_args: argparse.Namespace, sessions: Sequence[Session], maker: PromptMaker,
         url: str, label: str, config: dict[str, Any],
     ) -> RunSummary:
+        if generations > 1:
+            # The same first generation, then the conversations that follow it (the
+            # workload's seeding is per conversation index).
+            more = argparse.Namespace(**vars(run_args))
+            more.num_clients = len(sessions) * generations
+            sessions = multiturn_workload(more, maker)
         return await run_load(
             url, sessions, maker, spec, label, api=ApiStyle(args.api), model=args.model,
             warmup=args.warmup, request_timeout_s=args.request_timeout,
@@ -384,15 +402,17 @@ def run_point(
     rate = None
     if point.load_fraction is not None:
         if not capacity_rps:
-            sizes_json = {**sizes.to_json(), "point_seconds": settings.point_seconds}
+            sizes_json = {**sizes.to_json(), "point_seconds": settings.point_seconds,
+                          "generations": settings.generations}
             return PointResult.failed(point.id, point_fields(point), sizes_json,
                                       "no capacity measured at the closed-loop point")
         rate = point.load_fraction * capacity_rps
     deadline = point_deadline(sizes, rate, settings)
-    sizes_json = {**sizes.to_json(), "point_seconds": deadline}
+    sizes_json = {**sizes.to_json(), "point_seconds": deadline,
+                  "generations": settings.generations}
     spec = LoadSpec(
         deadline_s=deadline, max_inflight=sizes.max_inflight if rate is None else 0,
-        rate=rate, seed=settings.seed,
+        rate=rate, seed=settings.seed, live=sizes.num_clients,
     )
     point_dir = out_dir / "points" / point.id
     point_dir.mkdir(parents=True, exist_ok=True)
@@ -407,7 +427,7 @@ def run_point(
             config.update(point=point.id, contender=name, rate=rate)
             print(f"[{point.id}] {name}, repeat {repeat}", flush=True)
             run = run_policy(contender.policy, repeat, run_args, plan, point_dir, config,
-                             name=name, runner=_runner(spec, args))
+                             name=name, runner=_runner(spec, args, settings.generations))
             status = "ok" if run.error is None else f"FAILED: {run.error.splitlines()[0]}"
             print(f"[{point.id}] {run.stem}: {status}", flush=True)
             runs.append((contender, run))
@@ -472,7 +492,8 @@ def main(args: argparse.Namespace) -> int:
         f"- each run stops sending after {settings.point_seconds:g} s in a closed loop, "
         "in an open one once every turn is sent (at most "
         f"{settings.open_max_seconds:g} s); this session's points, see Sizes; repeats: "
-        f"{settings.repeats} (order reversed on even repeats); seed {settings.seed}",
+        f"{settings.repeats} (order reversed on even repeats); seed {settings.seed}; "
+        f"{settings.generations} generation(s) of conversations a run",
         f"- CPUs: {os.cpu_count()} on the machine",
     ]
     note = shared_cores_note(settings.num_workers, len(os.sched_getaffinity(0)))

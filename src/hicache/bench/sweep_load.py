@@ -16,6 +16,14 @@
   conversation's next turn (the others keep their arrival times). Nothing else caps the
   requests in flight (at most N).
 
+With ``live`` set, the sessions play as ``live`` chains, at most that many conversations
+at once: chain ``c`` plays sessions ``c``, ``c + live``, ``c + 2 live``, ... one after
+another, a new conversation (fresh text) starting once the one before it has answered its
+last turn. The conversations alive at once then stay the working set a point asks for
+while a run sends as many turns as its time allows; finished ones are never asked again,
+so their cached pages only age. Each load model treats a chain as one conversation of all
+its sessions' turns (the Poisson schedule's ``N`` is the number of chains).
+
 Both stop by themselves: a turn that would be sent more than ``deadline_s`` after the
 start is not sent, nor any later turn of its conversation; the run ends once the requests
 in flight have answered. So a run sends at most every conversation's every turn, and
@@ -74,12 +82,21 @@ class LoadSpec:
     max_inflight: int = 0  # closed loop's cap; 0: none
     rate: float | None = None  # open loop's arrivals per second; None: closed loop
     seed: int = 0
+    live: int = 0  # conversations alive at once (chains of sessions); 0: every session
 
     def __post_init__(self) -> None:
         if not self.deadline_s > 0:
             raise WorkloadError(f"a run's deadline must be > 0 s, got {self.deadline_s}")
         if self.max_inflight < 0:
             raise WorkloadError("max_inflight must be >= 0")
+        if self.live < 0:
+            raise WorkloadError("live must be >= 0")
+
+
+def chains(sessions: Sequence[Session], live: int) -> list[list[Session]]:
+    """The sessions as ``live`` chains played one after another (0: one chain each)."""
+    width = len(sessions) if live == 0 else min(live, len(sessions))
+    return [list(sessions[c::width]) for c in range(width)] if sessions else []
 
 
 async def play(
@@ -87,22 +104,30 @@ async def play(
     log: JsonlLog | None = None,
 ) -> list[RequestRecord]:
     """Send the sessions' turns as ``spec`` says; one record per request sent."""
-    rounds = max((s.num_rounds for s in sessions), default=0)
+    chained = chains(sessions, spec.live)
+    turns = max((sum(s.num_rounds for s in chain) for chain in chained), default=0)
     schedule = (
-        poisson_schedule(len(sessions), rounds, spec.rate, spec.seed)
-        if spec.rate is not None and sessions else None
+        poisson_schedule(len(chained), turns, spec.rate, spec.seed)
+        if spec.rate is not None and chained else None
     )
     slots = asyncio.Semaphore(spec.max_inflight) if spec.max_inflight else None
     records: list[RequestRecord] = []
     start = time.perf_counter()
 
-    async def conversation(index: int, session: Session) -> None:
+    async def conversation(index: int, chain: Sequence[Session]) -> None:
         turn = 0
+        for session in chain:
+            if not await play_session(index, session, turn):
+                return
+            turn += session.num_rounds
+
+    async def play_session(index: int, session: Session, turn: int) -> bool:
+        """The session's turns from the chain's ``turn``; False once the deadline stops it."""
         while not session.done:
             if schedule is not None:
                 arrival = schedule[index][turn]
                 if arrival > spec.deadline_s:
-                    return
+                    return False
                 delay = start + arrival - time.perf_counter()
                 while delay > 0:  # again if the loop woke early: never send before arrival
                     await asyncio.sleep(delay)
@@ -111,7 +136,7 @@ async def play(
                 await slots.acquire()
             try:
                 if time.perf_counter() - start > spec.deadline_s:
-                    return
+                    return False
                 plan = session.next_request()
                 result = await client.send(plan.prompt, plan.max_tokens)
             finally:
@@ -125,8 +150,9 @@ async def play(
                 log.write(record)
             session.record_answer(result.text, result.output_ids)
             turn += 1
+        return True
 
-    await asyncio.gather(*(conversation(i, s) for i, s in enumerate(sessions)))
+    await asyncio.gather(*(conversation(i, chain) for i, chain in enumerate(chained)))
     records.sort(key=lambda r: r.sent_s)
     return records
 
@@ -138,7 +164,7 @@ async def run_load(
     config: dict[str, Any] | None = None,
 ) -> RunSummary:
     """Warm up with short unrelated requests (not counted), then ``play``; the summary."""
-    connections = spec.max_inflight or max(1, len(sessions))
+    connections = spec.max_inflight or max(1, len(chains(sessions, spec.live)))
     client = BenchClient(
         url, api, model=model, temperature=0.0, ignore_eos=True, timeout_s=request_timeout_s,
         max_connections=connections,

@@ -4,6 +4,7 @@ main loop with the runs stubbed out (no process starts)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from hicache.bench import router_sweep
+from hicache.bench.multiturn import multiturn_workload, prompt_maker
 from hicache.bench.router_bench import RouterBenchError, resolve_sizes
 from hicache.bench.router_sweep import (
     PROMPT_CLASSES,
@@ -30,7 +32,7 @@ from hicache.bench.router_sweep_report import (
     PointResult,
     SweepState,
 )
-from hicache.bench.sweep_load import poisson_schedule
+from hicache.bench.sweep_load import LoadSpec, poisson_schedule
 from hicache.cli import build_parser, main
 
 
@@ -332,3 +334,42 @@ def test_the_report_warns_when_workers_outnumber_the_cores() -> None:
     assert router_sweep.shared_cores_note(2, 2) is None
     note = router_sweep.shared_cores_note(3, 2)
     assert note is not None and "3 workers share 2 CPU cores" in note
+
+
+def test_generations_lengthen_a_run_at_the_same_working_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plain = settings_of(sweep_args(tmp_path))
+    assert plain.generations == 1 and "generations" not in plain.to_json()
+    settings = settings_of(sweep_args(tmp_path, "--sweep-generations", "3"))
+    assert settings.to_json()["generations"] == 3
+    with pytest.raises(RouterBenchError, match="generations"):
+        settings_of(sweep_args(tmp_path, "--sweep-generations", "0"))
+    # An open loop waits for every generation's turns to arrive.
+    point = SweepPoint("short", 1.0, "none", "poisson50")
+    sizes = point_sizes(point, 2, 2.0, 46080)
+    span = max(max(t) for t in poisson_schedule(sizes.num_clients, 3 * 4, 0.5, settings.seed))
+    assert point_deadline(sizes, 0.5, settings) == min(300.0, float(int(span) + 2))
+    assert point_deadline(sizes, 0.5, settings) > point_deadline(sizes, 0.5, plain)
+    # The runner plays the point's conversations, then as many fresh ones twice more, with
+    # the point's conversations alive at once.
+    seen: dict[str, Any] = {}
+
+    async def fake_run_load(url: str, sessions: Sequence[Any], maker: Any, spec: Any,
+                            label: str, **kwargs: Any) -> str:
+        seen.update(sessions=sessions, spec=spec)
+        return "summary"
+
+    monkeypatch.setattr(router_sweep, "run_load", fake_run_load)
+    args = sweep_args(tmp_path, "--sweep-generations", "3")
+    contender = router_sweep.contenders(args)[0]
+    run_args = router_sweep._point_args(args, sizes, point, contender)
+    maker = prompt_maker(run_args)
+    first = multiturn_workload(run_args, maker)
+    spec = LoadSpec(deadline_s=10.0, max_inflight=4, live=len(first))
+    runner = router_sweep._runner(spec, args, settings.generations)
+    assert asyncio.run(runner(run_args, first, maker, "http://x", "l", {})) == "summary"
+    chained = seen["sessions"]
+    assert len(chained) == 3 * len(first) and seen["spec"].live == len(first)
+    assert [s.parts for s in chained[:len(first)]] == [s.parts for s in first]
+    assert len({str(s.parts[0]) for s in chained}) == len(chained)  # fresh text each

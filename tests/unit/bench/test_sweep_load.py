@@ -4,6 +4,7 @@ stand-in client (no server)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -127,3 +128,46 @@ def test_a_load_spec_is_checked() -> None:
         LoadSpec(deadline_s=0.0)
     with pytest.raises(WorkloadError):
         LoadSpec(deadline_s=1.0, max_inflight=-1)
+
+
+def test_live_chains_keep_that_many_conversations_alive_and_play_them_in_turn() -> None:
+    maker = _maker()
+    client = StandInClient(delay_s=0.002)
+    sessions = _sessions(maker, clients=6, rounds=2)  # 2 alive, 3 generations each
+    records = asyncio.run(play(client, sessions, maker,  # type: ignore[arg-type]
+                               LoadSpec(deadline_s=600.0, max_inflight=4, live=2)))
+    assert len(records) == 6 * 2 and all(r.ok for r in records)
+    # Two chains: each request's conversation is alive only between its chain
+    # predecessor's last answer and its own; at most one turn of a chain in flight.
+    assert client.most_in_flight == 2
+    for chain in ([0, 2, 4], [1, 3, 5]):
+        mine = [r for r in records if r.session in chain]
+        assert [(r.session, r.round) for r in mine] == [(s, t) for s in chain for t in (0, 1)]
+        for earlier, later in itertools.pairwise(mine):
+            assert later.sent_s >= earlier.sent_s + earlier.latency_s - 1e-3
+
+
+def test_an_open_loop_over_chains_schedules_each_chain_as_one_conversation() -> None:
+    maker = _maker()
+    client = StandInClient(delay_s=0.001)
+    rate = 300.0
+    records = asyncio.run(play(client, _sessions(maker, clients=4, rounds=2), maker,  # type: ignore[arg-type]
+                               LoadSpec(deadline_s=600.0, rate=rate, seed=5, live=2)))
+    assert len(records) == 8
+    schedule = poisson_schedule(2, 4, rate, seed=5)  # 2 chains of 2 sessions x 2 rounds
+    for record in records:
+        chain, generation = record.session % 2, record.session // 2
+        arrival = schedule[chain][generation * 2 + record.round]
+        assert record.sent_s >= arrival - 1e-3
+
+
+def test_a_chain_stops_at_the_deadline_with_its_later_conversations() -> None:
+    maker = _maker()
+    client = StandInClient(delay_s=0.4)
+    # A closed loop whose deadline passes during the first answers: no second turn, and
+    # none of the chains' later conversations start.
+    records = asyncio.run(play(client, _sessions(maker, clients=6, rounds=3), maker,  # type: ignore[arg-type]
+                               LoadSpec(deadline_s=0.2, max_inflight=3, live=3)))
+    assert records and all(r.session in (0, 1, 2) and r.round == 0 for r in records)
+    with pytest.raises(WorkloadError):
+        LoadSpec(deadline_s=1.0, live=-1)
