@@ -26,7 +26,8 @@ def test_one_point_with_both_routers_then_resumed(
     flags = ["bench", "router", "--sweep", "--smoke", "--out-dir", str(out), "--num-workers", "2",
              "--startup-timeout", "180", "--sweep-ws", "0.5", "--sweep-l3", "all",
              "--sweep-arrival", "closed", "--sweep-prompt", "short",
-             "--sweep-point-seconds", "30", "--sweep-kv-bytes-per-token", "1024"]
+             "--sweep-point-seconds", "30", "--sweep-kv-bytes-per-token", "1024",
+             "--sweep-generations", "2"]
     code = main(flags)
     report = (out / "router_sweep.md").read_text()
     assert code == 0, report
@@ -36,10 +37,11 @@ def test_one_point_with_both_routers_then_resumed(
     contenders = {c["name"]: c for c in point["contenders"]}
     assert list(contenders)[-1] == "sglang" and len(contenders) == 2
     conversations, rounds = point["sizes"]["num_clients"], point["sizes"]["num_rounds"]
+    assert point["sizes"]["generations"] == 2
     for stats in contenders.values():
-        # Every turn of every conversation answered (the tiny workload ends before the
-        # deadline), some of it from a cache.
-        assert stats["requests"] == conversations * rounds and stats["failed"] == 0
+        # Every turn of both generations of conversations answered (the tiny workload ends
+        # before the deadline), some of it from a cache.
+        assert stats["requests"] == 2 * conversations * rounds and stats["failed"] == 0
         assert stats["tier_share"]["recomputed"] < 1.0
     # The closed loop measured the point's capacity: SGLang's successful requests per second.
     assert point["capacity_rps"] == pytest.approx(contenders["sglang"]["request_rps"])
