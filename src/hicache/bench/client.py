@@ -66,6 +66,12 @@ class RequestResult:
     error: str | None = None
     # The outcomes of the request's own cache hints (hicache_hints), as the server gave them.
     hints: list[dict[str, Any]] | None = None
+    # /generate only: the server's own time from the request's arrival to its first token
+    # (``meta_info.ttft``), and its load-or-recompute report (``meta_info.reuse``: the time
+    # held for L3 pages, admission to first token, predicted beside them). The client's
+    # TTFT less the server's is what lies between them (a router, the network).
+    server_ttft_s: float | None = None
+    reuse: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------ stream parsing
@@ -87,6 +93,8 @@ class _Stream:
         self.cached_by_tier: dict[str, int] | None = None
         self.finish_reason: str | None = None
         self.hints: list[dict[str, Any]] | None = None
+        self.server_ttft_s: float | None = None
+        self.reuse: dict[str, Any] | None = None
         self.error: str | None = None
 
     def feed(self, event: dict[str, Any], now: float) -> None:
@@ -133,6 +141,7 @@ class _Stream:
             output_tokens=output_tokens, cached_tokens=self.cached_tokens,
             cached_by_tier=self.cached_by_tier, text=self.text, output_ids=self.output_ids,
             finish_reason=self.finish_reason, chunks=self.chunks, error=error, hints=self.hints,
+            server_ttft_s=self.server_ttft_s, reuse=self.reuse,
         )
 
     @property
@@ -221,6 +230,12 @@ class GenerateStream(_Stream):
         hints = meta.get("hints")
         if isinstance(hints, list):
             self.hints = [h for h in hints if isinstance(h, dict)]
+        ttft = meta.get("ttft")
+        if isinstance(ttft, (int, float)) and not isinstance(ttft, bool) and ttft >= 0:
+            self.server_ttft_s = float(ttft)
+        reuse = meta.get("reuse")
+        if isinstance(reuse, dict):
+            self.reuse = reuse
         reason = meta.get("finish_reason")
         if reason:
             self.finish_reason = str(reason.get("type")) if isinstance(reason, dict) else str(

@@ -80,6 +80,10 @@ class RequestRecord:
     cached_by_tier: dict[str, int] | None
     finish_reason: str | None = None
     error: str | None = None
+    # What the server said of its own part (``RequestResult``): arrival to first token,
+    # and its load-or-recompute report. Absent from logs written before they were kept.
+    server_ttft_s: float | None = None
+    reuse: dict[str, Any] | None = None
 
     @classmethod
     def of(
@@ -95,7 +99,7 @@ class RequestRecord:
             ),
             output_tokens=result.output_tokens, cached_tokens=result.cached_tokens,
             cached_by_tier=result.cached_by_tier, finish_reason=result.finish_reason,
-            error=result.error,
+            error=result.error, server_ttft_s=result.server_ttft_s, reuse=result.reuse,
         )
 
     @property
