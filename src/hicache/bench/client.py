@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -72,6 +73,7 @@ class RequestResult:
     # TTFT less the server's is what lies between them (a router, the network).
     server_ttft_s: float | None = None
     reuse: dict[str, Any] | None = None
+    rid: str | None = None  # /generate: the request id the client gave it
 
 
 # ------------------------------------------------------------------------ stream parsing
@@ -377,6 +379,10 @@ class BenchClient:
         """Send one streamed request and time it; never raises for server or network errors.
         ``extra``: more body fields (see ``payload``)."""
         route, body = self.payload(prompt, max_tokens, extra)
+        rid = None
+        if self.api is ApiStyle.GENERATE and "rid" not in body:
+            # Its own id, so that what a router and the worker logged of it can be found.
+            rid = body["rid"] = uuid.uuid4().hex
         sent_at = time.perf_counter()
         stream: _Stream = (
             OpenAIStream(sent_at) if self.api is ApiStyle.OPENAI else GenerateStream(sent_at)
@@ -407,7 +413,9 @@ class BenchClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
             # ValueError: a line too long for the reader, or bytes that are not UTF-8.
             stream.error = f"{type(error).__name__}: {error}"
-        return stream.result(time.perf_counter(), done)
+        result = stream.result(time.perf_counter(), done)
+        result.rid = rid
+        return result
 
     async def flush_cache(self) -> bool:
         """POST /flush_cache; True when the server says it flushed."""

@@ -84,6 +84,7 @@ class RequestRecord:
     # and its load-or-recompute report. Absent from logs written before they were kept.
     server_ttft_s: float | None = None
     reuse: dict[str, Any] | None = None
+    rid: str | None = None  # the request id the client sent, where it sent one
 
     @classmethod
     def of(
@@ -100,6 +101,7 @@ class RequestRecord:
             output_tokens=result.output_tokens, cached_tokens=result.cached_tokens,
             cached_by_tier=result.cached_by_tier, finish_reason=result.finish_reason,
             error=result.error, server_ttft_s=result.server_ttft_s, reuse=result.reuse,
+            rid=result.rid,
         )
 
     @property

@@ -332,6 +332,11 @@ class HierarchicalCache:
         True when the answer came (``StorageTier.await_lookup``)."""
         return self.storage is not None and self.storage.await_lookup(handle, timeout_s)
 
+    def await_prefetch_read(self, handle: PrefetchHandle, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for its L3 read to end, applied; True when it ended
+        (``StorageTier.await_read``: not when the read is predicted to take longer)."""
+        return self.storage is not None and self.storage.await_read(handle, timeout_s)
+
     def prefetch_done(self, handle: PrefetchHandle) -> bool:
         """Will nothing more of it land in time? Then settle it even if its request waits.
 

@@ -249,6 +249,24 @@ class StorageTier:
         self.poll()
         return True
 
+    def await_read(self, handle: PrefetchHandle, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for its read to end, and apply it (``poll``); True when
+        it ended. Not waited for when the live read time (``read_time``) says the pages
+        still to come take longer than that: the wait would only cost the requests
+        running beside it. Not under tensor parallelism (every rank's progress is agreed
+        at the tick), nor before the lookup answered (``await_lookup``)."""
+        op = handle.op
+        if handle.replicated or not handle.in_controller or op.host_pages is None \
+                or timeout_s <= 0:
+            return False
+        predicted = self.read_time.predict_read(max(0, len(op.host_pages) - op.num_landed))
+        if predicted is not None and predicted > timeout_s:
+            return False
+        if not self.controller.wait_read(op, timeout_s):
+            return False
+        self.poll()
+        return True
+
     def ready(self, handle: PrefetchHandle) -> bool:
         """May the request start now, under the prefetch policy?"""
         if handle.finished or self.config.prefetch_policy is PrefetchPolicy.BEST_EFFORT:

@@ -7,7 +7,10 @@ host pages when the prefetch is settled: when it is done, or when the request
 is considered for admission and the prefetch policy lets it start.
 A request whose L3 lookup has not answered is held; an admission round waits a few
 milliseconds (``LOOKUP_WAIT_S``) for the lookups it posted rather than leave the new
-requests out of the forward that follows.
+requests out of the forward that follows. Likewise for the reads: a request held for
+pages still being read would sit out the next forward of the requests running beside
+it, and the round waits for its read where that costs less than it saves (the wait the
+scheduler gives ``advance``: a share of the next step's predicted time).
 
 Waiting requests take host pages for their prefetches only up to the L3
 tier's budget (``prefetch_max_host_fraction`` of the host pool), counting what
@@ -35,6 +38,7 @@ from collections.abc import Callable, Iterable
 
 from hicache.cache.hierarchical_cache import HierarchicalCache
 from hicache.engine.request import Req
+from hicache.engine.reuse_plan import CostSnapshot
 
 # The longest an admission round waits for the L3 lookups of the requests it considers,
 # all together. A request whose lookup has not answered is held (L3 may hold its prompt),
@@ -44,6 +48,31 @@ from hicache.engine.request import Req
 # answers in well under a millisecond, Mooncake in about one round trip; a store slower
 # than this costs its requests that step, as before.
 LOOKUP_WAIT_S = 0.01
+# The longest an admission round waits for L3 reads, all together, however long the step
+# that follows: past it a read is slow enough to be worth its own step.
+MAX_READ_WAIT_S = 0.25
+
+
+def read_wait_s(costs: CostSnapshot, prompt_tokens: int, decode_rows: int,
+                running: int) -> float:
+    """What an admission round may wait for the reads of the requests it holds, before a
+    step of ``prompt_tokens`` prompt tokens and ``decode_rows`` decode rows over
+    ``running`` requests, priced with the live costs.
+
+    A held request whose read lands within the wait joins that step rather than the one
+    after it: it gains about the step's time, and each of the ``running`` requests loses
+    the wait. So the wait pays while it is under step / (running + 1); an idle engine
+    (nothing running) holds nothing up and polls its reads anyway: 0. Unknown costs: 0.
+    """
+    if running <= 0:
+        return 0.0
+    if prompt_tokens > 0:
+        step = costs.prefill_s(prompt_tokens, 0, decode_rows)
+    else:
+        step = costs.step.decode_step_s if costs.step is not None else None
+    if step is None or step <= 0:
+        return 0.0
+    return min(MAX_READ_WAIT_S, step / (running + 1))
 
 
 class Prefetcher:
@@ -54,11 +83,17 @@ class Prefetcher:
         # come are worth waiting for (the load-or-recompute plan, ``reuse.py``); None:
         # the policy alone decides.
         self.worth_waiting: Callable[[Req], bool] | None = None
-        # What the current admission round may still wait for lookups (``LOOKUP_WAIT_S``).
+        # What the current admission round may still wait for lookups (``LOOKUP_WAIT_S``)
+        # and for reads (the scheduler's ``read_wait_s``).
         self._lookup_wait_left = 0.0
+        self._read_wait_left: float | None = 0.0  # None: not priced yet this round
+        self._read_wait: Callable[[], float] | None = None
 
-    def advance(self, waiting: Iterable[Req]) -> None:
+    def advance(self, waiting: Iterable[Req],
+                read_wait: Callable[[], float] | None = None) -> None:
         """Start the prefetches of waiting requests as the budget allows; settle the done ones.
+        ``read_wait``: prices what this admission round may wait, in all, for the reads
+        of the requests it holds, asked once when one is first held (None: no wait).
 
         Every done prefetch is settled, not only those ahead of the first request
         that does not fit: a prefetch protects the host prefix it extends until it
@@ -67,6 +102,7 @@ class Prefetcher:
         """
         cache = self.cache
         self._lookup_wait_left = LOOKUP_WAIT_S
+        self._read_wait_left, self._read_wait = (None, read_wait) if read_wait else (0.0, None)
         if not self.enabled or cache.storage is None:
             return
         queue = list(waiting)
@@ -112,14 +148,28 @@ class Prefetcher:
             began = time.monotonic()
             self.cache.await_prefetch_lookup(req.prefetch, self._lookup_wait_left)
             self._lookup_wait_left -= time.monotonic() - began
-        # The policy is an upper bound: the plan may cut the prefetch sooner, where what
-        # has landed plus computing the rest beats waiting for the pages still to come.
-        if not self.cache.prefetch_ready(req.prefetch) and (
-            self.worth_waiting is None or self.worth_waiting(req)
-        ):
-            return False
+        if self._held(req):
+            if self._read_wait_left is None:
+                assert self._read_wait is not None
+                self._read_wait_left = max(0.0, self._read_wait())
+            if self._read_wait_left <= 0:
+                return False
+            began = time.monotonic()
+            landed = self.cache.await_prefetch_read(req.prefetch, self._read_wait_left)
+            self._read_wait_left -= time.monotonic() - began
+            if not landed or self._held(req):
+                return False
         self._settle(req)
         return True
+
+    def _held(self, req: Req) -> bool:
+        """Does its prefetch still hold it? The policy is an upper bound: the plan may cut
+        the prefetch sooner, where what has landed plus computing the rest beats waiting
+        for the pages still to come."""
+        assert req.prefetch is not None
+        return not self.cache.prefetch_ready(req.prefetch) and (
+            self.worth_waiting is None or self.worth_waiting(req)
+        )
 
     def cancel(self, req: Req) -> None:
         """The request ends before its prefetch settled: drop what it fetched."""

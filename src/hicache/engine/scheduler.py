@@ -70,7 +70,7 @@ from hicache.engine.model_runner import ModelRunner
 from hicache.engine.output_thread import DiscardedOutputs, OutputThread
 from hicache.engine.pd_decode import DecodeIntake
 from hicache.engine.postprocess import PostProcessor
-from hicache.engine.prefetcher import Prefetcher
+from hicache.engine.prefetcher import Prefetcher, read_wait_s
 from hicache.engine.request import Phase, Req
 from hicache.engine.reuse import ReuseAdvisor
 from hicache.engine.step_budget import prefill_budget
@@ -327,7 +327,7 @@ class Scheduler:
     # ------------------------------------------------------------- admission
     def _admit(self) -> None:
         waiting = self.lifecycle.waiting
-        self.prefetcher.advance(waiting)
+        self.prefetcher.advance(waiting, self._read_wait_s)
         # Requests waiting for their KV from a prefill instance take a row when it lands.
         held = len(self.decode_intake.awaiting) if self.decode_intake is not None else 0
         try:
@@ -433,6 +433,22 @@ class Scheduler:
 
     def _pages_to_come(self, req: Req) -> int:
         return max(0, -(-req.seq_len // self.page_size) - len(req.pages))
+
+    def _read_wait_s(self) -> float:
+        """What this admission round may wait for held requests' L3 reads: a share of the
+        next step's predicted time (``prefetcher.read_wait_s``)."""
+        prompt = rows = running = 0
+        decode, prefill = Phase.DECODE, Phase.PREFILL
+        for req in self.lifecycle.running:
+            if req.phase is decode:
+                rows += 1
+            elif req.phase is prefill:
+                prompt += req.seq_len - req.num_computed
+            else:
+                continue
+            running += 1
+        prompt = min(prompt, self.limits.chunked_prefill_size)
+        return read_wait_s(self.reuse.costs(), prompt, rows, running)
 
     def _prefill_budget(self, chunk: int) -> int:
         """This step's prompt tokens beside its decode rows (``step_budget.py``), priced

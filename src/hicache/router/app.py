@@ -209,9 +209,11 @@ def create_router_app(
         tenant = request_tenant(request, body_cache_key(body))
         ids, hashes = await run_in_threadpool(prompt_pages, kind, body, tokenizer,
                                               reference.page_size, tenant)
+        rid = body.get("rid")
         response = await state.proxy.route(request.url.path, raw, request.headers, ids,
                                            hashes, multiplier, request.receive, tenant,
-                                           stream=body.get("stream") is True)
+                                           stream=body.get("stream") is True,
+                                           rid=rid if isinstance(rid, str) else None)
         # A prompt a worker took is worth warming a joining worker with; a tenant's only
         # with its credentials, which the router does not keep: the default tenant's only.
         if response.status_code == 200 and tenant is None:

@@ -1,6 +1,7 @@
 """The router's last routing decisions, for ``GET /decisions?limit=N``.
 
-Each routed request's decision: a sequence number, the chosen worker (its URL without
+Each routed request's decision: a sequence number, the request id the client gave it
+(/generate's ``rid``; None without one), the chosen worker (its URL without
 credentials), the policy, the predicted TTFT and its terms (tier_aware and predicted_ttft), the
 figures priced from other workers or defaults, the conversation's home worker
 (``affinity.py``), every worker's logit and cached prefix
@@ -33,10 +34,13 @@ class DecisionLog:
         self._entries: deque[dict[str, Any]] = deque(maxlen=capacity)
         self._ids = itertools.count(1)
 
-    def record(self, decision: RouteDecision, stream: bool) -> dict[str, Any]:
-        """Log a decision; the returned entry takes the measured TTFT later."""
+    def record(self, decision: RouteDecision, stream: bool,
+               rid: str | None = None) -> dict[str, Any]:
+        """Log a decision; the returned entry takes the measured TTFT later. ``rid``: the
+        request id the client gave the request, if any (the worker knows it by it too)."""
         entry: dict[str, Any] = {
-            "id": next(self._ids), "time": time.time(), "worker": redact(decision.worker),
+            "id": next(self._ids), "rid": rid, "time": time.time(),
+            "worker": redact(decision.worker),
             "policy": decision.policy, "stream": stream,
             "predicted_ttft_s": decision.predicted_ttft_s, "terms": dict(decision.terms),
             "fallbacks": list(decision.fallbacks), "measured_ttft_s": None,

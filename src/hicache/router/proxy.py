@@ -162,11 +162,12 @@ class Proxy:
     async def route(
         self, path: str, content: bytes, headers: Mapping[str, str], token_ids: list[int],
         hashes: list[int], shared_cache_multiplier: float | None, receive: Receive,
-        tenant: str | None = None, stream: bool = False,
+        tenant: str | None = None, stream: bool = False, rid: str | None = None,
     ) -> UpstreamResponse:
         """POST ``content`` to the policy's choice among healthy workers, next choice on a
         failure before any answer; APIError(503) when none is left. ``stream``: the
-        client asked for a streamed answer (its first byte is its first token)."""
+        client asked for a streamed answer (its first byte is its first token); ``rid``:
+        the request id the client gave it (/generate's ``rid``), logged with the decision."""
         tried: list[str] = []
         while True:
             # Warming workers only when no other is left (``WorkerRegistry.routable``).
@@ -185,7 +186,7 @@ class Proxy:
             worker = self._chosen(decision, candidates)
             response = await self._try(worker, "POST", path, content, headers,
                                        pages=len(hashes), receive=receive,
-                                       decision=decision, stream=stream)
+                                       decision=decision, stream=stream, rid=rid)
             if response is not None:
                 return response
             tried.append(worker.url)
@@ -249,7 +250,7 @@ class Proxy:
     async def _try(
         self, worker: Worker, method: str, path: str, content: bytes,
         headers: Mapping[str, str], *, pages: int, receive: Receive,
-        decision: RouteDecision | None = None, stream: bool = False,
+        decision: RouteDecision | None = None, stream: bool = False, rid: str | None = None,
     ) -> UpstreamResponse | None:
         """The worker's answer (its status and headers in; body still to stream), or None
         when it failed before answering. A client leaving meanwhile (a non-streamed answer
@@ -260,7 +261,7 @@ class Proxy:
         worker.active_prompt_pages += pages
         entry = None if decision is None else worker.ledger.admit(
             decision.predicted_prefill_s, decision.prefill_pages)
-        logged = None if decision is None else self.decisions.record(decision, stream)
+        logged = None if decision is None else self.decisions.record(decision, stream, rid)
         released = False
 
         def release() -> None:

@@ -73,12 +73,14 @@ class PrefetchOp:
     value read is a verified prefix of ``host_pages``), ``num_claimed`` (read
     thread, under the op's lock: pages it has handed to a ``get``),
     ``read_seconds`` (read thread: the time the read of the landed pages took)
-    and ``io_done``; ``queried`` is set once the lookup's answer is in ``poll``.
+    and ``io_done``; ``queried`` is set once the lookup's answer is in ``poll``,
+    ``read`` once the read's end is.
     """
 
     keys: list[bytes]
     cancelled: threading.Event = field(default_factory=threading.Event)
     queried: threading.Event = field(default_factory=threading.Event)
+    read: threading.Event = field(default_factory=threading.Event)
     num_existing: int = -1
     host_pages: PageIds | None = None
     num_landed: int = 0
@@ -290,6 +292,10 @@ class StorageController:
     def wait_queried(self, op: PrefetchOp, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``op``'s lookup; True once ``poll`` has its answer."""
         return op.queried.wait(timeout_s)
+
+    def wait_read(self, op: PrefetchOp, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``op``'s read to end; True once ``poll`` has it."""
+        return op.read.wait(timeout_s)
 
     def submit_load(self, op: PrefetchOp) -> None:
         assert op.host_pages is not None and len(op.host_pages) <= op.num_existing
@@ -762,6 +768,9 @@ class StorageController:
             if kind == "queried":  # after the put: a waiter's poll finds the answer
                 assert isinstance(op, PrefetchOp)
                 op.queried.set()
+            elif kind == "loaded":
+                assert isinstance(op, PrefetchOp)
+                op.read.set()
         with self._idle:
             self._outstanding -= 1
             self._idle.notify_all()

@@ -55,6 +55,14 @@ def test_repeat_hits_the_cache(url: str, api: ApiStyle, style: PromptStyle) -> N
         assert warm.cached_by_tier is not None
         assert sum(warm.cached_by_tier.values()) == warm.cached_tokens
         assert warm.output_ids is not None and len(warm.output_ids) == 6
+        # Each request went with an id of its own, and the server said of its part: its
+        # TTFT, within the client's.
+        assert cold.rid and warm.rid and cold.rid != warm.rid
+        for result in (cold, warm):
+            assert result.server_ttft_s is not None and result.ttft_s is not None
+            assert 0 < result.server_ttft_s <= result.ttft_s
+    else:
+        assert cold.rid is None and cold.server_ttft_s is None
 
 
 def test_multiturn_rounds_reuse_the_conversation(url: str) -> None:

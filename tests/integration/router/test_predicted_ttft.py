@@ -49,8 +49,11 @@ def policy() -> Any:
 def test_metrics_and_decisions_carry_predicted_and_measured_ttft() -> None:
     workers = [FakeWorker(extra_info=fit(1e-3)), FakeWorker(extra_info=fit(2e-3))]
     with fake_workers(*workers) as urls, running_router(urls, policy=policy()) as router:
-        for _ in range(3):
-            response = router.post("/generate", json={"input_ids": IDS, "stream": True})
+        for k in range(3):
+            body: dict[str, Any] = {"input_ids": IDS, "stream": True}
+            if k == 1:
+                body["rid"] = "turn-7"  # the client's own request id
+            response = router.post("/generate", json=body)
             assert response.status_code == 200
         response = router.post("/generate", json={"input_ids": IDS})  # not streamed
         assert response.status_code == 200
@@ -62,6 +65,9 @@ def test_metrics_and_decisions_carry_predicted_and_measured_ttft() -> None:
         assert found[("router_ttft_prediction_ratio_count", POLICY)] == 3
         decisions = router.get("/decisions", params={"limit": 4}).json()["decisions"]
         assert [d["stream"] for d in decisions] == [True, True, True, False]
+        # The request id the client gave goes with its decision (the worker got it too).
+        assert [d["rid"] for d in decisions] == [None, "turn-7", None, None]
+        assert workers[0].requests[-3][1]["rid"] == "turn-7"
         for decision in decisions:
             # The faster worker, priced with its own measured 1 ms a token.
             assert decision["worker"] == urls[0]
