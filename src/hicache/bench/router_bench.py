@@ -66,6 +66,7 @@ from hicache.bench.multiturn import (
 from hicache.bench.report import RunSummary, read_jsonl
 from hicache.bench.router_report import PolicyRun, write_report
 from hicache.bench.scrape import Samples, scrape
+from hicache.bench.turn_placement import placement, workers_of
 from hicache.bench.workload import PromptMaker, Session, WorkloadError
 from hicache.router.decisions import MAX_DECISIONS
 from hicache.testing.server_process import ServerStartError
@@ -344,6 +345,7 @@ def run_policy(
         config = cluster_config(args, plan, policy, run_dir)
         print(f"[{stem}] starting {args.num_workers} workers and the router", flush=True)
         with Cluster(config) as cluster:
+            worker_logs = [worker.log_path for worker in cluster.workers]
             run_args = argparse.Namespace(**vars(args))
             run_args.log_file = str(log_file)
             sessions = multiturn_workload(args, prompt_maker(args))
@@ -366,6 +368,7 @@ def run_policy(
                 run.notes += _shared_query_notes(metrics)
             _save_router_decisions(cluster, run_dir / "router-decisions.json")
         run.records = read_jsonl(log_file)
+        run.placement = placement(run.records, workers_of(worker_logs))
     except (ClusterError, ServerStartError, BenchmarkError, WorkloadError, OSError) as error:
         run.error = str(error)
     except Exception as error:  # one broken run must not stop the others

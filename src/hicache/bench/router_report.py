@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hicache.bench.aggregate import LoadAverage, RunResult, aggregates, runs_table
 from hicache.bench.client import TIERS
 from hicache.bench.report import RequestRecord, RunSummary, Stats, markdown_table
+from hicache.bench.ttft_split import split_table, ttft_split
+from hicache.bench.turn_placement import Placement
 
 TARGET_THROUGHPUT_RATIO = 1.3
 TARGET_TTFT_REDUCTION = 0.25
@@ -35,6 +37,9 @@ class PolicyRun:
     load_before: LoadAverage | None = None
     load_after: LoadAverage | None = None
     worker_requests: list[float] = field(default_factory=list)  # in worker order
+    # Later turns sent to the worker of the turn before (``turn_placement.py``); None: not
+    # known (no worker logs, or requests without ids).
+    placement: Placement | None = None
 
     def result(self) -> RunResult | None:
         if self.summary is None:
@@ -50,6 +55,7 @@ class PolicyRun:
             "error": self.error, "notes": self.notes, "load_before": self.load_before,
             "load_after": self.load_after, "worker_requests": self.worker_requests,
             "summary": None if self.summary is None else self.summary.to_json(),
+            "placement": None if self.placement is None else asdict(self.placement),
         }
 
 
@@ -198,6 +204,14 @@ def write_report(runs: Sequence[PolicyRun], out_dir: Path, header: Sequence[str]
         "## Runs in order", "",
         "Load average (1/5/15 min) when the workload started (the cluster up) and ended.", "",
         runs_table(run_results) if run_results else "(no results)", "",
+        "## Where the TTFT went", "",
+        "Means per run: the client's TTFT, the worker's own (arrival to first token) and "
+        "the rest outside it (router, network); of the requests a tier beyond the device "
+        "offered part of the prompt (reported), the worker's time queued before an "
+        "admission round considered them, held (L3 pages still being read, or no device "
+        "room), and computed (admission to first token). bench/ttft_split.py.", "",
+        split_table([(r.stem, ttft_split(r.records)) for r in runs if r.records])
+        if any(r.records for r in runs) else "(no results)", "",
     ]
     status = [
         [r.stem, "ok" if r.error is None else "FAILED",

@@ -37,6 +37,7 @@ from typing import Any
 
 from hicache.bench.report import markdown_table
 from hicache.bench.router_report import PolicyRun, policy_results
+from hicache.bench.turn_placement import Placement
 
 TARGET_THROUGHPUT_TIERS = 1.2
 TARGET_THROUGHPUT_ANY = 1.0
@@ -78,6 +79,9 @@ class ContenderStats:
     request_rps: float  # successful requests / s
     tier_share: dict[str, float]
     setting: dict[str, Any] = field(default_factory=dict)  # the Contender's to_json()
+    # Of its later turns, the share sent to the worker of the turn before
+    # (``turn_placement.py``); None: not known (state files from before it was kept).
+    kept_share: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,13 +161,14 @@ def contender_stats(contender: Contender, runs: Sequence[PolicyRun]) -> Contende
     if not pooled:
         return ContenderStats(name, kind, len(runs), 0, 0, 0.0, None, None, 0.0, {}, setting)
     p = pooled[0]
+    placed = sum((r.placement for r in runs if r.placement is not None), Placement())
     return ContenderStats(
         name=name, kind=kind, runs=len(runs), requests=p.requests, failed=p.failed,
         throughput=p.total_throughput,
         ttft_mean_s=None if p.ttft_s is None else p.ttft_s.mean,
         ttft_p99_s=None if p.ttft_s is None else p.ttft_s.p99,
         request_rps=ok / duration if duration > 0 else 0.0, tier_share=p.tier_share,
-        setting=setting,
+        setting=setting, kept_share=placed.share,
     )
 
 
@@ -317,6 +322,13 @@ def _tiers(stats: ContenderStats | None) -> str | None:
                       for k in ("device", "host", "storage", "recomputed"))
 
 
+def _kept(ours: ContenderStats, theirs: ContenderStats | None) -> str | None:
+    shares = [ours.kept_share, None if theirs is None else theirs.kept_share]
+    if all(share is None for share in shares):
+        return None
+    return " / ".join("-" if v is None else f"{100 * v:.0f}" for v in shares)
+
+
 def _best(values: Sequence[float | None], lowest: bool) -> float | None:
     present = [v for v in values if v is not None]
     if not present:
@@ -329,7 +341,7 @@ def points_table(results: Sequence[PointResult]) -> str:
         "point", "req/s (capacity)", "ours", "tok/s ours", "tok/s sglang", "ratio",
         "mean TTFT s ours", "sglang", "ratio", "p99 TTFT s ours", "sglang", "ratio",
         ">=1.2x (tiers)", ">=1.0x", "mean <=0.8x", "p99 <=1.0x",
-        "tiers ours D/H/L3/R %", "tiers sglang D/H/L3/R %",
+        "tiers ours D/H/L3/R %", "tiers sglang D/H/L3/R %", "kept % ours / sglang",
     ]
     rows: list[list[Any]] = []
     for result in results:
@@ -351,6 +363,7 @@ def points_table(results: Sequence[PointResult]) -> str:
                 _s(ours.ttft_p99_s), _s(_best([t.ttft_p99_s for t in theirs], lowest=True)),
                 _x(e.ttft_p99_ratio), _mark(e.throughput_tiers), _mark(e.throughput_any),
                 _mark(e.ttft_mean), _mark(e.ttft_p99), _tiers(ours), _tiers(best_sglang),
+                _kept(ours, best_sglang),
             ])
         if not result.contenders:
             rows.append([result.id, rate, None, *[None] * (len(headers) - 3)])

@@ -130,6 +130,11 @@ def test_smoke_run_through_the_router(tmp_path: Path, monkeypatch: pytest.Monkey
         # Every workload request (and the warm-up) reached a worker, and some were cached.
         assert sum(policy["worker_requests"]) == 6 * 3 + 1
         assert policy["tier_share"]["recomputed"] < 1.0
+    for run in data["runs"]:
+        # Every later turn (6 conversations x 2) was found in exactly one worker's log, by
+        # the id the client gave it.
+        placed = run["placement"]
+        assert placed["placed"] == 6 * 2 and 0 <= placed["kept"] <= 6 * 2, run
     for policy in policies:
         assert (out / f"{policy}.json").is_file() and (out / f"{policy}.jsonl").is_file()
         run_dir = out / "runs" / policy

@@ -107,3 +107,22 @@ def test_the_summary_counts_each_target_over_the_points_evaluated(tmp_path: Path
     assert text.index("| b-closed") < text.index("| a-closed") < text.index("| b-poisson50")
     assert "NOT met" in text and "- header line" in text
     assert (tmp_path / "router_sweep.png").stat().st_size > 0
+
+
+def test_the_points_table_shows_the_share_of_turns_kept_on_their_worker() -> None:
+    from dataclasses import asdict, replace
+
+    from hicache.bench.router_sweep_report import points_table
+
+    def last_cell(point: PointResult) -> str:
+        row = next(line for line in points_table([point]).splitlines() if OURS in line)
+        return [c.strip() for c in row.strip().strip("|").split("|")][-1]
+
+    ours = replace(stats(OURS, "hicache", 100.0, 1.0, 2.0), kept_share=0.62)
+    point = _point("a-closed", "closed", ours)
+    point.contenders[1] = replace(point.contenders[1], kept_share=0.97)
+    assert last_cell(point) == "62 / 97"
+    # A state file written before the share was kept reads as unknown, shown as "-".
+    old = {k: v for k, v in asdict(ours).items() if k != "kept_share"}
+    assert ContenderStats.from_json(old).kept_share is None
+    assert last_cell(_point("b-closed", "closed", ContenderStats.from_json(old))) == "-"
