@@ -43,6 +43,9 @@ def test_one_point_with_both_routers_then_resumed(
         # before the deadline), some of it from a cache.
         assert stats["requests"] == 2 * conversations * rounds and stats["failed"] == 0
         assert stats["tier_share"]["recomputed"] < 1.0
+        # Each router's later turns were placed from the workers' access logs, whichever
+        # router passed the client's request ids on.
+        assert stats["kept_share"] is not None and 0.0 <= stats["kept_share"] <= 1.0
     # The closed loop measured the point's capacity: SGLang's successful requests per second.
     assert point["capacity_rps"] == pytest.approx(contenders["sglang"]["request_rps"])
     assert point["capacity_rps"] > 0
