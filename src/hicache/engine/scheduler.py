@@ -434,32 +434,30 @@ class Scheduler:
     def _pages_to_come(self, req: Req) -> int:
         return max(0, -(-req.seq_len // self.page_size) - len(req.pages))
 
-    def _read_wait_s(self) -> float:
-        """What this admission round may wait for held requests' L3 reads: a share of the
-        next step's predicted time (``prefetcher.read_wait_s``)."""
-        prompt = rows = running = 0
+    def _running_shape(self) -> tuple[int, int, int]:
+        """The running requests' decode rows, prompt tokens still to compute, and how many
+        are prefilling (retracted ones, back in the queue, are neither)."""
+        rows = prompt = prefilling = 0
         decode, prefill = Phase.DECODE, Phase.PREFILL
         for req in self.lifecycle.running:
             if req.phase is decode:
                 rows += 1
             elif req.phase is prefill:
                 prompt += req.seq_len - req.num_computed
-            else:
-                continue
-            running += 1
+                prefilling += 1
+        return rows, prompt, prefilling
+
+    def _read_wait_s(self) -> float:
+        """What this admission round may wait for held requests' L3 reads: a share of the
+        next step's predicted time (``prefetcher.read_wait_s``)."""
+        rows, prompt, prefilling = self._running_shape()
         prompt = min(prompt, self.limits.chunked_prefill_size)
-        return read_wait_s(self.reuse.costs(), prompt, rows, running)
+        return read_wait_s(self.reuse.costs(), prompt, rows, rows + prefilling)
 
     def _prefill_budget(self, chunk: int) -> int:
         """This step's prompt tokens beside its decode rows (``step_budget.py``), priced
         with the costs every rank shares (rank 0's under tensor parallelism)."""
-        rows, prefilling = 0, False
-        decode, prefill = Phase.DECODE, Phase.PREFILL
-        for req in self.lifecycle.running:
-            if req.phase is decode:
-                rows += 1
-            elif req.phase is prefill:
-                prefilling = True
+        rows, _, prefilling = self._running_shape()
         if rows == 0 or not prefilling:
             return chunk
         limits, costs = self.limits, self.reuse.costs().step

@@ -99,10 +99,10 @@ def with_store(make_engine: Callable[..., Engine], backend: MemoryBackend) -> En
 async def beside_a_long_request(
     engine: Engine, ids: list[int], until: Callable[[], bool] = lambda: True,
     running: Callable[[], Any] = lambda: None, before: Callable[[], Any] = lambda: None,
-) -> list[int]:
+) -> Any:
     """Send ``ids`` while a long request decodes (``running`` called once it does); once
     ``until`` holds, call ``before``, wait for the answer and end the long request;
-    returns the answer's tokens."""
+    returns the answer, collected (``tests.engine_helpers.collect``)."""
     long_stream = engine.generate(greedy(prompt(99), n=LONG_TOKENS))
     await anext(long_stream)  # it runs: every step from now is a forward
     running()
@@ -112,7 +112,20 @@ async def beside_a_long_request(
     got = await asyncio.wait_for(answer, WAIT_S)
     await long_stream.aclose()
     assert got.last.error is None
-    return got.token_ids
+    return got
+
+
+def held_for_forwards(engine: Engine, steps: Steps, key: tuple[int, ...],
+                      forwards: int = 5) -> Callable[[], bool]:
+    """Has the request ``key`` arrived and waited ``forwards`` forwards, not admitted,
+    while the scheduler went on with the request running beside it?"""
+
+    def held() -> bool:
+        arrived = on_scheduler(engine, lambda: steps.arrived.get(key))
+        return arrived is not None and key not in steps.admitted \
+            and steps.forwards >= arrived + forwards
+
+    return held
 
 
 def test_a_cold_prompt_joins_the_forward_after_its_arrival(
@@ -128,7 +141,7 @@ def test_a_cold_prompt_joins_the_forward_after_its_arrival(
     assert engine.flush_cache()
     backend.clear()  # cold in every tier
     steps = count_steps(engine, monkeypatch)
-    got = asyncio.run(beside_a_long_request(engine, ids))
+    got = asyncio.run(beside_a_long_request(engine, ids)).token_ids
     key = tuple(ids)
     assert steps.forwards > steps.arrived[key] > 0, steps  # it arrived beside the other
     assert steps.admitted[key] == steps.arrived[key], steps
@@ -145,15 +158,9 @@ def test_a_hanging_lookup_holds_its_request_only(
     assert engine.flush_cache()
     backend.clear()
     steps = count_steps(engine, monkeypatch)
-    key = tuple(ids)
-
-    def held_for_forwards() -> bool:
-        # The scheduler goes on with the running request while this one's lookup hangs.
-        arrived = on_scheduler(engine, lambda: steps.arrived.get(key))
-        return arrived is not None and key not in steps.admitted \
-            and steps.forwards >= arrived + 5
-
+    # The scheduler goes on with the running request while this one's lookup hangs.
     got = asyncio.run(beside_a_long_request(
-        engine, ids, held_for_forwards, running=backend.gate.clear, before=backend.gate.set
+        engine, ids, held_for_forwards(engine, steps, tuple(ids)), running=backend.gate.clear,
+        before=backend.gate.set,
     ))
-    assert got == alone
+    assert got.token_ids == alone

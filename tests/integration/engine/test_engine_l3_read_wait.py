@@ -8,25 +8,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from hicache.engine import prefetcher, scheduler
 from hicache.engine.engine import Engine
 from hicache.storage.bandwidth import ReadTimeEstimate
-from tests.engine_helpers import collect, on_scheduler, run
+from tests.engine_helpers import on_scheduler, run
 from tests.integration.engine.test_engine_l3_faults import prompt
 from tests.integration.engine.test_engine_l3_lookup_wait import (
-    LONG_TOKENS,
-    POLL_S,
     WAIT_S,
+    beside_a_long_request,
     count_steps,
-    greedy,
+    held_for_forwards,
     with_store,
 )
 from tests.storage_reference import MemoryBackend
-from tests.waiting import wait_until_async
 
 
 def in_l3(make_engine: Callable[..., Engine], seed: int) -> tuple[Engine, MemoryBackend,
@@ -40,23 +37,6 @@ def in_l3(make_engine: Callable[..., Engine], seed: int) -> tuple[Engine, Memory
     assert engine.flush_cache()
     assert backend.store.pages  # backed up
     return engine, backend, ids, alone
-
-
-async def beside_a_long_request(
-    engine: Engine, ids: list[int], until: Callable[[], bool] = lambda: True,
-    before: Callable[[], Any] = lambda: None,
-) -> Any:
-    """``ids`` sent while a long request decodes; once ``until`` holds, ``before`` is
-    called; returns its collected answer."""
-    long_stream = engine.generate(greedy(prompt(99), n=LONG_TOKENS))
-    await anext(long_stream)  # it runs: every step from now is a forward
-    answer = asyncio.ensure_future(collect(engine, greedy(ids)))
-    assert await wait_until_async(until, WAIT_S, POLL_S)
-    before()
-    got = await asyncio.wait_for(answer, WAIT_S)
-    await long_stream.aclose()
-    assert got.last.error is None
-    return got
 
 
 def test_a_prompt_read_from_l3_joins_the_forward_after_its_arrival(
@@ -101,14 +81,8 @@ def test_a_read_not_worth_waiting_for_holds_its_request_only(
         on_scheduler(engine, slow_reads)
     gate = backend.stall("get")
     steps = count_steps(engine, monkeypatch)
-    key = tuple(ids)
-
-    def held_for_forwards() -> bool:
-        # The scheduler goes on with the running request while this one's read hangs.
-        arrived = on_scheduler(engine, lambda: steps.arrived.get(key))
-        return arrived is not None and key not in steps.admitted \
-            and steps.forwards >= arrived + 5
-
-    got = asyncio.run(beside_a_long_request(engine, ids, held_for_forwards, before=gate.set))
+    # The scheduler goes on with the running request while this one's read hangs.
+    held = held_for_forwards(engine, steps, tuple(ids))
+    got = asyncio.run(beside_a_long_request(engine, ids, held, before=gate.set))
     assert got.token_ids == alone
     engine.check_integrity()
