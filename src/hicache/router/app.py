@@ -47,7 +47,13 @@ from hicache.router.hints import parse_body as parse_hints
 from hicache.router.history import RequestHistory
 from hicache.router.metrics import CONTENT_TYPE, RouterMetrics
 from hicache.router.policy import LIVE_COST_POLICIES
-from hicache.router.prompt import PromptKind, PromptTokenizer, body_cache_key, prompt_pages
+from hicache.router.prompt import (
+    PromptKind,
+    PromptTokenizer,
+    body_cache_key,
+    body_max_new_tokens,
+    prompt_pages,
+)
 from hicache.router.proxy import Proxy
 from hicache.router.settings import RouterSettings, SettingsError, check_worker_url
 from hicache.router.types import RoutingPolicy, TierCosts, TierIndex
@@ -213,7 +219,8 @@ def create_router_app(
         response = await state.proxy.route(request.url.path, raw, request.headers, ids,
                                            hashes, multiplier, request.receive, tenant,
                                            stream=body.get("stream") is True,
-                                           rid=rid if isinstance(rid, str) else None)
+                                           rid=rid if isinstance(rid, str) else None,
+                                           max_new_tokens=body_max_new_tokens(kind, body))
         # A prompt a worker took is worth warming a joining worker with; a tenant's only
         # with its credentials, which the router does not keep: the default tenant's only.
         if response.status_code == 200 and tenant is None:

@@ -101,6 +101,24 @@ def body_cache_key(body: Mapping[str, Any]) -> str | None:
     return cache_key(_first_text(body.get("extra_key")), _first_text(body.get("cache_salt")))
 
 
+def body_max_new_tokens(kind: PromptKind, body: Mapping[str, Any]) -> int | None:
+    """The most tokens the request may generate, as its body says: /generate's
+    ``sampling_params.max_new_tokens`` (a batch's first), the OpenAI routes'
+    ``max_completion_tokens`` or ``max_tokens``; None where it says nothing usable."""
+    if kind is PromptKind.GENERATE:
+        params = body.get("sampling_params")
+        if isinstance(params, list) and params:
+            params = params[0]
+        value = params.get("max_new_tokens") if isinstance(params, Mapping) else None
+    else:
+        value = body.get("max_completion_tokens")
+        if value is None:
+            value = body.get("max_tokens")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
 def prompt_pages(
     kind: PromptKind, body: Mapping[str, Any], tokenizer: Tokenizer | None, page_size: int,
     tenant: str | None = None,

@@ -163,12 +163,19 @@ class Proxy:
         self, path: str, content: bytes, headers: Mapping[str, str], token_ids: list[int],
         hashes: list[int], shared_cache_multiplier: float | None, receive: Receive,
         tenant: str | None = None, stream: bool = False, rid: str | None = None,
+        max_new_tokens: int | None = None,
     ) -> UpstreamResponse:
         """POST ``content`` to the policy's choice among healthy workers, next choice on a
         failure before any answer; APIError(503) when none is left. ``stream``: the
         client asked for a streamed answer (its first byte is its first token); ``rid``:
-        the request id the client gave it (/generate's ``rid``), logged with the decision."""
+        the request id the client gave it (/generate's ``rid``), logged with the decision;
+        ``max_new_tokens``: the most tokens it may generate, as its body says."""
         tried: list[str] = []
+        page_size = self._workers.page_size
+        held_pages = 0.0
+        if page_size:  # its device footprint while it runs, for the ledger (device_room.py)
+            held_pages = float(-(-len(token_ids) // page_size)
+                               + -(-(max_new_tokens or 0) // page_size))
         while True:
             # Warming workers only when no other is left (``WorkerRegistry.routable``).
             candidates = self._workers.routable(excluding=tried)
@@ -178,7 +185,7 @@ class Proxy:
                 page_hashes=hashes, prompt_tokens=len(token_ids),
                 workers=[w.load() for w in candidates],
                 shared_cache_multiplier=shared_cache_multiplier,
-                page_size=self._workers.page_size, tenant=tenant,
+                page_size=page_size, tenant=tenant, max_new_tokens=max_new_tokens,
             )
             started = time.perf_counter()
             decision = await self._policy.choose(request, token_ids)
@@ -186,7 +193,8 @@ class Proxy:
             worker = self._chosen(decision, candidates)
             response = await self._try(worker, "POST", path, content, headers,
                                        pages=len(hashes), receive=receive,
-                                       decision=decision, stream=stream, rid=rid)
+                                       decision=decision, stream=stream, rid=rid,
+                                       held_pages=held_pages)
             if response is not None:
                 return response
             tried.append(worker.url)
@@ -251,6 +259,7 @@ class Proxy:
         self, worker: Worker, method: str, path: str, content: bytes,
         headers: Mapping[str, str], *, pages: int, receive: Receive,
         decision: RouteDecision | None = None, stream: bool = False, rid: str | None = None,
+        held_pages: float = 0.0,
     ) -> UpstreamResponse | None:
         """The worker's answer (its status and headers in; body still to stream), or None
         when it failed before answering. A client leaving meanwhile (a non-streamed answer
@@ -260,7 +269,7 @@ class Proxy:
         worker.active_requests += 1
         worker.active_prompt_pages += pages
         entry = None if decision is None else worker.ledger.admit(
-            decision.predicted_prefill_s, decision.prefill_pages)
+            decision.predicted_prefill_s, decision.prefill_pages, held_pages)
         logged = None if decision is None else self.decisions.record(decision, stream, rid)
         released = False
 

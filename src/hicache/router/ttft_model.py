@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from hicache.engine.reuse_plan import CostSnapshot, ReuseSituation, plan_reuse
+from hicache.router.device_room import room_wait_s
 from hicache.router.live_costs import resolve_costs
 from hicache.router.types import RouteRequest, TierOverlap, WorkerLoad
 
@@ -21,10 +22,13 @@ class TTFTTerms:
     load_s: float  # of own_s: reading L3 pages and loading host pages
     decode_s: float  # of own_s: its decoding requests slowing the prefill steps
     cached_tokens: int  # where its plan starts computing
+    # Until its device has room for it beside what runs there (``device_room.py``); the
+    # prefill queue runs meanwhile, so the longer of the two comes before its own.
+    room_s: float = 0.0
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.own_s
+        return max(self.queue_s, self.room_s) + self.own_s
 
     def as_dict(self) -> dict[str, float]:
         return {**{k: float(v) for k, v in asdict(self).items()}, "ttft_s": self.ttft_s}
@@ -46,8 +50,10 @@ def predict(request: RouteRequest, worker: WorkerLoad, overlap: TierOverlap,
     compute = _prefill(costs, prompt - cached, cached, rows)
     own = compute if plan is None else plan.predicted_s
     decode = compute - _prefill(costs, prompt - cached, cached, 0)
+    # Admission takes its context's pages and one to decode into (engine/scheduler.py).
+    room = room_wait_s(worker.device_pages, worker.in_flight, -(-prompt // page) + 1)
     return TTFTTerms(queue_s=worker.queued_prefill_s, own_s=own, load_s=max(0.0, own - compute),
-                     decode_s=max(0.0, decode), cached_tokens=cached)
+                     decode_s=max(0.0, decode), cached_tokens=cached, room_s=room)
 
 
 def _prefill(costs: CostSnapshot, new_tokens: int, context: int, rows: int) -> float:

@@ -3,13 +3,18 @@
 For each candidate worker the policy predicts the request's time to first token
 there, in seconds, from what the workers measured (no weight to tune)::
 
-    ttft = queue_s + own_s
+    ttft = max(queue_s, room_s) + own_s
     own_s = plan(device pages ~ 0, host pages loaded, L3 pages read and loaded,
                  the rest computed beside the worker's decoding requests)
 
 - ``queue_s``: the router's ledger of that worker (``ledger.py``): the predicted
   prefill of the requests it sent there still waiting for their first token, less
   what the worker has worked off since the queue last moved;
+- ``room_s``: until its device pool has room for the request's pages beside those of
+  the requests the router sent there that have not ended, freed in the order they are
+  predicted to end (their queued prefill, then the worker's recent decode time as the
+  ledger measured it: ``device_room.py``); 0 where it fits now or the worker does not
+  say its pool's size;
 - ``own_s``: the worker's own load-or-recompute plan (``engine.reuse_plan.plan_reuse``,
   the one the worker runs when the request arrives) priced with its live cost model
   (``live_costs.py``): its device prefix costs nothing, its host pages the measured

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from hicache.engine.reuse_plan import CostSnapshot
 from hicache.events.messages import KVEventBatch
+from hicache.router.device_room import InFlight
 
 # Tiers from the top; overlap in a tier is the longest prefix of the request's
 # pages present in that tier or any tier above it on the same worker.
@@ -37,6 +38,11 @@ class WorkerLoad:
     pending_prefill_pages: float = 0.0
     # The ledger's requests sent there still waiting for their first token.
     prefilling_requests: int = 0
+    # Its device pool in pages (/get_server_info's max_total_num_tokens; None: not said),
+    # and what the router sent there that has not ended (``ledger.in_flight``): the wait
+    # for device room (``device_room.py``).
+    device_pages: float | None = None
+    in_flight: tuple[InFlight, ...] = ()
     # How full its cache is, 0..1 (its host pool, else its device pool), as last probed;
     # None: not known (tier_aware's derived overlap weight then takes it as full).
     cache_usage: float | None = None
@@ -76,6 +82,9 @@ class RouteRequest:
     # The request's tenant (its workers' extra_key), which its hashes chain from
     # (events.hashing.tenant_root_digest); None: the default tenant.
     tenant: str | None = None
+    # The most tokens it may generate, as its body says (None: not said): what it holds
+    # of a worker's device while it decodes.
+    max_new_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -274,12 +274,21 @@ class Worker:
             return "warming" if self.warming else "up"
         return "draining" if self.draining else "down"
 
+    @property
+    def device_pages(self) -> float | None:
+        """Its device pool in pages, as its /get_server_info says (None: it does not)."""
+        tokens = self.info.server_info.get("max_total_num_tokens")
+        if isinstance(tokens, bool) or not isinstance(tokens, int | float) or tokens <= 0:
+            return None
+        return float(tokens) / self.info.page_size
+
     def load(self) -> WorkerLoad:
         return WorkerLoad(self.url, self.active_requests, float(self.active_prompt_pages),
                           queued_prefill_s=self.ledger.queued_s(),
                           decoding_requests=self.ledger.decoding, costs=self.live_costs,
                           pending_prefill_pages=self.ledger.pending_pages,
                           prefilling_requests=self.ledger.prefilling,
+                          device_pages=self.device_pages, in_flight=self.ledger.in_flight(),
                           cache_usage=self.cache_usage)
 
 

@@ -156,3 +156,27 @@ def test_tier_aware_reads_each_workers_cache_usage_and_reports_its_prediction() 
         tier = (("policy", "tier_aware"),)
         assert found[("router_predicted_ttft_seconds_count", tier)] == sent
         assert found[("router_measured_ttft_seconds_count", tier)] == sent
+
+
+def test_a_full_device_prices_the_wait_for_room() -> None:
+    # 16 tokens of device (4 pages): a request of 10 tokens and 8 to generate holds 5 pages
+    # while it runs; another needs 3 pages and one to decode into.
+    info = {**fit(1e-3), "max_total_num_tokens": 16}
+    worker = FakeWorker(extra_info=info, stream_delay_s=1.5)
+    body = {"input_ids": IDS, "stream": True, "sampling_params": {"max_new_tokens": 8}}
+    with fake_workers(worker) as urls, running_router(urls, policy=policy()) as router:
+        # A whole streamed answer first: the router measures the worker's decode (the
+        # fake's five 1.5 s gaps from its first byte to its end).
+        assert router.post("/generate", json=body).status_code == 200
+        first = router.get("/decisions", params={"limit": 1}).json()["decisions"][0]
+        assert first["terms"]["room_s"] == 0.0  # nothing else was there
+        with httpx.stream("POST", f"{router.url}/generate", timeout=30, json=body) as held:
+            chunks = held.iter_raw()  # kept: a dropped iterator closes the response
+            next(chunks)  # its first byte: it decodes now, holding its 5 pages
+            response = router.post("/generate", json={**body, "stream": False})
+            assert response.status_code == 200
+            last = router.get("/decisions", params={"limit": 1}).json()["decisions"][0]
+        # It waits for the one decoding to end (the measured decode, less what has passed).
+        assert 0.0 < last["terms"]["room_s"] < 5 * 1.5 + 1.0
+        assert last["predicted_ttft_s"] == pytest.approx(
+            max(last["terms"]["queue_s"], last["terms"]["room_s"]) + last["terms"]["own_s"])

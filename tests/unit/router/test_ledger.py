@@ -93,3 +93,35 @@ def test_pending_pages_count_until_the_first_token_however_the_request_ends() ->
     warm.first_token()
     warm.first_token()
     assert ledger.pending_pages == 0.0
+
+
+def test_in_flight_entries_end_after_their_queue_and_the_measured_decode() -> None:
+    clock = Clock()
+    ledger = PrefillLedger(clock)
+    assert ledger.in_flight() == ()
+    first = ledger.admit(1.0, held_pages=20)
+    ledger.admit(0.5, held_pages=10)
+    ledger.admit(0.5)  # holds nothing it said: not listed
+    # No decode measured yet: an entry ends with its prefill.
+    assert [(f.free_in_s, f.pages) for f in ledger.in_flight()] == [(1.0, 20), (1.5, 10)]
+    clock.now += 1.0
+    first.first_token()
+    clock.now += 3.0
+    first.close()  # 3 s from its first token to its end: the decode measured
+    assert ledger.decode_s == pytest.approx(3.0)
+    second = ledger.admit(1.0, held_pages=8)
+    flights = ledger.in_flight()
+    # The 0.5 s entry has outstayed its prediction: due now, then its decode. The new one
+    # comes after the two 0.5 s prefills ahead of it (one of them worked off) and its own.
+    assert [(f.free_in_s, f.pages) for f in flights] == [
+        (pytest.approx(3.0), 10), (pytest.approx(0.5 + 1.0 + 3.0), 8)]
+    clock.now += 1.0
+    second_first = second.first_token()
+    assert second_first == pytest.approx(1.0)
+    clock.now += 1.0  # one second into its decode of about three
+    decoding = [f for f in ledger.in_flight() if f.pages == 8]
+    assert decoding[0].free_in_s == pytest.approx(2.0)
+    second.close()
+    assert all(f.pages != 8 for f in ledger.in_flight())
+    # Later decodes move the average by a fifth of their difference.
+    assert ledger.decode_s == pytest.approx(3.0 + 0.2 * (1.0 - 3.0))

@@ -202,3 +202,25 @@ def test_loads_do_not_count_as_work_the_others_wait_for() -> None:
 def test_an_unknown_score_is_refused() -> None:
     with pytest.raises(ValueError, match="ttft_score"):
         ScoringConfig(ttft_score="fastest")
+
+
+def test_a_worker_whose_device_is_full_makes_the_request_wait_for_room() -> None:
+    from hicache.router.device_room import InFlight
+
+    # A holds the prefix on its device, but its pool (40 pages) is taken by a request that
+    # ends in 2 s: this one (17 pages and one to decode) waits for it. B has room.
+    full = WorkerLoad("A", costs=costs(), device_pages=40.0,
+                      in_flight=(InFlight(2.0, 30.0),))
+    decision = choose(STICKY, [full, WorkerLoad("B", costs=costs(), device_pages=40.0)])
+    assert decision.worker == "B"
+    assert decision.logits["A"] == pytest.approx(2.0 + 4 * PER_TOKEN)
+    assert decision.terms["room_s"] == 0.0
+    # The room and the prefill queue pass at once: the longer one counts.
+    queued = WorkerLoad("A", costs=costs(), queued_prefill_s=3.0, device_pages=40.0,
+                        in_flight=(InFlight(2.0, 30.0),))
+    only = choose(STICKY, [queued])
+    assert only.terms["room_s"] == pytest.approx(2.0)
+    assert only.predicted_ttft_s == pytest.approx(3.0 + 4 * PER_TOKEN)
+    # A pool of unknown size: no wait is priced.
+    unknown = choose(STICKY, [WorkerLoad("A", costs=costs(), in_flight=(InFlight(2.0, 30.0),))])
+    assert unknown.terms["room_s"] == 0.0
