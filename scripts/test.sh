@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: install, lint, type-check, then pytest (GPU tests skip without CUDA).
+# The whole test suite: install, lint, type-check, then pytest in two processes (GPU tests
+# skip without CUDA).
 #   bash scripts/test.sh [--fast] [--under-load [N]] [pytest args...]
 # --fast runs the unit tier alone (tests/unit: pure and in-process, a few minutes on two
 # cores; docs/benchmarks.md has the figure), after the same lint and type-check; it installs
@@ -51,6 +52,9 @@ fi
 if [ "$fast" -eq 1 ]; then
   .venv/bin/pytest -q tests/unit "$@"
 else
-  # The slowest tests at the end of the log: the run must stay within CI's 30 minutes.
-  .venv/bin/pytest -q --durations=25 "$@"
+  # Two pytest processes (HICACHE_TEST_WORKERS; 0: one), each taking the next test as it
+  # finishes one: on CI's two cores one runs while the other waits on a server's start, a
+  # subprocess or a socket. The slowest tests at the end of the log: the run must stay
+  # within CI's 30 minutes.
+  .venv/bin/pytest -q -n "${HICACHE_TEST_WORKERS:-2}" --dist worksteal --durations=25 "$@"
 fi

@@ -66,6 +66,7 @@ from hicache.bench.multiturn import (
 from hicache.bench.report import RunSummary, read_jsonl
 from hicache.bench.router_report import PolicyRun, write_report
 from hicache.bench.scrape import Samples, scrape
+from hicache.bench.ttft_prediction import read_predictions
 from hicache.bench.turn_placement import placement, workers_of
 from hicache.bench.workload import PromptMaker, Session, WorkloadError
 from hicache.router.decisions import MAX_DECISIONS
@@ -369,6 +370,7 @@ def run_policy(
             _save_router_decisions(cluster, run_dir / "router-decisions.json")
         run.records = read_jsonl(log_file)
         run.placement = placement(run.records, workers_of(worker_logs))
+        run.predictions = read_predictions(run_dir / "router-decisions.json")
     except (ClusterError, ServerStartError, BenchmarkError, WorkloadError, OSError) as error:
         run.error = str(error)
     except Exception as error:  # one broken run must not stop the others

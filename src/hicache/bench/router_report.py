@@ -18,6 +18,7 @@ from typing import Any
 from hicache.bench.aggregate import LoadAverage, RunResult, aggregates, runs_table
 from hicache.bench.client import TIERS
 from hicache.bench.report import RequestRecord, RunSummary, Stats, markdown_table
+from hicache.bench.ttft_prediction import Prediction, PredictionCheck, prediction_table
 from hicache.bench.ttft_split import split_table, ttft_split
 from hicache.bench.turn_placement import Placement
 
@@ -40,6 +41,9 @@ class PolicyRun:
     # Later turns sent to the worker of the turn before (``turn_placement.py``); None: not
     # known (no worker logs, or requests without ids).
     placement: Placement | None = None
+    # Our router's predicted and measured TTFT per streamed decision (``ttft_prediction.py``);
+    # empty for another router.
+    predictions: list[Prediction] = field(default_factory=list, repr=False)
 
     def result(self) -> RunResult | None:
         if self.summary is None:
@@ -56,6 +60,8 @@ class PolicyRun:
             "load_after": self.load_after, "worker_requests": self.worker_requests,
             "summary": None if self.summary is None else self.summary.to_json(),
             "placement": None if self.placement is None else asdict(self.placement),
+            "prediction": asdict(PredictionCheck.of(self.predictions))
+            if self.predictions else None,
         }
 
 
@@ -212,6 +218,13 @@ def write_report(runs: Sequence[PolicyRun], out_dir: Path, header: Sequence[str]
         "room), and computed (admission to first token). bench/ttft_split.py.", "",
         split_table([(r.stem, ttft_split(r.records)) for r in runs if r.records])
         if any(r.records for r in runs) else "(no results)", "",
+        "## How well the router predicted TTFT", "",
+        "Our router's decisions of streamed requests (its /decisions): the predicted TTFT "
+        "of the worker it chose against what it measured (sent to the worker until the "
+        "first byte). Error: measured - predicted. bench/ttft_prediction.py.", "",
+        prediction_table([(r.stem, PredictionCheck.of(r.predictions))
+                          for r in runs if r.predictions])
+        if any(r.predictions for r in runs) else "(no decisions: another router)", "",
     ]
     status = [
         [r.stem, "ok" if r.error is None else "FAILED",

@@ -37,6 +37,7 @@ from typing import Any
 
 from hicache.bench.report import markdown_table
 from hicache.bench.router_report import PolicyRun, policy_results
+from hicache.bench.ttft_prediction import PredictionCheck, prediction_table
 from hicache.bench.turn_placement import Placement
 
 TARGET_THROUGHPUT_TIERS = 1.2
@@ -82,13 +83,18 @@ class ContenderStats:
     # Of its later turns, the share sent to the worker of the turn before
     # (``turn_placement.py``); None: not known (state files from before it was kept).
     kept_share: float | None = None
+    # How well its router predicted TTFT, over its runs' streamed decisions
+    # (``ttft_prediction.py``); None: another router, or state files from before.
+    prediction: PredictionCheck | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ContenderStats:
-        return cls(**data)
+        prediction = data.get("prediction")
+        return cls(**{**data, "prediction": None if prediction is None
+                      else PredictionCheck(**prediction)})
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,7 @@ def contender_stats(contender: Contender, runs: Sequence[PolicyRun]) -> Contende
         return ContenderStats(name, kind, len(runs), 0, 0, 0.0, None, None, 0.0, {}, setting)
     p = pooled[0]
     placed = sum((r.placement for r in runs if r.placement is not None), Placement())
+    predictions = [p for r in runs for p in r.predictions]
     return ContenderStats(
         name=name, kind=kind, runs=len(runs), requests=p.requests, failed=p.failed,
         throughput=p.total_throughput,
@@ -169,6 +176,7 @@ def contender_stats(contender: Contender, runs: Sequence[PolicyRun]) -> Contende
         ttft_p99_s=None if p.ttft_s is None else p.ttft_s.p99,
         request_rps=ok / duration if duration > 0 else 0.0, tier_share=p.tier_share,
         setting=setting, kept_share=placed.share,
+        prediction=PredictionCheck.of(predictions) if predictions else None,
     )
 
 
@@ -370,6 +378,16 @@ def points_table(results: Sequence[PointResult]) -> str:
     return markdown_table(headers, rows)
 
 
+def predictions_table(results: Sequence[PointResult]) -> str:
+    """Per point and contender whose router logs its decisions (ours): how well it
+    predicted the TTFT of the requests it sent."""
+    rows = [
+        (f"{result.id} {c.name}", c.prediction)
+        for result in results for c in result.contenders if c.prediction is not None
+    ]
+    return prediction_table(rows) if rows else "(no decisions logged)"
+
+
 def summary_table(results: Sequence[PointResult]) -> str:
     """Per hicache contender: of the points evaluated, how many meet each target."""
     counts: dict[str, list[list[bool | None]]] = {}
@@ -408,6 +426,11 @@ def write_sweep_report(
         "closed-loop request rate at the same workload).", "",
         "## Targets met", "", summary_table(results), "",
         "## Points", "", points_table(results) if results else "(no results)", "",
+        "## The router's TTFT predictions", "",
+        "Streamed requests of each run: the predicted TTFT of the chosen worker against the "
+        "one the router measured (error: measured - predicted), pooled over a point's "
+        "runs.", "",
+        predictions_table(results), "",
         "## Sizes", "",
         markdown_table(
             ["point", "conversations", "rounds", "first prompt", "working set tokens",

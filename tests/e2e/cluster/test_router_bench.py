@@ -135,6 +135,13 @@ def test_smoke_run_through_the_router(tmp_path: Path, monkeypatch: pytest.Monkey
         # the id the client gave it.
         placed = run["placement"]
         assert placed["placed"] == 6 * 2 and 0 <= placed["kept"] <= 6 * 2, run
+        # tier_aware predicted every streamed request's TTFT and measured it; a policy that
+        # predicts nothing (and another router) has nothing to check.
+        prediction = run["prediction"]
+        if run["policy"] == "tier_aware":
+            assert prediction["decisions"] >= 6 * 3 and prediction["median_ratio"] > 0, run
+        else:
+            assert prediction is None, run
     for policy in policies:
         assert (out / f"{policy}.json").is_file() and (out / f"{policy}.jsonl").is_file()
         run_dir = out / "runs" / policy
@@ -149,6 +156,7 @@ def test_smoke_run_through_the_router(tmp_path: Path, monkeypatch: pytest.Monkey
             if policy == "tier_aware":
                 assert all(len(d["logits"]) == len(d["overlaps"]) == 2 for d in saved)
     assert "## Targets" in report and "## Runs in order" in report
+    assert "## How well the router predicted TTFT" in report
 
 
 def test_the_shared_l3_queries_outcomes_become_a_note_of_the_run() -> None:

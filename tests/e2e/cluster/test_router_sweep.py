@@ -46,6 +46,11 @@ def test_one_point_with_both_routers_then_resumed(
         # Each router's later turns were placed from the workers' access logs, whichever
         # router passed the client's request ids on.
         assert stats["kept_share"] is not None and 0.0 <= stats["kept_share"] <= 1.0
+        # Our router predicted and measured each streamed turn's TTFT; SGLang's logs none.
+        if stats["kind"] == "hicache":
+            assert stats["prediction"]["decisions"] >= 2 * conversations * rounds, stats
+        else:
+            assert stats["prediction"] is None
     # The closed loop measured the point's capacity: SGLang's successful requests per second.
     assert point["capacity_rps"] == pytest.approx(contenders["sglang"]["request_rps"])
     assert point["capacity_rps"] > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,22 @@ def test_the_points_table_shows_the_share_of_turns_kept_on_their_worker() -> Non
     old = {k: v for k, v in asdict(ours).items() if k != "kept_share"}
     assert ContenderStats.from_json(old).kept_share is None
     assert last_cell(_point("b-closed", "closed", ContenderStats.from_json(old))) == "-"
+
+
+def test_the_report_shows_how_well_our_router_predicted(tmp_path: Path) -> None:
+    from dataclasses import asdict, replace
+
+    from hicache.bench.router_sweep_report import predictions_table
+    from hicache.bench.ttft_prediction import Prediction, PredictionCheck
+
+    check = PredictionCheck.of([Prediction(0.5, 1.0, 0.0), Prediction(1.0, 1.5, 0.4)])
+    ours = replace(stats(OURS, "hicache", 100.0, 1.0, 2.0), prediction=check)
+    point = _point("a-closed", "closed", ours)
+    table = predictions_table([point])
+    assert f"a-closed {OURS}" in table and "sglang" not in table  # SGLang logs none
+    # Kept through the sweep's state file; one written before reads as unknown.
+    assert ContenderStats.from_json(json.loads(json.dumps(asdict(ours)))) == ours
+    old = {k: v for k, v in asdict(ours).items() if k != "prediction"}
+    assert ContenderStats.from_json(old).prediction is None
+    assert predictions_table([_point("b", "closed", ContenderStats.from_json(old))]) == (
+        "(no decisions logged)")
