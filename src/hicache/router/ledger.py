@@ -16,11 +16,7 @@ one got its first token): the worker has been working on that queue meanwhile. W
 is taken off never exceeds the oldest waiting entry's prediction: that one has not
 produced its first token, so the worker has not finished even it, and a prediction
 that came out short must not empty the queue behind it. It is never negative, and 0
-with nothing pending. An entry predicted to wait for device room (``room_s`` at
-admission: the worker admits it only once enough of those running there end) starts
-no earlier than that: until then the worker decodes the others, and the time is not
-taken off its prefill. The entries' predicted prefills are laid end to end from the
-oldest's start, each starting at the earliest when its room is predicted free.
+with nothing pending.
 
 ``in_flight`` lists every entry that has not ended with the device pages it holds there
 (``held_pages`` at admission: its context and output) and when it is predicted to end:
@@ -39,7 +35,6 @@ router's event loop: no locks.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable
 
@@ -57,45 +52,23 @@ class PrefillLedger:
         self._decoding: set[int] = set()
         self._held: dict[int, float] = {}  # entry id -> device pages, until it ends
         self._first_at: dict[int, float] = {}  # decoding entry id -> its first token's time
-        # waiting entry id -> when its device room is predicted free (admitted with a wait)
-        self._room_at: dict[int, float] = {}
         self.decode_s: float | None = None  # first token to end, moving average
         self._ids = itertools.count()
         self._moved_at = clock()  # when the pending queue last moved
 
     def admit(self, predicted_s: float, prefill_pages: float = 0.0,
-              held_pages: float = 0.0, room_s: float = 0.0) -> LedgerEntry:
+              held_pages: float = 0.0) -> LedgerEntry:
         """A request sent to the worker, predicted to take ``predicted_s`` of prefill, to
         compute ``prefill_pages`` there and to hold ``held_pages`` of its device while it
-        runs, after waiting ``room_s`` for that room."""
+        runs."""
         entry_id = next(self._ids)
-        now = self._clock()
         if not self._pending:
-            self._moved_at = now  # an idle worker starts on it now, or once it has room
+            self._moved_at = self._clock()  # an idle worker starts on it now
         self._pending[entry_id] = max(0.0, predicted_s)
         self._pending_pages[entry_id] = max(0.0, prefill_pages)
-        if room_s > 0:
-            self._room_at[entry_id] = now + room_s
         if held_pages > 0:
             self._held[entry_id] = held_pages
-        return LedgerEntry(self, entry_id, now)
-
-    def _prefill_ends(self, now: float) -> list[tuple[int, float]]:
-        """Each waiting entry, oldest first, with when its prefill is predicted to end: the
-        oldest's started when the queue last moved or its room came, whichever is later,
-        and has not ended (it has no first token); each other's starts when the one before
-        it ends, or its room comes."""
-        out: list[tuple[int, float]] = []
-        end = -math.inf
-        for entry_id, predicted in self._pending.items():  # dicts keep the admission order
-            start = max(end, self._room_at.get(entry_id, -math.inf))
-            if not out:
-                start = max(start, self._moved_at)
-                end = max(start + predicted, now)
-            else:
-                end = start + predicted
-            out.append((entry_id, end))
-        return out
+        return LedgerEntry(self, entry_id, self._clock())
 
     def in_flight(self) -> tuple[InFlight, ...]:
         """Every entry not ended that holds device pages: its pages and the seconds until
@@ -105,10 +78,15 @@ class PrefillLedger:
         now = self._clock()
         decode = self.decode_s or 0.0
         out: list[InFlight] = []
-        for entry_id, end in self._prefill_ends(now):
-            pages = self._held.get(entry_id)
-            if pages is not None:
-                out.append(InFlight(end - now + decode, pages))
+        if self._pending:
+            oldest = next(iter(self._pending.values()))
+            worked = min(now - self._moved_at, oldest)
+            ahead = 0.0
+            for entry_id, predicted in self._pending.items():
+                ahead += predicted
+                pages = self._held.get(entry_id)
+                if pages is not None:
+                    out.append(InFlight(max(0.0, ahead - worked) + decode, pages))
         for entry_id in self._decoding:
             pages = self._held.get(entry_id)
             if pages is not None:
@@ -117,9 +95,11 @@ class PrefillLedger:
 
     def queued_s(self) -> float:
         """Predicted seconds before a prefill sent now would start."""
-        now = self._clock()
-        ends = self._prefill_ends(now)
-        return max(0.0, ends[-1][1] - now) if ends else 0.0
+        if not self._pending:
+            return 0.0
+        oldest = next(iter(self._pending.values()))  # dicts keep the order of admission
+        worked = min(self._clock() - self._moved_at, oldest)
+        return max(0.0, sum(self._pending.values()) - worked)
 
     @property
     def pending_pages(self) -> float:
@@ -137,7 +117,6 @@ class PrefillLedger:
 
     def _first_token(self, entry_id: int) -> None:
         self._pending_pages.pop(entry_id, None)
-        self._room_at.pop(entry_id, None)
         if self._pending.pop(entry_id, None) is not None:
             self._moved_at = self._clock()
             self._decoding.add(entry_id)
@@ -145,7 +124,6 @@ class PrefillLedger:
 
     def _close(self, entry_id: int) -> None:
         self._pending_pages.pop(entry_id, None)
-        self._room_at.pop(entry_id, None)
         if self._pending.pop(entry_id, None) is not None:
             self._moved_at = self._clock()
         self._decoding.discard(entry_id)

@@ -269,8 +269,7 @@ class Proxy:
         worker.active_requests += 1
         worker.active_prompt_pages += pages
         entry = None if decision is None else worker.ledger.admit(
-            decision.predicted_prefill_s, decision.prefill_pages, held_pages,
-            decision.predicted_room_s)
+            decision.predicted_prefill_s, decision.prefill_pages, held_pages)
         logged = None if decision is None else self.decisions.record(decision, stream, rid)
         released = False
 

@@ -120,12 +120,6 @@ class RouteDecision:
         entry for it (0 when the policy predicts nothing)."""
         return self.terms.get("own_s", 0.0)
 
-    @property
-    def predicted_room_s(self) -> float:
-        """How long the chosen worker is predicted to wait for device room before this
-        request's prefill can start (``device_room.py``; 0: none, or not predicted)."""
-        return self.terms.get("room_s", 0.0)
-
 
 class TierIndex(Protocol):
     """Which worker holds which page in which tier, built from KV events."""

@@ -125,28 +125,3 @@ def test_in_flight_entries_end_after_their_queue_and_the_measured_decode() -> No
     assert all(f.pages != 8 for f in ledger.in_flight())
     # Later decodes move the average by a fifth of their difference.
     assert ledger.decode_s == pytest.approx(3.0 + 0.2 * (1.0 - 3.0))
-
-
-def test_a_request_waiting_for_device_room_is_not_worked_on_meanwhile() -> None:
-    clock = Clock()
-    ledger = PrefillLedger(clock)
-    # Sent to a worker whose device is full: predicted to get room in 2 s, then 1 s of
-    # prefill. Until its room comes the worker decodes the others, not this.
-    held = ledger.admit(1.0, held_pages=10, room_s=2.0)
-    assert ledger.queued_s() == pytest.approx(3.0)
-    assert [f.free_in_s for f in ledger.in_flight()] == [pytest.approx(3.0)]
-    clock.now += 1.5
-    assert ledger.queued_s() == pytest.approx(1.5)  # half a second to its room, then 1 s
-    clock.now += 1.0
-    assert ledger.queued_s() == pytest.approx(0.5)  # half its prefill done
-    # One behind it needs room that comes later than the first's prefill ends: it starts
-    # then, not when the first ends.
-    behind = ledger.admit(0.5, room_s=2.0)
-    assert ledger.queued_s() == pytest.approx(2.5)
-    clock.now += 5.0  # both late: the oldest has no first token, so not done
-    assert ledger.queued_s() == pytest.approx(0.5)
-    held.first_token()
-    assert ledger.queued_s() == pytest.approx(0.5)  # the queue moved: its room has come
-    behind.first_token()
-    assert ledger.queued_s() == 0.0
-
