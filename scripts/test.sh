@@ -52,9 +52,11 @@ fi
 if [ "$fast" -eq 1 ]; then
   .venv/bin/pytest -q tests/unit "$@"
 else
-  # Two pytest processes (HICACHE_TEST_WORKERS; 0: one), each taking the next test as it
-  # finishes one: on CI's two cores one runs while the other waits on a server's start, a
-  # subprocess or a socket. The slowest tests at the end of the log: the run must stay
-  # within CI's 30 minutes.
-  .venv/bin/pytest -q -n "${HICACHE_TEST_WORKERS:-2}" --dist worksteal --durations=25 "$@"
+  # Two pytest processes (HICACHE_TEST_WORKERS; 0: one), each taking the next test module
+  # as it finishes one: on CI's two cores one runs while the other waits on a server's
+  # start, a subprocess or a socket. Whole modules, so that a module's servers and
+  # conversions are made once (split across both they were made twice: 30-45 s each); the
+  # slow end-to-end modules come first in collection order, the short unit ones last. The
+  # slowest tests at the end of the log: the run must stay within CI's 30 minutes.
+  .venv/bin/pytest -q -n "${HICACHE_TEST_WORKERS:-2}" --dist loadscope --durations=25 "$@"
 fi
