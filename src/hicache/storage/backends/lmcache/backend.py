@@ -42,9 +42,11 @@ What the server cannot do, and how we cope:
   key (``BAD_KEYS_REMEMBERED`` at most): ``exists`` stops there, and the next
   ``set`` of that page rewrites it (a PUT replaces the value).
 - A PUT cut off mid-value (a writer killed or timed out) leaves the server
-  holding an empty value that closes the connection of whoever GETs it. We
-  read that as a short read of that page (a miss, remembered as bad like a
-  corrupted page) and reconnect.
+  holding an empty value that closes the connection of whoever GETs it, losing
+  any reply to that connection not yet flushed. After a connection dropped
+  mid-batch we reconnect and read the rest one page per round trip: the page
+  whose value is cut off there is the torn one, a short read (a miss,
+  remembered as bad like a corrupted page).
 
 Failures never raise: a connect refused or timed out, a connection reset, a
 socket timeout or an unreadable reply ends the call with the pages done so
@@ -66,7 +68,12 @@ import numpy as np
 
 from hicache.memory.allocator import PageIds
 from hicache.memory.host_pool import HostPool
-from hicache.storage.backends.lmcache.client import Buffer, Client, Connection
+from hicache.storage.backends.lmcache.client import (
+    Buffer,
+    Client,
+    Connection,
+    ServerUnreachable,
+)
 from hicache.storage.backends.lmcache.protocol import (
     MAX_VALUE_BYTES,
     Command,
@@ -98,6 +105,14 @@ _GENERATION_BYTES = 8
 
 # What a discarded page is overwritten with (see _drop).
 _TOMBSTONE = b"\0"
+
+
+@dataclass(frozen=True)
+class _Drop:
+    """How a read exchange ended early: the error, and whether it came mid-value."""
+
+    error: OSError | ProtocolError
+    in_value: bool
 
 
 @dataclass
@@ -210,16 +225,50 @@ class LMCacheBackend(LookupPutBackend[_LMCachePut]):
                 self._fail(FailureReason.MISSING)
                 self._count_read(0, regions.page_bytes, began)
                 return 0
+        good, drop = self._read(client, regions, keys, pages, names, 0, pipelined=True)
+        if drop is not None and self._dropped(drop):
+            # The server closes a stream the moment it meets a torn value, and a reply it
+            # had not flushed yet for an earlier page of the batch (Nagle holds a small
+            # value back until its header is acknowledged) is lost with it: a drop in a
+            # pipelined batch does not name its page. Read the rest one page per round
+            # trip on a fresh connection, where a drop mid-value is that page's.
+            more, drop = self._read(client, regions, keys, pages, names, good, pipelined=False)
+            good += more
+            if drop is not None and drop.in_value and self._dropped(drop):
+                self._mark_bad(names[good], Fault.SHORT_READ)
+                drop = None
+        if drop is not None:
+            self._count_error(drop.error, 1)
+        if known_bad is not None and good == known_bad:
+            self._fail(FailureReason.MISSING)  # the chain reached a page known bad
+        self._count_read(good, regions.page_bytes, began)
+        return good
+
+    def _read(
+        self, client: Client, regions: PageRegions, keys: Sequence[bytes], pages: list[int],
+        names: list[str], first: int, *, pipelined: bool,
+    ) -> tuple[int, _Drop | None]:
+        """Read pages ``first..`` of ``names`` into ``pages``: how many leading ones were read
+        and verified, and the error that ended the exchange (None when it ended by itself:
+        all read, or stopped at a missing or damaged page, counted here).
+
+        ``pipelined`` sends every GET at once; otherwise each GET waits for the previous
+        reply, so that a connection the server drops is dropped at the page it was sending.
+        """
         expected = regions.page_bytes + HEADER_BYTES
         header = bytearray(HEADER_BYTES)
         good = 0  # leading pages read and verified
         broken = False  # a page failed: the rest of the replies are only drained
-        current = 0
         in_value = False  # between a page's reply header and the end of its value
         try:
             with client.connection() as conn:
-                conn.send([encode_request(Command.GET, name) for name in names])
-                for current in range(len(names)):
+                if pipelined:
+                    conn.send([encode_request(Command.GET, name) for name in names[first:]])
+                for current in range(first, len(names)):
+                    if not pipelined:
+                        if broken:
+                            break
+                        conn.send([encode_request(Command.GET, names[current])])
                     reply = conn.read_reply()
                     fault = length_fault(reply.value_bytes, expected) if reply.ok else None
                     if broken or not reply.ok or fault is not None:
@@ -243,16 +292,16 @@ class LMCacheBackend(LookupPutBackend[_LMCachePut]):
                         continue
                     good += 1
         except (OSError, ProtocolError) as error:
-            if not broken and in_value and isinstance(error, ConnectionError):
-                # The server dropped us in the middle of a value: one it cannot send
-                # (a torn PUT left it empty), or it died. This page is not readable.
-                self._mark_bad(names[current], Fault.SHORT_READ)
-            elif not broken:
-                self._count_error(error, 1)
-        if known_bad is not None and good == known_bad:
-            self._fail(FailureReason.MISSING)  # the chain reached a page known bad
-        self._count_read(good, regions.page_bytes, began)
-        return good
+            if not broken:
+                return good, _Drop(error, in_value)
+        return good, None
+
+    @staticmethod
+    def _dropped(drop: _Drop) -> bool:
+        """Whether the server closed or reset a connection we had (not: could not connect)."""
+        return isinstance(drop.error, ConnectionError) and not isinstance(
+            drop.error, ServerUnreachable
+        )
 
     def clear(self) -> None:
         """Start a new generation: every page stored so far becomes unreachable (module doc)."""
