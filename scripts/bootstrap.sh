@@ -18,6 +18,33 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   .venv/bin/pip install -q --upgrade pip
 fi
+# LMCache's server (lmcache_server), for the lmcache backend's tests and benchmark, in an
+# environment of its own: LMCache pins numpy<=2.2.6 and pulls CUDA packages, none of which
+# hicache needs (our client speaks its wire protocol without it). --no-deps plus the few
+# packages its server imports keeps it to the CPU torch and ~1 GB instead of ~2 GB and
+# CUDA wheels; numba is what LMCache's CPU memory code loads at import.
+# It does not depend on .venv: it is built in the background while .venv installs (pip is
+# mostly one core's unpacking, and CI has two), and waited for at the end.
+has_lmcache_server="import lmcache.v1.server.__main__"
+build_lmcache_venv() {
+  rm -rf .venv-lmcache
+  "$PY" -m venv .venv-lmcache
+  .venv-lmcache/bin/pip install -q "torch==${HICACHE_TORCH_VERSION:-2.13.0}" \
+    || .venv-lmcache/bin/pip install -q torch
+  .venv-lmcache/bin/pip install -q "numpy<=2.2.6" numba "prometheus_client<=0.24.1" \
+    py-cpuinfo psutil aiohttp requests cachetools pyyaml sortedcontainers
+  .venv-lmcache/bin/pip install -q --no-deps "lmcache==${HICACHE_LMCACHE_VERSION:-0.5.6}" \
+    2>&1 | grep -v -e "requires" -e "dependency resolver" >&2 || true
+  if ! .venv-lmcache/bin/python -c "$has_lmcache_server" >/dev/null 2>&1; then
+    echo "bootstrap: LMCache's server cannot be imported in .venv-lmcache; the lmcache L3" \
+      "backend's tests need it" >&2
+  fi
+}
+lmcache_pid=""
+if ! .venv-lmcache/bin/python -c "$has_lmcache_server" >/dev/null 2>&1; then
+  build_lmcache_venv &
+  lmcache_pid=$!
+fi
 # torch first: a pinned release installs quickly where a wheel of it is cached;
 # anywhere else, fall back to whatever torch pip resolves.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
@@ -99,23 +126,6 @@ if [ "$(uname -s)" = Linux ] && ! command -v redis-server >/dev/null 2>&1; then
       "redis-server) to run the redis L3 backend's tests" >&2
   fi
 fi
-# LMCache's server (lmcache_server), for the lmcache backend's tests and benchmark, in an
-# environment of its own: LMCache pins numpy<=2.2.6 and pulls CUDA packages, none of which
-# hicache needs (our client speaks its wire protocol without it). --no-deps plus the few
-# packages its server imports keeps it to the CPU torch and ~1 GB instead of ~2 GB and
-# CUDA wheels; numba is what LMCache's CPU memory code loads at import.
-has_lmcache_server="import lmcache.v1.server.__main__"
-if ! .venv-lmcache/bin/python -c "$has_lmcache_server" >/dev/null 2>&1; then
-  rm -rf .venv-lmcache
-  "$PY" -m venv .venv-lmcache
-  .venv-lmcache/bin/pip install -q "torch==${HICACHE_TORCH_VERSION:-2.13.0}" \
-    || .venv-lmcache/bin/pip install -q torch
-  .venv-lmcache/bin/pip install -q "numpy<=2.2.6" numba "prometheus_client<=0.24.1" \
-    py-cpuinfo psutil aiohttp requests cachetools pyyaml sortedcontainers
-  .venv-lmcache/bin/pip install -q --no-deps "lmcache==${HICACHE_LMCACHE_VERSION:-0.5.6}" \
-    2>&1 | grep -v -e "requires" -e "dependency resolver" >&2 || true
-  if ! .venv-lmcache/bin/python -c "$has_lmcache_server" >/dev/null 2>&1; then
-    echo "bootstrap: LMCache's server cannot be imported in .venv-lmcache; the lmcache L3" \
-      "backend's tests need it" >&2
-  fi
+if [ -n "$lmcache_pid" ]; then
+  wait "$lmcache_pid"
 fi
