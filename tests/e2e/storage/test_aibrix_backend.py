@@ -6,6 +6,7 @@ lives there) and closes it at the end.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import threading
@@ -53,10 +54,15 @@ def opened(tmp_path: Path) -> Iterator[list[AibrixBackend]]:
         backend.close()
 
 
+def options(path: Path, **extra: object) -> dict[str, object]:
+    # A generous per-token timeout: RocksDB's answers, not a loaded host's pace, are tested.
+    return {"path": str(path), "l1_capacity": "16MiB", "timeout_per_token_ms": 1000, **extra}
+
+
 def open_backend(
     opened: list[AibrixBackend], path: Path, **extra: object
 ) -> tuple[AibrixBackend, HostPool]:
-    backend = AibrixBackend({"path": str(path), "l1_capacity": "16MiB", **extra})
+    backend = AibrixBackend(options(path, **extra))
     opened.append(backend)
     host = make_host()
     backend.attach(host)
@@ -74,16 +80,17 @@ def rocksdb_dir(backend: AibrixBackend) -> Path:
 def test_options_map_onto_aibrix_environment_variables(tmp_path: Path) -> None:
     backend = AibrixBackend({
         "path": str(tmp_path), "l1_capacity": "512MiB", "l1_eviction_policy": "lru",
-        "ttl_s": 0, "verify_checksum": False,
+        "ttl_s": 0, "timeout_per_token_ms": "250", "verify_checksum": False,
     })
     settings = backend.settings
-    assert settings == AibrixSettings(tmp_path, True, 512 * 2**20, "LRU", True, 0)
+    assert settings == AibrixSettings(tmp_path, True, 512 * 2**20, "LRU", True, 0, 250)
     env = settings.environment(tmp_path / "x")
     assert env["AIBRIX_KV_CACHE_OL_L1_CACHE_CAPACITY_GB"] == "0.5"
     assert env["AIBRIX_KV_CACHE_OL_L1_CACHE_EVICTION_POLICY"] == "LRU"
     assert env["AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND"] == "ROCKSDB"
     assert env["AIBRIX_KV_CACHE_OL_ROCKSDB_ROOT"] == str(tmp_path / "x")
     assert env["AIBRIX_KV_CACHE_OL_ROCKSDB_TTL_S"] == "0"
+    assert env["AIBRIX_KV_CACHE_OL_L2_CACHE_PER_TOKEN_TIMEOUT_MS"] == "250"
     assert env["AIBRIX_KV_CACHE_OL_L2_CACHE_INGESTION_TYPE"] == "ALL"
     assert backend.verify_checksum is False
 
@@ -96,8 +103,9 @@ def test_aibrix_environment_variables_are_the_fallback(
     monkeypatch.setenv("AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND", "")
     monkeypatch.setenv("AIBRIX_KV_CACHE_OL_L1_CACHE_ENABLED", "0")
     monkeypatch.setenv("AIBRIX_KV_CACHE_OL_ROCKSDB_TTL_S", "60")
+    monkeypatch.setenv("AIBRIX_KV_CACHE_OL_L2_CACHE_PER_TOKEN_TIMEOUT_MS", "75")
     settings = AibrixBackend({}).settings
-    assert settings.path == tmp_path / "from-env"
+    assert settings.path == tmp_path / "from-env" and settings.timeout_per_token_ms == 75
     assert settings.l1_capacity_bytes == 2 * 2**30  # AIBrix's variable counts GiB
     assert settings.l1 is False and settings.l2 is True and settings.ttl_s == 60
     # The extra config wins over the environment, in its own units (bytes, not GiB).
@@ -117,6 +125,8 @@ def test_aibrix_environment_variables_are_the_fallback(
         ({"l2": "INFINISTORE"}, "other AIBrix L2 backends are not supported"),
         ({"ttl_s": "soon"}, "ttl_s must be an integer"),
         ({"ttl_s": -1}, "ttl_s must be >= 0"),
+        ({"timeout_per_token_ms": 0}, "timeout_per_token_ms must be > 0"),
+        ({"timeout_per_token_ms": 1.5}, "timeout_per_token_ms must be an integer"),
         ({"path": 3}, "must be a string"),
     ],
 )
@@ -341,7 +351,7 @@ def test_unchanged_pages_keep_their_bytes_across_layout_hosts(
 ) -> None:
     """Pages written from a layer_first pool are another object than page_first's (frame)."""
     chain = keys(2, seed=8)
-    backend = AibrixBackend({"path": str(tmp_path), "l1_capacity": "16MiB"})
+    backend = AibrixBackend(options(tmp_path))
     opened.append(backend)
     host = _CONTRACT.make_host(MemLayout.LAYER_FIRST)
     backend.attach(host)
@@ -382,6 +392,26 @@ def test_ttl_s_reaches_rocksdb(
     rocksdb = backend.store.manager._l2_cache._backend.store  # AIBrix's rocksdict handle
     rocksdb.compact_range(None, None)
     assert backend.exists(chain) == (1 if kept else 0)
+
+
+def test_a_rocksdb_lookup_past_its_timeout_is_a_timeout_miss(
+    tmp_path: Path, opened: list[AibrixBackend]
+) -> None:
+    chain = keys(2, seed=12)
+    backend, host = open_backend(opened, tmp_path, l1=False, timeout_per_token_ms=1)
+    manager = backend.store.manager
+    assert manager._l2_cache_per_token_timeout_ms == 1
+    fill_random(host, page_range(0, 2), seed=12)
+    assert backend.set(chain, page_range(0, 2)) == 2
+    assert backend.exists(chain) == 2
+
+    async def slow_exists(*args: object, **kwargs: object) -> None:
+        await asyncio.sleep(1.0)  # far past 2 pages x 4 tokens x 1 ms, however busy the host
+        # AIBrix stopped waiting long before: what this would answer never counts.
+
+    manager._l2_cache.exists = slow_exists
+    assert backend.exists(chain) == 0
+    assert backend.stats().failures.get("timeout", 0) == 1
 
 
 def test_clear_while_other_threads_read_and_write(

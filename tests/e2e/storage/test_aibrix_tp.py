@@ -22,7 +22,9 @@ require_dev_dependency("aibrix_kvcache", "pip install 'hicache[aibrix]' (see scr
 def _aibrix_scenario(path: Path, tp_size: int) -> Scenario:
     config = _config(path, tp_size)
     storage = dataclasses.replace(
-        config.storage, backend="aibrix", backend_extra={"path": str(path), "l1_capacity": "8MiB"}
+        config.storage, backend="aibrix", backend_extra={
+            "path": str(path), "l1_capacity": "8MiB", "timeout_per_token_ms": 1000
+        }
     )
     assert isinstance(storage, StorageConfig)
     return Scenario(dataclasses.replace(config, storage=storage), STEPS)

@@ -28,7 +28,9 @@ def test_the_baseline_moves_the_workloads_pages_through_aibrix_s_manager(
     layout: MemLayout, tmp_path: Path
 ) -> None:
     load = bench_workload(layout, tmp_path)
-    backend = AibrixBackend({"path": str(tmp_path / "l3"), "l1_capacity": "16MiB"})
+    backend = AibrixBackend(
+        {"path": str(tmp_path / "l3"), "l1_capacity": "16MiB", "timeout_per_token_ms": 1000}
+    )
     backend.attach(load.host)
     try:
         run = aibrix_baseline(load, backend)

@@ -32,7 +32,7 @@ from hicache.storage.backends.aibrix.backend import AibrixBackend  # noqa: E402 
 
 
 def make_cache(root: Path, layout: MemLayout = MemLayout.PAGE_FIRST) -> HierarchicalCache:
-    extra = {"path": str(root), "l1_capacity": "8MiB"}
+    extra = {"path": str(root), "l1_capacity": "8MiB", "timeout_per_token_ms": 1000}
     cache = make_l3_cache("aibrix", extra, GEOMETRY, page_size=PAGE_SIZE, layout=layout)
     assert cache.storage is not None, cache.storage_error
     return cache
@@ -89,7 +89,10 @@ def test_the_engine_answers_as_cold_with_aibrix_attached_by_name(
     make_engine: Callable[..., Engine], tmp_path: Path
 ) -> None:
     engine = make_engine(*ENGINE_FLAGS)
-    extra = {"path": str(tmp_path), "l1_capacity": "64MiB", "prefetch_threshold": 64}
+    extra = {
+        "path": str(tmp_path), "l1_capacity": "64MiB", "prefetch_threshold": 64,
+        "timeout_per_token_ms": 1000,
+    }
     # The admin endpoint's path: by name, with the extra config a user would send.
     engine.attach_storage("aibrix", extra, "wait_complete")
     assert engine.storage_status()["backend"] == "aibrix"

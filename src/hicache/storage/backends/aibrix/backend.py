@@ -21,6 +21,10 @@ the extra config wins):
     ttl_s               RocksDB drops a page at a compaction once it is older than this
                         (default 600, AIBrix's; 0 keeps pages for good). AIBrix bounds its
                         RocksDB store by age only, not by size (AIBRIX_KV_CACHE_OL_ROCKSDB_TTL_S)
+    timeout_per_token_ms
+                        a RocksDB lookup or read of n tokens that takes longer than
+                        n times this is a miss counted as "timeout" (default 20,
+                        AIBrix's; AIBRIX_KV_CACHE_OL_L2_CACHE_PER_TOKEN_TIMEOUT_MS)
     verify_checksum     hash every page read against its header (default true)
 
 Every page ``set`` stores goes into the L1 and on to RocksDB before the call

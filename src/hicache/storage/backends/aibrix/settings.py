@@ -28,6 +28,11 @@ DEFAULT_L1_CAPACITY_BYTES = 2**30
 # AIBrix's default: RocksDB drops a page at its first compaction past this age.
 # That TTL is AIBrix's only bound on the RocksDB store's size.
 DEFAULT_TTL_S = 600
+# AIBrix's default: a RocksDB lookup or read of n tokens is given n times this
+# long before it counts as a miss ("timeout"). On a loaded host that bound is
+# tight (20 ms per token is 80 ms for a 4-token page), so it can be raised; our
+# controller's io_timeout_s bounds every call in any case.
+DEFAULT_TIMEOUT_PER_TOKEN_MS = 20
 
 # Fixed by the backend, whatever the environment says:
 FIXED_ENV = {
@@ -116,6 +121,11 @@ class AibrixSettings:
         int, BeforeValidator(_integer), must(lambda ttl_s: ttl_s >= 0, "must be >= 0, got {}"),
         _aibrix("AIBRIX_KV_CACHE_OL_ROCKSDB_TTL_S"),
     ] = DEFAULT_TTL_S
+    timeout_per_token_ms: Annotated[
+        int, BeforeValidator(_integer),
+        must(lambda ms: ms > 0, "must be > 0 milliseconds, got {}"),
+        _aibrix("AIBRIX_KV_CACHE_OL_L2_CACHE_PER_TOKEN_TIMEOUT_MS"),
+    ] = DEFAULT_TIMEOUT_PER_TOKEN_MS
     # The backend's, not the cache's: left out of equality so that it does not split stores.
     verify_checksum: Flag = dataclasses.field(default=True, compare=False)
 
@@ -137,4 +147,5 @@ class AibrixSettings:
             "AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND": "ROCKSDB" if self.l2 else "",
             "AIBRIX_KV_CACHE_OL_ROCKSDB_ROOT": str(rocksdb_root),
             "AIBRIX_KV_CACHE_OL_ROCKSDB_TTL_S": str(self.ttl_s),
+            "AIBRIX_KV_CACHE_OL_L2_CACHE_PER_TOKEN_TIMEOUT_MS": str(self.timeout_per_token_ms),
         }
