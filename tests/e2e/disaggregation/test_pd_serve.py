@@ -46,9 +46,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
         plain = plain_server(ARGS, logs / "plain.log", env=plain_env)
         stack.callback(plain.stop)
         plain.launch()
-        # Short prompts: prefetch any L3 hit (the default threshold is 256 tokens).
+        # Short prompts: prefetch any L3 hit (the default threshold is 256 tokens). Every
+        # hit waited for and loaded, whatever it costs: on a slow machine the default
+        # policies would recompute the pages the L3 test asserts were read.
         l3 = ["--hicache-storage-backend", "file",
-              "--hicache-storage-backend-extra-config", '{"prefetch_threshold": 0}']
+              "--hicache-storage-backend-extra-config", '{"prefetch_threshold": 0}',
+              "--hicache-storage-prefetch-policy", "wait_complete",
+              "--hicache-reuse-policy", "load"]
         pair = stack.enter_context(pd_pair(
             [*ARGS, *l3], logs, env=pair_env,
             decode_args=["--disaggregation-decode-enable-offload-kvcache"],

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
 from hicache.events.hashing import page_hashes
 from hicache.net import free_port
@@ -17,6 +16,7 @@ from hicache.router.policy import ScoringConfig, build_policy
 from hicache.router.settings import PrefillEndpoint
 from hicache.router.workers import WorkerInfo
 from hicache.testing.server_process import ChildServer
+from tests.abandoned_clients import held_request, leave
 from tests.restartable_server import RestartableServer
 from tests.router_fakes import Publisher, batch
 from tests.router_fixtures import running_pd_router
@@ -127,7 +127,8 @@ def test_a_repeated_prefix_goes_to_the_prefill_instance_that_holds_it() -> None:
 
 
 def test_a_prefill_error_drops_the_decode_request_and_is_returned() -> None:
-    prefill, decode = pair()
+    # The decode instance waits a minute for the KV: only the router's drop ends its wait.
+    prefill, decode = pair(kv_wait_s=60.0)
     prefill.fail_status = 503
     with fake_instances(prefill, decode) as (p, d), running_pd_router(
         [PrefillEndpoint(p)], [d],
@@ -136,11 +137,12 @@ def test_a_prefill_error_drops_the_decode_request_and_is_returned() -> None:
         assert response.status_code == 503
         assert response.json() == {"error": {"message": "prefill failed on purpose"}}
         # The decode instance, still waiting for the KV, saw its request dropped.
-        assert wait_until(lambda: decode.cancelled == ["t1"], 5.0)
+        assert wait_until(lambda: decode.cancelled == ["t1"])
 
 
 def test_an_unreachable_prefill_instance_is_taken_out_and_another_pair_serves() -> None:
-    prefill, decode = pair()
+    # The decode instance waits a minute for the KV: only the router's drop ends its wait.
+    prefill, decode = pair(kv_wait_s=60.0)
     dead = WorkerInfo(url=CLOSED, page_size=4, model="tiny-model")
     with fake_instances(prefill, decode) as (p, d), running_pd_router(
         [PrefillEndpoint(p)], [d], extra_prefill=[dead], health_interval_s=60,
@@ -153,7 +155,7 @@ def test_an_unreachable_prefill_instance_is_taken_out_and_another_pair_serves() 
             CLOSED: False, p: True}
         # The first decode request (bootstrapped at the dead instance) was dropped: either
         # before it reached the decode instance or, if it did, there.
-        assert wait_until(lambda: len(decode.cancelled) == len(decode.requests) - 1, 5.0)
+        assert wait_until(lambda: len(decode.cancelled) == len(decode.requests) - 1)
         assert decode.requests[-1][1]["bootstrap_port"] == 8998
         assert "router_retries_total 1.0" in router.get("/metrics").text
 
@@ -187,10 +189,10 @@ def test_a_decode_error_drops_the_prefill_request_and_is_returned() -> None:
         response = router.post("/generate", json={"input_ids": IDS, "tag": "t3"})
         assert response.status_code == 500
         assert response.json() == {"error": {"message": "decode failed on purpose"}}
-        assert wait_until(lambda: prefill.cancelled == ["t3"], 5.0)
-        workers = router.get("/workers").json()
-        assert wait_until(lambda: all(w["active_requests"] == 0 for w in
-                                    workers["prefill"] + workers["decode"]), 5.0)
+        assert wait_until(lambda: prefill.cancelled == ["t3"])
+        assert wait_until(lambda: all(
+            w["active_requests"] == 0 for pool in router.get("/workers").json().values()
+            for w in pool))
 
 
 def test_an_unreachable_decode_instance_is_a_503_naming_it() -> None:
@@ -205,19 +207,24 @@ def test_an_unreachable_decode_instance_is_a_503_naming_it() -> None:
 
 
 def test_a_client_that_leaves_before_any_answer_drops_both_requests() -> None:
-    prefill, decode = pair()
-    prefill.delay_s = 30.0
+    # Both hold the request a minute (prefill computing, decode waiting for the KV): only
+    # the client leaving ends them.
+    prefill, decode = pair(kv_wait_s=60.0)
+    prefill.delay_s = 60.0
     with fake_instances(prefill, decode) as (p, d), running_pd_router(
         [PrefillEndpoint(p)], [d],
     ) as router:
-        with pytest.raises(httpx.ReadTimeout):
-            router.post("/generate", json={"input_ids": IDS, "tag": "gone"}, timeout=0.5)
-        assert wait_until(lambda: prefill.cancelled == ["gone"] and decode.cancelled == ["gone"],
-                        5.0)
+        # The client leaves once both instances hold its request (no client timeout to
+        # race the router's forwarding).
+        sock = held_request(router.url, "/generate", {"input_ids": IDS, "tag": "gone"})
+        assert wait_until(lambda: len(prefill.requests) == len(decode.requests) == 1)
+        leave(sock)
+        assert wait_until(lambda: prefill.cancelled == ["gone"] and decode.cancelled == ["gone"])
 
 
 def test_a_client_that_leaves_mid_stream_drops_the_decode_request() -> None:
-    prefill, decode = pair(delay_s=1.0)
+    # 30 s between chunks: the stream is still running whenever the leave reaches decode.
+    prefill, decode = pair(delay_s=30.0)
     with fake_instances(prefill, decode) as (p, d), running_pd_router(
         [PrefillEndpoint(p)], [d],
     ) as router:
@@ -226,10 +233,10 @@ def test_a_client_that_leaves_mid_stream_drops_the_decode_request() -> None:
             json={"input_ids": IDS, "stream": True, "tag": "left"},
         ) as response:
             assert next(response.iter_raw()) == DECODE_CHUNKS[0]
-        assert wait_until(lambda: decode.cancelled == ["left"], 5.0)
+        assert wait_until(lambda: decode.cancelled == ["left"])
         assert wait_until(lambda: all(
             w["active_requests"] == 0 for pool in router.get("/workers").json().values()
-            for w in pool), 5.0)
+            for w in pool))
 
 
 def test_models_flush_health_and_server_info_cover_both_pools() -> None:

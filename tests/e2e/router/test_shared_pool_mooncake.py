@@ -7,6 +7,7 @@ skips the module before anything here needs the client).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ from hicache.config import MemLayout
 from hicache.events.hashing import page_hashes
 from hicache.net import free_port
 from hicache.router.index import PageIndex
-from hicache.router.policy import ScoringConfig, build_policy
+from hicache.router.policy import ScoringConfig, TierAwarePolicy, build_policy
 from hicache.router.shared_pool import MooncakeSharedPool, SharedPoolError
 from hicache.router.types import RouteRequest, WorkerLoad
 from hicache.testing.mooncake_master import MasterProcess, start_master
@@ -93,14 +94,18 @@ def test_a_master_that_dies_fails_queries_fast_and_routing_goes_on() -> None:
     hashes = page_hashes(tokens, PAGE)
     with start_master() as master:
         pool = MooncakeSharedPool(master.address, bytes(16), PAGE)
-        policy = build_policy("tier_aware", PageIndex(), pool,
-                              ScoringConfig(shared_cache_multiplier=0.5, shared_deadline_s=0.5))
+        # A deadline no loaded machine misses while the master answers; a short one once
+        # it is dead.
+        patient = ScoringConfig(shared_cache_multiplier=0.5, shared_deadline_s=30.0)
+        policy = build_policy("tier_aware", PageIndex(), pool, patient)
+        assert isinstance(policy, TierAwarePolicy)
         request = RouteRequest(page_hashes=hashes, prompt_tokens=16, page_size=PAGE,
                                workers=[WorkerLoad("a"), WorkerLoad("b")])
         try:
             # The first query sets the client up (longer than a deadline); then it answers.
             assert asyncio.run(pool.hits(hashes, tokens)) == [False] * 4
             assert asyncio.run(policy.choose(request, tokens)).shared_hits == 0
+            policy.config = dataclasses.replace(patient, shared_deadline_s=0.5)
             master.kill()
             for _ in range(3):  # each routed in about the deadline, the pool answering or not
                 began = time.monotonic()

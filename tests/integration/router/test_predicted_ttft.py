@@ -4,6 +4,7 @@ models, records each decision's predicted and (streamed) measured TTFT on /metri
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -166,8 +167,11 @@ def test_a_full_device_prices_the_wait_for_room() -> None:
     body = {"input_ids": IDS, "stream": True, "sampling_params": {"max_new_tokens": 8}}
     with fake_workers(worker) as urls, running_router(urls, policy=policy()) as router:
         # A whole streamed answer first: the router measures the worker's decode (the
-        # fake's five 1.5 s gaps from its first byte to its end).
+        # fake's five 1.5 s gaps from its first byte to its end), within what the test
+        # sees of the request, however slow the machine.
+        began = time.monotonic()
         assert router.post("/generate", json=body).status_code == 200
+        decode_within_s = time.monotonic() - began
         first = router.get("/decisions", params={"limit": 1}).json()["decisions"][0]
         assert first["terms"]["room_s"] == 0.0  # nothing else was there
         with httpx.stream("POST", f"{router.url}/generate", timeout=30, json=body) as held:
@@ -177,6 +181,6 @@ def test_a_full_device_prices_the_wait_for_room() -> None:
             assert response.status_code == 200
             last = router.get("/decisions", params={"limit": 1}).json()["decisions"][0]
         # It waits for the one decoding to end (the measured decode, less what has passed).
-        assert 0.0 < last["terms"]["room_s"] < 5 * 1.5 + 1.0
+        assert 0.0 < last["terms"]["room_s"] < decode_within_s
         assert last["predicted_ttft_s"] == pytest.approx(
             max(last["terms"]["queue_s"], last["terms"]["room_s"]) + last["terms"]["own_s"])

@@ -151,22 +151,32 @@ def test_a_joining_worker_is_warmed_with_the_recent_prompts_before_it_is_routed_
 def test_a_warm_that_times_out_or_fails_only_counts_and_the_worker_is_routed_to() -> None:
     old = Warmable("old")
     slow, broken = Warmable("slow", warm_mode="hold"), Warmable("broken", warm_mode="fail")
-    with serving(old, slow, broken) as (old_url, slow_url, broken_url), running_router(
-        [old_url], policy=LastPolicy(), admin_api_key=KEY, warm_on_join_timeout_s=1.0,
-    ) as router:
-        generate(router, prompt(1000, 3))
-        add(router, broken_url)
-        assert wait_until(lambda: state(router, broken_url) == "up")
-        assert len(broken.warms) == 1
-        assert generate(router, prompt(2000, 1)) == "broken"
-        add(router, slow_url)  # never answers: routable after the 1 s timeout
-        assert wait_until(lambda: state(router, slow_url) == "up")
-        assert len(slow.warms) == 1
-        assert generate(router, prompt(3000, 1)) == "slow"
-        samples = scrape(router.url)
-        assert sample(samples, "router_warms_total", outcome="failed") == 1.0
-        assert sample(samples, "router_warms_total", outcome="timeout") == 1.0
-        assert sample(samples, "router_warm_tokens_total") == 0.0
+    with serving(old, slow, broken) as (old_url, slow_url, broken_url):
+        # A timeout no loaded machine reaches: the broken worker's 500 is what ends its warm.
+        with running_router([old_url], policy=LastPolicy(), admin_api_key=KEY,
+                            warm_on_join_timeout_s=60) as router:
+            generate(router, prompt(1000, 3))
+            add(router, broken_url)
+            assert wait_until(lambda: state(router, broken_url) == "up")
+            assert len(broken.warms) == 1
+            assert generate(router, prompt(2000, 1)) == "broken"
+            samples = scrape(router.url)
+            assert sample(samples, "router_warms_total", outcome="failed") == 1.0
+            assert sample(samples, "router_warms_total", outcome="timeout") == 0.0
+            assert sample(samples, "router_warm_tokens_total") == 0.0
+        # The slow worker never answers: its warm ends at the (short) timeout, however
+        # late.
+        with running_router([old_url], policy=LastPolicy(), admin_api_key=KEY,
+                            warm_on_join_timeout_s=1.0) as router:
+            generate(router, prompt(1000, 3))
+            add(router, slow_url)
+            assert wait_until(lambda: state(router, slow_url) == "up")
+            assert len(slow.warms) == 1
+            assert generate(router, prompt(3000, 1)) == "slow"
+            samples = scrape(router.url)
+            assert sample(samples, "router_warms_total", outcome="timeout") == 1.0
+            assert sample(samples, "router_warms_total", outcome="failed") == 0.0
+            assert sample(samples, "router_warm_tokens_total") == 0.0
 
 
 def test_the_only_healthy_worker_is_routed_to_while_it_warms() -> None:

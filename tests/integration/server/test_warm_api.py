@@ -28,8 +28,12 @@ TEXT = " ".join(f"warm{j}" for j in range(60))
 
 def l3_args(path: Path) -> list[str]:
     extra = json.dumps({"path": str(path), "prefetch_threshold": PAGE})
+    # Every hit waited for and loaded, whatever it costs: on a slow machine the default
+    # policies would recompute pages the tests assert were loaded from L2 or L3.
     return ["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
-            "--hicache-storage-backend-extra-config", extra]
+            "--hicache-storage-backend-extra-config", extra,
+            "--hicache-storage-prefetch-policy", "wait_complete",
+            "--hicache-reuse-policy", "load"]
 
 
 def greedy_body(prompt: list[int] | str) -> dict[str, Any]:

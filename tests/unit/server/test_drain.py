@@ -5,6 +5,8 @@ deadline; nothing written without L3; ``on_done`` at the end in every case."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -45,10 +47,12 @@ class FakeEngine:
         return {"attached": self.attached}
 
 
-async def drain(engine: FakeEngine, rids: set[str] | None = None,
-                timeout_s: float = 30.0) -> tuple[Drainer, dict[str, Any] | None]:
+async def drain(engine: FakeEngine, rids: set[str] | None = None, timeout_s: float = 30.0,
+                clock: Callable[[], float] = time.monotonic,
+                ) -> tuple[Drainer, dict[str, Any] | None]:
     done = asyncio.Event()
-    drainer = Drainer(engine, rids if rids is not None else set(), timeout_s, on_done=done.set)
+    drainer = Drainer(engine, rids if rids is not None else set(), timeout_s, on_done=done.set,
+                      clock=clock)
     plan = await drainer.begin("test")
     assert drainer.draining
     await asyncio.wait_for(done.wait(), WAIT_S)
@@ -87,10 +91,20 @@ def test_requests_left_at_the_deadline_are_aborted_and_nothing_is_written() -> N
 
 
 def test_writing_to_l3_stops_at_the_deadline() -> None:
-    engine = FakeEngine(steps=None)  # a store that never catches up
-    drainer, _ = asyncio.run(drain(engine, timeout_s=0.3))
+    # The drain's clock moves only with the writes, a second a step: on the wall clock a
+    # loaded machine could pass the deadline before the first step.
+    now = [0.0]
+
+    class SlowStore(FakeEngine):
+        def drain_l3_step(self) -> dict[str, Any]:
+            now[0] += 1.0
+            return super().drain_l3_step()
+
+    engine = SlowStore(steps=None)  # a store that never catches up
+    drainer, _ = asyncio.run(drain(engine, timeout_s=2.5, clock=lambda: now[0]))
     assert drainer.phase is DrainPhase.DONE
-    assert engine.num_steps >= 1 and (drainer.pages_written, drainer.pages_to_write) == (3, 10)
+    assert engine.num_steps == 3  # the one that passed the deadline is the last
+    assert (drainer.pages_written, drainer.pages_to_write) == (3, 10)
 
 
 def test_without_l3_nothing_is_written() -> None:
