@@ -23,6 +23,9 @@ from tests.waiting import wait_until
 
 # A guard against a hang, far above what a machine busy with other work needs.
 WAIT_S = 60.0
+# The call deadline: the stalled call (hung until the test releases it) waits it out, and
+# no other call may come near it on a busy machine (one stalled call is expected).
+IO_TIMEOUT_S = 2.0
 
 
 def _replicated(store: MemoryStore) -> HierarchicalCache:
@@ -127,7 +130,7 @@ def test_a_stalled_read_keeps_its_slot_and_pages_until_it_returns() -> None:
     store = MemoryStore()
     tokens = conversation(40)
     first, _ = make_cache(store)
-    cache, backend = make_cache(store, io_timeout_s=0.2)
+    cache, backend = make_cache(store, io_timeout_s=IO_TIMEOUT_S)
     cache.replicated = True
     try:
         assert serve_with_l3(first, tokens) == 0
@@ -161,7 +164,7 @@ def test_a_stalled_read_keeps_its_slot_and_pages_until_it_returns() -> None:
 def _stalled_backup(store: MemoryStore) -> tuple[HierarchicalCache, Callable[[], None]]:
     """A rank alone whose first backup's ``set`` stalls past the call deadline (the
     caller releases it with the returned function) once a conversation is served."""
-    cache, backend = make_cache(store, io_timeout_s=0.2)
+    cache, backend = make_cache(store, io_timeout_s=IO_TIMEOUT_S)
     cache.replicated = True
     gate = backend.stall("set")
     serve(cache, conversation(40))

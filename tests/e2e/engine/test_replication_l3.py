@@ -137,16 +137,22 @@ def test_a_rank_whose_l3_falls_short_shortens_the_prefix_for_all(
 
 
 # A read answering this late on one rank: past the prefetch deadline (prefetch_timeout_max,
-# wait_complete) or past the call deadline (io_timeout_s: the call stalls).
+# wait_complete), far within the call deadline (io_timeout_s, 10 s by default).
 LATE_READ_S = 1.5
+# The call deadline where a call must stall: every other call (lookups, backups, the other
+# rank's reads) answers far within it on a busy machine, so only the late call stalls.
+IO_TIMEOUT_S = 2.0
+# A call answering this late stalls: still running when its deadline passes, with room for
+# a busy machine to notice late.
+LATE_CALL_S = IO_TIMEOUT_S + 2.0
 
 
 @pytest.mark.parametrize(
     ("rank", "storage_options", "stalls"),
     [
         (1, {"prefetch_timeout_max": 0.2}, False),
-        (1, {"io_timeout_s": 0.2}, True),
-        (0, {"io_timeout_s": 0.2}, True),
+        (1, {"io_timeout_s": IO_TIMEOUT_S}, True),
+        (0, {"io_timeout_s": IO_TIMEOUT_S}, True),
     ],
     ids=["rank1-past-prefetch-deadline", "rank1-stalls", "rank0-stalls"],
 )
@@ -156,7 +162,8 @@ def test_a_rank_whose_l3_reads_late_gives_the_same_prefix_on_every_rank(
 ) -> None:
     # Every read of the late rank answers late: the first prefetch's would not hold the
     # second one back when the call stalls (the read thread moves on).
-    fault = L3Fault(rank=rank, call="get", delay_s=LATE_READ_S, num_delayed_calls=2)
+    fault = L3Fault(rank=rank, call="get", delay_s=LATE_CALL_S if stalls else LATE_READ_S,
+                    num_delayed_calls=2)
     config = _config(tmp_path, 2, **storage_options)
     scenario = dataclasses.replace(Scenario(config, STEPS), l3_fault=fault)
     leader, follower = run_ranks(run_scenario, 2, scenario)
@@ -223,8 +230,8 @@ def test_a_rank_whose_l3_write_stalls_keeps_the_node_protected_on_every_rank(
     only once that call returned there: until then the stalled rank must keep the node
     out of eviction, and so must every other rank."""
     alone = run_scenario(SINGLE_RANK, Scenario(_config(tmp_path / "alone", 1), BACKUP_STEPS))
-    fault = L3Fault(rank=1, call="set", delay_s=LATE_READ_S)
-    config = _config(tmp_path / "tp2", 2, io_timeout_s=0.2)
+    fault = L3Fault(rank=1, call="set", delay_s=LATE_CALL_S)
+    config = _config(tmp_path / "tp2", 2, io_timeout_s=IO_TIMEOUT_S)
     scenario = dataclasses.replace(Scenario(config, BACKUP_STEPS), l3_fault=fault)
     leader, follower = run_ranks(run_scenario, 2, scenario)
     _assert_ranks_alike(leader, follower)

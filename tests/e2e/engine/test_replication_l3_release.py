@@ -33,9 +33,12 @@ from tests.tp_engine_ranks import (
 
 VOCAB = 500
 PAGE_SIZE = 4
-# The late rank's call answers this late, past its deadline (io_timeout_s): it stalls.
-LATE_CALL_S = 2.5
-IO_TIMEOUT_S = 0.2
+# Every call's deadline: the others (lookups, backups, the other rank's calls) answer far
+# within it on a busy machine, so only the late call stalls.
+IO_TIMEOUT_S = 2.0
+# The late rank's call answers this late, past its deadline: it stalls (still running when
+# the deadline passes, with room for a busy machine to notice late).
+LATE_CALL_S = IO_TIMEOUT_S + 2.0
 
 
 def _config(path: Path) -> EngineConfig:

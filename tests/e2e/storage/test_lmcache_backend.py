@@ -46,6 +46,8 @@ PAGE_SIZE = 4
 # once the test resumes it), generous for a machine busy with other work.
 AT_ONCE_S = 20.0
 PATIENT_CLIENT = {"timeout_s": 60.0, "connect_timeout_s": 60.0}
+# A socket timeout for calls that must succeed beside ones that must time out quickly.
+PATIENT_TIMEOUT_S = 5.0
 
 
 def host_pool(layout: MemLayout = MemLayout.PAGE_FIRST) -> HostPool:
@@ -326,11 +328,23 @@ def wait_stopped(pid: int) -> None:
     )
 
 
+def use_timeout(backend: LMCacheBackend, timeout_s: float) -> None:
+    """Give the connections ``backend`` opens from now on this timeout (the setting is read
+    once, at attach, and each connection keeps the timeout it was opened with): the idle
+    ones are closed so that the next call connects afresh."""
+    client = backend._client
+    assert client is not None
+    client.timeout_s = timeout_s
+    client._drop_idle()
+
+
 def test_a_frozen_server_times_out_and_is_used_again_once_it_answers(
     own_server: LMCacheServerProcess,
 ) -> None:
     host = host_pool()
-    backend = LMCacheBackend({"remote_url": own_server.url, "timeout_s": 0.3})
+    # The calls that must succeed wait patiently (a busy machine may be slow to answer,
+    # more so a server just resumed); only those to the frozen server have the short one.
+    backend = LMCacheBackend({"remote_url": own_server.url, "timeout_s": PATIENT_TIMEOUT_S})
     backend.attach(host)
     try:
         keys = new_keys(2)
@@ -339,6 +353,7 @@ def test_a_frozen_server_times_out_and_is_used_again_once_it_answers(
         assert own_server.pid is not None
         os.kill(own_server.pid, signal.SIGSTOP)
         wait_stopped(own_server.pid)
+        use_timeout(backend, 0.3)
         began = time.monotonic()
         assert backend.get(keys, page_range(10, 12)) == 0
         # Its 0.3 s timeout: not the frozen server (which answers only once the test resumes
@@ -349,6 +364,7 @@ def test_a_frozen_server_times_out_and_is_used_again_once_it_answers(
         unconfirmed = new_keys(2)
         assert backend.set(unconfirmed, page_range(0, 2)) == 0
         assert backend.stats().failures == {"timeout": 2}
+        use_timeout(backend, PATIENT_TIMEOUT_S)
         os.kill(own_server.pid, signal.SIGCONT)
         assert backend.get(keys, page_range(10, 12)) == 2  # on a new connection
         assert backend.exists(unconfirmed) == 0

@@ -27,7 +27,10 @@ from tests.engine_helpers import Run, collect, on_scheduler, run
 from tests.integration.engine.test_engine_l3_faults import PROMPT, engine_with_store, prompt
 from tests.waiting import wait_until
 
-IO_TIMEOUT_S = 0.5
+# Every L3 call's deadline: the hung ones end only there (each test waits it out once), and
+# no other call (a lookup, a backup, the hung one's neighbours) may come near it on a busy
+# machine, or the stalls counted below would not be only the hung call's.
+IO_TIMEOUT_S = 3.0
 # Compute and scheduling on a machine busy with other work. The stalls these tests bound
 # end only when the test releases them, so a request that waited on one would never finish
 # (run_bounded fails it): the margin can be generous and still tell the two apart.
@@ -101,13 +104,14 @@ def test_a_hung_get_is_left_behind_and_only_its_pages_wait_for_it(
 ) -> None:
     caplog.set_level(logging.INFO, logger="hicache.storage")
     # Page size 1: the prompt's 199 pages are read in two batches (128 + 71). Under
-    # the timeout policy the request moves on (0.2 s) before the call's deadline.
+    # the timeout policy the request moves on (1 s: time for the lookup to answer and
+    # the read to start on a busy machine) before the call's deadline.
     # A host pool of 588 pages: two prompts and the reserved pages fit, and pages
     # freed too early would be handed to the second prompt's host copy.
     engine, backend = engine_with_store(
         make_engine, policy, page=1, flags=("--max-total-tokens", "420", "--hicache-ratio", "1.4"),
         io_timeout_s=IO_TIMEOUT_S, breaker_backoff_base=BACKOFF_S,
-        prefetch_timeout_base=0.2, prefetch_timeout_per_ki_token=0.0,
+        prefetch_timeout_base=1.0, prefetch_timeout_per_ki_token=0.0,
     )
     ids, fresh_ids = prompt(11), prompt(12)
     cold = run(engine, ids, ignore_eos=True)

@@ -223,11 +223,17 @@ class _NeverDone:
 
 def test_a_transfer_past_its_deadline_fails_the_batch(tmp_path: Path) -> None:
     host = make_host()
+    keys = keys_of(4)
+    fill_random(host, page_range(0, 4), seed=4)
+    # The pages are stored under the default deadline: a short one would also bound this
+    # real write, which a loaded machine can take past it.
+    writer = opened(tmp_path, host)
+    try:
+        assert writer.set(keys, page_range(0, 4)) == 4
+    finally:
+        writer.close()
     backend = opened(tmp_path, host, transfer_timeout_s=0.05)
     try:
-        keys = keys_of(4)
-        fill_random(host, page_range(0, 4), seed=4)
-        assert backend.set(keys, page_range(0, 4)) == 4
         stuck = _NeverDone(backend._agent._agent)
         backend._agent._agent = stuck
         began = time.monotonic()
